@@ -1,0 +1,42 @@
+"""Handshake-time compatibility: everything that must match, checked once per peer.
+
+Unsupported combinations fail here — naming both sides' values — never per request and never
+silently. Different block sizes are rejected (decision recorded in docs/heterogeneous-tp.md):
+splitting pages across block boundaries would multiply descriptors by the head count for NHD and
+buys little, since both instances of a deployment are configured by the same operator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import msgspec
+
+from kvlink.errors import IncompatibleSpecError
+from kvlink.headmap import check_tp
+
+WIRE_VERSION = 1
+
+
+def compat_hash(geometry: dict[str, Any]) -> str:
+    """Hash over the wire version and the geometry both sides must agree on."""
+    blob = msgspec.json.encode({"wire": WIRE_VERSION, **geometry}, order="sorted")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_compatible(
+    local: dict[str, Any], remote: dict[str, Any], local_tp: int, remote_tp: int
+) -> None:
+    """Raise IncompatibleSpecError listing every mismatched key with both values."""
+    diffs = [
+        f"{key}: local={local.get(key)!r} remote={remote.get(key)!r}"
+        for key in sorted(set(local) | set(remote))
+        if local.get(key) != remote.get(key)
+    ]
+    if diffs:
+        raise IncompatibleSpecError("KV caches are incompatible: " + "; ".join(diffs))
+    if not local.get("mla"):
+        heads = int(local["total_kv_heads"])
+        check_tp(heads, local_tp, "local tp")
+        check_tp(heads, remote_tp, "remote tp")

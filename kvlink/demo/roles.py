@@ -1,0 +1,143 @@
+"""Prefill ("serve") and decode ("pull") ranks of the demo, one process each.
+
+Request i lives in prefill blocks ``[slot*n, slot*n + n)``; the decode side allocates its blocks as
+shuffled runs of 1-8 contiguous ids — like a real, fragmented allocator — so the numbers show
+what coalescing buys. Both sides derive the block ids from the request index alone, standing in
+for the ids vLLM's kv_transfer_params carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.demo import data
+from kvlink.demo.progress import Progress
+from kvlink.scheduler import BlockLeases
+from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+log = logging.getLogger("kvlink.demo")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoPlan:
+    geo: data.Geometry
+    requests: int = 8
+    tokens: int = 1024
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 5600
+    cache_bytes: int = 1 << 30  # per instance, split over its ranks
+    lease_seconds: float = 120.0
+    timeout: float = 60.0
+    mode: str = "pull"
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self.tokens // self.geo.block_size)
+
+    def slots(self, tp: int) -> int:
+        per_req = self.blocks_per_request * self.geo.block_bytes(tp)
+        return max(1, min(self.requests, self.cache_bytes // tp // per_req))
+
+    def prefill_blocks(self, i: int) -> npt.NDArray[np.int64]:
+        n = self.blocks_per_request
+        return np.arange(n, dtype=np.int64) + (i % self.slots(self.prefill_tp)) * n
+
+    def decode_blocks(self, i: int) -> npt.NDArray[np.int64]:
+        n = self.blocks_per_request
+        rng = np.random.default_rng(1000 + i)
+        cuts = np.cumsum(rng.integers(1, 9, size=n))
+        runs = np.split(np.arange(n, dtype=np.int64), cuts[cuts < n])
+        order = rng.permutation(len(runs))
+        ids = np.concatenate([runs[k] for k in order])
+        return ids + (i % self.slots(self.decode_tp)) * n
+
+
+def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
+    """A prefill rank: fill, register, answer handshakes, free blocks as readers finish."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    geo, tp = plan.geo, plan.prefill_tp
+    nblocks = plan.slots(tp) * plan.blocks_per_request
+    _buf, layers = data.allocate(geo, nblocks, tp, rank)
+    data.fill(geo, layers, tp, rank)
+    worker = KVWorker(WorkerConfig(
+        engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
+        host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port))
+    worker.register(data.spec_of(geo, layers, tp, rank))
+    leases = BlockLeases(plan.lease_seconds)
+    for i in range(plan.requests):
+        leases.hold(f"req-{i}", plan.prefill_blocks(i).tolist())
+    ready.put(("ready", rank, worker.side_port))
+    try:
+        while not stop.is_set() and leases.stats.held:
+            for note in worker.notifications():
+                leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
+                                   worker.expected_readers(note.tp_size))
+            leases.expire()
+            time.sleep(0.002)
+    finally:
+        ready.put(("served", rank, dataclasses.asdict(leases.stats)))
+        worker.close()
+
+
+def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> None:
+    """A decode rank: pull every request, verify every byte, report numbers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    geo, tp = plan.geo, plan.decode_tp
+    slots = plan.slots(tp)
+    _buf, layers = data.allocate(geo, slots * plan.blocks_per_request, tp, rank)
+    worker = KVWorker(WorkerConfig(engine_id="decode", tp_rank=rank, tp_size=tp,
+                                   transports=[plan.transport], host=plan.host, serve=False))
+    worker.register(data.spec_of(geo, layers, tp, rank))
+    remote = RemoteEngine("prefill", plan.advertise_host or plan.host, plan.port, plan.prefill_tp)
+    progress = Progress(plan.requests, enabled=show_progress)
+    out: dict[str, Any] = {"rank": rank, "requests": 0, "bytes": 0, "raw_descriptors": 0,
+                           "descriptors": 0, "mismatches": 0, "failed": {}}
+    inflight: dict[str, int] = {}
+    nxt, busy, t_verify = 0, 0.0, 0.0
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + plan.timeout * max(1, plan.requests)
+    try:
+        while (nxt < plan.requests or inflight) and time.monotonic() < deadline:
+            while nxt < plan.requests and len(inflight) < slots:
+                worker.read(f"req-{nxt}", remote, plan.decode_blocks(nxt),
+                            plan.prefill_blocks(nxt))
+                inflight[f"req-{nxt}"] = nxt
+                nxt += 1
+            before = worker.finished_bytes
+            done, failed = worker.poll()
+            out["bytes"] += worker.finished_bytes - before
+            for req_id, reason in failed.items():
+                out["failed"][req_id] = reason
+                inflight.pop(req_id)
+                progress.step(0)
+            for req_id in done:
+                i = inflight.pop(req_id)
+                tv = time.perf_counter()
+                out["mismatches"] += data.verify(geo, layers, tp, rank, plan.decode_blocks(i),
+                                                 plan.prefill_blocks(i))
+                t_verify += time.perf_counter() - tv
+                out["requests"] += 1
+                progress.step(worker.finished_bytes / max(1e-9, time.perf_counter() - t0
+                                                           - t_verify))
+            if not done and not failed:
+                time.sleep(0.0005)
+        busy = time.perf_counter() - t0 - t_verify
+        for req_id in inflight:
+            out["failed"][req_id] = f"not finished within {plan.timeout:.0f}s per request"
+        out["raw_descriptors"], out["descriptors"] = worker.descriptor_counts()
+    finally:
+        progress.close()
+        worker.close()
+    out["seconds"] = busy
+    results.put(out)

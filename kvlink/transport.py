@@ -1,0 +1,278 @@
+"""The transport contract and the plugin registry.
+
+A transport moves bytes between registered memory of two processes and knows nothing of
+requests, blocks or vLLM: it gets extent arrays and hands back handles. Plugins register under
+the entry-point group ``kvlink.transports`` so a third-party package can add one without touching
+kvlink; :func:`register_transport` does the same in-process (tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.errors import ExtentOutOfBounds, TransportUnavailable, UnknownTransportError
+
+log = logging.getLogger("kvlink.transport")
+
+ENTRY_POINT_GROUP = "kvlink.transports"
+
+#: One contiguous byte range: absolute address in the owning process, and length.
+EXTENT_DTYPE = np.dtype([("addr", "<u8"), ("len", "<u8")])
+Extents = npt.NDArray[np.void]
+
+
+def make_extents(addr: npt.ArrayLike, length: npt.ArrayLike) -> Extents:
+    """Build an extent array from parallel address and length arrays (broadcast)."""
+    a, n = np.broadcast_arrays(np.asarray(addr, dtype=np.uint64), np.asarray(length, dtype=np.uint64))
+    out = np.empty(a.shape[0] if a.ndim else 1, dtype=EXTENT_DTYPE)
+    out["addr"] = a.reshape(-1)
+    out["len"] = n.reshape(-1)
+    return out
+
+
+class Op(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class XferStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class XferState:
+    status: XferStatus
+    reason: str = ""
+
+
+PENDING = XferState(XferStatus.PENDING)
+DONE = XferState(XferStatus.DONE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Memory a process registers once and offers to peers."""
+
+    addr: int
+    nbytes: int
+    device: str = "cpu"  # "cpu" or "cuda:N" (N = local device ordinal)
+
+    @property
+    def memory_kind(self) -> str:
+        return self.device.split(":", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    ops: frozenset[Op]
+    memory_kinds: frozenset[str]
+    same_host_only: bool = False
+    native_notifications: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportContext:
+    """What every transport needs to know about the process it lives in."""
+
+    agent_name: str  # unique per process and restart: engine id + rank + nonce
+    host: str = "127.0.0.1"  # address to bind data-plane listeners on
+    advertise_host: str | None = None  # address peers should dial (defaults to host)
+    host_id: str = ""  # identifies the physical host (same-host transports compare it)
+
+
+@dataclasses.dataclass
+class TransportStats:
+    """Counters a worker aggregates into kvlink's stats (and Prometheus, in the vLLM facade)."""
+
+    transfers: int = 0
+    failed: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    post_seconds: float = 0.0
+    xfer_seconds: float = 0.0
+
+    def add(self, other: TransportStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Transport(abc.ABC):
+    """Base class of every transport plugin (see DESIGN.md, "Transport contract")."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.options: Mapping[str, Any] = dict(options or {})
+        self.stats = TransportStats()
+        self._stats_lock = threading.Lock()
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register memory once; extents posted later must fall inside these regions."""
+
+    @abc.abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to :meth:`connect` (sent inside the handshake)."""
+
+    def unreachable_reason(self, peer_descriptor: bytes, same_host: bool) -> str | None:
+        """Why this transport cannot serve the peer (None when it can). Checked before connect."""
+        if self.capabilities.same_host_only and not same_host:
+            return f"{self.name} needs both processes on one host"
+        return None
+
+    @abc.abstractmethod
+    def connect(self, peer: str, descriptor: bytes) -> None:
+        """Open the data path to a peer. Reconnecting an existing name replaces the old peer."""
+
+    @abc.abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer; transfers still in flight to it turn FAILED."""
+
+    @abc.abstractmethod
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+    ) -> int:
+        """Start one transfer of all extents (READ: remote -> local, WRITE: local -> remote)."""
+
+    @abc.abstractmethod
+    def poll(self, handle: int) -> XferState:
+        """Non-blocking progress check."""
+
+    @abc.abstractmethod
+    def release(self, handle: int) -> None:
+        """Free the handle's resources; it must not be polled again."""
+
+    @abc.abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """Drain (peer agent name, message) notifications received since the last call."""
+
+    @abc.abstractmethod
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a standalone notification to a connected peer."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads and release memory registrations. Idempotent."""
+
+    def wait(self, handle: int, timeout: float) -> XferState:
+        """Poll until the handle leaves PENDING or ``timeout`` seconds pass (then FAILED)."""
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while True:
+            state = self.poll(handle)
+            if state.status is not XferStatus.PENDING:
+                return state
+            if time.monotonic() >= deadline:
+                return XferState(XferStatus.FAILED, f"timed out after {timeout:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def _account(self, **delta: float) -> None:
+        with self._stats_lock:
+            for key, value in delta.items():
+                setattr(self.stats, key, getattr(self.stats, key) + value)
+
+
+def check_pairs(local: Extents, remote: Extents) -> None:
+    """Local and remote extents must pair up one to one with equal lengths."""
+    if local.shape != remote.shape:
+        raise ExtentOutOfBounds(
+            f"local and remote extent counts differ: {local.shape[0]} vs {remote.shape[0]}"
+        )
+    if local.shape[0] and not np.array_equal(local["len"], remote["len"]):
+        bad = int(np.flatnonzero(local["len"] != remote["len"])[0])
+        raise ExtentOutOfBounds(
+            f"extent {bad}: local length {int(local['len'][bad])} != "
+            f"remote length {int(remote['len'][bad])}"
+        )
+
+
+class RegionTable:
+    """Sorted registered regions with a vectorised "is every extent inside one region" check.
+
+    This is the guard that keeps a remote request inside memory that was offered to it.
+    """
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        order = sorted(regions, key=lambda r: r.addr)
+        self.regions: tuple[Region, ...] = tuple(order)
+        self.starts = np.array([r.addr for r in order], dtype=np.uint64)
+        self.ends = np.array([r.addr + r.nbytes for r in order], dtype=np.uint64)
+        if len(order) > 1 and np.any(self.starts[1:] < self.ends[:-1]):
+            raise ExtentOutOfBounds("registered regions overlap")
+
+    def locate(self, extents: Extents, what: str = "extent") -> npt.NDArray[np.intp]:
+        """Index of the region holding each extent; raises naming the first one that is outside."""
+        if extents.shape[0] == 0:
+            return np.empty(0, dtype=np.intp)
+        addr = extents["addr"]
+        length = extents["len"]
+        idx = np.searchsorted(self.starts, addr, side="right") - 1
+        inside = idx >= 0
+        safe = np.where(inside, idx, 0)
+        end = addr + length
+        ok = inside & (end >= addr) & (end <= self.ends[safe]) if len(self.regions) else inside
+        if not np.all(ok):
+            bad = int(np.flatnonzero(~ok)[0])
+            raise ExtentOutOfBounds(
+                f"{what} {bad} [0x{int(addr[bad]):x}, +{int(length[bad])}) is outside the "
+                f"{len(self.regions)} registered region(s)"
+            )
+        return safe
+
+
+# --------------------------------------------------------------------------- registry
+
+_local_registry: dict[str, type[Transport]] = {}
+
+
+def register_transport(name: str, cls: type[Transport]) -> None:
+    """Register a transport class in this process (entry points do the same across packages)."""
+    _local_registry[name] = cls
+
+
+def registered_transports() -> list[str]:
+    names = set(_local_registry)
+    names.update(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def load_transport(name: str) -> type[Transport]:
+    if name in _local_registry:
+        return _local_registry[name]
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            try:
+                cls = ep.load()
+            except ImportError as exc:
+                raise TransportUnavailable(
+                    f"transport {name!r} is registered but its library failed to import: {exc}; "
+                    f"install it with `pip install kvlink[{name}]`"
+                ) from exc
+            if not (isinstance(cls, type) and issubclass(cls, Transport)):
+                raise TransportUnavailable(f"entry point {name!r} -> {ep.value} is not a Transport")
+            return cls
+    raise UnknownTransportError(
+        f"unknown transport {name!r}; registered: {', '.join(registered_transports()) or 'none'}"
+    )
+
+
+def create_transport(
+    name: str, ctx: TransportContext, options: Mapping[str, Any] | None = None
+) -> Transport:
+    return load_transport(name)(ctx, options)

@@ -1,0 +1,191 @@
+"""Everything that crosses a socket: versioned msgspec Structs, decoded strictly.
+
+Nothing is pickled. Every message carries ``v`` (the wire version) and a ``type`` tag; decoding
+first checks the size bound and the version, then decodes strictly (unknown fields, wrong types
+and unknown tags are errors). Decoders raise only :class:`kvlink.errors.WireError` subclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from kvlink.compat import WIRE_VERSION
+from kvlink.errors import WireError, WireVersionError
+from kvlink.layout import KVCacheSpec, Layout
+from kvlink.transport import EXTENT_DTYPE, Extents, Region
+
+MAX_MESSAGE_BYTES = 16 << 20
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
+    v: int
+
+
+class RegionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    addr: int
+    nbytes: int
+    device: str
+
+
+class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    itemsize: int
+    layout: str
+    mla: bool
+    total_kv_heads: int
+    tp_size: int
+    tp_rank: int
+    regions: list[RegionMsg]
+    plane_base: list[int]
+    block_stride: list[int]
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> SpecMsg:
+        return cls(
+            num_layers=spec.num_layers, num_blocks=spec.num_blocks, block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
+            itemsize=spec.itemsize, layout=spec.layout.value, mla=spec.mla,
+            total_kv_heads=spec.total_kv_heads, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
+            regions=[RegionMsg(r.addr, r.nbytes, r.device) for r in spec.regions],
+            plane_base=[int(x) for x in spec.plane_base.reshape(-1)],
+            block_stride=[int(x) for x in spec.block_stride.reshape(-1)],
+        )
+
+    def to_spec(self) -> KVCacheSpec:
+        """Rebuild the peer's spec; geometry errors surface as WireError (it came off a socket)."""
+        try:
+            kv = 1 if self.mla else 2
+            shape = (self.num_layers, kv)
+            base = np.array(self.plane_base, dtype=np.uint64)
+            stride = np.array(self.block_stride, dtype=np.uint64)
+            if base.size != self.num_layers * kv or stride.size != base.size:
+                raise ValueError(f"plane arrays hold {base.size} entries, expected {shape}")
+            return KVCacheSpec(
+                num_layers=self.num_layers, num_blocks=self.num_blocks,
+                block_size=self.block_size, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, dtype=self.dtype, itemsize=self.itemsize,
+                layout=Layout(self.layout), mla=self.mla,
+                regions=tuple(Region(r.addr, r.nbytes, r.device) for r in self.regions),
+                plane_base=base.reshape(shape), block_stride=stride.reshape(shape),
+                total_kv_heads=self.total_kv_heads, tp_size=self.tp_size, tp_rank=self.tp_rank,
+            )
+        except (ValueError, OverflowError) as exc:
+            raise WireError(f"invalid KV cache spec from peer: {exc}") from exc
+
+
+class HandshakeRequest(_Msg, tag="hs_req"):
+    engine_id: str
+    agent_name: str
+    tp_rank: int
+    tp_size: int
+    host_id: str
+    compat: str
+    auth: bytes = b""
+
+
+class HandshakeResponse(_Msg, tag="hs_resp"):
+    engine_id: str
+    agent_name: str
+    tp_rank: int
+    tp_size: int
+    host_id: str
+    compat: str
+    spec: SpecMsg
+    transports: dict[str, bytes]
+
+
+class Notification(_Msg, tag="notify"):
+    """"Reader done" (pull) or "data written" (push) for one request."""
+
+    engine_id: str
+    req_id: str
+    tp_rank: int
+    tp_size: int
+    ok: bool = True
+    detail: str = ""
+
+
+class PushRequest(_Msg, tag="push"):
+    """Push mode: a decode rank asks the prefill to WRITE a request's blocks into its own."""
+
+    engine_id: str
+    agent_name: str
+    req_id: str
+    tp_rank: int
+    block_ids: list[int]
+
+
+class ErrorReply(_Msg, tag="error"):
+    code: str
+    message: str
+
+
+class Ack(_Msg, tag="ack"):
+    pass
+
+
+class Challenge(_Msg, tag="challenge"):
+    nonce: bytes
+
+
+Message = (
+    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ErrorReply | Ack | Challenge
+)
+
+
+class _Version(msgspec.Struct):
+    v: int = -1
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Message)
+_version_decoder = msgspec.msgpack.Decoder(_Version)
+
+T = TypeVar("T")
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(buf: bytes | memoryview, expect: type[T] | None = None) -> T | Any:
+    """Decode one message strictly; ``expect`` additionally pins its type."""
+    if len(buf) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(buf)} B exceeds the {MAX_MESSAGE_BYTES} B bound")
+    try:
+        version = _version_decoder.decode(buf).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed message: {exc}") from exc
+    if version != WIRE_VERSION:
+        raise WireVersionError(f"wire version {version} is not supported (this build speaks "
+                               f"{WIRE_VERSION})")
+    try:
+        msg = _decoder.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed message: {exc}") from exc
+    if expect is not None and not isinstance(msg, expect):
+        raise WireError(f"expected {expect.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+def extents_to_bytes(ext: Extents) -> bytes:
+    return np.ascontiguousarray(ext, dtype=EXTENT_DTYPE).tobytes()
+
+
+def extents_from_bytes(buf: bytes | memoryview, max_count: int = 1 << 24) -> Extents:
+    """Extent table off the wire: fixed little-endian (addr u64, len u64) records."""
+    if len(buf) % EXTENT_DTYPE.itemsize:
+        raise WireError(f"extent table of {len(buf)} B is not a multiple of "
+                        f"{EXTENT_DTYPE.itemsize} B")
+    if len(buf) // EXTENT_DTYPE.itemsize > max_count:
+        raise WireError(f"extent table of {len(buf) // EXTENT_DTYPE.itemsize} entries exceeds "
+                        f"{max_count}")
+    return np.frombuffer(buf, dtype=EXTENT_DTYPE)

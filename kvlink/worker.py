@@ -1,0 +1,395 @@
+"""Worker side: register memory, handshake, post READ/WRITE, poll, report.
+
+Never decides policy (that is the scheduler's): it is told which blocks to move and reports
+which requests finished or failed. Handshakes run on a helper thread, so the caller (vLLM's
+forward loop) never blocks on a slow peer; requests wait in PENDING until their peers are ready.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink import sidechannel, wire
+from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
+from kvlink.errors import ConfigError, HandshakeError, KVLinkError, TransportUnavailable
+from kvlink.headmap import HeadRead, map_heads
+from kvlink.hostid import host_id
+from kvlink.layout import KVCacheSpec
+from kvlink.plan import Plan, plan_transfer
+from kvlink.transport import (
+    Op,
+    Transport,
+    TransportContext,
+    TransportStats,
+    XferStatus,
+    create_transport,
+)
+
+log = logging.getLogger("kvlink.worker")
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    engine_id: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    transports: list[str] = dataclasses.field(default_factory=lambda: ["tcp"])
+    transport_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    host: str = "127.0.0.1"  # bind address of side channel and data plane
+    advertise_host: str | None = None
+    side_port: int = 0  # base port; rank r listens on side_port + r (0: ephemeral)
+    handshake_timeout: float = 10.0
+    serve: bool = True  # run a side channel server (producers, and consumers in push mode)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if not self.transports:
+            raise ConfigError("transports must name at least one transport")
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteEngine:
+    """How to reach a remote instance: the keys vLLM's kv_transfer_params carry."""
+
+    engine_id: str
+    host: str
+    port: int  # side channel base port (rank r at port + r)
+    tp_size: int = 1
+
+
+@dataclasses.dataclass
+class _Peer:
+    agent: str
+    spec: KVCacheSpec
+    transport: Transport
+    tp_size: int
+
+
+@dataclasses.dataclass
+class _Part:
+    read: HeadRead
+    future: cf.Future[_Peer]
+    handle: int | None = None
+    transport: Transport | None = None
+    done: bool = False
+    error: str | None = None
+    plan: Plan | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    req_id: str
+    op: Op
+    remote: RemoteEngine
+    local_ids: npt.NDArray[np.int64]
+    remote_ids: npt.NDArray[np.int64]
+    parts: list[_Part]
+    t_start: float
+    nbytes: int = 0
+
+
+class KVWorker:
+    """One TP rank's transfer engine; usable without vLLM."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.spec: KVCacheSpec | None = None
+        self.agent_name = f"{config.engine_id}/{config.tp_rank}/{os.getpid()}-{time.time_ns()}"
+        self.transports: dict[str, Transport] = {}
+        self._server: sidechannel.SideChannelServer | None = None
+        self._peers: dict[tuple[str, int], cf.Future[_Peer]] = {}
+        self._peers_lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._side_notifs: list[wire.Notification] = []
+        self._notif_lock = threading.Lock()
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
+                                           initializer=self._thread_init)
+        self.finished_bytes = 0
+        self.raw_descriptors = 0  # before coalescing, over finished requests
+        self.descriptors = 0
+
+    # ------------------------------------------------------------------ setup
+    def register(self, spec: KVCacheSpec) -> None:
+        """Register the cache with every configured transport that can take it; start serving."""
+        if spec.tp_size != self.config.tp_size or spec.tp_rank != self.config.tp_rank:
+            spec = dataclasses.replace(spec, tp_size=self.config.tp_size,
+                                       tp_rank=self.config.tp_rank)
+        self.spec = spec
+        ctx = TransportContext(agent_name=self.agent_name, host=self.config.host,
+                               advertise_host=self.config.advertise_host, host_id=host_id())
+        reasons = []
+        for name in self.config.transports:
+            try:
+                t = create_transport(name, ctx, self.config.transport_options.get(name))
+                t.register(spec.regions)
+            except KVLinkError as exc:
+                reasons.append(f"{name}: {exc}")
+                log.info("transport %s unavailable: %s", name, exc)
+                continue
+            self.transports[name] = t
+        if not self.transports:
+            raise TransportUnavailable("no configured transport can serve this cache: "
+                                       + "; ".join(reasons))
+        log.info("rank %d registered %d region(s), %.1f MiB, transports %s",
+                 self.config.tp_rank, len(spec.regions),
+                 sum(r.nbytes for r in spec.regions) / 2**20, list(self.transports))
+        if self.config.serve:
+            port = self.config.side_port + self.config.tp_rank if self.config.side_port else 0
+            self._server = sidechannel.SideChannelServer(
+                self.config.host, port, self._on_side_message,
+                name=f"kvlink-side-{self.config.tp_rank}")
+
+    @property
+    def side_port(self) -> int:
+        if self._server is None:
+            raise ConfigError("this worker runs no side channel server (serve=False)")
+        return self._server.port
+
+    def _thread_init(self) -> None:
+        # UCX (and CUDA IPC) need a CUDA context on the thread that connects.
+        if self.spec is not None and self.spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(int(self.spec.device.split(":")[1]))
+
+    # ------------------------------------------------------------------ side channel server
+    def _on_side_message(self, msg: object) -> wire._Msg:
+        if isinstance(msg, wire.HandshakeRequest):
+            return self._answer_handshake(msg)
+        if isinstance(msg, wire.Notification):
+            with self._notif_lock:
+                self._side_notifs.append(msg)
+            return wire.Ack(v=WIRE_VERSION)
+        return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
+                               message=f"{type(msg).__name__} not handled here")
+
+    def _answer_handshake(self, req: wire.HandshakeRequest) -> wire._Msg:
+        spec = self._require_spec()
+        ours = compat_hash(spec.geometry())
+        if req.compat != ours:
+            log.warning("handshake from %s (rank %d) with compat %s != ours %s; the peer will "
+                        "name the differing values", req.engine_id, req.tp_rank, req.compat, ours)
+        return wire.HandshakeResponse(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
+            compat=ours, spec=wire.SpecMsg.of(spec),
+            transports={n: t.descriptor() for n, t in self.transports.items()},
+        )
+
+    def _require_spec(self) -> KVCacheSpec:
+        if self.spec is None:
+            raise ConfigError("register() a KV cache before transferring")
+        return self.spec
+
+    # ------------------------------------------------------------------ handshake (client)
+    def _peer(self, remote: RemoteEngine, rank: int) -> cf.Future[_Peer]:
+        key = (remote.engine_id, rank)
+        with self._peers_lock:
+            fut = self._peers.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(self._handshake, remote, rank)
+                self._peers[key] = fut
+            return fut
+
+    def forget_peer(self, engine_id: str, rank: int) -> None:
+        """Drop cached handshake state (after a failure, the next request handshakes again)."""
+        with self._peers_lock:
+            fut = self._peers.pop((engine_id, rank), None)
+        if fut is not None and fut.done() and fut.exception() is None:
+            peer = fut.result()
+            peer.transport.disconnect(peer.agent)
+
+    def _handshake(self, remote: RemoteEngine, rank: int) -> _Peer:
+        spec = self._require_spec()
+        req = wire.HandshakeRequest(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
+            compat=compat_hash(spec.geometry()))
+        reply = sidechannel.request(remote.host, remote.port + rank, req,
+                                    self.config.handshake_timeout)
+        if not isinstance(reply, wire.HandshakeResponse):
+            raise HandshakeError(f"{remote.host}:{remote.port + rank} answered "
+                                 f"{type(reply).__name__} to a handshake")
+        if reply.engine_id != remote.engine_id or reply.tp_rank != rank:
+            raise HandshakeError(
+                f"{remote.host}:{remote.port + rank} is engine {reply.engine_id!r} rank "
+                f"{reply.tp_rank}, expected {remote.engine_id!r} rank {rank}")
+        rspec = reply.spec.to_spec()
+        check_compatible(spec.geometry(), rspec.geometry(), self.config.tp_size, reply.tp_size)
+        same_host = reply.host_id == host_id()
+        reasons = []
+        for name, transport in self.transports.items():
+            desc = reply.transports.get(name)
+            if desc is None:
+                reasons.append(f"{name}: not offered by the peer")
+                continue
+            why = transport.unreachable_reason(desc, same_host)
+            if why is None and rspec.device.split(":")[0] not in transport.capabilities.memory_kinds:
+                why = f"{name} cannot reach peer memory on {rspec.device}"
+            if why is not None:
+                reasons.append(f"{name}: {why}")
+                continue
+            try:
+                transport.connect(reply.agent_name, desc)
+            except KVLinkError as exc:
+                reasons.append(f"{name}: {exc}")
+                continue
+            log.info("peer %s rank %d (%s, %s host): transport %s", remote.engine_id, rank,
+                     reply.agent_name, "same" if same_host else "other", name)
+            return _Peer(reply.agent_name, rspec, transport, reply.tp_size)
+        raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
+                             + "; ".join(reasons))
+
+    # ------------------------------------------------------------------ transfers
+    def read(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
+             remote_ids: npt.ArrayLike) -> None:
+        """Pull a request's blocks (non-blocking); completion is reported by :meth:`poll`."""
+        self._start(req_id, Op.READ, remote, local_ids, remote_ids)
+
+    def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
+              remote_ids: npt.ArrayLike) -> None:
+        """Push a request's blocks into the remote's blocks (non-blocking)."""
+        self._start(req_id, Op.WRITE, remote, local_ids, remote_ids)
+
+    def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
+               remote_ids: npt.ArrayLike) -> None:
+        spec = self._require_spec()
+        if req_id in self._requests:
+            raise ConfigError(f"request {req_id!r} is already in flight")
+        lids = spec.check_block_ids(local_ids, "local")
+        rids = np.asarray(remote_ids)
+        if rids.ndim != 1 or rids.shape != lids.shape:
+            raise ConfigError(f"request {req_id}: {lids.shape[0]} local vs "
+                              f"{np.shape(rids)} remote block ids")
+        reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                          spec.total_kv_heads, spec.mla)
+        parts = [_Part(r, self._peer(remote, r.remote_rank)) for r in reads]
+        self._requests[req_id] = _Request(req_id, op, remote, lids, rids.astype(np.int64), parts,
+                                          time.perf_counter())
+
+    def poll(self) -> tuple[set[str], dict[str, str]]:
+        """Advance every request; returns (finished ids, {failed id: reason}) since last call."""
+        finished: set[str] = set()
+        failed: dict[str, str] = {}
+        for req in list(self._requests.values()):
+            for part in req.parts:
+                self._advance(req, part)
+            if any(p.handle is not None and not p.done for p in req.parts):
+                continue  # never report while bytes may still land in our blocks
+            if any(p.handle is None and not p.done and p.error is None for p in req.parts):
+                continue
+            del self._requests[req.req_id]
+            errors = [p.error for p in req.parts if p.error]
+            if errors:
+                failed[req.req_id] = "; ".join(errors)
+                log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
+            else:
+                finished.add(req.req_id)
+                self.finished_bytes += req.nbytes
+                self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
+                self.descriptors += sum(p.plan.descriptors for p in req.parts if p.plan)
+        return finished, failed
+
+    def _advance(self, req: _Request, part: _Part) -> None:
+        if part.done or part.error is not None and part.handle is None:
+            return
+        if part.handle is None:
+            if not part.future.done():
+                return
+            exc = part.future.exception()
+            if exc is not None:
+                part.error = f"handshake with {req.remote.engine_id} rank " \
+                             f"{part.read.remote_rank}: {exc}"
+                return
+            peer = part.future.result()
+            try:
+                plan = plan_transfer(self._require_spec(), peer.spec, req.local_ids,
+                                     req.remote_ids, part.read)
+            except KVLinkError as exc:
+                part.error = str(exc)
+                return
+            note = None
+            if peer.transport.capabilities.native_notifications:
+                note = self._notification(req.req_id)
+            part.plan, part.transport = plan, peer.transport
+            part.handle = peer.transport.post(req.op, peer.agent, plan.local, plan.remote, note)
+            req.nbytes += plan.nbytes
+            return
+        assert part.transport is not None
+        state = part.transport.poll(part.handle)
+        if state.status is XferStatus.PENDING:
+            return
+        part.transport.release(part.handle)
+        part.done = True
+        if state.status is XferStatus.FAILED:
+            part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
+            self.forget_peer(req.remote.engine_id, part.read.remote_rank)
+        elif not part.transport.capabilities.native_notifications:
+            self._notify_side(req, part)
+
+    def _notification(self, req_id: str) -> bytes:
+        return wire.encode(wire.Notification(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size))
+
+    def _notify_side(self, req: _Request, part: _Part) -> None:
+        msg = wire.decode(self._notification(req.req_id))
+        try:
+            sidechannel.request(req.remote.host, req.remote.port + part.read.remote_rank, msg,
+                                self.config.handshake_timeout)
+        except KVLinkError as exc:
+            log.warning("could not notify %s of %s: %s (its lease will expire)",
+                        req.remote.engine_id, req.req_id, exc)
+
+    def descriptor_counts(self) -> tuple[int, int]:
+        """(before, after) coalescing, summed over finished requests."""
+        return self.raw_descriptors, self.descriptors
+
+    def pending(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ producer side
+    def notifications(self) -> list[wire.Notification]:
+        """Readers' "done" notifications (decoded strictly; bad ones are logged and dropped)."""
+        out: list[wire.Notification] = []
+        for t in self.transports.values():
+            for peer, raw in t.notifications():
+                try:
+                    out.append(wire.decode(raw, wire.Notification))
+                except KVLinkError as exc:
+                    log.warning("dropped a bad notification from %s: %s", peer, exc)
+        with self._notif_lock:
+            out.extend(self._side_notifs)
+            self._side_notifs.clear()
+        return out
+
+    def expected_readers(self, reader_tp: int) -> int:
+        """How many ranks of a ``reader_tp``-way consumer read from this rank."""
+        spec = self._require_spec()
+        return sum(
+            any(r.remote_rank == self.config.tp_rank
+                for r in map_heads(reader_tp, rank, self.config.tp_size, spec.total_kv_heads,
+                                   spec.mla))
+            for rank in range(reader_tp))
+
+    def stats(self) -> Mapping[str, TransportStats]:
+        return {n: t.stats for n, t in self.transports.items()}
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for t in self.transports.values():
+            t.close()
+        self.transports.clear()

@@ -1,0 +1,2 @@
+"""Transport plugins for kvlink, one module each; registered through the
+``kvlink.transports`` entry-point group so importing this package loads no transport library."""
