@@ -49,19 +49,20 @@ def scatter(src: int, extents: Extents) -> int:
     return int(extents["len"].sum())
 
 
-def frame_bounds(lengths: np.ndarray, target: int) -> np.ndarray:
+def frame_bounds(lengths: np.ndarray, target: int, alone: int | None = None) -> np.ndarray:
     """Split extents into frames of about ``target`` bytes; returns frame start indices + end.
 
     Deterministic from the lengths alone, so both ends of a connection agree on the framing
     without sending it. An extent starts a new frame when its start offset crosses a multiple of
-    ``target``; an extent of ``target`` or more therefore travels alone (zero-copy).
+    ``target``; an extent of ``alone`` bytes or more (default ``target``) travels alone, so it is
+    sent zero-copy and received straight into place.
     """
     n = lengths.shape[0]
     if n == 0:
         return np.zeros(1, dtype=np.int64)
     start = _offsets(lengths)
     bucket = start // np.uint64(target)
-    big = lengths >= np.uint64(target)
+    big = lengths >= np.uint64(target if alone is None else alone)
     new = np.empty(n, dtype=bool)
     new[0] = True
     new[1:] = (bucket[1:] != bucket[:-1]) | big[1:] | big[:-1]

@@ -206,7 +206,7 @@ class TcpTransport(Transport):
         xfer = _Xfer(
             handle=handle, op=op, peer=peer, local=np.ascontiguousarray(local),
             remote=np.ascontiguousarray(remote),
-            bounds=hostmem.frame_bounds(local["len"], self.frame_bytes), notify=notify,
+            bounds=hostmem.frame_bounds(local["len"], self.frame_bytes, _ZERO_COPY_MIN), notify=notify,
             deadline=time.monotonic() + self.timeout, t_post=time.perf_counter(),
             nbytes=int(local["len"].sum()),
         )
@@ -477,7 +477,7 @@ class TcpTransport(Transport):
             log.warning("tcp: refused READ from %s: %s", hdr.agent, exc)
             self._send(self._server, [ident, _Hdr(_VERSION, "E", hdr.handle, reason=str(exc))])
             return
-        bounds = hostmem.frame_bounds(ext["len"], self.frame_bytes)
+        bounds = hostmem.frame_bounds(ext["len"], self.frame_bytes, _ZERO_COPY_MIN)
         for k, part in enumerate(self._frames_of(ext, bounds)):
             self._send(self._server, [ident, _Hdr(_VERSION, "D", hdr.handle, k), part])
 
@@ -489,7 +489,7 @@ class TcpTransport(Transport):
             self._rejected.append((ident, hdr.handle))
             self._send(self._server, [ident, _Hdr(_VERSION, "E", hdr.handle, reason=str(exc))])
             return
-        bounds = hostmem.frame_bounds(ext["len"], self.frame_bytes)
+        bounds = hostmem.frame_bounds(ext["len"], self.frame_bytes, _ZERO_COPY_MIN)
         w = _Inbound(ext.copy(), bounds, hdr.notify, hdr.agent)
         if len(bounds) == 1:
             self._end_write(ident, hdr.handle, w)

@@ -42,7 +42,8 @@ def allocate(geo: Geometry, num_blocks: int, tp: int, rank: int) -> tuple[np.nda
     _, h = geo.heads(tp, rank)
     bs, d = geo.block_size, geo.head_dim
     per_layer = (1 if geo.mla else 2) * num_blocks * bs * h * d
-    buf = np.zeros(geo.layers * per_layer, dtype=np.uint16)
+    buf = np.empty(geo.layers * per_layer, dtype=np.uint16)
+    buf.fill(0)  # touch every page now: first-touch page faults would otherwise be timed
     layers: list[object] = []
     for i in range(geo.layers):
         flat = buf[i * per_layer : (i + 1) * per_layer]

@@ -103,38 +103,42 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
     progress = Progress(plan.requests, enabled=show_progress)
     out: dict[str, Any] = {"rank": rank, "requests": 0, "bytes": 0, "raw_descriptors": 0,
                            "descriptors": 0, "mismatches": 0, "failed": {}}
-    inflight: dict[str, int] = {}
-    nxt, busy, t_verify = 0, 0.0, 0.0
-    t0 = time.perf_counter()
+    nxt, busy = 0, 0.0
     deadline = time.monotonic() + plan.timeout * max(1, plan.requests)
     try:
-        while (nxt < plan.requests or inflight) and time.monotonic() < deadline:
-            while nxt < plan.requests and len(inflight) < slots:
-                worker.read(f"req-{nxt}", remote, plan.decode_blocks(nxt),
-                            plan.prefill_blocks(nxt))
-                inflight[f"req-{nxt}"] = nxt
-                nxt += 1
+        # Waves of up to `slots` requests: transfer a wave (timed), then verify it (not timed),
+        # so verification never competes with the transfer it would be credited to.
+        while nxt < plan.requests and time.monotonic() < deadline:
+            wave = {f"req-{i}": i for i in range(nxt, min(plan.requests, nxt + slots))}
+            nxt += len(wave)
+            t0 = time.perf_counter()
+            for req_id, i in wave.items():
+                worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i))
             before = worker.finished_bytes
-            done, failed = worker.poll()
+            done_ids: list[str] = []
+            waiting = set(wave)
+            while waiting and time.monotonic() < deadline:
+                done, failed = worker.poll()
+                for req_id, reason in failed.items():
+                    out["failed"][req_id] = reason
+                done_ids += sorted(done)
+                waiting -= done | set(failed)
+                if waiting and not done and not failed:
+                    time.sleep(0.0002)
+            busy += time.perf_counter() - t0
             out["bytes"] += worker.finished_bytes - before
-            for req_id, reason in failed.items():
-                out["failed"][req_id] = reason
-                inflight.pop(req_id)
-                progress.step(0)
-            for req_id in done:
-                i = inflight.pop(req_id)
-                tv = time.perf_counter()
+            for req_id in waiting:
+                out["failed"][req_id] = f"not finished within {plan.timeout:.0f}s per request"
+            for req_id in done_ids:
+                i = wave[req_id]
                 out["mismatches"] += data.verify(geo, layers, tp, rank, plan.decode_blocks(i),
                                                  plan.prefill_blocks(i))
-                t_verify += time.perf_counter() - tv
                 out["requests"] += 1
-                progress.step(worker.finished_bytes / max(1e-9, time.perf_counter() - t0
-                                                           - t_verify))
-            if not done and not failed:
-                time.sleep(0.0005)
-        busy = time.perf_counter() - t0 - t_verify
-        for req_id in inflight:
-            out["failed"][req_id] = f"not finished within {plan.timeout:.0f}s per request"
+                progress.step(out["bytes"] / max(busy, 1e-9))
+            for req_id in set(wave) - set(done_ids):
+                progress.step(out["bytes"] / max(busy, 1e-9))
+            if waiting:
+                break
         out["raw_descriptors"], out["descriptors"] = worker.descriptor_counts()
     finally:
         progress.close()

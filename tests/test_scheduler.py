@@ -1,0 +1,50 @@
+"""Block leases: every held request is released exactly once."""
+
+from __future__ import annotations
+
+from kvlink.scheduler import BlockLeases
+
+
+class Clock:
+    """A settable clock, so lease expiry is tested without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_released_on_last_reader_only() -> None:
+    leases = BlockLeases(10.0, Clock())
+    leases.hold("r", [1, 2, 3])
+    assert leases.reader_done("r", "d/0", expected=2) is None
+    assert leases.reader_done("r", "d/0", expected=2) is None  # duplicate: ignored
+    assert leases.reader_done("r", "d/1", expected=2) == [1, 2, 3]
+    assert leases.reader_done("r", "d/1", expected=2) is None  # late: request already gone
+    assert leases.stats.held == 0 and leases.stats.held_blocks == 0
+    assert leases.stats.duplicate_notifications == 1
+    assert leases.stats.unknown_notifications == 1
+
+
+def test_lease_expiry_frees_once() -> None:
+    clock = Clock()
+    leases = BlockLeases(5.0, clock)
+    leases.hold("a", [7])
+    leases.hold("b", [8, 9])
+    clock.now = 4.9
+    assert leases.expire() == []
+    clock.now = 5.0
+    assert sorted(leases.expire()) == [("a", [7]), ("b", [8, 9])]
+    assert leases.expire() == []
+    assert leases.reader_done("a", "d/0") is None  # a reader arriving after expiry frees nothing
+    assert leases.stats.released_expired == 2 and leases.stats.held_blocks == 0
+
+
+def test_abort_and_unknown() -> None:
+    leases = BlockLeases(5.0, Clock())
+    leases.hold("a", [1])
+    assert leases.abort("a") == [1]
+    assert leases.abort("a") is None
+    assert leases.reader_done("zzz", "d/0") is None
+    assert leases.stats.released_aborted == 1 and leases.stats.unknown_notifications == 1

@@ -1,0 +1,237 @@
+"""Two real processes over 127.0.0.1: the tcp transport, the worker and the demo end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlink.demo import data
+from kvlink.demo.roles import DemoPlan
+from kvlink.demo.run import Serving, free_port_range, run_demo
+from kvlink.errors import BlockIdOutOfRange, TransportUnavailable
+from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
+from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+from kvlink_transports.tcp import TcpTransport
+
+SMALL = data.Geometry(layers=4, kv_heads=4, head_dim=32, block_size=16)
+
+
+def small_plan(**kw: object) -> DemoPlan:
+    base = DemoPlan(geo=SMALL, requests=4, tokens=128, port=free_port_range(4),
+                    cache_bytes=64 << 20, timeout=20.0)
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def consumer(plan: DemoPlan, **cfg: object) -> tuple[KVWorker, list[object]]:
+    _buf, layers = data.allocate(plan.geo, plan.slots(1) * plan.blocks_per_request, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="decode", serve=False, **cfg))  # type: ignore[arg-type]
+    w.register(data.spec_of(plan.geo, layers, 1, 0))
+    w._keepalive = _buf  # type: ignore[attr-defined]
+    return w, layers
+
+
+def wait_request(w: KVWorker, req: str, timeout: float) -> tuple[bool, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = w.poll()
+        if req in done:
+            return True, ""
+        if req in failed:
+            return False, failed[req]
+        time.sleep(0.001)
+    raise AssertionError(f"{req} neither finished nor failed within {timeout}s")
+
+
+def test_demo_pull_verified_and_leases_released() -> None:
+    res = run_demo(small_plan(), show_progress=False)
+    assert res["verified"], res["failed"]
+    assert res["bytes"] == 4 * 8 * SMALL.block_bytes(1)
+    assert res["descriptors"] < res["raw_descriptors"]
+    assert res["leaks"] == 0
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 4), (4, 2)])
+def test_demo_heterogeneous_tp(ptp: int, dtp: int) -> None:
+    res = run_demo(small_plan(prefill_tp=ptp, decode_tp=dtp, requests=2), show_progress=False)
+    assert res["verified"], res["failed"]
+    assert res["leaks"] == 0
+
+
+def test_cli_demo_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlink.cli", "demo", "--layers", "2", "--requests", "2",
+         "--tokens", "64", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["verified"] is True and doc["transport"] == "tcp"
+    assert doc["bytes"] > 0 and doc["seconds"] > 0 and doc["gbps"] > 0
+    assert "descriptors after coalescing" in proc.stdout
+
+
+def test_cli_unknown_transport_lists_registered() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvlink.cli", "demo", "--transport", "warp"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown transport 'warp'" in proc.stderr and "tcp" in proc.stderr
+
+
+def test_unknown_transport_in_worker_config() -> None:
+    w = KVWorker(WorkerConfig(engine_id="x", transports=["warp"], serve=False))
+    arr = np.zeros((2, 4, 16, 1, 8), dtype=np.uint16)
+    from kvlink.layout import KVCacheSpec
+
+    with pytest.raises(TransportUnavailable, match="unknown transport 'warp'; registered: .*tcp"):
+        w.register(KVCacheSpec.from_arrays([arr]))
+
+
+def test_unreachable_side_channel_fails_request_quickly() -> None:
+    plan = small_plan()
+    w, _ = consumer(plan, handshake_timeout=0.5)
+    try:
+        port = free_port_range(1)
+        t0 = time.monotonic()
+        w.read("r0", RemoteEngine("prefill", "127.0.0.1", port), [0], [0])
+        ok, reason = wait_request(w, "r0", 10)
+        assert not ok and time.monotonic() - t0 < 5
+        assert f"127.0.0.1:{port}" in reason and "0.5s" in reason
+    finally:
+        w.close()
+
+
+def test_geometry_mismatch_named_at_handshake() -> None:
+    plan = small_plan(requests=1)
+    serving = Serving(plan)
+    other = dataclasses.replace(plan, geo=dataclasses.replace(SMALL, head_dim=16))
+    w, _ = consumer(other)
+    try:
+        serving.wait_ready(120)
+        w.read("r0", RemoteEngine("prefill", "127.0.0.1", plan.port), [0], [0])
+        ok, reason = wait_request(w, "r0", 20)
+        assert not ok
+        assert "head_dim: local=16 remote=32" in reason
+    finally:
+        w.close()
+        serving.close()
+
+
+def test_block_ids_bounds_checked_before_posting() -> None:
+    plan = small_plan(requests=1)
+    serving = Serving(plan)
+    w, _ = consumer(plan)
+    try:
+        serving.wait_ready(120)
+        remote = RemoteEngine("prefill", "127.0.0.1", plan.port)
+        with pytest.raises(BlockIdOutOfRange, match="local block id 10000"):
+            w.read("bad-local", remote, [10000], [0])
+        w.read("bad-remote", remote, [0], [123456])
+        ok, reason = wait_request(w, "bad-remote", 20)
+        assert not ok and "remote block id 123456" in reason
+        assert w.transports["tcp"].stats.transfers == 0  # nothing was posted
+    finally:
+        w.close()
+        serving.close()
+
+
+def test_producer_killed_mid_transfer_fails_within_timeout() -> None:
+    geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)
+    plan = DemoPlan(geo=geo, requests=1, tokens=8192, port=free_port_range(1),
+                    cache_bytes=512 << 20, timeout=20.0)
+    serving = Serving(plan)
+    w, _ = consumer(plan, transport_options={"tcp": {"timeout_s": 8.0}})
+    try:
+        serving.wait_ready(120)
+        w.read("big", RemoteEngine("prefill", "127.0.0.1", plan.port),
+               plan.decode_blocks(0), plan.prefill_blocks(0))
+        while w.transports["tcp"].inflight() == 0:  # posted: the READ is on the wire
+            w.poll()
+        serving.procs[0].kill()
+        t0 = time.monotonic()
+        ok, reason = wait_request(w, "big", 15)
+        if ok:
+            pytest.skip("the 256 MiB READ finished before the kill landed; nothing to test")
+        assert time.monotonic() - t0 < 9
+        assert "disconnected" in reason or "no answer" in reason
+    finally:
+        w.close()
+        serving.close()
+
+
+def _transport(name: str) -> tuple[TcpTransport, np.ndarray]:
+    buf = np.arange(1 << 16, dtype=np.uint8)
+    t = TcpTransport(TransportContext(name))
+    t.register([Region(int(buf.__array_interface__["data"][0]), buf.nbytes)])
+    return t, buf
+
+
+def test_server_refuses_ranges_it_never_offered() -> None:
+    """A client lying about the peer's regions still cannot read outside them: the server checks."""
+    a, abuf = _transport("a")
+    b, bbuf = _transport("b")
+    try:
+        base = int(abuf.__array_interface__["data"][0])
+        import msgspec
+
+        from kvlink_transports.tcp import _Descriptor
+
+        real = msgspec.msgpack.decode(a.descriptor(), type=_Descriptor)
+        forged = msgspec.msgpack.encode(_Descriptor(
+            v=real.v, agent=real.agent, endpoint=real.endpoint,
+            regions=[(base, abuf.nbytes * 4, "cpu")]))
+        b.connect("a", forged)
+        bptr = int(bbuf.__array_interface__["data"][0])
+        h = b.post(Op.READ, "a", make_extents([bptr], [4096]),
+                   make_extents([base + abuf.nbytes], [4096]))
+        st = b.wait(h, 10)
+        assert st.status is XferStatus.FAILED and "outside" in st.reason
+        h = b.post(Op.WRITE, "a", make_extents([bptr], [4096]),
+                   make_extents([base + abuf.nbytes - 100], [4096]))
+        st = b.wait(h, 10)
+        assert st.status is XferStatus.FAILED and "outside" in st.reason
+        assert np.array_equal(abuf, np.arange(1 << 16, dtype=np.uint8))  # untouched
+    finally:
+        a.close()
+        b.close()
+
+
+def test_many_requests_in_flight_and_notifications() -> None:
+    a, abuf = _transport("a")
+    b, bbuf = _transport("b")
+    try:
+        b.connect("a", a.descriptor())
+        a.connect("b", b.descriptor())
+        abase = int(abuf.__array_interface__["data"][0])
+        bbase = int(bbuf.__array_interface__["data"][0])
+        rng = np.random.default_rng(0)
+        handles = []
+        for i in range(16):
+            off = np.arange(16, dtype=np.uint64) * 256 + i * 4096
+            perm = rng.permutation(16).astype(np.uint64) * 256 + i * 4096
+            handles.append(b.post(Op.READ, "a", make_extents(bbase + off, 256),
+                                  make_extents(abase + perm, 256), notify=f"n{i}".encode()))
+        for h in handles:
+            assert b.wait(h, 10).status is XferStatus.DONE
+            b.release(h)
+        assert b.inflight() == 0
+        rng = np.random.default_rng(0)
+        for i in range(16):
+            perm = rng.permutation(16)
+            src = abuf[i * 4096 : (i + 1) * 4096].reshape(16, 256)[perm]
+            assert np.array_equal(bbuf[i * 4096 : (i + 1) * 4096].reshape(16, 256), src)
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 16 and time.monotonic() < deadline:
+            got += [m for _, m in a.notifications()]
+        assert sorted(got) == sorted(f"n{i}".encode() for i in range(16))
+    finally:
+        a.close()
+        b.close()
+
