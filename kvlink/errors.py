@@ -32,7 +32,7 @@ class UnknownTransportError(KVLinkError, LookupError):
 
 
 class TransportUnavailable(KVLinkError):
-    """A transport is registered but cannot work here or for this peer (missing library, other host)."""
+    """A transport is registered but cannot work here or for this peer (library, host, memory)."""
 
 
 class WireError(KVLinkError, ValueError):

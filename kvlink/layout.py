@@ -100,7 +100,8 @@ class KVCacheSpec:
             if getattr(self, name) <= 0:
                 raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
         if self.mla and self.num_kv_heads != 1:
-            raise LayoutError(f"MLA caches hold one latent per token, got {self.num_kv_heads} heads")
+            raise LayoutError(
+                f"MLA caches hold one latent per token, got {self.num_kv_heads} heads")
         want = (self.num_layers, self.num_kv)
         if self.plane_base.shape != want or self.block_stride.shape != want:
             raise LayoutError(f"plane arrays must have shape {want}, got {self.plane_base.shape}")
@@ -202,7 +203,8 @@ class KVCacheSpec:
         first = parsed[0]
         for i, p in enumerate(parsed[1:], start=1):
             if p.key() != first.key():
-                raise LayoutError(f"layer {i} geometry {p.key()} differs from layer 0 {first.key()}")
+                raise LayoutError(
+                    f"layer {i} geometry {p.key()} differs from layer 0 {first.key()}")
         devices = {p.device for p in parsed}
         if len(devices) != 1:
             raise LayoutError(f"KV cache layers live on different devices: {sorted(devices)}")

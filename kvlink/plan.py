@@ -47,8 +47,8 @@ def _page_pieces(
             )
         zero = np.zeros(1, dtype=np.uint64)
         return zero, zero, local.page_bytes
-    if not (0 <= read.local_start and read.local_start + read.count <= local.num_kv_heads
-            and 0 <= read.remote_start and read.remote_start + read.count <= remote.num_kv_heads):
+    if not (read.local_start >= 0 and read.local_start + read.count <= local.num_kv_heads
+            and read.remote_start >= 0 and read.remote_start + read.count <= remote.num_kv_heads):
         raise IncompatibleSpecError(f"{read} exceeds local {local.num_kv_heads} / remote "
                                     f"{remote.num_kv_heads} heads per rank")
     hb, bs = local.head_bytes, local.block_size

@@ -55,7 +55,8 @@ class BlockLeases:
     def is_held(self, req_id: str) -> bool:
         return req_id in self._leases
 
-    def reader_done(self, req_id: str, reader: str, expected: int | None = None) -> list[int] | None:
+    def reader_done(self, req_id: str, reader: str,
+                    expected: int | None = None) -> list[int] | None:
         """Record one reader's notification; returns the blocks to free once all have read."""
         lease = self._leases.get(req_id)
         if lease is None:

@@ -44,7 +44,7 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int, handler: Handler, name: str = "kvlink-side") -> None:
         self._handler = handler
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
@@ -109,7 +109,7 @@ class SideChannelServer:
 
 def request(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
     """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
@@ -124,7 +124,7 @@ def request(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
         frames = sock.recv_multipart()
     finally:
         sock.close(linger=0)
-    reply = wire.decode(frames[-1])
+    reply: wire._Msg = wire.decode(frames[-1])
     if isinstance(reply, wire.ErrorReply):
         cls = IncompatibleSpecError if reply.code == "incompatible" else SideChannelError
         raise cls(f"{host}:{port} answered {reply.code}: {reply.message}")

@@ -34,7 +34,8 @@ Extents = npt.NDArray[np.void]
 
 def make_extents(addr: npt.ArrayLike, length: npt.ArrayLike) -> Extents:
     """Build an extent array from parallel address and length arrays (broadcast)."""
-    a, n = np.broadcast_arrays(np.asarray(addr, dtype=np.uint64), np.asarray(length, dtype=np.uint64))
+    a, n = np.broadcast_arrays(np.asarray(addr, dtype=np.uint64),
+                               np.asarray(length, dtype=np.uint64))
     out = np.empty(a.shape[0] if a.ndim else 1, dtype=EXTENT_DTYPE)
     out["addr"] = a.reshape(-1)
     out["len"] = n.reshape(-1)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from kvlink.compat import WIRE_VERSION
+from kvlink.compat import WIRE_VERSION as WIRE_VERSION
 from kvlink.errors import WireError, WireVersionError
 from kvlink.layout import KVCacheSpec, Layout
 from kvlink.transport import EXTENT_DTYPE, Extents, Region
@@ -81,7 +81,7 @@ class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise WireError(f"invalid KV cache spec from peer: {exc}") from exc
 
 
-class HandshakeRequest(_Msg, tag="hs_req"):
+class HandshakeRequest(_Msg, tag="hs_req", frozen=True):
     engine_id: str
     agent_name: str
     tp_rank: int
@@ -91,7 +91,7 @@ class HandshakeRequest(_Msg, tag="hs_req"):
     auth: bytes = b""
 
 
-class HandshakeResponse(_Msg, tag="hs_resp"):
+class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
     engine_id: str
     agent_name: str
     tp_rank: int
@@ -102,7 +102,7 @@ class HandshakeResponse(_Msg, tag="hs_resp"):
     transports: dict[str, bytes]
 
 
-class Notification(_Msg, tag="notify"):
+class Notification(_Msg, tag="notify", frozen=True):
     """"Reader done" (pull) or "data written" (push) for one request."""
 
     engine_id: str
@@ -113,7 +113,7 @@ class Notification(_Msg, tag="notify"):
     detail: str = ""
 
 
-class PushRequest(_Msg, tag="push"):
+class PushRequest(_Msg, tag="push", frozen=True):
     """Push mode: a decode rank asks the prefill to WRITE a request's blocks into its own."""
 
     engine_id: str
@@ -123,16 +123,16 @@ class PushRequest(_Msg, tag="push"):
     block_ids: list[int]
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(_Msg, tag="error", frozen=True):
     code: str
     message: str
 
 
-class Ack(_Msg, tag="ack"):
+class Ack(_Msg, tag="ack", frozen=True):
     pass
 
 
-class Challenge(_Msg, tag="challenge"):
+class Challenge(_Msg, tag="challenge", frozen=True):
     nonce: bytes
 
 

@@ -154,7 +154,7 @@ class KVWorker:
     def side_port(self) -> int:
         if self._server is None:
             raise ConfigError("this worker runs no side channel server (serve=False)")
-        return self._server.port
+        return int(self._server.port)
 
     def _thread_init(self) -> None:
         # UCX (and CUDA IPC) need a CUDA context on the thread that connects.
@@ -235,7 +235,8 @@ class KVWorker:
                 reasons.append(f"{name}: not offered by the peer")
                 continue
             why = transport.unreachable_reason(desc, same_host)
-            if why is None and rspec.device.split(":")[0] not in transport.capabilities.memory_kinds:
+            kind = rspec.device.split(":")[0]
+            if why is None and kind not in transport.capabilities.memory_kinds:
                 why = f"{name} cannot reach peer memory on {rspec.device}"
             if why is not None:
                 reasons.append(f"{name}: {why}")
@@ -302,7 +303,7 @@ class KVWorker:
         return finished, failed
 
     def _advance(self, req: _Request, part: _Part) -> None:
-        if part.done or part.error is not None and part.handle is None:
+        if part.done or (part.error is not None and part.handle is None):
             return
         if part.handle is None:
             if not part.future.done():

@@ -252,7 +252,8 @@ class _Peer:
                     assert isinstance(item, _Xfer)
                     self._transfer(sock, item)
             except (OSError, _PeerGone, WireError) as exc:
-                reason = f"peer {self.name} ({self.desc.host}:{self.desc.port}): {_why(exc, self.owner.timeout)}"
+                where = f"{self.desc.host}:{self.desc.port}"
+                reason = f"peer {self.name} ({where}): {_why(exc, self.owner.timeout)}"
                 if isinstance(item, _Xfer):
                     self.owner._finish(item, XferState(XferStatus.FAILED, reason))
                 log.warning("tcp: %s; failing %d queued transfer(s)", reason, len(self.queue))

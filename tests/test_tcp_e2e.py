@@ -89,7 +89,7 @@ def test_unknown_transport_in_worker_config() -> None:
     arr = np.zeros((2, 4, 16, 1, 8), dtype=np.uint16)
     from kvlink.layout import KVCacheSpec
 
-    with pytest.raises(TransportUnavailable, match="unknown transport 'warp'; registered: .*tcp"):
+    with pytest.raises(TransportUnavailable, match=r"unknown transport 'warp'; registered: .*tcp"):
         w.register(KVCacheSpec.from_arrays([arr]))
 
 

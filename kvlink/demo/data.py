@@ -73,7 +73,8 @@ def pattern(geo: Geometry, layer: int, kv: int, blocks: npt.NDArray[np.int64], h
         + h * np.uint32(31)
     d = np.arange(geo.head_dim, dtype=np.uint32) * _C2
     val = (key[..., None] * _C1 + d) >> np.uint32(13)
-    return val.astype(np.uint16)
+    out: npt.NDArray[np.uint16] = val.astype(np.uint16)
+    return out
 
 
 def planes(geo: Geometry, layer_view: object) -> list[np.ndarray]:

@@ -135,7 +135,7 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
                                                  plan.prefill_blocks(i))
                 out["requests"] += 1
                 progress.step(out["bytes"] / max(busy, 1e-9))
-            for req_id in set(wave) - set(done_ids):
+            for _ in set(wave) - set(done_ids):
                 progress.step(out["bytes"] / max(busy, 1e-9))
             if waiting:
                 break

@@ -19,7 +19,7 @@ def free_port_range(n: int, host: str = "127.0.0.1") -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind((host, 0))
-            base = s.getsockname()[1]
+            base = int(s.getsockname()[1])
         if base + n >= 65535:
             continue
         socks = []
