@@ -29,10 +29,14 @@ def check_compatible(
     local: dict[str, Any], remote: dict[str, Any], local_tp: int, remote_tp: int
 ) -> None:
     """Raise IncompatibleSpecError listing every mismatched key with both values."""
+    def differs(key: str) -> bool:
+        a, b = local.get(key), remote.get(key)
+        return a != b and not (key == "layout" and "any" in (a, b))
+
     diffs = [
         f"{key}: local={local.get(key)!r} remote={remote.get(key)!r}"
         for key in sorted(set(local) | set(remote))
-        if local.get(key) != remote.get(key)
+        if differs(key)
     ]
     if diffs:
         raise IncompatibleSpecError("KV caches are incompatible: " + "; ".join(diffs))

@@ -96,9 +96,13 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
-        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
+                     "itemsize"):
             if getattr(self, name) <= 0:
                 raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
+        known = _DTYPE_SIZES.get(self.dtype)
+        if known is not None and known != self.itemsize:
+            raise LayoutError(f"dtype {self.dtype} has itemsize {known}, got {self.itemsize}")
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"MLA caches hold one latent per token, got {self.num_kv_heads} heads")
@@ -143,7 +147,6 @@ class KVCacheSpec:
             raise BlockIdOutOfRange(f"{side} block ids must be 1-D, got shape {arr.shape}")
         if arr.size and not np.issubdtype(arr.dtype, np.integer):
             raise BlockIdOutOfRange(f"{side} block ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
         if arr.size:
             bad = np.flatnonzero((arr < 0) | (arr >= self.num_blocks))
             if bad.size:
@@ -151,7 +154,7 @@ class KVCacheSpec:
                     f"{side} block id {int(arr[bad[0]])} (position {int(bad[0])}) is out of range "
                     f"[0, {self.num_blocks})"
                 )
-        return arr
+        return arr.astype(np.int64, copy=False)
 
     def page_extents(self, layer: int, block: int, kv: int = 0,
                      heads: tuple[int, int] | None = None) -> Extents:
@@ -168,11 +171,17 @@ class KVCacheSpec:
         tok = np.arange(self.block_size, dtype=np.uint64)
         return make_extents(base + (tok * self.num_kv_heads + h0) * hb, (h1 - h0) * hb)
 
+    @property
+    def layout_matters(self) -> bool:
+        """With one head per page, NHD and HND are the same bytes: the layout is free."""
+        return self.num_kv_heads > 1
+
     def geometry(self) -> dict[str, Any]:
         """Everything two sides must agree on to exchange blocks (input of the compat hash)."""
         return {
             "num_layers": self.num_layers, "block_size": self.block_size,
-            "head_dim": self.head_dim, "dtype": self.dtype, "layout": self.layout.value,
+            "head_dim": self.head_dim, "dtype": self.dtype,
+            "layout": self.layout.value if self.layout_matters else "any",
             "mla": self.mla, "total_kv_heads": self.total_kv_heads,
         }
 
@@ -248,6 +257,13 @@ def _page_layout(info: ArrayInfo, dims: tuple[int, int, int], where: str) -> Lay
     s_tok, s_head, s_dim = (info.strides[i] for i in dims)
     if s_dim != es and d > 1:
         raise LayoutError(f"{where}: head dim is not contiguous (stride {s_dim} B, itemsize {es})")
+    nhd_exact = s_head == d * es and s_tok == h * d * es
+    hnd_exact = s_tok == d * es and s_head == bs * d * es
+    if hnd_exact and not nhd_exact:
+        return Layout.HND
+    if nhd_exact:
+        return Layout.NHD
+    # size-1 dims may carry any stride: fall back to rules that ignore them
     if (s_head == d * es or h == 1) and (s_tok == h * d * es or bs == 1):
         return Layout.NHD
     if (s_tok == d * es or bs == 1) and (s_head == bs * d * es or h == 1):
@@ -266,6 +282,8 @@ def _parse_layer(i: int, t: Any, mla: bool | None, kv_dim: int | None) -> _Layer
         k, v = ArrayInfo.of(t[0]), ArrayInfo.of(t[1])
         if k.shape != v.shape or k.strides != v.strides or len(k.shape) != 4:
             raise LayoutError(f"{where}: K {k.shape} and V {v.shape} must be equal 4-D tensors")
+        if k.strides[0] <= 0 and k.shape[0] > 1:
+            raise LayoutError(f"{where}: block stride {k.strides[0]} B is not positive")
         layout = _page_layout(k, (1, 2, 3), where)
         nb, bs, h, d = k.shape
         return _Layer(nb, bs, h, d, k.itemsize, k.dtype, k.device, layout, False,
@@ -274,6 +292,8 @@ def _parse_layer(i: int, t: Any, mla: bool | None, kv_dim: int | None) -> _Layer
     nd = len(info.shape)
     if nd == 3 and mla is not False:
         nb, bs, d = info.shape
+        if info.strides[0] <= 0 and nb > 1:
+            raise LayoutError(f"{where}: block stride {info.strides[0]} B is not positive")
         if info.strides[2] != info.itemsize or (bs > 1 and info.strides[1] != d * info.itemsize):
             raise LayoutError(f"{where}: MLA page (tokens={bs}, latent={d}) is not dense")
         return _Layer(nb, bs, 1, d, info.itemsize, info.dtype, info.device, Layout.NHD, True,
@@ -293,6 +313,8 @@ def _parse_layer(i: int, t: Any, mla: bool | None, kv_dim: int | None) -> _Layer
     if kv_dim not in (0, 1) or info.shape[kv_dim] != 2:
         raise LayoutError(f"{where}: kv_dim={kv_dim} does not index a size-2 dim of {info.shape}")
     blk_dim = 1 - kv_dim
+    if info.strides[blk_dim] <= 0 and info.shape[blk_dim] > 1:
+        raise LayoutError(f"{where}: block stride {info.strides[blk_dim]} B is not positive")
     layout = _page_layout(info, (2, 3, 4), where)
     nb = info.shape[blk_dim]
     _, _, bs, h, d = info.shape

@@ -52,7 +52,12 @@ def _page_pieces(
         raise IncompatibleSpecError(f"{read} exceeds local {local.num_kv_heads} / remote "
                                     f"{remote.num_kv_heads} heads per rank")
     hb, bs = local.head_bytes, local.block_size
-    if local.layout is Layout.HND:
+    # a one-head page is the same bytes in either layout: follow the side where it matters
+    layout = local.layout if local.layout_matters else remote.layout
+    if local.layout_matters and remote.layout_matters and local.layout is not remote.layout:
+        raise IncompatibleSpecError(f"layouts differ: local {local.layout.value} vs remote "
+                                    f"{remote.layout.value}")
+    if layout is Layout.HND:
         return (np.array([read.local_start * bs * hb], dtype=np.uint64),
                 np.array([read.remote_start * bs * hb], dtype=np.uint64), read.count * bs * hb)
     tok = np.arange(bs, dtype=np.uint64)

@@ -3,19 +3,38 @@
 Each producer (and, in push mode, each consumer) runs one :class:`SideChannelServer` thread: a
 ROUTER socket answering one request with one reply. Clients open a fresh DEALER per call, so a
 call that timed out can never receive a stale reply meant for it later.
+
+Who may connect: the handshake hands out what is needed to read registered memory, so with a
+shared secret (config or ``KVLINK_SECRET``) every request must be a :class:`wire.Signed` message:
+HMAC-SHA256 over a single-use server nonce and the body, compared in constant time; a replayed
+nonce is refused. Without a secret the server binds loopback only, unless told explicitly that
+the network is trusted (then it warns).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
+import hmac
 import ipaddress
 import logging
+import os
+import secrets
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
 
 from kvlink import wire
-from kvlink.errors import IncompatibleSpecError, PeerUnreachable, SideChannelError, WireError
+from kvlink.errors import (
+    AuthError,
+    ConfigError,
+    IncompatibleSpecError,
+    PeerUnreachable,
+    SideChannelError,
+    WireError,
+)
 
 log = logging.getLogger("kvlink.sidechannel")
 
@@ -31,6 +50,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def secret_from_env(explicit: bytes | str | None = None) -> bytes | None:
+    """The shared secret: explicit config wins, then ``KVLINK_SECRET``; None when neither."""
+    value = explicit if explicit is not None else os.environ.get("KVLINK_SECRET")
+    if value is None or value == "":
+        return None
+    return value.encode() if isinstance(value, str) else value
+
+
+def _mac(secret: bytes, nonce: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, nonce + body, hashlib.sha256).digest()
+
+
+class _Nonces:
+    """Outstanding single-use nonces with an expiry (bounded, so a flood cannot grow memory)."""
+
+    def __init__(self, ttl: float = 30.0, limit: int = 4096) -> None:
+        self.ttl = ttl
+        self._issued: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._limit = limit
+
+    def issue(self) -> bytes:
+        nonce = secrets.token_bytes(16)
+        self._issued[nonce] = time.monotonic() + self.ttl
+        while len(self._issued) > self._limit:
+            self._issued.popitem(last=False)
+        return nonce
+
+    def redeem(self, nonce: bytes) -> bool:
+        deadline = self._issued.pop(nonce, None)
+        return deadline is not None and time.monotonic() <= deadline
+
+
 def endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -42,8 +93,15 @@ class SideChannelServer:
     ErrorReply answers; the server itself never dies on a bad message.
     """
 
-    def __init__(self, host: str, port: int, handler: Handler, name: str = "kvlink-side") -> None:
+    def __init__(self, host: str, port: int, handler: Handler, name: str = "kvlink-side",
+                 secret: bytes | None = None, allow_insecure: bool = False) -> None:
+        if secret is None and not is_loopback(host) and not allow_insecure:
+            raise ConfigError(
+                f"refusing to bind an unauthenticated side channel on {host}: set a shared "
+                "secret (KVLINK_SECRET or config 'secret'), or allow_insecure on a trusted network")
         self._handler = handler
+        self._secret = secret
+        self._nonces = _Nonces()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -58,10 +116,9 @@ class SideChannelServer:
             self._sock.close()
             raise SideChannelError(f"cannot bind side channel on {host}:{port}: {exc}") from exc
         self.host = host
-        if not is_loopback(host):
-            log.warning("side channel bound on non-loopback %s:%d; peers that reach it can read "
-                        "registered memory — restrict the network or configure a secret",
-                        host, self.port)
+        if secret is None and not is_loopback(host):
+            log.warning("UNAUTHENTICATED side channel bound on %s:%d: any peer that reaches it can "
+                        "read registered memory; configure KVLINK_SECRET", host, self.port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -89,9 +146,18 @@ class SideChannelServer:
     def _answer(self, body: bytes) -> wire._Msg:
         try:
             msg = wire.decode(body)
+            if self._secret is not None:
+                if isinstance(msg, wire.Challenge):
+                    return wire.Challenge(v=wire.WIRE_VERSION, nonce=self._nonces.issue())
+                msg = self._verify(msg)
+            elif isinstance(msg, wire.Signed):
+                msg = wire.decode(msg.body)  # a peer with a secret talking to one without
         except WireError as exc:
             log.warning("side channel rejected a message: %s", exc)
             return wire.ErrorReply(v=wire.WIRE_VERSION, code="bad_message", message=str(exc))
+        except AuthError as exc:
+            log.warning("side channel refused a peer: %s", exc)
+            return wire.ErrorReply(v=wire.WIRE_VERSION, code="auth", message=str(exc))
         try:
             return self._handler(msg)
         except IncompatibleSpecError as exc:
@@ -101,14 +167,46 @@ class SideChannelServer:
             return wire.ErrorReply(v=wire.WIRE_VERSION, code="handler_error",
                                    message=f"{type(exc).__name__}: {exc}")
 
+    def _verify(self, msg: object) -> object:
+        assert self._secret is not None
+        if not isinstance(msg, wire.Signed):
+            raise AuthError(f"{type(msg).__name__} is not signed and this side channel "
+                            "requires authentication")
+        if not self._nonces.redeem(msg.nonce):
+            raise AuthError("unknown, expired or replayed nonce")
+        if not hmac.compare_digest(msg.mac, _mac(self._secret, msg.nonce, msg.body)):
+            raise AuthError("bad HMAC: the peers' secrets differ")
+        inner = wire.decode(msg.body)
+        if isinstance(inner, (wire.Signed, wire.Challenge)):
+            raise AuthError("nested authentication messages are not accepted")
+        return inner
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
 
 
-def request(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
-    """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise)."""
+def request(host: str, port: int, msg: wire._Msg, timeout: float,
+            secret: bytes | None = None) -> wire._Msg:
+    """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise).
+
+    With a secret, first fetch a nonce, then send the message signed (two round trips; only
+    handshakes and notifications go this way, never the data path).
+    """
+    deadline = time.monotonic() + timeout
+    if secret is not None:
+        challenge = _exchange(host, port, wire.Challenge(v=wire.WIRE_VERSION, nonce=b""),
+                              timeout)
+        if not isinstance(challenge, wire.Challenge) or not challenge.nonce:
+            raise AuthError(f"{host}:{port} did not hand out a nonce (does it have a secret?)")
+        body = wire.encode(msg)
+        msg = wire.Signed(v=wire.WIRE_VERSION, nonce=challenge.nonce,
+                          mac=_mac(secret, challenge.nonce, body), body=body)
+    return _exchange(host, port, msg, max(0.05, deadline - time.monotonic()))
+
+
+def _exchange(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -126,6 +224,7 @@ def request(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
         sock.close(linger=0)
     reply: wire._Msg = wire.decode(frames[-1])
     if isinstance(reply, wire.ErrorReply):
-        cls = IncompatibleSpecError if reply.code == "incompatible" else SideChannelError
+        cls = {"incompatible": IncompatibleSpecError, "auth": AuthError}.get(
+            reply.code, SideChannelError)
         raise cls(f"{host}:{port} answered {reply.code}: {reply.message}")
     return reply

@@ -133,11 +133,22 @@ class Ack(_Msg, tag="ack", frozen=True):
 
 
 class Challenge(_Msg, tag="challenge", frozen=True):
+    """Asks for (empty nonce) or hands out (server) a single-use nonce for :class:`Signed`."""
+
     nonce: bytes
 
 
+class Signed(_Msg, tag="signed", frozen=True):
+    """Another message, authenticated: HMAC-SHA256(secret, nonce || body)."""
+
+    nonce: bytes
+    mac: bytes
+    body: bytes
+
+
 Message = (
-    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ErrorReply | Ack | Challenge
+    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ErrorReply | Ack
+    | Challenge | Signed
 )
 
 
@@ -162,15 +173,15 @@ def decode(buf: bytes | memoryview, expect: type[T] | None = None) -> T | Any:
         raise WireError(f"message of {len(buf)} B exceeds the {MAX_MESSAGE_BYTES} B bound")
     try:
         version = _version_decoder.decode(buf).v
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed message: {exc}") from exc
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"malformed message: {type(exc).__name__}: {exc}") from exc
     if version != WIRE_VERSION:
         raise WireVersionError(f"wire version {version} is not supported (this build speaks "
                                f"{WIRE_VERSION})")
     try:
         msg = _decoder.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed message: {exc}") from exc
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"malformed message: {type(exc).__name__}: {exc}") from exc
     if expect is not None and not isinstance(msg, expect):
         raise WireError(f"expected {expect.__name__}, got {type(msg).__name__}")
     return msg

@@ -50,6 +50,8 @@ class WorkerConfig:
     side_port: int = 0  # base port; rank r listens on side_port + r (0: ephemeral)
     handshake_timeout: float = 10.0
     serve: bool = True  # run a side channel server (producers, and consumers in push mode)
+    secret: str | None = None  # shared side-channel secret (default: env KVLINK_SECRET)
+    allow_insecure: bool = False  # bind an unauthenticated side channel on a non-loopback host
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -115,6 +117,7 @@ class KVWorker:
         self._notif_lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
+        self._secret = sidechannel.secret_from_env(config.secret)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
@@ -148,7 +151,8 @@ class KVWorker:
             port = self.config.side_port + self.config.tp_rank if self.config.side_port else 0
             self._server = sidechannel.SideChannelServer(
                 self.config.host, port, self._on_side_message,
-                name=f"kvlink-side-{self.config.tp_rank}")
+                name=f"kvlink-side-{self.config.tp_rank}", secret=self._secret,
+                allow_insecure=self.config.allow_insecure)
 
     @property
     def side_port(self) -> int:
@@ -217,7 +221,7 @@ class KVWorker:
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
             compat=compat_hash(spec.geometry()))
         reply = sidechannel.request(remote.host, remote.port + rank, req,
-                                    self.config.handshake_timeout)
+                                    self.config.handshake_timeout, self._secret)
         if not isinstance(reply, wire.HandshakeResponse):
             raise HandshakeError(f"{remote.host}:{remote.port + rank} answered "
                                  f"{type(reply).__name__} to a handshake")
@@ -348,7 +352,7 @@ class KVWorker:
         msg = wire.decode(self._notification(req.req_id))
         try:
             sidechannel.request(req.remote.host, req.remote.port + part.read.remote_rank, msg,
-                                self.config.handshake_timeout)
+                                self.config.handshake_timeout, self._secret)
         except KVLinkError as exc:
             log.warning("could not notify %s of %s: %s (its lease will expire)",
                         req.remote.engine_id, req.req_id, exc)

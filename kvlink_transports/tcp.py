@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import itertools
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -65,6 +67,7 @@ class _Hdr(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=T
     extents: bytes = b""
     notify: bytes | None = None
     reason: str = ""
+    token: bytes = b""
 
 
 class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -73,6 +76,7 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str
     port: int
     regions: list[tuple[int, int, str]]
+    token: bytes  # memory key: only peers that passed the handshake learn it
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -232,6 +236,8 @@ class _Peer:
                 raise _PeerGone(f"cannot connect to {self.desc.host}:{self.desc.port}: "
                                 f"{exc}") from exc
             _tune(self.sock)
+            _send_hdr(self.sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name,
+                                      token=self.desc.token))
         return self.sock
 
     def _run(self) -> None:
@@ -309,6 +315,7 @@ class TcpTransport(Transport):
             raise TransportUnavailable(f"tcp transport cannot listen on {ctx.host}:{port}: "
                                        f"{exc}") from exc
         self.port = self._listener.getsockname()[1]
+        self._token = secrets.token_bytes(16)
         self._memory = _Memory(())
         self._regions: tuple[Region, ...] = ()
         self._lock = threading.Lock()
@@ -332,7 +339,8 @@ class TcpTransport(Transport):
     def descriptor(self) -> bytes:
         return _enc.encode(_Descriptor(
             v=_VERSION, agent=self.ctx.agent_name, host=self.ctx.advertise_host or self.ctx.host,
-            port=self.port, regions=[(r.addr, r.nbytes, r.device) for r in self._regions]))
+            port=self.port, regions=[(r.addr, r.nbytes, r.device) for r in self._regions],
+            token=self._token))
 
     def connect(self, peer: str, descriptor: bytes) -> None:
         try:
@@ -441,6 +449,10 @@ class TcpTransport(Transport):
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         try:
+            hello = _recv_hdr(conn)
+            if hello.op != "H" or not hmac.compare_digest(hello.token, self._token):
+                log.warning("tcp: connection from %s presented no valid memory key; closed", addr)
+                return
             while True:
                 hdr = _recv_hdr(conn)
                 if hdr.op == "N":

@@ -189,7 +189,7 @@ def test_server_refuses_ranges_it_never_offered() -> None:
         real = msgspec.msgpack.decode(a.descriptor(), type=_Descriptor)
         forged = msgspec.msgpack.encode(_Descriptor(
             v=real.v, agent=real.agent, host=real.host, port=real.port,
-            regions=[(base, abuf.nbytes * 4, "cpu")]))
+            regions=[(base, abuf.nbytes * 4, "cpu")], token=real.token))
         b.connect("a", forged)
         bptr = int(bbuf.__array_interface__["data"][0])
         h = b.post(Op.READ, "a", make_extents([bptr], [4096]),

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
+from kvlink.errors import LayoutError
 from kvlink.headmap import rank_heads
 from kvlink.layout import KVCacheSpec, Layout
 
@@ -59,7 +60,8 @@ def allocate(geo: Geometry, num_blocks: int, tp: int, rank: int) -> tuple[np.nda
 def spec_of(geo: Geometry, layers: list[object], tp: int, rank: int) -> KVCacheSpec:
     spec = KVCacheSpec.from_arrays(layers, mla=geo.mla, total_kv_heads=1 if geo.mla else
                                    geo.kv_heads, tp_size=tp, tp_rank=rank, dtype=geo.dtype)
-    assert spec.layout is Layout(geo.layout) or geo.mla
+    if spec.layout_matters and spec.layout is not Layout(geo.layout):
+        raise LayoutError(f"demo cache came out {spec.layout.value}, asked for {geo.layout}")
     return spec
 
 
