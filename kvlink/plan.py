@@ -97,16 +97,43 @@ def plan_transfer(
             f"remote {remote.num_layers}x{remote.num_kv}"
         )
     loff, roff, piece = _page_pieces(local, remote, read)
-    lu, ru = lids.astype(np.uint64), rids.astype(np.uint64)
-    # grid [layer, kv, block, piece]; addresses wrap like C unsigned math, never overflow silently
-    laddr = (local.plane_base[:, :, None, None] + lu[None, None, :, None]
-             * local.block_stride[:, :, None, None] + loff[None, None, None, :])
-    raddr = (remote.plane_base[:, :, None, None] + ru[None, None, :, None]
-             * remote.block_stride[:, :, None, None] + roff[None, None, None, :])
-    if _kv_inner(local) and _kv_inner(remote):
-        laddr, raddr = laddr.transpose(0, 2, 1, 3), raddr.transpose(0, 2, 1, 3)
-    la, ra = laddr.reshape(-1), raddr.reshape(-1)
+    kv_inner = _kv_inner(local) and _kv_inner(remote)
+    if loff.shape[0] > 1:
+        # strided head slices of NHD pages: pieces are never adjacent, so skip the merge and
+        # write addresses straight into the output records
+        n = local.num_layers * local.num_kv * lids.shape[0] * loff.shape[0]
+        lext = np.empty(n, dtype=EXTENT_DTYPE)
+        rext = np.empty(n, dtype=EXTENT_DTYPE)
+        _grid(local, lids, loff, kv_inner, lext["addr"])
+        _grid(remote, rids, roff, kv_inner, rext["addr"])
+        lext["len"] = piece
+        rext["len"] = piece
+        return Plan(lext, rext, raw_descriptors=n)
+    la = _grid(local, lids, loff, kv_inner)
+    ra = _grid(remote, rids, roff, kv_inner)
     return Plan(*coalesce(la, ra, piece), raw_descriptors=int(la.shape[0]))
+
+
+def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.uint64],
+          kv_inner: bool, out: npt.NDArray[np.uint64] | None = None) -> npt.NDArray[np.uint64]:
+    """Addresses over the [layer, kv, block, piece] grid (kv and block swapped if kv_inner).
+
+    uint64 arithmetic wraps like C; the bounds were checked on the ids, so it never does here.
+    """
+    base = spec.plane_base[:, :, None, None]
+    stride = spec.block_stride[:, :, None, None]
+    blk = ids.astype(np.uint64)[None, None, :, None]
+    if kv_inner:
+        base, stride = base.transpose(0, 2, 1, 3), stride.transpose(0, 2, 1, 3)
+        blk = blk.transpose(0, 2, 1, 3)
+    shape = np.broadcast_shapes(base.shape, blk.shape, offsets[None, None, None, :].shape)
+    if out is None:
+        out = np.empty(int(np.prod(shape)), dtype=np.uint64)
+    grid = out.reshape(shape)
+    np.multiply(blk, stride, out=grid)
+    grid += base
+    grid += offsets
+    return out
 
 
 def coalesce(
