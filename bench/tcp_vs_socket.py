@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from _common import write_result
 
 

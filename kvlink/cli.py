@@ -25,6 +25,8 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--prefill-tp", type=int, default=1)
     r.add_argument("--decode-tp", type=int, default=1)
     r.add_argument("--transport", default="tcp", help="any registered transport")
+    r.add_argument("--mode", choices=["pull", "push"], default="pull",
+                   help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)")
     r.add_argument("--cache-gib", type=float, default=1.0, help="KV cache per instance")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     r.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -44,7 +46,7 @@ def _plan(args: argparse.Namespace, port: int) -> Any:
         geo=geo, requests=args.requests, tokens=args.tokens, prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp, transport=args.transport, host=args.host,
         advertise_host=getattr(args, "advertise_host", None), port=port,
-        cache_bytes=int(args.cache_gib * (1 << 30)), timeout=args.timeout,
+        cache_bytes=int(args.cache_gib * (1 << 30)), timeout=args.timeout, mode=args.mode,
     )
 
 

@@ -53,6 +53,22 @@ def check_tp(total_heads: int, tp: int, what: str) -> None:
         )
 
 
+def push_targets(
+    prefill_tp: int, prefill_rank: int, decode_tp: int, decode_rank: int, total_heads: int,
+    mla: bool = False,
+) -> list[HeadRead]:
+    """What a prefill rank writes into one decode rank in push mode (prefill's point of view).
+
+    It is the decode rank's read map turned around, so push and pull move the same bytes and a
+    replicated decode head gets written on every replica.
+    """
+    return [
+        HeadRead(decode_rank, r.remote_start, r.local_start, r.count)
+        for r in map_heads(decode_tp, decode_rank, prefill_tp, total_heads, mla)
+        if r.remote_rank == prefill_rank
+    ]
+
+
 def map_heads(
     local_tp: int, local_rank: int, remote_tp: int, total_heads: int, mla: bool = False
 ) -> list[HeadRead]:

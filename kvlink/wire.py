@@ -109,6 +109,7 @@ class Notification(_Msg, tag="notify", frozen=True):
     req_id: str
     tp_rank: int
     tp_size: int
+    kind: str = "read"  # "read": a reader is done with our blocks; "write": your blocks are filled
     ok: bool = True
     detail: str = ""
 
@@ -120,6 +121,9 @@ class PushRequest(_Msg, tag="push", frozen=True):
     agent_name: str
     req_id: str
     tp_rank: int
+    tp_size: int
+    host: str  # the decode rank's side channel, where the prefill handshakes back
+    port: int  # base port (rank r at port + r)
     block_ids: list[int]
 
 

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
 from kvlink.errors import ConfigError, HandshakeError, KVLinkError, TransportUnavailable
-from kvlink.headmap import HeadRead, map_heads
+from kvlink.headmap import HeadRead, map_heads, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.plan import Plan, plan_transfer
@@ -90,6 +90,18 @@ class _Part:
 
 
 @dataclasses.dataclass
+class _Awaiting:
+    """Push mode, decode side: blocks reserved for a request the prefill will WRITE into."""
+
+    req_id: str
+    remote: RemoteEngine
+    waiting: set[int]  # prefill ranks that have not signalled "written" yet
+    deadline: float
+    nbytes: int
+    asked: cf.Future[None] | None = None
+
+
+@dataclasses.dataclass
 class _Request:
     req_id: str
     op: Op
@@ -114,6 +126,9 @@ class KVWorker:
         self._peers_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._side_notifs: list[wire.Notification] = []
+        self._read_notifs: list[wire.Notification] = []
+        self._push_inbox: list[wire.PushRequest] = []
+        self._awaiting: dict[str, _Awaiting] = {}
         self._notif_lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
@@ -174,6 +189,10 @@ class KVWorker:
         if isinstance(msg, wire.Notification):
             with self._notif_lock:
                 self._side_notifs.append(msg)
+            return wire.Ack(v=WIRE_VERSION)
+        if isinstance(msg, wire.PushRequest):
+            with self._notif_lock:
+                self._push_inbox.append(msg)
             return wire.Ack(v=WIRE_VERSION)
         return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                message=f"{type(msg).__name__} not handled here")
@@ -268,7 +287,7 @@ class KVWorker:
         self._start(req_id, Op.WRITE, remote, local_ids, remote_ids)
 
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
-               remote_ids: npt.ArrayLike) -> None:
+               remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None) -> None:
         spec = self._require_spec()
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
@@ -277,8 +296,9 @@ class KVWorker:
         if rids.ndim != 1 or rids.shape != lids.shape:
             raise ConfigError(f"request {req_id}: {lids.shape[0]} local vs "
                               f"{np.shape(rids)} remote block ids")
-        reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
-                          spec.total_kv_heads, spec.mla)
+        if reads is None:
+            reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                              spec.total_kv_heads, spec.mla)
         parts = [_Part(r, self._peer(remote, r.remote_rank)) for r in reads]
         self._requests[req_id] = _Request(req_id, op, remote, lids, rids.astype(np.int64), parts,
                                           time.perf_counter())
@@ -287,6 +307,7 @@ class KVWorker:
         """Advance every request; returns (finished ids, {failed id: reason}) since last call."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
+        self._poll_pushed(finished, failed)
         for req in list(self._requests.values()):
             for part in req.parts:
                 self._advance(req, part)
@@ -326,7 +347,7 @@ class KVWorker:
                 return
             note = None
             if peer.transport.capabilities.native_notifications:
-                note = self._notification(req.req_id)
+                note = self._notification(req)
             part.plan, part.transport = plan, peer.transport
             part.handle = peer.transport.post(req.op, peer.agent, plan.local, plan.remote, note)
             req.nbytes += plan.nbytes
@@ -343,13 +364,15 @@ class KVWorker:
         elif not part.transport.capabilities.native_notifications:
             self._notify_side(req, part)
 
-    def _notification(self, req_id: str) -> bytes:
+    def _notification(self, req: _Request) -> bytes:
+        # a pushed request is known to the decode side by its own id (before the '@')
         return wire.encode(wire.Notification(
-            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size))
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id.split("@")[0],
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
+            kind="read" if req.op is Op.READ else "write"))
 
     def _notify_side(self, req: _Request, part: _Part) -> None:
-        msg = wire.decode(self._notification(req.req_id))
+        msg = wire.decode(self._notification(req))
         try:
             sidechannel.request(req.remote.host, req.remote.port + part.read.remote_rank, msg,
                                 self.config.handshake_timeout, self._secret)
@@ -365,19 +388,104 @@ class KVWorker:
         return len(self._requests)
 
     # ------------------------------------------------------------------ producer side
-    def notifications(self) -> list[wire.Notification]:
-        """Readers' "done" notifications (decoded strictly; bad ones are logged and dropped)."""
-        out: list[wire.Notification] = []
+    def _drain_notifications(self) -> None:
+        """Sort incoming notifications: "written" ones complete pushes, "read" ones are kept
+        for :meth:`notifications`. Bad ones are logged and dropped."""
+        got: list[wire.Notification] = []
         for t in self.transports.values():
             for peer, raw in t.notifications():
                 try:
-                    out.append(wire.decode(raw, wire.Notification))
+                    got.append(wire.decode(raw, wire.Notification))
                 except KVLinkError as exc:
                     log.warning("dropped a bad notification from %s: %s", peer, exc)
         with self._notif_lock:
-            out.extend(self._side_notifs)
+            got.extend(self._side_notifs)
             self._side_notifs.clear()
+        for note in got:
+            if note.kind == "write":
+                wait = self._awaiting.get(note.req_id)
+                if wait is None or note.engine_id != wait.remote.engine_id:
+                    log.info("'written' notification for unknown request %s from %s/%d",
+                             note.req_id, note.engine_id, note.tp_rank)
+                else:
+                    wait.waiting.discard(note.tp_rank)
+            else:
+                self._read_notifs.append(note)
+
+    def notifications(self) -> list[wire.Notification]:
+        """Readers' "done" notifications (pull mode, producer side)."""
+        self._drain_notifications()
+        out, self._read_notifs = self._read_notifs, []
         return out
+
+    # ------------------------------------------------------------------ push mode
+    def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
+                    timeout: float = 60.0) -> None:
+        """Decode side: ask the prefill ranks to WRITE this request into ``local_ids``.
+
+        The blocks stay reserved until every prefill rank has signalled "written" (finished) or
+        ``timeout`` passes (failed; the caller may then free or reuse them).
+        """
+        spec = self._require_spec()
+        if self._server is None:
+            raise ConfigError("push mode needs a side channel server on the decode side "
+                              "(serve=True): the prefill handshakes back to write")
+        if req_id in self._awaiting:
+            raise ConfigError(f"request {req_id!r} is already awaiting a push")
+        lids = spec.check_block_ids(local_ids, "local")
+        ranks = {r.remote_rank for r in map_heads(self.config.tp_size, self.config.tp_rank,
+                                                  remote.tp_size, spec.total_kv_heads, spec.mla)}
+        msg = wire.PushRequest(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
+            req_id=req_id, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
+            host=self.config.advertise_host or self.config.host,
+            port=self.side_port - self.config.tp_rank, block_ids=lids.tolist())
+        wait = _Awaiting(req_id, remote, set(ranks), time.monotonic() + timeout, 0)
+        wait.asked = self._pool.submit(self._ask_push, remote, sorted(ranks), msg)
+        self._awaiting[req_id] = wait
+
+    def _ask_push(self, remote: RemoteEngine, ranks: list[int], msg: wire.PushRequest) -> None:
+        for rank in ranks:
+            sidechannel.request(remote.host, remote.port + rank, msg,
+                                self.config.handshake_timeout, self._secret)
+
+    def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
+        if not self._awaiting:
+            return
+        self._drain_notifications()
+        now = time.monotonic()
+        for req_id, wait in list(self._awaiting.items()):
+            reason = None
+            if wait.asked is not None and wait.asked.done() and wait.asked.exception():
+                reason = f"push request to {wait.remote.engine_id} failed: {wait.asked.exception()}"
+            elif not wait.waiting:
+                finished.add(req_id)
+            elif now > wait.deadline:
+                reason = (f"prefill ranks {sorted(wait.waiting)} of {wait.remote.engine_id} did "
+                          "not push within the timeout")
+            else:
+                continue
+            del self._awaiting[req_id]
+            if reason is not None:
+                failed[req_id] = reason
+                log.warning("push of %s failed: %s", req_id, reason)
+
+    def push_requests(self) -> list[wire.PushRequest]:
+        """Prefill side: decode ranks waiting for a request to be written (drained)."""
+        with self._notif_lock:
+            out, self._push_inbox = self._push_inbox, []
+        return out
+
+    def push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike) -> str:
+        """Prefill side: WRITE ``local_ids`` into the decode rank's blocks; returns the id that
+        :meth:`poll` reports (``req_id@engine/rank``)."""
+        spec = self._require_spec()
+        key = f"{msg.req_id}@{msg.engine_id}/{msg.tp_rank}"
+        reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size, msg.tp_rank,
+                             spec.total_kv_heads, spec.mla)
+        remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
+        self._start(key, Op.WRITE, remote, local_ids, msg.block_ids, reads)
+        return key
 
     def expected_readers(self, reader_tp: int) -> int:
         """How many ranks of a ``reader_tp``-way consumer read from this rank."""

@@ -239,3 +239,72 @@ def test_many_requests_in_flight_and_notifications() -> None:
         a.close()
         b.close()
 
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 4), (4, 2)])
+def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:
+    res = run_demo(small_plan(mode="push", prefill_tp=ptp, decode_tp=dtp, requests=3),
+                   show_progress=False)
+    assert res["verified"], res["failed"]
+    assert res["descriptors"] > 0
+    assert all(s["push_failed"] == 0 for s in res["prefill_leases"].values())
+
+
+def test_push_times_out_when_nobody_writes() -> None:
+    plan = small_plan()
+    _buf, layers = data.allocate(plan.geo, 8, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
+    w.register(data.spec_of(plan.geo, layers, 1, 0))
+    # a prefill side channel that acknowledges the push request but never writes
+    idle = KVWorker(WorkerConfig(engine_id="prefill"))
+    idle.register(data.spec_of(plan.geo, data.allocate(plan.geo, 8, 1, 0)[1], 1, 0))
+    try:
+        w.expect_push("r0", RemoteEngine("prefill", "127.0.0.1", idle.side_port), [0, 1],
+                      timeout=0.5)
+        ok, reason = wait_request(w, "r0", 10)
+        assert not ok and "did not push" in reason
+        assert [m.req_id for m in idle.push_requests()] == ["r0"]
+    finally:
+        w.close()
+        idle.close()
+
+
+def test_decode_killed_mid_write_fails_push_on_prefill() -> None:
+    import multiprocessing as mp
+
+    from kvlink.demo.roles import pull_rank
+
+    geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)
+    plan = DemoPlan(geo=geo, requests=1, tokens=8192, port=free_port_range(1),
+                    decode_port=free_port_range(1), cache_bytes=512 << 20, timeout=30.0,
+                    mode="push")
+    _buf, layers = data.allocate(geo, plan.slots(1) * plan.blocks_per_request, 1, 0)
+    prefill = KVWorker(WorkerConfig(engine_id="prefill", side_port=plan.port,
+                                    transport_options={"tcp": {"timeout_s": 8.0}}))
+    prefill.register(data.spec_of(geo, layers, 1, 0))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()  # keep a reference: the child unpickles it after start()
+    decode = ctx.Process(target=pull_rank, args=(plan, 0, results, False))
+    decode.start()
+    try:
+        deadline = time.monotonic() + 60
+        msgs: list[object] = []
+        while not msgs:
+            msgs = prefill.push_requests()  # type: ignore[assignment]
+            assert time.monotonic() < deadline, "decode never asked for a push"
+        key = prefill.push(msgs[0], plan.prefill_blocks(0))  # type: ignore[arg-type]
+        while prefill.transports["tcp"].inflight() == 0:
+            _, failed = prefill.poll()
+            assert key not in failed, failed
+        decode.kill()
+        t0 = time.monotonic()
+        ok, reason = wait_request(prefill, key, 15)
+        if ok:
+            pytest.skip("the 256 MiB WRITE finished before the kill landed; nothing to test")
+        assert time.monotonic() - t0 < 9
+        assert "connection" in reason.lower() or "no answer" in reason
+        assert prefill.pending() == 0  # nothing left in flight on the prefill side
+    finally:
+        decode.kill()
+        decode.join(10)
+        prefill.close()

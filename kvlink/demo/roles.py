@@ -19,6 +19,8 @@ import numpy.typing as npt
 
 from kvlink.demo import data
 from kvlink.demo.progress import Progress
+from kvlink.errors import KVLinkError
+from kvlink.headmap import push_targets
 from kvlink.scheduler import BlockLeases
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
@@ -39,7 +41,8 @@ class DemoPlan:
     cache_bytes: int = 1 << 30  # per instance, split over its ranks
     lease_seconds: float = 120.0
     timeout: float = 60.0
-    mode: str = "pull"
+    mode: str = "pull"  # "push": decode asks, prefill batch-WRITEs (Mooncake style)
+    decode_port: int = 0  # push mode: decode side channel base port
 
     @property
     def blocks_per_request(self) -> int:
@@ -59,7 +62,7 @@ class DemoPlan:
         cuts = np.cumsum(rng.integers(1, 9, size=n))
         runs = np.split(np.arange(n, dtype=np.int64), cuts[cuts < n])
         order = rng.permutation(len(runs))
-        ids = np.concatenate([runs[k] for k in order])
+        ids: npt.NDArray[np.int64] = np.concatenate([runs[k] for k in order])
         return ids + (i % self.slots(self.decode_tp)) * n
 
 
@@ -73,7 +76,11 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     worker = KVWorker(WorkerConfig(
         engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
         host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port))
-    worker.register(data.spec_of(geo, layers, tp, rank))
+    spec = data.spec_of(geo, layers, tp, rank)
+    worker.register(spec)
+    if plan.mode == "push":
+        _serve_push(plan, rank, worker, ready, stop)
+        return
     leases = BlockLeases(plan.lease_seconds)
     for i in range(plan.requests):
         leases.hold(f"req-{i}", plan.prefill_blocks(i).tolist())
@@ -90,15 +97,49 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
         worker.close()
 
 
+def _serve_push(plan: DemoPlan, rank: int, worker: KVWorker, ready: Any, stop: Any) -> None:
+    """Push mode: WRITE each request into the decode ranks that ask, as soon as they ask.
+
+    The prefill holds nothing for a reader; a failed write is reported and forgotten.
+    """
+    spec = worker._require_spec()
+    targets = sum(bool(push_targets(plan.prefill_tp, rank, plan.decode_tp, d, spec.total_kv_heads,
+                                    spec.mla)) for d in range(plan.decode_tp))
+    stats = {"pushed": 0, "push_failed": 0, "held_blocks": 0}
+    ready.put(("ready", rank, worker.side_port))
+    try:
+        while (not stop.is_set()
+               and stats["pushed"] + stats["push_failed"] < plan.requests * targets):
+            for msg in worker.push_requests():
+                i = int(msg.req_id.removeprefix("req-"))
+                try:
+                    worker.push(msg, plan.prefill_blocks(i))
+                except KVLinkError as exc:
+                    log.warning("push of %s refused: %s", msg.req_id, exc)
+                    stats["push_failed"] += 1
+            done, failed = worker.poll()
+            stats["pushed"] += len(done)
+            stats["push_failed"] += len(failed)
+            if not done and not failed:
+                time.sleep(0.0005)
+        stats["raw_descriptors"], stats["descriptors"] = worker.descriptor_counts()
+    finally:
+        ready.put(("served", rank, stats))
+        worker.close()
+
+
 def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> None:
     """A decode rank: pull every request, verify every byte, report numbers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     geo, tp = plan.geo, plan.decode_tp
     slots = plan.slots(tp)
     _buf, layers = data.allocate(geo, slots * plan.blocks_per_request, tp, rank)
+    push = plan.mode == "push"
     worker = KVWorker(WorkerConfig(engine_id="decode", tp_rank=rank, tp_size=tp,
-                                   transports=[plan.transport], host=plan.host, serve=False))
-    worker.register(data.spec_of(geo, layers, tp, rank))
+                                   transports=[plan.transport], host=plan.host, serve=push,
+                                   side_port=plan.decode_port))
+    spec = data.spec_of(geo, layers, tp, rank)
+    worker.register(spec)
     remote = RemoteEngine("prefill", plan.advertise_host or plan.host, plan.port, plan.prefill_tp)
     progress = Progress(plan.requests, enabled=show_progress)
     out: dict[str, Any] = {"rank": rank, "requests": 0, "bytes": 0, "raw_descriptors": 0,
@@ -113,7 +154,10 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
             nxt += len(wave)
             t0 = time.perf_counter()
             for req_id, i in wave.items():
-                worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i))
+                if push:
+                    worker.expect_push(req_id, remote, plan.decode_blocks(i), plan.timeout)
+                else:
+                    worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i))
             before = worker.finished_bytes
             done_ids: list[str] = []
             waiting = set(wave)
@@ -122,6 +166,8 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
                 for req_id, reason in failed.items():
                     out["failed"][req_id] = reason
                 done_ids += sorted(done)
+                if push:
+                    out["bytes"] += len(done) * plan.blocks_per_request * spec.block_bytes
                 waiting -= done | set(failed)
                 if waiting and not done and not failed:
                     time.sleep(0.0002)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import socket
@@ -130,6 +131,8 @@ def summarize(plan: DemoPlan, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_demo(plan: DemoPlan, show_progress: bool = True) -> dict[str, Any]:
+    if plan.mode == "push" and not plan.decode_port:
+        plan = dataclasses.replace(plan, decode_port=free_port_range(plan.decode_tp, plan.host))
     serving = Serving(plan)
     try:
         serving.wait_ready(timeout=300)
@@ -139,6 +142,11 @@ def run_demo(plan: DemoPlan, show_progress: bool = True) -> dict[str, Any]:
         serving.close()
     leases = result["prefill_leases"]
     result["leaks"] = sum(s.get("held_blocks", 0) for s in leases.values())
+    if plan.mode == "push":  # the prefill side planned and posted the writes
+        result["raw_descriptors"] = sum(s.get("raw_descriptors", 0) for s in leases.values())
+        result["descriptors"] = sum(s.get("descriptors", 0) for s in leases.values())
+        result["verified"] = result["verified"] and all(
+            s.get("push_failed", 1) == 0 for s in leases.values())
     result["verified"] = bool(result["verified"] and len(leases) == plan.prefill_tp
                               and result["leaks"] == 0)
     return result
