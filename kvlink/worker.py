@@ -207,8 +207,20 @@ class KVWorker:
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
             compat=ours, spec=wire.SpecMsg.of(spec),
-            transports={n: t.descriptor() for n, t in self.transports.items()},
+            transports=self._offer(req),
         )
+
+    def _offer(self, req: wire.HandshakeRequest) -> dict[str, bytes]:
+        """Descriptors for this peer: same-host-only ones (IPC handles) only to our own host."""
+        same = req.host_id == host_id()
+        out = {}
+        for name, t in self.transports.items():
+            if t.capabilities.same_host_only and not same:
+                log.info("not offering %s to %s rank %d: other host", name, req.engine_id,
+                         req.tp_rank)
+                continue
+            out[name] = t.descriptor()
+        return out
 
     def _require_spec(self) -> KVCacheSpec:
         if self.spec is None:
