@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import importlib.util
 import logging
 import threading
 import time
@@ -241,6 +242,32 @@ class RegionTable:
 
 _local_registry: dict[str, type[Transport]] = {}
 
+# kvlink's own plugins, found even when running from a source tree that was never pip-installed
+# (no entry-point metadata); an installed entry point of the same name takes precedence.
+_BUILTIN = {
+    "tcp": "kvlink_transports.tcp:TcpTransport",
+    "nixl": "kvlink_transports.nixl:NixlTransport",
+    "cuda_ipc": "kvlink_transports.cuda_ipc:CudaIpcTransport",
+    "mooncake": "kvlink_transports.mooncake:MooncakeTransport",
+}
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    eps = {
+        name: metadata.EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP)
+        for name, value in _BUILTIN.items()
+        if _module_exists(value.split(":")[0])
+    }
+    eps.update({ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)})
+    return eps
+
+
+def _module_exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
 
 def register_transport(name: str, cls: type[Transport]) -> None:
     """Register a transport class in this process (entry points do the same across packages)."""
@@ -249,28 +276,27 @@ def register_transport(name: str, cls: type[Transport]) -> None:
 
 def registered_transports() -> list[str]:
     names = set(_local_registry)
-    names.update(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+    names.update(_entry_points())
     return sorted(names)
 
 
 def load_transport(name: str) -> type[Transport]:
     if name in _local_registry:
         return _local_registry[name]
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name == name:
-            try:
-                cls = ep.load()
-            except ImportError as exc:
-                raise TransportUnavailable(
-                    f"transport {name!r} is registered but its library failed to import: {exc}; "
-                    f"install it with `pip install kvlink[{name}]`"
-                ) from exc
-            if not (isinstance(cls, type) and issubclass(cls, Transport)):
-                raise TransportUnavailable(f"entry point {name!r} -> {ep.value} is not a Transport")
-            return cls
-    raise UnknownTransportError(
-        f"unknown transport {name!r}; registered: {', '.join(registered_transports()) or 'none'}"
-    )
+    ep = _entry_points().get(name)
+    if ep is None:
+        known = ", ".join(registered_transports()) or "none"
+        raise UnknownTransportError(f"unknown transport {name!r}; registered: {known}")
+    try:
+        cls = ep.load()
+    except ImportError as exc:
+        raise TransportUnavailable(
+            f"transport {name!r} is registered but its library failed to import: {exc}; "
+            f"install it with `pip install kvlink[{name}]`"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TransportUnavailable(f"entry point {name!r} -> {ep.value} is not a Transport")
+    return cls
 
 
 def create_transport(
