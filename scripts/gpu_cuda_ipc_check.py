@@ -76,13 +76,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--nixl", action="store_true", help="also run NIXL on the same extents")
+    ap.add_argument("--op-timeout", type=float, default=30.0)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    transports = ["cuda_ipc", "nixl"]
+    transports = ["cuda_ipc", "nixl"] if args.nixl else ["cuda_ipc"]
     p = ctx.Process(target=producer, args=(q, done, transports))
     p.start()
     remote_ptrs, descs = q.get(timeout=300)
+    print("producer ready", {k: v[:40] for k, v in descs.items()}, flush=True)
     torch.cuda.set_device(0)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "cases": {}}
     local = {n: torch.zeros(c["cache"] // 4, dtype=torch.int32, device="cuda")
@@ -97,6 +100,7 @@ def main() -> None:
             t.register([Region(b.data_ptr(), b.numel() * 4, "cuda:0") for b in local.values()])
             t.connect("producer", descs[tname])
             conns[tname] = t
+            print(f"{tname}: connected", flush=True)
         except Exception as exc:
             results[f"{tname}_unavailable"] = f"{type(exc).__name__}: {exc}"
     rng = np.random.default_rng(0)
@@ -130,12 +134,17 @@ def main() -> None:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     h = t.post(op, "producer", lext, rext)
+                    deadline = t0 + args.op_timeout
                     while (st := t.poll(h)).status is XferStatus.PENDING:
-                        pass
+                        if time.perf_counter() > deadline:
+                            print(f"{tname} {op.value} {name}: TIMEOUT", flush=True)
+                            break
                     times.append(time.perf_counter() - t0)
                     t.release(h)
+                    print(f"{tname} {op.value} {name}: {st.status.value} "
+                          f"{nbytes / times[-1] / 1e9:.1f} GB/s", flush=True)
                     if st.status is not XferStatus.DONE:
-                        row[f"{tname}_{op.value}_error"] = st.reason
+                        row[f"{tname}_{op.value}_error"] = st.reason or "timeout"
                         ok = False
                         break
                 if not ok:
@@ -153,7 +162,7 @@ def main() -> None:
                 row[f"{tname}_{op.value}_ratio_to_device_copy"] = base / med
                 if verified is not None:
                     row[f"{tname}_{op.value}_verified"] = verified
-            if f"{tname}_write_s" in row:
+            if f"{tname}_write_s" in row and f"{tname}_read_s" in row:
                 # after WRITEs of our zeroed blocks, fill ours with a pattern, WRITE, READ back
                 local[name].fill_(7)
                 h = t.post(Op.WRITE, "producer", lext, rext)
