@@ -21,6 +21,7 @@ class _Lease:
     deadline: float
     expected: int | None  # readers still unknown until the first notification says
     readers: set[str] = dataclasses.field(default_factory=set)
+    reading: int = 0  # reads announced (begin_read) and not yet notified
 
 
 @dataclasses.dataclass
@@ -55,6 +56,19 @@ class BlockLeases:
     def is_held(self, req_id: str) -> bool:
         return req_id in self._leases
 
+    def begin_read(self, req_id: str, read_seconds: float = 30.0) -> bool:
+        """A reader announces its READ: pin the blocks for ``read_seconds`` more, or refuse.
+
+        After this returns True the blocks cannot expire under the READ (until the pin runs out);
+        after it returns False the reader must not read — the blocks may already be reused.
+        """
+        lease = self._leases.get(req_id)
+        if lease is None:
+            return False
+        lease.reading += 1
+        lease.deadline = max(lease.deadline, self._clock() + read_seconds)
+        return True
+
     def reader_done(self, req_id: str, reader: str,
                     expected: int | None = None) -> list[int] | None:
         """Record one reader's notification; returns the blocks to free once all have read."""
@@ -69,6 +83,7 @@ class BlockLeases:
             log.info("duplicate notification for %s from %s ignored", req_id, reader)
             return None
         lease.readers.add(reader)
+        lease.reading = max(0, lease.reading - 1)
         if lease.expected is None:
             lease.expected = expected if expected is not None else 1
         if len(lease.readers) < lease.expected:

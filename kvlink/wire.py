@@ -127,6 +127,18 @@ class PushRequest(_Msg, tag="push", frozen=True):
     block_ids: list[int]
 
 
+class ReadIntent(_Msg, tag="read_intent", frozen=True):
+    """Pull mode: "I am about to READ req_id's blocks" — the producer pins them or refuses.
+
+    One-sided READs cannot be refused per request once posted, so this round trip is what stops
+    a decode from reading blocks whose lease expired and that may hold another request's KV.
+    """
+
+    engine_id: str
+    req_id: str
+    tp_rank: int
+
+
 class ErrorReply(_Msg, tag="error", frozen=True):
     code: str
     message: str
@@ -151,8 +163,8 @@ class Signed(_Msg, tag="signed", frozen=True):
 
 
 Message = (
-    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ErrorReply | Ack
-    | Challenge | Signed
+    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ReadIntent | ErrorReply
+    | Ack | Challenge | Signed
 )
 
 

@@ -26,6 +26,7 @@ from kvlink.headmap import HeadRead, map_heads, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.plan import Plan, plan_transfer
+from kvlink.scheduler import BlockLeases
 from kvlink.transport import (
     Op,
     Transport,
@@ -51,6 +52,7 @@ class WorkerConfig:
     handshake_timeout: float = 10.0
     serve: bool = True  # run a side channel server (producers, and consumers in push mode)
     secret: str | None = None  # shared side-channel secret (default: env KVLINK_SECRET)
+    announce_reads: bool = True  # pull: ask the producer to pin a request before READing it
     allow_insecure: bool = False  # bind an unauthenticated side channel on a non-loopback host
 
     def __post_init__(self) -> None:
@@ -132,6 +134,10 @@ class KVWorker:
         self._notif_lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
+        self._intents = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
+        #: producer side: when set, READs must be announced and are refused once leases expire
+        self.leases: BlockLeases | None = None
+        self.leases_lock = threading.Lock()
         self._secret = sidechannel.secret_from_env(config.secret)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
@@ -190,6 +196,16 @@ class KVWorker:
             with self._notif_lock:
                 self._side_notifs.append(msg)
             return wire.Ack(v=WIRE_VERSION)
+        if isinstance(msg, wire.ReadIntent):
+            with self.leases_lock:
+                ok = self.leases is None or self.leases.begin_read(msg.req_id)
+            if ok:
+                return wire.Ack(v=WIRE_VERSION)
+            log.warning("refused READ of %s by %s rank %d: not held (lease expired, aborted or "
+                        "never existed)", msg.req_id, msg.engine_id, msg.tp_rank)
+            return wire.ErrorReply(v=WIRE_VERSION, code="expired",
+                                   message=f"request {msg.req_id} is not held here (lease "
+                                   "expired or unknown); recompute it")
         if isinstance(msg, wire.PushRequest):
             with self._notif_lock:
                 self._push_inbox.append(msg)
@@ -236,6 +252,19 @@ class KVWorker:
                 fut = self._pool.submit(self._handshake, remote, rank)
                 self._peers[key] = fut
             return fut
+
+    def _intent(self, remote: RemoteEngine, rank: int, req_id: str) -> cf.Future[_Peer]:
+        """Handshake (if needed), then announce the READ; the future fails if it is refused."""
+        peer = self._peer(remote, rank)
+
+        def announce() -> _Peer:
+            ready = peer.result(timeout=self.config.handshake_timeout * 2)
+            sidechannel.request(remote.host, remote.port + rank, wire.ReadIntent(
+                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
+                tp_rank=self.config.tp_rank), self.config.handshake_timeout, self._secret)
+            return ready
+
+        return self._intents.submit(announce)
 
     def forget_peer(self, engine_id: str, rank: int) -> None:
         """Drop cached handshake state (after a failure, the next request handshakes again)."""
@@ -311,7 +340,9 @@ class KVWorker:
         if reads is None:
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
-        parts = [_Part(r, self._peer(remote, r.remote_rank)) for r in reads]
+        announce = op is Op.READ and self.config.announce_reads
+        parts = [_Part(r, self._intent(remote, r.remote_rank, req_id) if announce
+                       else self._peer(remote, r.remote_rank)) for r in reads]
         self._requests[req_id] = _Request(req_id, op, remote, lids, rids.astype(np.int64), parts,
                                           time.perf_counter())
 
@@ -347,8 +378,7 @@ class KVWorker:
                 return
             exc = part.future.exception()
             if exc is not None:
-                part.error = f"handshake with {req.remote.engine_id} rank " \
-                             f"{part.read.remote_rank}: {exc}"
+                part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {exc}"
                 return
             peer = part.future.result()
             try:
@@ -515,6 +545,7 @@ class KVWorker:
         if self._server is not None:
             self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._intents.shutdown(wait=False, cancel_futures=True)
         for t in self.transports.values():
             t.close()
         self.transports.clear()

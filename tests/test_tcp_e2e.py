@@ -132,8 +132,8 @@ def test_block_ids_bounds_checked_before_posting() -> None:
         remote = RemoteEngine("prefill", "127.0.0.1", plan.port)
         with pytest.raises(BlockIdOutOfRange, match="local block id 10000"):
             w.read("bad-local", remote, [10000], [0])
-        w.read("bad-remote", remote, [0], [123456])
-        ok, reason = wait_request(w, "bad-remote", 20)
+        w.read("req-0", remote, [0], [123456])  # a held request, but a block it cannot have
+        ok, reason = wait_request(w, "req-0", 20)
         assert not ok and "remote block id 123456" in reason
         assert w.transports["tcp"].stats.transfers == 0  # nothing was posted
     finally:
@@ -150,7 +150,7 @@ def test_producer_killed_mid_transfer_fails_within_timeout() -> None:
     try:
         serving.wait_ready(120)
         first = int(plan.decode_blocks(0)[0])
-        w.read("big", RemoteEngine("prefill", "127.0.0.1", plan.port),
+        w.read("req-0", RemoteEngine("prefill", "127.0.0.1", plan.port),
                plan.decode_blocks(0), plan.prefill_blocks(0))
         k_plane = np.asarray(layers[0])[0]
         deadline = time.monotonic() + 30
@@ -159,7 +159,7 @@ def test_producer_killed_mid_transfer_fails_within_timeout() -> None:
             assert time.monotonic() < deadline, "READ never started"
         serving.procs[0].kill()
         t0 = time.monotonic()
-        ok, reason = wait_request(w, "big", 15)
+        ok, reason = wait_request(w, "req-0", 15)
         if ok:
             pytest.skip("the 256 MiB READ finished before the kill landed; nothing to test")
         assert time.monotonic() - t0 < 9
@@ -308,3 +308,32 @@ def test_decode_killed_mid_write_fails_push_on_prefill() -> None:
         decode.kill()
         decode.join(10)
         prefill.close()
+
+
+def test_read_of_expired_lease_is_refused_and_touches_nothing() -> None:
+    """Lease expiry racing a READ: announced in time it is pinned and correct; announced after
+    expiry it is refused before anything is posted: freed (maybe reused) blocks are never read."""
+    lease = 0.5
+    plan = small_plan(requests=2, lease_seconds=lease)
+    serving = Serving(plan)
+    w, layers = consumer(plan)
+    try:
+        serving.wait_ready(120)
+        remote = RemoteEngine("prefill", "127.0.0.1", plan.port)
+        w.read("req-0", remote, plan.decode_blocks(0), plan.prefill_blocks(0))
+        t_read = time.monotonic()
+        ok, reason = wait_request(w, "req-0", 20)
+        assert ok, reason
+        assert data.verify(plan.geo, layers, 1, 0, plan.decode_blocks(0),
+                           plan.prefill_blocks(0)) == 0
+        # Leases are wall-clock: waiting them out is the behaviour under test, not a sync.
+        time.sleep(max(0.0, t_read + 3 * lease - time.monotonic()))
+        w.read("req-1", remote, plan.decode_blocks(1), plan.prefill_blocks(1))
+        ok, reason = wait_request(w, "req-1", 20)
+        assert not ok and "expired" in reason, reason
+        assert w.transports["tcp"].stats.transfers == 1  # the refused READ was never posted
+        k_plane = np.asarray(layers[0])[0]
+        assert not k_plane[plan.decode_blocks(1)].any()  # not a byte of req-1 landed
+    finally:
+        w.close()
+        serving.close()

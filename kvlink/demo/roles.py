@@ -84,13 +84,17 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     leases = BlockLeases(plan.lease_seconds)
     for i in range(plan.requests):
         leases.hold(f"req-{i}", plan.prefill_blocks(i).tolist())
+    worker.leases = leases  # READs are announced and refused once a lease has expired
     ready.put(("ready", rank, worker.side_port))
     try:
-        while not stop.is_set() and leases.stats.held:
-            for note in worker.notifications():
-                leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
-                                   worker.expected_readers(note.tp_size))
-            leases.expire()
+        # until every request was read; an expired one keeps us up until the parent stops us
+        while not stop.is_set() and leases.stats.released_done < plan.requests:
+            notes = worker.notifications()
+            with worker.leases_lock:
+                for note in notes:
+                    leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
+                                       worker.expected_readers(note.tp_size))
+                leases.expire()
             time.sleep(0.002)
     finally:
         ready.put(("served", rank, dataclasses.asdict(leases.stats)))
