@@ -78,6 +78,7 @@ class _Peer:
     spec: KVCacheSpec
     transport: Transport
     tp_size: int
+    endpoint: tuple[str, int]
 
 
 @dataclasses.dataclass
@@ -274,6 +275,22 @@ class KVWorker:
             peer = fut.result()
             peer.transport.disconnect(peer.agent)
 
+    def _drop_stale(self, endpoint: tuple[str, int], keep: tuple[str, int]) -> None:
+        """A new engine answers at an address an old one used: forget the old one's metadata."""
+        with self._peers_lock:
+            stale = [k for k, f in self._peers.items() if k != keep and f.done()
+                     and f.exception() is None and f.result().endpoint == endpoint]
+        for engine_id, rank in stale:
+            log.warning("engine %s rank %d was replaced at %s:%d; dropping its metadata",
+                        engine_id, rank, *endpoint)
+            self.forget_peer(engine_id, rank)
+
+    def connected_peers(self) -> list[str]:
+        """Agent names of peers with live handshake state."""
+        with self._peers_lock:
+            futs = list(self._peers.values())
+        return sorted(f.result().agent for f in futs if f.done() and f.exception() is None)
+
     def _handshake(self, remote: RemoteEngine, rank: int) -> _Peer:
         spec = self._require_spec()
         req = wire.HandshakeRequest(
@@ -312,7 +329,9 @@ class KVWorker:
                 continue
             log.info("peer %s rank %d (%s, %s host): transport %s", remote.engine_id, rank,
                      reply.agent_name, "same" if same_host else "other", name)
-            return _Peer(reply.agent_name, rspec, transport, reply.tp_size)
+            endpoint = (remote.host, remote.port + rank)
+            self._drop_stale(endpoint, (remote.engine_id, rank))
+            return _Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint)
         raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
                              + "; ".join(reasons))
 

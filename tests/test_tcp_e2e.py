@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_unknown_transport_in_worker_config() -> None:
         w.register(KVCacheSpec.from_arrays([arr]))
 
 
-def test_unreachable_side_channel_fails_request_quickly() -> None:
+@pytest.mark.fault("side channel unreachable (nothing listening)")
+def test_unreachable_side_channel_fails_request_quickly(observed: Callable[[str], None]) -> None:
     plan = small_plan()
     w, _ = consumer(plan, handshake_timeout=0.5)
     try:
@@ -101,13 +103,15 @@ def test_unreachable_side_channel_fails_request_quickly() -> None:
         t0 = time.monotonic()
         w.read("r0", RemoteEngine("prefill", "127.0.0.1", port), [0], [0])
         ok, reason = wait_request(w, "r0", 10)
+        observed(f"request failed after {time.monotonic() - t0:.1f}s: {reason}")
         assert not ok and time.monotonic() - t0 < 5
         assert f"127.0.0.1:{port}" in reason and "0.5s" in reason
     finally:
         w.close()
 
 
-def test_geometry_mismatch_named_at_handshake() -> None:
+@pytest.mark.fault("decode geometry differs from prefill (head_dim 16 vs 32)")
+def test_geometry_mismatch_named_at_handshake(observed: Callable[[str], None]) -> None:
     plan = small_plan(requests=1)
     serving = Serving(plan)
     other = dataclasses.replace(plan, geo=dataclasses.replace(SMALL, head_dim=16))
@@ -116,6 +120,7 @@ def test_geometry_mismatch_named_at_handshake() -> None:
         serving.wait_ready(120)
         w.read("r0", RemoteEngine("prefill", "127.0.0.1", plan.port), [0], [0])
         ok, reason = wait_request(w, "r0", 20)
+        observed(reason)
         assert not ok
         assert "head_dim: local=16 remote=32" in reason
     finally:
@@ -123,7 +128,8 @@ def test_geometry_mismatch_named_at_handshake() -> None:
         serving.close()
 
 
-def test_block_ids_bounds_checked_before_posting() -> None:
+@pytest.mark.fault("block ids out of range (local and remote)")
+def test_block_ids_bounds_checked_before_posting(observed: Callable[[str], None]) -> None:
     plan = small_plan(requests=1)
     serving = Serving(plan)
     w, _ = consumer(plan)
@@ -134,6 +140,8 @@ def test_block_ids_bounds_checked_before_posting() -> None:
             w.read("bad-local", remote, [10000], [0])
         w.read("req-0", remote, [0], [123456])  # a held request, but a block it cannot have
         ok, reason = wait_request(w, "req-0", 20)
+        observed(f"local: BlockIdOutOfRange raised at read(); remote: {reason}; "
+                 "transfers posted: 0")
         assert not ok and "remote block id 123456" in reason
         assert w.transports["tcp"].stats.transfers == 0  # nothing was posted
     finally:
@@ -141,7 +149,8 @@ def test_block_ids_bounds_checked_before_posting() -> None:
         serving.close()
 
 
-def test_producer_killed_mid_transfer_fails_within_timeout() -> None:
+@pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
+def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)
     plan = DemoPlan(geo=geo, requests=1, tokens=8192, port=free_port_range(1),
                     cache_bytes=512 << 20, timeout=20.0)
@@ -160,6 +169,7 @@ def test_producer_killed_mid_transfer_fails_within_timeout() -> None:
         serving.procs[0].kill()
         t0 = time.monotonic()
         ok, reason = wait_request(w, "req-0", 15)
+        observed(f"READ FAILED after {time.monotonic() - t0:.2f}s: {reason}")
         if ok:
             pytest.skip("the 256 MiB READ finished before the kill landed; nothing to test")
         assert time.monotonic() - t0 < 9
@@ -176,7 +186,8 @@ def _transport(name: str) -> tuple[TcpTransport, np.ndarray]:
     return t, buf
 
 
-def test_server_refuses_ranges_it_never_offered() -> None:
+@pytest.mark.fault("peer requests memory it was never offered (forged descriptor)")
+def test_server_refuses_ranges_it_never_offered(observed: Callable[[str], None]) -> None:
     """A client lying about the peer's regions still cannot read outside them: the server checks."""
     a, abuf = _transport("a")
     b, bbuf = _transport("b")
@@ -196,6 +207,7 @@ def test_server_refuses_ranges_it_never_offered() -> None:
                    make_extents([base + abuf.nbytes], [4096]))
         st = b.wait(h, 10)
         assert st.status is XferStatus.FAILED and "outside" in st.reason
+        observed(f"READ refused by the owner: {st.reason}")
         h = b.post(Op.WRITE, "a", make_extents([bptr], [4096]),
                    make_extents([base + abuf.nbytes - 100], [4096]))
         st = b.wait(h, 10)
@@ -250,7 +262,8 @@ def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:
     assert all(s["push_failed"] == 0 for s in res["prefill_leases"].values())
 
 
-def test_push_times_out_when_nobody_writes() -> None:
+@pytest.mark.fault("push mode: prefill never writes")
+def test_push_times_out_when_nobody_writes(observed: Callable[[str], None]) -> None:
     plan = small_plan()
     _buf, layers = data.allocate(plan.geo, 8, 1, 0)
     w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
@@ -262,6 +275,7 @@ def test_push_times_out_when_nobody_writes() -> None:
         w.expect_push("r0", RemoteEngine("prefill", "127.0.0.1", idle.side_port), [0, 1],
                       timeout=0.5)
         ok, reason = wait_request(w, "r0", 10)
+        observed(reason)
         assert not ok and "did not push" in reason
         assert [m.req_id for m in idle.push_requests()] == ["r0"]
     finally:
@@ -269,7 +283,8 @@ def test_push_times_out_when_nobody_writes() -> None:
         idle.close()
 
 
-def test_decode_killed_mid_write_fails_push_on_prefill() -> None:
+@pytest.mark.fault("decode killed mid-WRITE (push, 256 MiB in flight)")
+def test_decode_killed_mid_write_fails_push_on_prefill(observed: Callable[[str], None]) -> None:
     import multiprocessing as mp
 
     from kvlink.demo.roles import pull_rank
@@ -299,6 +314,8 @@ def test_decode_killed_mid_write_fails_push_on_prefill() -> None:
         decode.kill()
         t0 = time.monotonic()
         ok, reason = wait_request(prefill, key, 15)
+        observed(f"WRITE FAILED on prefill after {time.monotonic() - t0:.2f}s: {reason}; "
+                 f"still in flight on prefill: {prefill.pending()}")
         if ok:
             pytest.skip("the 256 MiB WRITE finished before the kill landed; nothing to test")
         assert time.monotonic() - t0 < 9
@@ -310,9 +327,11 @@ def test_decode_killed_mid_write_fails_push_on_prefill() -> None:
         prefill.close()
 
 
-def test_read_of_expired_lease_is_refused_and_touches_nothing() -> None:
-    """Lease expiry racing a READ: announced in time it is pinned and correct; announced after
-    expiry it is refused before anything is posted: freed (maybe reused) blocks are never read."""
+@pytest.mark.fault("lease expired before the decode READ")
+def test_read_of_expired_lease_is_refused_and_touches_nothing(
+        observed: Callable[[str], None]) -> None:
+    """Lease expiry racing a READ: announced in time it is pinned and correct; announced
+    after expiry it is refused before anything is posted: freed blocks are never read."""
     lease = 0.5
     plan = small_plan(requests=2, lease_seconds=lease)
     serving = Serving(plan)
@@ -330,6 +349,7 @@ def test_read_of_expired_lease_is_refused_and_touches_nothing() -> None:
         time.sleep(max(0.0, t_read + 3 * lease - time.monotonic()))
         w.read("req-1", remote, plan.decode_blocks(1), plan.prefill_blocks(1))
         ok, reason = wait_request(w, "req-1", 20)
+        observed(f"READ refused before posting: {reason}")
         assert not ok and "expired" in reason, reason
         assert w.transports["tcp"].stats.transfers == 1  # the refused READ was never posted
         k_plane = np.asarray(layers[0])[0]

@@ -1,0 +1,144 @@
+"""Faults on the control path: slow peers, restarted peers, stray notifications, who may connect."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import zmq
+
+from kvlink import sidechannel, wire
+from kvlink.compat import WIRE_VERSION
+from kvlink.demo import data
+from kvlink.errors import AuthError, ConfigError
+from kvlink.scheduler import BlockLeases
+from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+GEO = data.Geometry(layers=2, kv_heads=2, head_dim=8, block_size=4)
+
+
+def make(engine: str, seed: int = 0, **cfg: object) -> tuple[KVWorker, list[object]]:
+    _buf, layers = data.allocate(GEO, 8, 1, 0)
+    _buf[:] = np.random.default_rng(seed).integers(0, 2**16, _buf.shape, dtype=np.uint16)
+    w = KVWorker(WorkerConfig(engine_id=engine, **cfg))  # type: ignore[arg-type]
+    w.register(data.spec_of(GEO, layers, 1, 0))
+    w._keep = _buf  # type: ignore[attr-defined]
+    return w, layers
+
+
+def wait(w: KVWorker, req: str, timeout: float = 20) -> tuple[bool, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = w.poll()
+        if req in done:
+            return True, ""
+        if req in failed:
+            return False, failed[req]
+    raise AssertionError(f"{req} did not finish in {timeout}s")
+
+
+@pytest.mark.fault("side channel accepts but never answers (slow / hung peer)")
+def test_hung_side_channel_times_out(observed: Callable[[str], None]) -> None:
+    ctx = zmq.Context.instance()
+    sink = ctx.socket(zmq.ROUTER)  # reads requests, never replies
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    w, _ = make("d", serve=False, handshake_timeout=0.5)
+    try:
+        t0 = time.monotonic()
+        w.read("r", RemoteEngine("p", "127.0.0.1", port), [0], [0])
+        ok, reason = wait(w, "r")
+        observed(f"failed after {time.monotonic() - t0:.2f}s: {reason}")
+        assert not ok and "within 0.5s" in reason and time.monotonic() - t0 < 3
+    finally:
+        w.close()
+        sink.close(0)
+
+
+@pytest.mark.fault("prefill restarted at the same host:port with a new engine id")
+def test_restarted_producer_stale_metadata_dropped(observed: Callable[[str], None]) -> None:
+    old, _ = make("p-old", seed=1)
+    port = old.side_port
+    d, layers = make("d", serve=False)
+    try:
+        d.read("a", RemoteEngine("p-old", "127.0.0.1", port), [0], [0])
+        assert wait(d, "a")[0]
+        old_agent = d.connected_peers()[0]
+        old.close()
+        new, new_layers = make("p-new", seed=2, side_port=port)
+        try:
+            d.read("b", RemoteEngine("p-new", "127.0.0.1", port), [1, 2], [1, 2])
+            assert wait(d, "b")[0]
+            assert old_agent not in d.connected_peers()  # stale metadata dropped
+            got = np.asarray(layers[0])[:, [1, 2]]
+            assert np.array_equal(got, np.asarray(new_layers[0])[:, [1, 2]])  # new bytes
+            d.read("c", RemoteEngine("p-old", "127.0.0.1", port), [3], [3])
+            ok, reason = wait(d, "c")
+            observed(f"read from the new engine used its metadata; a read addressed to the old "
+                     f"engine id failed: {reason}")
+            assert not ok and "p-new" in reason and "expected 'p-old'" in reason
+        finally:
+            new.close()
+    finally:
+        d.close()
+
+
+@pytest.mark.fault("duplicate, late and unknown notifications")
+def test_stray_notifications_are_counted_not_applied(observed: Callable[[str], None]) -> None:
+    p, _ = make("p")
+    leases = BlockLeases(60)
+    leases.hold("r1", [0, 1])
+    p.leases = leases
+    try:
+        def note(req: str) -> None:
+            sidechannel.request("127.0.0.1", p.side_port, wire.Notification(
+                v=WIRE_VERSION, engine_id="d", req_id=req, tp_rank=0, tp_size=1), 5)
+
+        for req in ("r1", "r1", "ghost", "r1"):  # done, duplicate, unknown, late
+            note(req)
+        freed = []
+        for n in p.notifications():
+            freed.append(leases.reader_done(n.req_id, f"{n.engine_id}/{n.tp_rank}", 1))
+        observed(f"freed once {freed.count([0, 1])}x; stats {leases.stats}")
+        assert freed == [[0, 1], None, None, None]
+        assert leases.stats.duplicate_notifications == 0  # r1 was gone: late ones are unknown
+        assert leases.stats.unknown_notifications == 3 and leases.stats.held_blocks == 0
+    finally:
+        p.close()
+
+
+@pytest.mark.fault("peer without the shared secret, with a wrong one, and a replayed nonce")
+def test_side_channel_authentication(observed: Callable[[str], None]) -> None:
+    p, _ = make("p", secret="s3cret")
+    try:
+        hs = wire.HandshakeRequest(v=WIRE_VERSION, engine_id="d", agent_name="d/0", tp_rank=0,
+                                   tp_size=1, host_id="h", compat="")
+        with pytest.raises(AuthError, match="not signed") as e1:
+            sidechannel.request("127.0.0.1", p.side_port, hs, 5)
+        with pytest.raises(AuthError, match="bad HMAC") as e2:
+            sidechannel.request("127.0.0.1", p.side_port, hs, 5, secret=b"wrong")
+        ok = sidechannel.request("127.0.0.1", p.side_port, hs, 5, secret=b"s3cret")
+        assert isinstance(ok, wire.HandshakeResponse)
+        # replay: capture a signed message and send it twice
+        nonce = sidechannel._exchange("127.0.0.1", p.side_port,
+                                      wire.Challenge(v=WIRE_VERSION, nonce=b""), 5)
+        assert isinstance(nonce, wire.Challenge)
+        body = wire.encode(hs)
+        signed = wire.Signed(v=WIRE_VERSION, nonce=nonce.nonce,
+                             mac=sidechannel._mac(b"s3cret", nonce.nonce, body), body=body)
+        assert isinstance(sidechannel._exchange("127.0.0.1", p.side_port, signed, 5),
+                          wire.HandshakeResponse)
+        with pytest.raises(AuthError, match="replayed") as e3:
+            sidechannel.request("127.0.0.1", p.side_port, signed, 5)
+        observed(f"no secret: {e1.value}; wrong secret: {e2.value}; replay: {e3.value}")
+    finally:
+        p.close()
+
+
+def test_unauthenticated_non_loopback_bind_refused() -> None:
+    with pytest.raises(ConfigError, match="refusing to bind an unauthenticated side channel"):
+        sidechannel.SideChannelServer("0.0.0.0", 0, lambda m: wire.Ack(v=WIRE_VERSION))
+    srv = sidechannel.SideChannelServer("0.0.0.0", 0, lambda m: wire.Ack(v=WIRE_VERSION),
+                                        secret=b"x")
+    srv.close()
