@@ -1,0 +1,684 @@
+"""``mooncake``: one-sided READ/WRITE through the Mooncake Transfer Engine.
+
+One ``mooncake.engine.TransferEngine`` per transport instance, initialised with metadata
+``P2PHANDSHAKE`` (no etcd: peers find each other by the engine's session id ``host:rpc_port``)
+and protocol ``tcp`` (default) or ``rdma``. Registered regions go to ``register_memory``. The
+descriptor a peer gets is a versioned msgspec struct: the session id, the protocol and the table of
+registered regions, which bounds every remote extent we later post against that peer (local
+extents are bounded by our own table); both checks run before anything is posted and raise
+:class:`~kvlink.errors.ExtentOutOfBounds`.
+
+**Posting.** One :meth:`MooncakeTransport.post` is split into sub-batches (at most ``sub_batch``
+entries and ``sub_batch_bytes`` bytes each) that go to ``batch_transfer_async_write`` /
+``batch_transfer_async_read``. The engine's TCP path refuses entries beyond ~1024 queued per
+peer ("TCP lane queue-full rejection"), so each peer keeps at most ``max_inflight_per_peer``
+entries in flight (default 1024, or ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when set) and
+submits the next sub-batch as earlier ones complete.
+
+**Completion.** The engine's Python API has no non-blocking batch status:
+``get_batch_transfer_status`` spins (GIL released) until the batch completes, fails or times
+out, and ``transfer_check_status`` only looks at entry 0. So every peer gets one thread that
+submits its sub-batches and waits on the oldest one; :meth:`poll` only reads the state that
+thread recorded and never blocks.
+
+**Failures.** A failed sub-batch is probed (``send_probe``): a peer that does not answer fails
+every transfer queued for it at once; otherwise the sub-batch is resubmitted (re-writing the same
+bytes is harmless) up to ``max_retries`` times with exponential backoff from ``retry_backoff_s``.
+A handle never completes half-applied: if any sub-batch fails for good, the whole handle is
+FAILED, its unsent sub-batches are dropped and the state is reported once its other in-flight
+sub-batches have returned. An engine call that has not returned within ``timeout_s`` (a hung
+peer) fails every transfer of that peer at the next :meth:`poll`; the engine's own timeout
+(``MC_TRANSFER_TIMEOUT``, set from ``timeout_s`` unless already set, minimum 5 s) later frees the
+thread. Bytes of such a transfer may still land after FAILED is reported — only in this case.
+
+**Notifications.** The engine has none usable here (``native_notifications=False``): the kvlink
+worker sends them over its side channel; :meth:`notify` raises and :meth:`notifications` is empty.
+
+Options: ``protocol`` ("tcp" | "rdma"), ``device_name`` (RDMA NIC filter, e.g. "mlx5_0"; empty =
+all), ``metadata_server`` (default "P2PHANDSHAKE"), ``timeout_s`` (30), ``max_inflight_per_peer``
+(1024), ``sub_batch`` (entries per engine batch, default ``max_inflight_per_peer // 4``),
+``sub_batch_bytes`` (256 MiB), ``max_retries`` (5), ``retry_backoff_s`` (0.01), ``location``
+(``register_memory`` location of cpu regions, default "*": the engine detects the NUMA node),
+``probe`` (check the peer answers at :meth:`connect`, default True), ``quiet`` (default True:
+sets ``GLOG_minloglevel=1`` unless already set, before the engine loads, so its per-batch INFO
+lines stay out of the log).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.errors import (
+    ConfigError,
+    TransferError,
+    TransportUnavailable,
+    WireError,
+    WireVersionError,
+)
+from kvlink.transport import (
+    DONE,
+    PENDING,
+    Capabilities,
+    Extents,
+    Op,
+    Region,
+    RegionTable,
+    Transport,
+    TransportContext,
+    XferState,
+    XferStatus,
+    check_pairs,
+)
+
+log = logging.getLogger("kvlink.mooncake")
+
+PIP_HINT = (
+    "pip install 'kvlink[mooncake]'  (or: pip install mooncake-transfer-engine-non-cuda;"
+    " it needs libibverbs1: apt-get install libibverbs1)"
+)
+_VERSION = 1
+_MAX_DESCRIPTOR = 64 << 20
+_MAX_REGIONS = 1 << 16
+_PROTOCOLS = ("tcp", "rdma")
+
+
+# ----------------------------------------------------------------------------- wire format
+
+
+class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    v: int
+    agent: str
+    session: str  # engine session id: host:rpc_port
+    protocol: str
+    regions: list[tuple[int, int, str]]
+
+
+class _Version(msgspec.Struct):
+    v: int
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(_Descriptor)
+_vdec = msgspec.msgpack.Decoder(_Version)
+
+
+def _decode_descriptor(buf: bytes) -> _Descriptor:
+    if len(buf) > _MAX_DESCRIPTOR:
+        raise WireError(f"mooncake descriptor of {len(buf)} bytes exceeds {_MAX_DESCRIPTOR}")
+    try:
+        version = _vdec.decode(buf).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed mooncake descriptor: {exc}") from exc
+    if version != _VERSION:
+        raise WireVersionError(
+            f"mooncake descriptor version {version} is not supported (this build speaks {_VERSION})"
+        )
+    try:
+        desc = _dec.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed mooncake descriptor: {exc}") from exc
+    host, _, port = desc.session.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise WireError(f"mooncake descriptor session {desc.session!r} is not host:port")
+    if desc.protocol not in _PROTOCOLS:
+        raise WireError(
+            f"mooncake descriptor protocol {desc.protocol!r} is not one of {_PROTOCOLS}"
+        )
+    if len(desc.regions) > _MAX_REGIONS:
+        raise WireError(
+            f"mooncake descriptor offers {len(desc.regions)} regions (max {_MAX_REGIONS})"
+        )
+    for addr, nbytes, device in desc.regions:
+        if not (0 < addr < 1 << 64 and 0 < nbytes < 1 << 64 and addr + nbytes < 1 << 64):
+            raise WireError(f"mooncake descriptor region [{addr:#x}, +{nbytes}) is invalid")
+        _location(device, "cpu", WireError)
+    return desc
+
+
+def _location(device: str, cpu_location: str, exc: type[Exception] = ConfigError) -> str:
+    """Region.device -> register_memory location: cpu -> the ``location`` option, cuda:N."""
+    kind, _, idx = device.partition(":")
+    if kind == "cpu" and not idx:
+        return cpu_location
+    if kind == "cuda" and (not idx or idx.isdigit()):
+        return f"cuda:{int(idx or 0)}"
+    raise exc(f"region device {device!r} is not 'cpu' or 'cuda:N'")
+
+
+def _import_engine(quiet: bool) -> Any:
+    if quiet:
+        os.environ.setdefault("GLOG_minloglevel", "1")  # read once, when engine.so loads
+    try:
+        from mooncake import engine
+    except ImportError as exc:
+        raise TransportUnavailable(
+            f"the mooncake transport needs the Mooncake Transfer Engine ({exc}); install it with "
+            f"`{PIP_HINT}`"
+        ) from exc
+    return engine
+
+
+def split_bounds(lengths: npt.NDArray[np.uint64], max_entries: int, max_bytes: int) -> list[int]:
+    """Cut points [0, ..., n] so each piece has <= max_entries entries and <= max_bytes bytes
+    (a single entry larger than max_bytes gets a piece of its own)."""
+    n = int(lengths.shape[0])
+    cs = np.cumsum(lengths, dtype=np.uint64)
+    cuts, i = [0], 0
+    while i < n:
+        base = int(cs[i - 1]) if i else 0
+        j = int(np.searchsorted(cs, np.uint64(base + max_bytes), side="right"))
+        j = min(max(j, i + 1), i + max_entries, n)
+        cuts.append(j)
+        i = j
+    return cuts
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+@dataclasses.dataclass(eq=False)
+class _Xfer:
+    op: Op
+    peer: _Peer
+    local: Extents
+    remote: Extents
+    nbytes: int
+    t_post: float
+    queued: int = 0  # sub-batches not yet handed to the engine
+    inflight: int = 0  # sub-batches handed to the engine and not yet returned
+    done_subs: int = 0  # sub-batches completed
+    failure: str | None = None
+    state: XferState = PENDING
+
+
+@dataclasses.dataclass(eq=False)
+class _Sub:
+    xfer: _Xfer
+    lo: int
+    hi: int
+    attempts: int = 0
+    not_before: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return self.hi - self.lo
+
+
+class _Peer:
+    """One peer: its offered regions, its sub-batch queue and the thread that drives them."""
+
+    def __init__(self, owner: MooncakeTransport, name: str, desc: _Descriptor) -> None:
+        self.owner, self.name, self.desc = owner, name, desc
+        self.session = desc.session
+        self.table = RegionTable([Region(a, n, d) for a, n, d in desc.regions])
+        self.cv = threading.Condition(owner._lock)
+        self.queue: collections.deque[_Sub] = collections.deque()
+        self.window: collections.deque[tuple[int, _Sub]] = collections.deque()
+        self.window_entries = 0
+        self.xfers: set[_Xfer] = set()
+        self.call_since: float | None = None  # start of the engine call in progress
+        self.closed = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"kvlink-mooncake-{name}", daemon=True
+        )
+        self.thread.start()
+
+    def where(self) -> str:
+        return f"peer {self.name} ({self.session})"
+
+    # -- called with the lock held
+    def enqueue(self, xfer: _Xfer, cuts: list[int]) -> None:
+        if self.closed:
+            raise TransferError(f"mooncake: {self.where()} is disconnected")
+        self.xfers.add(xfer)
+        for lo, hi in itertools.pairwise(cuts):
+            self.queue.append(_Sub(xfer, lo, hi))
+        xfer.queued = len(cuts) - 1
+        self.cv.notify()
+
+    def fail_all(self, reason: str, now: bool = False) -> None:
+        """Fail every pending transfer of this peer (``now``: without waiting for in-flight)."""
+        for x in list(self.xfers):
+            if x.failure is None:
+                x.failure = reason
+            self.owner._settle(x, force=now)
+        self.cv.notify()
+
+    # -- the thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave handles PENDING behind a dead thread
+            log.exception("mooncake: thread of %s died", self.where())
+            with self.cv:
+                self.call_since = None
+                self.closed = True
+                self.fail_all(f"mooncake: thread of {self.where()} died: {exc!r}", now=True)
+
+    def _loop(self) -> None:
+        owner, engine = self.owner, self.owner._engine
+        cap = owner.max_inflight
+        while True:
+            sub: _Sub | None = None
+            with self.cv:
+                while True:
+                    self._drop_dead()
+                    now = time.monotonic()
+                    if self.queue and (
+                        not self.window or self.window_entries + self.queue[0].n <= cap
+                    ):
+                        head = self.queue[0]
+                        if head.not_before <= now:
+                            sub = self.queue.popleft()
+                            sub.xfer.queued -= 1
+                            sub.xfer.inflight += 1
+                            break
+                        if not self.window:
+                            self.cv.wait(head.not_before - now)
+                            continue
+                    if self.window:
+                        break  # wait for the oldest sub-batch outside the lock
+                    if self.closed:
+                        return
+                    self.cv.wait()
+                self.call_since = now
+            if sub is not None:
+                x = sub.xfer
+                bid, why = owner._submit(
+                    x.op, self.session, x.local[sub.lo : sub.hi], x.remote[sub.lo : sub.hi]
+                )
+                if bid:
+                    with self.cv:
+                        self.call_since = None
+                        self.window.append((bid, sub))
+                        self.window_entries += sub.n
+                    continue
+                self._failed(sub, why)
+                continue
+            bid, sub = self.window[0]  # only this thread adds to or takes from the window
+            try:
+                rc = int(engine.get_batch_transfer_status([bid]))
+            except Exception as exc:  # the binding raising is a failed batch, not a dead thread
+                rc, why = -1, repr(exc)
+            else:
+                why = f"engine status {rc}"
+            with self.cv:
+                self.window.popleft()
+                self.window_entries -= sub.n
+                if rc == 0:
+                    self.call_since = None
+                    sub.xfer.inflight -= 1
+                    sub.xfer.done_subs += 1
+                    owner._settle(sub.xfer)
+                    continue
+            self._failed(sub, why)
+
+    def _drop_dead(self) -> None:
+        while self.queue and (
+            self.queue[0].xfer.failure is not None or self.queue[0].xfer.state is not PENDING
+        ):
+            sub = self.queue.popleft()
+            sub.xfer.queued -= 1
+            self.owner._settle(sub.xfer)
+
+    def _failed(self, sub: _Sub, why: str) -> None:
+        """A sub-batch failed (``call_since`` still set): retry it, or fail its transfer."""
+        owner, x = self.owner, sub.xfer
+        what = (
+            f"{x.op.value} sub-batch of {sub.n} entries (extents {sub.lo}..{sub.hi - 1} of "
+            f"{x.local.shape[0]})"
+        )
+        alive = not self.closed and sub.attempts < owner.max_retries and x.failure is None
+        probe = 0
+        if alive:
+            try:
+                probe = int(owner._engine.send_probe(self.session))
+            except Exception as exc:
+                probe, why = -1, f"{why}; probe raised {exc!r}"
+        with self.cv:
+            self.call_since = None
+            x.inflight -= 1
+            if x.failure is not None or x.state is not PENDING:
+                owner._settle(x)
+            elif probe != 0:
+                log.warning(
+                    "mooncake: %s: %s failed (%s) and the peer does not answer "
+                    "(probe %d); failing its %d transfer(s)",
+                    self.where(),
+                    what,
+                    why,
+                    probe,
+                    len(self.xfers),
+                )
+                self.fail_all(
+                    f"mooncake: {self.where()} does not answer (probe {probe}) "
+                    f"after a failed {what}: {why}"
+                )
+            elif not alive:
+                tries = sub.attempts + 1
+                x.failure = (
+                    f"mooncake: {what} to {self.where()} failed {tries} time(s); "
+                    f"last: {why}" + ("" if not self.closed else "; disconnected")
+                )
+                owner._settle(x)
+            else:
+                sub.attempts += 1
+                delay = owner.retry_backoff * 2 ** (sub.attempts - 1)
+                log.info(
+                    "mooncake: %s: %s failed (%s); retry %d/%d in %.3fs",
+                    self.where(),
+                    what,
+                    why,
+                    sub.attempts,
+                    owner.max_retries,
+                    delay,
+                )
+                sub.not_before = time.monotonic() + delay
+                self.queue.appendleft(sub)
+                x.queued += 1
+
+
+# ----------------------------------------------------------------------------- the transport
+
+
+def _opt_int(opts: Mapping[str, Any], key: str, default: int, lo: int) -> int:
+    value = opts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"mooncake option {key} must be an integer >= {lo}: {value!r}")
+    return value
+
+
+def _opt_float(opts: Mapping[str, Any], key: str, default: float, lo: float) -> float:
+    value = opts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= lo:
+        raise ConfigError(f"mooncake option {key} must be a number >= {lo}: {value!r}")
+    return float(value)
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+    capabilities = Capabilities(
+        ops=frozenset({Op.READ, Op.WRITE}),
+        memory_kinds=frozenset({"cpu", "cuda"}),  # cuda regions need a CUDA build of the engine
+        same_host_only=False,
+        native_notifications=False,
+    )
+
+    def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(ctx, options)
+        opts = self.options
+        self.protocol = str(opts.get("protocol", "tcp"))
+        if self.protocol not in _PROTOCOLS:
+            raise ConfigError(
+                f"mooncake option protocol must be one of {_PROTOCOLS}: {self.protocol!r}"
+            )
+        self.device_name = str(opts.get("device_name", ""))
+        self.metadata_server = str(opts.get("metadata_server", "P2PHANDSHAKE"))
+        self.timeout = _opt_float(opts, "timeout_s", 30.0, 0.001)
+        env_cap = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "")
+        default_cap = int(env_cap) if self.protocol == "tcp" and env_cap.isdigit() else 1024
+        self.max_inflight = _opt_int(opts, "max_inflight_per_peer", max(default_cap, 1), 1)
+        self.sub_batch = min(
+            _opt_int(opts, "sub_batch", max(self.max_inflight // 4, 1), 1), self.max_inflight
+        )
+        self.sub_batch_bytes = _opt_int(opts, "sub_batch_bytes", 256 << 20, 1)
+        self.max_retries = _opt_int(opts, "max_retries", 5, 0)
+        self.retry_backoff = _opt_float(opts, "retry_backoff_s", 0.01, 0.0)
+        self._cpu_location = str(opts.get("location", "*"))
+        self._probe = bool(opts.get("probe", True))
+        if self.protocol == "tcp" and env_cap.isdigit() and self.max_inflight > int(env_cap):
+            log.warning(
+                "mooncake: max_inflight_per_peer=%d exceeds the engine's "
+                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=%s; expect queue-full retries",
+                self.max_inflight,
+                env_cap,
+            )
+        host = ctx.advertise_host or ctx.host
+        if host in ("", "0.0.0.0", "::"):
+            raise TransportUnavailable(
+                f"mooncake publishes its own address and cannot use "
+                f"{host!r}; set advertise_host to this host's address"
+            )
+        self._mod = _import_engine(bool(opts.get("quiet", True)))
+        # the binding reads its batch timeout once, in the constructor
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(self.timeout))))
+        self._engine: Any = self._mod.TransferEngine()
+        rc = self._engine.initialize(host, self.metadata_server, self.protocol, self.device_name)
+        if rc != 0:
+            raise TransportUnavailable(
+                f"mooncake TransferEngine.initialize({host!r}, {self.metadata_server!r}, "
+                f"{self.protocol!r}, {self.device_name!r}) failed with {rc}"
+            )
+        self.session = f"{host}:{int(self._engine.get_rpc_port())}"
+        self._lock = threading.Lock()
+        self._regions: tuple[Region, ...] = ()
+        self._table = RegionTable(())
+        self._xfers: dict[int, _Xfer] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._handles = itertools.count(1)
+        self._closed = False
+        log.info(
+            "mooncake engine %s (%s, metadata %s)",
+            self.session,
+            self.protocol,
+            self.metadata_server,
+        )
+
+    # ------------------------------------------------------------------ contract
+    def register(self, regions: Sequence[Region]) -> None:
+        regions = list(regions)
+        locations = [_location(r.device, self._cpu_location) for r in regions]
+        if any(loc.startswith("cuda") for loc in locations) and not getattr(
+            self._mod, "SUPPORT_CUDA", False
+        ):
+            raise TransportUnavailable(
+                "this Mooncake build has no CUDA support (mooncake-transfer-engine-non-cuda); "
+                "use host staging (kv_buffer_device='cpu') or pip install "
+                "mooncake-transfer-engine"
+            )
+        table = RegionTable(self._regions + tuple(regions))  # rejects overlaps before any work
+        done: list[int] = []
+        for r, loc in zip(regions, locations):
+            rc = self._engine.register_memory(r.addr, r.nbytes, loc)
+            if rc != 0:
+                for addr in done:
+                    self._engine.unregister_memory(addr)
+                raise TransportUnavailable(
+                    f"mooncake register_memory([{r.addr:#x}, +{r.nbytes}), {loc!r}) "
+                    f"failed with {rc}"
+                )
+            done.append(r.addr)
+        with self._lock:
+            self._regions = self._regions + tuple(regions)
+            self._table = table
+
+    def descriptor(self) -> bytes:
+        return _enc.encode(
+            _Descriptor(
+                v=_VERSION,
+                agent=self.ctx.agent_name,
+                session=self.session,
+                protocol=self.protocol,
+                regions=[(r.addr, r.nbytes, r.device) for r in self._regions],
+            )
+        )
+
+    def unreachable_reason(self, peer_descriptor: bytes, same_host: bool) -> str | None:
+        try:
+            desc = _decode_descriptor(peer_descriptor)
+        except WireError as exc:
+            return str(exc)
+        if desc.protocol != self.protocol:
+            return f"peer speaks mooncake protocol {desc.protocol!r}, we speak {self.protocol!r}"
+        return super().unreachable_reason(peer_descriptor, same_host)
+
+    def connect(self, peer: str, descriptor: bytes) -> None:
+        desc = _decode_descriptor(descriptor)
+        if desc.protocol != self.protocol:
+            raise TransportUnavailable(
+                f"mooncake peer {peer} speaks {desc.protocol!r}, we speak {self.protocol!r}"
+            )
+        if self._probe:
+            rc = int(self._engine.send_probe(desc.session))
+            if rc != 0:
+                raise TransportUnavailable(
+                    f"mooncake peer {peer} at {desc.session} does not "
+                    f"answer (send_probe returned {rc})"
+                )
+        with self._lock:
+            if self._closed:
+                raise TransportUnavailable("mooncake transport is closed")
+            old = self._peers.pop(peer, None)
+            self._peers[peer] = _Peer(self, peer, desc)
+            if old is not None:
+                old.closed = True
+                old.fail_all(f"mooncake: peer {peer} reconnected")
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            old = self._peers.pop(peer, None)
+            if old is not None:
+                old.closed = True
+                old.fail_all(f"mooncake: peer {peer} disconnected")
+
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+    ) -> int:
+        t0 = time.perf_counter()
+        if notify is not None:
+            raise TransportUnavailable(
+                "mooncake has no native notifications; send them over "
+                "the side channel (the kvlink worker does)"
+            )
+        check_pairs(local, remote)
+        with self._lock:
+            if self._closed:
+                raise TransportUnavailable("mooncake transport is closed")
+            p = self._peers.get(peer)
+            if p is None:
+                raise TransferError(f"mooncake: peer {peer!r} is not connected")
+            self._table.locate(local, "local extent")
+            p.table.locate(remote, "remote extent")
+            n = int(local.shape[0])
+            x = _Xfer(
+                op,
+                p,
+                np.ascontiguousarray(local),
+                np.ascontiguousarray(remote),
+                int(local["len"].sum()) if n else 0,
+                t0,
+            )
+            handle = next(self._handles)
+            self._xfers[handle] = x
+            if n == 0:
+                self._finish(x, DONE)
+            else:
+                p.enqueue(x, split_bounds(x.local["len"], self.sub_batch, self.sub_batch_bytes))
+        self._account(post_seconds=time.perf_counter() - t0, descriptors=n)
+        return handle
+
+    def poll(self, handle: int) -> XferState:
+        x = self._xfers.get(handle)
+        if x is None:
+            return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
+        if x.state is PENDING:
+            since = x.peer.call_since
+            if since is not None and time.monotonic() - since > self.timeout:
+                with self._lock:
+                    since = x.peer.call_since
+                    if since is not None and time.monotonic() - since > self.timeout:
+                        log.warning(
+                            "mooncake: %s: engine call blocked for %.1fs > timeout_s; "
+                            "failing its transfers",
+                            x.peer.where(),
+                            time.monotonic() - since,
+                        )
+                        x.peer.fail_all(
+                            f"mooncake: {x.peer.where()} did not complete a transfer within "
+                            f"{self.timeout:.1f}s (peer hung or unreachable)",
+                            now=True,
+                        )
+        return x.state
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            self._xfers.pop(handle, None)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def notify(self, peer: str, message: bytes) -> None:
+        raise TransportUnavailable(
+            "mooncake has no native notifications; the kvlink worker "
+            "sends them over the side channel"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), {}
+            for p in peers:
+                p.closed = True
+                p.fail_all("mooncake transport closed", now=True)
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        for p in peers:
+            p.thread.join(max(deadline - time.monotonic(), 0.0))
+        if any(p.thread.is_alive() for p in peers):
+            log.warning(
+                "mooncake: engine calls still running at close; keeping the memory registered"
+            )
+            return
+        for r in self._regions:
+            self._engine.unregister_memory(r.addr)
+
+    def inflight(self) -> int:
+        return sum(1 for x in list(self._xfers.values()) if x.state is PENDING)
+
+    # ------------------------------------------------------------------ internals
+    def _submit(self, op: Op, session: str, local: Extents, remote: Extents) -> tuple[int, str]:
+        """Hand one sub-batch to the engine: (batch id, "") or (0, why)."""
+        fn = (
+            self._engine.batch_transfer_async_write
+            if op is Op.WRITE
+            else self._engine.batch_transfer_async_read
+        )
+        try:
+            bid = int(
+                fn(session, local["addr"].tolist(), remote["addr"].tolist(), local["len"].tolist())
+            )
+        except Exception as exc:
+            return 0, f"submit raised {exc!r}"
+        return bid, "" if bid else "the engine refused the batch (submit returned 0)"
+
+    def _settle(self, x: _Xfer, force: bool = False) -> None:
+        """Decide a transfer's final state once nothing of it is in flight (lock held)."""
+        if x.state is not PENDING:
+            return
+        if x.failure is not None:
+            if x.inflight == 0 or force:
+                self._finish(x, XferState(XferStatus.FAILED, x.failure))
+        elif x.queued == 0 and x.inflight == 0:
+            self._finish(x, DONE)
+
+    def _finish(self, x: _Xfer, state: XferState) -> None:
+        x.peer.xfers.discard(x)
+        if state.status is XferStatus.DONE:
+            self._account(transfers=1, bytes=x.nbytes, xfer_seconds=time.perf_counter() - x.t_post)
+        else:
+            self._account(failed=1)
+        x.state = state

@@ -1,0 +1,341 @@
+"""MooncakeTransport between two real processes (multiprocessing spawn), bytes checked with numpy.
+
+The peer process owns a registered numpy buffer and answers commands over a pipe; the Mooncake
+engine's own threads serve our READs and WRITEs against it. Protocol tcp, metadata P2PHANDSHAKE.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+os.environ.setdefault("GLOG_minloglevel", "1")  # before the engine loads: no per-batch INFO
+try:
+    import mooncake.engine  # noqa: F401
+except ImportError as _exc:
+    _why = (f"mooncake.engine is not importable ({_exc}); install it with "
+            "`pip install mooncake-transfer-engine-non-cuda` (+ apt-get install libibverbs1)")
+    print(f"SKIP tests/test_mooncake_transport.py: {_why}")
+    pytest.skip(_why, allow_module_level=True)
+
+from kvlink.errors import (
+    ConfigError,
+    ExtentOutOfBounds,
+    TransferError,
+    TransportUnavailable,
+    WireError,
+    WireVersionError,
+)
+from kvlink.transport import (
+    EXTENT_DTYPE,
+    Op,
+    Region,
+    TransportContext,
+    XferStatus,
+    create_transport,
+    make_extents,
+)
+from kvlink_transports import mooncake as kmc
+
+TIMEOUT = 30.0
+# buffers of transfers that FAILED while the engine may still be reading them (a refused batch's
+# accepted entries keep going): kept alive for the whole session
+_KEEP: list[np.ndarray] = []
+
+
+def _peer_main(conn: Connection, name: str, nbytes: int, seed: int) -> None:
+    from kvlink_transports.mooncake import MooncakeTransport
+
+    t = MooncakeTransport(TransportContext(agent_name=name))
+    buf = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    t.register([Region(buf.ctypes.data, buf.nbytes)])
+    conn.send(("ready", t.descriptor(), buf.ctypes.data, os.getpid()))
+    while True:
+        cmd = conn.recv()
+        if cmd == "bytes":
+            conn.send_bytes(buf.tobytes())
+        elif cmd == "stop":
+            t.close()
+            conn.send("bye")
+            return
+
+
+class Peer:
+    def __init__(self, name: str, nbytes: int, seed: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.name, self.nbytes, self.seed = name, nbytes, seed
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, nbytes, seed), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise RuntimeError("peer did not start")
+        tag, self.descriptor, self.addr, self.pid = self.conn.recv()
+        assert tag == "ready"
+
+    def reference(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).integers(0, 256, self.nbytes, dtype=np.uint8)
+
+    def buffer(self) -> np.ndarray:
+        self.conn.send("bytes")
+        assert self.conn.poll(TIMEOUT)
+        return np.frombuffer(self.conn.recv_bytes(), dtype=np.uint8)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.join(TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send("stop")
+                self.conn.poll(TIMEOUT)
+            except (OSError, EOFError):
+                pass
+            self.proc.join(TIMEOUT)
+            if self.proc.is_alive():
+                self.kill()
+
+
+def _ctx() -> TransportContext:
+    return TransportContext(agent_name=f"test-{uuid.uuid4().hex[:8]}")
+
+
+def _pairs(rng: np.random.Generator, n: int, size: int, block: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """n non-contiguous block-sized slots on each side, the remote order shuffled."""
+    slots = size // (2 * block)
+    assert n <= slots
+    loc_off = rng.choice(slots, n, replace=False).astype(np.uint64) * (2 * block)
+    rem_off = rng.choice(slots, n, replace=False).astype(np.uint64) * (2 * block)
+    return loc_off, rem_off, np.full(n, block, dtype=np.uint64)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 64 << 20, seed=7)
+    yield p
+    p.stop()
+
+
+@pytest.fixture()
+def local() -> Iterator[tuple[Any, np.ndarray]]:
+    t = create_transport("mooncake", _ctx())
+    buf = np.random.default_rng(5).integers(0, 256, 64 << 20, dtype=np.uint8)
+    t.register([Region(buf.ctypes.data, buf.nbytes)])
+    yield t, buf
+    t.close()
+
+
+def test_write_5000_extents_sub_batched_then_read(peer: Peer,
+                                                 local: tuple[Any, np.ndarray]) -> None:
+    t, buf = local
+    assert t.capabilities.native_notifications is False
+    assert t.max_inflight == 1024 and t.sub_batch <= 1024
+    t.connect(peer.name, peer.descriptor)
+    rng = np.random.default_rng(1)
+    remote_ref = peer.reference()
+
+    # WRITE: 5000 x 4 KiB, non-contiguous on both sides; one batch of 5000 is refused by the
+    # engine's TCP path ("queue-full"), so this only passes through kvlink's sub-batching
+    loc_off, rem_off, lens = _pairs(rng, 5000, buf.nbytes, 4096)
+    h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + loc_off, lens),
+               make_extents(peer.addr + rem_off, lens))
+    state = t.wait(h, TIMEOUT)
+    assert state.status is XferStatus.DONE, state
+    assert t._xfers[h].done_subs >= 5000 // 1024
+    t.release(h)
+    for a, b in zip(loc_off.tolist(), rem_off.tolist()):
+        remote_ref[b : b + 4096] = buf[a : a + 4096]
+    got = peer.buffer()
+    assert np.array_equal(got, remote_ref)
+
+    # READ: 3000 extents of varying length back into a zeroed local buffer
+    buf[:] = 0
+    loc_off, rem_off, lens = _pairs(rng, 3000, buf.nbytes, 8192)
+    lens = rng.integers(1, 8192, 3000).astype(np.uint64)
+    h = t.post(Op.READ, peer.name, make_extents(buf.ctypes.data + loc_off, lens),
+               make_extents(peer.addr + rem_off, lens))
+    state = t.wait(h, TIMEOUT)
+    assert state.status is XferStatus.DONE, state
+    t.release(h)
+    expect = np.zeros_like(buf)
+    for a, b, n in zip(loc_off.tolist(), rem_off.tolist(), lens.tolist()):
+        expect[a : a + n] = remote_ref[b : b + n]
+    assert np.array_equal(buf, expect)
+
+    # an empty request completes at once
+    empty = np.empty(0, dtype=EXTENT_DTYPE)
+    h = t.post(Op.READ, peer.name, empty, empty)
+    assert t.poll(h).status is XferStatus.DONE
+    t.release(h)
+    assert t.poll(h).status is XferStatus.FAILED  # released
+
+    assert t.stats.transfers == 3 and t.stats.failed == 0 and t.stats.descriptors == 8000
+    assert t.stats.bytes == 5000 * 4096 + int(lens.sum())
+    assert t.inflight() == 0
+    assert t.notifications() == []
+    with pytest.raises(TransportUnavailable):
+        t.notify(peer.name, b"x")
+    with pytest.raises(TransportUnavailable):
+        t.post(Op.WRITE, peer.name, empty, empty, notify=b"x")
+    t.disconnect(peer.name)
+
+
+def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]) -> None:
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    ok_l = make_extents(buf.ctypes.data, 4096)
+    cases = [
+        (ok_l, make_extents(peer.addr + peer.nbytes - 100, 4096)),  # runs past the peer's region
+        (ok_l, make_extents(peer.addr - 4096, 4096)),  # before it
+        (ok_l, make_extents(buf.ctypes.data, 4096)),  # our own address, not offered by the peer
+        (make_extents(buf.ctypes.data + buf.nbytes, 4096), make_extents(peer.addr, 4096)),  # local
+        (ok_l, make_extents(peer.addr, 4095)),  # lengths differ
+    ]
+    before = peer.buffer().copy()
+    for op in (Op.WRITE, Op.READ):
+        for lo, ro in cases:
+            with pytest.raises(ExtentOutOfBounds):
+                t.post(op, peer.name, lo, ro)
+    # one bad extent among many good ones rejects the whole post
+    off = np.arange(2000, dtype=np.uint64) * 4096
+    ro = make_extents(peer.addr + off, 4096)
+    ro["addr"][1500] = peer.addr + peer.nbytes
+    with pytest.raises(ExtentOutOfBounds, match="remote extent 1500"):
+        t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096), ro)
+    with pytest.raises(TransferError):
+        t.post(Op.WRITE, "nobody", ok_l, make_extents(peer.addr, 4096))
+    assert np.array_equal(peer.buffer(), before)  # nothing was written
+    assert t.stats.transfers == 0 and t.stats.descriptors == 0 and not t._xfers
+    t.disconnect(peer.name)
+
+
+def test_queue_full_retried_then_failed_cleanly(peer: Peer) -> None:
+    # a sub-batch larger than the engine's TCP queue is refused every time: bounded retries,
+    # then FAILED with a reason naming the peer and the count
+    t = kmc.MooncakeTransport(_ctx(), {"max_inflight_per_peer": 6000, "sub_batch": 6000,
+                                       "max_retries": 2, "retry_backoff_s": 0.01})
+    buf = np.zeros(64 << 20, dtype=np.uint8)
+    _KEEP.append(buf)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(peer.name, peer.descriptor)
+        off = np.arange(6000, dtype=np.uint64) * 8192
+        h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096),
+                   make_extents(peer.addr + off, 4096))
+        state = t.wait(h, TIMEOUT)
+        assert state.status is XferStatus.FAILED, state
+        assert peer.name in state.reason and "6000 entries" in state.reason
+        assert "3 time(s)" in state.reason, state.reason
+        t.release(h)
+        assert t.stats.failed == 1 and t.stats.transfers == 0
+    finally:
+        t.close()
+
+
+def test_decode_killed_mid_write_fails_within_timeout() -> None:
+    p = Peer(f"victim-{uuid.uuid4().hex[:8]}", 256 << 20, seed=3)
+    t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 10.0})
+    buf = np.ones(256 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(p.name, p.descriptor)
+        off = np.arange(16384, dtype=np.uint64) * (16 << 10)  # 16384 x 16 KiB, 64 sub-batches
+        h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data + off, 16 << 10),
+                   make_extents(p.addr + off, 16 << 10))
+        x = t._xfers[h]
+        deadline = time.monotonic() + TIMEOUT
+        while x.done_subs == 0 and time.monotonic() < deadline:  # bytes are landing
+            assert t.poll(h).status is XferStatus.PENDING
+            time.sleep(0.001)
+        assert x.done_subs > 0 and t.poll(h).status is XferStatus.PENDING
+        p.kill()
+        t0 = time.monotonic()
+        state = t.wait(h, 10.0 + 5.0)
+        elapsed = time.monotonic() - t0
+        assert state.status is XferStatus.FAILED, state
+        assert elapsed < 10.0, elapsed
+        assert p.name in state.reason
+        t.release(h)
+        # posting to the dead peer fails too, never hangs
+        h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, 4096),
+                   make_extents(p.addr, 4096))
+        assert t.wait(h, 15.0).status is XferStatus.FAILED
+        t.release(h)
+        assert t.stats.failed == 2 and t.inflight() == 0
+        t.disconnect(p.name)
+    finally:
+        t.close()
+        p.stop()
+
+
+def test_hung_peer_fails_at_timeout_s() -> None:
+    p = Peer(f"hung-{uuid.uuid4().hex[:8]}", 256 << 20, seed=4)
+    t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 2.0})
+    buf = np.ones(256 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(p.name, p.descriptor)
+        p.signal(signal.SIGSTOP)  # alive but silent: sockets stay open, nothing is answered
+        h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, buf.nbytes),
+                   make_extents(p.addr, p.nbytes))
+        t0 = time.monotonic()
+        state = t.wait(h, 20.0)
+        elapsed = time.monotonic() - t0
+        assert state.status is XferStatus.FAILED, state
+        assert "within 2.0s" in state.reason and elapsed < 6.0, (elapsed, state)
+        t.release(h)
+    finally:
+        p.kill()
+        t.close()
+
+
+def test_descriptor_and_options_are_strict(local: tuple[Any, np.ndarray]) -> None:
+    t, _ = local
+    good = msgspec.msgpack.decode(t.descriptor())
+    assert good["v"] == 1 and good["agent"] == t.ctx.agent_name and good["protocol"] == "tcp"
+    assert good["session"] == t.session and len(good["regions"]) == 1
+    with pytest.raises(WireError):
+        t.connect("x", b"\x00garbage")
+    with pytest.raises(WireVersionError):
+        t.connect("x", msgspec.msgpack.encode({**good, "v": 2}))
+    for bad in ({"extra": 1}, {"session": "nohost"}, {"protocol": "carrier-pigeon"},
+                {"regions": [[0, 10, "cpu"]]}, {"regions": [[4096, 10, "tpu:0"]]}):
+        with pytest.raises(WireError):
+            t.connect("x", msgspec.msgpack.encode({**good, **bad}))
+    assert t.unreachable_reason(t.descriptor(), False) is None
+    rdma = msgspec.msgpack.encode({**good, "protocol": "rdma"})
+    assert "rdma" in (t.unreachable_reason(rdma, True) or "")
+    with pytest.raises(TransportUnavailable):
+        t.connect("x", rdma)
+    dead = msgspec.msgpack.encode({**good, "session": "127.0.0.1:1"})
+    with pytest.raises(TransportUnavailable, match="does not answer"):
+        t.connect("x", dead)
+    for opts in ({"protocol": "udp"}, {"timeout_s": 0}, {"max_inflight_per_peer": 0},
+                 {"sub_batch": "many"}, {"max_retries": -1}):
+        with pytest.raises(ConfigError):
+            kmc.MooncakeTransport(_ctx(), opts)
+
+
+def test_split_bounds() -> None:
+    lens = np.array([10, 10, 10, 100, 10, 10], dtype=np.uint64)
+    assert kmc.split_bounds(lens, 2, 1 << 30) == [0, 2, 4, 6]
+    assert kmc.split_bounds(lens, 100, 25) == [0, 2, 3, 4, 6]
+    assert kmc.split_bounds(lens[:0], 4, 4) == [0]
+    big = np.full(5000, 4096, dtype=np.uint64)
+    cuts = kmc.split_bounds(big, 256, 256 << 20)
+    assert cuts[-1] == 5000 and max(np.diff(cuts)) == 256
