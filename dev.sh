@@ -23,7 +23,7 @@ setup() {
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
   # torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA one.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  "$VENV/bin/python" -m pip install -q -e ".[test,dev,nixl,mooncake]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   "$VENV/bin/python" -c "import kvlink, torch, zmq, msgspec, pytest" \
     || { echo "kvlink: setup failed" >&2; exit 1; }
   echo "$want" > "$stamp"

@@ -114,6 +114,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(json_out=args.json)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvlink.benchsweep import main as bench_main
+
+    return bench_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvlink", description="KV-cache transfer between "
                                  "prefill and decode instances")
@@ -136,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-host", default="127.0.0.1")
     p.add_argument("--remote-port", type=int, default=5600)
     p.set_defaults(func=cmd_pull)
+    b = sub.add_parser("bench", help="bandwidth sweep vs ucx_perftest/memcpy (see --help)",
+                       add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
     doc = sub.add_parser("doctor", help="what this machine can do: RDMA, CUDA IPC, UCX, NIXL")
     doc.add_argument("--json", metavar="PATH")
     doc.set_defaults(func=cmd_doctor)
@@ -143,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser: every option passes through untouched
+        from kvlink.benchsweep import main as bench_main
+
+        logging.basicConfig(level=logging.WARNING)
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),

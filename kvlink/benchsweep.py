@@ -1,0 +1,261 @@
+"""`kvlink bench`: transfer bandwidth vs block size, each figure beside same-run baselines.
+
+Baselines, measured in the same run: ``ucx_perftest`` (ucp_put_bw for WRITE, ucp_get for READ)
+between two processes on 127.0.0.1 at the same message size; memcpy of the same bytes in one
+process (the single-host ceiling); ``ib_write_bw``/``ib_read_bw`` only where an RDMA device exists
+(detected, never faked: the JSON says why it did not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvlink.transport import (
+    Op,
+    Region,
+    TransportContext,
+    XferStatus,
+    create_transport,
+    make_extents,
+    registered_transports,
+)
+
+MiB = 1 << 20
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+@dataclasses.dataclass
+class SweepConfig:
+    sizes: list[int] = dataclasses.field(default_factory=lambda: list(SIZES))
+    transports: list[str] = dataclasses.field(default_factory=lambda: ["tcp", "nixl"])
+    ops: list[str] = dataclasses.field(default_factory=lambda: ["read", "write"])
+    total: int = 256 * MiB  # bytes per point (capped by max_extents)
+    max_extents: int = 16384
+    reps: int = 3
+
+
+def _server(q: Any, stop: Any, names: list[str], total: int) -> None:
+    buf = np.ones(total, dtype=np.uint8)
+    addr = int(buf.__array_interface__["data"][0])
+    descs: dict[str, Any] = {}
+    live = []
+    for name in names:
+        try:
+            t = create_transport(name, TransportContext(f"bench-server-{name}"))
+            t.register([Region(addr, total)])
+            descs[name] = (t.descriptor(), addr)
+            live.append(t)
+        except Exception as exc:
+            descs[name] = f"{type(exc).__name__}: {exc}"
+    q.put(descs)
+    stop.wait(3600)
+    for t in live:
+        t.close()
+
+
+def memcpy_gbps(total: int, reps: int) -> float:
+    src = np.ones(total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return total / statistics.median(times[1:]) / 1e9
+
+
+def perftest_gbps(test: str, size: int, iters: int) -> float | str:
+    """ucx_perftest between two processes on loopback; a string says why it could not run."""
+    try:
+        from kvlink_transports import _ucx
+    except ImportError as exc:
+        return f"UCX helpers unavailable: {exc}"
+    path = _ucx.ucx_perftest_path()
+    if path is None:
+        return "ucx_perftest not found (pip install libucx-cu12)"
+    env = _ucx.ucx_env(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([path, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    cmd = [path, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n", str(iters),
+           "-w", str(max(iters // 10, 5))]
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the server needs a moment to listen
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            if "Final:" in out.stdout:
+                break
+            if time.monotonic() > deadline or server.poll() is not None:
+                return f"ucx_perftest failed: {out.stderr.strip()[-200:]}"
+            time.sleep(0.05)
+    finally:
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    line = next(ln for ln in out.stdout.splitlines() if "Final:" in ln)
+    return float(line.split()[6]) * MiB / 1e9  # bandwidth overall, MiB/s
+
+
+def rdma_baseline() -> str:
+    devs = glob.glob("/sys/class/infiniband/*")
+    if not devs:
+        return "not run: no RDMA device (/sys/class/infiniband is empty)"
+    if not shutil.which("ib_write_bw"):
+        return "not run: RDMA device present but perftest (ib_write_bw) is not installed"
+    return ("not run automatically: needs a second host; run `ib_write_bw -d DEV -s SIZE` on the "
+            "server and `ib_write_bw -d DEV -s SIZE SERVER_IP` on the client")
+
+
+def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
+    names = [n for n in cfg.transports if n in registered_transports()]
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_server, args=(q, stop, names, cfg.total))
+    proc.start()
+    descs = q.get(timeout=300)
+    dst = np.zeros(cfg.total, dtype=np.uint8)
+    laddr = int(dst.__array_interface__["data"][0])
+    clients: dict[str, Any] = {}
+    skipped = {n: "not registered" for n in cfg.transports if n not in names}
+    for name in names:
+        if isinstance(descs[name], str):
+            skipped[name] = descs[name]
+            continue
+        t = create_transport(name, TransportContext(f"bench-client-{name}"))
+        t.register([Region(laddr, cfg.total)])
+        t.connect("server", descs[name][0])
+        clients[name] = (t, descs[name][1])
+    points = []
+    steps = len(cfg.sizes) * (1 + len(clients) * len(cfg.ops))
+    done = 0
+    try:
+        for size in cfg.sizes:
+            n = max(1, min(cfg.max_extents, cfg.total // size))
+            nbytes = n * size
+            mem = memcpy_gbps(nbytes, cfg.reps)
+            base: dict[str, float | str] = {"memcpy_gbps": mem,
+                    "ucx_perftest_put_gbps": perftest_gbps("ucp_put_bw", size,
+                                                           max(50, min(20000, (1 << 30) // size))),
+                    "ucx_perftest_get_gbps": perftest_gbps("ucp_get", size,
+                                                           max(50, min(20000, (1 << 30) // size)))}
+            done += 1
+            offs = np.random.default_rng(size).permutation(cfg.total // size)[:n].astype(np.uint64)
+            offs *= np.uint64(size)
+            for name, (t, raddr) in clients.items():
+                for op in cfg.ops:
+                    times = []
+                    for _ in range(cfg.reps):
+                        t0 = time.perf_counter()
+                        h = t.post(Op(op), "server", make_extents(laddr + offs, size),
+                                   make_extents(raddr + offs, size))
+                        st = t.wait(h, 600)
+                        times.append(time.perf_counter() - t0)
+                        t.release(h)
+                        if st.status is not XferStatus.DONE:
+                            raise RuntimeError(f"{name} {op} {size}: {st.reason}")
+                    gbps = nbytes / statistics.median(times) / 1e9
+                    ref = base["ucx_perftest_get_gbps" if op == "read" else
+                               "ucx_perftest_put_gbps"]
+                    points.append({
+                        "transport": name, "op": op, "memory": "DRAM", "block_bytes": size,
+                        "blocks": n, "bytes": nbytes, "gbps": gbps,
+                        "pct_of_ucx_perftest": 100 * gbps / ref if isinstance(ref, float) else None,
+                        "pct_of_memcpy": 100 * gbps / mem, **base})
+                    done += 1
+                    if progress:
+                        print(f"[{done}/{steps}] {name:8s} {op:5s} {size:>9,d} B x {n:>6d}: "
+                              f"{gbps:7.2f} GB/s", file=sys.stderr, flush=True)
+    finally:
+        for t, _ in clients.values():
+            t.close()
+        stop.set()
+        proc.join(30)
+    return {"points": points, "skipped_transports": skipped, "rdma_baseline": rdma_baseline(),
+            "config": dataclasses.asdict(cfg)}
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [f"{'transport':9s} {'op':5s} {'block':>9s} {'GB/s':>7s} {'%perftest':>9s} "
+            f"{'%memcpy':>8s}"]
+    for p in result["points"]:
+        pt = f"{p['pct_of_ucx_perftest']:.0f}%" if p["pct_of_ucx_perftest"] is not None else "-"
+        rows.append(f"{p['transport']:9s} {p['op']:5s} {p['block_bytes']:>9,d} "
+                    f"{p['gbps']:7.2f} {pt:>9s} {p['pct_of_memcpy']:7.0f}%")
+    return "\n".join(rows)
+
+
+def plot(result: dict[str, Any], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: pip install kvlink[bench]"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts = result["points"]
+    for key in sorted({(p["transport"], p["op"]) for p in pts}):
+        xs = [p["block_bytes"] for p in pts if (p["transport"], p["op"]) == key]
+        ax.plot(xs, [p["gbps"] for p in pts if (p["transport"], p["op"]) == key], "o-",
+                label=f"kvlink {key[0]} {key[1]}")
+    sizes = sorted({p["block_bytes"] for p in pts})
+    for base, style in (("ucx_perftest_get_gbps", "k--"), ("ucx_perftest_put_gbps", "k:"),
+                        ("memcpy_gbps", "k-.")):
+        ys = [next(p[base] for p in pts if p["block_bytes"] == s) for s in sizes]
+        if all(isinstance(y, float) for y in ys):
+            ax.plot(sizes, ys, style, label=base.replace("_gbps", ""))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block (extent) size, bytes")
+    ax.set_ylabel("GB/s")
+    ax.set_title("kvlink transfer bandwidth vs same-run baselines (DRAM, 127.0.0.1)")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="kvlink bench")
+    ap.add_argument("--transports", default="tcp,nixl")
+    ap.add_argument("--ops", default="read,write")
+    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
+    ap.add_argument("--total-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default="bench/results/bandwidth.json")
+    ap.add_argument("--png", default="bench/results/bandwidth.png")
+    args = ap.parse_args(argv)
+    cfg = SweepConfig(sizes=[int(s) for s in args.sizes.split(",")],
+                      transports=args.transports.split(","), ops=args.ops.split(","),
+                      total=args.total_mib * MiB, reps=args.reps)
+    result = run_sweep(cfg)
+    print(table(result))
+    for name, why in result["skipped_transports"].items():
+        print(f"skipped {name}: {why}")
+    print(f"ib_write_bw: {result['rdma_baseline']}")
+    result.update({"command": " ".join(["kvlink bench", *(argv or sys.argv[1:])]),
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   "machine": {"platform": sys.platform, "cpus": mp.cpu_count(),
+                               "host": socket.gethostname()}})
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    why = plot(result, args.png)
+    print(f"wrote {args.json}" + (f", {args.png}" if why is None else f" (no PNG: {why})"))
+    return 0
