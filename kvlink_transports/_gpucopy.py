@@ -33,8 +33,12 @@ def word_size(*arrays: npt.NDArray[np.uint64]) -> int:
 I64 = npt.NDArray[np.int64]
 
 
-def chunk_table(src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
-                lens: npt.NDArray[np.uint64], chunk: int = CHUNK) -> tuple[I64, I64, I64, int]:
+def chunk_table(
+    src: npt.NDArray[np.uint64],
+    dst: npt.NDArray[np.uint64],
+    lens: npt.NDArray[np.uint64],
+    chunk: int = CHUNK,
+) -> tuple[I64, I64, I64, int]:
     """Split extents into chunks: (src, dst, words per chunk, word size). No Python loop."""
     w = word_size(src, dst, lens)
     chunk = max(w, chunk - chunk % w)
@@ -82,8 +86,13 @@ def _kernel() -> Any:
     return copy_chunks
 
 
-def launch(src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
-           lens: npt.NDArray[np.uint64], device: Any, chunk: int = CHUNK) -> int:
+def launch(
+    src: npt.NDArray[np.uint64],
+    dst: npt.NDArray[np.uint64],
+    lens: npt.NDArray[np.uint64],
+    device: Any,
+    chunk: int = CHUNK,
+) -> int:
     """Enqueue the copy on the current stream of ``device``; returns the chunk count."""
     import torch
 
@@ -91,6 +100,7 @@ def launch(src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
     if s.shape[0] == 0:
         return 0
     table = torch.from_numpy(np.stack([s, d, n])).to(device, non_blocking=True)
-    _kernel()[(s.shape[0],)](table[0], table[1], table[2], WORD=w, BLOCK=2048 if w < 16 else 1024,
-                             num_warps=8)
+    _kernel()[(s.shape[0],)](
+        table[0], table[1], table[2], WORD=w, BLOCK=2048 if w < 16 else 1024, num_warps=8
+    )
     return int(s.shape[0])

@@ -85,8 +85,10 @@ def _device_index(device: str) -> int:
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
     capabilities = Capabilities(
-        ops=frozenset({Op.READ, Op.WRITE}), memory_kinds=frozenset({"cuda"}),
-        same_host_only=True, native_notifications=False,
+        ops=frozenset({Op.READ, Op.WRITE}),
+        memory_kinds=frozenset({"cuda"}),
+        same_host_only=True,
+        native_notifications=False,
     )
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
@@ -114,8 +116,9 @@ class CudaIpcTransport(Transport):
 
         devices = {r.device for r in regions}
         if any(not d.startswith("cuda") for d in devices) or len(devices) != 1:
-            raise TransportUnavailable(f"cuda_ipc moves memory of one CUDA device; got "
-                                       f"{sorted(devices)}")
+            raise TransportUnavailable(
+                f"cuda_ipc moves memory of one CUDA device; got {sorted(devices)}"
+            )
         self._device = _device_index(devices.pop())
         torch = self._torch
         torch.cuda.set_device(self._device)
@@ -131,7 +134,8 @@ class CudaIpcTransport(Transport):
                     h = cuda_ipc.export_pointer(start, piece, self._device)
                 except KVLinkError as exc:
                     raise TransportUnavailable(
-                        f"cuda_ipc cannot export 0x{start:x}: {exc}") from exc
+                        f"cuda_ipc cannot export 0x{start:x}: {exc}"
+                    ) from exc
                 exports.append(_Export(start, piece, h.to_bytes()))
                 start += piece
         self._regions += tuple(regions)
@@ -139,9 +143,15 @@ class CudaIpcTransport(Transport):
 
     def descriptor(self) -> bytes:
         props = self._torch.cuda.get_device_properties(self._device)
-        return msgspec.msgpack.encode(_Descriptor(
-            v=_VERSION, agent=self.ctx.agent_name, host_id=self.ctx.host_id,
-            device_uuid=str(getattr(props, "uuid", "")), exports=self._exports))
+        return msgspec.msgpack.encode(
+            _Descriptor(
+                v=_VERSION,
+                agent=self.ctx.agent_name,
+                host_id=self.ctx.host_id,
+                device_uuid=str(getattr(props, "uuid", "")),
+                exports=self._exports,
+            )
+        )
 
     def _decode(self, descriptor: bytes) -> _Descriptor:
         try:
@@ -178,10 +188,15 @@ class CudaIpcTransport(Transport):
             raise TransportUnavailable(f"cuda_ipc cannot map {peer}'s memory: {exc}") from exc
         table = RegionTable([Region(e.addr, e.nbytes, "cuda") for e in desc.exports])
         order = {e.addr: m for e, m in zip(desc.exports, mapped)}
-        self._peers[peer] = _Peer(table, np.array([order[r.addr] for r in table.regions],
-                                                  dtype=np.uint64), handles)
-        log.info("cuda_ipc: mapped %d allocation(s) of %s (GPU %s)", len(handles), peer,
-                 desc.device_uuid or "?")
+        self._peers[peer] = _Peer(
+            table, np.array([order[r.addr] for r in table.regions], dtype=np.uint64), handles
+        )
+        log.info(
+            "cuda_ipc: mapped %d allocation(s) of %s (GPU %s)",
+            len(handles),
+            peer,
+            desc.device_uuid or "?",
+        )
 
     def disconnect(self, peer: str) -> None:
         old = self._peers.pop(peer, None)
@@ -190,8 +205,9 @@ class CudaIpcTransport(Transport):
             for h in old.handles:
                 self._mapper.close(h)
 
-    def post(self, op: Op, peer: str, local: Extents, remote: Extents,
-             notify: bytes | None = None) -> int:
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+    ) -> int:
         from kvlink_transports import _gpucopy
 
         t0 = time.perf_counter()
@@ -200,16 +216,16 @@ class CudaIpcTransport(Transport):
         handle = next(self._handles)
         target = self._peers.get(peer)
         if target is None:
-            self._xfers[handle] = _Xfer(None, 0, t0, XferState(XferStatus.FAILED,
-                                                              f"peer {peer} not connected"))
+            self._xfers[handle] = _Xfer(
+                None, 0, t0, XferState(XferStatus.FAILED, f"peer {peer} not connected")
+            )
             return handle
         idx = target.table.locate(remote, "remote extent")
         there = remote["addr"] - target.table.starts[idx] + target.mapped[idx]
         src, dst = (there, local["addr"]) if op is Op.READ else (local["addr"], there)
         torch = self._torch
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            _gpucopy.launch(src, dst, local["len"], torch.device("cuda", self._device),
-                            self.chunk)
+            _gpucopy.launch(src, dst, local["len"], torch.device("cuda", self._device), self.chunk)
             event = torch.cuda.Event()
             event.record(self._stream)
         nbytes = int(local["len"].sum())

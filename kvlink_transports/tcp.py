@@ -194,8 +194,7 @@ class _Peer:
     def __init__(self, owner: TcpTransport, name: str, desc: _Descriptor) -> None:
         self.owner, self.name, self.desc = owner, name, desc
         self.remote_table = RegionTable([Region(a, n, d) for a, n, d in desc.regions])
-        self.queue: collections.deque[tuple[int, _Xfer] | tuple[None, bytes]] = \
-            collections.deque()
+        self.queue: collections.deque[tuple[int, _Xfer] | tuple[None, bytes]] = collections.deque()
         self.cv = threading.Condition()
         self.closed = False
         self.sock: socket.socket | None = None
@@ -230,14 +229,18 @@ class _Peer:
     def _connect(self) -> socket.socket:
         if self.sock is None:
             try:
-                self.sock = socket.create_connection((self.desc.host, self.desc.port),
-                                                     timeout=self.owner.timeout)
+                self.sock = socket.create_connection(
+                    (self.desc.host, self.desc.port), timeout=self.owner.timeout
+                )
             except OSError as exc:
-                raise _PeerGone(f"cannot connect to {self.desc.host}:{self.desc.port}: "
-                                f"{exc}") from exc
+                raise _PeerGone(
+                    f"cannot connect to {self.desc.host}:{self.desc.port}: {exc}"
+                ) from exc
             _tune(self.sock)
-            _send_hdr(self.sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name,
-                                      token=self.desc.token))
+            _send_hdr(
+                self.sock,
+                _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token),
+            )
         return self.sock
 
     def _run(self) -> None:
@@ -252,8 +255,9 @@ class _Peer:
                 sock = self._connect()
                 if handle is None:
                     assert isinstance(item, bytes)
-                    _send_hdr(sock, _Hdr(_VERSION, "N", agent=self.owner.ctx.agent_name,
-                                         notify=item))
+                    _send_hdr(
+                        sock, _Hdr(_VERSION, "N", agent=self.owner.ctx.agent_name, notify=item)
+                    )
                 else:
                     assert isinstance(item, _Xfer)
                     self._transfer(sock, item)
@@ -274,24 +278,28 @@ class _Peer:
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
         owner = self.owner
         local = owner._memory.slices(xfer.local, "local extent")
-        hdr = _Hdr(_VERSION, "R" if xfer.op is Op.READ else "W", agent=owner.ctx.agent_name,
-                   extents=extents_to_bytes(xfer.remote),
-                   notify=xfer.notify if xfer.op is Op.WRITE else None)
+        hdr = _Hdr(
+            _VERSION,
+            "R" if xfer.op is Op.READ else "W",
+            agent=owner.ctx.agent_name,
+            extents=extents_to_bytes(xfer.remote),
+            notify=xfer.notify if xfer.op is Op.WRITE else None,
+        )
         _send_hdr(sock, hdr)
         if xfer.op is Op.WRITE:
             _send_views(sock, local)
         reply = _recv_hdr(sock)
         if reply.op == "E":
-            owner._finish(xfer, XferState(XferStatus.FAILED,
-                                          f"peer {self.name} refused: {reply.reason}"))
+            owner._finish(
+                xfer, XferState(XferStatus.FAILED, f"peer {self.name} refused: {reply.reason}")
+            )
             return
         if reply.op != "A":
             raise WireError(f"unexpected reply {reply.op!r}")
         if xfer.op is Op.READ:
             _recv_views(sock, local)
             if xfer.notify is not None:
-                _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name,
-                                     notify=xfer.notify))
+                _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
         owner._finish(xfer, DONE)
 
 
@@ -301,8 +309,10 @@ class _Peer:
 class TcpTransport(Transport):
     name = "tcp"
     capabilities = Capabilities(
-        ops=frozenset({Op.READ, Op.WRITE}), memory_kinds=frozenset({"cpu"}),
-        same_host_only=False, native_notifications=True,
+        ops=frozenset({Op.READ, Op.WRITE}),
+        memory_kinds=frozenset({"cpu"}),
+        same_host_only=False,
+        native_notifications=True,
     )
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
@@ -312,8 +322,9 @@ class TcpTransport(Transport):
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)
         except OSError as exc:
-            raise TransportUnavailable(f"tcp transport cannot listen on {ctx.host}:{port}: "
-                                       f"{exc}") from exc
+            raise TransportUnavailable(
+                f"tcp transport cannot listen on {ctx.host}:{port}: {exc}"
+            ) from exc
         self.port = self._listener.getsockname()[1]
         self._token = secrets.token_bytes(16)
         self._memory = _Memory(())
@@ -331,16 +342,24 @@ class TcpTransport(Transport):
     def register(self, regions: Sequence[Region]) -> None:
         bad = [r.device for r in regions if r.memory_kind != "cpu"]
         if bad:
-            raise TransportUnavailable(f"tcp moves host memory only; got device {bad[0]!r} "
-                                       "(use host staging, kv_buffer_device='cpu')")
+            raise TransportUnavailable(
+                f"tcp moves host memory only; got device {bad[0]!r} "
+                "(use host staging, kv_buffer_device='cpu')"
+            )
         self._regions = self._regions + tuple(regions)
         self._memory = _Memory(self._regions)
 
     def descriptor(self) -> bytes:
-        return _enc.encode(_Descriptor(
-            v=_VERSION, agent=self.ctx.agent_name, host=self.ctx.advertise_host or self.ctx.host,
-            port=self.port, regions=[(r.addr, r.nbytes, r.device) for r in self._regions],
-            token=self._token))
+        return _enc.encode(
+            _Descriptor(
+                v=_VERSION,
+                agent=self.ctx.agent_name,
+                host=self.ctx.advertise_host or self.ctx.host,
+                port=self.port,
+                regions=[(r.addr, r.nbytes, r.device) for r in self._regions],
+                token=self._token,
+            )
+        )
 
     def connect(self, peer: str, descriptor: bytes) -> None:
         try:
@@ -361,14 +380,21 @@ class TcpTransport(Transport):
         if old is not None:
             old.close(f"peer {peer} disconnected")
 
-    def post(self, op: Op, peer: str, local: Extents, remote: Extents,
-             notify: bytes | None = None) -> int:
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+    ) -> int:
         t0 = time.perf_counter()
         check_pairs(local, remote)
         self._memory.table.locate(local, "local extent")
         handle = next(self._handles)
-        xfer = _Xfer(op, np.ascontiguousarray(local), np.ascontiguousarray(remote), notify,
-                     int(local["len"].sum()), t0)
+        xfer = _Xfer(
+            op,
+            np.ascontiguousarray(local),
+            np.ascontiguousarray(remote),
+            notify,
+            int(local["len"].sum()),
+            t0,
+        )
         with self._lock:
             self._xfers[handle] = xfer
             target = self._peers.get(peer)
@@ -428,8 +454,9 @@ class TcpTransport(Transport):
         if xfer.state.status is not XferStatus.PENDING:
             return
         if state.status is XferStatus.DONE:
-            self._account(transfers=1, bytes=xfer.nbytes,
-                          xfer_seconds=time.perf_counter() - xfer.t_post)
+            self._account(
+                transfers=1, bytes=xfer.nbytes, xfer_seconds=time.perf_counter() - xfer.t_post
+            )
         else:
             self._account(failed=1)
         xfer.state = state
@@ -444,8 +471,9 @@ class TcpTransport(Transport):
             _tune(conn)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr), name="kvlink-tcp-serve",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, addr), name="kvlink-tcp-serve", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         try:
