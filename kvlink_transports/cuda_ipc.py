@@ -124,6 +124,9 @@ class CudaIpcTransport(Transport):
         torch.cuda.set_device(self._device)
         self._mapper = cuda_ipc.IpcMapper(self._device)
         self._stream = torch.cuda.Stream(self._device)
+        from kvlink_transports._gpucopy import Launcher
+
+        self._launcher = Launcher(torch.device("cuda", self._device))
         exports = []
         for r in regions:  # a region may span several allocations: one handle per allocation
             start, end = r.addr, r.addr + r.nbytes
@@ -140,6 +143,7 @@ class CudaIpcTransport(Transport):
                 start += piece
         self._regions += tuple(regions)
         self._exports += exports
+        self._table = RegionTable(self._regions)
 
     def descriptor(self) -> bytes:
         props = self._torch.cuda.get_device_properties(self._device)
@@ -208,11 +212,9 @@ class CudaIpcTransport(Transport):
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
     ) -> int:
-        from kvlink_transports import _gpucopy
-
         t0 = time.perf_counter()
         check_pairs(local, remote)
-        RegionTable(self._regions).locate(local, "local extent")
+        self._table.locate(local, "local extent")
         handle = next(self._handles)
         target = self._peers.get(peer)
         if target is None:
@@ -225,7 +227,7 @@ class CudaIpcTransport(Transport):
         src, dst = (there, local["addr"]) if op is Op.READ else (local["addr"], there)
         torch = self._torch
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            _gpucopy.launch(src, dst, local["len"], torch.device("cuda", self._device), self.chunk)
+            self._launcher.launch(src, dst, local["len"], self.chunk)
             event = torch.cuda.Event()
             event.record(self._stream)
         nbytes = int(local["len"].sum())

@@ -134,6 +134,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     h = t.post(op, "producer", lext, rext)
+                    row.setdefault(f"{tname}_{op.value}_post_s", []).append(
+                        time.perf_counter() - t0)
                     deadline = t0 + args.op_timeout
                     while (st := t.poll(h)).status is XferStatus.PENDING:
                         if time.perf_counter() > deadline:

@@ -1,0 +1,766 @@
+"""``nixl``: one-sided READ/WRITE through NVIDIA NIXL (UCX backend by default).
+
+One NIXL agent per transport instance, named ``ctx.agent_name``. KV memory is registered once
+(``cpu`` regions as DRAM device 0, ``cuda:N`` regions as VRAM device N). The descriptor a peer gets
+is a versioned msgspec struct: the agent's NIXL metadata, the host identity, the backends, and the
+table of registered regions, which bounds every remote extent we later post against that peer.
+
+Each :meth:`NixlTransport.post` turns the extent arrays into Nx3 ``(addr, len, devId)`` numpy
+arrays (no Python loop over extents), prepares a local and a remote descriptor list with
+``prep_xfer_dlist``, makes ONE transfer of all descriptors with ``make_prepped_xfer`` (NIXL merges
+back-to-back descriptors there, so a run of adjacent blocks costs one UCX operation) and releases
+the two lists right away (the request keeps its own copy). ``options["post_mode"] = "direct"``
+uses ``initialize_xfer`` instead, which does not merge; measured on CPU DRAM it is several times
+slower for many small descriptors (see docs/nixl.md). The notification rides on the transfer
+(NIXL sends it after the last byte); a transfer whose extents mix DRAM and VRAM is split into one
+NIXL request per memory pair and the notification is sent once all of them are done.
+
+Options: ``backends`` (list of NIXL backend names, default ``["UCX"]``), ``post_mode``
+(``"prepped"`` | ``"direct"``), ``progress_thread`` (NIXL's own progress thread; it busy-spins
+a core, so it is off by default), ``progress_interval`` (seconds, default 0.001: without NIXL's
+thread, a light kvlink thread progresses UCX this often — a target that never polls must still
+answer the initiator's connection wire-up, and over TCP serve its RMA; 0 turns it off, and then
+the owner must call :meth:`notifications` regularly; over TCP between hosts prefer
+``progress_thread=True``), ``num_threads`` (backend worker threads), ``telemetry`` (capture
+NIXL per-transfer telemetry, see :meth:`NixlTransport.xfer_telemetry`), ``ucx_probe`` (predict
+UCX's transport per peer with ``ucx_info`` and warn on TCP / host-staged fallbacks; default
+True).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.errors import (
+    ConfigError,
+    HandshakeError,
+    TransferError,
+    TransportUnavailable,
+    WireError,
+    WireVersionError,
+)
+from kvlink.transport import (
+    DONE,
+    PENDING,
+    Capabilities,
+    Extents,
+    Op,
+    Region,
+    RegionTable,
+    Transport,
+    TransportContext,
+    XferState,
+    XferStatus,
+    check_pairs,
+)
+
+log = logging.getLogger("kvlink.nixl")
+
+PIP_HINT = "pip install 'kvlink[nixl]'  (or: pip install nixl)"
+_VERSION = 1
+_MAX_DESCRIPTOR = 64 << 20
+_MAX_REGIONS = 1 << 16
+_MEM_NAMES = ("DRAM", "VRAM")  # index = memory code used in the per-region arrays
+_OPS = {Op.READ: "READ", Op.WRITE: "WRITE"}
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key: str, msg: str, *args: object) -> None:
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("!!! " + msg, *args)
+
+
+# ----------------------------------------------------------------------------- wire format
+
+
+class _RegionWire(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    addr: int
+    nbytes: int
+    device: str
+
+
+class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    v: int
+    agent: str
+    host: str
+    metadata: bytes
+    backends: list[str]
+    regions: list[_RegionWire]
+
+
+class _Version(msgspec.Struct):
+    v: int
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(_Descriptor)
+_vdec = msgspec.msgpack.Decoder(_Version)
+
+
+def _decode_descriptor(buf: bytes) -> _Descriptor:
+    if len(buf) > _MAX_DESCRIPTOR:
+        raise WireError(f"nixl descriptor of {len(buf)} bytes exceeds {_MAX_DESCRIPTOR}")
+    try:
+        version = _vdec.decode(buf).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed nixl descriptor: {exc}") from exc
+    if version != _VERSION:
+        raise WireVersionError(
+            f"nixl descriptor version {version} is not supported (this build speaks {_VERSION})"
+        )
+    try:
+        desc = _dec.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed nixl descriptor: {exc}") from exc
+    if not desc.agent or not desc.metadata:
+        raise WireError("nixl descriptor lacks the agent name or its metadata")
+    if len(desc.regions) > _MAX_REGIONS:
+        raise WireError(f"nixl descriptor offers {len(desc.regions)} regions (max {_MAX_REGIONS})")
+    for r in desc.regions:
+        if not (0 < r.addr < 1 << 64 and 0 < r.nbytes < 1 << 64 and r.addr + r.nbytes < 1 << 64):
+            raise WireError(f"nixl descriptor region [{r.addr:#x}, +{r.nbytes}) is invalid")
+        _mem_of(r.device, WireError)
+    return desc
+
+
+def _mem_of(device: str, exc: type[Exception] = ConfigError) -> tuple[int, int]:
+    """Region.device -> (memory code, NIXL devId): cpu -> (DRAM, 0), cuda:N -> (VRAM, N)."""
+    kind, _, idx = device.partition(":")
+    if kind == "cpu" and not idx:
+        return 0, 0
+    if kind == "cuda" and (not idx or idx.isdigit()):
+        return 1, int(idx or 0)
+    raise exc(f"region device {device!r} is not 'cpu' or 'cuda:N'")
+
+
+class _Side:
+    """Regions of one side with per-region memory code and devId, in RegionTable order."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        self.table = RegionTable(regions)
+        codes = [_mem_of(r.device) for r in self.table.regions]
+        self.mem = np.array([c[0] for c in codes], dtype=np.int8)
+        self.dev = np.array([c[1] for c in codes], dtype=np.uint64)
+
+    @property
+    def has_vram(self) -> bool:
+        return bool(np.any(self.mem == 1))
+
+
+def _dlist(ext: Extents, dev: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    out = np.empty((ext.shape[0], 3), dtype=np.uint64)
+    out[:, 0] = ext["addr"]
+    out[:, 1] = ext["len"]
+    out[:, 2] = dev
+    return out
+
+
+# ----------------------------------------------------------------------------- bookkeeping
+
+
+@dataclasses.dataclass
+class _Peer:
+    key: str
+    agent: str
+    descriptor: bytes
+    side: _Side
+    host: str
+
+
+@dataclasses.dataclass
+class _Xfer:
+    peer: str
+    agent: str
+    reqs: list[Any]  # nixl_xfer_handle, one per memory pair (usually exactly one)
+    done: list[bool]
+    nbytes: int
+    ndesc: int
+    t_post: float
+    notify: bytes | None = None  # sent by poll when the request was split
+    state: XferState = PENDING
+    telemetry: list[Any] = dataclasses.field(default_factory=list)
+
+
+def _progress_loop(ref: weakref.ref[NixlTransport], stop: threading.Event, interval: float) -> None:
+    """Progress UCX every ``interval`` seconds while the transport lives (see progress_interval)."""
+    while not stop.wait(interval):
+        t = ref()
+        if t is None:
+            return
+        with t._lock:
+            if t._closed:
+                return
+            try:
+                t._drain_notifs()
+            except Exception as exc:
+                log.debug("nixl progress: %s", _nixl_reason(exc))
+        del t
+
+
+def _import_nixl() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise TransportUnavailable(
+            f"the nixl transport needs the NIXL Python package ({exc}); install it with "
+            f"`{PIP_HINT}`"
+        ) from exc
+    return _api
+
+
+def _nixl_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+    capabilities = Capabilities(
+        ops=frozenset({Op.READ, Op.WRITE}),
+        memory_kinds=frozenset({"cpu", "cuda"}),
+        same_host_only=False,
+        native_notifications=True,
+    )
+
+    def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(ctx, options)
+        api = _import_nixl()
+        opts = self.options
+        backends = opts.get("backends", ["UCX"])
+        if (
+            isinstance(backends, str)
+            or not backends
+            or not all(isinstance(b, str) and b for b in backends)
+        ):
+            raise ConfigError(
+                f"nixl option backends must be a non-empty list of names: {backends!r}"
+            )
+        self._backends: list[str] = list(backends)
+        self._post_mode = str(opts.get("post_mode", "prepped"))
+        if self._post_mode not in ("prepped", "direct"):
+            raise ConfigError(
+                f"nixl option post_mode must be 'prepped' or 'direct': {self._post_mode!r}"
+            )
+        self._telemetry = bool(opts.get("telemetry", False))
+        self._ucx_probe = bool(opts.get("ucx_probe", True))
+        nixl_progress = bool(opts.get("progress_thread", False))
+        interval = float(opts.get("progress_interval", 0.001))
+        if interval < 0:
+            raise ConfigError(f"nixl option progress_interval must be >= 0: {interval!r}")
+        cfg = api.nixl_agent_config(
+            enable_prog_thread=nixl_progress,
+            capture_telemetry=self._telemetry,
+            num_threads=int(opts.get("num_threads", 0)),
+            backends=self._backends,
+        )
+        from kvlink_transports import _ucx
+
+        if "UCX" in self._backends and _ucx.apply_safe_env():
+            log.info("nixl: no RDMA devices here, set UCX_MODULES=^ib (avoids a crash at exit)")
+        try:
+            self._agent: Any = api.nixl_agent(ctx.agent_name, cfg)
+        except Exception as exc:
+            raise TransportUnavailable(
+                f"nixl agent {ctx.agent_name!r} with backends {self._backends} failed to start: "
+                f"{_nixl_reason(exc)} (UCX needs tcp in UCX_TLS for its wire-up, see docs/nixl.md)"
+            ) from exc
+        missing = [b for b in self._backends if b not in self._agent.backends]
+        if missing:
+            raise TransportUnavailable(
+                f"nixl backends {missing} are not available here; plugins found: "
+                f"{sorted(self._agent.get_plugin_list())}"
+            )
+        self._lock = threading.RLock()
+        self._regions: list[Region] = []
+        self._local = _Side([])
+        self._reg_dlists: list[Any] = []
+        self._peers: dict[str, _Peer] = {}
+        self._by_agent: dict[str, str] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._zombies: list[Any] = []  # NIXL requests whose release failed; retried later
+        self._ids = itertools.count(1)
+        self._host = ctx.host_id or socket.gethostname()
+        self._closed = False
+        self._notes: list[tuple[str, bytes]] = []
+        self._stop = threading.Event()
+        self._progress: threading.Thread | None = None
+        if interval > 0 and not nixl_progress:
+            self._progress = threading.Thread(
+                target=_progress_loop,
+                args=(weakref.ref(self), self._stop, interval),
+                name=f"kvlink-nixl-progress-{ctx.agent_name}",
+                daemon=True,
+            )
+            self._progress.start()
+        log.info(
+            "nixl agent %s up (backends %s, post_mode %s)",
+            ctx.agent_name,
+            self._backends,
+            self._post_mode,
+        )
+
+    # ------------------------------------------------------------------ memory and handshake
+
+    def register(self, regions: Sequence[Region]) -> None:
+        new = list(regions)
+        for r in new:
+            if r.addr <= 0 or r.nbytes <= 0:
+                raise ConfigError(f"cannot register region [{r.addr:#x}, +{r.nbytes})")
+            _mem_of(r.device)
+        with self._lock:
+            self._check_open()
+            side = _Side(self._regions + new)  # raises on overlap with what is registered
+            self._ensure_cuda_device(new)
+            groups: dict[tuple[int, int], list[Region]] = {}
+            for r in new:
+                groups.setdefault(_mem_of(r.device), []).append(r)
+            for (mem, dev), rs in sorted(groups.items()):
+                arr = np.array([[r.addr, r.nbytes, dev] for r in rs], dtype=np.uint64)
+                try:
+                    self._reg_dlists.append(self._agent.register_memory(arr, _MEM_NAMES[mem]))
+                except Exception as exc:
+                    raise TransportUnavailable(
+                        f"nixl could not register {len(rs)} {_MEM_NAMES[mem]} region(s) on "
+                        f"device {dev}: {_nixl_reason(exc)}"
+                    ) from exc
+            self._regions += new
+            self._local = side
+
+    def descriptor(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            desc = _Descriptor(
+                v=_VERSION,
+                agent=self.ctx.agent_name,
+                host=self._host,
+                metadata=bytes(self._agent.get_agent_metadata()),
+                backends=list(self._backends),
+                regions=[_RegionWire(r.addr, r.nbytes, r.device) for r in self._regions],
+            )
+        return _enc.encode(desc)
+
+    def unreachable_reason(self, peer_descriptor: bytes, same_host: bool) -> str | None:
+        try:
+            desc = _decode_descriptor(peer_descriptor)
+        except WireError as exc:
+            return str(exc)
+        common = set(desc.backends) & set(self._backends)
+        if not common:
+            return f"no common NIXL backend: ours {self._backends}, peer's {desc.backends}"
+        return None
+
+    def connect(self, peer: str, descriptor: bytes) -> None:
+        desc = _decode_descriptor(descriptor)
+        if desc.agent == self.ctx.agent_name:
+            raise HandshakeError(f"nixl peer {peer!r} has our own agent name {desc.agent!r}")
+        regions = [Region(r.addr, r.nbytes, r.device) for r in desc.regions]
+        side = _Side(regions)
+        with self._lock:
+            self._check_open()
+            old = self._peers.get(peer)
+            if old is not None and old.descriptor == descriptor:
+                return
+            if old is not None:
+                log.info(
+                    "nixl peer %s reconnects with new metadata (agent %s -> %s): dropping the "
+                    "old agent",
+                    peer,
+                    old.agent,
+                    desc.agent,
+                )
+                self._drop_peer(old, "peer reconnected with new metadata")
+            other = self._by_agent.get(desc.agent)
+            if other is not None:
+                log.warning(
+                    "nixl agent %s was peer %r, now %r: dropping the old peer",
+                    desc.agent,
+                    other,
+                    peer,
+                )
+                self._drop_peer(self._peers[other], f"agent {desc.agent} reconnected as {peer!r}")
+            self._ensure_cuda_device(self._regions)
+            try:
+                name = self._agent.add_remote_agent(desc.metadata)
+            except Exception as exc:
+                if "NOT_ALLOWED" not in str(exc):
+                    raise HandshakeError(
+                        f"nixl could not load peer {peer!r} (agent {desc.agent}): "
+                        f"{_nixl_reason(exc)}"
+                    ) from exc
+                # NIXL still holds other metadata under this name: never use it, replace it.
+                self._remove_remote(desc.agent)
+                try:
+                    name = self._agent.add_remote_agent(desc.metadata)
+                except Exception as exc2:
+                    raise HandshakeError(
+                        f"nixl could not load peer {peer!r} (agent {desc.agent}): "
+                        f"{_nixl_reason(exc2)}"
+                    ) from exc2
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != desc.agent:
+                self._remove_remote(name)
+                raise HandshakeError(
+                    f"nixl peer {peer!r}: descriptor names agent {desc.agent!r}, "
+                    f"its metadata {name!r}"
+                )
+            self._peers[peer] = _Peer(peer, name, descriptor, side, desc.host)
+            self._by_agent[name] = peer
+        self._check_ucx_path(peer, desc.host == self._host, side.has_vram or self._local.has_vram)
+
+    def disconnect(self, peer: str) -> None:
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is not None:
+                self._drop_peer(p, "peer disconnected")
+
+    def _drop_peer(self, p: _Peer, reason: str) -> None:
+        """Fail and free every NIXL request to the peer, then forget its metadata (lock held)."""
+        for x in self._xfers.values():
+            if x.peer != p.key or x.agent != p.agent:
+                continue
+            if x.state.status is XferStatus.PENDING:
+                self._fail(x, f"{reason} (peer {p.key!r}, agent {p.agent})")
+            self._release_reqs(x)
+        self._remove_remote(p.agent)
+        self._peers.pop(p.key, None)
+        if self._by_agent.get(p.agent) == p.key:
+            del self._by_agent[p.agent]
+
+    def _remove_remote(self, agent: str) -> None:
+        try:
+            self._agent.remove_remote_agent(agent)
+        except Exception as exc:  # NIXL already dropped it (e.g. after a remote disconnect)
+            log.debug("nixl remove_remote_agent(%s): %s", agent, _nixl_reason(exc))
+
+    # ------------------------------------------------------------------ transfers
+
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+    ) -> int:
+        t0 = time.perf_counter()
+        check_pairs(local, remote)
+        notif = bytes(notify) if notify else None
+        with self._lock:
+            self._check_open()
+            p = self._peers.get(peer)
+            if p is None:
+                raise TransferError(f"nixl: peer {peer!r} is not connected")
+            li = self._local.table.locate(local, "local extent")
+            ri = p.side.table.locate(remote, "remote extent")
+            if self._zombies:
+                self._reap_zombies()
+            n = int(local.shape[0])
+            x = _Xfer(p.key, p.agent, [], [], int(local["len"].sum()) if n else 0, n, t0)
+            handle = next(self._ids)
+            self._xfers[handle] = x
+            if n == 0:
+                x.state = DONE
+                if notif is not None:
+                    self._send_notif(x, p.agent, notif)
+            else:
+                lmem, rmem = self._local.mem[li], p.side.mem[ri]
+                ldev, rdev = self._local.dev[li], p.side.dev[ri]
+                if lmem.min() == lmem.max() and rmem.min() == rmem.max():
+                    parts: list[tuple[npt.NDArray[np.bool_] | None, int, int]] = [
+                        (None, int(lmem[0]), int(rmem[0]))
+                    ]
+                else:
+                    pair = lmem.astype(np.int16) * 2 + rmem
+                    parts = [(pair == k, int(k) // 2, int(k) % 2) for k in np.unique(pair)]
+                    x.notify = notif
+                for mask, lm, rm in parts:
+                    if mask is None:
+                        ld, rd = _dlist(local, ldev), _dlist(remote, rdev)
+                    else:
+                        ld, rd = _dlist(local[mask], ldev[mask]), _dlist(remote[mask], rdev[mask])
+                    err = self._post_one(
+                        x,
+                        _OPS[op],
+                        p.agent,
+                        ld,
+                        _MEM_NAMES[lm],
+                        rd,
+                        _MEM_NAMES[rm],
+                        notif if mask is None else None,
+                    )
+                    if err is not None:
+                        self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err}")
+                        self._release_reqs(x)
+                        break
+        self._account(post_seconds=time.perf_counter() - t0)
+        return handle
+
+    def _post_one(
+        self,
+        x: _Xfer,
+        op: str,
+        agent: str,
+        ld: npt.NDArray[np.uint64],
+        lmem: str,
+        rd: npt.NDArray[np.uint64],
+        rmem: str,
+        notif: bytes | None,
+    ) -> str | None:
+        a = self._agent
+        msg = notif or b""
+        try:
+            if self._post_mode == "prepped":
+                lh = a.prep_xfer_dlist("NIXL_INIT_AGENT", ld, lmem)
+                try:
+                    rh = a.prep_xfer_dlist(agent, rd, rmem)
+                    try:
+                        idx = np.arange(ld.shape[0], dtype=np.int32)
+                        req = a.make_prepped_xfer(op, lh, idx, rh, idx, notif_msg=msg)
+                    finally:
+                        rh.release()
+                finally:
+                    lh.release()
+            else:
+                req = a.initialize_xfer(
+                    op, a.get_xfer_descs(ld, lmem), a.get_xfer_descs(rd, rmem), agent, notif_msg=msg
+                )
+        except Exception as exc:
+            return _nixl_reason(exc)
+        x.reqs.append(req)
+        x.done.append(False)
+        try:
+            state = a.transfer(req)
+        except Exception as exc:
+            return _nixl_reason(exc)
+        if state == "ERR":
+            return "NIXL returned ERR"
+        return None
+
+    def poll(self, handle: int) -> XferState:
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            if x.state.status is not XferStatus.PENDING:
+                return x.state
+            pending = False
+            for i, req in enumerate(x.reqs):
+                if x.done[i]:
+                    continue
+                try:
+                    s = self._agent.check_xfer_state(req)
+                except Exception as exc:
+                    s, err = "ERR", _nixl_reason(exc)
+                else:
+                    err = "NIXL returned ERR"
+                if s == "DONE":
+                    x.done[i] = True
+                elif s == "PROC":
+                    pending = True
+                else:
+                    self._fail(x, f"nixl transfer with {x.peer!r} (agent {x.agent}) failed: {err}")
+                    return x.state
+            if pending:
+                return x.state
+            if x.notify is not None and not self._send_notif(x, x.agent, x.notify):
+                return x.state
+            x.state = DONE
+            if self._telemetry:
+                for req in x.reqs:
+                    try:
+                        x.telemetry.append(self._agent.get_xfer_telemetry(req))
+                    except Exception as exc:
+                        log.debug("nixl telemetry: %s", _nixl_reason(exc))
+        self._account(
+            transfers=1,
+            bytes=x.nbytes,
+            descriptors=x.ndesc,
+            xfer_seconds=time.perf_counter() - x.t_post,
+        )
+        return DONE
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            x = self._xfers.pop(handle, None)
+            if x is not None:
+                self._release_reqs(x)
+            if self._zombies:
+                self._reap_zombies()
+
+    def xfer_telemetry(self, handle: int) -> list[dict[str, float]]:
+        """NIXL telemetry of a DONE transfer (needs ``options["telemetry"]``), one dict per NIXL
+        request: start_us, post_us, xfer_us, bytes, descriptors (after NIXL's merging)."""
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            out = []
+            for t in x.telemetry:
+                out.append(
+                    {
+                        "start_us": float(getattr(t, "startTime", 0)),
+                        "post_us": float(getattr(t, "postDuration", 0)),
+                        "xfer_us": float(getattr(t, "xferDuration", 0)),
+                        "bytes": float(getattr(t, "totalBytes", 0)),
+                        "descriptors": float(getattr(t, "descCount", 0)),
+                    }
+                )
+            return out
+
+    def _fail(self, x: _Xfer, reason: str) -> None:
+        x.state = XferState(XferStatus.FAILED, reason)
+        self._account(failed=1)
+        log.warning("%s", reason)
+
+    def _send_notif(self, x: _Xfer, agent: str, msg: bytes) -> bool:
+        try:
+            self._agent.send_notif(agent, msg)
+        except Exception as exc:
+            self._fail(x, f"nixl notification to {x.peer!r} failed: {_nixl_reason(exc)}")
+            return False
+        return True
+
+    def _release_reqs(self, x: _Xfer) -> None:
+        for req in x.reqs:
+            try:
+                req.release()
+            except Exception as exc:
+                log.debug("nixl release_xfer_handle deferred: %s", _nixl_reason(exc))
+                self._zombies.append(req)
+        x.reqs = []
+        x.done = []
+
+    def _reap_zombies(self) -> None:
+        keep = []
+        for req in self._zombies:
+            try:
+                req.release()
+            except Exception:
+                keep.append(req)
+        self._zombies = keep
+
+    def _handle_counts(self) -> dict[str, int]:
+        """Sizes of the internal tables (tests check they drain)."""
+        with self._lock:
+            return {
+                "xfers": len(self._xfers),
+                "nixl_requests": sum(len(x.reqs) for x in self._xfers.values()),
+                "zombies": len(self._zombies),
+                "peers": len(self._peers),
+            }
+
+    # ------------------------------------------------------------------ notifications
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            if self._closed:
+                return []
+            self._drain_notifs()
+            out, self._notes = self._notes, []
+        return out
+
+    def _drain_notifs(self) -> None:
+        """Progress UCX and move new NIXL notifications into our queue (lock held)."""
+        new = self._agent.get_new_notifs()
+        for agent, msgs in new.items():
+            name = agent.decode() if isinstance(agent, bytes) else str(agent)
+            self._notes.extend((name, bytes(m)) for m in msgs)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        with self._lock:
+            self._check_open()
+            p = self._peers.get(peer)
+            if p is None:
+                raise TransferError(f"nixl: peer {peer!r} is not connected")
+            try:
+                self._agent.send_notif(p.agent, bytes(message))
+            except Exception as exc:
+                raise TransferError(
+                    f"nixl notification to {peer!r} (agent {p.agent}) failed: {_nixl_reason(exc)}"
+                ) from exc
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._progress is not None and self._progress is not threading.current_thread():
+            self._progress.join()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for x in self._xfers.values():
+                if x.state.status is XferStatus.PENDING:
+                    self._fail(x, "nixl transport closed")
+                self._release_reqs(x)
+            for p in list(self._peers.values()):
+                self._drop_peer(p, "transport closed")
+            self._reap_zombies()
+            for dl in self._reg_dlists:
+                try:
+                    self._agent.deregister_memory(dl)
+                except Exception as exc:
+                    log.warning("nixl deregister_memory failed: %s", _nixl_reason(exc))
+            self._reg_dlists = []
+            self._zombies = []
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("nixl transport is closed")
+
+    # ------------------------------------------------------------------ environment checks
+
+    def _ensure_cuda_device(self, regions: Sequence[Region]) -> None:
+        """UCX only enables cuda_ipc with a CUDA context current on the calling thread."""
+        for r in regions:
+            mem, dev = _mem_of(r.device)
+            if mem == 1:
+                import torch
+
+                torch.cuda.set_device(int(dev))
+                return
+
+    def _check_ucx_path(self, peer: str, same_host: bool, vram: bool) -> None:
+        if not self._ucx_probe or "UCX" not in self._backends:
+            return
+        from kvlink_transports import _ucx
+
+        placement = "intra" if same_host else "inter"
+        rma = _ucx.rma_transports(placement)
+        log.info(
+            "nixl peer %s: %s host, UCX RMA predicted over %s",
+            peer,
+            "same" if same_host else "other",
+            ",".join(rma) or "unknown (no ucx_info)",
+        )
+        if not same_host and _ucx.tcp_fallback_between_hosts() is True:
+            _warn_once(
+                "tcp",
+                "NIXL/UCX moves KV between hosts over TCP (peer %s; UCX RMA lanes: %s; "
+                "transports here: %s). Expect ~1 GB/s instead of the NIC's line rate: install "
+                "RDMA drivers (rdma-core) and check UCX_TLS.",
+                peer,
+                ",".join(rma),
+                ",".join(_ucx.ucx_transports()),
+            )
+        if vram and _ucx.gpu_staged(same_host) is True:
+            _warn_once(
+                "cuda_copy",
+                "NIXL/UCX stages GPU memory for peer %s through host buffers (cuda_copy): no "
+                "%s among UCX transports %s. Set the CUDA device before connect and check "
+                "UCX_TLS includes cuda_ipc / rc.",
+                peer,
+                "cuda_ipc" if same_host else "GPUDirect RDMA transport",
+                ",".join(_ucx.ucx_transports()),
+            )
