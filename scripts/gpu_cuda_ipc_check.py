@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--nixl", action="store_true", help="also run NIXL on the same extents")
     ap.add_argument("--op-timeout", type=float, default=30.0)
+    ap.add_argument("--profile", action="store_true", help="cProfile the posts of each case")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
@@ -184,6 +185,21 @@ def main() -> None:
                 h = t.post(Op.WRITE, "producer", lext, rext)
                 while t.poll(h).status is XferStatus.PENDING:
                     pass
+        if args.profile:
+            import cProfile
+            import pstats
+
+            for tname, t in conns.items():
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(20):
+                    h = t.post(Op.READ, "producer", lext, rext)
+                    while t.poll(h).status is XferStatus.PENDING:
+                        pass
+                    t.release(h)
+                prof.disable()
+                print(f"--- profile {tname} {name} (20 READs)", flush=True)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         results["cases"][name] = row
         print(name, json.dumps(row, indent=1), flush=True)
     done.set()
