@@ -224,10 +224,15 @@ class RegionTable:
             return np.empty(0, dtype=np.intp)
         addr = extents["addr"]
         length = extents["len"]
+        end = addr + length
+        lo, hi = int(addr.min()), int(end.max())
+        one = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        if one >= 0 and hi <= int(self.ends[one]) and not np.any(end < addr):
+            # common case: the whole request lies in one region — three reductions, no search
+            return np.full(extents.shape[0], one, dtype=np.intp)
         idx = np.searchsorted(self.starts, addr, side="right") - 1
         inside = idx >= 0
         safe = np.where(inside, idx, 0)
-        end = addr + length
         ok = inside & (end >= addr) & (end <= self.ends[safe]) if len(self.regions) else inside
         if not np.all(ok):
             bad = int(np.flatnonzero(~ok)[0])
