@@ -52,10 +52,13 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
         transports=st.dictionaries(text, blob, max_size=3)),
     wire.Notification: st.builds(
         wire.Notification, v=st.just(WIRE_VERSION), engine_id=text, req_id=text, tp_rank=i64,
-        tp_size=i64, ok=st.booleans(), detail=text),
+        tp_size=i64, kind=st.sampled_from(["read", "write"]), ok=st.booleans(), detail=text),
     wire.PushRequest: st.builds(
         wire.PushRequest, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
-        req_id=text, tp_rank=i64, block_ids=st.lists(u64, max_size=20)),
+        req_id=text, tp_rank=i64, tp_size=i64, host=text, port=i64,
+        block_ids=st.lists(u64, max_size=20)),
+    wire.ReadIntent: st.builds(wire.ReadIntent, v=st.just(WIRE_VERSION), engine_id=text,
+                               req_id=text, tp_rank=i64),
     wire.ErrorReply: st.builds(wire.ErrorReply, v=st.just(WIRE_VERSION), code=text,
                                message=text),
     wire.Ack: st.just(wire.Ack(v=WIRE_VERSION)),
