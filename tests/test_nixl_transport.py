@@ -1,0 +1,468 @@
+"""NixlTransport between two real processes (multiprocessing spawn), bytes checked against numpy.
+
+The peer process owns a registered numpy buffer and answers commands over a pipe. It blocks on the
+pipe between commands and never polls: the transport's own light progress thread answers UCX's
+wire-up (NIXL's busy-spinning progress thread stays off).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl", reason="NIXL not installed: pip install 'kvlink[nixl]'")
+
+from kvlink.errors import ExtentOutOfBounds, TransferError, WireError, WireVersionError
+from kvlink.transport import (
+    EXTENT_DTYPE,
+    Op,
+    Region,
+    TransportContext,
+    XferStatus,
+    create_transport,
+    make_extents,
+)
+from kvlink_transports import nixl as knixl
+
+TIMEOUT = 30.0
+OPTS = {"ucx_probe": False}
+
+
+def _peer_main(conn: Connection, name: str, nbytes: int, seed: int, tls: str | None) -> None:
+    if tls is not None:
+        os.environ["UCX_TLS"] = tls
+    from kvlink_transports.nixl import NixlTransport
+
+    t = NixlTransport(TransportContext(agent_name=name), OPTS)
+    buf = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    t.register([Region(buf.ctypes.data, buf.nbytes)])
+    conn.send(("ready", t.descriptor(), buf.ctypes.data, os.getpid()))
+    notes: list[tuple[str, bytes]] = []
+    while True:  # blocks: the transport's progress thread serves the initiator meanwhile
+        cmd, *args = conn.recv()
+        if cmd == "connect":
+            t.connect(args[0], args[1])
+            conn.send("ok")
+        elif cmd == "bytes":
+            conn.send_bytes(buf.tobytes())
+        elif cmd == "notifs":  # wait (bounded) until at least args[0] arrived, then hand them over
+            deadline = time.monotonic() + TIMEOUT
+            notes.extend(t.notifications())
+            while len(notes) < args[0] and time.monotonic() < deadline:
+                notes.extend(t.notifications())
+            conn.send(list(notes))
+            notes.clear()
+        elif cmd == "notify":
+            t.notify(args[0], args[1])
+            conn.send("ok")
+        elif cmd == "stop":
+            t.close()
+            conn.send("bye")
+            return
+
+
+class Peer:
+    def __init__(self, name: str, nbytes: int, seed: int, tls: str | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.name, self.nbytes, self.seed = name, nbytes, seed
+        self.proc = ctx.Process(
+            target=_peer_main, args=(child, name, nbytes, seed, tls), daemon=True
+        )
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(60):
+            raise RuntimeError("peer did not start")
+        tag, self.descriptor, self.addr, self.pid = self.conn.recv()
+        assert tag == "ready"
+
+    def reference(self) -> np.ndarray:
+        return np.random.default_rng(self.seed).integers(0, 256, self.nbytes, dtype=np.uint8)
+
+    def call(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        assert self.conn.poll(TIMEOUT), f"peer {self.name} did not answer {msg[0]}"
+        return self.conn.recv()
+
+    def buffer(self) -> np.ndarray:
+        self.conn.send(("bytes",))
+        assert self.conn.poll(TIMEOUT)
+        return np.frombuffer(self.conn.recv_bytes(), dtype=np.uint8)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid or 0, signal.SIGKILL)
+        self.proc.join(TIMEOUT)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop")
+            except (OSError, EOFError, AssertionError):
+                pass
+            self.proc.join(TIMEOUT)
+            if self.proc.is_alive():
+                self.kill()
+
+
+def _ctx() -> TransportContext:
+    return TransportContext(agent_name=f"test-{uuid.uuid4().hex[:8]}")
+
+
+def _pairs(
+    rng: np.random.Generator, n: int, local_size: int, remote_size: int, max_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    lens = rng.integers(1, max_len, n).astype(np.uint64)
+    gaps_l = rng.integers(1, 4096, n).astype(np.uint64)
+    gaps_r = rng.integers(1, 4096, n).astype(np.uint64)
+    loc_off = np.cumsum(gaps_l + lens) - lens
+    perm = rng.permutation(n)
+    rl = lens[perm]
+    rem_off_sorted = np.cumsum(gaps_r + rl) - rl
+    rem_off = np.empty(n, dtype=np.uint64)
+    rem_off[perm] = rem_off_sorted  # extent i lands at a shuffled place on the remote side
+    assert int((loc_off + lens).max()) <= local_size and int((rem_off + lens).max()) <= remote_size
+    return loc_off, rem_off, lens
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 8 << 20, seed=7)
+    yield p
+    p.stop()
+
+
+@pytest.fixture()
+def local() -> Iterator[tuple[Any, np.ndarray]]:
+    t = create_transport("nixl", _ctx(), OPTS)
+    buf = np.zeros(8 << 20, dtype=np.uint8)
+    t.register([Region(buf.ctypes.data, buf.nbytes)])
+    yield t, buf
+    t.close()
+
+
+def _wait_notes(t: Any, n: int) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+    deadline = time.monotonic() + TIMEOUT
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(t.notifications())
+    return got
+
+
+def test_read_write_many_extents_and_notifications(
+    peer: Peer, local: tuple[Any, np.ndarray]
+) -> None:
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    assert peer.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
+    rng = np.random.default_rng(1)
+    remote_ref = peer.reference()
+
+    # READ: 400 non-contiguous extents of varying length, remote order shuffled
+    loc_off, rem_off, lens = _pairs(rng, 400, buf.nbytes, peer.nbytes, 16 << 10)
+    lo = make_extents(buf.ctypes.data + loc_off, lens)
+    ro = make_extents(peer.addr + rem_off, lens)
+    h = t.post(Op.READ, peer.name, lo, ro, notify=b"read-done")
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
+    expect = np.zeros_like(buf)
+    for a, b, n in zip(loc_off.tolist(), rem_off.tolist(), lens.tolist(), strict=True):
+        expect[a : a + n] = remote_ref[b : b + n]
+    assert np.array_equal(buf, expect)
+    assert int(buf.astype(np.uint64).sum()) == int(expect.astype(np.uint64).sum())
+
+    # WRITE: fresh random local bytes into other shuffled remote extents
+    buf[:] = np.random.default_rng(2).integers(0, 256, buf.nbytes, dtype=np.uint8)
+    loc_off, rem_off, lens = _pairs(rng, 300, buf.nbytes, peer.nbytes, 20 << 10)
+    h = t.post(
+        Op.WRITE,
+        peer.name,
+        make_extents(buf.ctypes.data + loc_off, lens),
+        make_extents(peer.addr + rem_off, lens),
+        notify=b"write-done",
+    )
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
+    for a, b, n in zip(loc_off.tolist(), rem_off.tolist(), lens.tolist(), strict=True):
+        remote_ref[b : b + n] = buf[a : a + n]
+    assert np.array_equal(peer.buffer(), remote_ref)
+
+    # notifications: on transfers (sent by NIXL after the data) and standalone, both directions
+    notes = peer.call("notifs", 2)
+    assert sorted(notes) == [(t.ctx.agent_name, b"read-done"), (t.ctx.agent_name, b"write-done")]
+    t.notify(peer.name, b"hello")
+    assert peer.call("notifs", 1) == [(t.ctx.agent_name, b"hello")]
+    assert peer.call("notify", t.ctx.agent_name, b"from-peer") == "ok"
+    assert _wait_notes(t, 1) == [(peer.name, b"from-peer")]
+
+    # an empty request completes at once and still notifies
+    empty = np.empty(0, dtype=EXTENT_DTYPE)
+    h = t.post(Op.READ, peer.name, empty, empty, notify=b"empty")
+    assert t.poll(h).status is XferStatus.DONE
+    t.release(h)
+    assert peer.call("notifs", 1) == [(t.ctx.agent_name, b"empty")]
+
+    assert t.stats.transfers == 2 and t.stats.failed == 0 and t.stats.descriptors == 700
+    assert t.stats.xfer_seconds > 0 and t.stats.post_seconds > 0
+    t.disconnect(peer.name)
+
+
+def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]) -> None:
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    ok_l = make_extents(buf.ctypes.data, 4096)
+    cases = [
+        (ok_l, make_extents(peer.addr + peer.nbytes - 100, 4096)),  # runs past the peer's region
+        (ok_l, make_extents(peer.addr - 4096, 4096)),  # before it
+        (make_extents(buf.ctypes.data + buf.nbytes, 4096), make_extents(peer.addr, 4096)),  # local
+        (ok_l, make_extents(peer.addr, 4095)),  # lengths differ
+    ]
+    for lo, ro in cases:
+        with pytest.raises(ExtentOutOfBounds):
+            t.post(Op.READ, peer.name, lo, ro)
+    with pytest.raises(TransferError):
+        t.post(Op.READ, "nobody", ok_l, make_extents(peer.addr, 4096))
+    assert t.stats.transfers == 0 and t._handle_counts()["xfers"] == 0
+    t.disconnect(peer.name)
+
+
+def test_handles_do_not_leak(peer: Peer, local: tuple[Any, np.ndarray]) -> None:
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    rng = np.random.default_rng(3)
+    outstanding: list[int] = []
+    for i in range(2000):
+        k = int(rng.integers(1, 8))
+        off = rng.choice(buf.nbytes // 4096, k, replace=False).astype(np.uint64) * 4096
+        h = t.post(
+            Op.READ if i % 2 else Op.WRITE,
+            peer.name,
+            make_extents(buf.ctypes.data + off, 4096),
+            make_extents(peer.addr + off, 4096),
+        )
+        outstanding.append(h)
+        if len(outstanding) == 32:
+            for h in outstanding:
+                assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+                t.release(h)
+            outstanding.clear()
+    for h in outstanding:
+        t.wait(h, TIMEOUT)
+        t.release(h)
+    assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 1}
+    assert t.stats.transfers == 2000 and t.stats.failed == 0
+    with pytest.raises(TransferError):
+        t.poll(outstanding[0] if outstanding else 1)
+    t.disconnect(peer.name)
+    assert t._handle_counts()["peers"] == 0
+
+
+def test_telemetry_shows_nixl_merging_adjacent_extents(peer: Peer) -> None:
+    t = knixl.NixlTransport(_ctx(), {**OPTS, "telemetry": True})
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(peer.name, peer.descriptor)
+        off = np.arange(64, dtype=np.uint64) * 4096  # 64 back-to-back extents on both sides
+        lo = make_extents(buf.ctypes.data + off, 4096)
+        h = t.post(Op.READ, peer.name, lo, make_extents(peer.addr + off, 4096))
+        assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+        (tel,) = t.xfer_telemetry(h)
+        t.release(h)
+        assert tel["bytes"] == 64 * 4096 and tel["descriptors"] == 1
+        assert np.array_equal(buf[: 64 * 4096], peer.buffer()[: 64 * 4096])  # earlier tests wrote
+        assert t.stats.descriptors == 64
+    finally:
+        t.close()
+
+
+def test_peer_killed_mid_transfer_fails() -> None:
+    # TCP makes RMA asynchronous (the peer serves it), so a 256 MiB READ is surely in flight
+    os.environ["UCX_TLS"] = "tcp"
+    try:
+        p = Peer(f"victim-{uuid.uuid4().hex[:8]}", 256 << 20, seed=3, tls="tcp")
+        t = knixl.NixlTransport(_ctx(), OPTS)
+    finally:
+        del os.environ["UCX_TLS"]
+    buf = np.zeros(256 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(p.name, p.descriptor)
+        h = t.post(
+            Op.READ,
+            p.name,
+            make_extents(buf.ctypes.data, buf.nbytes),
+            make_extents(p.addr, p.nbytes),
+            notify=b"never",
+        )
+        p.kill()
+        t0 = time.monotonic()
+        state = t.wait(h, TIMEOUT)
+        assert state.status is XferStatus.FAILED, state
+        assert time.monotonic() - t0 < TIMEOUT
+        t.release(h)
+        # posting to the dead peer fails too (at post or on the first poll), never hangs
+        h = t.post(Op.READ, p.name, make_extents(buf.ctypes.data, 4096), make_extents(p.addr, 4096))
+        assert t.wait(h, TIMEOUT).status is XferStatus.FAILED
+        t.release(h)
+        assert t.stats.failed == 2
+        assert t._handle_counts()["nixl_requests"] == 0
+    finally:
+        t.close()
+        p.stop()
+
+
+def test_dead_peer_default_transports() -> None:
+    p = Peer(f"victim-{uuid.uuid4().hex[:8]}", 1 << 20, seed=4)
+    t = knixl.NixlTransport(_ctx(), OPTS)
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(p.name, p.descriptor)
+        p.kill()
+        h = t.post(
+            Op.READ,
+            p.name,
+            make_extents(buf.ctypes.data, buf.nbytes),
+            make_extents(p.addr, p.nbytes),
+        )
+        assert t.wait(h, TIMEOUT).status is XferStatus.FAILED
+        t.release(h)
+        t.disconnect(p.name)
+        assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 0}
+    finally:
+        t.close()
+        p.stop()
+
+
+def test_restarted_peer_same_name_gets_new_metadata(local: tuple[Any, np.ndarray]) -> None:
+    t, buf = local
+    name = f"restart-{uuid.uuid4().hex[:8]}"
+    n = 1 << 20
+    old = Peer(name, n, seed=11)
+    new: Peer | None = None
+    try:
+        t.connect(name, old.descriptor)
+        t.connect(name, old.descriptor)  # same descriptor again: no-op
+        lo, ro = make_extents(buf.ctypes.data, n), make_extents(old.addr, n)
+        h = t.post(Op.READ, name, lo, ro)
+        assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+        t.release(h)
+        assert np.array_equal(buf[:n], old.reference())
+        stale = t.post(Op.READ, name, lo, ro)  # left unreleased across the restart
+        old.kill()
+
+        new = Peer(name, n, seed=12)  # same agent name, new process, new bytes
+        assert new.descriptor != old.descriptor
+        t.connect(name, new.descriptor)
+        assert t.poll(stale).status in (XferStatus.DONE, XferStatus.FAILED)
+        t.release(stale)
+        buf[:n] = 0
+        h = t.post(Op.READ, name, make_extents(buf.ctypes.data, n), make_extents(new.addr, n))
+        assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+        t.release(h)
+        assert np.array_equal(buf[:n], new.reference())
+        # the old process's offer is gone: its range is checked against the NEW region table
+        if not (new.addr <= old.addr and old.addr + n <= new.addr + n):
+            with pytest.raises(ExtentOutOfBounds):
+                t.post(Op.READ, name, lo, ro)
+        assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 1}
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()
+
+
+def test_descriptor_decoding_is_strict(local: tuple[Any, np.ndarray]) -> None:
+    t, _ = local
+    good = msgspec.msgpack.decode(t.descriptor())
+    assert good["v"] == 1 and good["agent"] == t.ctx.agent_name and len(good["regions"]) == 1
+    with pytest.raises(WireError):
+        t.connect("x", b"\x00garbage")
+    with pytest.raises(WireVersionError):
+        t.connect("x", msgspec.msgpack.encode({**good, "v": 2}))
+    with pytest.raises(WireError):
+        t.connect("x", msgspec.msgpack.encode({**good, "extra": 1}))
+    with pytest.raises(WireError):
+        t.connect("x", msgspec.msgpack.encode({**good, "regions": [[0, 10, "cpu"]]}))
+    with pytest.raises(WireError):
+        t.connect("x", msgspec.msgpack.encode({**good, "regions": [[4096, 10, "tpu:0"]]}))
+    assert t.unreachable_reason(msgspec.msgpack.encode({**good, "backends": ["GDS"]}), True)
+    assert t.unreachable_reason(t.descriptor(), True) is None
+
+
+def test_missing_nixl_is_transport_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from kvlink.errors import TransportUnavailable
+
+    real_import = builtins.__import__
+
+    def fake_import(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "nixl" or name.startswith("nixl."):
+            raise ImportError("No module named 'nixl'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    with pytest.raises(TransportUnavailable, match="pip install"):
+        knixl.NixlTransport(_ctx())
+
+
+def test_cross_host_tcp_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    from kvlink_transports import _ucx
+
+    if _ucx.ucx_info_path() is None:
+        pytest.skip("ucx_info not found (pip install --no-deps libucx-cu12)")
+    knixl._warned.clear()
+    mk = [
+        knixl.NixlTransport(
+            TransportContext(agent_name=f"h{i}-{uuid.uuid4().hex[:6]}", host_id=f"host-{i}")
+        )
+        for i in range(3)
+    ]
+    bufs = [np.zeros(4096, np.uint8) for _ in mk]
+    try:
+        for t, b in zip(mk, bufs, strict=True):
+            t.register([Region(b.ctypes.data, b.nbytes)])
+        with caplog.at_level("INFO", logger="kvlink.nixl"):
+            mk[0].connect("p1", mk[1].descriptor())
+            mk[0].connect("p2", mk[2].descriptor())
+        warns = [r for r in caplog.records if r.levelname == "WARNING" and "TCP" in r.message]
+        expect = 1 if _ucx.tcp_fallback_between_hosts() else 0
+        assert len(warns) == expect, [r.message for r in caplog.records]
+        assert any("UCX RMA predicted over" in r.message for r in caplog.records)
+    finally:
+        for t in mk:
+            t.close()
+
+
+def test_parse_proto_info() -> None:
+    from kvlink_transports import _ucx
+
+    text = """
+[1.0] [vm:1 :0]   | a self cfg#0                                        |
+[1.0] [vm:1 :0]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1.0] [vm:1 :0]   | 0..inf | zero-copy   | self/memory                        |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+[1.0] [vm:1 :0]   | a intra-node cfg#1                                  |
+[1.0] [vm:1 :0]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+[1.0] [vm:1 :0]   | 0..inf | zero-copy   | cma/memory                        |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+[1.0] [vm:1 :0]   | remote memory write by ucp_put* from host memory to host |
+[1.0] [vm:1 :0]   |      0..8184 | short              | tcp/lo        |
+[1.0] [vm:1 :0]   |    8185..inf | zero-copy          | 52% on tcp/lo and 48% on tcp/eth0 |
+"""
+    assert _ucx.parse_proto_info(text) == {
+        "read": ["cma/memory"],
+        "write": ["tcp/lo", "52% on tcp/lo and 48% on tcp/eth0"],
+    }
