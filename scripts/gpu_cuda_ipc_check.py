@@ -27,6 +27,7 @@ GIB = 1 << 30
 CASES = {
     "a_1GiB_4MiB": dict(cache=GIB, ext=4 << 20, count=256),
     "b_llama70b_4096tok_8KiB": dict(cache=640 << 20, ext=8 << 10, count=20480),
+    "c_1GiB_64MiB": dict(cache=2 * GIB, ext=64 << 20, count=16),
 }
 
 
