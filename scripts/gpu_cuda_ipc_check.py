@@ -135,7 +135,16 @@ def main() -> None:
                     local[name].zero_()
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    h = t.post(op, "producer", lext, rext)
+                    if args.profile and tname == "cuda_ipc" and len(times) == 2:
+                        import cProfile
+                        import pstats
+
+                        prof = cProfile.Profile()
+                        h = prof.runcall(t.post, op, "producer", lext, rext)
+                        print(f"--- timed post profile {name} {op.value}", flush=True)
+                        pstats.Stats(prof).sort_stats("tottime").print_stats(6)
+                    else:
+                        h = t.post(op, "producer", lext, rext)
                     row.setdefault(f"{tname}_{op.value}_post_s", []).append(
                         time.perf_counter() - t0)
                     deadline = t0 + args.op_timeout
@@ -186,21 +195,6 @@ def main() -> None:
                 h = t.post(Op.WRITE, "producer", lext, rext)
                 while t.poll(h).status is XferStatus.PENDING:
                     pass
-        if args.profile:
-            import cProfile
-            import pstats
-
-            for tname, t in conns.items():
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(20):
-                    h = t.post(Op.READ, "producer", lext, rext)
-                    while t.poll(h).status is XferStatus.PENDING:
-                        pass
-                    t.release(h)
-                prof.disable()
-                print(f"--- profile {tname} {name} (20 READs)", flush=True)
-                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         results["cases"][name] = row
         print(name, json.dumps(row, indent=1), flush=True)
     done.set()
