@@ -326,7 +326,6 @@ def test_mode_choice_is_a_pure_function_of_size() -> None:
 
 def test_package_imports_without_triton_or_cuda() -> None:
     import importlib
-
     import subprocess
 
     # a fresh interpreter: other tests (vLLM) may have imported triton into this one
