@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlink import hostmem
-from kvlink.errors import ExtentOutOfBounds, TransportUnavailable, WireError
+from kvlink import hostmem, staging
+from kvlink.errors import ExtentOutOfBounds, KVLinkError, TransportUnavailable, WireError
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -261,7 +261,7 @@ class _Peer:
                 else:
                     assert isinstance(item, _Xfer)
                     self._transfer(sock, item)
-            except (OSError, _PeerGone, WireError) as exc:
+            except (OSError, _PeerGone, KVLinkError) as exc:
                 where = f"{self.desc.host}:{self.desc.port}"
                 reason = f"peer {self.name} ({where}): {_why(exc, self.owner.timeout)}"
                 if isinstance(item, _Xfer):
@@ -277,7 +277,6 @@ class _Peer:
 
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
         owner = self.owner
-        local = owner._memory.slices(xfer.local, "local extent")
         hdr = _Hdr(
             _VERSION,
             "R" if xfer.op is Op.READ else "W",
@@ -287,7 +286,7 @@ class _Peer:
         )
         _send_hdr(sock, hdr)
         if xfer.op is Op.WRITE:
-            _send_views(sock, local)
+            owner._send_ext(sock, xfer.local)
         reply = _recv_hdr(sock)
         if reply.op == "E":
             owner._finish(
@@ -297,7 +296,7 @@ class _Peer:
         if reply.op != "A":
             raise WireError(f"unexpected reply {reply.op!r}")
         if xfer.op is Op.READ:
-            _recv_views(sock, local)
+            owner._recv_ext(sock, xfer.local)
             if xfer.notify is not None:
                 _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
         owner._finish(xfer, DONE)
@@ -310,7 +309,7 @@ class TcpTransport(Transport):
     name = "tcp"
     capabilities = Capabilities(
         ops=frozenset({Op.READ, Op.WRITE}),
-        memory_kinds=frozenset({"cpu"}),
+        memory_kinds=frozenset({"cpu", "cuda"}),  # cuda: staged through pinned host buffers
         same_host_only=False,
         native_notifications=True,
     )
@@ -329,6 +328,9 @@ class TcpTransport(Transport):
         self._token = secrets.token_bytes(16)
         self._memory = _Memory(())
         self._regions: tuple[Region, ...] = ()
+        self._copier: staging.Copier | None = None
+        self._pool: staging.PinnedPool | None = None
+        self._chunk = 0
         self._lock = threading.Lock()
         self._xfers: dict[int, _Xfer] = {}
         self._peers: dict[str, _Peer] = {}
@@ -340,14 +342,63 @@ class TcpTransport(Transport):
 
     # -- contract
     def register(self, regions: Sequence[Region]) -> None:
-        bad = [r.device for r in regions if r.memory_kind != "cpu"]
-        if bad:
-            raise TransportUnavailable(
-                f"tcp moves host memory only; got device {bad[0]!r} "
-                "(use host staging, kv_buffer_device='cpu')"
-            )
+        devices = {r.device for r in regions if r.memory_kind != "cpu"}
+        if len(devices) > 1 or any(not d.startswith("cuda") for d in devices):
+            raise TransportUnavailable(f"tcp stages one CUDA device at most; got {sorted(devices)}")
+        if devices:
+            self._enable_staging(int(devices.pop().split(":")[1]))
+        elif self.options.get("stage_host_memory"):
+            # host memory through the staging pipeline: how CI exercises it without a GPU
+            self._enable_staging(None)
         self._regions = self._regions + tuple(regions)
         self._memory = _Memory(self._regions)
+
+    def _enable_staging(self, device: int | None) -> None:
+        """VRAM (or, for tests, host memory) moves through a bounded pool of host buffers."""
+        if self._copier is not None:
+            return
+        chunk = int(self.options.get("staging_chunk", 4 << 20))
+        count = int(self.options.get("staging_buffers", 8))
+        if device is None:
+            self._copier = staging.HostCopier()
+        else:
+            try:
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise TransportUnavailable("tcp cannot stage CUDA memory: no CUDA device")
+            except ImportError as exc:
+                raise TransportUnavailable(f"tcp staging needs torch: {exc}") from exc
+            self._copier = staging.CudaCopier(device, chunk)
+        self._pool = staging.PinnedPool(count, chunk, pin=device is not None)
+        self._chunk = chunk
+
+    def _is_staged(self, ext: Extents, what: str = "extent") -> bool:
+        """Bounds-check ``ext`` against registered memory; True if it moves through staging."""
+        idx = self._memory.table.locate(ext, what)
+        if ext.shape[0] == 0:
+            return False
+        kinds = {self._memory.table.regions[int(i)].memory_kind for i in np.unique(idx)}
+        if len(kinds) > 1:
+            raise ExtentOutOfBounds(f"one transfer mixes memory kinds {sorted(kinds)}")
+        device = kinds.pop() != "cpu"
+        return self._copier is not None and (device or bool(self.options.get("stage_host_memory")))
+
+    def _send_ext(self, sock: socket.socket, ext: Extents) -> None:
+        if self._is_staged(ext):
+            assert self._copier is not None and self._pool is not None
+            staging.send_staged(sock.sendall, ext, self._copier, self._pool, self._chunk,
+                                self.timeout)
+        else:
+            _send_views(sock, self._memory.slices(ext, "extent"))
+
+    def _recv_ext(self, sock: socket.socket, ext: Extents) -> None:
+        if self._is_staged(ext):
+            assert self._copier is not None and self._pool is not None
+            staging.recv_staged(lambda mv: _recv_views(sock, [mv]), ext, self._copier,
+                                self._pool, self._chunk, self.timeout)
+        else:
+            _recv_views(sock, self._memory.slices(ext, "extent"))
 
     def descriptor(self) -> bytes:
         return _enc.encode(
@@ -491,7 +542,7 @@ class TcpTransport(Transport):
                     raise WireError(f"unknown op {hdr.op!r}")
                 ext = extents_from_bytes(hdr.extents)
                 try:
-                    views = self._memory.slices(ext, "requested extent")
+                    self._is_staged(ext, "requested extent")  # bounds and memory-kind check
                 except ExtentOutOfBounds as exc:
                     log.warning("tcp: refused %s from %s: %s", hdr.op, hdr.agent, exc)
                     _send_hdr(conn, _Hdr(_VERSION, "E", reason=str(exc)))
@@ -500,13 +551,13 @@ class TcpTransport(Transport):
                     continue
                 if hdr.op == "R":
                     _send_hdr(conn, _Hdr(_VERSION, "A"))
-                    _send_views(conn, views)
+                    self._send_ext(conn, ext)
                 else:
-                    _recv_views(conn, views)
+                    self._recv_ext(conn, ext)
                     if hdr.notify is not None:
                         self._notifs.append((hdr.agent, hdr.notify))
                     _send_hdr(conn, _Hdr(_VERSION, "A"))
-        except (OSError, _PeerGone, WireError) as exc:
+        except (OSError, _PeerGone, KVLinkError) as exc:
             if not isinstance(exc, _PeerGone) or "closed by peer" not in str(exc):
                 log.info("tcp: connection from %s ended: %s", addr, exc)
         finally:

@@ -1,0 +1,248 @@
+"""Host-buffer staging: move device memory with a host-only transport, pipelined in chunks.
+
+When neither GPUDirect RDMA nor CUDA IPC can reach the peer, KV still has to move: gather the
+request's device extents into a pinned host buffer (on a side stream, so the model's stream is
+never blocked), send the host buffer with any host transport, and scatter it into the peer's
+device extents. The byte stream of a transfer is cut into fixed-size chunks; while chunk k is on
+the wire, chunk k+1 is being gathered (send side) or chunk k-1 scattered (receive side), so the
+pipeline runs at the speed of its slowest stage. Buffers come from a bounded pool shared by every
+transfer of the process and are reused (no allocation per request); when the pool is empty a
+transfer waits for a buffer (backpressure) up to a deadline.
+
+The device side is a :class:`Copier`: :class:`CudaCopier` (one Triton gather/scatter launch plus
+one bulk copy per chunk) on GPUs, :class:`HostCopier` for host memory — which runs the very same
+pipeline on CPU, so CI checks bytes, chunk boundaries and the pool bound without a GPU.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvlink import hostmem
+from kvlink.errors import TransferError
+from kvlink.transport import EXTENT_DTYPE, Extents
+
+
+def cut_stream(ext: Extents, chunk: int) -> list[Extents]:
+    """Cut the byte stream of ``ext`` (extents back to back) into chunks of exactly ``chunk``
+    bytes (the last may be shorter); an extent crossing a chunk boundary is split. Vectorised."""
+    n = ext.shape[0]
+    if n == 0:
+        return []
+    lens = ext["len"].astype(np.int64)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    total = int(starts[-1] + lens[-1])
+    cuts = np.arange(0, total, chunk, dtype=np.int64)
+    points = np.union1d(starts[lens > 0], cuts)
+    ends = np.append(points[1:], total)
+    idx = np.searchsorted(starts, points, side="right") - 1
+    pieces = np.empty(points.shape[0], dtype=EXTENT_DTYPE)
+    pieces["addr"] = ext["addr"][idx] + (points - starts[idx]).astype(np.uint64)
+    pieces["len"] = (ends - points).astype(np.uint64)
+    bounds = np.searchsorted(points, cuts)
+    return [pieces[a:b] for a, b in zip(bounds, np.append(bounds[1:], points.shape[0]))]
+
+
+@dataclasses.dataclass
+class Buffer:
+    addr: int
+    nbytes: int
+    view: memoryview
+    owner: Any  # keeps the allocation alive
+
+
+class PinnedPool:
+    """A bounded set of equal host buffers, pinned when CUDA is present."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool = False) -> None:
+        if count < 2:
+            raise ValueError(f"staging needs at least 2 buffers to overlap, got {count}")
+        self.count, self.nbytes = count, nbytes
+        self._free: list[Buffer] = [self._alloc(nbytes, pin) for _ in range(count)]
+        self._cv = threading.Condition()
+        self.in_use = 0
+        self.high_water = 0
+
+    @staticmethod
+    def _alloc(nbytes: int, pin: bool) -> Buffer:
+        if pin:
+            import torch
+
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            addr = int(t.data_ptr())
+            return Buffer(addr, nbytes, hostmem.view(addr, nbytes), t)
+        a = np.empty(nbytes, dtype=np.uint8)
+        a.fill(0)  # touch the pages now, not inside a timed transfer
+        addr = int(a.__array_interface__["data"][0])
+        return Buffer(addr, nbytes, hostmem.view(addr, nbytes), a)
+
+    def acquire(self, timeout: float) -> Buffer:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._free:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"no staging buffer free within {timeout:.1f}s "
+                                        f"({self.count} x {self.nbytes} B all in use)")
+                self._cv.wait(left)
+            buf = self._free.pop()
+            self.in_use += 1
+            self.high_water = max(self.high_water, self.in_use)
+            return buf
+
+    def release(self, buf: Buffer) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self.in_use -= 1
+            self._cv.notify()
+
+
+class Copier(abc.ABC):
+    """Moves a chunk between (device) extents and a host buffer, asynchronously."""
+
+    @abc.abstractmethod
+    def gather(self, ext: Extents, buf: Buffer) -> Any:
+        """Start copying ``ext`` back to back into ``buf``; returns a token for :meth:`wait`."""
+
+    @abc.abstractmethod
+    def scatter(self, buf: Buffer, ext: Extents) -> Any:
+        """Start spreading ``buf`` over ``ext``; returns a token for :meth:`wait`."""
+
+    @abc.abstractmethod
+    def wait(self, token: Any) -> None:
+        """Block until the copy behind ``token`` is complete."""
+
+
+class HostCopier(Copier):
+    """Host memory standing in for a device: synchronous memmoves, same pipeline."""
+
+    def gather(self, ext: Extents, buf: Buffer) -> Any:
+        hostmem.gather(ext, buf.addr)
+        return None
+
+    def scatter(self, buf: Buffer, ext: Extents) -> Any:
+        hostmem.scatter(buf.addr, ext)
+        return None
+
+    def wait(self, token: Any) -> None:
+        return None
+
+
+class CudaCopier(Copier):
+    """GPU extents <-> pinned host: one Triton gather/scatter into a device scratch buffer plus
+    one bulk async copy per chunk, all on a side stream; completion by CUDA event."""
+
+    def __init__(self, device: int, chunk: int, scratch: int = 2) -> None:
+        import torch
+
+        from kvlink_transports._gpucopy import Launcher
+
+        self.torch = torch
+        self.device = torch.device("cuda", device)
+        self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.launcher = Launcher(self.device)
+        self._scratch = [torch.empty(chunk, dtype=torch.uint8, device=self.device)
+                         for _ in range(scratch)]
+        self._next = 0
+
+    def _slot(self) -> Any:
+        s = self._scratch[self._next % len(self._scratch)]
+        self._next += 1
+        return s
+
+    def _host(self, buf: Buffer, n: int) -> Any:
+        return buf.owner[:n] if hasattr(buf.owner, "pin_memory") else \
+            self.torch.from_numpy(buf.owner[:n])
+
+    def gather(self, ext: Extents, buf: Buffer) -> Any:
+        torch = self.torch
+        n = int(ext["len"].sum())
+        scratch = self._slot()
+        dst = np.uint64(scratch.data_ptr()) + np.concatenate(
+            ([0], np.cumsum(ext["len"][:-1], dtype=np.uint64))).astype(np.uint64)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.launcher.launch(ext["addr"], dst, ext["len"])
+            self._host(buf, n).copy_(scratch[:n], non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self.stream)
+        return ev
+
+    def scatter(self, buf: Buffer, ext: Extents) -> Any:
+        torch = self.torch
+        n = int(ext["len"].sum())
+        scratch = self._slot()
+        src = np.uint64(scratch.data_ptr()) + np.concatenate(
+            ([0], np.cumsum(ext["len"][:-1], dtype=np.uint64))).astype(np.uint64)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            scratch[:n].copy_(self._host(buf, n), non_blocking=True)
+            self.launcher.launch(src, ext["addr"], ext["len"])
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self.stream)
+        return ev
+
+    def wait(self, token: Any) -> None:
+        token.synchronize()
+
+
+def send_staged(send: Callable[[memoryview], None], ext: Extents, copier: Copier,
+                pool: PinnedPool, chunk: int, timeout: float) -> int:
+    """Gather chunk k+1 while chunk k is being sent. Returns the chunk count."""
+    chunks = cut_stream(ext, chunk)
+    pending: list[tuple[Buffer, Any, int]] = []
+    try:
+        for part in chunks:
+            buf = pool.acquire(timeout)
+            pending.append((buf, copier.gather(part, buf), int(part["len"].sum())))
+            if len(pending) == 2:
+                _send_one(send, copier, pool, pending.pop(0))
+        while pending:
+            _send_one(send, copier, pool, pending.pop(0))
+    finally:
+        for buf, token, _ in pending:
+            copier.wait(token)
+            pool.release(buf)
+    return len(chunks)
+
+
+def _send_one(send: Callable[[memoryview], None], copier: Copier, pool: PinnedPool,
+              item: tuple[Buffer, Any, int]) -> None:
+    buf, token, n = item
+    try:
+        copier.wait(token)
+        send(buf.view[:n])
+    finally:
+        pool.release(buf)
+
+
+def recv_staged(recv_into: Callable[[memoryview], None], ext: Extents, copier: Copier,
+                pool: PinnedPool, chunk: int, timeout: float) -> int:
+    """Receive chunk k+1 while chunk k is being scattered. Returns the chunk count."""
+    chunks = cut_stream(ext, chunk)
+    inflight: list[tuple[Buffer, Any]] = []
+    try:
+        for part in chunks:
+            if len(inflight) == 2:
+                buf, token = inflight.pop(0)
+                copier.wait(token)
+                pool.release(buf)
+            buf = pool.acquire(timeout)
+            try:
+                recv_into(buf.view[: int(part["len"].sum())])
+            except BaseException:
+                pool.release(buf)
+                raise
+            inflight.append((buf, copier.scatter(buf, part)))
+    finally:
+        for buf, token in inflight:
+            copier.wait(token)
+            pool.release(buf)
+    return len(chunks)
+
