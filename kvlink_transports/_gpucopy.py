@@ -10,6 +10,7 @@ Triton is imported lazily: the package imports on machines without it.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import numpy as np
@@ -97,14 +98,15 @@ class Launcher:
         self._host: Any = None
         self._dev: Any = None
         self._uploaded: Any = None  # event: the last upload finished reading the pinned table
+        self._lock = threading.Lock()  # one table: posts from several threads take turns
 
     def _tables(self, n: int) -> tuple[Any, Any]:
         import torch
 
-        if self._host is None or self._host.shape[1] < n:
-            cap = max(n, 4096, 0 if self._host is None else 2 * self._host.shape[1])
-            self._host = torch.empty((3, cap), dtype=torch.int64, pin_memory=True)
-            self._dev = torch.empty((3, cap), dtype=torch.int64, device=self.device)
+        if self._host is None or self._host.shape[0] < 3 * n:
+            cap = max(3 * n, 3 * 4096, 0 if self._host is None else 2 * self._host.shape[0])
+            self._host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+            self._dev = torch.empty(cap, dtype=torch.int64, device=self.device)
         elif self._uploaded is not None:
             self._uploaded.synchronize()  # never overwrite a table still being uploaded
         return self._host, self._dev
@@ -112,18 +114,23 @@ class Launcher:
     def launch(self, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
                lens: npt.NDArray[np.uint64], chunk: int = CHUNK) -> int:
         """Enqueue the copy on the current stream; returns the chunk count."""
-        import torch
 
         s, d, n, w = chunk_table(src, dst, lens, chunk)
         k = int(s.shape[0])
         if k == 0:
             return 0
+        with self._lock:
+            return self._launch_locked(s, d, n, w, k)
+
+    def _launch_locked(self, s: I64, d: I64, n: I64, w: int, k: int) -> int:
+        import torch
+
         host, dev = self._tables(k)
-        view = host.numpy()
-        view[0, :k], view[1, :k], view[2, :k] = s, d, n
-        dev[:, :k].copy_(host[:, :k], non_blocking=True)
+        view = host.numpy()  # [src | dst | words], contiguous, so the upload is one async copy
+        view[:k], view[k : 2 * k], view[2 * k : 3 * k] = s, d, n
+        dev[: 3 * k].copy_(host[: 3 * k], non_blocking=True)
         self._uploaded = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._uploaded.record()
-        _kernel()[(k,)](dev[0], dev[1], dev[2], WORD=w, BLOCK=4096 if w < 16 else 2048,
-                        num_warps=8)
+        _kernel()[(k,)](dev[:k], dev[k : 2 * k], dev[2 * k : 3 * k], WORD=w,
+                        BLOCK=4096 if w < 16 else 2048, num_warps=8)
         return k
