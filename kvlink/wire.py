@@ -203,6 +203,37 @@ def decode(buf: bytes | memoryview, expect: type[T] | None = None) -> T | Any:
     return msg
 
 
+class _Versioned(msgspec.Struct):
+    v: int = -1
+
+
+_versioned = msgspec.msgpack.Decoder(_Versioned)
+_plugin_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
+
+
+def decode_versioned(buf: bytes | memoryview, cls: type[T], version: int, what: str,
+                     max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """Strictly decode a plugin's own versioned Struct (transport descriptors): size bound,
+    version check, then the typed decode — every failure a WireError naming ``what``."""
+    if len(buf) > max_bytes:
+        raise WireError(f"{what} of {len(buf)} B exceeds the {max_bytes} B bound")
+    try:
+        got = _versioned.decode(buf).v
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"malformed {what}: {exc}") from exc
+    if got != version:
+        raise WireVersionError(f"{what} version {got} is not supported (this build speaks "
+                               f"{version})")
+    dec = _plugin_decoders.get(cls)
+    if dec is None:
+        dec = _plugin_decoders[cls] = msgspec.msgpack.Decoder(cls)
+    try:
+        out: T = dec.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"malformed {what}: {exc}") from exc
+    return out
+
+
 def extents_to_bytes(ext: Extents) -> bytes:
     return np.ascontiguousarray(ext, dtype=EXTENT_DTYPE).tobytes()
 

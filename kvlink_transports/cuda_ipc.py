@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlink.errors import KVLinkError, TransportUnavailable, WireError
+from kvlink.errors import KVLinkError, TransportUnavailable
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -41,6 +41,7 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
+from kvlink.wire import decode_versioned
 
 log = logging.getLogger("kvlink.cuda_ipc")
 _VERSION = 1
@@ -60,7 +61,6 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     exports: list[_Export]
 
 
-_dec = msgspec.msgpack.Decoder(_Descriptor)
 
 
 @dataclasses.dataclass
@@ -158,13 +158,7 @@ class CudaIpcTransport(Transport):
         )
 
     def _decode(self, descriptor: bytes) -> _Descriptor:
-        try:
-            desc = _dec.decode(descriptor)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"bad cuda_ipc descriptor: {exc}") from exc
-        if desc.v != _VERSION:
-            raise WireError(f"cuda_ipc descriptor version {desc.v} unsupported")
-        return desc
+        return decode_versioned(descriptor, _Descriptor, _VERSION, "cuda_ipc descriptor")
 
     def unreachable_reason(self, peer_descriptor: bytes, same_host: bool) -> str | None:
         desc = self._decode(peer_descriptor)

@@ -66,7 +66,6 @@ from kvlink.errors import (
     TransferError,
     TransportUnavailable,
     WireError,
-    WireVersionError,
 )
 from kvlink.transport import (
     DONE,
@@ -82,6 +81,7 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
+from kvlink.wire import decode_versioned
 
 log = logging.getLogger("kvlink.mooncake")
 
@@ -106,30 +106,11 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     regions: list[tuple[int, int, str]]
 
 
-class _Version(msgspec.Struct):
-    v: int
-
-
 _enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(_Descriptor)
-_vdec = msgspec.msgpack.Decoder(_Version)
 
 
 def _decode_descriptor(buf: bytes) -> _Descriptor:
-    if len(buf) > _MAX_DESCRIPTOR:
-        raise WireError(f"mooncake descriptor of {len(buf)} bytes exceeds {_MAX_DESCRIPTOR}")
-    try:
-        version = _vdec.decode(buf).v
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed mooncake descriptor: {exc}") from exc
-    if version != _VERSION:
-        raise WireVersionError(
-            f"mooncake descriptor version {version} is not supported (this build speaks {_VERSION})"
-        )
-    try:
-        desc = _dec.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed mooncake descriptor: {exc}") from exc
+    desc = decode_versioned(buf, _Descriptor, _VERSION, "mooncake descriptor", _MAX_DESCRIPTOR)
     host, _, port = desc.session.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise WireError(f"mooncake descriptor session {desc.session!r} is not host:port")

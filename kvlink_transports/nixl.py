@@ -49,7 +49,6 @@ from kvlink.errors import (
     TransferError,
     TransportUnavailable,
     WireError,
-    WireVersionError,
 )
 from kvlink.transport import (
     DONE,
@@ -65,6 +64,7 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
+from kvlink.wire import decode_versioned
 
 log = logging.getLogger("kvlink.nixl")
 
@@ -105,30 +105,11 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     regions: list[_RegionWire]
 
 
-class _Version(msgspec.Struct):
-    v: int
-
-
 _enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(_Descriptor)
-_vdec = msgspec.msgpack.Decoder(_Version)
 
 
 def _decode_descriptor(buf: bytes) -> _Descriptor:
-    if len(buf) > _MAX_DESCRIPTOR:
-        raise WireError(f"nixl descriptor of {len(buf)} bytes exceeds {_MAX_DESCRIPTOR}")
-    try:
-        version = _vdec.decode(buf).v
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed nixl descriptor: {exc}") from exc
-    if version != _VERSION:
-        raise WireVersionError(
-            f"nixl descriptor version {version} is not supported (this build speaks {_VERSION})"
-        )
-    try:
-        desc = _dec.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed nixl descriptor: {exc}") from exc
+    desc = decode_versioned(buf, _Descriptor, _VERSION, "nixl descriptor", _MAX_DESCRIPTOR)
     if not desc.agent or not desc.metadata:
         raise WireError("nixl descriptor lacks the agent name or its metadata")
     if len(desc.regions) > _MAX_REGIONS:

@@ -50,7 +50,7 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
-from kvlink.wire import extents_from_bytes, extents_to_bytes
+from kvlink.wire import decode_versioned, extents_from_bytes, extents_to_bytes
 
 log = logging.getLogger("kvlink.tcp")
 
@@ -81,7 +81,6 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 _enc = msgspec.msgpack.Encoder()
 _hdr_dec = msgspec.msgpack.Decoder(_Hdr)
-_desc_dec = msgspec.msgpack.Decoder(_Descriptor)
 
 
 class _PeerGone(Exception):
@@ -413,12 +412,7 @@ class TcpTransport(Transport):
         )
 
     def connect(self, peer: str, descriptor: bytes) -> None:
-        try:
-            desc = _desc_dec.decode(descriptor)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"bad tcp descriptor from {peer}: {exc}") from exc
-        if desc.v != _VERSION:
-            raise WireError(f"tcp descriptor version {desc.v} from {peer} unsupported")
+        desc = decode_versioned(descriptor, _Descriptor, _VERSION, f"tcp descriptor from {peer}")
         with self._lock:
             old = self._peers.pop(peer, None)
             self._peers[peer] = _Peer(self, peer, desc)
