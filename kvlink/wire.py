@@ -183,54 +183,39 @@ def encode(msg: _Msg) -> bytes:
     return _encoder.encode(msg)
 
 
+def _strict(buf: bytes | memoryview, decoder: msgspec.msgpack.Decoder[Any], version: int,
+            what: str, max_bytes: int, label: str | None = None) -> Any:
+    """Size bound, then the version, then the typed decode; every failure is a WireError."""
+    if len(buf) > max_bytes:
+        raise WireError(f"{what} of {len(buf)} B exceeds the {max_bytes} B bound")
+    try:
+        got = _version_decoder.decode(buf).v
+        if got != version:
+            raise WireVersionError(f"{label or what} version {got} is not supported (this "
+                                   f"build speaks {version})")
+        return decoder.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError(f"malformed {what}: {type(exc).__name__}: {exc}") from exc
+
+
 def decode(buf: bytes | memoryview, expect: type[T] | None = None) -> T | Any:
-    """Decode one message strictly; ``expect`` additionally pins its type."""
-    if len(buf) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(buf)} B exceeds the {MAX_MESSAGE_BYTES} B bound")
-    try:
-        version = _version_decoder.decode(buf).v
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise WireError(f"malformed message: {type(exc).__name__}: {exc}") from exc
-    if version != WIRE_VERSION:
-        raise WireVersionError(f"wire version {version} is not supported (this build speaks "
-                               f"{WIRE_VERSION})")
-    try:
-        msg = _decoder.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise WireError(f"malformed message: {type(exc).__name__}: {exc}") from exc
+    """Decode one side-channel message strictly; ``expect`` additionally pins its type."""
+    msg = _strict(buf, _decoder, WIRE_VERSION, "message", MAX_MESSAGE_BYTES, label="wire")
     if expect is not None and not isinstance(msg, expect):
         raise WireError(f"expected {expect.__name__}, got {type(msg).__name__}")
     return msg
 
 
-class _Versioned(msgspec.Struct):
-    v: int = -1
-
-
-_versioned = msgspec.msgpack.Decoder(_Versioned)
 _plugin_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
 
 
 def decode_versioned(buf: bytes | memoryview, cls: type[T], version: int, what: str,
                      max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Strictly decode a plugin's own versioned Struct (transport descriptors): size bound,
-    version check, then the typed decode — every failure a WireError naming ``what``."""
-    if len(buf) > max_bytes:
-        raise WireError(f"{what} of {len(buf)} B exceeds the {max_bytes} B bound")
-    try:
-        got = _versioned.decode(buf).v
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise WireError(f"malformed {what}: {exc}") from exc
-    if got != version:
-        raise WireVersionError(f"{what} version {got} is not supported (this build speaks "
-                               f"{version})")
+    """Strictly decode a plugin's own versioned Struct (transport descriptors)."""
     dec = _plugin_decoders.get(cls)
     if dec is None:
         dec = _plugin_decoders[cls] = msgspec.msgpack.Decoder(cls)
-    try:
-        out: T = dec.decode(buf)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
-        raise WireError(f"malformed {what}: {exc}") from exc
+    out: T = _strict(buf, dec, version, what, max_bytes)
     return out
 
 
