@@ -53,6 +53,23 @@ def check_tp(total_heads: int, tp: int, what: str) -> None:
         )
 
 
+def notify_targets(local_tp: int, local_rank: int, remote_tp: int, total_heads: int,
+                   mla: bool = False) -> set[int]:
+    """Remote ranks this local rank must tell "done" after pulling a request.
+
+    Not only the ranks it read: a replica it did *not* read still holds the request's blocks and
+    must learn that this reader no longer needs them, or they would sit there until the lease
+    expires. Every remote rank gets told by every local rank whose heads it holds (MLA: by the
+    local ranks mapped onto it round-robin), and the producer counts its readers the same way.
+    """
+    if mla:
+        if remote_tp >= local_tp:
+            return {p for p in range(remote_tp) if p % local_tp == local_rank}
+        return {local_rank % remote_tp}
+    first, count = rank_heads(total_heads, local_tp, local_rank)
+    return {p for h in range(first, first + count) for p in head_owners(total_heads, remote_tp, h)}
+
+
 def push_targets(
     prefill_tp: int, prefill_rank: int, decode_tp: int, decode_rank: int, total_heads: int,
     mla: bool = False,

@@ -22,7 +22,7 @@ import numpy.typing as npt
 from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
 from kvlink.errors import ConfigError, HandshakeError, KVLinkError, TransportUnavailable
-from kvlink.headmap import HeadRead, map_heads, push_targets
+from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.plan import Plan, plan_transfer
@@ -385,6 +385,8 @@ class KVWorker:
             else:
                 finished.add(req.req_id)
                 self.finished_bytes += req.nbytes
+                if req.op is Op.READ:
+                    self._release_unread(req)
                 self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
                 self.descriptors += sum(p.plan.descriptors for p in req.parts if p.plan)
         return finished, failed
@@ -424,6 +426,27 @@ class KVWorker:
             self.forget_peer(req.remote.engine_id, part.read.remote_rank)
         elif not part.transport.capabilities.native_notifications:
             self._notify_side(req, part)
+
+    def _release_unread(self, req: _Request) -> None:
+        """Tell the replicas we did not read that we are done with the request's blocks."""
+        spec = self._require_spec()
+        read = {p.read.remote_rank for p in req.parts}
+        rest = notify_targets(self.config.tp_size, self.config.tp_rank, req.remote.tp_size,
+                              spec.total_kv_heads, spec.mla) - read
+        if not rest:
+            return
+        msg = wire.decode(self._notification(req))
+
+        def send() -> None:
+            for rank in sorted(rest):
+                try:
+                    sidechannel.request(req.remote.host, req.remote.port + rank, msg,
+                                        self.config.handshake_timeout, self._secret)
+                except KVLinkError as exc:
+                    log.warning("could not release %s on %s rank %d: %s (its lease will "
+                                "expire)", req.req_id, req.remote.engine_id, rank, exc)
+
+        self._intents.submit(send)
 
     def _notification(self, req: _Request) -> bytes:
         # a pushed request is known to the decode side by its own id (before the '@')
@@ -549,12 +572,12 @@ class KVWorker:
         return key
 
     def expected_readers(self, reader_tp: int) -> int:
-        """How many ranks of a ``reader_tp``-way consumer read from this rank."""
+        """How many ranks of a ``reader_tp``-way consumer will say "done" to this rank (see
+        :func:`kvlink.headmap.notify_targets`: replicas that were not read are told too)."""
         spec = self._require_spec()
         return sum(
-            any(r.remote_rank == self.config.tp_rank
-                for r in map_heads(reader_tp, rank, self.config.tp_size, spec.total_kv_heads,
-                                   spec.mla))
+            self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
+                                                  spec.total_kv_heads, spec.mla)
             for rank in range(reader_tp))
 
     def stats(self) -> Mapping[str, TransportStats]:

@@ -194,3 +194,21 @@ def test_check_compatible_missing_key_and_tp() -> None:
         check_compatible(BASE, dict(BASE), 2, 3)
     mla = {**BASE, "mla": True, "total_kv_heads": 1}
     check_compatible(mla, dict(mla), 3, 5)  # MLA: any tp pair
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
+       st.booleans())
+def test_every_holder_is_released_by_someone(ptp: int, dtp: int, heads: int, mla: bool) -> None:
+    """Each prefill rank is told "done" by a fixed set of decode ranks that includes every rank
+    that read from it — so replicas nobody read do not wait for their lease to expire."""
+    from kvlink.headmap import notify_targets
+
+    if not mla and heads % ptp and ptp % heads or not mla and heads % dtp and dtp % heads:
+        return
+    for p in range(ptp):
+        notifiers = {d for d in range(dtp) if p in notify_targets(dtp, d, ptp, heads, mla)}
+        readers = {d for d in range(dtp)
+                   if any(r.remote_rank == p for r in map_heads(dtp, d, ptp, heads, mla))}
+        assert readers <= notifiers
+        assert notifiers, f"prefill rank {p} of {ptp} is never released ({dtp=}, {heads=})"

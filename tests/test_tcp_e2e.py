@@ -58,7 +58,7 @@ def test_demo_pull_verified_and_leases_released() -> None:
     assert res["leaks"] == 0
 
 
-@pytest.mark.parametrize("ptp,dtp", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("ptp,dtp", [(2, 4), (4, 2), (8, 2)])  # 8 -> 2: replicated heads
 def test_demo_heterogeneous_tp(ptp: int, dtp: int) -> None:
     res = run_demo(small_plan(prefill_tp=ptp, decode_tp=dtp, requests=2), show_progress=False)
     assert res["verified"], res["failed"]
