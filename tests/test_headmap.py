@@ -204,7 +204,7 @@ def test_every_holder_is_released_by_someone(ptp: int, dtp: int, heads: int, mla
     that read from it — so replicas nobody read do not wait for their lease to expire."""
     from kvlink.headmap import notify_targets
 
-    if not mla and heads % ptp and ptp % heads or not mla and heads % dtp and dtp % heads:
+    if (not mla and heads % ptp and ptp % heads) or (not mla and heads % dtp and dtp % heads):
         return
     for p in range(ptp):
         notifiers = {d for d in range(dtp) if p in notify_targets(dtp, d, ptp, heads, mla)}
