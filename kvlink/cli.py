@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+    sub.add_parser("probe", help="achieved bandwidth of a decode server from its /metrics",
+                   add_help=False)
     doc = sub.add_parser("doctor", help="what this machine can do: RDMA, CUDA IPC, UCX, NIXL")
     doc.add_argument("--json", metavar="PATH")
     doc.set_defaults(func=cmd_doctor)
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=logging.WARNING)
         return bench_main(argv[1:])
+    if argv[:1] == ["probe"]:
+        from kvlink.probe import main as probe_main
+
+        return probe_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2),

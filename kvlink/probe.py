@@ -1,0 +1,88 @@
+"""`kvlink probe URL`: achieved KV bandwidth of a running decode server, from its /metrics.
+
+Reads kvlink's Prometheus series (``kvlink_recv_bytes_total`` and the ``kvlink_recv_seconds``
+histogram, summed over engines and ranks) and prints the achieved bandwidth beside the NIC's
+theoretical rate and a baseline measured on this machine (``kvlink bench`` JSON). With
+``--interval`` it scrapes twice and reports the rate over that window only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+import urllib.request
+from typing import Any
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sum every sample of each metric name over its label sets (Prometheus text format)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return parse_metrics(resp.read().decode())
+
+
+def achieved(before: dict[str, float] | None, after: dict[str, float]) -> dict[str, float]:
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - (before or {}).get(name, 0.0)
+
+    nbytes = delta("kvlink_recv_bytes_total")
+    seconds = delta("kvlink_recv_seconds_sum")
+    pulls = delta("kvlink_recv_seconds_count")
+    return {"bytes": nbytes, "transfer_seconds": seconds, "pulls": pulls,
+            "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}
+
+
+def baseline_gbps(path: str) -> tuple[float, str] | None:
+    """The best same-machine figure from a `kvlink bench` JSON (largest ucx_perftest or kvlink)."""
+    try:
+        with open(path) as f:
+            doc: dict[str, Any] = json.load(f)
+    except (OSError, ValueError):
+        return None
+    best: tuple[float, str] | None = None
+    for p in doc.get("points", []):
+        for key in ("ucx_perftest_get_gbps", "ucx_perftest_put_gbps"):
+            v = p.get(key)
+            if isinstance(v, float) and (best is None or v > best[0]):
+                best = (v, f"{key.removesuffix('_gbps')} at {p['block_bytes']} B")
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvlink probe", description=__doc__)
+    ap.add_argument("url", help="the decode server's metrics URL, e.g. http://host:8000/metrics")
+    ap.add_argument("--interval", type=float, default=0.0, help="scrape twice, this far apart")
+    ap.add_argument("--nic-gbit", type=float, default=400.0, help="NIC line rate, Gb/s")
+    ap.add_argument("--baseline", default="bench/results/bandwidth.json")
+    args = ap.parse_args(argv)
+    first = scrape(args.url) if args.interval > 0 else None
+    if first is not None:
+        time.sleep(args.interval)  # the measurement window itself
+    res = achieved(first, scrape(args.url))
+    nic = args.nic_gbit / 8
+    print(f"pulls {res['pulls']:.0f}, {res['bytes'] / 2**20:.1f} MiB in "
+          f"{res['transfer_seconds']:.3f} s of transfer time")
+    print(f"achieved   {res['gbps']:8.2f} GB/s")
+    print(f"NIC        {nic:8.2f} GB/s ({args.nic_gbit:.0f} Gb/s line rate) -> "
+          f"{100 * res['gbps'] / nic:.0f} %")
+    base = baseline_gbps(args.baseline)
+    if base is None:
+        print(f"baseline   none ({args.baseline} missing: run `kvlink bench`)")
+    else:
+        print(f"baseline   {base[0]:8.2f} GB/s ({base[1]}, {args.baseline}) -> "
+              f"{100 * res['gbps'] / base[0]:.0f} %")
+    return 0
