@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlink.hostid import host_id
 from kvlink.transport import (
     Op,
     Region,
@@ -44,17 +45,29 @@ class SweepConfig:
     total: int = 256 * MiB  # bytes per point (capped by max_extents)
     max_extents: int = 16384
     reps: int = 3
+    memory: str = "dram"  # or "vram": buffers on cuda:0, baseline = device copy
 
 
-def _server(q: Any, stop: Any, names: list[str], total: int) -> None:
-    buf = np.ones(total, dtype=np.uint8)
-    addr = int(buf.__array_interface__["data"][0])
+def _buffer(total: int, memory: str, fill: int) -> tuple[Any, int, str]:
+    """(owner, address, device) of a benchmark buffer in DRAM or VRAM."""
+    if memory == "vram":
+        import torch
+
+        t = torch.full((total,), fill, dtype=torch.uint8, device="cuda:0")
+        return t, int(t.data_ptr()), "cuda:0"
+    a = np.full(total, fill, dtype=np.uint8)
+    return a, int(a.__array_interface__["data"][0]), "cpu"
+
+
+def _server(q: Any, stop: Any, names: list[str], total: int, memory: str = "dram") -> None:
+    _keep, addr, device = _buffer(total, memory, 1)
     descs: dict[str, Any] = {}
     live = []
     for name in names:
         try:
-            t = create_transport(name, TransportContext(f"bench-server-{name}"))
-            t.register([Region(addr, total)])
+            t = create_transport(name, TransportContext(f"bench-server-{name}",
+                                                        host_id=host_id()))
+            t.register([Region(addr, total, device)])
             descs[name] = (t.descriptor(), addr)
             live.append(t)
         except Exception as exc:
@@ -72,6 +85,21 @@ def memcpy_gbps(total: int, reps: int) -> float:
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return total / statistics.median(times[1:]) / 1e9
+
+
+def device_copy_gbps(total: int, reps: int) -> float:
+    import torch
+
+    src = torch.ones(total, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return total / statistics.median(times[1:]) / 1e9
 
@@ -125,20 +153,24 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     names = [n for n in cfg.transports if n in registered_transports()]
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_server, args=(q, stop, names, cfg.total))
+    proc = ctx.Process(target=_server, args=(q, stop, names, cfg.total, cfg.memory))
     proc.start()
     descs = q.get(timeout=300)
-    dst = np.zeros(cfg.total, dtype=np.uint8)
-    laddr = int(dst.__array_interface__["data"][0])
+    _keep, laddr, device = _buffer(cfg.total, cfg.memory, 0)
     clients: dict[str, Any] = {}
     skipped = {n: "not registered" for n in cfg.transports if n not in names}
     for name in names:
         if isinstance(descs[name], str):
             skipped[name] = descs[name]
             continue
-        t = create_transport(name, TransportContext(f"bench-client-{name}"))
-        t.register([Region(laddr, cfg.total)])
-        t.connect("server", descs[name][0])
+        try:
+            t = create_transport(name, TransportContext(f"bench-client-{name}",
+                                                        host_id=host_id()))
+            t.register([Region(laddr, cfg.total, device)])
+            t.connect("server", descs[name][0])
+        except Exception as exc:
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+            continue
         clients[name] = (t, descs[name][1])
     points = []
     steps = len(cfg.sizes) * (1 + len(clients) * len(cfg.ops))
@@ -147,12 +179,18 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
         for size in cfg.sizes:
             n = max(1, min(cfg.max_extents, cfg.total // size))
             nbytes = n * size
-            mem = memcpy_gbps(nbytes, cfg.reps)
-            base: dict[str, float | str] = {"memcpy_gbps": mem,
-                    "ucx_perftest_put_gbps": perftest_gbps("ucp_put_bw", size,
-                                                           max(50, min(20000, (1 << 30) // size))),
-                    "ucx_perftest_get_gbps": perftest_gbps("ucp_get", size,
-                                                           max(50, min(20000, (1 << 30) // size)))}
+            iters = max(50, min(20000, (1 << 30) // size))
+            if cfg.memory == "vram":
+                mem = device_copy_gbps(nbytes, cfg.reps)
+                base: dict[str, float | str] = {
+                    "memcpy_gbps": mem,
+                    "ucx_perftest_put_gbps": "not run for VRAM (baseline: device copy)",
+                    "ucx_perftest_get_gbps": "not run for VRAM (baseline: device copy)"}
+            else:
+                mem = memcpy_gbps(nbytes, cfg.reps)
+                base = {"memcpy_gbps": mem,
+                        "ucx_perftest_put_gbps": perftest_gbps("ucp_put_bw", size, iters),
+                        "ucx_perftest_get_gbps": perftest_gbps("ucp_get", size, iters)}
             done += 1
             offs = np.random.default_rng(size).permutation(cfg.total // size)[:n].astype(np.uint64)
             offs *= np.uint64(size)
@@ -172,7 +210,8 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                     ref = base["ucx_perftest_get_gbps" if op == "read" else
                                "ucx_perftest_put_gbps"]
                     points.append({
-                        "transport": name, "op": op, "memory": "DRAM", "block_bytes": size,
+                        "transport": name, "op": op, "memory": cfg.memory.upper(),
+                        "block_bytes": size,
                         "blocks": n, "bytes": nbytes, "gbps": gbps,
                         "pct_of_ucx_perftest": 100 * gbps / ref if isinstance(ref, float) else None,
                         "pct_of_memcpy": 100 * gbps / mem, **base})
@@ -214,15 +253,18 @@ def plot(result: dict[str, Any], path: str) -> str | None:
         ax.plot(xs, [p["gbps"] for p in pts if (p["transport"], p["op"]) == key], "o-",
                 label=f"kvlink {key[0]} {key[1]}")
     sizes = sorted({p["block_bytes"] for p in pts})
+    copy_label = "device copy" if pts and pts[0]["memory"] == "VRAM" else "memcpy"
     for base, style in (("ucx_perftest_get_gbps", "k--"), ("ucx_perftest_put_gbps", "k:"),
                         ("memcpy_gbps", "k-.")):
         ys = [next(p[base] for p in pts if p["block_bytes"] == s) for s in sizes]
         if all(isinstance(y, float) for y in ys):
-            ax.plot(sizes, ys, style, label=base.replace("_gbps", ""))
+            label = copy_label if base == "memcpy_gbps" else base.replace("_gbps", "")
+            ax.plot(sizes, ys, style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block (extent) size, bytes")
     ax.set_ylabel("GB/s")
-    ax.set_title("kvlink transfer bandwidth vs same-run baselines (DRAM, 127.0.0.1)")
+    mem = pts[0]["memory"] if pts else "DRAM"
+    ax.set_title(f"kvlink transfer bandwidth vs same-run baselines ({mem}, one host)")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -239,12 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--total-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--memory", choices=["dram", "vram"], default="dram")
     ap.add_argument("--json", default="bench/results/bandwidth.json")
     ap.add_argument("--png", default="bench/results/bandwidth.png")
     args = ap.parse_args(argv)
     cfg = SweepConfig(sizes=[int(s) for s in args.sizes.split(",")],
                       transports=args.transports.split(","), ops=args.ops.split(","),
-                      total=args.total_mib * MiB, reps=args.reps)
+                      total=args.total_mib * MiB, reps=args.reps, memory=args.memory)
     result = run_sweep(cfg)
     print(table(result))
     for name, why in result["skipped_transports"].items():

@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--nixl", action="store_true", help="also run NIXL on the same extents")
     ap.add_argument("--op-timeout", type=float, default=30.0)
     ap.add_argument("--profile", action="store_true", help="cProfile the posts of each case")
+    ap.add_argument("--cases", nargs="*", default=None, help="run only these cases")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
@@ -107,6 +108,8 @@ def main() -> None:
             results[f"{tname}_unavailable"] = f"{type(exc).__name__}: {exc}"
     rng = np.random.default_rng(0)
     for ci, (name, c) in enumerate(CASES.items()):
+        if args.cases and name not in args.cases:
+            continue
         ext, count = c["ext"], c["count"]
         nblk = c["cache"] // ext
         rblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
