@@ -22,16 +22,13 @@ Writes bench/results/vllm_pd.json (bench/_common.write_result).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
