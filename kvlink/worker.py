@@ -602,7 +602,9 @@ class KVWorker:
         if self._server is not None:
             self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._intents.shutdown(wait=False, cancel_futures=True)
+        # flush queued "done" notifications (bounded by the side-channel timeout): cancelling
+        # them would leave unread replicas holding blocks until their leases expire
+        self._intents.shutdown(wait=True)
         for t in self.transports.values():
             t.close()
         self.transports.clear()
