@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import socket
@@ -178,7 +179,8 @@ def _scenario_faults(rank: int, world: int) -> dict[str, Any]:
         stalled.all_reduce(x)
         died.all_reduce(x)
     if rank == world - 1:
-        time.sleep(DEAD_TIMEOUT_S + 0.5)  # phase 1: alive but never calls `stalled`
+        # the injected fault, not synchronisation: alive but never calls `stalled`
+        time.sleep(DEAD_TIMEOUT_S + 0.5)
         os._exit(0)  # phase 2: die without closing anything
     return {"stall": _probe(stalled, x), "dead": _probe(died, x)}
 
@@ -206,12 +208,12 @@ def _run(world: int, scenario: str, tmp: Path, deadline_s: float) -> list[dict[s
     for p in procs:
         p.start()
     end = time.monotonic() + deadline_s
-    # poll exit codes: this also reaps dead children promptly (the liveness check relies on it)
-    while time.monotonic() < end:
-        codes = [p.exitcode for p in procs]  # every one, so no zombie waits behind a live rank
-        if all(code is not None for code in codes):
-            break
-        time.sleep(0.05)
+    # block on the process sentinels (no polling); reaping each exit promptly matters: the
+    # survivors' liveness check looks for the dead peer's pid
+    waiting = {p.sentinel: p for p in procs}
+    while waiting and time.monotonic() < end:
+        for s in mp_connection.wait(list(waiting), timeout=max(0.0, end - time.monotonic())):
+            waiting.pop(s).join()
     hung = [r for r, p in enumerate(procs) if p.exitcode is None]
     for p in procs:
         if p.exitcode is None:

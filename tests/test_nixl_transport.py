@@ -401,6 +401,8 @@ def test_descriptor_decoding_is_strict(local: tuple[Any, np.ndarray]) -> None:
 
 
 def test_missing_nixl_is_transport_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: nixl IS installed here, so a missing library can only be simulated —
+    the import hook below is the one fake in this file, and it fakes nothing but that fault."""
     import builtins
 
     from kvlink.errors import TransportUnavailable
