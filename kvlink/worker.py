@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -111,6 +112,7 @@ class _Awaiting:
     deadline: float
     nbytes: int
     asked: cf.Future[None] | None = None
+    error: str | None = None  # a prefill rank said it could not write (ok=False)
 
 
 @dataclasses.dataclass
@@ -397,6 +399,8 @@ class KVWorker:
             if errors:
                 failed[req.req_id] = "; ".join(errors)
                 log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
+                if req.op is Op.WRITE and "@" in req.req_id:  # a push: the decode is waiting
+                    self._notify_write_failed(req, failed[req.req_id])
             else:
                 finished.add(req.req_id)
                 self.finished_bytes += req.nbytes
@@ -470,6 +474,17 @@ class KVWorker:
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
             kind="read" if req.op is Op.READ else "write"))
 
+    def _notify_write_failed(self, req: _Request, reason: str) -> None:
+        """A failed push: say so to the decode rank (its blocks may hold part of the bytes), so
+        it fails the request now rather than at its timeout."""
+        note = wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                 req_id=req.req_id.split("@")[0], tp_rank=self.config.tp_rank,
+                                 tp_size=self.config.tp_size, kind="write", ok=False,
+                                 detail=reason[:500])
+        for rank in sorted({p.read.remote_rank for p in req.parts}):
+            self._intents.submit(self._send_failure, req.remote.host, req.remote.port + rank,
+                                 note)
+
     def _notify_side(self, req: _Request, part: _Part) -> None:
         msg = wire.decode(self._notification(req))
         try:
@@ -506,6 +521,9 @@ class KVWorker:
                 if wait is None or note.engine_id != wait.remote.engine_id:
                     log.info("'written' notification for unknown request %s from %s/%d",
                              note.req_id, note.engine_id, note.tp_rank)
+                elif not note.ok:  # a refusal or a failed WRITE: the blocks are not filled
+                    wait.error = (f"{note.engine_id} rank {note.tp_rank} did not write: "
+                                  f"{note.detail or 'no reason given'}")
                 else:
                     wait.waiting.discard(note.tp_rank)
             else:
@@ -537,11 +555,19 @@ class KVWorker:
         msg = wire.PushRequest(
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             req_id=req_id, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
-            host=self.config.advertise_host or self.config.host,
-            port=self.side_port - self.config.tp_rank, block_ids=lids.tolist())
+            host=self._public_host(), port=self.side_port - self.config.tp_rank,
+            block_ids=lids.tolist())
         wait = _Awaiting(req_id, remote, set(ranks), time.monotonic() + timeout, 0)
         wait.asked = self._pool.submit(self._ask_push, remote, sorted(ranks), msg)
         self._awaiting[req_id] = wait
+
+    def _public_host(self) -> str:
+        """Where peers dial this rank back: a wildcard bind address is no address to dial."""
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if self.config.host in ("0.0.0.0", "::", ""):
+            return socket.getfqdn()
+        return self.config.host
 
     def _ask_push(self, remote: RemoteEngine, ranks: list[int], msg: wire.PushRequest) -> None:
         for rank in ranks:
@@ -557,6 +583,8 @@ class KVWorker:
             reason = None
             if wait.asked is not None and wait.asked.done() and wait.asked.exception():
                 reason = f"push request to {wait.remote.engine_id} failed: {wait.asked.exception()}"
+            elif wait.error is not None:
+                reason = wait.error
             elif not wait.waiting:
                 finished.add(req_id)
             elif now > wait.deadline:
@@ -585,6 +613,25 @@ class KVWorker:
         remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
         self._start(key, Op.WRITE, remote, local_ids, msg.block_ids, reads)
         return key
+
+    def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:
+        """Prefill side: tell a decode rank its push will not come, so it fails the request
+        now instead of holding its reserved blocks until its timeout (best effort, async)."""
+        note = wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                 req_id=msg.req_id, tp_rank=self.config.tp_rank,
+                                 tp_size=self.config.tp_size, kind="write", ok=False,
+                                 detail=reason)
+        self._intents.submit(self._send_failure, msg.host, msg.port + msg.tp_rank, note)
+
+    def _send_failure(self, host: str, port: int, note: wire.Notification) -> None:
+        # short deadline: the peer is often the reason the push failed (dead or hung), and
+        # close() waits for queued notifications
+        try:
+            sidechannel.request(host, port, note, min(2.0, self.config.handshake_timeout),
+                                self._secret)
+        except KVLinkError as exc:
+            log.info("could not tell %s:%d that %s will not be written: %s (it times out)",
+                     host, port, note.req_id, exc)
 
     def expected_readers(self, reader_tp: int) -> int:
         """How many ranks of a ``reader_tp``-way consumer will say "done" to this rank (see

@@ -283,6 +283,34 @@ def test_push_times_out_when_nobody_writes(observed: Callable[[str], None]) -> N
         idle.close()
 
 
+def test_refused_push_fails_the_decode_at_once() -> None:
+    """A prefill that will not write says so (a "write" notification with ok=False): the decode
+    fails the request at once, and never takes the refusal for "written"."""
+    plan = small_plan()
+    _buf, layers = data.allocate(plan.geo, 8, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
+    w.register(data.spec_of(plan.geo, layers, 1, 0))
+    prefill = KVWorker(WorkerConfig(engine_id="prefill"))
+    prefill.register(data.spec_of(plan.geo, data.allocate(plan.geo, 8, 1, 0)[1], 1, 0))
+    try:
+        w.expect_push("r0", RemoteEngine("prefill", "127.0.0.1", prefill.side_port), [0, 1],
+                      timeout=30.0)
+        deadline = time.monotonic() + 10
+        msgs: list[object] = []
+        while not msgs:
+            msgs = prefill.push_requests()  # type: ignore[assignment]
+            assert time.monotonic() < deadline, "decode never asked for a push"
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        prefill.refuse_push(msgs[0], "its lease expired")  # type: ignore[arg-type]
+        ok, reason = wait_request(w, "r0", 10)
+        assert not ok and "did not write: its lease expired" in reason, reason
+        assert time.monotonic() - t0 < 5  # not the 30 s timeout
+    finally:
+        w.close()
+        prefill.close()
+
+
 @pytest.mark.fault("decode killed mid-WRITE (push, 256 MiB in flight)")
 def test_decode_killed_mid_write_fails_push_on_prefill(observed: Callable[[str], None]) -> None:
     import multiprocessing as mp
