@@ -27,7 +27,7 @@ import numpy as np
 
 from kvlink import hostmem
 from kvlink.errors import TransferError
-from kvlink.transport import EXTENT_DTYPE, Extents
+from kvlink.transport import EXTENT_DTYPE, Extents, make_extents
 
 
 def cut_stream(ext: Extents, chunk: int) -> list[Extents]:
@@ -137,18 +137,19 @@ class HostCopier(Copier):
 
 
 class CudaCopier(Copier):
-    """GPU extents <-> pinned host: one Triton gather/scatter into a device scratch buffer plus
-    one bulk async copy per chunk, all on a side stream; completion by CUDA event."""
+    """GPU extents <-> pinned host: one batched gather/scatter (_gpucopy) into a device scratch
+    buffer plus one bulk async copy per chunk, all on a side stream; completion by CUDA event."""
 
     def __init__(self, device: int, chunk: int, scratch: int = 2) -> None:
         import torch
 
-        from kvlink_transports._gpucopy import Launcher
+        from kvlink_transports._gpucopy import BatchCopier, RegionMap
 
         self.torch = torch
         self.device = torch.device("cuda", device)
         self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        self.launcher = Launcher(self.device)
+        self.copier = BatchCopier(self.device)
+        self._anywhere = RegionMap.anywhere(self.device)  # our own buffers: nothing to guard
         self._scratch = [torch.empty(chunk, dtype=torch.uint8, device=self.device)
                          for _ in range(scratch)]
         self._next = 0
@@ -162,14 +163,18 @@ class CudaCopier(Copier):
         return buf.owner[:n] if hasattr(buf.owner, "pin_memory") else \
             self.torch.from_numpy(buf.owner[:n])
 
+    def _packed(self, scratch: Any, ext: Extents) -> Extents:
+        """Extents laying ``ext``'s bytes back to back from the start of ``scratch``."""
+        offsets = np.concatenate(([0], np.cumsum(ext["len"][:-1], dtype=np.uint64)))
+        return make_extents(np.uint64(scratch.data_ptr()) + offsets.astype(np.uint64),
+                            ext["len"])
+
     def gather(self, ext: Extents, buf: Buffer) -> Any:
         torch = self.torch
         n = int(ext["len"].sum())
         scratch = self._slot()
-        dst = np.uint64(scratch.data_ptr()) + np.concatenate(
-            ([0], np.cumsum(ext["len"][:-1], dtype=np.uint64))).astype(np.uint64)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.launcher.launch(ext["addr"], dst, ext["len"])
+            self.copier.copy(ext, self._anywhere, self._packed(scratch, ext), self._anywhere)
             self._host(buf, n).copy_(scratch[:n], non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self.stream)
@@ -179,11 +184,9 @@ class CudaCopier(Copier):
         torch = self.torch
         n = int(ext["len"].sum())
         scratch = self._slot()
-        src = np.uint64(scratch.data_ptr()) + np.concatenate(
-            ([0], np.cumsum(ext["len"][:-1], dtype=np.uint64))).astype(np.uint64)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             scratch[:n].copy_(self._host(buf, n), non_blocking=True)
-            self.launcher.launch(src, ext["addr"], ext["len"])
+            self.copier.copy(self._packed(scratch, ext), self._anywhere, ext, self._anywhere)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self.stream)
         return ev

@@ -1,136 +1,167 @@
-"""One-launch batched copy between device pointers: a Triton kernel over an extent table.
+"""Batched device copy over extent tables: the data mover of cuda_ipc and of host staging.
 
 A request is thousands of small extents (a 4k-token Llama-70B request is 20480 blocks of 8 KiB);
-one ``cudaMemcpyAsync`` each would spend more time launching than copying. Extents are cut into
-chunks of at most ``chunk`` bytes (vectorised, numpy), the (src, dst, words) table goes to the
-device once, and one kernel launch moves everything — each program copies one chunk.
-Triton is imported lazily: the package imports on machines without it.
+one ``cudaMemcpyAsync`` each would spend more time launching than copying, and any per-extent
+numpy work on the host shows up directly in the request's latency. So the host does as little as
+possible: it copies the caller's extent records into pinned memory and launches two kernels
+(_gpukernels: ``prepare`` validates and translates on the device, ``copy`` moves the bytes).
+Long requests go in pieces, so the GPU starts on the first piece while the host is still
+copying the records of the next; the per-piece check means an invalid extent fails the post
+and is never touched, though valid pieces before it may already have been copied (a FAILED
+transfer leaves its destination undefined, as one cut short by a dead peer does).
+
+Launches skip Triton's Python dispatch after the first call (the compiled kernel is called
+directly) when every argument keeps the integer width it was compiled for. Triton is imported
+lazily: the package imports on machines without it.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import itertools
 import threading
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-CHUNK = 256 << 10
+from kvlink.errors import ExtentOutOfBounds
+from kvlink.transport import Extents
+
+CHUNK = 256 << 10  # bytes one program of the copy kernel moves (more for very long extents)
+PIECE = 4096  # extents per launch pair
+_PREP_BLOCK = 1024
+_COPY_BLOCK = 1024
+_COPY_WARPS = 4
+_I32 = 1 << 31
 
 
-def word_size(*arrays: npt.NDArray[np.uint64]) -> int:
-    """The widest word (16/8/4/2/1 bytes) dividing every address and length."""
-    acc = np.uint64(0)
-    for a in arrays:
-        if a.size:
-            acc |= np.bitwise_or.reduce(a)
-    for w in (16, 8, 4, 2):
-        if int(acc) % w == 0:
-            return w
-    return 1
+class RegionMap:
+    """Registered regions on the device — (start, end, delta) triples — for ``prepare``."""
 
-
-I64 = npt.NDArray[np.int64]
-
-
-def chunk_table(
-    src: npt.NDArray[np.uint64],
-    dst: npt.NDArray[np.uint64],
-    lens: npt.NDArray[np.uint64],
-    chunk: int = CHUNK,
-) -> tuple[I64, I64, I64, int]:
-    """Split extents into chunks: (src, dst, words per chunk, word size). No Python loop."""
-    w = word_size(src, dst, lens)
-    chunk = max(w, chunk - chunk % w)
-    if lens.size and int(lens.max()) <= chunk and int(lens.min()) > 0:  # one chunk per extent
-        return src.astype(np.int64), dst.astype(np.int64), lens.astype(np.int64) // w, w
-    per = -(-lens.astype(np.int64) // chunk)  # ceil
-    per[lens == 0] = 0
-    idx = np.repeat(np.arange(lens.shape[0]), per)
-    first = np.cumsum(per) - per
-    off = (np.arange(idx.shape[0]) - first[idx]) * chunk
-    n = np.minimum(lens.astype(np.int64)[idx] - off, chunk)
-    s = src.astype(np.int64)[idx] + off
-    d = dst.astype(np.int64)[idx] + off
-    return s, d, n // w, w
-
-
-@functools.cache
-def _kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit  # type: ignore[untyped-decorator,misc]
-    def copy_chunks(src_tab, dst_tab, n_tab, WORD: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        pid = tl.program_id(0)
-        n = tl.load(n_tab + pid)
-        if WORD == 16:
-            ty = tl.int64
-            n = n * 2
-        elif WORD == 8:
-            ty = tl.int64
-        elif WORD == 4:
-            ty = tl.int32
-        elif WORD == 2:
-            ty = tl.int16
-        else:
-            ty = tl.int8
-        src = tl.load(src_tab + pid).to(tl.pointer_type(ty))
-        dst = tl.load(dst_tab + pid).to(tl.pointer_type(ty))
-        if WORD == 16:
-            src = tl.multiple_of(src, 16)
-            dst = tl.multiple_of(dst, 16)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < n
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-    return copy_chunks
-
-
-class Launcher:
-    """Reusable pinned + device extent tables, so a post allocates nothing and the table upload
-    is one asynchronous copy on the copy stream."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self._host: Any = None
-        self._dev: Any = None
-        self._uploaded: Any = None  # event: the last upload finished reading the pinned table
-        self._lock = threading.Lock()  # one table: posts from several threads take turns
-
-    def _tables(self, n: int) -> tuple[Any, Any]:
+    def __init__(self, starts: npt.ArrayLike, ends: npt.ArrayLike, delta: npt.ArrayLike,
+                 device: Any) -> None:
         import torch
 
-        if self._host is None or self._host.shape[0] < 3 * n:
-            cap = max(3 * n, 3 * 4096, 0 if self._host is None else 2 * self._host.shape[0])
-            self._host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
-            self._dev = torch.empty(cap, dtype=torch.int64, device=self.device)
-        elif self._uploaded is not None:
-            self._uploaded.synchronize()  # never overwrite a table still being uploaded
-        return self._host, self._dev
+        table = np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1)
+                                for x in (starts, ends, delta)])
+        self.count = table.shape[0] // 3
+        self.tensor = torch.from_numpy(table).to(device)
+        self.ptr = int(self.tensor.data_ptr())
 
-    def launch(self, src: npt.NDArray[np.uint64], dst: npt.NDArray[np.uint64],
-               lens: npt.NDArray[np.uint64], chunk: int = CHUNK) -> int:
-        """Enqueue the copy on the current stream; returns the chunk count."""
+    @classmethod
+    def anywhere(cls, device: Any) -> RegionMap:
+        """No restriction: for copies between buffers the caller owns (host staging)."""
+        return cls([0], [1 << 62], [0], device)
 
-        s, d, n, w = chunk_table(src, dst, lens, chunk)
-        k = int(s.shape[0])
-        if k == 0:
-            return 0
+
+class _Kernel:
+    """One Triton kernel with its launch constants; direct launches once compiled."""
+
+    def __init__(self, name: str, num_warps: int, **consts: int) -> None:
+        self.name = name
+        self.num_warps = num_warps
+        self.consts = consts
+        self._compiled: Any = None
+        self._wide: tuple[bool, ...] = ()
+
+    def __call__(self, grid: tuple[int, ...], *args: int) -> None:
+        wide = tuple(a >= _I32 for a in args)
+        if self._compiled is not None and wide == self._wide:
+            self._compiled[(*grid, 1, 1)[:3]](*args, *self.consts.values())
+            return
+        from kvlink_transports import _gpukernels
+
+        fn = getattr(_gpukernels, self.name)
+        self._compiled = fn[grid](*args, **self.consts, num_warps=self.num_warps)
+        self._wide = wide
+
+
+class Pending:
+    """One enqueued copy: its completion event and the buffers the kernels still use."""
+
+    __slots__ = ("event", "host", "seq", "tab")
+
+    def __init__(self, event: Any, host: Any, seq: int, tab: Any) -> None:
+        self.event, self.host, self.seq, self.tab = event, host, seq, tab
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def failed(self) -> bool:
+        """After done(): did ``prepare`` refuse an extent (so nothing of that piece moved)?"""
+        return self.host is not None and int(self.host.numpy().view(np.int64)[0]) == self.seq
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+def _records(ext: Extents) -> npt.NDArray[np.uint64]:
+    return np.ascontiguousarray(ext).view(np.uint64)
+
+
+class BatchCopier:
+    """Enqueues batched copies on the caller's current stream (one device)."""
+
+    def __init__(self, device: Any, *, chunk: int = CHUNK, piece: int = PIECE,
+                 copy_block: int = _COPY_BLOCK, copy_warps: int = _COPY_WARPS) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.chunk = max(4096, int(chunk))
+        self.piece = max(1, int(piece))
+        props = torch.cuda.get_device_properties(self.device)
+        self.min_programs = 4 * int(props.multi_processor_count)
+        self._flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._prepare = _Kernel("prepare", 4, BLOCK=_PREP_BLOCK)
+        self._copy = _Kernel("copy", copy_warps, BLOCK=copy_block)
+        self._seq = itertools.count(1)
+        self._inflight: collections.deque[Pending] = collections.deque()
+        self._lock = threading.Lock()  # posts from several threads take turns
+
+    def _split(self, n: int, first_len: int) -> int:
+        """Programs per extent: about ``chunk`` bytes each, and enough of them to fill the GPU."""
+        g = max(1, -(-first_len // self.chunk))
+        if n * g < self.min_programs:
+            g = max(g, min(-(-self.min_programs // n), max(1, first_len // 16384)))
+        return min(g, 65535)
+
+    def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap) -> Pending:
+        """Copy src[i] -> dst[i] for every i. Extents are checked on the device against their
+        maps and translated through them (delta); a refused extent shows as ``failed()``."""
+        import torch
+
+        if src.shape != dst.shape:
+            raise ExtentOutOfBounds(
+                f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
+            )
+        n = int(src.shape[0])
         with self._lock:
-            return self._launch_locked(s, d, n, w, k)
-
-    def _launch_locked(self, s: I64, d: I64, n: I64, w: int, k: int) -> int:
-        import torch
-
-        host, dev = self._tables(k)
-        view = host.numpy()  # [src | dst | words], contiguous, so the upload is one async copy
-        view[:k], view[k : 2 * k], view[2 * k : 3 * k] = s, d, n
-        dev[: 3 * k].copy_(host[: 3 * k], non_blocking=True)
-        self._uploaded = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._uploaded.record()
-        _kernel()[(k,)](dev[:k], dev[k : 2 * k], dev[2 * k : 3 * k], WORD=w,
-                        BLOCK=4096 if w < 16 else 2048, num_warps=8)
-        return k
+            while self._inflight and self._inflight[0].done():
+                self._inflight.popleft()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            if n == 0:
+                event.record()
+                return Pending(event, None, 0, None)
+            seq = next(self._seq) % (_I32 - 1) + 1
+            host = torch.empty(8 + 32 * n, dtype=torch.uint8, pin_memory=True)
+            tab = torch.empty(3 * n, dtype=torch.int64, device=self.device)
+            hv = host.numpy().view(np.uint64)
+            hv[0] = 0
+            s_rec, d_rec = _records(src), _records(dst)
+            hp, tp, fp = int(host.data_ptr()), int(tab.data_ptr()), int(self._flag.data_ptr())
+            g = self._split(n, int(src["len"][0]))
+            for p0 in range(0, n, self.piece):
+                p1 = min(n, p0 + self.piece)
+                hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
+                hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
+                k = p1 - p0
+                self._prepare(((k + _PREP_BLOCK - 1) // _PREP_BLOCK,),
+                              hp + 8 + 16 * p0, hp + 8 + 16 * n + 16 * p0, k,
+                              smap.ptr, smap.count, dmap.ptr, dmap.count,
+                              tp + 8 * p0, n, fp, hp, seq)
+                self._copy((k, g), tp + 8 * p0, n, fp, seq, g)
+            event.record()
+            pending = Pending(event, host, seq, tab)
+            self._inflight.append(pending)
+            return pending
