@@ -7,15 +7,19 @@ with random weights and a word-level tokenizer built into a temp dir (nothing do
 * decode ``D`` (kv_consumer, kv_load_failure_policy "recompute") behind the example proxy;
 * decode ``F`` (kv_consumer, policy "fail"), only for the expired-lease case.
 
-Checked: greedy token ids of P alone == P+D through the proxy for 8 prompts of 40-230 tokens
-(2-8 blocks of 32), with D reporting exactly those prompt tokens as loaded (kvlink's Prometheus
-counters) and none recomputed; a control where D gets prompt B with prompt A's KV (same length)
-answers differently (so the equality can fail); a decode that comes after the prefill's lease
-expired is refused by the prefill and recomputed (D) or failed (F), never served from stale KV.
-The end-to-end test is skipped, with the reason printed, only when vllm is not importable.
+Both decodes run with ``mode: push`` and are told per request (``kvlink_mode`` in the
+kv_transfer_params, added by the proxy) to pull or to be pushed into, so the same servers and
+the same single-instance answers serve both modes. Checked in each mode: greedy token ids of P
+alone == P+D through the proxy for 8 prompts of 40-230 tokens (2-8 blocks of 32), with D
+reporting exactly those prompt tokens as loaded (kvlink's Prometheus counters; pushed ones
+counted as such) and none recomputed; a control where D gets prompt B with prompt A's KV (same
+length) answers differently (so the equality can fail); a decode that comes after the prefill's
+lease expired is refused by the prefill and recomputed (D) or failed (F), never served from
+stale KV. The end-to-end test is skipped, with the reason printed, only when vllm is not
+importable.
 
-The connector's vLLM-free helpers (layout detection, scheduler params, the worker's pull, lease
-and read-refusal logic over real tcp) are tested below without vLLM, in seconds.
+The connector's vLLM-free helpers (layout detection, scheduler params, the worker's pull, push,
+lease and refusal logic over real tcp) are tested below without vLLM, in seconds.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tinymodel import build_tiny_llama  # noqa: E402
 
 from kvlink.demo.run import free_port_range  # noqa: E402
+from kvlink.errors import ConfigError  # noqa: E402
 from kvlink.integrations.vllm_common import (  # noqa: E402
     RecvReq,
     SendReq,
@@ -73,6 +78,7 @@ LEASE_S = 15.0
 BLOCK = 32
 MAX_TOKENS = 8
 LENGTHS = [40, 65, 96, 100, 129, 150, 181, 230]
+MODES = ("pull", "push")
 
 
 
@@ -84,6 +90,10 @@ def prompt(seed: int, n: int) -> list[int]:
 class Cluster:
     def __init__(self, model: str, servers: dict[str, Any]) -> None:
         self.model, self.servers = model, servers
+        self._single: dict[tuple[int, ...], list[int]] = {}
+        #: prefilled early for the expired-lease checks: (decode, mode) -> (prompt, params)
+        self.stale: dict[tuple[str, str], tuple[list[int], dict[str, Any]]] = {}
+        self.t_stale = 0.0
 
     def url(self, name: str) -> str:
         url: str = self.servers[name].url
@@ -108,6 +118,13 @@ class Cluster:
         ids: list[int] = out["choices"][0]["token_ids"]
         return ids
 
+    def single(self, p: list[int]) -> list[int]:
+        """The prefill server answering alone (computed once, shared by both modes)."""
+        key = tuple(p)
+        if key not in self._single:
+            self._single[key] = self.tokens("P", p)
+        return self._single[key]
+
     def prefill(self, p: list[int]) -> dict[str, Any]:
         """What the proxy does first: max_tokens=1 with do_remote_decode; the params back."""
         body = pd.pd_proxy.prefill_body({"model": self.model, "prompt": p, "max_tokens": 99,
@@ -124,81 +141,102 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.skip(VLLM_MISSING)
     work = tmp_path_factory.mktemp("vllm_pd")
     model = str(build_tiny_llama(work / "tiny-llama"))
-    side = free_port_range(1)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    # The decodes run in push mode (they serve a side channel for the prefill to write
+    # through) and pull a request whose kv_transfer_params say {"kvlink_mode": "pull"}: one
+    # set of servers covers both modes.
     specs = {
         "P": ("kv_producer", "recompute", {"kv_lease_duration": LEASE_S}),
-        "D": ("kv_consumer", "recompute", {}),
-        "F": ("kv_consumer", "fail", {}),
+        "D": ("kv_consumer", "recompute", {"mode": "push"}),
+        "F": ("kv_consumer", "fail", {"mode": "push"}),
     }
     servers: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
         for name, (role, policy, extra) in specs.items():
             port = pd.free_port()
-            kv = pd.kv_transfer_config(role, side, policy=policy, extra=extra)
+            kv = pd.kv_transfer_config(role, free_port_range(1), policy=policy, extra=extra)
             servers[name] = pd.Server(name, pd.server_command(model, port, kv, block_size=BLOCK),
                                       port, work / f"{name}.log", env)
         for s in servers.values():
             s.wait_healthy(420)
         print(f"\nvLLM servers up in {time.monotonic() - t0:.0f}s (logs in {work})")
-        yield Cluster(model, servers)
+        c = Cluster(model, servers)
+        # Prefill the expired-lease cases first: their leases run out while the tests run.
+        for i, key in enumerate([(d, m) for d in ("D", "F") for m in MODES]):
+            p = prompt(100 + i, 96)
+            c.stale[key] = (p, c.prefill(p))
+        c.t_stale = time.monotonic()
+        yield c
     finally:
         for s in servers.values():
             s.stop()
 
 
 @pytest.mark.timeout(600)
-def test_disaggregated_equals_single_instance(cluster: Cluster) -> None:
-    prompts = [prompt(i, n) for i, n in enumerate(LENGTHS)]
-    # Prefill two requests now for the expired-lease test below; their leases run meanwhile.
-    expired = {"D": prompt(100, 96), "F": prompt(101, 96)}
-    stale = {name: cluster.prefill(p) for name, p in expired.items()}
-    t_stale = time.monotonic()
+@pytest.mark.parametrize("mode", MODES)
+def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> None:
+    """P alone vs P+D through the proxy, D pulling (READ) or being pushed into (WRITE).
 
-    single = [cluster.tokens("P", p) for p in prompts]
+    Each mode has its own prompts: D's prefix cache holds the earlier mode's (and the control's
+    B blocks hold A's KV), so repeating them would load next to nothing.
+    """
+    base = 50 * MODES.index(mode)
+    prompts = [prompt(base + i, n) for i, n in enumerate(LENGTHS)]
+    single = [cluster.single(p) for p in prompts]
     assert all(len(s) == MAX_TOKENS for s in single)
     assert len({tuple(s) for s in single}) == len(prompts), \
         f"outputs must differ across prompts for the comparison to mean anything: {single}"
 
-    loaded0 = cluster.counter("D", "kvlink_loaded_tokens")
-    with pd.running_proxy(cluster.url("P"), cluster.url("D")) as proxy:
+    how = {"kvlink_mode": mode}
+    pushed = 8 if mode == "push" else 0
+    before = {m: cluster.counter("D", m) for m in (
+        "kvlink_loaded_tokens", "kvlink_load_failed_requests", "kvlink_recv_bytes",
+        "kvlink_recv_pushed_requests")}
+    with pd.running_proxy(cluster.url("P"), cluster.url("D"), decode_params=how) as proxy:
         disagg = [cluster.tokens(proxy, p) for p in prompts]
     for n, a, b in zip(LENGTHS, single, disagg):
-        assert a == b, f"prompt of {n} tokens: single {a} != disaggregated {b}"
-    # D loaded every prompt token from P and recomputed none of them.
-    assert cluster.counter("D", "kvlink_loaded_tokens") - loaded0 == sum(LENGTHS), \
-        cluster.diagnose("D", "P")
-    assert cluster.counter("D", "kvlink_load_failed_requests") == 0
-    assert cluster.counter("D", "kvlink_recv_bytes") > 0
+        assert a == b, f"{mode}: prompt of {n} tokens: single {a} != disaggregated {b}"
+
+    def delta(name: str, metric: str) -> float:
+        return cluster.counter(name, metric) - before.get(metric, 0.0)
+
+    # D loaded every prompt token from P (pulled or pushed, as asked) and recomputed none.
+    assert delta("D", "kvlink_loaded_tokens") == sum(LENGTHS), cluster.diagnose("D", "P")
+    assert delta("D", "kvlink_load_failed_requests") == 0, cluster.diagnose("D", "P")
+    assert delta("D", "kvlink_recv_bytes") > 0
+    assert delta("D", "kvlink_recv_pushed_requests") == pushed, cluster.diagnose("D", "P")
 
     # Control: B decoded on A's KV (same length) must not give B's answer.
-    a, b = prompt(200, 128), prompt(201, 128)
-    b_single = cluster.tokens("P", b)
-    assert b_single != cluster.tokens("P", a)
+    a, b = prompt(200 + base, 128), prompt(201 + base, 128)
+    b_single = cluster.single(b)
+    assert b_single != cluster.single(a)
     loaded1 = cluster.counter("D", "kvlink_loaded_tokens")
-    wrong = cluster.tokens("D", b, params=cluster.prefill(a))
+    wrong = cluster.tokens("D", b, params={**cluster.prefill(a), **how})
     assert cluster.counter("D", "kvlink_loaded_tokens") - loaded1 == len(b)
-    assert wrong != b_single, "decoding B on A's KV gave B's own answer: the check is vacuous"
+    assert wrong != b_single, f"{mode}: decoding B on A's KV gave B's own answer: vacuous check"
 
-    # Expired lease: P refuses the late read; D recomputes (correct answer), F fails the request.
-    time.sleep(max(0.0, t_stale + LEASE_S + 3.0 - time.monotonic()))
+    # Expired lease: P refuses the late pull or push; D recomputes (correct answer), F fails
+    # the request; neither is answered from blocks that may hold another request's KV.
+    time.sleep(max(0.0, cluster.t_stale + LEASE_S + 3.0 - time.monotonic()))
     failed0 = cluster.counter("D", "kvlink_load_failed_requests")
     loaded2 = cluster.counter("D", "kvlink_loaded_tokens")
-    assert cluster.tokens("D", expired["D"], params=stale["D"]) == \
-        cluster.tokens("P", expired["D"])
+    late, params = cluster.stale["D", mode]
+    assert cluster.tokens("D", late, params={**params, **how}) == cluster.tokens("P", late)
     assert cluster.counter("D", "kvlink_load_failed_requests") - failed0 == 1
     assert cluster.counter("D", "kvlink_loaded_tokens") == loaded2
 
+    failed_f = cluster.counter("F", "kvlink_load_failed_requests")
+    late, params = cluster.stale["F", mode]
     try:
-        out = pd.completion(cluster.url("F"), cluster.model, expired["F"], MAX_TOKENS,
-                            stale["F"])
+        out = pd.completion(cluster.url("F"), cluster.model, late, MAX_TOKENS,
+                            {**params, **how})
     except RuntimeError as exc:  # an error status: the request failed, as policy "fail" says
-        print(f"policy 'fail': {exc}")
+        print(f"policy 'fail' ({mode}): {exc}")
     else:
         reason = out["choices"][0].get("finish_reason")
         assert reason not in ("length", "stop"), f"policy 'fail' answered normally: {out}"
-    assert cluster.counter("F", "kvlink_load_failed_requests") == 1
+    assert cluster.counter("F", "kvlink_load_failed_requests") - failed_f == 1
     assert cluster.counter("F", "kvlink_loaded_tokens") == 0
 
 
@@ -371,3 +409,129 @@ def test_pull_and_refusal_of_expired_lease() -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def _pair(extra_p: dict[str, Any], extra_c: dict[str, Any]
+          ) -> tuple[PullWorker, PullWorker, list[Any], list[Any]]:
+    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    prod = PullWorker(Settings.from_config("P", "kv_producer", extra_p), 0, 1)
+    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra_c), 0, 1)
+    for w, caches in ((prod, src), (cons, dst)):
+        w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
+                          tp_size=1, tp_rank=0, use_mla=False).spec)
+    return prod, cons, src, dst
+
+
+def test_push_mode_and_its_failures() -> None:
+    port, dport = free_port_range(1), free_port_range(1)
+    prod, cons, src, dst = _pair({"side_channel_port": port, "kv_lease_duration": 0.5,
+                                  "read_intent_timeout": 1.0},
+                                 {"side_channel_port": dport, "mode": "push",
+                                  "push_timeout": 3.0})
+    try:
+        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
+                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+                               "remote_block_ids": [[5, 1, 3]]})
+        assert remote is not None
+        steps = _Steps(prod, cons)
+        # The decode asks before the prefill holds the request (the proxy can be that quick):
+        # the push waits for the hold, then lands. Two local blocks: the prompt's tail.
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (4, 0), 64, push=True)]))
+        for _ in range(5):
+            steps.step()
+        assert not steps.sent
+        prod.start(StepPlan(send=[SendReq("r1", (5, 1, 3))]))
+        res = steps.recv()
+        assert res.finished_recving == {"d1"} and not res.failed_recving
+        for s_t, d_t in zip(src, dst):
+            assert torch.equal(d_t[4], s_t[1]) and torch.equal(d_t[0], s_t[3])
+            assert not d_t[1].any() and not d_t[5].any()
+        steps.wait_sent("r1")  # written: the prefill frees the blocks at once
+
+        # A push of a request whose lease expired is refused at once, nothing written.
+        prod.start(StepPlan(send=[SendReq("r2", (2,))]))
+        steps.wait_sent("r2")
+        stale = dataclasses.replace(remote, request_id="r2", block_ids=(2,))
+        dst[0][3].fill_(-1.0)
+        t0 = time.monotonic()
+        cons.start(StepPlan(recv=[RecvReq("d2", stale, (3,), 32, push=True)]))
+        res = steps.recv()
+        assert "no longer held" in res.failed_recving["d2"], res.failed_recving
+        assert time.monotonic() - t0 < 2.0  # refused, not timed out
+        assert bool((dst[0][3] == -1.0).all())
+
+        # Never held: the prefill gives up after read_intent_timeout and says so.
+        ghost = dataclasses.replace(remote, request_id="r3", block_ids=(2,))
+        cons.start(StepPlan(recv=[RecvReq("d3", ghost, (3,), 32, push=True)]))
+        res = steps.recv()
+        assert "not held within" in res.failed_recving["d3"], res.failed_recving
+
+        pc, _ = prod.take_stats()
+        cc, durations = cons.take_stats()
+        assert pc.get("push_sent_requests") == 1 and pc.get("pushes_refused") == 2, pc
+        assert pc.get("send_done_requests") == 1
+        assert cc.get("recv_pushed_requests") == 1 and cc.get("recv_failed_requests") == 2, cc
+        assert cc.get("recv_bytes") == 2 * cons._spec().block_bytes and len(durations) == 1
+
+        # The prefill is gone: nobody answers the push request; the receive fails by
+        # push_timeout at the latest (the blocks were reserved only that long).
+        prod.close()
+        gone = dataclasses.replace(remote, request_id="r4")
+        t0 = time.monotonic()
+        cons.start(StepPlan(recv=[RecvReq("d4", gone, (1,), 32, push=True)]))
+        res = steps_consumer_only(cons)
+        assert res.finished_recving == {"d4"} and "of P" in res.failed_recving["d4"]
+        assert time.monotonic() - t0 < 3.0 + 2.0
+    finally:
+        prod.close()
+        cons.close()
+
+
+def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = cons.results()
+        if res.finished_recving:
+            return res
+        time.sleep(0.01)
+    raise AssertionError("no result in time")
+
+
+def test_push_times_out_when_the_prefill_never_writes() -> None:
+    """A prefill that accepted the push and then hangs: the decode gives its blocks up at
+    push_timeout and reports the receive failed (recomputed or failed by policy)."""
+    port, dport = free_port_range(1), free_port_range(1)
+    prod, cons, _src, _dst = _pair({"side_channel_port": port},
+                                   {"side_channel_port": dport, "mode": "push",
+                                    "push_timeout": 0.5})
+    try:
+        prod.start(StepPlan(send=[SendReq("r1", (1,))]))
+        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
+                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+                               "remote_block_ids": [[1]]})
+        assert remote is not None
+        t0 = time.monotonic()
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (2,), 32, push=True)]))
+        res = steps_consumer_only(cons)  # the prefill's step loop never runs: it never writes
+        assert "did not push within the timeout" in res.failed_recving["d1"]
+        assert 0.5 <= time.monotonic() - t0 < 5
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_mode_setting_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"mode must be one of \['pull', 'push'\], got 'write'"):
+        Settings.from_config("D", "kv_consumer", {"mode": "write"})
+    assert Settings.from_config("D", "kv_consumer", {"mode": "push"}).serves
+    assert not Settings.from_config("D", "kv_consumer", None).serves
+    # the scheduler marks requests push per the setting, or per request (kvlink_mode)
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "p1",
+              "remote_host": "127.0.0.1", "remote_port": 7000, "remote_block_ids": [[1]]}
+    for mode, override, want in [("push", None, True), ("push", "pull", False),
+                                 ("pull", None, False), ("pull", "push", False)]:
+        cons = PullScheduler(Settings.from_config("D", "kv_consumer", {"mode": mode}), 1, 32)
+        p = dict(params, **({"kvlink_mode": override} if override else {}))
+        cons.after_alloc(_Req("d", list(range(32)), p), _Blocks([3]), 32)
+        assert cons.build_plan().recv[0].push is want, (mode, override)

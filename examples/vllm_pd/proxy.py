@@ -69,13 +69,16 @@ def post_json(base: str, path: str, body: dict[str, Any], headers: dict[str, str
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0,
+                 decode_params: dict[str, Any] | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
         self._prefill = itertools.cycle(prefill)
         self._decode = itertools.cycle(decode)
         self._lock = threading.Lock()
         self.timeout = timeout
+        #: merged into the kv_transfer_params the decode gets (e.g. {"kvlink_mode": "push"})
+        self.decode_params = dict(decode_params or {})
 
     def pick(self) -> tuple[str, str]:
         with self._lock:
@@ -121,7 +124,7 @@ class Proxy:
                                       proxy.timeout)
                     params = first.get("kv_transfer_params")
                     if params:
-                        body["kv_transfer_params"] = params
+                        body["kv_transfer_params"] = {**params, **proxy.decode_params}
                     self._relay(decode, "/v1" + api, body, headers)
                 except Exception as exc:  # the client gets the reason, the proxy keeps serving
                     self._reply(502, {"error": f"{type(exc).__name__}: {exc}"})
@@ -152,9 +155,15 @@ class Proxy:
 
 
 def serve(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,
-          timeout: float = 600.0) -> ThreadingHTTPServer:
-    """Bind the proxy (``port=0``: any free port); call ``serve_forever`` on the result."""
-    server = ThreadingHTTPServer((host, port), Proxy(prefill, decode, timeout).handler())
+          timeout: float = 600.0, decode_params: dict[str, Any] | None = None
+          ) -> ThreadingHTTPServer:
+    """Bind the proxy (``port=0``: any free port); call ``serve_forever`` on the result.
+
+    ``decode_params`` are added to the ``kv_transfer_params`` every decode request gets: with
+    KVLinkConnector, ``{"kvlink_mode": "pull"}`` or ``"push"`` picks the mode per request.
+    """
+    server = ThreadingHTTPServer((host, port),
+                                 Proxy(prefill, decode, timeout, decode_params).handler())
     server.daemon_threads = True
     return server
 
@@ -165,8 +174,12 @@ def main() -> None:
     ap.add_argument("--decode", nargs="+", required=True, help="decode server base URL(s)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--decode-params", type=json.loads, default=None,
+                    help='JSON merged into the decode\'s kv_transfer_params, e.g. '
+                         '\'{"kvlink_mode": "push"}\'')
     args = ap.parse_args()
-    server = serve(args.prefill, args.decode, args.host, args.port)
+    server = serve(args.prefill, args.decode, args.host, args.port,
+                   decode_params=args.decode_params)
     print(f"proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, "
           f"decode {args.decode}", flush=True)
     try:

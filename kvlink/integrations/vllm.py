@@ -1,4 +1,4 @@
-"""``KVLinkConnector``: a vLLM v1 KV connector, a drop-in for NixlConnector (pull mode).
+"""``KVLinkConnector``: a vLLM v1 KV connector, a drop-in for NixlConnector (pull or push mode).
 
 Load it with::
 
@@ -7,6 +7,9 @@ Load it with::
                            "kv_role": "kv_producer",            # or kv_consumer / kv_both
                            "kv_buffer_device": "cpu",
                            "kv_connector_extra_config": {"transport": "tcp"}}'
+
+``"mode": "push"`` in ``kv_connector_extra_config`` of the decode makes the prefill WRITE each
+request into the decode's blocks (Mooncake style) instead of the decode READing them.
 
 ``kv_transfer_params`` carry NixlConnector's keys with NixlConnector's meaning, so proxies and
 routers written for it (vLLM's toy proxy included) work unchanged. This is the only kvlink
@@ -81,14 +84,18 @@ COUNTERS = {
     "load_failed_requests": "Requests whose remote KV load failed (recomputed or failed by "
                             "kv_load_failure_policy).",
     "load_failed_tokens": "Prompt tokens of requests whose remote KV load failed.",
-    "recv_requests": "Requests pulled by the decode workers (per TP rank).",
-    "recv_failed_requests": "Pulls that failed on a decode worker (per TP rank).",
-    "recv_bytes": "Bytes pulled by the decode workers.",
-    "recv_blocks": "Kernel blocks pulled by the decode workers.",
+    "recv_requests": "Requests received (pulled or pushed) by the decode workers (per TP rank).",
+    "recv_pushed_requests": "Requests the prefill pushed into the decode workers (mode push).",
+    "recv_failed_requests": "Receives (pulls or pushes) that failed on a decode worker.",
+    "recv_bytes": "Bytes received by the decode workers.",
+    "recv_blocks": "Kernel blocks received by the decode workers.",
     "held_requests": "Finished prefills whose blocks were held for a remote reader.",
     "send_done_requests": "Held prefills released after all readers notified (per TP rank).",
     "send_expired_requests": "Held prefills released because their lease expired (per rank).",
     "reads_refused": "Read intents refused because the request was no longer held.",
+    "push_sent_requests": "Requests a prefill worker WROTE into a decode rank (mode push).",
+    "push_failed_requests": "Pushes whose WRITE failed on a prefill worker (decode told).",
+    "pushes_refused": "Push requests refused (request not held any more, or blocks not held).",
 }
 
 
@@ -104,7 +111,7 @@ def _ktc_get(ktc: Any, key: str, default: Any = None) -> Any:
 
 
 class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """Pull-mode KV connector over kvlink's transports (``tcp`` works everywhere)."""
+    """Pull- or push-mode KV connector over kvlink's transports (``tcp`` works everywhere)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -131,10 +138,12 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._sched = PullScheduler(self.settings, self._tp_size, self._block_size,
                                         self._dp_rank)
-        log.info("kvlink connector (%s) engine %s, role %s, transports %s, side channel %s:%d",
-                 role.name.lower(), self.settings.engine_id, _ktc_get(ktc, "kv_role"),
+        log.info("kvlink connector (%s) engine %s, role %s, mode %s, transports %s, side "
+                 "channel %s:%d%s", role.name.lower(), self.settings.engine_id,
+                 _ktc_get(ktc, "kv_role"), self.settings.mode,
                  ",".join(self.settings.transports), self.settings.host,
-                 self.settings.rank_port(self._dp_rank, self._tp_size))
+                 self.settings.rank_port(self._dp_rank, self._tp_size),
+                 "" if self.settings.serves else " (not served)")
 
     # ================================================================ scheduler side
     def _s(self) -> PullScheduler:
@@ -193,18 +202,21 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.start(meta.plan, idle)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Pull mode loads whole requests before they are scheduled: nothing to wait for."""
+        """Whole requests are loaded (pulled or pushed) before they are scheduled: nothing to
+        wait for."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Pull mode: the decode reads the prefill's blocks; nothing is saved per layer."""
+        """Nothing is saved per layer: with vLLM's sequential proxy flow the decode asks only
+        after the prefill finished, so even a push starts from the finished, held blocks."""
 
     def wait_for_save(self) -> None:
-        """Pull mode: nothing to save."""
+        """Nothing to save (see :meth:`save_kv_layer`)."""
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Nothing to do: pulls finish before their request runs, and prefill blocks are held
-        only after their request finished, so preemption never frees a block in transfer."""
+        """Nothing to do: receives finish before their request runs, and prefill blocks are
+        held only after their request finished, so preemption never frees a block in
+        transfer."""
 
     def _collect(self) -> Any:
         return self._worker.results() if self._worker is not None else None

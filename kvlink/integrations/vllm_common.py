@@ -17,6 +17,10 @@ from kvlink.errors import ConfigError
 
 DEFAULT_SIDE_PORT = 5600
 DEFAULT_LEASE_SECONDS = 120.0
+DEFAULT_PUSH_TIMEOUT = 30.0
+MODES = ("pull", "push")
+#: kv_transfer_params key a router may set to pick the mode of one request (decode side)
+MODE_PARAM = "kvlink_mode"
 
 #: kv_transfer_params keys vLLM's NixlConnector uses (same names, same meaning).
 PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
@@ -43,7 +47,9 @@ class Settings:
     then ``VLLM_NIXL_SIDE_CHANNEL_HOST|PORT``; rank r of DP rank d listens on
     ``port + d * tp + r``), ``advertise_host``, ``kv_lease_duration`` (seconds a prefill holds
     blocks for readers), ``handshake_timeout``, ``read_intent_timeout``, ``idle_yield_ms``,
-    ``secret`` (side channel HMAC; else env ``KVLINK_SECRET``), ``allow_insecure``.
+    ``secret`` (side channel HMAC; else env ``KVLINK_SECRET``), ``allow_insecure``,
+    ``mode`` ("pull" or "push": how a consumer gets the KV; see docs/vllm.md) and
+    ``push_timeout`` (seconds a consumer keeps blocks reserved for a push).
     """
 
     engine_id: str
@@ -61,6 +67,14 @@ class Settings:
     idle_yield_s: float = 0.002  # sleep of an idle step while transfers are outstanding
     secret: str | None = None  # side-channel HMAC secret (default: env KVLINK_SECRET)
     allow_insecure: bool = False
+    mode: str = "pull"  # consumer: "pull" (READ from the prefill) or "push" (prefill WRITEs)
+    push_timeout: float = DEFAULT_PUSH_TIMEOUT  # consumer: blocks reserved for a push at most
+
+    @property
+    def serves(self) -> bool:
+        """Runs a side channel: producers (answering readers and pushers' requests) and push
+        consumers (the prefill handshakes back to write into them)."""
+        return self.producer or (self.consumer and self.mode == "push")
 
     @classmethod
     def from_config(cls, engine_id: str, kv_role: str, extra: Mapping[str, Any] | None
@@ -83,6 +97,10 @@ class Settings:
             port = _env_int("KVLINK_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT")
         lease = extra.get("kv_lease_duration", extra.get("lease_seconds",
                                                         DEFAULT_LEASE_SECONDS))
+        mode = extra.get("mode", "pull")
+        if mode not in MODES:
+            raise ConfigError(f"kv_connector_extra_config.mode must be one of {list(MODES)}, "
+                              f"got {mode!r}")
         opts = extra.get("transport_options") or {}
         if not isinstance(opts, Mapping):
             raise ConfigError(f"transport_options must map transport names to options, "
@@ -99,9 +117,12 @@ class Settings:
             intent_timeout=float(extra.get("read_intent_timeout", 10.0)),
             idle_yield_s=float(extra.get("idle_yield_ms", 2.0)) / 1e3,
             secret=extra.get("secret"), allow_insecure=bool(extra.get("allow_insecure", False)),
+            mode=str(mode), push_timeout=float(extra.get("push_timeout", DEFAULT_PUSH_TIMEOUT)),
         )
         if s.lease_seconds <= 0:
             raise ConfigError(f"kv_lease_duration must be positive, got {s.lease_seconds}")
+        if s.push_timeout <= 0:
+            raise ConfigError(f"push_timeout must be positive, got {s.push_timeout}")
         if not 0 < s.side_port < 65536:
             raise ConfigError(f"side_channel_port {s.side_port} out of range")
         return s
@@ -139,6 +160,7 @@ class RecvReq:
     remote: Remote
     local_block_ids: tuple[int, ...]
     num_tokens: int
+    push: bool = False  # the prefill WRITEs into local_block_ids (else we READ them)
 
 
 @dataclasses.dataclass(frozen=True)

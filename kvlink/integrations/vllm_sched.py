@@ -10,7 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvlink.integrations.vllm_common import RecvReq, SendReq, Settings, StepPlan, parse_remote
+from kvlink.integrations.vllm_common import (
+    MODE_PARAM,
+    MODES,
+    RecvReq,
+    SendReq,
+    Settings,
+    StepPlan,
+    parse_remote,
+)
 
 log = logging.getLogger("kvlink.vllm")
 
@@ -66,8 +74,25 @@ class PullScheduler:
             local = tuple(blocks.get_unhashed_block_ids())
         else:
             local = tuple(blocks.get_block_ids()[0])
-        self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens))
+        push = self._push(request.request_id, params)
+        self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens,
+                                       push))
         self._loading[request.request_id] = (num_external_tokens, local)
+
+    def _push(self, req_id: str, params: dict[str, Any]) -> bool:
+        """Pull or push for this request: the ``mode`` setting, unless the request's params
+        name one (``kvlink_mode``). Push needs this consumer's side channel, which only runs
+        with ``mode: push``; a request asking for push without it is pulled."""
+        wanted = params.get(MODE_PARAM) or self.s.mode
+        if wanted not in MODES:
+            log.warning("request %s: %s=%r is not one of %s; using %s", req_id, MODE_PARAM,
+                        wanted, list(MODES), self.s.mode)
+            wanted = self.s.mode
+        if wanted == "push" and not self.s.serves:
+            log.warning("request %s asks for push but this consumer runs in pull mode (no side "
+                        "channel for the prefill to write through); pulling", req_id)
+            return False
+        return bool(wanted == "push")
 
     # ------------------------------------------------------------------ prefill side
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any]

@@ -1,4 +1,7 @@
-"""Worker side of the vLLM connector: one TP rank's pulls, leases and read checks (no vLLM import).
+"""Worker side of the vLLM connector: one TP rank's pulls, pushes, leases and read checks.
+
+No vLLM import; never decides policy (the scheduler's plan says which requests to hold, pull or
+have pushed).
 
 Producer (prefill) rank: holds each finished request's blocks in a :class:`BlockLeases` lease,
 frees them (reports "finished sending") when every expected reader has notified or the lease
@@ -10,6 +13,17 @@ expire under a READ in flight.
 
 Consumer (decode) rank: for each request in the step's plan, sends the read intent(s), then
 ``KVWorker.read`` (handshake, plan, post, poll), and reports finished or failed requests.
+
+Push mode (the plan marks a request ``push``): the consumer rank calls ``KVWorker.expect_push``
+with the blocks vLLM just allocated — a ``PushRequest`` (its engine, side channel and block ids)
+to each prefill rank it would read from — and waits for their "written" notifications, at most
+``push_timeout``. The producer rank checks the request on arrival exactly as a read intent (held,
+enough blocks; refused at once when released), pins it, WRITEs its last ``len(block_ids)`` blocks
+with ``KVWorker.push`` and, once the WRITE is done, counts the consumer rank as a finished reader
+(so the lease is freed as after a pull). A push that arrives before the hold (the proxy got the
+prefill's answer before the worker's next step) waits up to ``read_intent_timeout``; a refused
+or failed push is told to the consumer (a ``write`` notification with ``ok=False``), which fails
+the request (recomputed or failed by ``kv_load_failure_policy``) instead of waiting.
 
 The intent travels as a wire ``Notification`` of kind ``"intent"`` (block ids in ``detail``),
 answered by a ``Notification`` of the same kind (``ok`` or not, the reason in ``detail``). A
@@ -33,11 +47,12 @@ import numpy.typing as npt
 
 from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import KVLinkError
-from kvlink.headmap import map_heads
+from kvlink.errors import ConfigError, KVLinkError
+from kvlink.headmap import map_heads, notify_targets
 from kvlink.integrations.vllm_common import RecvReq, Remote, Settings, StepPlan
 from kvlink.layout import KVCacheSpec
 from kvlink.scheduler import BlockLeases
+from kvlink.transport import Op
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 log = logging.getLogger("kvlink.vllm")
@@ -48,17 +63,23 @@ _RELEASED_MEMORY = 100_000  # ids of released requests remembered to refuse late
 
 
 class _ServingWorker(KVWorker):
-    """KVWorker whose side channel also answers read intents (see module docstring)."""
+    """KVWorker whose side channel also answers read intents and checks push requests on
+    arrival (see module docstring)."""
 
-    def __init__(self, config: WorkerConfig, on_intent: Any) -> None:
+    def __init__(self, config: WorkerConfig, on_intent: Any, on_push: Any) -> None:
         super().__init__(config)
         self._on_intent = on_intent
+        self._on_push = on_push
 
     def _on_side_message(self, msg: object) -> wire._Msg:
         if isinstance(msg, wire.Notification) and msg.kind == INTENT:
             answer: wire._Msg = self._on_intent(msg)
             return answer
-        return super()._on_side_message(msg)
+        if isinstance(msg, wire.PushRequest):
+            verdict: wire._Msg | None = self._on_push(msg)
+            if verdict is not None:  # refused, or parked until the request is held
+                return verdict
+        return super()._on_side_message(msg)  # accepted: queued for push_requests()
 
 
 def expand_blocks(ids: tuple[int, ...] | list[int], ratio: int) -> npt.NDArray[np.int64]:
@@ -108,6 +129,10 @@ class PullWorker:
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._pins: dict[str, dict[str, float]] = {}
         self._held_blocks: dict[str, set[int]] = {}
+        self._held_order: dict[str, npt.NDArray[np.int64]] = {}  # kernel ids, prompt order
+        self._push_waiting: list[tuple[wire.PushRequest, float]] = []  # arrived before the hold
+        # push key -> (req id, writer "engine/rank", writer's TP size); step thread only
+        self._writes: dict[str, tuple[str, str, int]] = {}
         self._expired_pinned: set[str] = set()
         self._done_sending: set[str] = set()
         # consumer state
@@ -134,13 +159,17 @@ class PullWorker:
             transports=list(self.s.transports),
             transport_options={k: dict(v) for k, v in self.s.transport_options.items()},
             host=self.s.host, advertise_host=self.s.advertise_host, side_port=self._port,
-            handshake_timeout=self.s.handshake_timeout, serve=self.s.producer,
+            handshake_timeout=self.s.handshake_timeout, serve=self.s.serves,
             secret=self.s.secret, allow_insecure=self.s.allow_insecure,
             announce_reads=False)  # this connector sends its own intents (see module docstring)
-        self.worker = (_ServingWorker(cfg, self._on_intent) if self.s.producer
+        self.worker = (_ServingWorker(cfg, self._on_intent, self._on_push) if self.s.producer
                        else KVWorker(cfg))
         self.worker.register(spec)
         self.spec = self.worker.spec
+        if self.s.consumer and self.s.mode == "push" and not any(
+                Op.WRITE in t.capabilities.ops for t in self.worker.transports.values()):
+            raise ConfigError(f"mode 'push' needs a transport that takes WRITEs; "
+                              f"{sorted(self.worker.transports)} do not")
 
     def _w(self) -> KVWorker:
         if self.worker is None:
@@ -154,6 +183,7 @@ class PullWorker:
             self._released.popitem(last=False)
         self._done_sending.add(req_id)
         self._held_blocks.pop(req_id, None)
+        self._held_order.pop(req_id, None)
         self._pins.pop(req_id, None)
         self._expired_pinned.discard(req_id)
 
@@ -214,8 +244,9 @@ class PullWorker:
                     continue
                 self._released.pop(r.req_id, None)
                 self._leases.hold(r.req_id, list(r.block_ids))
-                self._held_blocks[r.req_id] = set(
-                    expand_blocks(r.block_ids, self.block_ratio).tolist())
+                order = expand_blocks(r.block_ids, self.block_ratio)
+                self._held_order[r.req_id] = order
+                self._held_blocks[r.req_id] = set(order.tolist())
 
     def _collect_notifications(self) -> None:
         w = self._w()
@@ -228,21 +259,111 @@ class PullWorker:
         self._next_expiry_check = now + 0.05
         with self._lock:
             for note in notes:
-                reader = f"{note.engine_id}/{note.tp_rank}"
-                pins = self._pins.get(note.req_id)
-                if pins is not None:
-                    pins.pop(reader, None)
-                if note.req_id in self._expired_pinned:
-                    if not pins:
-                        self._side_count("send_expired_requests")
-                        self._forget(note.req_id, "its lease expired")
-                    continue
-                freed = self._leases.reader_done(note.req_id, reader,
-                                                 w.expected_readers(note.tp_size))
-                if freed is not None:
-                    self._side_count("send_done_requests")
-                    self._forget(note.req_id, "all its readers finished")
+                self._reader_done_locked(note.req_id, f"{note.engine_id}/{note.tp_rank}",
+                                         note.tp_size)
             self._expire_locked()
+
+    def _reader_done_locked(self, req_id: str, reader: str, reader_tp: int) -> None:
+        """One consumer rank is done with a held request (it read it, was written, or its
+        push failed): unpin it, and free the request once every expected reader is done."""
+        pins = self._pins.get(req_id)
+        if pins is not None:
+            pins.pop(reader, None)
+        if req_id in self._expired_pinned:
+            if not pins:
+                self._side_count("send_expired_requests")
+                self._forget(req_id, "its lease expired")
+            return
+        freed = self._leases.reader_done(req_id, reader, self._w().expected_readers(reader_tp))
+        if freed is not None:
+            self._side_count("send_done_requests")
+            self._forget(req_id, "all its readers finished")
+
+    # ------------------------------------------------------------------ producer, push mode
+    def _check_push_locked(self, msg: wire.PushRequest) -> str | None:
+        """None if ``msg`` may be written now; else why not (``_NOT_YET...``: not held yet)."""
+        if not self._leases.is_held(msg.req_id) or msg.req_id in self._expired_pinned:
+            why = self._released.get(msg.req_id)
+            if why is None:
+                return f"{_NOT_YET}: request {msg.req_id} is not held (yet)"
+            return f"request {msg.req_id} is no longer held: {why}"
+        held = self._held_order.get(msg.req_id)
+        n = len(msg.block_ids)
+        if held is None or not 0 < n <= held.shape[0]:
+            return (f"{n} blocks asked for but {0 if held is None else held.shape[0]} are held "
+                    f"for {msg.req_id}")
+        return None
+
+    def _pin_locked(self, msg: wire.PushRequest) -> None:
+        self._pins.setdefault(msg.req_id, {})[f"{msg.engine_id}/{msg.tp_rank}"] = (
+            time.monotonic() + self.s.pin_seconds)
+
+    def _on_push(self, msg: wire.PushRequest) -> wire._Msg | None:
+        """Side-channel thread: accept (None: queue it), park, or refuse a push request."""
+        with self._lock:
+            self._expire_locked()
+            why = self._check_push_locked(msg)
+            if why is None:
+                self._pin_locked(msg)  # the lease cannot expire under the WRITE
+                return None
+            if why.startswith(_NOT_YET):
+                self._push_waiting.append((msg, time.monotonic() + self.s.intent_timeout))
+                return wire.Ack(v=WIRE_VERSION)
+            self._side_count("pushes_refused")
+        log.warning("refused a push of %s to %s/%d: %s", msg.req_id, msg.engine_id,
+                    msg.tp_rank, why)
+        return wire.ErrorReply(v=WIRE_VERSION, code="not_held", message=why)
+
+    def _serve_pushes(self) -> None:
+        """Step thread: WRITE the accepted push requests, settle the parked ones."""
+        w = self._w()
+        ready = w.push_requests()
+        refused: list[tuple[wire.PushRequest, str]] = []
+        if self._push_waiting:
+            with self._lock:
+                self._expire_locked()
+                now, still = time.monotonic(), []
+                for msg, deadline in self._push_waiting:
+                    why = self._check_push_locked(msg)
+                    if why is None:
+                        self._pin_locked(msg)
+                        ready.append(msg)
+                    elif why.startswith(_NOT_YET) and now < deadline:
+                        still.append((msg, deadline))
+                    else:
+                        if why.startswith(_NOT_YET):
+                            why = (f"request {msg.req_id} was not held within "
+                                   f"{self.s.intent_timeout:.0f}s of the push request")
+                        self._side_count("pushes_refused")
+                        refused.append((msg, why))
+                self._push_waiting = still
+        for msg, why in refused:
+            log.warning("refused a push of %s to %s/%d: %s", msg.req_id, msg.engine_id,
+                        msg.tp_rank, why)
+            w.refuse_push(msg, why)
+        for msg in ready:
+            writer = f"{msg.engine_id}/{msg.tp_rank}"
+            with self._lock:
+                held = self._held_order.get(msg.req_id)
+            try:
+                if held is None:
+                    raise KVLinkError(f"request {msg.req_id} was released before its push")
+                # the consumer's blocks hold the prompt's tail (a local prefix hit is not
+                # sent), so they match our last len(block_ids) blocks, as a pull reads them
+                key = w.push(msg, held[held.shape[0] - len(msg.block_ids):])
+            except KVLinkError as exc:
+                log.warning("push of %s to %s failed to start: %s", msg.req_id, writer, exc)
+                w.refuse_push(msg, str(exc))
+                self._write_done(msg.req_id, writer, msg.tp_size, ok=False)
+                continue
+            self._writes[key] = (msg.req_id, writer, msg.tp_size)
+        if self._writes:
+            self._poll()
+
+    def _write_done(self, req_id: str, writer: str, reader_tp: int, ok: bool) -> None:
+        self._count("push_sent_requests" if ok else "push_failed_requests")
+        with self._lock:
+            self._reader_done_locked(req_id, writer, reader_tp)
 
     # ------------------------------------------------------------------ consumer
     def _intent(self, remote: Remote, rank: int, ids: list[int], deadline: float) -> None:
@@ -296,6 +417,19 @@ class PullWorker:
         except KVLinkError as exc:
             self._fail(r, None, str(exc))
             return
+        if r.push:
+            rm = r.remote
+            try:  # the PushRequest goes out on the worker's thread: this never blocks
+                self._w().expect_push(rm.request_id, RemoteEngine(rm.engine_id, rm.host,
+                                                                  rm.port, rm.tp_size),
+                                      local, timeout=self.s.push_timeout)
+            except KVLinkError as exc:
+                self._fail(r, None, str(exc))
+                return
+            self._recv[r.req_id] = _Recv(r, local, remote_ids, [], time.perf_counter(),
+                                         reading=True)
+            self._remote_to_local[r.remote.request_id] = r.req_id
+            return
         deadline = time.monotonic() + self.s.intent_timeout
         ids = remote_ids.tolist()
         futs = [self._pool.submit(self._intent, r.remote, h.remote_rank, ids, deadline)
@@ -330,11 +464,20 @@ class PullWorker:
                 self._fail(rec.req, rec, str(exc))
                 continue
             rec.reading = True
-        if not any(rec.reading for rec in self._recv.values()):
-            return
+        if any(rec.reading for rec in self._recv.values()) or self._writes:
+            self._poll()
+
+    def _poll(self) -> None:
+        """Advance every transfer of this rank; route the results (a ``kv_both`` rank may have
+        pulls, awaited pushes and its own WRITEs in flight at once)."""
+        w = self._w()
         before = w.finished_bytes
         done, failed = w.poll()
-        self._count("recv_bytes", w.finished_bytes - before)
+        for key in [k for k in done if k in self._writes] + [k for k in failed
+                                                             if k in self._writes]:
+            req_id, writer, tp = self._writes.pop(key)
+            self._write_done(req_id, writer, tp, ok=key in done)
+        pulled = w.finished_bytes - before
         for rid in done:
             local_id = self._remote_to_local.pop(rid, None)
             got = self._recv.pop(local_id, None) if local_id is not None else None
@@ -344,15 +487,44 @@ class PullWorker:
             self._finished.add(local_id)
             self._count("recv_requests")
             self._count("recv_blocks", rec.local.shape[0])
+            if rec.req.push:
+                self._count("recv_pushed_requests")
+                self._count("recv_bytes", rec.local.shape[0] * self._spec().block_bytes)
+                self._release_unwritten(rec.req.remote)
             self.durations.append(time.perf_counter() - rec.t0)
-            log.debug("loaded %d tokens (%d blocks) of request %s from %s/%s",
-                     rec.req.num_tokens, rec.local.shape[0], local_id, rec.req.remote.engine_id,
-                     rec.req.remote.request_id)
+            log.debug("loaded %d tokens (%d blocks) of request %s from %s/%s (%s)",
+                      rec.req.num_tokens, rec.local.shape[0], local_id,
+                      rec.req.remote.engine_id, rec.req.remote.request_id,
+                      "pushed" if rec.req.push else "pulled")
+        self._count("recv_bytes", pulled)  # pushes add nothing here: our side posts nothing
         for rid, reason in failed.items():
             local_id = self._remote_to_local.get(rid)
             bad = self._recv.get(local_id) if local_id is not None else None
             if bad is not None:
+                if bad.req.push:
+                    self._release_unwritten(bad.req.remote)
                 self._fail(bad.req, bad, reason)
+
+    def _spec(self) -> KVCacheSpec:
+        if self.spec is None:
+            raise KVLinkError("register_kv_caches has not run on this worker")
+        return self.spec
+
+    def _release_unwritten(self, remote: Remote) -> None:
+        """After a push: the prefill replicas that hold our heads but were not asked to write
+        (heterogeneous TP) still expect our "done" to free their lease."""
+        spec = self._spec()
+        written = {h.remote_rank for h in map_heads(self.tp_size, self.tp_rank, remote.tp_size,
+                                                    spec.total_kv_heads, spec.mla)}
+        rest = notify_targets(self.tp_size, self.tp_rank, remote.tp_size, spec.total_kv_heads,
+                              spec.mla) - written
+        if not rest:
+            return
+        note = wire.Notification(v=WIRE_VERSION, engine_id=self.s.engine_id,
+                                 req_id=remote.request_id, tp_rank=self.tp_rank,
+                                 tp_size=self.tp_size)
+        for rank in sorted(rest):
+            self._pool.submit(self._notify, remote, rank, note)
 
     def _release(self, remote: Remote) -> None:
         spec = self.spec
@@ -388,9 +560,11 @@ class PullWorker:
         if self.worker is None:
             return
         if idle and self.s.idle_yield_s > 0 and (
-                self._recv or self._leases.stats.held or self._expired_pinned):
+                self._recv or self._leases.stats.held or self._expired_pinned or self._writes):
             time.sleep(self.s.idle_yield_s)
         self._hold(plan)
+        if self.s.producer:
+            self._serve_pushes()  # a push that waited for this step's hold starts now
         for r in plan.recv:
             self._start_recv(r)
         for remote in plan.release:
@@ -404,6 +578,7 @@ class PullWorker:
         if self.worker is None:
             return out
         if self.s.producer:
+            self._serve_pushes()
             self._collect_notifications()
             if self._done_sending:
                 with self._lock:
@@ -417,7 +592,7 @@ class PullWorker:
         return out
 
     def pending(self) -> int:
-        return len(self._recv)
+        return len(self._recv) + len(self._writes)
 
     def take_stats(self) -> tuple[dict[str, float], list[float]]:
         c, self.counters = self.counters, {}
