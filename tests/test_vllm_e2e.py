@@ -535,3 +535,36 @@ def test_mode_setting_is_validated() -> None:
         p = dict(params, **({"kvlink_mode": override} if override else {}))
         cons.after_alloc(_Req("d", list(range(32)), p), _Blocks([3]), 32)
         assert cons.build_plan().recv[0].push is want, (mode, override)
+
+
+def test_push_to_a_dead_decode_releases_the_prefill() -> None:
+    """The decode dies after asking: the prefill's WRITE fails, it counts the failure and frees
+    the request's blocks at once (finished sending), not at lease expiry."""
+    port, dport = free_port_range(1), free_port_range(1)
+    prod, cons, _src, _dst = _pair({"side_channel_port": port, "handshake_timeout": 1.0},
+                                   {"side_channel_port": dport, "mode": "push"})
+    try:
+        prod.start(StepPlan(send=[SendReq("r1", (1,))]))
+        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
+                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+                               "remote_block_ids": [[1]]})
+        assert remote is not None
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (2,), 32, push=True)]))
+        deadline = time.monotonic() + 10
+        while "r1" not in prod._pins:  # accepted (pinned) by the prefill's side channel
+            assert time.monotonic() < deadline, "the push request never arrived"
+            time.sleep(0.005)
+        cons.close()  # the decode is gone before the prefill's step writes
+        sent: set[str] = set()
+        deadline = time.monotonic() + 15
+        while "r1" not in sent:
+            assert time.monotonic() < deadline, "the prefill kept the blocks of a failed push"
+            prod.start(StepPlan())
+            sent |= prod.results().finished_sending
+            time.sleep(0.01)
+        counters, _ = prod.take_stats()
+        assert counters.get("push_failed_requests") == 1 and counters.get("send_done_requests")
+        assert prod.pending() == 0
+    finally:
+        prod.close()
+        cons.close()
