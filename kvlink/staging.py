@@ -174,7 +174,8 @@ class CudaCopier(Copier):
         n = int(ext["len"].sum())
         scratch = self._slot()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.copier.copy(ext, self._anywhere, self._packed(scratch, ext), self._anywhere)
+            self.copier.copy(ext, self._anywhere, self._packed(scratch, ext), self._anywhere,
+                             self.stream)
             self._host(buf, n).copy_(scratch[:n], non_blocking=True)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self.stream)
@@ -186,7 +187,8 @@ class CudaCopier(Copier):
         scratch = self._slot()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             scratch[:n].copy_(self._host(buf, n), non_blocking=True)
-            self.copier.copy(self._packed(scratch, ext), self._anywhere, ext, self._anywhere)
+            self.copier.copy(self._packed(scratch, ext), self._anywhere, ext, self._anywhere,
+                             self.stream)
             ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ev.record(self.stream)
         return ev

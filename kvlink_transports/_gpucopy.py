@@ -3,12 +3,12 @@
 A request is thousands of small extents (a 4k-token Llama-70B request is 20480 blocks of 8 KiB);
 one ``cudaMemcpyAsync`` each would spend more time launching than copying, and any per-extent
 numpy work on the host shows up directly in the request's latency. So the host does as little as
-possible: it copies the caller's extent records into pinned memory and launches two kernels
-(_gpukernels: ``prepare`` validates and translates on the device, ``copy`` moves the bytes).
+possible: it copies the caller's extent records into pinned memory and launches one kernel
+(_gpukernels.move) that reads them from there, checks and translates them, and moves the bytes.
 Long requests go in pieces, so the GPU starts on the first piece while the host is still
-copying the records of the next; the per-piece check means an invalid extent fails the post
-and is never touched, though valid pieces before it may already have been copied (a FAILED
-transfer leaves its destination undefined, as one cut short by a dead peer does).
+copying the records of the next. An invalid extent fails the post and is never touched, though
+other extents of the post may already have been copied (a FAILED transfer leaves its
+destination undefined, as one cut short by a dead peer does).
 
 Launches skip Triton's Python dispatch after the first call (the compiled kernel is called
 directly) when every argument keeps the integer width it was compiled for. Triton is imported
@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,14 @@ import numpy.typing as npt
 from kvlink.errors import ExtentOutOfBounds
 from kvlink.transport import Extents
 
-CHUNK = 256 << 10  # bytes one program of the copy kernel moves (more for very long extents)
-PIECE = 4096  # extents per launch pair
-_PREP_BLOCK = 1024
-_COPY_BLOCK = 1024
-_COPY_WARPS = 4
+CHUNK = 256 << 10  # bytes one program moves of a long extent
+PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
+FIRST = 2048  # extents of the first launch
+SMALL = 64 << 10  # extents up to this size go several to a program
+# (rows per program, int64 words per load/store step, warps), tuned on an H200
+# (scripts/gpu_copy_probe.py): small extents several to a program, long ones in big steps
+_SMALL_SHAPE = (4, 1024, 4)
+_LARGE_SHAPE = (1, 4096, 8)
 _I32 = 1 << 31
 
 
@@ -56,44 +60,77 @@ class RegionMap:
 
 
 class _Kernel:
-    """One Triton kernel with its launch constants; direct launches once compiled."""
+    """One Triton kernel with its launch constants.
 
-    def __init__(self, name: str, num_warps: int, **consts: int) -> None:
+    Triton's per-call dispatch (specialisation keys, stream lookup, hook checks) costs more
+    host time than the launch itself, and a request's first piece waits for it. So after the
+    first dispatched launch the compiled kernel's launcher is called directly — for calls whose
+    integer arguments have the widths it was compiled for (``direct``: pointers >= 2**31, counts
+    below). Launch hooks of profilers do not see these launches.
+    """
+
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.num_warps = num_warps
-        self.consts = consts
-        self._compiled: Any = None
-        self._wide: tuple[bool, ...] = ()
+        self._direct: dict[tuple[int, ...], Callable[[int, int, int, tuple[int, ...]], None]] = {}
 
-    def __call__(self, grid: tuple[int, ...], *args: int) -> None:
-        wide = tuple(a >= _I32 for a in args)
-        if self._compiled is not None and wide == self._wide:
-            self._compiled[(*grid, 1, 1)[:3]](*args, *self.consts.values())
+    def __call__(self, grid: tuple[int, int], stream: Any, args: tuple[int, ...],
+                 consts: tuple[int, ...], warps: int, direct: bool) -> None:
+        key = (*consts, warps)
+        launch = self._direct.get(key) if direct else None
+        if launch is not None:
+            launch(grid[0], grid[1], stream.cuda_stream, args)
             return
+        import torch
+
         from kvlink_transports import _gpukernels
 
         fn = getattr(_gpukernels, self.name)
-        self._compiled = fn[grid](*args, **self.consts, num_warps=self.num_warps)
-        self._wide = wide
+        names = fn.arg_names[len(args):]  # the constexprs, last in the signature
+        with torch.cuda.stream(stream):
+            compiled = fn[grid](*args, **dict(zip(names, consts)), num_warps=warps)
+        if direct:
+            self._direct[key] = _direct_launcher(compiled, consts)
+
+
+def _direct_launcher(compiled: Any, consts: tuple[int, ...]
+                     ) -> Callable[[int, int, int, tuple[int, ...]], None]:
+    run = getattr(compiled, "run", None)
+    function = getattr(compiled, "function", None)
+    meta = getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or meta is None:  # another Triton: its public runner
+
+        def runner(g0: int, g1: int, stream: int, args: tuple[int, ...]) -> None:
+            compiled[(g0, g1, 1)](*args, *consts, stream=stream)
+
+        return runner
+
+    def launch(g0: int, g1: int, stream: int, args: tuple[int, ...]) -> None:
+        run(g0, g1, 1, stream, function, meta, None, None, None, *args, *consts)
+
+    return launch
 
 
 class Pending:
-    """One enqueued copy: its completion event and the buffers the kernels still use."""
+    """One enqueued copy: its completion event and the pinned records its kernels read."""
 
-    __slots__ = ("event", "host", "seq", "tab")
+    __slots__ = ("_done", "event", "host", "seq")
 
-    def __init__(self, event: Any, host: Any, seq: int, tab: Any) -> None:
-        self.event, self.host, self.seq, self.tab = event, host, seq, tab
+    def __init__(self, event: Any, host: Any, seq: int) -> None:
+        self.event, self.host, self.seq, self._done = event, host, seq, False
 
     def done(self) -> bool:
-        return bool(self.event.query())
+        if not self._done and self.event.query():
+            self._done = True  # from here on the event may be recycled: never query it again
+        return self._done
 
     def failed(self) -> bool:
-        """After done(): did ``prepare`` refuse an extent (so nothing of that piece moved)?"""
+        """After done(): did the device refuse an extent (so that program copied nothing)?"""
         return self.host is not None and int(self.host.numpy().view(np.int64)[0]) == self.seq
 
     def wait(self) -> None:
-        self.event.synchronize()
+        if not self._done:
+            self.event.synchronize()
+            self._done = True
 
 
 def _records(ext: Extents) -> npt.NDArray[np.uint64]:
@@ -101,67 +138,85 @@ def _records(ext: Extents) -> npt.NDArray[np.uint64]:
 
 
 class BatchCopier:
-    """Enqueues batched copies on the caller's current stream (one device)."""
+    """Enqueues batched copies on a given stream of one device."""
 
     def __init__(self, device: Any, *, chunk: int = CHUNK, piece: int = PIECE,
-                 copy_block: int = _COPY_BLOCK, copy_warps: int = _COPY_WARPS) -> None:
+                 first: int = FIRST, small: tuple[int, int, int] = _SMALL_SHAPE,
+                 large: tuple[int, int, int] = _LARGE_SHAPE) -> None:
         import torch
 
+        self.torch = torch
         self.device = torch.device(device)
         self.chunk = max(4096, int(chunk))
         self.piece = max(1, int(piece))
+        self.first = max(1, int(first))
+        self.small, self.large = small, large
         props = torch.cuda.get_device_properties(self.device)
         self.min_programs = 4 * int(props.multi_processor_count)
-        self._flag = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._prepare = _Kernel("prepare", 4, BLOCK=_PREP_BLOCK)
-        self._copy = _Kernel("copy", copy_warps, BLOCK=copy_block)
+        self._move = _Kernel("move")
         self._seq = itertools.count(1)
         self._inflight: collections.deque[Pending] = collections.deque()
+        self._events: list[Any] = []  # recycled: creating one costs more than recording it
         self._lock = threading.Lock()  # posts from several threads take turns
 
-    def _split(self, n: int, first_len: int) -> int:
-        """Programs per extent: about ``chunk`` bytes each, and enough of them to fill the GPU."""
+    def _shape(self, n: int, first_len: int) -> tuple[tuple[int, int, int], int]:
+        """((rows per program, step, warps), programs per row): small extents several to a
+        program, long ones split into ``chunk``-byte parts, and enough programs to fill the GPU.
+        The first extent stands for all: a request's extents are blocks of one size, or
+        runs of them."""
+        shape = self.small if first_len <= SMALL else self.large
+        rows = shape[0]
         g = max(1, -(-first_len // self.chunk))
-        if n * g < self.min_programs:
-            g = max(g, min(-(-self.min_programs // n), max(1, first_len // 16384)))
-        return min(g, 65535)
+        if -(-n // rows) * g < self.min_programs:
+            g = max(g, min(-(-self.min_programs * rows // n), max(1, first_len // 16384)))
+        return shape, min(g, 65535)
 
-    def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap) -> Pending:
-        """Copy src[i] -> dst[i] for every i. Extents are checked on the device against their
-        maps and translated through them (delta); a refused extent shows as ``failed()``."""
-        import torch
+    def _cuts(self, n: int, rows: int) -> list[int]:
+        """Piece ends: a small first piece so the GPU starts early, then full pieces, which the
+        host fills faster than the GPU drains them."""
+        first = -(-min(self.first, self.piece) // rows) * rows
+        piece = -(-self.piece // rows) * rows
+        return [*range(first, n, piece), n] if first < n else [n]
 
+    def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
+             stream: Any) -> Pending:
+        """Copy src[i] -> dst[i] for every i on ``stream``. Extents are checked on the device
+        against their maps and translated through them; a refused one shows as ``failed()``."""
         if src.shape != dst.shape:
             raise ExtentOutOfBounds(
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
             )
-        n = int(src.shape[0])
+        n = src.shape[0]
         with self._lock:
-            while self._inflight and self._inflight[0].done():
-                self._inflight.popleft()
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            if len(self._inflight) > 4:  # reap lazily: each query is a driver call
+                while self._inflight and self._inflight[0].done():
+                    self._events.append(self._inflight.popleft().event)
+            new_event = self.torch.cuda.Event
+            event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
             if n == 0:
-                event.record()
-                return Pending(event, None, 0, None)
+                event.record(stream)
+                pending = Pending(event, None, 0)
+                self._inflight.append(pending)
+                return pending
             seq = next(self._seq) % (_I32 - 1) + 1
-            host = torch.empty(8 + 32 * n, dtype=torch.uint8, pin_memory=True)
-            tab = torch.empty(3 * n, dtype=torch.int64, device=self.device)
+            host = self.torch.empty(8 + 32 * n, dtype=self.torch.uint8, pin_memory=True)
             hv = host.numpy().view(np.uint64)
             hv[0] = 0
             s_rec, d_rec = _records(src), _records(dst)
-            hp, tp, fp = int(host.data_ptr()), int(tab.data_ptr()), int(self._flag.data_ptr())
-            g = self._split(n, int(src["len"][0]))
-            for p0 in range(0, n, self.piece):
-                p1 = min(n, p0 + self.piece)
+            hp = host.data_ptr()
+            (rows, block, warps), g = self._shape(n, int(s_rec[1]))
+            consts = (rows, block)
+            sm, dm = smap.ptr, dmap.ptr
+            direct = hp >= _I32 and sm >= _I32 and dm >= _I32 and n < _I32
+            p0 = 0
+            for p1 in self._cuts(n, rows):
                 hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
                 hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
-                k = p1 - p0
-                self._prepare(((k + _PREP_BLOCK - 1) // _PREP_BLOCK,),
-                              hp + 8 + 16 * p0, hp + 8 + 16 * n + 16 * p0, k,
-                              smap.ptr, smap.count, dmap.ptr, dmap.count,
-                              tp + 8 * p0, n, fp, hp, seq)
-                self._copy((k, g), tp + 8 * p0, n, fp, seq, g)
-            event.record()
-            pending = Pending(event, host, seq, tab)
+                self._move((-(-(p1 - p0) // rows), g), stream,
+                           (hp + 8 + 16 * p0, hp + 8 + 16 * (n + p0), p1 - p0,
+                            sm, smap.count, dm, dmap.count, hp, seq, g), consts, warps, direct)
+                p0 = p1
+            event.record(stream)
+            pending = Pending(event, host, seq)
             self._inflight.append(pending)
             return pending

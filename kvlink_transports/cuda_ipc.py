@@ -118,7 +118,7 @@ class CudaIpcTransport(Transport):
         self._copier: Any = None
         self._local_map: Any = None
         self.chunk = int(self.options.get("chunk_bytes", 256 << 10))
-        self.piece = int(self.options.get("piece_extents", 4096))
+        self.piece = int(self.options.get("piece_extents", 4096))  # extents per launch
 
     def register(self, regions: Sequence[Region]) -> None:
         from kvlink import cuda_ipc
@@ -231,12 +231,13 @@ class CudaIpcTransport(Transport):
             self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
                                         XferState(XferStatus.FAILED, f"peer {peer} not connected"))
             return handle
-        torch = self._torch
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+        with self._torch.cuda.device(self._device):
             if op is Op.READ:
-                pending = self._copier.copy(remote, target.map, local, self._local_map)
+                pending = self._copier.copy(remote, target.map, local, self._local_map,
+                                            self._stream)
             else:
-                pending = self._copier.copy(local, self._local_map, remote, target.map)
+                pending = self._copier.copy(local, self._local_map, remote, target.map,
+                                            self._stream)
         # the copy is running: bookkeeping from here on is off the transfer's critical path
         nbytes = int(local["len"].sum())
         self._xfers[handle] = _Xfer(pending, nbytes, t0, local, remote, target.table)

@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -48,6 +49,26 @@ def _median_time(fn: Any, reps: int) -> float:
     return statistics.median(out[1:])
 
 
+def _variant_module() -> Any:
+    """_gpukernels without the streaming cache hints, to measure what they are worth."""
+    import importlib.util
+    import inspect
+    import tempfile
+
+    from kvlink_transports import _gpukernels
+
+    src = re.sub(r',\s*cache_modifier="\.c[gs]"', "", inspect.getsource(_gpukernels))
+    assert "cache_modifier" not in src
+    path = os.path.join(tempfile.mkdtemp(), "kvk_nocache.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("kvk_nocache", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     import torch
 
@@ -57,9 +78,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--pieces", type=int, nargs="*", default=[4096, 1 << 30])
-    ap.add_argument("--blocks", nargs="*", default=["512x4", "1024x4", "2048x8"])
+    ap.add_argument("--pieces", type=int, nargs="*", default=[4096, 2048, 8192, 1 << 30])
+    ap.add_argument("--blocks", nargs="*", default=["1024x4", "512x4", "2048x8"])
     ap.add_argument("--chunks", type=int, nargs="*", default=[256 << 10, 1 << 20])
+    ap.add_argument("--rows", type=int, nargs="*", default=[8, 4, 16])
+    ap.add_argument("--firsts", type=int, nargs="*", default=[2048, 1024, 4096])
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -81,26 +104,44 @@ def main() -> None:
         a = torch.empty(nbytes // 8, dtype=torch.int64, device=dev).random_()
         b = torch.empty_like(a)
         base = _median_time(functools.partial(b.copy_, a), args.reps)
+        ts = []
+        for _ in range(args.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3)
+        copy_event_us = statistics.median(ts) * 1e6
         del a, b
         sidx = torch.from_numpy(sblk.astype(np.int64)).to(dev)
         didx = torch.from_numpy(dblk.astype(np.int64)).to(dev)
         row: dict[str, Any] = {"bytes": nbytes, "extents": count, "device_copy_s": base,
+                               "device_copy_kernel_us": copy_event_us,
                                "variants": []}
-        for piece, blk, chunk in itertools.product(args.pieces, args.blocks, args.chunks):
+        for piece, first, blk, chunk, rows in itertools.product(
+                args.pieces, args.firsts, args.blocks, args.chunks, args.rows):
+            if first != args.firsts[0] and count <= min(args.firsts):
+                continue
             if chunk != args.chunks[0] and ext <= args.chunks[0]:
                 continue  # chunk size only matters for extents longer than a chunk
+            if rows != args.rows[0] and ext > (64 << 10):
+                continue  # several rows per program only for small extents
+            if piece != args.pieces[0] and count <= min(args.pieces):
+                continue
             block, warps = (int(x) for x in blk.split("x"))
-            cp = BatchCopier(dev, chunk=chunk, piece=piece, copy_block=block, copy_warps=warps)
+            shape = (rows, block, warps) if ext <= (64 << 10) else (1, block, warps)
+            cp = BatchCopier(dev, chunk=chunk, piece=piece, first=first, small=shape,
+                             large=shape)
             posts, ends, gpu = [], [], []
             for _ in range(args.reps + 1):
                 dst.zero_()
                 torch.cuda.synchronize()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0 = time.perf_counter()
-                with torch.cuda.stream(stream):
-                    e0.record()
-                    p = cp.copy(sext, smap, dext, dmap)
-                    e1.record()
+                e0.record(stream)
+                p = cp.copy(sext, smap, dext, dmap, stream)
+                e1.record(stream)
                 t1 = time.perf_counter()
                 while not p.done():
                     pass
@@ -110,7 +151,8 @@ def main() -> None:
                 gpu.append(e0.elapsed_time(e1) / 1e3)
             ok = bool(torch.equal(dst.view(-1, ext // 8)[didx], src.view(-1, ext // 8)[sidx]))
             e2e = statistics.median(ends[1:])
-            v = {"piece": piece, "block": block, "warps": warps, "chunk": chunk,
+            v = {"piece": piece, "first": first, "block": block, "warps": warps, "chunk": chunk,
+                 "rows": rows,
                  "post_s": statistics.median(posts[1:]), "end_to_end_s": e2e,
                  "gpu_span_s": statistics.median(gpu[1:]), "ratio_to_device_copy": base / e2e,
                  "verified": ok and not p.failed()}
@@ -121,24 +163,55 @@ def main() -> None:
         bad["addr"][-1] = np.uint64(dst.data_ptr() + c["cache"])  # one past the region
         cp = BatchCopier(dev, piece=1 << 30)
         dst.zero_()
-        with torch.cuda.stream(stream):
-            p = cp.copy(sext, smap, bad, dmap)
+        p = cp.copy(sext, smap, bad, dmap, stream)
         p.wait()
         row["refused_extent_failed"] = p.failed()
-        row["refused_extent_untouched"] = int(torch.count_nonzero(dst).item()) == 0
-        print(name, "refused:", row["refused_extent_failed"], row["refused_extent_untouched"])
-        # host cost of the parts of a post
-        recs = np.ascontiguousarray(sext).view(np.uint64)
-        pinned = torch.empty(recs.nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-        pv = pinned.view(np.uint64)
-        t = time.perf_counter()
-        for _ in range(100):
-            pv[:] = recs
-        row["host_record_copy_us"] = (time.perf_counter() - t) / 100 * 1e6
-        t = time.perf_counter()
-        for _ in range(100):
-            int(sext["len"].sum())
-        row["host_len_sum_us"] = (time.perf_counter() - t) / 100 * 1e6
+        print(name, "refused:", row["refused_extent_failed"])
+        # the kernel alone: records already in pinned (host) memory or in device memory
+        from kvlink_transports._gpucopy import _Kernel
+
+        recs = torch.empty(1 + 4 * count, dtype=torch.int64, pin_memory=True)
+        rv = recs.numpy().view(np.uint64)
+        rv[0] = 0
+        rv[1 : 1 + 2 * count] = np.ascontiguousarray(sext).view(np.uint64)
+        rv[1 + 2 * count :] = np.ascontiguousarray(dext).view(np.uint64)
+        drecs = recs.to(dev)
+        variant = _variant_module()
+        for where, buf in (("pinned", recs), ("device", drecs)):
+            for rows, warps, block in ((4, 4, 1024), (2, 4, 1024), (1, 4, 2048), (1, 8, 4096),
+                                       (1, 8, 8192), (1, 16, 8192), (1, 4, 4096)):
+                if rows > 1 and ext > (64 << 10):
+                    continue
+                g = BatchCopier(dev, small=(rows, block, warps))._shape(count, ext)[1]
+                bp = buf.data_ptr()
+                kargs = (bp + 8, bp + 8 + 16 * count, count, smap.ptr, 1, dmap.ptr, 1,
+                         recs.data_ptr(), 99, g)
+                grid = (-(-count // rows), g)
+                kinds = [("", _Kernel("move"))]
+                if where == "device":
+                    kinds.append(("nocache_", variant))
+                for label, kern in kinds:
+                    def launch(kern: Any = kern, grid: Any = grid, kargs: Any = kargs,
+                               rows: int = rows, block: int = block, warps: int = warps) -> None:
+                        if isinstance(kern, _Kernel):
+                            kern(grid, stream, kargs, (rows, block), warps, True)
+                        else:
+                            with torch.cuda.stream(stream):
+                                kern.move[grid](*kargs, E=rows, BLOCK=block, num_warps=warps)
+                    launch()
+                    ts = []
+                    for _ in range(args.reps):
+                        e0 = torch.cuda.Event(enable_timing=True)
+                        e1 = torch.cuda.Event(enable_timing=True)
+                        e0.record(stream)
+                        for _ in range(5):
+                            launch()
+                        e1.record(stream)
+                        e1.synchronize()
+                        ts.append(e0.elapsed_time(e1) / 1e3 / 5)
+                    k = f"kernel_{label}{where}_rows{rows}_w{warps}_b{block}_us"
+                    row[k] = statistics.median(ts) * 1e6
+                    print(name, k, round(row[k], 1), flush=True)
         res["cases"][name] = row
         del src, dst
         torch.cuda.empty_cache()
@@ -155,18 +228,62 @@ def main() -> None:
     smap = RegionMap([src.data_ptr()], [src.data_ptr() + c["cache"]], [0], dev)
     dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + c["cache"]], [0], dev)
     for n_ext in (256, 20480):
-        cp = BatchCopier(dev, piece=1 << 30)
-        cp.copy(sext[:n_ext], smap, dext[:n_ext], dmap).wait()
-        prof = cProfile.Profile()
-        for _ in range(50):
+        for mode in ("after_sync", "back_to_back"):
+            cp = BatchCopier(dev)
+            cp.copy(sext[:n_ext], smap, dext[:n_ext], dmap, stream).wait()
+            posts = []
+            for _ in range(30):
+                if mode == "after_sync":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                cp.copy(sext[:n_ext], smap, dext[:n_ext], dmap, stream)
+                posts.append((time.perf_counter_ns() - t0) / 1e3)
             torch.cuda.synchronize()
-            prof.enable()
-            with torch.cuda.stream(stream):
-                p = cp.copy(sext[:n_ext], smap, dext[:n_ext], dmap)
-            prof.disable()
-            p.wait()
-        print(f"--- cProfile of 50 copy() of {n_ext} extents", flush=True)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            res.setdefault("post_us", {})[f"{n_ext}_{mode}"] = statistics.median(posts)
+    print("post us", res["post_us"], flush=True)
+
+    class Timed:
+        """Wraps the copier's kernel launcher: host timestamps around every launch."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.marks = inner, []
+
+        def __call__(self, *a: Any) -> None:
+            self.marks.append(("launch", time.perf_counter_ns()))
+            self.inner(*a)
+            self.marks.append(("launched", time.perf_counter_ns()))
+
+    for first, piece in ((2048, 8192), (4096, 8192), (1 << 30, 1 << 30)):
+        cp = BatchCopier(dev, first=first, piece=piece)
+        cp.copy(sext, smap, dext, dmap, stream).wait()
+        timed = Timed(cp._move)
+        cp._move = timed  # type: ignore[assignment]
+        lines = []
+        for _ in range(9):
+            torch.cuda.synchronize()
+            timed.marks = []
+            t0 = time.perf_counter_ns()
+            p = cp.copy(sext, smap, dext, dmap, stream)
+            t1 = time.perf_counter_ns()
+            while not p.done():
+                pass
+            t2 = time.perf_counter_ns()
+            lines.append([round((t - t0) / 1e3, 1) for _, t in timed.marks]
+                         + [round((t1 - t0) / 1e3, 1), round((t2 - t0) / 1e3, 1)])
+        res.setdefault("timelines_us", {})[f"{first}_{piece}"] = lines
+        print("timeline first/piece", first, piece, "(launch, launched)* post_return done:",
+              lines[len(lines) // 2], flush=True)
+    prof = cProfile.Profile()
+    for _ in range(50):
+        torch.cuda.synchronize()
+        prof.enable()
+        p = cp.copy(sext, smap, dext, dmap, stream)
+        prof.disable()
+        p.wait()
+    print("--- cProfile of 50 copy() of 20480 extents", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    recs2 = np.ascontiguousarray(sext).view(np.uint64)
+    pv2 = torch.empty(2 * recs2.nbytes, dtype=torch.uint8, pin_memory=True).numpy().view(np.uint64)
     ops = {
         "pinned_empty_327688": lambda: torch.empty(8 + 32 * 20480, dtype=torch.uint8,
                                                    pin_memory=True),
@@ -174,6 +291,8 @@ def main() -> None:
         "event_new_record": lambda: torch.cuda.Event().record(),
         "event_query": lambda: torch.cuda.Event().query(),
         "stream_ctx": lambda: torch.cuda.stream(stream).__enter__(),
+        "records_copy_2x327680": lambda: (np.copyto(pv2[:40960], recs2),
+                                          np.copyto(pv2[40960:], recs2)),
         "device_ctx": lambda: torch.cuda.device(0).__enter__(),
     }
     res["host_ops_us"] = {}
@@ -187,25 +306,30 @@ def main() -> None:
         torch.cuda.synchronize()
     print("host ops us", res["host_ops_us"], flush=True)
     del src, dst
-    # launch overhead: direct compiled launch vs Triton's dispatch (a kernel that exits at once)
+    # launch overhead: direct compiled launch vs Triton's dispatch (one 16-byte extent)
     from kvlink_transports import _gpukernels
+    from kvlink_transports._gpucopy import _Kernel
 
-    flag = torch.full((1,), 5, dtype=torch.int64, device=dev)
-    tab = torch.zeros(3, dtype=torch.int64, device=dev)
-    args_ = (tab.data_ptr(), 1, flag.data_ptr(), 5, 1)
-    _gpukernels.copy[(1, 1)](*args_, BLOCK=1024, num_warps=4)
-    k = _gpukernels.copy[(1, 1)](*args_, BLOCK=1024, num_warps=4)
+    buf = torch.zeros(64, dtype=torch.int64, device=dev)
+    rec = torch.empty(5, dtype=torch.int64, pin_memory=True)
+    rec[:] = torch.tensor([0, buf.data_ptr(), 16, buf.data_ptr() + 64, 16])
+    hp = rec.data_ptr()
+    whole = RegionMap([buf.data_ptr()], [buf.data_ptr() + 512], [0], dev)
+    kargs = (hp + 8, hp + 24, 1, whole.ptr, 1, whole.ptr, 1, hp, 3, 1)
+    kern = _Kernel("move")
+    kern((1, 1), stream, kargs, (1, 1024), 4, True)
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(1000):
-        _gpukernels.copy[(1, 1)](*args_, BLOCK=1024, num_warps=4)
-    torch.cuda.synchronize()
-    res["launch_jit_us"] = (time.perf_counter() - t) / 1000 * 1e6
-    t = time.perf_counter()
-    for _ in range(1000):
-        k[(1, 1, 1)](*args_, 1024)
-    torch.cuda.synchronize()
-    res["launch_direct_us"] = (time.perf_counter() - t) / 1000 * 1e6
+    for label, launch in (
+        ("jit", lambda: _gpukernels.move[(1, 1)](*kargs, E=1, BLOCK=1024, num_warps=4)),
+        ("direct", lambda: kern((1, 1), stream, kargs, (1, 1024), 4, True)),
+    ):
+        launch()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(1000):
+            launch()
+        torch.cuda.synchronize()
+        res[f"launch_{label}_us"] = (time.perf_counter() - t) / 1000 * 1e6
     print("launch us: jit", res["launch_jit_us"], "direct", res["launch_direct_us"])
     import triton
 
