@@ -93,17 +93,39 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
-METRICS = {  # setup -> (transfer seconds histogram, bytes metric)
-    "kvlink": ("kvlink_recv_seconds", "kvlink_recv_bytes_total"),
-    "nixl": ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred_sum"),
+#: setup -> {quantity: decode-server metric}. "xfer": the transport's own span, post to
+#: completion (both NIXL telemetry xferDuration when kvlink runs over nixl with telemetry on:
+#: like with like); "recv": kvlink's pull span, read intent sent to last byte seen by the step
+#: loop (NixlConnector has no such histogram); "bytes": the connector's byte counter.
+METRICS: dict[str, dict[str, str]] = {
+    "kvlink": {"xfer": "kvlink_xfer_seconds", "recv": "kvlink_recv_seconds",
+               "bytes": "kvlink_recv_bytes_total"},
+    "nixl": {"xfer": "vllm:nixl_xfer_time_seconds", "post": "vllm:nixl_post_time_seconds",
+             "bytes": "vllm:nixl_bytes_transferred_sum"},
 }
+#: vLLM's own request histograms on the decode server (same code for both setups)
+VLLM_HISTS = {"d_ttft": "vllm:time_to_first_token_seconds",
+              "d_queue": "vllm:request_queue_time_seconds",
+              "d_prefill": "vllm:request_prefill_time_seconds"}
 
 
-def snapshot(server: Any, setup: str) -> tuple[float, float, float]:
+def snapshot(server: Any, setup: str) -> dict[str, float]:
     text = server.metrics()
-    hist, nbytes = METRICS[setup]
-    return (metric_sum(text, hist + "_sum"), metric_sum(text, hist + "_count"),
-            metric_sum(text, nbytes))
+    out: dict[str, float] = {}
+    for key, name in {**METRICS[setup], **VLLM_HISTS}.items():
+        if key == "bytes":
+            out[key] = metric_sum(text, name)
+        else:
+            out[key] = metric_sum(text, name + "_sum")
+            out[key + "_n"] = metric_sum(text, name + "_count")
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], key: str) -> float | None:
+    """One request's value of a histogram: the _sum delta if exactly one sample was added."""
+    if after.get(key + "_n", 0) - before.get(key + "_n", 0) != 1:
+        return None
+    return after[key] - before[key]
 
 
 # --------------------------------------------------------------------------- client
@@ -156,6 +178,25 @@ def stream_request(url: str, model: str, p: list[int], max_tokens: int) -> dict[
 
 # --------------------------------------------------------------------------- setups
 NIXL_EXTRA: dict[str, Any] = {}
+#: NIXL progress thread delay for the NixlConnector servers (bench/nixl_site); 0: stock
+NIXL_PTHR_DELAY_US = [1000]
+#: kvlink's kv_connector_extra_config additions (NIXL telemetry: the same xfer clock as vLLM's)
+KVLINK_EXTRA: dict[str, Any] = {"transport_options": {"nixl": {"telemetry": True}}}
+
+
+def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str, dict[str, str]]:
+    """(--kv-transfer-config, extra environment) of one server."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    if setup == "kvlink":
+        return pd.kv_transfer_config(kv_role, side, transport=transport, policy="fail",
+                                     extra=KVLINK_EXTRA), {}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
+    if NIXL_PTHR_DELAY_US[0] > 0:
+        env["KVLINK_BENCH_NIXL_PTHR_DELAY_US"] = str(NIXL_PTHR_DELAY_US[0])
+        env["PYTHONPATH"] = f"{HERE / 'nixl_site'}{os.pathsep}{ROOT}"
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role,
+                       "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
+                       **({"kv_connector_extra_config": NIXL_EXTRA} if NIXL_EXTRA else {})}), env
 
 
 def start_pair(setup: str, model: str, work: Path, tag: str, transport: str) -> list[Any]:
@@ -163,28 +204,22 @@ def start_pair(setup: str, model: str, work: Path, tag: str, transport: str) -> 
     servers = []
     for role in ("prefill", "decode"):
         port, side = pd.free_port(), pd.free_port()
-        e = dict(env)
-        if setup == "kvlink":
-            kv = pd.kv_transfer_config("kv_producer" if role == "prefill" else "kv_consumer",
-                                       side, transport=transport, policy="fail")
-        else:
-            e["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
-            kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                             "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
-                             **({"kv_connector_extra_config": NIXL_EXTRA} if NIXL_EXTRA else {})})
+        kv, extra_env = setup_config(setup, role, side, transport)
+        e = {**env, **extra_env}
         servers.append(pd.Server(f"{tag}-{role}", pd.server_command(model, port, kv,
                                                                     block_size=BLOCK),
                                  port, work / f"{tag}-{role}.log", e))
     return servers
 
 
-def wait_transfer(server: Any, setup: str, before: tuple[float, float, float],
-                  timeout: float = 3.0) -> tuple[float, float, float]:
+def wait_transfer(server: Any, setup: str, before: dict[str, float],
+                  timeout: float = 3.0) -> dict[str, float]:
     """Metrics after a request: worker stats reach /metrics with a later engine step."""
     deadline = time.monotonic() + timeout
+    keys = ["xfer_n", "d_ttft_n"] + (["recv_n"] if "recv" in METRICS[setup] else [])
     while True:
         now = snapshot(server, setup)
-        if now[1] > before[1] or time.monotonic() > deadline:
+        if all(now[k] > before[k] for k in keys) or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
 
@@ -209,19 +244,26 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                 before = snapshot(decode, setup)
                 r = stream_request(url, model, p, MAX_TOKENS)
                 after = wait_transfer(decode, setup, before)
-                n_xfer = after[1] - before[1]
-                xfer = (after[0] - before[0]) if n_xfer == 1 else None
+                xfer = delta(before, after, "xfer")
+                recv = delta(before, after, "recv")
                 kv_bytes = kv_per_token * len(p)
                 r.update(prompt_tokens=len(p), kv_bytes=kv_bytes, transfer_s=xfer,
-                         transfers_seen=n_xfer, connector_bytes=after[2] - before[2],
-                         throughput_MBps=(kv_bytes / xfer / 1e6) if xfer else None)
+                         recv_s=recv, nixl_post_s=delta(before, after, "post"),
+                         transfers_seen=after["xfer_n"] - before["xfer_n"],
+                         connector_bytes=after["bytes"] - before["bytes"],
+                         decode_ttft_s=delta(before, after, "d_ttft"),
+                         decode_queue_s=delta(before, after, "d_queue"),
+                         decode_prefill_s=delta(before, after, "d_prefill"),
+                         throughput_MBps=(kv_bytes / xfer / 1e6) if xfer else None,
+                         recv_throughput_MBps=(kv_bytes / recv / 1e6) if recv else None)
                 seq.append(r)
                 if len(r["token_ids"]) != MAX_TOKENS:
                     say(f"{tag}: request {i} got {len(r['token_ids'])} token ids: {r}")
                 if i % 8 == 7 or i == len(prompts) - 1:
                     say(f"{tag}: {i + 1}/{len(prompts)} sequential; last: {len(p)} tok, "
                         f"TTFT {r['ttft_s'] * 1e3:.1f} ms, prefill {r['prefill_s'] * 1e3:.1f} ms, "
-                        f"xfer {xfer * 1e3 if xfer else float('nan'):.2f} ms")
+                        f"xfer {xfer * 1e3 if xfer else float('nan'):.2f} ms, decode "
+                        f"server TTFT {(r['decode_ttft_s'] or float('nan')) * 1e3:.1f} ms")
             conc: dict[str, Any] = {}
             if concurrency > 1:
                 before = snapshot(decode, setup)
@@ -235,9 +277,9 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                 conc = {"concurrency": concurrency, "wall_s": wall,
                         "ttft_s": [r["ttft_s"] for r in res],
                         "token_ids": [r["token_ids"] for r in res],
-                        "transfers_seen": after[1] - before[1],
-                        "transfer_s_sum": after[0] - before[0],
-                        "connector_bytes": after[2] - before[2],
+                        "transfers_seen": after["xfer_n"] - before["xfer_n"],
+                        "transfer_s_sum": after["xfer"] - before["xfer"],
+                        "connector_bytes": after["bytes"] - before["bytes"],
                         "kv_bytes": kv_per_token * sum(len(p) for p in prompts)}
                 say(f"{tag}: concurrent x{concurrency}: wall {wall:.1f}s, TTFT p50 "
                     f"{statistics.median(conc['ttft_s']) * 1e3:.1f} ms")
@@ -252,6 +294,25 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
 
 
 # --------------------------------------------------------------------------- summary
+def source() -> dict[str, Any]:
+    """The code measured: git commit and whether the tree had local changes."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain") if commit else ""
+    except (OSError, subprocess.SubprocessError):
+        commit, status = "", ""
+    if not commit:  # e.g. a `git archive` copy: say which commit it was made from
+        return {"commit": os.environ.get("KVLINK_BENCH_COMMIT"), "tree": "archive"}
+    return {"commit": commit, "dirty": sorted(
+        line[3:] for line in status.splitlines()
+        if line[3:].startswith(("kvlink", "bench", "examples")))}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
@@ -265,18 +326,32 @@ def summarize(rounds: list[dict[str, Any]], setup: str) -> dict[str, Any]:
     seq = [r for rd in rounds if rd["setup"] == setup for r in rd["sequential"]]
     ttft = [r["ttft_s"] for r in seq if r["ttft_s"] is not None]
     pre = [r["prefill_s"] for r in seq if r["prefill_s"] is not None]
-    xfer = [r["transfer_s"] for r in seq if r["transfer_s"]]
-    tput = [r["throughput_MBps"] for r in seq if r["throughput_MBps"]]
-    kvb = sum(r["kv_bytes"] for r in seq if r["transfer_s"])
+    def ms(key: str) -> dict[str, float]:
+        xs = [r[key] for r in seq if r.get(key) is not None]
+        return {"p50": pct(xs, .5) * 1e3, "p90": pct(xs, .9) * 1e3, "n": len(xs)}
+
+    def throughput(key: str) -> dict[str, Any]:
+        done = [r for r in seq if r.get(key)]
+        tput = [r["kv_bytes"] / r[key] / 1e6 for r in done]
+        secs = sum(r[key] for r in done)
+        return {"p50": pct(tput, .5), "p10": pct(tput, .1), "n": len(tput),
+                "aggregate": sum(r["kv_bytes"] for r in done) / secs / 1e6 if secs else None}
+
+    both = [r for r in seq if r["ttft_s"] is not None and r["prefill_s"] is not None]
     out = {"requests": len(seq),
            "ttft_ms": {"p50": pct(ttft, .5) * 1e3, "p90": pct(ttft, .9) * 1e3,
                        "mean": statistics.fmean(ttft) * 1e3},
            "prefill_call_ms": {"p50": pct(pre, .5) * 1e3, "p90": pct(pre, .9) * 1e3},
-           "ttft_minus_prefill_ms": {"p50": pct([a - b for a, b in zip(ttft, pre)], .5) * 1e3},
-           "transfer_ms": {"p50": pct(xfer, .5) * 1e3, "p90": pct(xfer, .9) * 1e3,
-                           "n": len(xfer)},
-           "throughput_MBps": {"p50": pct(tput, .5), "p10": pct(tput, .1),
-                               "aggregate": kvb / sum(xfer) / 1e6 if xfer else None},
+           "ttft_minus_prefill_ms": {
+               "p50": pct([r["ttft_s"] - r["prefill_s"] for r in both], .5) * 1e3,
+               "p90": pct([r["ttft_s"] - r["prefill_s"] for r in both], .9) * 1e3},
+           "decode_server_ttft_ms": ms("decode_ttft_s"),
+           "decode_queue_ms": ms("decode_queue_s"),
+           "decode_prefill_ms": ms("decode_prefill_s"),
+           "transfer_ms": ms("transfer_s"),
+           "throughput_MBps": throughput("transfer_s"),
+           **({"recv_ms": ms("recv_s"), "recv_throughput_MBps": throughput("recv_s")}
+              if any(r.get("recv_s") for r in seq) else {}),
            "connector_bytes_vs_kv_bytes": (sum(r["connector_bytes"] for r in seq)
                                            / max(1, sum(r["kv_bytes"] for r in seq)))}
     conc = [rd["concurrent"] for rd in rounds if rd["setup"] == setup and rd["concurrent"]]
@@ -302,10 +377,21 @@ def main() -> None:
     ap.add_argument("--nixl-extra", default="{}",
                     help="NixlConnector kv_connector_extra_config (JSON), e.g. "
                          "'{\"num_threads\": 1}'; default: stock (UCX num_threads 4)")
+    ap.add_argument("--nixl-pthr-delay-us", type=int, default=1000,
+                    help="NIXL progress thread delay of the NixlConnector servers, set through "
+                         "bench/nixl_site/sitecustomize.py (NixlConnector has no setting for "
+                         "it); 0: stock, the thread busy-spins a core per server")
     ap.add_argument("--only", choices=("kvlink", "nixl"), default=None, help="one setup only")
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="number of the first round (tags kvlink<N>, nixl<N>; to split a run)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: merge the rounds of earlier partial runs (their --out "
+                         "files, same --requests/--min-tokens/--max-tokens-prompt) and write "
+                         "the summary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     NIXL_EXTRA.update(json.loads(args.nixl_extra))
+    NIXL_PTHR_DELAY_US[0] = args.nixl_pthr_delay_us
 
     work = Path(tempfile.mkdtemp(prefix="kvlink-bench-pd-"))
     model = str(build_tiny_llama(work / "tiny-llama"))
@@ -320,11 +406,27 @@ def main() -> None:
     transport = args.transport
     transport_note = f"kvlink over {transport!r}"
     rounds: list[dict[str, Any]] = []
-    order = [s for _ in range(args.rounds) for s in ("kvlink", "nixl")
+    parts: list[dict[str, Any]] = []
+    config: dict[str, Any] = {}
+    order = [(s, args.first_round + r) for r in range(args.rounds) for s in ("kvlink", "nixl")
              if args.only in (None, s)]
+    if args.merge:
+        order = []
+        for f in args.merge:
+            doc = json.loads(Path(f).read_text())
+            want = [len(p) for p in prompts]
+            for rd in doc["rounds"]:
+                got = [r["prompt_tokens"] for r in rd["sequential"]]
+                if got != want:
+                    raise SystemExit(f"{f}: round {rd['tag']} used other prompts ({got[:4]}...)")
+                rounds.append(rd)
+            parts.append({k2: doc.get(k2) for k2 in ("command", "date", "machine", "source",
+                                                     "rounds_order", "elapsed_s")})
+            config = doc.get("config") or config
+            transport_note = doc.get("kvlink_transport", transport_note)
     t_all = time.monotonic()
-    for i, setup in enumerate(order):
-        tag = f"{setup}{i // 2}"
+    for setup, rno in order:
+        tag = f"{setup}{rno}"
         try:
             rounds.append(run_round(setup, model, work, tag, prompts, kv_per_token,
                                     args.concurrency, transport))
@@ -338,7 +440,20 @@ def main() -> None:
                                         kv_per_token, args.concurrency, transport))
             else:
                 raise
-    elapsed = time.monotonic() - t_all
+    elapsed = (time.monotonic() - t_all if not args.merge
+               else sum(p2.get("elapsed_s") or 0 for p2 in parts))
+    if not args.merge:
+        config = {
+            "kvlink": {"kv_connector_extra_config": json.loads(setup_config(
+                "kvlink", "decode", 0, transport)[0])["kv_connector_extra_config"]},
+            "nixl": {"kv_connector_extra_config": NIXL_EXTRA or "stock (num_threads 4, "
+                     "kv_lease_duration 30)",
+                     "kv_role": "kv_producer / kv_consumer",
+                     "nixl_progress_thread_delay_us": NIXL_PTHR_DELAY_US[0],
+                     "note": "pthrDelay set by bench/nixl_site/sitecustomize.py through "
+                             "KVLINK_BENCH_NIXL_PTHR_DELAY_US; 0 = stock (busy-spins a core "
+                             "per server); NixlConnector has no setting for it"},
+        }
 
     # greedy outputs: same token ids for the same prompt in every round of both setups
     ref = {tuple(p): None for p in map(tuple, prompts)}
@@ -369,17 +484,25 @@ def main() -> None:
         ratios = {
             "ttft_p50_kvlink_over_nixl": ratio(k["ttft_ms"]["p50"], n["ttft_ms"]["p50"]),
             "ttft_p90_kvlink_over_nixl": ratio(k["ttft_ms"]["p90"], n["ttft_ms"]["p90"]),
+            "ttft_minus_prefill_p50_kvlink_over_nixl": ratio(
+                k["ttft_minus_prefill_ms"]["p50"], n["ttft_minus_prefill_ms"]["p50"]),
+            "decode_server_ttft_p50_kvlink_over_nixl": ratio(
+                k["decode_server_ttft_ms"]["p50"], n["decode_server_ttft_ms"]["p50"]),
             "throughput_p50_kvlink_over_nixl": ratio(k["throughput_MBps"]["p50"],
                                                      n["throughput_MBps"]["p50"]),
             "throughput_aggregate_kvlink_over_nixl": ratio(k["throughput_MBps"]["aggregate"],
                                                            n["throughput_MBps"]["aggregate"]),
         }
+        if "recv_throughput_MBps" in k:  # kvlink's longer span against NIXL's transport span
+            ratios["recv_throughput_p50_kvlink_over_nixl_xfer"] = ratio(
+                k["recv_throughput_MBps"]["p50"], n["throughput_MBps"]["p50"])
         if "concurrent" in k and "concurrent" in n:
             ratios["concurrent_ttft_p50_kvlink_over_nixl"] = ratio(
                 k["concurrent"]["ttft_ms"]["p50"], n["concurrent"]["ttft_ms"]["p50"])
     for s in present:
         m = summary[s]
         say(f"{s:6s}: TTFT p50 {m['ttft_ms']['p50']:.1f} ms p90 {m['ttft_ms']['p90']:.1f} ms; "
+            f"decode server TTFT p50 {m['decode_server_ttft_ms']['p50']:.1f} ms; "
             f"transfer p50 {m['transfer_ms']['p50']:.2f} ms; throughput p50 "
             f"{m['throughput_MBps']['p50']:.1f} MB/s (aggregate "
             f"{m['throughput_MBps']['aggregate'] or float('nan'):.1f})")
@@ -398,12 +521,21 @@ def main() -> None:
         "method": {
             "ttft": "client of the proxy, stream=True, first streamed token; includes the "
                     "proxy's prefill call (max_tokens=1), prefill_s is that call alone",
-            "transfer_time": "delta of the decode server's own Prometheus histogram around "
-                             "each sequential request: kvlink_recv_seconds (read intent sent "
-                             "to last byte seen by the step loop) / vllm:nixl_xfer_time_seconds "
-                             "(NIXL telemetry, post to completion); not the same span",
+            "transfer_time": "transfer_ms / throughput_MBps: the transport span, post to "
+                             "completion, as the delta of the decode server's own Prometheus "
+                             "histogram around each sequential request: kvlink_xfer_seconds "
+                             "vs vllm:nixl_xfer_time_seconds, both NIXL telemetry "
+                             "xferDuration (kvlink's nixl transport with telemetry on): "
+                             "like with like",
+            "recv_time": "recv_ms / recv_throughput_MBps (kvlink only): kvlink_recv_seconds, "
+                         "read intent sent to last byte seen by the step loop (includes the "
+                         "intent round trip and step cadence; NixlConnector has no such "
+                         "histogram)",
+            "decode_server": "decode_server_ttft_ms / decode_queue_ms / decode_prefill_ms: "
+                             "vLLM's own request histograms on the decode server "
+                             "(vllm:time_to_first_token_seconds etc.), same code both setups",
             "throughput": "prompt KV bytes (layers x 2 x kv_heads x head_dim x 4 x prompt "
-                          "tokens) / transfer_time",
+                          "tokens) / span",
             "max_tokens": MAX_TOKENS, "warmup_requests_per_round": 2,
         },
         "rounds_order": [rd["tag"] for rd in rounds],
@@ -413,7 +545,8 @@ def main() -> None:
                                   and ratios["ttft_p50_kvlink_over_nixl"] <= 1.0),
                      "throughput": bool(ratios.get("throughput_p50_kvlink_over_nixl")
                                         and ratios["throughput_p50_kvlink_over_nixl"] >= 1.0)},
-        "nixl_connector_extra_config": NIXL_EXTRA or "stock (UCX num_threads 4)",
+        "config": config, "source": source(),
+        **({"merged_from": parts} if parts else {}),
         "outputs_match": not mismatches, "distinct_outputs": distinct,
         "mismatches": mismatches[:20],
         "rounds": [{k2: v for k2, v in rd.items() if k2 != "log_tail"} for rd in rounds],

@@ -38,6 +38,7 @@ from kvlink.transport import (
 )
 
 log = logging.getLogger("kvlink.worker")
+_XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 
 
 _warned: set[str] = set()
@@ -100,6 +101,8 @@ class _Part:
     done: bool = False
     error: str | None = None
     plan: Plan | None = None
+    t_post: float = 0.0
+    xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
 
 
 @dataclasses.dataclass
@@ -154,6 +157,11 @@ class KVWorker:
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
+        #: finished request id -> transport-level seconds, post to completion (the slowest
+        #: part): the transport's own timing where it has one (NIXL telemetry ``xferDuration``,
+        #: with the nixl option ``telemetry``), else post() call to DONE seen by poll().
+        #: Excludes handshake, read intents and the step loop. Callers pop what they read.
+        self.xfer_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def register(self, spec: KVCacheSpec) -> None:
@@ -404,6 +412,10 @@ class KVWorker:
             else:
                 finished.add(req.req_id)
                 self.finished_bytes += req.nbytes
+                self.xfer_seconds[req.req_id] = max((p.xfer_seconds for p in req.parts),
+                                                    default=0.0)
+                if len(self.xfer_seconds) > _XFER_SECONDS_KEPT:  # nobody reads them
+                    del self.xfer_seconds[next(iter(self.xfer_seconds))]
                 if req.op is Op.READ:
                     self._release_unread(req)
                 self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
@@ -431,6 +443,7 @@ class KVWorker:
             if peer.transport.capabilities.native_notifications:
                 note = self._notification(req)
             part.plan, part.transport = plan, peer.transport
+            part.t_post = time.perf_counter()
             part.handle = peer.transport.post(req.op, peer.agent, plan.local, plan.remote, note)
             req.nbytes += plan.nbytes
             return
@@ -438,6 +451,7 @@ class KVWorker:
         state = part.transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
+        part.xfer_seconds = self._transport_seconds(part)
         part.transport.release(part.handle)
         part.done = True
         if state.status is XferStatus.FAILED:
@@ -445,6 +459,22 @@ class KVWorker:
             self.forget_peer(req.remote.engine_id, part.read.remote_rank)
         elif not part.transport.capabilities.native_notifications:
             self._notify_side(req, part)
+
+    @staticmethod
+    def _transport_seconds(part: _Part) -> float:
+        """Post to completion of one finished part: the transport's own timing if it keeps one
+        (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
+        ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE."""
+        telemetry = getattr(part.transport, "xfer_telemetry", None)
+        if telemetry is not None and part.handle is not None:
+            try:
+                entries = telemetry(part.handle)
+            except KVLinkError:
+                entries = []
+            us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
+            if us > 0:
+                return us / 1e6
+        return time.perf_counter() - part.t_post
 
     def _release_unread(self, req: _Request) -> None:
         """Tell the replicas we did not read that we are done with the request's blocks."""

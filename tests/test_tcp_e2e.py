@@ -373,6 +373,7 @@ def test_read_of_expired_lease_is_refused_and_touches_nothing(
         assert ok, reason
         assert data.verify(plan.geo, layers, 1, 0, plan.decode_blocks(0),
                            plan.prefill_blocks(0)) == 0
+        assert 0 < w.xfer_seconds.pop("req-0") < 20  # transport span, post to completion
         # Leases are wall-clock: waiting them out is the behaviour under test, not a sync.
         time.sleep(max(0.0, t_read + 3 * lease - time.monotonic()))
         w.read("req-1", remote, plan.decode_blocks(1), plan.prefill_blocks(1))
@@ -380,6 +381,7 @@ def test_read_of_expired_lease_is_refused_and_touches_nothing(
         observed(f"READ refused before posting: {reason}")
         assert not ok and "expired" in reason, reason
         assert w.transports["tcp"].stats.transfers == 1  # the refused READ was never posted
+        assert not w.xfer_seconds  # nor timed
         k_plane = np.asarray(layers[0])[0]
         assert not k_plane[plan.decode_blocks(1)].any()  # not a byte of req-1 landed
     finally:

@@ -253,15 +253,28 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> Any:
         if KVConnectorStats is None:
             return None
+        xfer: list[float] = []
         if self._worker is not None:
             counters, durations = self._worker.take_stats()
+            xfer = self._take_xfer_seconds()
         elif self._sched is not None:
             counters, durations = self._sched.take_counters(), []
         else:
             return None
-        if not counters and not durations:
+        if not counters and not durations and not xfer:
             return None
-        return KVLinkStats(data={"counters": counters, "recv_seconds": durations})
+        return KVLinkStats(data={"counters": counters, "recv_seconds": durations,
+                                 "xfer_seconds": xfer})
+
+    def _take_xfer_seconds(self) -> list[float]:
+        """Transport post-to-completion seconds of the transfers this rank posted since the
+        last call (``KVWorker.xfer_seconds``; same step thread as the polls that fill it)."""
+        kv = self._worker.worker if self._worker is not None else None
+        if kv is None or not kv.xfer_seconds:
+            return []
+        out = list(kv.xfer_seconds.values())
+        kv.xfer_seconds.clear()
+        return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
@@ -281,16 +294,18 @@ if KVConnectorStats is not None:
 
     @dataclasses.dataclass
     class KVLinkStats(KVConnectorStats):  # type: ignore[misc,valid-type]
-        """``{"counters": {name: number}, "recv_seconds": [pull durations]}``."""
+        """``{"counters": {name: number}, "recv_seconds": [pull durations, read intent to last
+        byte], "xfer_seconds": [transport post to completion, per transfer posted]}``."""
 
         def __post_init__(self) -> None:
             if not self.data:
                 self.reset()
             self.data.setdefault("counters", {})
             self.data.setdefault("recv_seconds", [])
+            self.data.setdefault("xfer_seconds", [])
 
         def reset(self) -> None:
-            self.data = {"counters": {}, "recv_seconds": []}
+            self.data = {"counters": {}, "recv_seconds": [], "xfer_seconds": []}
 
         def aggregate(self, other: Any) -> Any:
             od = getattr(other, "data", None) or {}
@@ -298,6 +313,7 @@ if KVConnectorStats is not None:
             for k, v in (od.get("counters") or {}).items():
                 mine[k] = mine.get(k, 0) + v
             self.data["recv_seconds"].extend(od.get("recv_seconds") or [])
+            self.data["xfer_seconds"].extend(od.get("xfer_seconds") or [])
             return self
 
         def reduce(self) -> dict[str, int | float]:
@@ -305,16 +321,21 @@ if KVConnectorStats is not None:
             secs = self.data["recv_seconds"]
             if secs:
                 out["avg_recv_ms"] = round(1e3 * sum(secs) / len(secs), 3)
+            xfer = self.data["xfer_seconds"]
+            if xfer:
+                out["avg_xfer_ms"] = round(1e3 * sum(xfer) / len(xfer), 3)
             return out
 
         def is_empty(self) -> bool:
-            return not any(self.data["counters"].values()) and not self.data["recv_seconds"]
+            return (not any(self.data["counters"].values()) and not self.data["recv_seconds"]
+                    and not self.data["xfer_seconds"])
 
 
 if KVConnectorPromMetrics is not None:
 
     class KVLinkPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
-        """Prometheus counters ``kvlink_<name>_total`` and ``kvlink_recv_seconds``."""
+        """Prometheus counters ``kvlink_<name>_total``, histograms ``kvlink_recv_seconds`` and
+        ``kvlink_xfer_seconds``."""
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                      per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -331,6 +352,15 @@ if KVConnectorPromMetrics is not None:
                 documentation="Duration of one request's pull, read intent to last byte.",
                 buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
                 labelnames=labelnames))
+            self._xfer_seconds = self._per_engine(histogram(
+                name="kvlink_xfer_seconds",
+                documentation="Duration of one transfer at the transport, post to completion "
+                              "(NIXL telemetry xferDuration with the nixl transport's "
+                              "telemetry option, as vllm:nixl_xfer_time_seconds), on the "
+                              "rank that posted it.",
+                buckets=[0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                         0.5, 1.0, 2.5, 5.0],
+                labelnames=labelnames))
 
         def _per_engine(self, metric: Any) -> dict[int, Any]:
             return {idx: metric.labels(*values)
@@ -343,3 +373,5 @@ if KVConnectorPromMetrics is not None:
                     per_engine[engine_idx].inc(value)
             for s in transfer_stats_data.get("recv_seconds") or ():
                 self._recv_seconds[engine_idx].observe(s)
+            for s in transfer_stats_data.get("xfer_seconds") or ():
+                self._xfer_seconds[engine_idx].observe(s)
