@@ -31,12 +31,12 @@ from kvlink.transport import Extents
 
 CHUNK = 256 << 10  # bytes one program moves of a long extent
 PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
-FIRST = 2048  # extents of the first launch
+FIRST = 4096  # extents of the first launch
 SMALL = 64 << 10  # extents up to this size go several to a program
 # (rows per program, int64 words per load/store step, warps), tuned on an H200
 # (scripts/gpu_copy_probe.py): small extents several to a program, long ones in big steps
 _SMALL_SHAPE = (4, 1024, 4)
-_LARGE_SHAPE = (1, 4096, 8)
+_LARGE_SHAPE = (1, 8192, 16)
 _I32 = 1 << 31
 
 
@@ -133,6 +133,30 @@ class Pending:
             self._done = True
 
 
+def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
+                 small: tuple[int, int, int], large: tuple[int, int, int]
+                 ) -> tuple[tuple[int, int, int], int]:
+    """((rows per program, step, warps), programs per row) for n extents: small extents
+    several to a program, long ones split into ``chunk``-byte parts, and enough programs to fill
+    the GPU. The first extent stands for all: a request's extents are blocks of one size, or
+    runs of them."""
+    shape = small if first_len <= SMALL else large
+    rows = shape[0]
+    g = max(1, -(-first_len // chunk))
+    if -(-n // rows) * g < min_programs:
+        g = max(g, min(-(-min_programs * rows // n), max(1, first_len // 16384)))
+    return shape, min(g, 65535)
+
+
+def piece_cuts(n: int, rows: int, first: int, piece: int) -> list[int]:
+    """Ends of the pieces of an n-extent copy: a small first piece so the GPU starts early, then
+    full pieces, which the host fills faster than the GPU drains them. Every end but the last
+    is a multiple of ``rows`` (a program's rows never straddle two launches)."""
+    first = -(-min(first, piece) // rows) * rows
+    piece = -(-piece // rows) * rows
+    return [*range(first, n, piece), n] if first < n else [n]
+
+
 def _records(ext: Extents) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(ext).view(np.uint64)
 
@@ -158,25 +182,6 @@ class BatchCopier:
         self._inflight: collections.deque[Pending] = collections.deque()
         self._events: list[Any] = []  # recycled: creating one costs more than recording it
         self._lock = threading.Lock()  # posts from several threads take turns
-
-    def _shape(self, n: int, first_len: int) -> tuple[tuple[int, int, int], int]:
-        """((rows per program, step, warps), programs per row): small extents several to a
-        program, long ones split into ``chunk``-byte parts, and enough programs to fill the GPU.
-        The first extent stands for all: a request's extents are blocks of one size, or
-        runs of them."""
-        shape = self.small if first_len <= SMALL else self.large
-        rows = shape[0]
-        g = max(1, -(-first_len // self.chunk))
-        if -(-n // rows) * g < self.min_programs:
-            g = max(g, min(-(-self.min_programs * rows // n), max(1, first_len // 16384)))
-        return shape, min(g, 65535)
-
-    def _cuts(self, n: int, rows: int) -> list[int]:
-        """Piece ends: a small first piece so the GPU starts early, then full pieces, which the
-        host fills faster than the GPU drains them."""
-        first = -(-min(self.first, self.piece) // rows) * rows
-        piece = -(-self.piece // rows) * rows
-        return [*range(first, n, piece), n] if first < n else [n]
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
              stream: Any) -> Pending:
@@ -204,12 +209,13 @@ class BatchCopier:
             hv[0] = 0
             s_rec, d_rec = _records(src), _records(dst)
             hp = host.data_ptr()
-            (rows, block, warps), g = self._shape(n, int(s_rec[1]))
+            (rows, block, warps), g = launch_shape(n, int(s_rec[1]), self.chunk,
+                                                   self.min_programs, self.small, self.large)
             consts = (rows, block)
             sm, dm = smap.ptr, dmap.ptr
             direct = hp >= _I32 and sm >= _I32 and dm >= _I32 and n < _I32
             p0 = 0
-            for p1 in self._cuts(n, rows):
+            for p1 in piece_cuts(n, rows, self.first, self.piece):
                 hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
                 hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
                 self._move((-(-(p1 - p0) // rows), g), stream,

@@ -168,7 +168,7 @@ def main() -> None:
         row["refused_extent_failed"] = p.failed()
         print(name, "refused:", row["refused_extent_failed"])
         # the kernel alone: records already in pinned (host) memory or in device memory
-        from kvlink_transports._gpucopy import _Kernel
+        from kvlink_transports._gpucopy import CHUNK, _Kernel, launch_shape
 
         recs = torch.empty(1 + 4 * count, dtype=torch.int64, pin_memory=True)
         rv = recs.numpy().view(np.uint64)
@@ -182,7 +182,8 @@ def main() -> None:
                                        (1, 8, 8192), (1, 16, 8192), (1, 4, 4096)):
                 if rows > 1 and ext > (64 << 10):
                     continue
-                g = BatchCopier(dev, small=(rows, block, warps))._shape(count, ext)[1]
+                g = launch_shape(count, ext, CHUNK, 528, (rows, block, warps),
+                                 (rows, block, warps))[1]
                 bp = buf.data_ptr()
                 kargs = (bp + 8, bp + 8 + 16 * count, count, smap.ptr, 1, dmap.ptr, 1,
                          recs.data_ptr(), 99, g)
