@@ -568,3 +568,31 @@ def test_push_to_a_dead_decode_releases_the_prefill() -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def test_push_to_an_expired_but_pinned_lease_is_refused_at_once() -> None:
+    """A lease that expired while a WRITE was accepted is kept only for that WRITE: another
+    push is refused at once (not parked as "not held yet" until read_intent_timeout)."""
+    from kvlink import wire
+    from kvlink.compat import WIRE_VERSION
+
+    port = free_port_range(1)
+    prod, cons, _src, _dst = _pair({"side_channel_port": port, "kv_lease_duration": 0.2},
+                                   {"side_channel_port": free_port_range(1), "mode": "push"})
+    try:
+        prod.start(StepPlan(send=[SendReq("r1", (1, 2))]))
+
+        def ask(engine: str) -> Any:
+            return prod._on_push(wire.PushRequest(
+                v=WIRE_VERSION, engine_id=engine, agent_name="a", req_id="r1", tp_rank=0,
+                tp_size=1, host="127.0.0.1", port=1, block_ids=[3]))
+
+        assert ask("D1") is None  # accepted: pinned, queued for the prefill's next step
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline + 0.05:  # let the lease run out under the pin
+            time.sleep(0.05)
+        late = ask("D2")
+        assert isinstance(late, wire.ErrorReply) and "lease expired" in late.message, late
+    finally:
+        prod.close()
+        cons.close()

@@ -282,7 +282,9 @@ class PullWorker:
     # ------------------------------------------------------------------ producer, push mode
     def _check_push_locked(self, msg: wire.PushRequest) -> str | None:
         """None if ``msg`` may be written now; else why not (``_NOT_YET...``: not held yet)."""
-        if not self._leases.is_held(msg.req_id) or msg.req_id in self._expired_pinned:
+        if msg.req_id in self._expired_pinned:  # kept only for the reads already in flight
+            return f"request {msg.req_id} is no longer held: its lease expired"
+        if not self._leases.is_held(msg.req_id):
             why = self._released.get(msg.req_id)
             if why is None:
                 return f"{_NOT_YET}: request {msg.req_id} is not held (yet)"
