@@ -111,26 +111,38 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 
 
 class Pending:
-    """One enqueued copy: its completion event and the pinned records its kernels read."""
+    """One enqueued copy: its completion event and the pinned records its kernels read. Once
+    seen complete, its status is kept and the event and records go back to the copier."""
 
-    __slots__ = ("_done", "event", "host", "seq")
+    __slots__ = ("_done", "_failed", "buf", "event", "owner", "seq")
 
-    def __init__(self, event: Any, host: Any, seq: int) -> None:
-        self.event, self.host, self.seq, self._done = event, host, seq, False
+    def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int) -> None:
+        self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
+        self._done = self._failed = False
 
     def done(self) -> bool:
         if not self._done and self.event.query():
-            self._done = True  # from here on the event may be recycled: never query it again
+            self.owner._finish(self)
         return self._done
 
     def failed(self) -> bool:
         """After done(): did the device refuse an extent (so that program copied nothing)?"""
-        return self.host is not None and int(self.host.numpy().view(np.int64)[0]) == self.seq
+        return self._failed
 
     def wait(self) -> None:
         if not self._done:
             self.event.synchronize()
-            self._done = True
+            self.owner._finish(self)
+
+
+class _Pinned:
+    """A pinned host buffer and its uint64 view (making the view costs as much as a launch)."""
+
+    __slots__ = ("tensor", "words")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+        self.words: npt.NDArray[np.uint64] = tensor.numpy().view(np.uint64)
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
@@ -180,8 +192,32 @@ class BatchCopier:
         self._move = _Kernel("move")
         self._seq = itertools.count(1)
         self._inflight: collections.deque[Pending] = collections.deque()
-        self._events: list[Any] = []  # recycled: creating one costs more than recording it
+        # recycled: creating an event costs more than recording it, and a pinned allocation
+        # the caching allocator can't serve from its cache costs a millisecond
+        self._events: list[Any] = []
+        self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
         self._lock = threading.Lock()  # posts from several threads take turns
+
+    def _take(self, nbytes: int) -> _Pinned:
+        size = max(64 << 10, 1 << (nbytes - 1).bit_length())
+        free = self._pinned[size]
+        if free:
+            return free.pop()
+        return _Pinned(self.torch.empty(size, dtype=self.torch.uint8, pin_memory=True))
+
+    def _finish(self, p: Pending) -> None:
+        with self._lock:
+            self._finish_locked(p)
+
+    def _finish_locked(self, p: Pending) -> None:
+        if p._done:
+            return
+        if p.buf is not None:
+            p._failed = int(p.buf.words[0]) == p.seq
+            self._pinned[p.buf.tensor.shape[0]].append(p.buf)
+            p.buf = None
+        self._events.append(p.event)
+        p._done = True
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
              stream: Any) -> Pending:
@@ -193,22 +229,21 @@ class BatchCopier:
             )
         n = src.shape[0]
         with self._lock:
-            if len(self._inflight) > 4:  # reap lazily: each query is a driver call
-                while self._inflight and self._inflight[0].done():
-                    self._events.append(self._inflight.popleft().event)
+            while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
+                self._finish_locked(self._inflight.popleft())
             new_event = self.torch.cuda.Event
             event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
             if n == 0:
                 event.record(stream)
-                pending = Pending(event, None, 0)
+                pending = Pending(self, event, None, 0)
                 self._inflight.append(pending)
                 return pending
             seq = next(self._seq) % (_I32 - 1) + 1
-            host = self.torch.empty(8 + 32 * n, dtype=self.torch.uint8, pin_memory=True)
-            hv = host.numpy().view(np.uint64)
+            buf = self._take(8 + 32 * n)
+            hv = buf.words
             hv[0] = 0
             s_rec, d_rec = _records(src), _records(dst)
-            hp = host.data_ptr()
+            hp = buf.tensor.data_ptr()
             (rows, block, warps), g = launch_shape(n, int(s_rec[1]), self.chunk,
                                                    self.min_programs, self.small, self.large)
             consts = (rows, block)
@@ -223,6 +258,6 @@ class BatchCopier:
                             sm, smap.count, dm, dmap.count, hp, seq, g), consts, warps, direct)
                 p0 = p1
             event.record(stream)
-            pending = Pending(event, host, seq)
+            pending = Pending(self, event, buf, seq)
             self._inflight.append(pending)
             return pending

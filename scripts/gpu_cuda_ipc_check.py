@@ -204,10 +204,17 @@ def main() -> None:
     p.join(60)
     for t in conns.values():
         t.close()
-    results["command"] = " ".join(sys.argv)
+    import platform
+
+    import triton
+
+    results["machine"] = {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
+                          "cpu": platform.processor(), "torch": torch.__version__,
+                          "triton": triton.__version__}
+    results["command"] = "python " + " ".join(sys.argv)
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cuda_ipc_gpu.json"), "w") as f:
+    with open(os.path.join(args.out, "gpu_cuda_ipc.json"), "w") as f:
         json.dump(results, f, indent=2)
 
 
