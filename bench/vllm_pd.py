@@ -9,12 +9,30 @@ kv_transfer_params, streamed back) and the same prompts for both setups, run alt
     .venv/bin/python bench/vllm_pd.py --rounds 1 --requests 8 --concurrency 0   # quick
 
 Per request: TTFT as the proxy's client sees it (stream=True, first streamed token), the
-prefill call's share of it (the proxy's post_json, timed in-process), the greedy token ids, and
-the KV transfer time from the decode connector's own Prometheus histogram (kvlink_recv_seconds:
-read intent to last byte, polled from vLLM's step loop; vllm:nixl_xfer_time_seconds: NIXL's
-telemetry, post to completion), as the delta of ``_sum``/``_count`` around each sequential
-request. Transfer throughput = prompt KV bytes / transfer time, prompt KV bytes = layers x 2 x
-kv_heads x head_dim x dtype size x prompt tokens (checked against the connectors' byte counters).
+prefill call's share of it (the proxy's post_json, timed in-process), the decode server's own
+view (vLLM's vllm:time_to_first_token_seconds / request_queue / request_prefill histograms), the
+greedy token ids, and the KV transfer time as the delta of ``_sum``/``_count`` of the decode
+connector's Prometheus histograms around each sequential request:
+
+* transport span, like with like: kvlink_xfer_seconds vs vllm:nixl_xfer_time_seconds, both NIXL
+  telemetry ``xferDuration`` (post to completion; kvlink's nixl transport runs with its
+  ``telemetry`` option for this);
+* kvlink's pull span: kvlink_recv_seconds, read intent sent to last byte seen by the step loop
+  (NixlConnector has no counterpart).
+
+Transfer throughput = prompt KV bytes / span, prompt KV bytes = layers x 2 x kv_heads x head_dim
+x dtype size x prompt tokens (checked against the connectors' byte counters).
+
+NixlConnector runs with kv_producer / kv_consumer and its defaults, except that NIXL's progress
+thread gets a 1 ms delay (``--nixl-pthr-delay-us``, bench/nixl_site/sitecustomize.py): NIXL's
+Python API starts it with no delay, so it busy-spins a core per server, and on a 2-core machine
+the decode then only read after the prefill's 30 s lease had run out. 0 gives the stock agent.
+
+A long run can be split so that no single invocation holds the machine too long::
+
+    python bench/vllm_pd.py --rounds 1 --first-round 0 --out /tmp/a.json
+    python bench/vllm_pd.py --rounds 1 --first-round 1 --out /tmp/b.json
+    python bench/vllm_pd.py --merge /tmp/a.json /tmp/b.json    # writes the summary
 
 Writes bench/results/vllm_pd.json (bench/_common.write_result).
 """

@@ -24,11 +24,14 @@ the owner must call :meth:`notifications` regularly; over TCP between hosts pref
 ``progress_thread=True``), ``num_threads`` (backend worker threads), ``telemetry`` (capture
 NIXL per-transfer telemetry, see :meth:`NixlTransport.xfer_telemetry`), ``ucx_probe`` (predict
 UCX's transport per peer with ``ucx_info`` and warn on TCP / host-staged fallbacks; default
-True).
+True). The probe runs ``ucx_info`` (0.5 s on an idle machine, tens of seconds on a loaded one), so
+it runs on a background thread after :meth:`NixlTransport.connect`, never on a handshake's path
+(:meth:`NixlTransport.wait_probes` waits for it).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import itertools
 import logging
@@ -268,6 +271,8 @@ class NixlTransport(Transport):
                 f"{sorted(self._agent.get_plugin_list())}"
             )
         self._lock = threading.RLock()
+        self._probe_pool: cf.ThreadPoolExecutor | None = None  # ucx_info, off the handshake path
+        self._probes: list[cf.Future[None]] = []
         self._regions: list[Region] = []
         self._local = _Side([])
         self._reg_dlists: list[Any] = []
@@ -675,6 +680,8 @@ class NixlTransport(Transport):
 
     def close(self) -> None:
         self._stop.set()
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=False, cancel_futures=True)
         if self._progress is not None and self._progress is not threading.current_thread():
             self._progress.join()
         with self._lock:
@@ -713,8 +720,20 @@ class NixlTransport(Transport):
                 return
 
     def _check_ucx_path(self, peer: str, same_host: bool, vram: bool) -> None:
-        if not self._ucx_probe or "UCX" not in self._backends:
+        """Start the UCX path check of a new peer on the probe thread (see ``ucx_probe``)."""
+        if not self._ucx_probe or "UCX" not in self._backends or self._closed:
             return
+        if self._probe_pool is None:
+            self._probe_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvlink-ucx-probe")
+        self._probes = [f for f in self._probes if not f.done()]
+        self._probes.append(self._probe_pool.submit(self._probe_ucx_path, peer, same_host, vram))
+
+    def wait_probes(self, timeout: float) -> bool:
+        """Wait for the UCX path checks started so far; True if all finished in time."""
+        _done, pending = cf.wait(list(self._probes), timeout)
+        return not pending
+
+    def _probe_ucx_path(self, peer: str, same_host: bool, vram: bool) -> None:
         from kvlink_transports import _ucx
 
         placement = "intra" if same_host else "inter"

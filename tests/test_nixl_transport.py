@@ -438,6 +438,7 @@ def test_cross_host_tcp_warns_once(caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level("INFO", logger="kvlink.nixl"):
             mk[0].connect("p1", mk[1].descriptor())
             mk[0].connect("p2", mk[2].descriptor())
+            assert mk[0].wait_probes(120)  # ucx_info runs off the connect path
         warns = [r for r in caplog.records if r.levelname == "WARNING" and "TCP" in r.message]
         expect = 1 if _ucx.tcp_fallback_between_hosts() else 0
         assert len(warns) == expect, [r.message for r in caplog.records]
