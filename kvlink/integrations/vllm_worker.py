@@ -142,6 +142,7 @@ class PullWorker:
         self._failed_blocks: set[int] = set()
         self._finished: set[str] = set()
         self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
+        self._idle = False  # the current step runs no forward pass (see start)
         self._port = settings.rank_port(dp_rank, tp_size)
         self._secret = sidechannel.secret_from_env(settings.secret)
 
@@ -557,13 +558,15 @@ class PullWorker:
         ``idle``: the step runs no forward pass. vLLM steps in a tight loop while a request
         waits for its KV or a finished one holds blocks, and that loop would keep the GIL from
         the threads doing the work (side channel answers, transport I/O): an idle step with
-        transfers outstanding sleeps ``idle_yield_s`` to let them run.
+        transfers outstanding yields up to ``idle_yield_s`` to let them run, ending early when
+        what it waits for arrives (:meth:`_yield`).
         """
         if self.worker is None:
             return
+        self._idle = idle
         if idle and self.s.idle_yield_s > 0 and (
                 self._recv or self._leases.stats.held or self._expired_pinned or self._writes):
-            time.sleep(self.s.idle_yield_s)
+            self._yield(self.s.idle_yield_s)
         self._hold(plan)
         if self.s.producer:
             self._serve_pushes()  # a push that waited for this step's hold starts now
@@ -587,6 +590,10 @@ class PullWorker:
                     out.finished_sending, self._done_sending = self._done_sending, set()
         if self._recv:
             self._advance()
+            if self._idle and self.s.idle_yield_s > 0 and self._pulling():
+                # a READ posted this step often lands within a millisecond: report it with
+                # this step rather than a whole engine round trip later
+                self._yield(self.s.idle_yield_s)
         out.finished_recving, self._finished = self._finished, set()
         out.failed_recving, self._failed = self._failed, {}
         out.failed_blocks, self._failed_blocks = self._failed_blocks, set()
@@ -595,6 +602,31 @@ class PullWorker:
 
     def pending(self) -> int:
         return len(self._recv) + len(self._writes)
+
+    def _pulling(self) -> bool:
+        return any(rec.reading and not rec.req.push for rec in self._recv.values())
+
+    def _yield(self, seconds: float) -> None:
+        """An idle step's yield: up to ``seconds`` with the GIL released, ended early by what
+        the step waits for: a read intent's answer (waited on), or, with READs in flight,
+        their completion (polled every 0.2 ms) or failure."""
+        deadline = time.perf_counter() + seconds
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            if not self._pulling():
+                asked = [f for rec in self._recv.values() if not rec.reading
+                         for f in rec.intents if not f.done()]
+                if asked:
+                    cf.wait(asked, timeout=left, return_when=cf.FIRST_COMPLETED)
+                else:
+                    time.sleep(left)
+                return
+            time.sleep(min(left, 0.0002))
+            self._advance()
+            if self._finished or self._failed:
+                return
 
     def take_stats(self) -> tuple[dict[str, float], list[float]]:
         c, self.counters = self.counters, {}
