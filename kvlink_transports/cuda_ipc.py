@@ -231,13 +231,16 @@ class CudaIpcTransport(Transport):
             self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
                                         XferState(XferStatus.FAILED, f"peer {peer} not connected"))
             return handle
-        with self._torch.cuda.device(self._device):
-            if op is Op.READ:
-                pending = self._copier.copy(remote, target.map, local, self._local_map,
-                                            self._stream)
-            else:
-                pending = self._copier.copy(local, self._local_map, remote, target.map,
-                                            self._stream)
+        if op is Op.READ:
+            args = (remote, target.map, local, self._local_map, self._stream)
+        else:
+            args = (local, self._local_map, remote, target.map, self._stream)
+        cuda = self._torch.cuda
+        if cuda.current_device() == self._device:  # the common case: skip the context switch
+            pending = self._copier.copy(*args)
+        else:
+            with cuda.device(self._device):
+                pending = self._copier.copy(*args)
         # the copy is running: bookkeeping from here on is off the transfer's critical path
         nbytes = int(local["len"].sum())
         self._xfers[handle] = _Xfer(pending, nbytes, t0, local, remote, target.table)

@@ -137,6 +137,11 @@ def main() -> None:
                 for _ in range(args.reps + 1):
                     local[name].zero_()
                     torch.cuda.synchronize()
+                    span = None
+                    if tname == "cuda_ipc":  # post start -> copy done, on the GPU's clock
+                        span = (torch.cuda.Event(enable_timing=True),
+                                torch.cuda.Event(enable_timing=True))
+                        span[0].record(t._stream)
                     t0 = time.perf_counter()
                     if args.profile and tname == "cuda_ipc" and len(times) == 2:
                         import cProfile
@@ -150,12 +155,18 @@ def main() -> None:
                         h = t.post(op, "producer", lext, rext)
                     row.setdefault(f"{tname}_{op.value}_post_s", []).append(
                         time.perf_counter() - t0)
+                    if span is not None:
+                        span[1].record(t._stream)
                     deadline = t0 + args.op_timeout
                     while (st := t.poll(h)).status is XferStatus.PENDING:
                         if time.perf_counter() > deadline:
                             print(f"{tname} {op.value} {name}: TIMEOUT", flush=True)
                             break
                     times.append(time.perf_counter() - t0)
+                    if span is not None:
+                        span[1].synchronize()
+                        row.setdefault(f"{tname}_{op.value}_gpu_span_s", []).append(
+                            span[0].elapsed_time(span[1]) / 1e3)
                     t.release(h)
                     print(f"{tname} {op.value} {name}: {st.status.value} "
                           f"{nbytes / times[-1] / 1e9:.1f} GB/s", flush=True)
