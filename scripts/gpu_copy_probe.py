@@ -178,11 +178,15 @@ def main() -> None:
         drecs = recs.to(dev)
         variant = _variant_module()
         for where, buf in (("pinned", recs), ("device", drecs)):
-            for rows, warps, block in ((4, 4, 1024), (2, 4, 1024), (1, 4, 2048), (1, 8, 4096),
-                                       (1, 8, 8192), (1, 16, 8192), (1, 4, 4096)):
+            for rows, warps, block, chunk in (
+                    (4, 4, 1024, CHUNK), (2, 4, 1024, CHUNK), (1, 4, 2048, CHUNK),
+                    (1, 8, 8192, CHUNK), (1, 16, 8192, CHUNK), (1, 16, 8192, 128 << 10),
+                    (1, 16, 8192, 1 << 20), (1, 32, 8192, CHUNK), (1, 16, 4096, CHUNK)):
                 if rows > 1 and ext > (64 << 10):
                     continue
-                g = launch_shape(count, ext, CHUNK, 528, (rows, block, warps),
+                if where == "device" and (rows, warps, block, chunk) != (1, 16, 8192, CHUNK):
+                    continue
+                g = launch_shape(count, ext, chunk, 528, (rows, block, warps),
                                  (rows, block, warps))[1]
                 bp = buf.data_ptr()
                 kargs = (bp + 8, bp + 8 + 16 * count, count, smap.ptr, 1, dmap.ptr, 1,
@@ -210,7 +214,7 @@ def main() -> None:
                         e1.record(stream)
                         e1.synchronize()
                         ts.append(e0.elapsed_time(e1) / 1e3 / 5)
-                    k = f"kernel_{label}{where}_rows{rows}_w{warps}_b{block}_us"
+                    k = f"kernel_{label}{where}_rows{rows}_w{warps}_b{block}_c{chunk >> 10}k_us"
                     row[k] = statistics.median(ts) * 1e6
                     print(name, k, round(row[k], 1), flush=True)
         res["cases"][name] = row
