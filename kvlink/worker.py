@@ -588,7 +588,7 @@ class KVWorker:
             host=self._public_host(), port=self.side_port - self.config.tp_rank,
             block_ids=lids.tolist())
         wait = _Awaiting(req_id, remote, set(ranks), time.monotonic() + timeout, 0)
-        wait.asked = self._pool.submit(self._ask_push, remote, sorted(ranks), msg)
+        wait.asked = self._pool.submit(self._ask_push, remote, sorted(ranks), msg, wait.deadline)
         self._awaiting[req_id] = wait
 
     def _public_host(self) -> str:
@@ -599,10 +599,11 @@ class KVWorker:
             return socket.getfqdn()
         return self.config.host
 
-    def _ask_push(self, remote: RemoteEngine, ranks: list[int], msg: wire.PushRequest) -> None:
-        for rank in ranks:
-            sidechannel.request(remote.host, remote.port + rank, msg,
-                                self.config.handshake_timeout, self._secret)
+    def _ask_push(self, remote: RemoteEngine, ranks: list[int], msg: wire.PushRequest,
+                  deadline: float) -> None:
+        for rank in ranks:  # an unanswered ask ends with the push's own deadline, if sooner
+            wait = min(self.config.handshake_timeout, max(0.1, deadline - time.monotonic()))
+            sidechannel.request(remote.host, remote.port + rank, msg, wait, self._secret)
 
     def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
         if not self._awaiting:
