@@ -563,7 +563,9 @@ def main() -> None:
                                   and ratios["ttft_p50_kvlink_over_nixl"] <= 1.0),
                      "throughput": bool(ratios.get("throughput_p50_kvlink_over_nixl")
                                         and ratios["throughput_p50_kvlink_over_nixl"] >= 1.0)},
-        "config": config, "source": source(),
+        "config": config,
+        "source": ({"measured": [p2.get("source") for p2 in parts], "merged_by": source()}
+                   if parts else source()),
         **({"merged_from": parts} if parts else {}),
         "outputs_match": not mismatches, "distinct_outputs": distinct,
         "mismatches": mismatches[:20],
