@@ -613,7 +613,8 @@ class KVWorker:
         for req_id, wait in list(self._awaiting.items()):
             reason = None
             if wait.asked is not None and wait.asked.done() and wait.asked.exception():
-                reason = f"push request to {wait.remote.engine_id} failed: {wait.asked.exception()}"
+                reason = (f"push request to prefill ranks {sorted(wait.waiting)} of "
+                          f"{wait.remote.engine_id} failed: {wait.asked.exception()}")
             elif wait.error is not None:
                 reason = wait.error
             elif not wait.waiting:
