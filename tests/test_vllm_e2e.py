@@ -28,7 +28,7 @@ import dataclasses
 import importlib.util
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -346,13 +346,7 @@ class _Steps:
         return self.cons.results()
 
     def recv(self, timeout: float = 10.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            res = self.step()
-            if res.finished_recving:
-                return res
-            time.sleep(0.01)
-        raise AssertionError("no pull result in time")
+        return first_received(self.step, timeout)
 
     def wait_sent(self, req_id: str, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -488,14 +482,19 @@ def test_push_mode_and_its_failures() -> None:
         cons.close()
 
 
-def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
+def first_received(step: Callable[[], Any], timeout: float) -> Any:
+    """Step (as vLLM's engine loop would) until a receive finishes or fails."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        res = cons.results()
+        res = step()
         if res.finished_recving:
             return res
-        time.sleep(0.01)
-    raise AssertionError("no result in time")
+        time.sleep(0.01)  # the engine's step cadence, inside a deadline
+    raise AssertionError("no receive result in time")
+
+
+def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
+    return first_received(cons.results, timeout)
 
 
 def test_push_times_out_when_the_prefill_never_writes() -> None:
