@@ -41,7 +41,8 @@ _I32 = 1 << 31
 
 
 class RegionMap:
-    """Registered regions on the device — (start, end, delta) triples — for ``prepare``."""
+    """Registered regions on the device — (start, end, delta) triples — that the copy kernel
+    checks extents against and translates them through (delta: peer pointer -> our mapping)."""
 
     def __init__(self, starts: npt.ArrayLike, ends: npt.ArrayLike, delta: npt.ArrayLike,
                  device: Any) -> None:
