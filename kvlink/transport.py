@@ -171,6 +171,17 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Stop threads and release memory registrations. Idempotent."""
 
+    def expect_access(self, seconds: float, count: int = 1) -> None:
+        """Hint: ``count`` one-sided transfers by peers into or out of our memory, each ending
+        with a notification, will arrive within ``seconds``.
+
+        A transport whose peers' transfers need this side's progress to complete (NIXL/UCX: the
+        initiator's READ with a notification is DONE only once this side's UCX worker has
+        progressed, see docs/nixl.md "Progress") can serve them promptly for that window instead
+        of at its idle cadence. Default: nothing to do.
+        """
+        return None
+
     def wait(self, handle: int, timeout: float) -> XferState:
         """Poll until the handle leaves PENDING or ``timeout`` seconds pass (then FAILED)."""
         deadline = time.monotonic() + timeout

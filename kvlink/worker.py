@@ -532,6 +532,13 @@ class KVWorker:
         return len(self._requests)
 
     # ------------------------------------------------------------------ producer side
+    def expect_access(self, seconds: float, count: int = 1) -> None:
+        """A reader will post ``count`` transfers against our memory within ``seconds`` (it was
+        just told to go ahead): let every transport serve them promptly (see
+        :meth:`Transport.expect_access`; NIXL's initiator waits on our UCX progress)."""
+        for t in self.transports.values():
+            t.expect_access(seconds, count)
+
     def _drain_notifications(self) -> None:
         """Sort incoming notifications: "written" ones complete pushes, "read" ones are kept
         for :meth:`notifications`. Bad ones are logged and dropped."""
