@@ -302,6 +302,7 @@ class NixlTransport(Transport):
         self._notes: list[tuple[str, bytes]] = []
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._expect_lock = threading.Lock()  # guards the next two; taken after self._lock
         self._expected = 0  # peers' transfers announced by expect_access, not yet notified
         self._expect_until = 0.0  # time.monotonic() bound of that window
         self._progress: threading.Thread | None = None
@@ -682,7 +683,8 @@ class NixlTransport(Transport):
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             self._notes.extend((name, bytes(m)) for m in msgs)
             if self._expected:
-                self._expected = max(0, self._expected - len(msgs))
+                with self._expect_lock:
+                    self._expected = max(0, self._expected - len(msgs))
 
     def expect_access(self, seconds: float, count: int = 1) -> None:
         """Progress UCX every ``progress_fast_interval`` until ``count`` more notifications have
@@ -693,11 +695,11 @@ class NixlTransport(Transport):
         every 20-100 us. Polling that fast all the time would cost a core, so the owner says when
         transfers are due (kvlink's producer: when it answers a read intent). Without our own
         progress thread (``progress_thread`` or ``progress_interval`` 0) this does nothing."""
-        if self._progress is None or seconds <= 0 or count <= 0:
+        if self._progress is None or seconds <= 0 or count <= 0 or self._closed:
             return
-        with self._lock:
-            if self._closed:
-                return
+        # callers answer peers on a side-channel thread: never wait for self._lock (held across
+        # NIXL calls), only for the two counters' own lock
+        with self._expect_lock:
             if self._expect_until < time.monotonic():
                 self._expected = 0
             self._expected += int(count)
@@ -705,10 +707,11 @@ class NixlTransport(Transport):
         self._wake.set()
 
     def _expecting(self) -> bool:
-        """Whether announced transfers are still due (lock held)."""
-        if self._expected and time.monotonic() >= self._expect_until:
-            self._expected = 0
-        return self._expected > 0
+        """Whether announced transfers are still due."""
+        with self._expect_lock:
+            if self._expected and time.monotonic() >= self._expect_until:
+                self._expected = 0
+            return self._expected > 0
 
     def notify(self, peer: str, message: bytes) -> None:
         with self._lock:
