@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,63 +66,11 @@ def _target(conn: Connection, name: str, size: int = BUF) -> None:
         conn.send(len(t.notifications()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def perftest_get(size: int, iters: int, no_responder_progress: bool) -> dict[str, Any]:
-    path = _ucx.ucx_perftest_path()
-    if path is None:
-        raise SystemExit("ucx_perftest not found: pip install --no-deps libucx-cu12")
-    env = _ucx.ucx_env(path)
-    port = _free_port()
-    extra = ["-o"] if no_responder_progress else []
-    server = subprocess.Popen(
-        [path, "-p", str(port), *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    cmd = [
-        path,
-        "127.0.0.1",
-        "-p",
-        str(port),
-        "-t",
-        "ucp_get",
-        "-s",
-        str(size),
-        "-n",
-        str(iters),
-        "-w",
-        str(max(iters // 10, 10)),
-        *extra,
-    ]
-    try:
-        deadline = time.monotonic() + 30
-        while True:  # the server needs a moment to listen: retry while the connect is refused
-            client = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-            if "Final:" in client.stdout:
-                break
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError(f"ucx_perftest client failed: {client.stdout} {client.stderr}")
-            time.sleep(0.05)
-    finally:
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    line = next(ln for ln in client.stdout.splitlines() if "Final:" in ln)
-    nums = [float(x) for x in line.split()[1:]]
-    # Final: iters  lat50 lat_avg lat_overall  bw_avg bw_overall (MiB/s)  rate_avg rate_overall
-    return {
-        "server_cmd": f"ucx_perftest -p {port} {' '.join(extra)}".strip(),
-        "client_cmd": " ".join(["ucx_perftest", *cmd[1:]]),
-        "iterations": int(nums[0]),
-        "latency_us_avg": nums[2],
-        "MiBps_overall": nums[5],
-        "GBps": nums[5] * MiB / 1e9,
-    }
+    r = _ucx.run_perftest("ucp_get", size, iters, ("-o",) if no_responder_progress else (),
+                          timeout=120)
+    return {"server_cmd": r.server_cmd, "client_cmd": r.client_cmd, "iterations": r.iterations,
+            "latency_us_avg": r.latency_us_avg, "MiBps_overall": r.mib_per_s, "GBps": r.gbps}
 
 
 def _run(t: NixlTransport, peer: str, op: Op, lo: Any, ro: Any) -> float:

@@ -110,33 +110,10 @@ def perftest_gbps(test: str, size: int, iters: int) -> float | str:
         from kvlink_transports import _ucx
     except ImportError as exc:
         return f"UCX helpers unavailable: {exc}"
-    path = _ucx.ucx_perftest_path()
-    if path is None:
-        return "ucx_perftest not found (pip install libucx-cu12)"
-    env = _ucx.ucx_env(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([path, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    cmd = [path, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n", str(iters),
-           "-w", str(max(iters // 10, 5))]
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the server needs a moment to listen
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-            if "Final:" in out.stdout:
-                break
-            if time.monotonic() > deadline or server.poll() is not None:
-                return f"ucx_perftest failed: {out.stderr.strip()[-200:]}"
-            time.sleep(0.05)
-    finally:
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    line = next(ln for ln in out.stdout.splitlines() if "Final:" in ln)
-    return float(line.split()[6]) * MiB / 1e9  # bandwidth overall, MiB/s
+        return _ucx.run_perftest(test, size, iters).gbps
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
 
 
 def rdma_baseline() -> str:

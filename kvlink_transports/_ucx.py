@@ -107,6 +107,59 @@ def ucx_perftest_path() -> str | None:
     return _find_binary("ucx_perftest")
 
 
+@dataclasses.dataclass(frozen=True)
+class PerftestResult:
+    server_cmd: str
+    client_cmd: str
+    iterations: int
+    latency_us_avg: float
+    mib_per_s: float  # bandwidth overall
+
+    @property
+    def gbps(self) -> float:
+        return self.mib_per_s * (1 << 20) / 1e9
+
+
+def run_perftest(test: str, size: int, iters: int, extra: tuple[str, ...] = (),
+                 timeout: float = 300.0) -> PerftestResult:
+    """``ucx_perftest`` server and client on loopback, the baseline kvlink's UCX paths are
+    measured against. Raises RuntimeError saying why it could not run."""
+    import socket
+    import time
+
+    path = ucx_perftest_path()
+    if path is None:
+        raise RuntimeError("ucx_perftest not found (pip install --no-deps libucx-cu12)")
+    env = ucx_env(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([path, "-p", str(port), *extra], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [path, "127.0.0.1", "-p", str(port), "-t", test, "-s", str(size), "-n", str(iters),
+           "-w", str(max(iters // 10, 10)), *extra]
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the server needs a moment to listen: retry while the connect is refused
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            if "Final:" in out.stdout:
+                break
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError(f"ucx_perftest failed: {out.stderr.strip()[-200:]}")
+            time.sleep(0.05)
+    finally:
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    line = next(ln for ln in out.stdout.splitlines() if "Final:" in ln)
+    # Final: iters  lat50 lat_avg lat_overall  bw_avg bw_overall (MiB/s)  rate_avg rate_overall
+    nums = [float(x) for x in line.split()[1:]]
+    return PerftestResult(" ".join(["ucx_perftest", "-p", str(port), *extra]),
+                          " ".join(["ucx_perftest", *cmd[1:]]), int(nums[0]), nums[2], nums[5])
+
+
 def ucx_env(binary: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment to run a UCX binary with: the wheel's binaries need its lib/ on the path."""
     env = dict(os.environ if base is None else base)
