@@ -133,7 +133,8 @@ def test_copy_kernel_in_the_triton_interpreter() -> None:
 
 
 def test_gpu_copy_needs_a_gpu() -> None:
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is not installed: the IPC copy runs in "
+                                "scripts/gpu_cuda_ipc_check.py on the device machine")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: the IPC copy runs in scripts/gpu_cuda_ipc_check.py "
                     "on the device machine")
