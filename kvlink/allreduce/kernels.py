@@ -144,6 +144,18 @@ def _peer_ptr(table, p, ELEM: tl.constexpr):
     return tl.multiple_of(ptr, 16)
 
 
+@triton.jit
+def _sum_peers(in_table, idx, mask, ELEM: tl.constexpr, WORLD: tl.constexpr):
+    """Sum of every rank's input at ``idx``, in rank order (so all ranks get identical bits)."""
+    acc = tl.load(
+        _peer_ptr(in_table, 0, ELEM) + idx, mask=mask, other=0.0, cache_modifier=".cg"
+    ).to(tl.float32)
+    for p in tl.static_range(1, WORLD):
+        x = tl.load(_peer_ptr(in_table, p, ELEM) + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        acc += x.to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["rank"])
 def one_shot_kernel(
     in_table,
@@ -166,13 +178,7 @@ def one_shot_kernel(
     for start in range(pid * BLOCK, n, nprog * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.load(
-            _peer_ptr(in_table, 0, elem) + offs, mask=mask, other=0.0, cache_modifier=".cg"
-        ).to(tl.float32)
-        for p in tl.static_range(1, WORLD):
-            src = _peer_ptr(in_table, p, elem)
-            x = tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            acc += x.to(tl.float32)
+        acc = _sum_peers(in_table, offs, mask, elem, WORLD)
         tl.store(out_ptr + offs, acc.to(elem), mask=mask)
     _block_barrier(flag_table, my_base, END_OFF, rank, epoch, WORLD, False)
     tl.store(counter_ptr + pid, epoch)
@@ -205,13 +211,7 @@ def two_shot_kernel(
         local = start + tl.arange(0, BLOCK)
         idx = first + local
         mask = (local < chunk) & (idx < n)
-        acc = tl.load(
-            _peer_ptr(in_table, 0, elem) + idx, mask=mask, other=0.0, cache_modifier=".cg"
-        ).to(tl.float32)
-        for p in tl.static_range(1, WORLD):
-            src = _peer_ptr(in_table, p, elem)
-            x = tl.load(src + idx, mask=mask, other=0.0, cache_modifier=".cg")
-            acc += x.to(tl.float32)
+        acc = _sum_peers(in_table, idx, mask, elem, WORLD)
         tl.store(my_tmp + idx, acc.to(elem), mask=mask)
     _block_barrier(flag_table, my_base, END_OFF, rank, epoch, WORLD, True)
     for start in range(pid * BLOCK, chunk, nprog * BLOCK):
