@@ -8,6 +8,7 @@ A request of 256 blocks x 80 layers x K/V plans in well under a millisecond.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -79,11 +80,13 @@ def plan_transfer(
     local_ids: npt.ArrayLike,
     remote_ids: npt.ArrayLike,
     read: HeadRead | None = None,
+    alloc: Callable[[int], Extents] | None = None,
 ) -> Plan:
     """Extents moving ``remote_ids`` blocks of ``remote`` into ``local_ids`` blocks of ``local``.
 
     The same arrays serve READ (remote -> local) and WRITE (local -> remote). Block ids are
-    bounds-checked here, before anything can be posted.
+    bounds-checked here, before anything can be posted. ``alloc(n)`` makes the output arrays
+    (a transport's ``extents``, so they land where it posts from without another copy).
     """
     lids = local.check_block_ids(local_ids, "local")
     rids = remote.check_block_ids(remote_ids, "remote")
@@ -102,8 +105,7 @@ def plan_transfer(
         # strided head slices of NHD pages: pieces are never adjacent, so skip the merge and
         # write addresses straight into the output records
         n = local.num_layers * local.num_kv * lids.shape[0] * loff.shape[0]
-        lext = np.empty(n, dtype=EXTENT_DTYPE)
-        rext = np.empty(n, dtype=EXTENT_DTYPE)
+        lext, rext = _alloc(alloc, n), _alloc(alloc, n)
         _grid(local, lids, loff, kv_inner, lext["addr"])
         _grid(remote, rids, roff, kv_inner, rext["addr"])
         lext["len"] = piece
@@ -111,7 +113,11 @@ def plan_transfer(
         return Plan(lext, rext, raw_descriptors=n)
     la = _grid(local, lids, loff, kv_inner)
     ra = _grid(remote, rids, roff, kv_inner)
-    return Plan(*coalesce(la, ra, piece), raw_descriptors=int(la.shape[0]))
+    return Plan(*coalesce(la, ra, piece, alloc), raw_descriptors=int(la.shape[0]))
+
+
+def _alloc(alloc: Callable[[int], Extents] | None, n: int) -> Extents:
+    return np.empty(n, dtype=EXTENT_DTYPE) if alloc is None else alloc(n)
 
 
 def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.uint64],
@@ -137,13 +143,13 @@ def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np
 
 
 def coalesce(
-    laddr: npt.NDArray[np.uint64], raddr: npt.NDArray[np.uint64], piece: int
+    laddr: npt.NDArray[np.uint64], raddr: npt.NDArray[np.uint64], piece: int,
+    alloc: Callable[[int], Extents] | None = None,
 ) -> tuple[Extents, Extents]:
     """Merge runs of equal-length pieces that are contiguous on both sides into single extents."""
     n = laddr.shape[0]
     if n == 0:
-        empty = np.empty(0, dtype=EXTENT_DTYPE)
-        return empty, empty.copy()
+        return _alloc(alloc, 0), _alloc(alloc, 0)
     step = np.uint64(piece)
     brk = np.empty(n, dtype=bool)
     brk[0] = True
@@ -151,8 +157,7 @@ def coalesce(
     brk[1:] |= raddr[1:] != raddr[:-1] + step
     starts = np.flatnonzero(brk)
     counts = np.diff(np.append(starts, n)).astype(np.uint64)
-    local = np.empty(starts.shape[0], dtype=EXTENT_DTYPE)
-    remote = np.empty(starts.shape[0], dtype=EXTENT_DTYPE)
+    local, remote = _alloc(alloc, starts.shape[0]), _alloc(alloc, starts.shape[0])
     local["addr"] = laddr[starts]
     remote["addr"] = raddr[starts]
     local["len"] = counts * step

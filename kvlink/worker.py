@@ -435,7 +435,7 @@ class KVWorker:
             peer = part.future.result()
             try:
                 plan = plan_transfer(self._require_spec(), peer.spec, req.local_ids,
-                                     req.remote_ids, part.read)
+                                     req.remote_ids, part.read, peer.transport.extents)
             except KVLinkError as exc:
                 part.error = str(exc)
                 return

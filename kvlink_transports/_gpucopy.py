@@ -3,12 +3,14 @@
 A request is thousands of small extents (a 4k-token Llama-70B request is 20480 blocks of 8 KiB);
 one ``cudaMemcpyAsync`` each would spend more time launching than copying, and any per-extent
 numpy work on the host shows up directly in the request's latency. So the host does as little as
-possible: it copies the caller's extent records into pinned memory and launches one kernel
-(_gpukernels.move) that reads them from there, checks and translates them, and moves the bytes.
-Long requests go in pieces, so the GPU starts on the first piece while the host is still
-copying the records of the next. An invalid extent fails the post and is never touched, though
-other extents of the post may already have been copied (a FAILED transfer leaves its
-destination undefined, as one cut short by a dead peer does).
+possible: one kernel (_gpukernels.move) reads the extent records from pinned host memory, checks
+and translates them, and moves the bytes. Records the caller built in pinned memory
+(``host_extents``: the planner writes a request's extents there) are read in place, so a post is
+one launch whatever its size. Records in pageable memory are first copied into a pinned buffer,
+in pieces, so the GPU starts on the first piece while the host is still copying the next. An
+invalid extent fails the post and is never touched, though other extents of the post may already
+have been copied (a FAILED transfer leaves its destination undefined, as one cut short by a dead
+peer does).
 
 Launches skip Triton's Python dispatch after the first call (the compiled kernel is called
 directly) when every argument keeps the integer width it was compiled for. Triton is imported
@@ -20,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -119,10 +122,12 @@ class Pending:
     """One enqueued copy: its completion event and the pinned records its kernels read. Once
     seen complete, its status is kept and the event and records go back to the copier."""
 
-    __slots__ = ("_done", "_failed", "buf", "event", "owner", "seq")
+    __slots__ = ("_done", "_failed", "buf", "event", "keep", "owner", "seq")
 
-    def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int) -> None:
+    def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
+                 keep: tuple[Extents, ...] = ()) -> None:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
+        self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -179,6 +184,41 @@ def _records(ext: Extents) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(ext).view(np.uint64)
 
 
+# arrays handed out by host_extents and their roots (views reach one through .base): id -> array
+_HOST_EXTENTS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_HOST_ADDRESS: dict[int, int] = {}  # id of an array handed out -> its address
+
+
+def adopt_host_extents(host: npt.NDArray[np.uint8], n: int) -> Extents:
+    """``n`` extents over ``host`` (page-locked bytes), known to _pinned_address from now on
+    (and views of them) until the last array over the memory is gone."""
+    from kvlink.transport import EXTENT_DTYPE
+
+    out = host.view(EXTENT_DTYPE)[:n]
+    _HOST_EXTENTS[id(host)] = host
+    _HOST_EXTENTS[id(out)] = out
+    _HOST_ADDRESS[id(out)] = int(out.ctypes.data)
+    weakref.finalize(out, _HOST_ADDRESS.pop, id(out), None)
+    return out
+
+
+def _pinned_address(ext: Extents) -> int:
+    """Address of ``ext``'s records if the device can read them in place (contiguous 16-byte
+    records in an array from host_extents: page-locked, so host and device address are one
+    under UVA), else 0. Pure Python on purpose: a driver query here (``is_pinned``) costs tens
+    of microseconds when the host thread has just woken, all of it before the launch."""
+    if _HOST_EXTENTS.get(id(ext)) is ext and id(ext) in _HOST_ADDRESS:  # as handed out
+        return _HOST_ADDRESS[id(ext)]
+    if ext.dtype.itemsize != 16 or not ext.flags.c_contiguous:
+        return 0
+    root: Any = ext
+    while root is not None:
+        if _HOST_EXTENTS.get(id(root)) is root:
+            return int(ext.ctypes.data)
+        root = getattr(root, "base", None)
+    return 0
+
+
 class BatchCopier:
     """Enqueues batched copies on a given stream of one device."""
 
@@ -202,23 +242,25 @@ class BatchCopier:
         # the caching allocator can't serve from its cache costs a millisecond
         self._events: list[Any] = []
         self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
-        self._plans: dict[tuple[int, int], tuple[tuple[int, int, int], int, list[int]]] = {}
+        self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
 
-    def _plan(self, n: int, first_len: int) -> tuple[tuple[int, int, int], int, list[int]]:
+    def _plan(self, n: int, first_len: int, pieces: bool = True
+              ) -> tuple[tuple[int, int, int], int, list[int]]:
         """Launch shape and piece ends, cached: requests repeat their sizes."""
-        plan = self._plans.get((n, first_len))
+        key = (n, first_len, pieces)
+        plan = self._plans.get(key)
         if plan is None:
             shape, g = launch_shape(n, first_len, self.chunk, self.min_programs, self.small,
                                     self.large)
-            plan = shape, g, piece_cuts(n, shape[0], self.first, self.piece)
+            plan = shape, g, piece_cuts(n, shape[0], self.first, self.piece) if pieces else [n]
             if len(self._plans) > 1024:
                 self._plans.clear()
-            self._plans[(n, first_len)] = plan
+            self._plans[key] = plan
         return plan
 
     def _take(self, nbytes: int) -> _Pinned:
-        size = max(64 << 10, 1 << (nbytes - 1).bit_length())
+        size = max(4096, 1 << (nbytes - 1).bit_length())
         free = self._pinned[size]
         if free:
             return free.pop()
@@ -236,12 +278,21 @@ class BatchCopier:
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
             p.buf = None
         self._events.append(p.event)
+        p.keep = ()
         p._done = True
+
+    def host_extents(self, n: int) -> Extents:
+        """An uninitialised extent array in pinned memory: records built here are posted
+        without a copy (the kernel reads them in place), in one launch."""
+
+        t = self.torch.empty(max(1, n) * 16, dtype=self.torch.uint8, pin_memory=True)
+        return adopt_host_extents(t.numpy(), n)  # that array's base keeps t alive
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
              stream: Any) -> Pending:
         """Copy src[i] -> dst[i] for every i on ``stream``. Extents are checked on the device
-        against their maps and translated through them; a refused one shows as ``failed()``."""
+        against their maps and translated through them; a refused one shows as ``failed()``.
+        Pinned records (``host_extents``) must stay unchanged until the copy is done."""
         if src.shape != dst.shape:
             raise ExtentOutOfBounds(
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
@@ -252,37 +303,50 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0)
             # everything up to the first launch is the request's latency: nothing else here
             seq = next(self._seq) % (_I32 - 1) + 1
+            s_at, d_at = _pinned_address(src), _pinned_address(dst)
+            if s_at and d_at:  # read in place: one launch, only a status word of ours
+                buf = self._take(8)
+                buf.words[0] = 0
+                plan = self._plan(n, int(src[0]["len"]), pieces=False)
+                self._launch(plan, s_at, d_at, 0, n, smap, dmap, buf.ptr, seq, stream)
+                return self._enqueue(stream, buf, seq, (src, dst))
             buf = self._take(8 + 32 * n)
             hv, hp = buf.words, buf.ptr
             hv[0] = 0
             s_rec, d_rec = _records(src), _records(dst)
-            (rows, block, warps), g, cuts = self._plan(n, int(s_rec[1]))
-            consts = (rows, block)
-            sm, dm = smap.ptr, dmap.ptr
-            direct = hp >= _I32 and sm >= _I32 and dm >= _I32 and n < _I32
-            launch = self._move.direct(consts, warps) if direct else None
-            raw_stream = stream.cuda_stream
+            plan = self._plan(n, int(s_rec[1]))
             p0 = 0
-            for p1 in cuts:
+            for p1 in plan[2]:
                 hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
                 hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
-                args = (hp + 8 + 16 * p0, hp + 8 + 16 * (n + p0), p1 - p0, sm, smap.count, dm,
-                        dmap.count, hp, seq, g)
-                if launch is not None:
-                    launch(-(-(p1 - p0) // rows), g, raw_stream, args)
-                else:
-                    self._move((-(-(p1 - p0) // rows), g), stream, args, consts, warps, direct)
-                    launch = self._move.direct(consts, warps) if direct else None
+                self._launch(plan, hp + 8 + 16 * p0, hp + 8 + 16 * (n + p0), p0, p1, smap, dmap,
+                             hp, seq, stream)
                 p0 = p1
             return self._enqueue(stream, buf, seq)
 
-    def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int) -> Pending:
+    def _launch(self, plan: tuple[tuple[int, int, int], int, list[int]], s_at: int, d_at: int,
+                p0: int, p1: int, smap: RegionMap, dmap: RegionMap, status: int, seq: int,
+                stream: Any) -> None:
+        """One kernel over rows [p0, p1) whose records start at s_at / d_at."""
+        (rows, block, warps), g, _ = plan
+        consts = (rows, block)
+        args = (s_at, d_at, p1 - p0, smap.ptr, smap.count, dmap.ptr, dmap.count, status, seq, g)
+        grid = -(-(p1 - p0) // rows)
+        direct = min(s_at, d_at, smap.ptr, dmap.ptr, status) >= _I32 and p1 - p0 < _I32
+        launch = self._move.direct(consts, warps) if direct else None
+        if launch is not None:
+            launch(grid, g, stream.cuda_stream, args)
+        else:
+            self._move((grid, g), stream, args, consts, warps, direct)
+
+    def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int,
+                 keep: tuple[Extents, ...] = ()) -> Pending:
         """Completion event after the launches; finished posts hand back their buffers."""
         while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
             self._finish_locked(self._inflight.popleft())
         new_event = self.torch.cuda.Event
         event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
         event.record(stream)
-        pending = Pending(self, event, buf, seq)
+        pending = Pending(self, event, buf, seq, keep)
         self._inflight.append(pending)
         return pending

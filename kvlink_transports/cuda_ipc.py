@@ -247,6 +247,11 @@ class CudaIpcTransport(Transport):
         self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
         return handle
 
+    def extents(self, n: int) -> Extents:
+        if self._copier is None:  # not registered yet: nothing to post with anyway
+            return super().extents(n)
+        return self._copier.host_extents(n)  # type: ignore[no-any-return]
+
     def _refusal(self, x: _Xfer) -> str:
         """Why the device refused an extent: the host checks, run only on this slow path."""
         try:

@@ -3,14 +3,18 @@
     python scripts/gpu_cuda_ipc_check.py [--out DIR]
 
 (a) 1 GiB in 4 MiB extents, (b) a Llama-3-70B-shaped 4096-token request: 20480 blocks of 8 KiB at
-non-contiguous ids. READ and WRITE, every byte verified against the seeded source regenerated
-independently, timed end to end (post -> completion polled), as a ratio of a device copy of the
-same bytes measured in the same run. NIXL READ/WRITE on the same extents when nixl imports.
+non-contiguous ids. Extents are posted from the transport's own arrays (``Transport.extents``,
+where the worker's planner builds them; cuda_ipc: pinned memory), cuda_ipc also from ordinary
+arrays (keys ``cuda_ipc_pageable_*``). READ and WRITE, every byte verified against the seeded
+source regenerated independently, timed end to end (post -> completion polled), as a ratio of
+a device copy of the same bytes measured in the same run. NIXL READ/WRITE on the same extents
+when nixl imports.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -80,8 +84,25 @@ def main() -> None:
     ap.add_argument("--nixl", action="store_true", help="also run NIXL on the same extents")
     ap.add_argument("--op-timeout", type=float, default=30.0)
     ap.add_argument("--profile", action="store_true", help="cProfile the posts of each case")
+    ap.add_argument("--spans", action="store_true",
+                    help="also time each cuda_ipc post on the GPU's clock (its event records "
+                         "add host time to the end-to-end figure)")
     ap.add_argument("--cases", nargs="*", default=None, help="run only these cases")
+    ap.add_argument("--wait", choices=["spin", "sync"], default="spin",
+                    help="how the host waits for the GPU before each timed post and around "
+                         "each device copy: spin on an event (a busy serving loop's hot thread) "
+                         "or torch.cuda.synchronize() (the thread may sleep and wake cold)")
     args = ap.parse_args()
+
+    def settle() -> None:
+        """Wait until the device is idle, the way --wait says."""
+        if args.wait == "sync":
+            torch.cuda.synchronize()
+            return
+        ev = torch.cuda.Event()  # the work before was on this stream; side streams are idle
+        ev.record()
+        while not ev.query():
+            pass
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
     transports = ["cuda_ipc", "nixl"] if args.nixl else ["cuda_ipc"]
@@ -122,23 +143,30 @@ def main() -> None:
         dst = torch.empty_like(src)
         copy_s = []
         for _ in range(args.reps + 1):
-            torch.cuda.synchronize()
+            settle()
             t0 = time.perf_counter()
             dst.copy_(src)
-            torch.cuda.synchronize()
+            settle()
             copy_s.append(time.perf_counter() - t0)
         base = statistics.median(copy_s[1:])
         row: dict[str, Any] = {"bytes": nbytes, "extents": count, "device_copy_s": base,
                                "device_copy_gbps": nbytes / base / 1e9}
         expected = _source(c["cache"], seed=ci + 1).view(torch.uint8).view(-1, ext)
         for tname, t in conns.items():
-            for op in (Op.READ, Op.WRITE):
+            # the worker plans into the transport's own extent arrays (cuda_ipc: pinned memory
+            # its kernel reads in place); cuda_ipc also timed from ordinary arrays
+            lx, rx = t.extents(count), t.extents(count)
+            lx[:], rx[:] = lext, rext
+            posts = [(tname, lx, rx)]
+            if tname == "cuda_ipc":
+                posts.append((f"{tname}_pageable", lext, rext))
+            for op, (key, le, re_) in itertools.product((Op.READ, Op.WRITE), posts):
                 times, ok = [], True
                 for _ in range(args.reps + 1):
                     local[name].zero_()
-                    torch.cuda.synchronize()
+                    settle()
                     span = None
-                    if tname == "cuda_ipc":  # post start -> copy done, on the GPU's clock
+                    if args.spans and tname == "cuda_ipc":  # post start -> copy done, GPU clock
                         span = (torch.cuda.Event(enable_timing=True),
                                 torch.cuda.Event(enable_timing=True))
                         span[0].record(t._stream)
@@ -148,30 +176,30 @@ def main() -> None:
                         import pstats
 
                         prof = cProfile.Profile()
-                        h = prof.runcall(t.post, op, "producer", lext, rext)
-                        print(f"--- timed post profile {name} {op.value}", flush=True)
+                        h = prof.runcall(t.post, op, "producer", le, re_)
+                        print(f"--- timed post profile {key} {name} {op.value}", flush=True)
                         pstats.Stats(prof).sort_stats("tottime").print_stats(6)
                     else:
-                        h = t.post(op, "producer", lext, rext)
-                    row.setdefault(f"{tname}_{op.value}_post_s", []).append(
+                        h = t.post(op, "producer", le, re_)
+                    row.setdefault(f"{key}_{op.value}_post_s", []).append(
                         time.perf_counter() - t0)
                     if span is not None:
                         span[1].record(t._stream)
                     deadline = t0 + args.op_timeout
                     while (st := t.poll(h)).status is XferStatus.PENDING:
                         if time.perf_counter() > deadline:
-                            print(f"{tname} {op.value} {name}: TIMEOUT", flush=True)
+                            print(f"{key} {op.value} {name}: TIMEOUT", flush=True)
                             break
                     times.append(time.perf_counter() - t0)
                     if span is not None:
                         span[1].synchronize()
-                        row.setdefault(f"{tname}_{op.value}_gpu_span_s", []).append(
+                        row.setdefault(f"{key}_{op.value}_gpu_span_s", []).append(
                             span[0].elapsed_time(span[1]) / 1e3)
                     t.release(h)
-                    print(f"{tname} {op.value} {name}: {st.status.value} "
+                    print(f"{key} {op.value} {name}: {st.status.value} "
                           f"{nbytes / times[-1] / 1e9:.1f} GB/s", flush=True)
                     if st.status is not XferStatus.DONE:
-                        row[f"{tname}_{op.value}_error"] = st.reason or "timeout"
+                        row[f"{key}_{op.value}_error"] = st.reason or "timeout"
                         ok = False
                         break
                 if not ok:
@@ -184,11 +212,11 @@ def main() -> None:
                 else:  # WRITE of zeros: the producer's blocks must now read back as zero
                     verified = None  # checked below through a READ of the same blocks
                 med = statistics.median(times[1:])
-                row[f"{tname}_{op.value}_s"] = med
-                row[f"{tname}_{op.value}_gbps"] = nbytes / med / 1e9
-                row[f"{tname}_{op.value}_ratio_to_device_copy"] = base / med
+                row[f"{key}_{op.value}_s"] = med
+                row[f"{key}_{op.value}_gbps"] = nbytes / med / 1e9
+                row[f"{key}_{op.value}_ratio_to_device_copy"] = base / med
                 if verified is not None:
-                    row[f"{tname}_{op.value}_verified"] = verified
+                    row[f"{key}_{op.value}_verified"] = verified
             if f"{tname}_write_s" in row and f"{tname}_read_s" in row:
                 # after WRITEs of our zeroed blocks, fill ours with a pattern, WRITE, READ back
                 local[name].fill_(7)
@@ -222,6 +250,7 @@ def main() -> None:
     results["machine"] = {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
                           "cpu": platform.processor(), "torch": torch.__version__,
                           "triton": triton.__version__}
+    results["wait"] = args.wait
     results["command"] = "python " + " ".join(sys.argv)
     results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     os.makedirs(args.out, exist_ok=True)

@@ -113,6 +113,35 @@ def test_launch_shape_fills_the_gpu_and_bounds_program_work(n: int, first_len: i
     assert -(-first_len // g) <= max(256 << 10, 16384 * 2) or g == 65535
 
 
+def test_pinned_records_are_recognised_only_where_the_kernel_may_read_them() -> None:
+    """Records built by host_extents (and contiguous views of them) are read in place by the
+    kernel; any other array (a copy, a strided view, ordinary memory) must be copied first —
+    the kernel reading pageable memory would fault the GPU context. The registry forgets the
+    memory once no array over it is left."""
+    import gc
+
+    import numpy as np
+
+    from kvlink.transport import EXTENT_DTYPE
+
+    known = len(_gpucopy._HOST_EXTENTS)
+    ext = _gpucopy.adopt_host_extents(np.zeros(16 * 12, np.uint8), 10)  # bytes stand in for
+    assert ext.shape == (10,) and ext.dtype == EXTENT_DTYPE           # pinned ones here
+    at = int(ext.ctypes.data)
+    assert _gpucopy._pinned_address(ext) == at
+    assert _gpucopy._pinned_address(ext[3:7]) == at + 3 * 16
+    assert _gpucopy._pinned_address(ext[::2]) == 0
+    assert _gpucopy._pinned_address(ext.copy()) == 0
+    assert _gpucopy._pinned_address(np.empty(10, EXTENT_DTYPE)) == 0
+    view = ext[2:]
+    del ext
+    gc.collect()
+    assert _gpucopy._pinned_address(view) == at + 2 * 16  # the view keeps the memory alive
+    del view
+    gc.collect()
+    assert len(_gpucopy._HOST_EXTENTS) == known and at not in _gpucopy._HOST_ADDRESS.values()
+
+
 def test_copy_kernel_in_the_triton_interpreter() -> None:
     """The kernel's byte movement, device-side bounds check and address translation, run by
     Triton's interpreter on CPU tensors (random lengths, alignments, pieces, rows per program,

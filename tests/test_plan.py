@@ -203,6 +203,16 @@ def transfers(draw: st.DrawFn) -> tuple[Geo, Geo, np.ndarray, np.ndarray, int]:
     return g, rg, lids, rids, seed
 
 
+def _garbage_alloc(made: list[np.ndarray]) -> Any:
+    """An extent allocator (as Transport.extents) whose arrays start as garbage, so a record
+    the planner forgot to write shows; keeps what it made."""
+    def alloc(n: int) -> np.ndarray:
+        out = np.frombuffer(np.random.default_rng(n).bytes(16 * n), dtype=EXTENT_DTYPE).copy()
+        made.append(out)
+        return out
+    return alloc
+
+
 # ----------------------------------------------------------------------------- properties
 @settings(max_examples=120, deadline=None)
 @given(transfers())
@@ -211,7 +221,9 @@ def test_plan_copy_equals_numpy_block_copy(case: tuple[Geo, Geo, np.ndarray, np.
     g, rg, lids, rids, seed = case
     rng = np.random.default_rng(seed)
     local, remote = make_cache(g, rng), make_cache(rg, rng)
-    plan = plan_transfer(local.spec, remote.spec, lids, rids)
+    made: list[np.ndarray] = []
+    plan = plan_transfer(local.spec, remote.spec, lids, rids, alloc=_garbage_alloc(made))
+    assert plan.local is made[0] and plan.remote is made[1]  # built in the caller's arrays
     assert plan.nbytes == lids.size * local.spec.block_bytes
     assert plan.raw_descriptors == g.layers * g.kvn * lids.size
     assert plan.descriptors <= plan.raw_descriptors
@@ -328,7 +340,10 @@ def test_heterogeneous_tp_equals_numpy_reshard(ptp: int, dtp: int, h: int, layou
         assert sum(r.count for r in reads) == hc
         for read in reads:
             src = prefill[read.remote_rank]
-            apply(plan_transfer(cache.spec, src.spec, lids, rids, read), cache, src)
+            made: list[np.ndarray] = []
+            plan = plan_transfer(cache.spec, src.spec, lids, rids, read, _garbage_alloc(made))
+            assert plan.local is made[0] and plan.remote is made[1]
+            apply(plan, cache, src)
         assert_same(cache.bufs, expected)
     for c, before in zip(prefill, prefill_before):
         assert_same(c.bufs, before)
