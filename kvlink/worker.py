@@ -440,8 +440,8 @@ class KVWorker:
                 part.error = str(exc)
                 return
             note = None
-            if peer.transport.capabilities.native_notifications:
-                note = self._notification(req)
+            if req.op is Op.WRITE and peer.transport.capabilities.native_notifications:
+                note = self._notification(req)  # ordered after the written bytes
             part.plan, part.transport = plan, peer.transport
             part.t_post = time.perf_counter()
             part.handle = peer.transport.post(req.op, peer.agent, plan.local, plan.remote, note)
@@ -457,8 +457,12 @@ class KVWorker:
         if state.status is XferStatus.FAILED:
             part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
             self.forget_peer(req.remote.engine_id, part.read.remote_rank)
-        elif not part.transport.capabilities.native_notifications:
-            self._notify_side(req, part)
+        elif req.op is Op.READ or not part.transport.capabilities.native_notifications:
+            # A READ is DONE once its bytes are ours, so its "done" can go over the side
+            # channel, off this thread. Through the transport it would cost the next READ from
+            # that peer: NIXL/UCX makes an RMA after a notification wait for the TARGET's
+            # progress (docs/nixl.md "Progress"), where over cma it would finish in the post.
+            self._intents.submit(self._notify_side, req, part)
 
     @staticmethod
     def _transport_seconds(part: _Part) -> float:

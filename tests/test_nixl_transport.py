@@ -302,14 +302,42 @@ def test_telemetry_shows_nixl_merging_adjacent_extents(peer: Peer) -> None:
         t.close()
 
 
+def test_reads_without_notification_never_wait_for_the_target(
+    local: tuple[Any, np.ndarray],
+) -> None:
+    """What the worker relies on when it sends a READ's "done" over the side channel instead
+    of attaching it: over cma a READ without a notification is copied inside the post call,
+    so back-to-back READs finish without any progress of the target (idling at 1 s here).
+    (After a NIXL notification the next transfer on the endpoint waits for that progress.)"""
+    t, buf = local
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 1 << 20, seed=5, opts={"progress_interval": 1.0})
+    try:
+        t.connect(p.name, p.descriptor)
+        assert p.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
+        ref = p.reference()
+        took = []
+        for i in range(6):  # the first one does UCX's wire-up: not timed
+            n = 64 << 10
+            t0 = time.perf_counter()
+            h = t.post(Op.READ, p.name, make_extents(buf.ctypes.data, n),
+                       make_extents(p.addr + i * n, n))
+            assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+            took.append(time.perf_counter() - t0)
+            t.release(h)
+            assert np.array_equal(buf[:n], ref[i * n : (i + 1) * n])
+        assert max(took[1:]) < 0.2, took
+    finally:
+        p.stop()
+
+
 def test_expect_access_serves_a_read_at_the_fast_cadence(
     local: tuple[Any, np.ndarray],
 ) -> None:
-    """An initiator's READ with a notification is DONE only after the TARGET's UCX worker has
-    progressed (NIXL telemetry xferDuration ~1 ms against a target progressing every 1 ms, see
-    docs/nixl.md "Progress"). Here the target progresses every 0.2 s when idle: without the
-    hint a READ would take up to 0.2 s (95% of them > 10 ms); after ``expect_access`` the
-    target progresses every 50 us until the READ's notification, then goes back to idle."""
+    """After a NIXL notification, the next transfer on that endpoint completes only once the
+    TARGET's UCX worker has progressed (docs/nixl.md "Progress"). Here the target progresses
+    every 0.2 s when idle: without the hint back-to-back READs with notifications wait up to
+    0.2 s; after ``expect_access`` the target progresses every 50 us until the READ's
+    notification, then goes back to idle."""
     t, buf = local
     p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 1 << 20, seed=11, opts={"progress_interval": 0.2})
     try:

@@ -60,9 +60,6 @@ log = logging.getLogger("kvlink.vllm")
 INTENT = "intent"
 _NOT_YET = "not_yet"  # the prefill has not started holding the request yet: retry
 _RELEASED_MEMORY = 100_000  # ids of released requests remembered to refuse late readers
-#: After a granted read intent, how long the transports progress fast for the reader's READ
-#: (ended early by its notification). The reader posts within its next step; a bound, not a wait.
-_EXPECT_READ_S = 2.0
 
 
 class _ServingWorker(KVWorker):
@@ -236,9 +233,6 @@ class PullWorker:
                                                 f"{len(held)} held for {msg.req_id}")
             self._pins.setdefault(msg.req_id, {})[reader] = (time.monotonic()
                                                              + self.s.pin_seconds)
-        # the reader posts its READ as soon as it has this answer, and NIXL completes it only
-        # once our side progresses: serve it promptly until its notification (or the window)
-        self._w().expect_access(_EXPECT_READ_S)
         return self._answer(msg, True, "")
 
     def _hold(self, plan: StepPlan) -> None:
