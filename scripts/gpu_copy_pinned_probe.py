@@ -223,7 +223,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--wait", choices=["spin", "sync"], default="spin")
+    ap.add_argument("--wait", choices=["spin", "sync"], default="sync")
     ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)

@@ -88,7 +88,7 @@ def main() -> None:
                     help="also time each cuda_ipc post on the GPU's clock (its event records "
                          "add host time to the end-to-end figure)")
     ap.add_argument("--cases", nargs="*", default=None, help="run only these cases")
-    ap.add_argument("--wait", choices=["spin", "sync"], default="spin",
+    ap.add_argument("--wait", choices=["spin", "sync"], default="sync",
                     help="how the host waits for the GPU before each timed post and around "
                          "each device copy: spin on an event (a busy serving loop's hot thread) "
                          "or torch.cuda.synchronize() (the thread may sleep and wake cold)")
