@@ -411,6 +411,7 @@ def main() -> None:
     NIXL_EXTRA.update(json.loads(args.nixl_extra))
     NIXL_PTHR_DELAY_US[0] = args.nixl_pthr_delay_us
 
+    measured = source()  # at the start: the tree may change while the rounds run
     work = Path(tempfile.mkdtemp(prefix="kvlink-bench-pd-"))
     model = str(build_tiny_llama(work / "tiny-llama"))
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -565,7 +566,7 @@ def main() -> None:
                                         and ratios["throughput_p50_kvlink_over_nixl"] >= 1.0)},
         "config": config,
         "source": ({"measured": [p2.get("source") for p2 in parts], "merged_by": source()}
-                   if parts else source()),
+                   if parts else measured),
         **({"merged_from": parts} if parts else {}),
         "outputs_match": not mismatches, "distinct_outputs": distinct,
         "mismatches": mismatches[:20],
