@@ -331,13 +331,13 @@ class BatchCopier:
         (rows, block, warps), g, _ = plan
         consts = (rows, block)
         args = (s_at, d_at, p1 - p0, smap.ptr, smap.count, dmap.ptr, dmap.count, status, seq, g)
-        grid = -(-(p1 - p0) // rows) * g
+        grid = -(-(p1 - p0) // rows)
         direct = min(s_at, d_at, smap.ptr, dmap.ptr, status) >= _I32 and p1 - p0 < _I32
         launch = self._move.direct(consts, warps) if direct else None
         if launch is not None:
-            launch(grid, 1, stream.cuda_stream, args)
+            launch(grid, g, stream.cuda_stream, args)
         else:
-            self._move((grid, 1), stream, args, consts, warps, direct)
+            self._move((grid, g), stream, args, consts, warps, direct)
 
     def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = ()) -> Pending:

@@ -1,7 +1,7 @@
 """Triton kernel of the batched device copy (imported only where Triton is; see _gpucopy).
 
-One launch per piece of a request, a 1-D grid of R*G programs: program r*G + g owns extent rows
-[r*E, r*E + E) and part g of G of each of them. It reads the caller's extent records straight from pinned host memory
+One launch per piece of a request. Program (r, g) owns extent rows [r*E, r*E + E) and part g
+of G of each of them. It reads the caller's extent records straight from pinned host memory
 (no upload op, no separate table kernel), checks them against the registered regions of each
 side and the pairing of lengths, translates addresses through the region map (the peer's
 pointers become our IPC mappings), and copies. A program that finds a bad row copies none of
@@ -69,12 +69,9 @@ def _copy_part(src, dst, nbytes, g, G, BLOCK: tl.constexpr):  # type: ignore[no-
                                "status", "seq", "G"])
 def move(src_ext, dst_ext, n, smap, ns, dmap, nd, status, seq, G,  # type: ignore[no-untyped-def]
          E: tl.constexpr, BLOCK: tl.constexpr):
-    # parts fastest: the programs resident at once cover few extents, each end to end, so they
-    # touch few memory pages at a time (as a plain copy does) rather than one part of many
-    pid = tl.program_id(0)
-    g = pid % G
+    g = tl.program_id(1)
     idx = tl.arange(0, E)
-    rows = (pid // G) * E + idx
+    rows = tl.program_id(0) * E + idx
     live = rows < n
     sp = src_ext.to(_P64)
     dp = dst_ext.to(_P64)

@@ -58,27 +58,15 @@ def _unrolled(k: int) -> str:
             "cache_modifier=\".cs\")\n")
 
 
-_PART_MAJOR = "    g = pid % G\n    idx = tl.arange(0, E)\n    rows = (pid // G) * E + idx\n"
-_EXTENT_MAJOR = ("    g = pid // tl.cdiv(n, E)\n    idx = tl.arange(0, E)\n"
-                 "    rows = (pid % tl.cdiv(n, E)) * E + idx\n")
-
-
-def _variant(name: str) -> Any:
-    """_gpukernels with its inner loop unrolled ("unroll2", "unroll4") or with the programs
-    ordered extent-major ("extent_major": consecutive programs on different extents, as before
-    the shipped part-major order)."""
+def _variant(k: int) -> Any:
     from kvlink_transports import _gpukernels
 
     src = inspect.getsource(_gpukernels)
-    assert _LOOP in src and _PART_MAJOR in src, "kernel changed: update the probe"
-    if name.startswith("unroll"):
-        src = src.replace(_LOOP, _unrolled(int(name[6:])))
-    else:
-        src = src.replace(_PART_MAJOR, _EXTENT_MAJOR)
-    path = os.path.join(tempfile.mkdtemp(), f"kvk_{name}.py")
+    assert _LOOP in src, "kernel loop changed: update the probe"
+    path = os.path.join(tempfile.mkdtemp(), f"kvk_unroll{k}.py")
     with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location(f"kvk_{name}", path)
+        f.write(src.replace(_LOOP, _unrolled(k)))
+    spec = importlib.util.spec_from_file_location(f"kvk_unroll{k}", path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -243,7 +231,7 @@ def main() -> None:
     stream = torch.cuda.current_stream(dev)
     res: dict[str, Any] = {"cases": {}}
     rng = np.random.default_rng(0)
-    variants = {k: _variant(k) for k in ("unroll2", "extent_major")}
+    variants = {k: _variant(k) for k in (2, 4)}
     for name, c in CASES.items():
         ext, count = c["ext"], c["count"]
         src = torch.empty(c["cache"] // 8, dtype=torch.int64, device=dev).random_()
@@ -306,10 +294,10 @@ def main() -> None:
         sp, dp = int(psext.ctypes.data), int(pdext.ctypes.data)
         status = cp.host_extents(1)
         kargs = (sp, dp, count, smap.ptr, 1, dmap.ptr, 1, int(status.ctypes.data), 99, g)
-        grid = (-(-count // rows) * g, 1)
+        grid = (-(-count // rows), g)
         from kvlink_transports import _gpukernels
 
-        mods = {"shipped": _gpukernels, **variants}
+        mods = {"shipped": _gpukernels, **{f"unroll{k}": m for k, m in variants.items()}}
         for label, mod in ({} if args.skip_kernels else mods).items():
             for blk, w in ((block, warps), (block // 2, warps)) if ext > (64 << 10) else (
                     (block, warps),):

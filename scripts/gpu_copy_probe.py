@@ -191,7 +191,7 @@ def main() -> None:
                 bp = buf.data_ptr()
                 kargs = (bp + 8, bp + 8 + 16 * count, count, smap.ptr, 1, dmap.ptr, 1,
                          recs.data_ptr(), 99, g)
-                grid = (-(-count // rows) * g, 1)
+                grid = (-(-count // rows), g)
                 kinds = [("", _Kernel("move"))]
                 if where == "device":
                     kinds.append(("nocache_", variant))

@@ -47,7 +47,7 @@ def run(lens: list[int], src_align: int, dst_align: int, parts: int, rows: int, 
     status = torch.zeros(1, dtype=torch.int64)
     for p0 in range(0, n, piece):
         k = min(n, p0 + piece) - p0
-        _gpukernels.move[(-(-k // rows) * parts,)](
+        _gpukernels.move[(-(-k // rows), parts)](
             sr.data_ptr() + 16 * p0, dr.data_ptr() + 16 * p0, k, smap.data_ptr(), 1,
             dmap.data_ptr(), 1, status.data_ptr(), SEQ, parts, E=rows, BLOCK=16)
     want = torch.zeros(SPACE, dtype=torch.uint8)
