@@ -150,6 +150,9 @@ class KVWorker:
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
         self._intents = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
+        # readers' "done" notifications on their own threads: a dead prefill stalls these for
+        # the side-channel timeout each, and must not hold up read intents to live ones
+        self._notifier = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-notify")
         #: producer side: when set, READs must be announced and are refused once leases expire
         self.leases: BlockLeases | None = None
         self.leases_lock = threading.Lock()
@@ -462,7 +465,7 @@ class KVWorker:
             # channel, off this thread. Through the transport it would cost the next READ from
             # that peer: NIXL/UCX makes an RMA after a notification wait for the TARGET's
             # progress (docs/nixl.md "Progress"), where over cma it would finish in the post.
-            self._intents.submit(self._notify_side, req, part)
+            self._notifier.submit(self._notify_side, req, part)
 
     @staticmethod
     def _transport_seconds(part: _Part) -> float:
@@ -499,7 +502,7 @@ class KVWorker:
                     log.warning("could not release %s on %s rank %d: %s (its lease will "
                                 "expire)", req.req_id, req.remote.engine_id, rank, exc)
 
-        self._intents.submit(send)
+        self._notifier.submit(send)
 
     def _notification(self, req: _Request) -> bytes:
         # a pushed request is known to the decode side by its own id (before the '@')
@@ -695,6 +698,7 @@ class KVWorker:
         # flush queued "done" notifications (bounded by the side-channel timeout): cancelling
         # them would leave unread replicas holding blocks until their leases expire
         self._intents.shutdown(wait=True)
+        self._notifier.shutdown(wait=True)
         for t in self.transports.values():
             t.close()
         self.transports.clear()
