@@ -19,7 +19,6 @@ import importlib.util
 import inspect
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,13 +28,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-GIB = 1 << 30
-CASES = {
-    "a_1GiB_4MiB": dict(cache=2 * GIB, ext=4 << 20, count=256),
-    "b_llama70b_4096tok_8KiB": dict(cache=640 << 20, ext=8 << 10, count=20480),
-    "c_1GiB_64MiB": dict(cache=2 * GIB, ext=64 << 20, count=16),
-}
+import _gpu_common
 
 _LOOP = (
     "        for i in range(0, full, BLOCK):  # unmasked: plain 16-byte vector loads and stores\n"
@@ -215,10 +210,9 @@ def _host_ops(reps: int) -> dict[str, float]:
 
 def main() -> None:
     import torch
-    import triton
 
     from kvlink.transport import make_extents
-    from kvlink_transports._gpucopy import BatchCopier, RegionMap, launch_shape
+    from kvlink_transports._gpucopy import BatchCopier, launch_shape
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -232,17 +226,12 @@ def main() -> None:
     res: dict[str, Any] = {"cases": {}}
     rng = np.random.default_rng(0)
     variants = {k: _variant(k) for k in (2, 4)}
-    for name, c in CASES.items():
-        ext, count = c["ext"], c["count"]
-        src = torch.empty(c["cache"] // 8, dtype=torch.int64, device=dev).random_()
-        dst = torch.zeros_like(src)
-        nblk = c["cache"] // ext
-        sblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        dblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        sext = make_extents(np.uint64(src.data_ptr()) + sblk * np.uint64(ext), ext)
-        dext = make_extents(np.uint64(dst.data_ptr()) + dblk * np.uint64(ext), ext)
-        smap = RegionMap([src.data_ptr()], [src.data_ptr() + c["cache"]], [0], dev)
-        dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + c["cache"]], [0], dev)
+    for name, c in _gpu_common.CASES.items():
+        case = _gpu_common.make_case(c, rng, dev)
+        ext, count, src, dst, smap, dmap = (case.ext, case.count, case.src, case.dst, case.smap,
+                                           case.dmap)
+        sa, da = case.addresses()
+        sext, dext = make_extents(sa, ext), make_extents(da, ext)
         cp = BatchCopier(dev)
         psext, pdext = cp.host_extents(count), cp.host_extents(count)
         psext[:], pdext[:] = sext, dext
@@ -261,8 +250,6 @@ def main() -> None:
         row["device_copy_s"] = base
         row["device_copy_kernel_us"] = _event_us(functools.partial(b.copy_, a), args.reps)
         del a, b
-        sidx = torch.from_numpy(sblk.astype(np.int64)).to(dev)
-        didx = torch.from_numpy(dblk.astype(np.int64)).to(dev)
         # end to end, the two record placements alternating so drift hits both alike
         samples: dict[str, dict[str, list[float]]] = {
             k: {"post": [], "e2e": []} for k in ("pageable", "pinned")}
@@ -279,8 +266,7 @@ def main() -> None:
                 if rep:
                     samples[kind]["post"].append(t1 - t0)
                     samples[kind]["e2e"].append(t2 - t0)
-                ok = not p.failed() and bool(torch.equal(dst.view(-1, ext // 8)[didx],
-                                                         src.view(-1, ext // 8)[sidx]))
+                ok = not p.failed() and case.verified()
                 row[f"{kind}_verified"] = row.get(f"{kind}_verified", True) and ok
         for kind, sm in samples.items():
             e2e = statistics.median(sm["e2e"])
@@ -306,7 +292,7 @@ def main() -> None:
                     mod.move[grid](*kargs, E=rows, BLOCK=blk, num_warps=w)
                 dst.zero_()
                 us = _event_us(run, args.reps)
-                ok = bool(torch.equal(dst.view(-1, ext // 8)[didx], src.view(-1, ext // 8)[sidx]))
+                ok = case.verified()
                 key = f"kernel_{label}_b{blk}_w{w}"
                 row[key + "_us"] = us
                 row[key + "_ratio_to_device_copy"] = row["device_copy_kernel_us"] / us
@@ -318,19 +304,12 @@ def main() -> None:
         res["cases"][name] = row
         print(name, json.dumps({k: v for k, v in row.items() if not k.endswith("all_s")},
                                indent=1), flush=True)
-        del src, dst
+        del src, dst, case
         torch.cuda.empty_cache()
     res["wait"] = args.wait
     res["host_ops_us"] = _host_ops(args.reps)
     print("host ops us", json.dumps(res["host_ops_us"], indent=1), flush=True)
-    res["machine"] = {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
-                      "torch": torch.__version__, "triton": triton.__version__,
-                      "cpus": os.cpu_count()}
-    res["command"] = "python " + " ".join(sys.argv)
-    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_copy_pinned_probe.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    _gpu_common.write(args.out, "gpu_copy_pinned_probe.json", res)
 
 
 if __name__ == "__main__":

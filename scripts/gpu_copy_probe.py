@@ -27,13 +27,11 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-GIB = 1 << 30
-CASES = {
-    "a_1GiB_4MiB": dict(cache=2 * GIB, ext=4 << 20, count=256),
-    "b_llama70b_4096tok_8KiB": dict(cache=640 << 20, ext=8 << 10, count=20480),
-    "c_1GiB_64MiB": dict(cache=2 * GIB, ext=64 << 20, count=16),
-}
+import _gpu_common
+
+CASES = _gpu_common.CASES
 
 
 def _median_time(fn: Any, reps: int) -> float:
@@ -90,16 +88,11 @@ def main() -> None:
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "cases": {}}
     rng = np.random.default_rng(0)
     for name, c in CASES.items():
-        ext, count = c["ext"], c["count"]
-        src = torch.empty(c["cache"] // 8, dtype=torch.int64, device=dev).random_()
-        dst = torch.zeros_like(src)
-        nblk = c["cache"] // ext
-        sblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        dblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        sext = make_extents(np.uint64(src.data_ptr()) + sblk * np.uint64(ext), ext)
-        dext = make_extents(np.uint64(dst.data_ptr()) + dblk * np.uint64(ext), ext)
-        smap = RegionMap([src.data_ptr()], [src.data_ptr() + c["cache"]], [0], dev)
-        dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + c["cache"]], [0], dev)
+        case = _gpu_common.make_case(c, rng, dev)
+        ext, count, src, dst, smap, dmap = (case.ext, case.count, case.src, case.dst, case.smap,
+                                           case.dmap)
+        sa, da = case.addresses()
+        sext, dext = make_extents(sa, ext), make_extents(da, ext)
         nbytes = ext * count
         a = torch.empty(nbytes // 8, dtype=torch.int64, device=dev).random_()
         b = torch.empty_like(a)
@@ -114,8 +107,6 @@ def main() -> None:
             ts.append(e0.elapsed_time(e1) / 1e3)
         copy_event_us = statistics.median(ts) * 1e6
         del a, b
-        sidx = torch.from_numpy(sblk.astype(np.int64)).to(dev)
-        didx = torch.from_numpy(dblk.astype(np.int64)).to(dev)
         row: dict[str, Any] = {"bytes": nbytes, "extents": count, "device_copy_s": base,
                                "device_copy_kernel_us": copy_event_us,
                                "variants": []}
@@ -149,7 +140,7 @@ def main() -> None:
                 posts.append(t1 - t0)
                 ends.append(t2 - t0)
                 gpu.append(e0.elapsed_time(e1) / 1e3)
-            ok = bool(torch.equal(dst.view(-1, ext // 8)[didx], src.view(-1, ext // 8)[sidx]))
+            ok = case.verified()
             e2e = statistics.median(ends[1:])
             v = {"piece": piece, "first": first, "block": block, "warps": warps, "chunk": chunk,
                  "rows": rows,
@@ -218,7 +209,7 @@ def main() -> None:
                     row[k] = statistics.median(ts) * 1e6
                     print(name, k, round(row[k], 1), flush=True)
         res["cases"][name] = row
-        del src, dst
+        del src, dst, case
         torch.cuda.empty_cache()
     # where a post's host time goes: cProfile of copy() and the candidate operations alone
     import cProfile
@@ -346,14 +337,7 @@ def main() -> None:
         torch.cuda.synchronize()
         res[f"launch_{label}_us"] = (time.perf_counter() - t) / 1000 * 1e6
     print("launch us: jit", res["launch_jit_us"], "direct", res["launch_direct_us"])
-    import triton
-
-    res["machine"] = {"torch": torch.__version__, "triton": triton.__version__}
-    res["command"] = " ".join(sys.argv)
-    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_copy_probe.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    _gpu_common.write(args.out, "gpu_copy_probe.json", res)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _gpu_common
 
 GIB = 1 << 30
 CASES = {
@@ -243,19 +246,10 @@ def main() -> None:
     p.join(60)
     for t in conns.values():
         t.close()
-    import platform
 
-    import triton
 
-    results["machine"] = {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
-                          "cpu": platform.processor(), "torch": torch.__version__,
-                          "triton": triton.__version__}
     results["wait"] = args.wait
-    results["command"] = "python " + " ".join(sys.argv)
-    results["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_cuda_ipc.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    _gpu_common.write(args.out, "gpu_cuda_ipc.json", results)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -25,13 +24,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-GIB = 1 << 30
-CASES = {
-    "a_1GiB_4MiB": dict(cache=2 * GIB, ext=4 << 20, count=256),
-    "b_llama70b_4096tok_8KiB": dict(cache=640 << 20, ext=8 << 10, count=20480),
-    "c_1GiB_64MiB": dict(cache=2 * GIB, ext=64 << 20, count=16),
-}
+import _gpu_common
 
 
 class _Loc(ctypes.Structure):
@@ -59,7 +54,7 @@ def main() -> None:
     import torch
 
     from kvlink.transport import make_extents
-    from kvlink_transports._gpucopy import BatchCopier, RegionMap
+    from kvlink_transports._gpucopy import BatchCopier
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -86,22 +81,13 @@ def main() -> None:
     res: dict[str, Any] = {"header": header, "symbol": name, "cases": {}}
     rng = np.random.default_rng(0)
     def run_case(case: str, c: dict[str, int]) -> None:
-        ext, count = c["ext"], c["count"]
-        src = torch.empty(c["cache"] // 8, dtype=torch.int64, device=dev).random_()
-        dst = torch.zeros_like(src)
-        nblk = c["cache"] // ext
-        sblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        dblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
-        sa = np.uint64(src.data_ptr()) + sblk * np.uint64(ext)
-        da = np.uint64(dst.data_ptr()) + dblk * np.uint64(ext)
+        k = _gpu_common.make_case(c, rng, dev)
+        ext, count, dst, smap, dmap = k.ext, k.count, k.dst, k.smap, k.dmap
+        sa, da = k.addresses()
         cp = BatchCopier(dev)
         ps, pd = cp.host_extents(count), cp.host_extents(count)
         ps[:], pd[:] = make_extents(sa, ext), make_extents(da, ext)
-        smap = RegionMap([src.data_ptr()], [src.data_ptr() + c["cache"]], [0], dev)
-        dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + c["cache"]], [0], dev)
         sizes = np.full(count, ext, dtype=np.uint64)
-        sidx = torch.from_numpy(sblk.astype(np.int64)).to(dev)
-        didx = torch.from_numpy(dblk.astype(np.int64)).to(dev)
         a = torch.empty(ext * count // 8, dtype=torch.int64, device=dev).random_()
         b = torch.empty_like(a)
         ev = torch.cuda.Event()
@@ -140,23 +126,16 @@ def main() -> None:
             row[f"{label}_s"] = statistics.median(times[1:]) if len(times) > 1 else None
             row[f"{label}_call_s"] = statistics.median(calls[1:]) if len(calls) > 1 else None
             if label != "device_copy":
-                row[f"{label}_verified"] = bool(torch.equal(dst.view(-1, ext // 8)[didx],
-                                                            src.view(-1, ext // 8)[sidx]))
+                row[f"{label}_verified"] = k.verified()
         for label in ("kernel", "batch"):
             if row.get(f"{label}_s"):
                 row[f"{label}_ratio_to_device_copy"] = row["device_copy_s"] / row[f"{label}_s"]
         res["cases"][case] = row
         print(case, json.dumps(row), flush=True)
-    for case, c in CASES.items():
+    for case, c in _gpu_common.CASES.items():
         run_case(case, c)
         torch.cuda.empty_cache()
-    res["machine"] = {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
-                      "torch": torch.__version__, "driver": torch.version.cuda}
-    res["command"] = "python " + " ".join(sys.argv)
-    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_memcpy_batch_probe.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    _gpu_common.write(args.out, "gpu_memcpy_batch_probe.json", res)
 
 
 if __name__ == "__main__":

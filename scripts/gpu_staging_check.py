@@ -22,6 +22,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _gpu_common
+
 EXT = 4 << 20
 OPTS = {"staging_chunk": 8 << 20, "staging_buffers": 8, "timeout_s": 120}
 
@@ -121,11 +125,7 @@ def main() -> None:
     done.set()
     p.join(60)
     t.close()
-    res["command"] = " ".join(sys.argv)
-    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_staging.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    _gpu_common.write(args.out, "gpu_staging.json", res)
 
 
 if __name__ == "__main__":

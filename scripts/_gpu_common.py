@@ -1,0 +1,100 @@
+"""Shared by the GPU scripts: the cuda_ipc acceptance shapes set up in one process, and one way
+to write a result JSON (the figures plus the machine, the command and the UTC date that every
+result under bench/results/ carries)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+GIB = 1 << 30
+#: (a) 1 GiB in 4 MiB extents, (b) a Llama-3-70B-shaped 4096-token request (20480 blocks of
+#: 8 KiB), (c) 1 GiB in 64 MiB extents; ``cache``: the buffer the blocks are picked from
+CASES = {
+    "a_1GiB_4MiB": dict(cache=2 * GIB, ext=4 << 20, count=256),
+    "b_llama70b_4096tok_8KiB": dict(cache=640 << 20, ext=8 << 10, count=20480),
+    "c_1GiB_64MiB": dict(cache=2 * GIB, ext=64 << 20, count=16),
+}
+
+
+@dataclasses.dataclass
+class Case:
+    """``count`` blocks of ``ext`` bytes at random distinct ids of a random source buffer, to
+    be copied to random distinct ids of a zeroed destination buffer on the same GPU."""
+
+    ext: int
+    count: int
+    src: Any  # torch int64 tensors of ``cache`` bytes
+    dst: Any
+    sblk: np.ndarray  # block ids, uint64
+    dblk: np.ndarray
+    smap: Any  # _gpucopy.RegionMap of each buffer
+    dmap: Any
+
+    @property
+    def nbytes(self) -> int:
+        return self.ext * self.count
+
+    def addresses(self) -> tuple[np.ndarray, np.ndarray]:
+        """Source and destination block addresses (uint64)."""
+        e = np.uint64(self.ext)
+        return (np.uint64(self.src.data_ptr()) + self.sblk * e,
+                np.uint64(self.dst.data_ptr()) + self.dblk * e)
+
+    def verified(self) -> bool:
+        """Every destination block holds its source block."""
+        import torch
+
+        dev = self.src.device
+        sidx = torch.from_numpy(self.sblk.astype(np.int64)).to(dev)
+        didx = torch.from_numpy(self.dblk.astype(np.int64)).to(dev)
+        w = self.ext // 8
+        return bool(torch.equal(self.dst.view(-1, w)[didx], self.src.view(-1, w)[sidx]))
+
+
+def make_case(c: dict[str, int], rng: np.random.Generator, dev: Any) -> Case:
+    import torch
+
+    from kvlink_transports._gpucopy import RegionMap
+
+    ext, count, cache = c["ext"], c["count"], c["cache"]
+    src = torch.empty(cache // 8, dtype=torch.int64, device=dev).random_()
+    dst = torch.zeros_like(src)
+    nblk = cache // ext
+    sblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
+    dblk = rng.choice(nblk, size=count, replace=False).astype(np.uint64)
+    smap = RegionMap([src.data_ptr()], [src.data_ptr() + cache], [0], dev)
+    dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + cache], [0], dev)
+    return Case(ext, count, src, dst, sblk, dblk, smap, dmap)
+
+
+def write(out_dir: str, name: str, res: dict[str, Any], **extra_machine: Any) -> str:
+    """Add ``machine``, ``command`` and ``date`` to ``res``; write ``out_dir/name``."""
+    import torch
+
+    machine: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor(),
+                               "cpus": os.cpu_count(), "torch": torch.__version__,
+                               "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import triton
+
+        machine["triton"] = triton.__version__
+    except ImportError:
+        pass
+    res["machine"] = {**machine, **extra_machine}
+    res["command"] = "python " + " ".join(sys.argv)
+    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+    return path
