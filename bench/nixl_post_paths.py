@@ -58,6 +58,10 @@ def main() -> None:
     peer = Peer(f"peer-{uuid.uuid4().hex[:6]}", nbytes, seed=3)
     t = NixlTransport(TransportContext(agent_name=f"bench-{uuid.uuid4().hex[:6]}"),
                       {**OPTS, "telemetry": True})
+    # the baseline on its own agent in this process (the same UCX configuration), so neither
+    # path's requests share NIXL state with the other's
+    tb = NixlTransport(TransportContext(agent_name=f"base-{uuid.uuid4().hex[:6]}"),
+                       {**OPTS, "telemetry": True})
     buf = np.ones(nbytes, dtype=np.uint8)
     res: dict[str, list[float]] = {}
 
@@ -71,14 +75,12 @@ def main() -> None:
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
         t.connect(peer.name, peer.descriptor)
-        # the baseline on its own agent (same process, so the same UCX configuration): on one
-        # agent, NixlConnector-style READs with a notification after kvlink's requests (dlists
-        # prepped and released per request) never completed (NIXL 1.5.1; seen here 2026-11-29)
-        tb = NixlTransport(TransportContext(agent_name=f"base-{uuid.uuid4().hex[:6]}"),
-                           {**OPTS, "telemetry": True})
         tb.register([Region(buf.ctypes.data, buf.nbytes)])
         tb.connect(peer.name, peer.descriptor)
+        # NIXL agents are not safe to drive from two threads: take the lock the transport's
+        # own progress thread takes (without it, READs here hung for good now and then)
         agent: Any = tb._agent
+        lock = tb._lock
         every = [(lay, b) for lay in range(LAYERS) for b in range(BLOCKS)]
         lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
             [[buf.ctypes.data + lay * BLOCKS * PAGE + b * PAGE, PAGE, 0] for lay, b in every],
@@ -114,17 +116,22 @@ def main() -> None:
             il = np.array([lay * BLOCKS + b for lay in range(LAYERS) for b in lb], dtype=np.int32)
             ir = np.array([lay * BLOCKS + b for lay in range(LAYERS) for b in rb], dtype=np.int32)
             t0 = time.perf_counter()
-            req = agent.make_prepped_xfer("READ", lh, il, rh, ir, notif_msg=b"b")
-            agent.transfer(req)
+            with lock:
+                req = agent.make_prepped_xfer("READ", lh, il, rh, ir, notif_msg=b"b")
+                agent.transfer(req)
             t1 = time.perf_counter()
             deadline = time.monotonic() + 30
-            while agent.check_xfer_state(req) == "PROC":
+            while True:
+                with lock:
+                    if agent.check_xfer_state(req) != "PROC":
+                        break
                 if time.monotonic() > deadline:
                     done = len(res.get("baseline_wall_s", []))
                     raise TimeoutError(f"baseline READ {done} not DONE within 30 s")
             t2 = time.perf_counter()
-            tl = agent.get_xfer_telemetry(req)
-            agent.release_xfer_handle(req)
+            with lock:
+                tl = agent.get_xfer_telemetry(req)
+                agent.release_xfer_handle(req)
             add("baseline_wall_s", t2 - t0)
             add("baseline_post_call_s", t1 - t0)
             add("baseline_nixl_xfer_s", tl.xferDuration / 1e6)
@@ -137,8 +144,7 @@ def main() -> None:
     finally:
         peer.stop()
         t.close()
-        if "tb" in locals():
-            tb.close()
+        tb.close()
 
     for path in ("kvlink", "baseline"):  # NIXL saw the request complete inside the post call
         inline = [x == p for x, p in zip(res[f"{path}_nixl_xfer_s"], res[f"{path}_nixl_post_s"])]

@@ -5,9 +5,8 @@ result under bench/results/ carries)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -59,6 +58,39 @@ class Case:
         return bool(torch.equal(self.dst.view(-1, w)[didx], self.src.view(-1, w)[sidx]))
 
 
+def host_seconds(fn: Any, reps: int) -> float:
+    """Median wall time of ``fn`` between two device synchronizes (the first call not counted):
+    what a caller that waits for the result sees."""
+    import torch
+
+    out = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out[1:])
+
+
+def event_us(fn: Any, reps: int, inner: int = 5) -> float:
+    """Median device time of one ``fn`` in microseconds, by CUDA events around ``inner``
+    back-to-back calls (after one untimed call)."""
+    import torch
+
+    fn()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(inner):
+            fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
+    return statistics.median(ts)
+
+
 def make_case(c: dict[str, int], rng: np.random.Generator, dev: Any) -> Case:
     import torch
 
@@ -75,26 +107,23 @@ def make_case(c: dict[str, int], rng: np.random.Generator, dev: Any) -> Case:
     return Case(ext, count, src, dst, sblk, dblk, smap, dmap)
 
 
-def write(out_dir: str, name: str, res: dict[str, Any], **extra_machine: Any) -> str:
-    """Add ``machine``, ``command`` and ``date`` to ``res``; write ``out_dir/name``."""
+def write(out_dir: str, name: str, res: dict[str, Any]) -> str:
+    """Write ``res`` to ``out_dir/name`` the way every benchmark result is written (command,
+    machine, date: bench/_common.write_result), the machine with its GPU stack."""
     import torch
 
-    machine: dict[str, Any] = {"host": platform.node(), "cpu": platform.processor(),
-                               "cpus": os.cpu_count(), "torch": torch.__version__,
-                               "cuda": torch.version.cuda}
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from _common import machine, write_result
+
+    gpu: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
-        machine["gpu"] = torch.cuda.get_device_name(0)
+        gpu["gpu"] = torch.cuda.get_device_name(0)
     try:
         import triton
 
-        machine["triton"] = triton.__version__
+        gpu["triton"] = triton.__version__
     except ImportError:
         pass
-    res["machine"] = {**machine, **extra_machine}
-    res["command"] = "python " + " ".join(sys.argv)
-    res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=2)
+    write_result(name.removesuffix(".json"), {**res, "machine": {**machine(), **gpu}}, path)
     return path

@@ -81,22 +81,6 @@ def _settle(mode: str) -> None:
         pass
 
 
-def _event_us(fn: Any, reps: int, inner: int = 5) -> float:
-    import torch
-
-    fn()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(inner):
-            fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / inner)
-    return statistics.median(ts)
-
-
 def _breakdown(cp: Any, pinned: Any, pageable: Any, smap: Any, dmap: Any, stream: Any,
                dst: Any) -> dict[str, list[list[Any]]]:
     """Host timestamps (us from the start of copy()) at the steps of a few posts."""
@@ -248,7 +232,8 @@ def main() -> None:
             copy_s.append(time.perf_counter() - t0)
         base = statistics.median(copy_s[1:])
         row["device_copy_s"] = base
-        row["device_copy_kernel_us"] = _event_us(functools.partial(b.copy_, a), args.reps)
+        row["device_copy_kernel_us"] = _gpu_common.event_us(functools.partial(b.copy_, a),
+                                                            args.reps)
         del a, b
         # end to end, the two record placements alternating so drift hits both alike
         samples: dict[str, dict[str, list[float]]] = {
@@ -291,7 +276,7 @@ def main() -> None:
                         kargs: Any = kargs, rows: int = rows) -> None:
                     mod.move[grid](*kargs, E=rows, BLOCK=blk, num_warps=w)
                 dst.zero_()
-                us = _event_us(run, args.reps)
+                us = _gpu_common.event_us(run, args.reps)
                 ok = case.verified()
                 key = f"kernel_{label}_b{blk}_w{w}"
                 row[key + "_us"] = us

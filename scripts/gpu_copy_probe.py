@@ -34,19 +34,6 @@ import _gpu_common
 CASES = _gpu_common.CASES
 
 
-def _median_time(fn: Any, reps: int) -> float:
-    import torch
-
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out[1:])
-
-
 def _variant_module() -> Any:
     """_gpukernels without the streaming cache hints, to measure what they are worth."""
     import importlib.util
@@ -96,16 +83,8 @@ def main() -> None:
         nbytes = ext * count
         a = torch.empty(nbytes // 8, dtype=torch.int64, device=dev).random_()
         b = torch.empty_like(a)
-        base = _median_time(functools.partial(b.copy_, a), args.reps)
-        ts = []
-        for _ in range(args.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            b.copy_(a)
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) / 1e3)
-        copy_event_us = statistics.median(ts) * 1e6
+        base = _gpu_common.host_seconds(functools.partial(b.copy_, a), args.reps)
+        copy_event_us = _gpu_common.event_us(functools.partial(b.copy_, a), args.reps, inner=1)
         del a, b
         row: dict[str, Any] = {"bytes": nbytes, "extents": count, "device_copy_s": base,
                                "device_copy_kernel_us": copy_event_us,

@@ -14,9 +14,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -52,19 +50,6 @@ def producer(q: Any, done: Any, nbytes: int) -> None:
     q.put((t.descriptor(), dev.data_ptr(), int(host.__array_interface__["data"][0])))
     done.wait(600)
     t.close()
-
-
-def timed(fn: Any, reps: int) -> float:
-    import torch
-
-    out = []
-    for _ in range(reps + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out[1:])
 
 
 def main() -> None:
@@ -103,12 +88,13 @@ def main() -> None:
             raise RuntimeError(st.reason)
 
     res: dict[str, Any] = {"bytes": nbytes, "extent_bytes": EXT, "options": OPTS}
-    res["staged_read_s"] = timed(lambda: read(dev.data_ptr(), rdev), args.reps)
+    res["staged_read_s"] = _gpu_common.host_seconds(lambda: read(dev.data_ptr(), rdev), args.reps)
     g = torch.Generator(device="cuda").manual_seed(7)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
     want = src.view(-1, EXT)[torch.from_numpy((perm // np.uint64(EXT)).astype(np.int64)).cuda()]
     res["verified"] = bool(torch.equal(dev.view(-1, EXT), want))
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    timed = _gpu_common.host_seconds
     res["pinned_d2h_s"] = timed(lambda: pinned.copy_(src, non_blocking=True), args.reps)
     res["pinned_h2d_s"] = timed(lambda: src.copy_(pinned, non_blocking=True), args.reps)
     res["tcp_host_only_s"] = timed(
