@@ -102,15 +102,6 @@ pd_proxy.post_json = _timed_post_json  # the proxy handler looks it up at call t
 
 
 # --------------------------------------------------------------------------- metrics
-def metric_sum(text: str, name: str) -> float:
-    """Sum of all samples of ``name`` (exact metric name, any labels)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 #: setup -> {quantity: decode-server metric}. "xfer": the transport's own span, post to
 #: completion (both NIXL telemetry xferDuration when kvlink runs over nixl with telemetry on:
 #: like with like); "recv": kvlink's pull span, read intent sent to last byte seen by the step
@@ -132,10 +123,10 @@ def snapshot(server: Any, setup: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, name in {**METRICS[setup], **VLLM_HISTS}.items():
         if key == "bytes":
-            out[key] = metric_sum(text, name)
+            out[key] = pd.metric_sum(text, name)
         else:
-            out[key] = metric_sum(text, name + "_sum")
-            out[key + "_n"] = metric_sum(text, name + "_count")
+            out[key] = pd.metric_sum(text, name + "_sum")
+            out[key + "_n"] = pd.metric_sum(text, name + "_count")
     return out
 
 

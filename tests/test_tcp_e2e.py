@@ -262,15 +262,20 @@ def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:
     assert all(s["push_failed"] == 0 for s in res["prefill_leases"].values())
 
 
+def _push_pair() -> tuple[KVWorker, KVWorker]:
+    """In-process (decode serving its side channel, prefill) workers over one small geometry,
+    8 blocks each; the prefill's steps are the test's to drive."""
+    geo = small_plan().geo
+    w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
+    w.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
+    prefill = KVWorker(WorkerConfig(engine_id="prefill"))
+    prefill.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
+    return w, prefill
+
+
 @pytest.mark.fault("push mode: prefill never writes")
 def test_push_times_out_when_nobody_writes(observed: Callable[[str], None]) -> None:
-    plan = small_plan()
-    _buf, layers = data.allocate(plan.geo, 8, 1, 0)
-    w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
-    w.register(data.spec_of(plan.geo, layers, 1, 0))
-    # a prefill side channel that acknowledges the push request but never writes
-    idle = KVWorker(WorkerConfig(engine_id="prefill"))
-    idle.register(data.spec_of(plan.geo, data.allocate(plan.geo, 8, 1, 0)[1], 1, 0))
+    w, idle = _push_pair()  # idle: a prefill that acknowledges the push but never writes
     try:
         w.expect_push("r0", RemoteEngine("prefill", "127.0.0.1", idle.side_port), [0, 1],
                       timeout=0.5)
@@ -286,12 +291,7 @@ def test_push_times_out_when_nobody_writes(observed: Callable[[str], None]) -> N
 def test_refused_push_fails_the_decode_at_once() -> None:
     """A prefill that will not write says so (a "write" notification with ok=False): the decode
     fails the request at once, and never takes the refusal for "written"."""
-    plan = small_plan()
-    _buf, layers = data.allocate(plan.geo, 8, 1, 0)
-    w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
-    w.register(data.spec_of(plan.geo, layers, 1, 0))
-    prefill = KVWorker(WorkerConfig(engine_id="prefill"))
-    prefill.register(data.spec_of(plan.geo, data.allocate(plan.geo, 8, 1, 0)[1], 1, 0))
+    w, prefill = _push_pair()
     try:
         w.expect_push("r0", RemoteEngine("prefill", "127.0.0.1", prefill.side_port), [0, 1],
                       timeout=30.0)

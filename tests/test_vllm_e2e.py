@@ -94,6 +94,7 @@ class Cluster:
         #: prefilled early for the expired-lease checks: (decode, mode) -> (prompt, params)
         self.stale: dict[tuple[str, str], tuple[list[int], dict[str, Any]]] = {}
         self.t_stale = 0.0
+        self.expired_before = 0.0  # P's kvlink_send_expired_requests before the stale prefills
 
     def url(self, name: str) -> str:
         url: str = self.servers[name].url
@@ -106,6 +107,15 @@ class Cluster:
     def diagnose(self, *names: str) -> str:
         return "\n".join(f"--- {n}: kvlink counters\n{self.kvlink_counters(n)}\n--- {n}: log tail\n"
                          f"{self.servers[n].tail(30)}" for n in names)
+
+    def wait_stale_expired(self) -> None:
+        """Until P reports every stale prefill released on its lease (its own counter)."""
+        deadline = self.t_stale + LEASE_S + 60.0
+        want = self.expired_before + len(self.stale)
+        while self.counter("P", "kvlink_send_expired_requests") < want:
+            assert time.monotonic() < deadline, f"P never expired the stale leases: " \
+                f"{self.counter('P', 'kvlink_send_expired_requests')} < {want}"
+            time.sleep(0.2)  # polling P's /metrics, inside the deadline
 
     def counter(self, name: str, metric: str) -> float:
         value: float = pd.counter(self.servers[name].metrics(), metric)
@@ -163,6 +173,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         print(f"\nvLLM servers up in {time.monotonic() - t0:.0f}s (logs in {work})")
         c = Cluster(model, servers)
         # Prefill the expired-lease cases first: their leases run out while the tests run.
+        c.expired_before = c.counter("P", "kvlink_send_expired_requests")
         for i, key in enumerate([(d, m) for d in ("D", "F") for m in MODES]):
             p = prompt(100 + i, 96)
             c.stale[key] = (p, c.prefill(p))
@@ -218,7 +229,7 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
 
     # Expired lease: P refuses the late pull or push; D recomputes (correct answer), F fails
     # the request; neither is answered from blocks that may hold another request's KV.
-    time.sleep(max(0.0, cluster.t_stale + LEASE_S + 3.0 - time.monotonic()))
+    cluster.wait_stale_expired()
     failed0 = cluster.counter("D", "kvlink_load_failed_requests")
     loaded2 = cluster.counter("D", "kvlink_loaded_tokens")
     late, params = cluster.stale["D", mode]
@@ -367,10 +378,7 @@ def test_pull_and_refusal_of_expired_lease() -> None:
         for w, caches in ((prod, src), (cons, dst)):
             w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
                               tp_size=1, tp_rank=0, use_mla=False).spec)
-        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
-                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-                               "remote_block_ids": [[1, 3]]})
-        assert remote is not None
+        remote = _remote_r1(port, [1, 3])
         steps = _Steps(prod, cons)
         prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
         cons.start(StepPlan(recv=[RecvReq("d1", remote, (4, 0), 64)]))
@@ -424,10 +432,7 @@ def test_push_mode_and_its_failures() -> None:
                                  {"side_channel_port": dport, "mode": "push",
                                   "push_timeout": 3.0})
     try:
-        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
-                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-                               "remote_block_ids": [[5, 1, 3]]})
-        assert remote is not None
+        remote = _remote_r1(port, [5, 1, 3])
         steps = _Steps(prod, cons)
         # The decode asks before the prefill holds the request (the proxy can be that quick):
         # the push waits for the hold, then lands. Two local blocks: the prompt's tail.
@@ -493,6 +498,15 @@ def first_received(step: Callable[[], Any], timeout: float) -> Any:
     raise AssertionError("no receive result in time")
 
 
+def _remote_r1(port: int, block_ids: list[int]) -> Any:
+    """The kv_transfer_params a decode gets for prefill P's request r1 on ``port``."""
+    remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
+                           "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
+                           "remote_block_ids": [block_ids]})
+    assert remote is not None
+    return remote
+
+
 def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
     return first_received(cons.results, timeout)
 
@@ -506,10 +520,7 @@ def test_push_times_out_when_the_prefill_never_writes() -> None:
                                     "push_timeout": 0.5})
     try:
         prod.start(StepPlan(send=[SendReq("r1", (1,))]))
-        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
-                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-                               "remote_block_ids": [[1]]})
-        assert remote is not None
+        remote = _remote_r1(port, [1])
         t0 = time.monotonic()
         cons.start(StepPlan(recv=[RecvReq("d1", remote, (2,), 32, push=True)]))
         res = steps_consumer_only(cons)  # the prefill's step loop never runs: it never writes
@@ -544,10 +555,7 @@ def test_push_to_a_dead_decode_releases_the_prefill() -> None:
                                    {"side_channel_port": dport, "mode": "push"})
     try:
         prod.start(StepPlan(send=[SendReq("r1", (1,))]))
-        remote = parse_remote({"remote_engine_id": "P", "remote_request_id": "r1",
-                               "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
-                               "remote_block_ids": [[1]]})
-        assert remote is not None
+        remote = _remote_r1(port, [1])
         cons.start(StepPlan(recv=[RecvReq("d1", remote, (2,), 32, push=True)]))
         deadline = time.monotonic() + 10
         while "r1" not in prod._pins:  # accepted (pinned) by the prefill's side channel

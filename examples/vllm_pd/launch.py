@@ -127,13 +127,18 @@ class Server:
         self._log.close()
 
 
-def counter(metrics_text: str, name: str) -> float:
-    """Sum of a Prometheus counter's samples (``kvlink_loaded_tokens`` -> ``..._total``)."""
+def metric_sum(metrics_text: str, name: str) -> float:
+    """Sum of all samples of ``name`` (exact metric name, any labels)."""
     total = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(name + "_total{") or line.startswith(name + "_total "):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def counter(metrics_text: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (``kvlink_loaded_tokens`` -> ``..._total``)."""
+    return metric_sum(metrics_text, name + "_total")
 
 
 def completion(base: str, model: str, prompt: list[int], max_tokens: int,
