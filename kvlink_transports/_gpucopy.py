@@ -7,7 +7,11 @@ possible: one kernel (_gpukernels.move) reads the extent records from pinned hos
 and translates them, and moves the bytes. Records the caller built in pinned memory
 (``host_extents``: the planner writes a request's extents there) are read in place, so a post is
 one launch whatever its size. Records in pageable memory are first copied into a pinned buffer,
-in pieces, so the GPU starts on the first piece while the host is still copying the next. An
+in pieces, so the GPU starts on the first piece while the host is still copying the next. Where a
+program moves long extents (tens of kilobytes each), the records are first copied to the device
+(a few kilobytes: one record per long extent), since a program's first load from host memory
+waits a PCIe round trip. The kernel is CUDA C compiled by NVRTC (_cudamove) where that works,
+else the Triton one (_gpukernels). An
 invalid extent fails the post and is never touched, though other extents of the post may already
 have been copied (a FAILED transfer leaves its destination undefined, as one cut short by a dead
 peer does).
@@ -29,10 +33,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvlink.errors import ExtentOutOfBounds
+from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.transport import Extents
+from kvlink_transports import _cudamove
 
-CHUNK = 256 << 10  # bytes one program moves of a long extent
+CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: _cudamove.CHUNK)
 PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
 FIRST = 4096  # extents of the first launch
 SMALL = 64 << 10  # extents up to this size go several to a program
@@ -119,15 +124,17 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 
 
 class Pending:
-    """One enqueued copy: its completion event and the pinned records its kernels read. Once
-    seen complete, its status is kept and the event and records go back to the copier."""
+    """One enqueued copy: its completion event and the records its kernels read (pinned, and
+    on the device where they were uploaded). Once seen complete, its status is kept and the
+    event and buffers go back to the copier."""
 
-    __slots__ = ("_done", "_failed", "buf", "event", "keep", "owner", "seq")
+    __slots__ = ("_done", "_failed", "buf", "dbuf", "event", "keep", "owner", "seq")
 
     def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
-                 keep: tuple[Extents, ...] = ()) -> None:
+                 keep: tuple[Extents, ...] = (), dbuf: Any = None) -> None:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
         self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
+        self.dbuf = dbuf  # device copy of the records, if uploaded
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -154,6 +161,15 @@ class _Pinned:
         self.tensor = tensor
         self.ptr: int = tensor.data_ptr()
         self.words: npt.NDArray[np.uint64] = tensor.numpy().view(np.uint64)
+
+
+def parts_per_extent(n: int, first_len: int, chunk: int, min_parts: int) -> int:
+    """Parts each extent is cut into for the CUDA kernel: ``chunk``-byte parts, and more (down
+    to 16 KiB) where n extents would leave the GPU half idle."""
+    g = max(1, -(-first_len // chunk))
+    if n * g < min_parts:
+        g = max(g, min(-(-min_parts // max(n, 1)), max(1, first_len // 16384)))
+    return g
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
@@ -222,13 +238,25 @@ def _pinned_address(ext: Extents) -> int:
 class BatchCopier:
     """Enqueues batched copies on a given stream of one device."""
 
-    def __init__(self, device: Any, *, chunk: int = CHUNK, piece: int = PIECE,
+    def __init__(self, device: Any, *, chunk: int | None = None, piece: int = PIECE,
                  first: int = FIRST, small: tuple[int, int, int] = _SMALL_SHAPE,
-                 large: tuple[int, int, int] = _LARGE_SHAPE) -> None:
+                 large: tuple[int, int, int] = _LARGE_SHAPE, kernel: str = "auto") -> None:
+        """``kernel``: "cuda" (NVRTC-built, an error if it can't be), "triton", or "auto"
+        (CUDA C where it builds, else Triton)."""
         import torch
 
+        if kernel not in ("auto", "cuda", "triton"):
+            raise ConfigError(f"kernel must be 'auto', 'cuda' or 'triton', not {kernel!r}")
         self.torch = torch
         self.device = torch.device(device)
+        self._cuda = None
+        if kernel == "cuda":
+            self._cuda = _cudamove.CudaMove(self.device)
+        elif kernel == "auto":
+            self._cuda = _cudamove.load(self.device)
+        self.kernel = "cuda" if self._cuda is not None else "triton"
+        if chunk is None:
+            chunk = _cudamove.CHUNK if self._cuda is not None else CHUNK
         self.chunk = max(4096, int(chunk))
         self.piece = max(1, int(piece))
         self.first = max(1, int(first))
@@ -242,18 +270,28 @@ class BatchCopier:
         # the caching allocator can't serve from its cache costs a millisecond
         self._events: list[Any] = []
         self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
+        self._onboard: dict[int, list[Any]] = collections.defaultdict(list)  # device records
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
-        """Launch shape and piece ends, cached: requests repeat their sizes."""
+        """Launch shape, parts per extent and piece ends, cached: requests repeat their sizes.
+        The shape is (rows a program, step, warps) for Triton, (threads a block, threads a
+        part, vectors in flight) for CUDA."""
         key = (n, first_len, pieces)
         plan = self._plans.get(key)
         if plan is None:
-            shape, g = launch_shape(n, first_len, self.chunk, self.min_programs, self.small,
-                                    self.large)
-            plan = shape, g, piece_cuts(n, shape[0], self.first, self.piece) if pieces else [n]
+            if self._cuda is not None:
+                shape = self._cuda.shape(first_len, SMALL)
+                g = parts_per_extent(n, first_len, self.chunk,
+                                     self.min_programs * (shape[0] // shape[1]))
+                rows = 1
+            else:
+                shape, g = launch_shape(n, first_len, self.chunk, self.min_programs,
+                                        self.small, self.large)
+                rows = shape[0]
+            plan = shape, g, piece_cuts(n, rows, self.first, self.piece) if pieces else [n]
             if len(self._plans) > 1024:
                 self._plans.clear()
             self._plans[key] = plan
@@ -270,9 +308,19 @@ class BatchCopier:
         with self._lock:
             self._finish_locked(p)
 
+    def _take_onboard(self, nbytes: int) -> Any:
+        size = max(4096, 1 << (nbytes - 1).bit_length())
+        free = self._onboard[size]
+        if free:
+            return free.pop()
+        return self.torch.empty(size, dtype=self.torch.uint8, device=self.device)
+
     def _finish_locked(self, p: Pending) -> None:
         if p._done:
             return
+        if p.dbuf is not None:
+            self._onboard[p.dbuf.shape[0]].append(p.dbuf)
+            p.dbuf = None
         if p.buf is not None:
             p._failed = int(p.buf.words[0]) == p.seq
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
@@ -304,10 +352,13 @@ class BatchCopier:
             # everything up to the first launch is the request's latency: nothing else here
             seq = next(self._seq) % (_I32 - 1) + 1
             s_at, d_at = _pinned_address(src), _pinned_address(dst)
+            first_len = int(src[0]["len"])
+            if self._cuda is not None and first_len > SMALL:
+                return self._copy_onboard(src, smap, dst, dmap, stream, seq, s_at, d_at)
             if s_at and d_at:  # read in place: one launch, only a status word of ours
                 buf = self._take(8)
                 buf.words[0] = 0
-                plan = self._plan(n, int(src[0]["len"]), pieces=False)
+                plan = self._plan(n, first_len, pieces=False)
                 self._launch(plan, s_at, d_at, 0, n, smap, dmap, buf.ptr, seq, stream)
                 return self._enqueue(stream, buf, seq, (src, dst))
             buf = self._take(8 + 32 * n)
@@ -324,13 +375,41 @@ class BatchCopier:
                 p0 = p1
             return self._enqueue(stream, buf, seq)
 
+    def _copy_onboard(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
+                      stream: Any, seq: int, s_at: int, d_at: int) -> Pending:
+        """Long extents: upload the records (one per extent, so few), then one launch that
+        reads them from device memory."""
+        n = src.shape[0]
+        keep: tuple[Extents, ...] = (src, dst)
+        if s_at and d_at:
+            buf = self._take(8)
+        else:  # ordinary arrays: through our pinned buffer
+            buf = self._take(8 + 32 * n)
+            buf.words[1 : 1 + 2 * n] = _records(src)
+            buf.words[1 + 2 * n : 1 + 4 * n] = _records(dst)
+            s_at, d_at, keep = buf.ptr + 8, buf.ptr + 8 + 16 * n, ()
+        buf.words[0] = 0
+        dbuf = self._take_onboard(32 * n)
+        at = int(dbuf.data_ptr())
+        assert self._cuda is not None
+        raw = stream.cuda_stream
+        self._cuda.upload(at, s_at, 16 * n, raw)
+        self._cuda.upload(at + 16 * n, d_at, 16 * n, raw)
+        plan = self._plan(n, int(src[0]["len"]), pieces=False)
+        self._launch(plan, at, at + 16 * n, 0, n, smap, dmap, buf.ptr, seq, stream)
+        return self._enqueue(stream, buf, seq, keep, dbuf)
+
     def _launch(self, plan: tuple[tuple[int, int, int], int, list[int]], s_at: int, d_at: int,
                 p0: int, p1: int, smap: RegionMap, dmap: RegionMap, status: int, seq: int,
                 stream: Any) -> None:
         """One kernel over rows [p0, p1) whose records start at s_at / d_at."""
-        (rows, block, warps), g, _ = plan
-        consts = (rows, block)
+        shape, g, _ = plan
         args = (s_at, d_at, p1 - p0, smap.ptr, smap.count, dmap.ptr, dmap.count, status, seq, g)
+        if self._cuda is not None:
+            self._cuda.launch(shape, (p1 - p0) * g, args, stream.cuda_stream)
+            return
+        rows, block, warps = shape
+        consts = (rows, block)
         grid = -(-(p1 - p0) // rows)
         direct = min(s_at, d_at, smap.ptr, dmap.ptr, status) >= _I32 and p1 - p0 < _I32
         launch = self._move.direct(consts, warps) if direct else None
@@ -340,13 +419,13 @@ class BatchCopier:
             self._move((grid, g), stream, args, consts, warps, direct)
 
     def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int,
-                 keep: tuple[Extents, ...] = ()) -> Pending:
+                 keep: tuple[Extents, ...] = (), dbuf: Any = None) -> Pending:
         """Completion event after the launches; finished posts hand back their buffers."""
         while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
             self._finish_locked(self._inflight.popleft())
         new_event = self.torch.cuda.Event
         event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
         event.record(stream)
-        pending = Pending(self, event, buf, seq, keep)
+        pending = Pending(self, event, buf, seq, keep, dbuf)
         self._inflight.append(pending)
         return pending

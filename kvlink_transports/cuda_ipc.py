@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlink.errors import KVLinkError, TransportUnavailable
+from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -47,6 +47,8 @@ from kvlink.transport import (
 from kvlink.wire import decode_versioned
 
 log = logging.getLogger("kvlink.cuda_ipc")
+#: copy kernels: CUDA C where NVRTC builds it, else Triton ("auto"), or one of them forced
+KERNELS = ("auto", "cuda", "triton")
 _VERSION = 1
 
 
@@ -99,6 +101,13 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
+        chunk = self.options.get("chunk_bytes")  # part of a long extent one program moves
+        self.chunk = None if chunk is None else int(chunk)  # None: the kernel's own default
+        self.piece = int(self.options.get("piece_extents", 4096))  # extents per launch
+        self.kernel = str(self.options.get("kernel", "auto"))
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"cuda_ipc option kernel={self.kernel!r}: expected one of "
+                              f"{', '.join(KERNELS)}")
         try:
             import torch
         except ImportError as exc:
@@ -117,8 +126,6 @@ class CudaIpcTransport(Transport):
         self._stream: Any = None
         self._copier: Any = None
         self._local_map: Any = None
-        self.chunk = int(self.options.get("chunk_bytes", 256 << 10))
-        self.piece = int(self.options.get("piece_extents", 4096))  # extents per launch
 
     def register(self, regions: Sequence[Region]) -> None:
         from kvlink import cuda_ipc
@@ -136,7 +143,8 @@ class CudaIpcTransport(Transport):
         from kvlink_transports._gpucopy import BatchCopier
 
         self._copier = BatchCopier(torch.device("cuda", self._device), chunk=self.chunk,
-                                   piece=self.piece)
+                                   piece=self.piece, kernel=self.kernel)
+        log.info("cuda_ipc: %s copy kernel on cuda:%d", self._copier.kernel, self._device)
         exports = []
         for r in regions:  # a region may span several allocations: one handle per allocation
             start, end = r.addr, r.addr + r.nbytes

@@ -127,6 +127,8 @@ def main() -> None:
             t.register([Region(b.data_ptr(), b.numel() * 4, "cuda:0") for b in local.values()])
             t.connect("producer", descs[tname])
             conns[tname] = t
+            if tname == "cuda_ipc":
+                results["cuda_ipc_kernel"] = t._copier.kernel  # "cuda" (NVRTC) or "triton"
             print(f"{tname}: connected", flush=True)
         except Exception as exc:
             results[f"{tname}_unavailable"] = f"{type(exc).__name__}: {exc}"

@@ -113,6 +113,44 @@ def test_launch_shape_fills_the_gpu_and_bounds_program_work(n: int, first_len: i
     assert -(-first_len // g) <= max(256 << 10, 16384 * 2) or g == 65535
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 50_000), st.integers(16, 1 << 30), st.sampled_from([16 << 10, 64 << 10]),
+       st.integers(1, 20_000))
+def test_cuda_parts_fill_the_gpu_and_bound_part_size(n: int, first_len: int, chunk: int,
+                                                     min_parts: int) -> None:
+    g = _gpucopy.parts_per_extent(n, first_len, chunk, min_parts)
+    assert g >= 1
+    assert -(-first_len // g) <= chunk  # parts of at most chunk bytes
+    # enough parts to fill the GPU, unless parts would drop under 16 KiB
+    assert n * g >= min_parts or g >= max(1, first_len // 16384)
+    assert -(-first_len // g) >= min(first_len, 16384) // 2  # and never tiny ones
+
+
+def test_copy_kernel_choice_is_checked_and_falls_back_without_nvrtc(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A bad kernel name is a ConfigError naming it (before any device is touched); where the
+    CUDA C kernel can't be built (here: no CUDA at all) "auto" gets None, with one warning."""
+    import torch
+
+    from kvlink.errors import ConfigError
+    from kvlink.transport import TransportContext
+    from kvlink_transports import _cudamove
+    from kvlink_transports.cuda_ipc import CudaIpcTransport
+
+    with pytest.raises(ConfigError, match="'ptx'"):
+        CudaIpcTransport(TransportContext(agent_name="k"), {"kernel": "ptx"})
+    with pytest.raises(ConfigError, match="'ptx'"):
+        _gpucopy.BatchCopier("cuda:0", kernel="ptx")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the fallback is the GPU machine's to check")
+    _cudamove.load._warned = False  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING, logger="kvlink.cuda_ipc"):
+        assert _cudamove.load(torch.device("cuda", 0)) is None
+        assert _cudamove.load(torch.device("cuda", 0)) is None
+    warned = [r for r in caplog.records if "CUDA C copy kernel unavailable" in r.getMessage()]
+    assert len(warned) == 1
+
+
 def test_pinned_records_are_recognised_only_where_the_kernel_may_read_them() -> None:
     """Records built by host_extents (and contiguous views of them) are read in place by the
     kernel; any other array (a copy, a strided view, ordinary memory) must be copied first —
