@@ -4,13 +4,13 @@ It does what the Triton kernel (_gpukernels.move) does — read extent records, 
 extent against the registered regions of its side and the pairing of lengths, translate
 addresses through the region maps, copy — and is that kernel's replacement wherever NVRTC
 works; Triton stays as the fallback and as the reference that CI runs under Triton's
-interpreter. Why a second language: on an H200 the same copy written in CUDA C ran 5-10 % faster
-on every cuda_ipc acceptance shape (1 GiB in 4 MiB extents 525-538 us against 551-571 us for the
-best Triton launch settings, 20480 x 8 KiB 93-95 us against 97-108 us; the device copy of the
-same bytes 505-510 and 83-92 us): ``scripts/gpu_cuda_copy_probe.py``,
-bench/results/gpu_cuda_copy_probe.json. Plain loads and stores beat streaming cache hints there
-for 4 MiB extents at random places, and reading extent records from device memory beat reading
-them from pinned host memory (each program's first load waits a PCIe round trip) wherever a
+interpreter. Why a second language: on an H200 the same copy written in CUDA C ran faster on
+every cuda_ipc acceptance shape (1 GiB in 4 MiB extents 525 us against 554 us for the best
+Triton launch settings and 581 as Triton shipped, 20480 x 8 KiB 95 against 99 / 102 us; the
+device copy of the same bytes 504-508 and 83-94 us): ``scripts/gpu_cuda_copy_probe.py --quick``,
+bench/results/gpu_cuda_copy_probe_random.json. Plain loads and stores beat streaming cache hints
+there for 4 MiB extents at random places, and reading extent records from device memory beat
+reading them from pinned host memory (each program's first load waits a PCIe round trip) wherever a
 program moves tens of kilobytes.
 
 One thread group of ``TP`` threads moves one part of one extent; a block holds ``T / TP``

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
@@ -105,6 +106,33 @@ def make_case(c: dict[str, int], rng: np.random.Generator, dev: Any) -> Case:
     smap = RegionMap([src.data_ptr()], [src.data_ptr() + cache], [0], dev)
     dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + cache], [0], dev)
     return Case(ext, count, src, dst, sblk, dblk, smap, dmap)
+
+
+def kernel_variant(edit: Any, name: str) -> Any:
+    """A copy of kvlink_transports._gpukernels with its source passed through ``edit``, loaded
+    as module ``name`` (Triton compiles from source files, so the copy is written to disk)."""
+    import importlib.util
+    import inspect
+    import tempfile
+
+    from kvlink_transports import _gpukernels
+
+    src = edit(inspect.getsource(_gpukernels))
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def no_cache_hints(src: str) -> str:
+    """Kernel source without its streaming cache hints."""
+    out = re.sub(r',\s*cache_modifier="\.c[gs]"', "", src)
+    assert "cache_modifier" not in out, "kernel changed: update the probe"
+    return out
 
 
 def write(out_dir: str, name: str, res: dict[str, Any]) -> str:

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
-import inspect
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -54,18 +51,11 @@ def _unrolled(k: int) -> str:
 
 
 def _variant(k: int) -> Any:
-    from kvlink_transports import _gpukernels
+    def edit(src: str) -> str:
+        assert _LOOP in src, "kernel loop changed: update the probe"
+        return src.replace(_LOOP, _unrolled(k))
 
-    src = inspect.getsource(_gpukernels)
-    assert _LOOP in src, "kernel loop changed: update the probe"
-    path = os.path.join(tempfile.mkdtemp(), f"kvk_unroll{k}.py")
-    with open(path, "w") as f:
-        f.write(src.replace(_LOOP, _unrolled(k)))
-    spec = importlib.util.spec_from_file_location(f"kvk_unroll{k}", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _gpu_common.kernel_variant(edit, f"kvk_unroll{k}")
 
 
 def _settle(mode: str) -> None:

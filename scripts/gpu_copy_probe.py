@@ -18,7 +18,6 @@ import functools
 import itertools
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -36,22 +35,7 @@ CASES = _gpu_common.CASES
 
 def _variant_module() -> Any:
     """_gpukernels without the streaming cache hints, to measure what they are worth."""
-    import importlib.util
-    import inspect
-    import tempfile
-
-    from kvlink_transports import _gpukernels
-
-    src = re.sub(r',\s*cache_modifier="\.c[gs]"', "", inspect.getsource(_gpukernels))
-    assert "cache_modifier" not in src
-    path = os.path.join(tempfile.mkdtemp(), "kvk_nocache.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("kvk_nocache", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _gpu_common.kernel_variant(_gpu_common.no_cache_hints, "kvk_nocache")
 
 
 def main() -> None:

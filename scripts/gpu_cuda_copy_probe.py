@@ -145,28 +145,6 @@ def variants(ext: int, quick: bool) -> list[dict[str, Any]]:
     return out
 
 
-def _plain_triton() -> Any:
-    """The shipped Triton kernel without its cache hints."""
-    import importlib.util
-    import inspect
-    import tempfile
-
-    from kvlink_transports import _gpukernels
-
-    src = inspect.getsource(_gpukernels)
-    src = src.replace(', cache_modifier=".cg"', "").replace(', cache_modifier=".cs"', "")
-    src = src.replace(',\n                     cache_modifier=".cs"', "")
-    assert "cache_modifier" not in src, "kernel changed: update the probe"
-    path = os.path.join(tempfile.mkdtemp(), "kvk_plain.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("kvk_plain", path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def triton_sweep(case: Any, hs: Any, hd: Any, ds: Any, dd: Any, reps: int
                  ) -> list[dict[str, Any]]:
     """The shipped Triton kernel with other launch settings, records in host or device memory."""
@@ -177,7 +155,7 @@ def triton_sweep(case: Any, hs: Any, hd: Any, ds: Any, dd: Any, reps: int
     status = cp.host_extents(1)
     out = []
     big = case.ext > (64 << 10)
-    plain = _plain_triton()
+    plain = _gpu_common.kernel_variant(_gpu_common.no_cache_hints, "kvk_plain")
     for chunk, block, warps, rec, hint in itertools.product(
             (64 << 10, 256 << 10) if big else (case.ext,), (4096, 8192) if big else (1024,),
             (16, 32) if big else (4, 8), ("host", "dev"), ("shipped", "plain")):
