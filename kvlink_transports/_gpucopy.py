@@ -354,7 +354,8 @@ class BatchCopier:
             s_at, d_at = _pinned_address(src), _pinned_address(dst)
             first_len = int(src[0]["len"])
             if self._cuda is not None and first_len > SMALL:
-                return self._copy_onboard(src, smap, dst, dmap, stream, seq, s_at, d_at)
+                return self._copy_onboard(src, smap, dst, dmap, stream, seq, s_at, d_at,
+                                          first_len)
             if s_at and d_at:  # read in place: one launch, only a status word of ours
                 buf = self._take(8)
                 buf.words[0] = 0
@@ -376,7 +377,7 @@ class BatchCopier:
             return self._enqueue(stream, buf, seq)
 
     def _copy_onboard(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
-                      stream: Any, seq: int, s_at: int, d_at: int) -> Pending:
+                      stream: Any, seq: int, s_at: int, d_at: int, first_len: int) -> Pending:
         """Long extents: upload the records (one per extent, so few), then one launch that
         reads them from device memory."""
         n = src.shape[0]
@@ -395,7 +396,7 @@ class BatchCopier:
         raw = stream.cuda_stream
         self._cuda.upload(at, s_at, 16 * n, raw)
         self._cuda.upload(at + 16 * n, d_at, 16 * n, raw)
-        plan = self._plan(n, int(src[0]["len"]), pieces=False)
+        plan = self._plan(n, first_len, pieces=False)
         self._launch(plan, at, at + 16 * n, 0, n, smap, dmap, buf.ptr, seq, stream)
         return self._enqueue(stream, buf, seq, keep, dbuf)
 
