@@ -196,6 +196,12 @@ def piece_cuts(n: int, rows: int, first: int, piece: int) -> list[int]:
     return [*range(first, n, piece), n] if first < n else [n]
 
 
+def _size_class(nbytes: int) -> int:
+    """Recycled buffers come in powers of two (at least a page), so posts of similar sizes
+    share them."""
+    return max(4096, 1 << (nbytes - 1).bit_length())
+
+
 def _records(ext: Extents) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(ext).view(np.uint64)
 
@@ -298,22 +304,21 @@ class BatchCopier:
         return plan
 
     def _take(self, nbytes: int) -> _Pinned:
-        size = max(4096, 1 << (nbytes - 1).bit_length())
-        free = self._pinned[size]
+        free = self._pinned[_size_class(nbytes)]
         if free:
             return free.pop()
-        return _Pinned(self.torch.empty(size, dtype=self.torch.uint8, pin_memory=True))
+        return _Pinned(self.torch.empty(_size_class(nbytes), dtype=self.torch.uint8,
+                                        pin_memory=True))
 
     def _finish(self, p: Pending) -> None:
         with self._lock:
             self._finish_locked(p)
 
     def _take_onboard(self, nbytes: int) -> Any:
-        size = max(4096, 1 << (nbytes - 1).bit_length())
-        free = self._onboard[size]
+        free = self._onboard[_size_class(nbytes)]
         if free:
             return free.pop()
-        return self.torch.empty(size, dtype=self.torch.uint8, device=self.device)
+        return self.torch.empty(_size_class(nbytes), dtype=self.torch.uint8, device=self.device)
 
     def _finish_locked(self, p: Pending) -> None:
         if p._done:

@@ -92,6 +92,18 @@ def event_us(fn: Any, reps: int, inner: int = 5) -> float:
     return statistics.median(ts)
 
 
+def timed_post(cp: Any, src: Any, smap: Any, dst: Any, dmap: Any, stream: Any
+               ) -> tuple[Any, int, int, int]:
+    """One BatchCopier.copy, spun on until done: (pending, start, post returned, done seen),
+    perf_counter_ns stamps."""
+    t0 = time.perf_counter_ns()
+    p = cp.copy(src, smap, dst, dmap, stream)
+    t1 = time.perf_counter_ns()
+    while not p.done():
+        pass
+    return p, t0, t1, time.perf_counter_ns()
+
+
 def make_case(c: dict[str, int], rng: np.random.Generator, dev: Any) -> Case:
     import torch
 

@@ -101,12 +101,7 @@ def _breakdown(cp: Any, pinned: Any, pageable: Any, smap: Any, dmap: Any, stream
                 dst.zero_()
                 torch.cuda.synchronize()
                 marks.clear()
-                t0 = time.perf_counter_ns()
-                p = cp.copy(s_e, smap, d_e, dmap, stream)
-                t1 = time.perf_counter_ns()
-                while not p.done():
-                    pass
-                t2 = time.perf_counter_ns()
+                _, t0, t1, t2 = _gpu_common.timed_post(cp, s_e, smap, d_e, dmap, stream)
                 lines.append([[n, round((t - t0) / 1e3, 1)] for n, t in marks]
                              + [["return", round((t1 - t0) / 1e3, 1)],
                                 ["done", round((t2 - t0) / 1e3, 1)]])
@@ -129,7 +124,7 @@ def _host_ops(reps: int) -> dict[str, float]:
 
     dev = torch.device("cuda", 0)
     stream = torch.cuda.current_stream(dev)
-    cp = BatchCopier(dev)
+    cp = BatchCopier(dev, kernel="triton")
     ext = cp.host_extents(20480)
     buf = torch.empty(1 << 20, dtype=torch.int64, device=dev)
     ext["addr"], ext["len"] = buf.data_ptr(), 64
@@ -206,7 +201,7 @@ def main() -> None:
                                            case.dmap)
         sa, da = case.addresses()
         sext, dext = make_extents(sa, ext), make_extents(da, ext)
-        cp = BatchCopier(dev)
+        cp = BatchCopier(dev, kernel="triton")
         psext, pdext = cp.host_extents(count), cp.host_extents(count)
         psext[:], pdext[:] = sext, dext
         nbytes = ext * count
@@ -232,15 +227,10 @@ def main() -> None:
             for kind, (s_e, d_e) in (("pageable", (sext, dext)), ("pinned", (psext, pdext))):
                 dst.zero_()
                 _settle(args.wait)
-                t0 = time.perf_counter()
-                p = cp.copy(s_e, smap, d_e, dmap, stream)
-                t1 = time.perf_counter()
-                while not p.done():
-                    pass
-                t2 = time.perf_counter()
+                p, t0, t1, t2 = _gpu_common.timed_post(cp, s_e, smap, d_e, dmap, stream)
                 if rep:
-                    samples[kind]["post"].append(t1 - t0)
-                    samples[kind]["e2e"].append(t2 - t0)
+                    samples[kind]["post"].append((t1 - t0) / 1e9)
+                    samples[kind]["e2e"].append((t2 - t0) / 1e9)
                 ok = not p.failed() and case.verified()
                 row[f"{kind}_verified"] = row.get(f"{kind}_verified", True) and ok
         for kind, sm in samples.items():

@@ -85,8 +85,8 @@ def main() -> None:
                 continue
             block, warps = (int(x) for x in blk.split("x"))
             shape = (rows, block, warps) if ext <= (64 << 10) else (1, block, warps)
-            cp = BatchCopier(dev, chunk=chunk, piece=piece, first=first, small=shape,
-                             large=shape)
+            cp = BatchCopier(dev, kernel="triton", chunk=chunk, piece=piece, first=first,
+                             small=shape, large=shape)
             posts, ends, gpu = [], [], []
             for _ in range(args.reps + 1):
                 dst.zero_()
@@ -115,7 +115,7 @@ def main() -> None:
         # a refused extent: the post fails and the refused piece is not touched
         bad = dext.copy()
         bad["addr"][-1] = np.uint64(dst.data_ptr() + c["cache"])  # one past the region
-        cp = BatchCopier(dev, piece=1 << 30)
+        cp = BatchCopier(dev, kernel="triton", piece=1 << 30)
         dst.zero_()
         p = cp.copy(sext, smap, bad, dmap, stream)
         p.wait()
@@ -188,7 +188,7 @@ def main() -> None:
     dmap = RegionMap([dst.data_ptr()], [dst.data_ptr() + c["cache"]], [0], dev)
     for n_ext in (256, 20480):
         for mode in ("after_sync", "back_to_back"):
-            cp = BatchCopier(dev)
+            cp = BatchCopier(dev, kernel="triton")
             cp.copy(sext[:n_ext], smap, dext[:n_ext], dmap, stream).wait()
             posts = []
             for _ in range(30):
@@ -223,7 +223,7 @@ def main() -> None:
             self.marks.append(("launched", time.perf_counter_ns()))
 
     for first, piece in ((2048, 8192), (4096, 8192), (1 << 30, 1 << 30)):
-        cp = BatchCopier(dev, first=first, piece=piece)
+        cp = BatchCopier(dev, kernel="triton", first=first, piece=piece)
         cp.copy(sext, smap, dext, dmap, stream).wait()
         timed = Timed(cp._move)
         cp._move = timed  # type: ignore[assignment]
@@ -231,12 +231,7 @@ def main() -> None:
         for _ in range(9):
             torch.cuda.synchronize()
             timed.marks = []
-            t0 = time.perf_counter_ns()
-            p = cp.copy(sext, smap, dext, dmap, stream)
-            t1 = time.perf_counter_ns()
-            while not p.done():
-                pass
-            t2 = time.perf_counter_ns()
+            _, t0, t1, t2 = _gpu_common.timed_post(cp, sext, smap, dext, dmap, stream)
             lines.append([round((t - t0) / 1e3, 1) for _, t in timed.marks]
                          + [round((t1 - t0) / 1e3, 1), round((t2 - t0) / 1e3, 1)])
         res.setdefault("timelines_us", {})[f"{first}_{piece}"] = lines

@@ -84,7 +84,7 @@ def main() -> None:
         k = _gpu_common.make_case(c, rng, dev)
         ext, count, dst, smap, dmap = k.ext, k.count, k.dst, k.smap, k.dmap
         sa, da = k.addresses()
-        cp = BatchCopier(dev)
+        cp = BatchCopier(dev, kernel="triton")
         ps, pd = cp.host_extents(count), cp.host_extents(count)
         ps[:], pd[:] = make_extents(sa, ext), make_extents(da, ext)
         sizes = np.full(count, ext, dtype=np.uint64)

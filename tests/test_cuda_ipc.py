@@ -142,7 +142,8 @@ def test_copy_kernel_choice_is_checked_and_falls_back_without_nvrtc(
     with pytest.raises(ConfigError, match="'ptx'"):
         _gpucopy.BatchCopier("cuda:0", kernel="ptx")
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is visible: the fallback is the GPU machine's to check")
+        pytest.skip("a CUDA device is visible, so the CUDA C kernel builds and there is no "
+                    "fallback to see; CI (no CUDA) runs this check")
     _cudamove.load._warned = False  # type: ignore[attr-defined]
     with caplog.at_level(logging.WARNING, logger="kvlink.cuda_ipc"):
         assert _cudamove.load(torch.device("cuda", 0)) is None

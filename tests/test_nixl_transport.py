@@ -302,6 +302,19 @@ def test_telemetry_shows_nixl_merging_adjacent_extents(peer: Peer) -> None:
         t.close()
 
 
+def _idle_peer(t: Any, seed: int, progress_interval: float) -> Peer:
+    """A 1 MiB peer whose progress thread idles at ``progress_interval``, connected both ways."""
+    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 1 << 20, seed=seed,
+             opts={"progress_interval": progress_interval})
+    try:
+        t.connect(p.name, p.descriptor)
+        assert p.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
+    except BaseException:
+        p.stop()
+        raise
+    return p
+
+
 def test_reads_without_notification_never_wait_for_the_target(
     local: tuple[Any, np.ndarray],
 ) -> None:
@@ -310,10 +323,8 @@ def test_reads_without_notification_never_wait_for_the_target(
     so back-to-back READs finish without any progress of the target (idling at 1 s here).
     (After a NIXL notification the next transfer on the endpoint waits for that progress.)"""
     t, buf = local
-    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 1 << 20, seed=5, opts={"progress_interval": 1.0})
+    p = _idle_peer(t, seed=5, progress_interval=1.0)
     try:
-        t.connect(p.name, p.descriptor)
-        assert p.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
         ref = p.reference()
         took = []
         for i in range(6):  # the first one does UCX's wire-up: not timed
@@ -339,10 +350,8 @@ def test_expect_access_serves_a_read_at_the_fast_cadence(
     0.2 s; after ``expect_access`` the target progresses every 50 us until the READ's
     notification, then goes back to idle."""
     t, buf = local
-    p = Peer(f"peer-{uuid.uuid4().hex[:8]}", 1 << 20, seed=11, opts={"progress_interval": 0.2})
+    p = _idle_peer(t, seed=11, progress_interval=0.2)
     try:
-        t.connect(p.name, p.descriptor)
-        assert p.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
         ref = p.reference()
         warm = t.post(
             Op.READ,
