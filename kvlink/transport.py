@@ -4,6 +4,40 @@ A transport moves bytes between registered memory of two processes and knows not
 requests, blocks or vLLM: it gets extent arrays and hands back handles. Plugins register under
 the entry-point group ``kvlink.transports`` so a third-party package can add one without touching
 kvlink; :func:`register_transport` does the same in-process (tests, notebooks).
+
+The contract every transport obeys (``tests/test_transport_contract.py`` checks it against tcp,
+nixl and mooncake):
+
+1. **FAILED means quiescent.** A handle reports FAILED only once the transport has nothing of
+   it in flight: every library request or sub-batch it started has finished, errored, or been
+   released/aborted in a way the library guarantees moves no further bytes, and no thread of
+   the transport is still reading or writing its memory. A handle with any part still moving
+   stays PENDING, and then reports the first error. Why: the caller frees or reuses the blocks
+   of a FAILED transfer at once (a decode hands them to the next request; a prefill's lease
+   frees them), so a byte landing later would corrupt someone else's KV. What the initiator
+   cannot see: for a WRITE, bytes the network already accepted may still be applied by the
+   target; only the target can rule that out, with :meth:`Transport.fence`.
+2. **post never raises for peer or runtime conditions.** An unknown, disconnected or dropped
+   peer, a closed transport, a refusal by the remote side or an error of the library all give a
+   handle whose :meth:`~Transport.poll` is FAILED with a reason naming the peer. ``post``
+   raises only for caller bugs, before anything moves: :class:`~kvlink.errors.ExtentOutOfBounds`
+   for extent arrays that do not pair up, local extents outside our registered memory, or
+   remote extents outside the regions the peer's descriptor offered; and
+   :class:`~kvlink.errors.TransportUnavailable` for an option the transport lacks (mooncake: a
+   native notification).
+3. **disconnect(peer) fails only that peer's handles**, each once it is quiescent (rule 1);
+   other peers' transfers go on and finish DONE.
+4. **close() is bounded.** It returns within about 2 s whatever peers do, having stopped the
+   transport's threads, closed its listening sockets (the port refuses connections) and its
+   inbound connections, so that a peer's READ or WRITE after close fails. Rule 1 still holds
+   after close: a transfer stuck in a library call that cannot be interrupted (mooncake's
+   batch wait on a hung peer) stays PENDING, and its memory stays registered, until that call
+   returns at the library's own timeout; that thread ends then.
+5. **fence(peer, timeout) -> bool** (optional): True means no byte from transfers that
+   ``peer`` initiated against our memory can land any more; its one-sided access stays revoked
+   until it connects again (our :meth:`~Transport.connect` for it, after a new handshake).
+   The default returns False ("cannot guarantee"). A decode uses it in push mode to free the
+   blocks of a timed-out push whose prefill cannot answer a cancel.
 """
 
 from __future__ import annotations
@@ -143,21 +177,30 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def disconnect(self, peer: str) -> None:
-        """Forget a peer; transfers still in flight to it turn FAILED."""
+        """Forget a peer. Its transfers still in flight are stopped where the library can stop
+        them and turn FAILED once quiescent (contract rules 1 and 3); other peers' transfers
+        are untouched. Posting to the peer afterwards gives a FAILED handle."""
 
     @abc.abstractmethod
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
     ) -> int:
-        """Start one transfer of all extents (READ: remote -> local, WRITE: local -> remote)."""
+        """Start one transfer of all extents (READ: remote -> local, WRITE: local -> remote).
+
+        Never raises for the peer's or the library's state: a transfer that cannot start gives
+        a handle that polls FAILED with a reason naming the peer (contract rule 2). Raises
+        :class:`~kvlink.errors.ExtentOutOfBounds` for caller bugs only (arrays that do not pair
+        up, extents outside our registered memory or outside what the peer offered)."""
 
     @abc.abstractmethod
     def poll(self, handle: int) -> XferState:
-        """Non-blocking progress check."""
+        """Non-blocking progress check. FAILED only once nothing of the transfer can still
+        move (contract rule 1); the reason is the first error seen."""
 
     @abc.abstractmethod
     def release(self, handle: int) -> None:
-        """Free the handle's resources; it must not be polled again."""
+        """Free the handle's resources; it must not be polled again. Releasing a PENDING
+        handle abandons it: the transport stops what it can and forgets the rest."""
 
     @abc.abstractmethod
     def notifications(self) -> list[tuple[str, bytes]]:
@@ -169,7 +212,22 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop threads and release memory registrations. Idempotent."""
+        """Stop threads, close listening sockets and inbound connections, release memory
+        registrations; return within about 2 s whatever peers do. Idempotent.
+
+        After close the port (if any) refuses connections and a peer's READ or WRITE fails;
+        every handle still PENDING turns FAILED once quiescent (contract rule 4)."""
+
+    def fence(self, peer: str, timeout: float) -> bool:
+        """Revoke ``peer``'s one-sided access to our memory; True once no byte from transfers
+        it initiated can land any more.
+
+        The revocation lasts until :meth:`connect` is called for ``peer`` again (a new
+        handshake). False means the transport cannot guarantee it within ``timeout`` seconds
+        (the default: most libraries give no such handle on a remote initiator). Why: a decode
+        that pushed block ids to a prefill which then stopped answering must know the prefill's
+        WRITEs can no longer land before it reuses those blocks."""
+        return False
 
     def extents(self, n: int) -> Extents:
         """An uninitialised array of ``n`` extents in the memory this transport posts from

@@ -14,6 +14,14 @@ cost a third of the throughput (measured 0.63x of a plain socket with a ZMQ data
 Every requested range is checked against registered memory by the side that owns the memory,
 before a byte is read or written. A peer that dies fails its transfers at once (the connection
 breaks); a peer that hangs fails them at the ``timeout_s`` deadline.
+
+Contract (``kvlink/transport.py``): a transfer is run by one thread, which marks it FAILED only
+after it has left the socket call that moved its bytes, so FAILED is quiescent on this side.
+:meth:`TcpTransport.close` shuts the listener down (which wakes the accept thread), shuts every
+connection down and joins all threads within ``_CLOSE_WAIT`` seconds.
+:meth:`TcpTransport.fence` revokes one agent's inbound connections and waits for their serving
+threads to leave our memory; that agent is refused until :meth:`TcpTransport.connect` names it
+again.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -58,6 +66,7 @@ _VERSION = 1
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 64 << 20
 _IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
+_CLOSE_WAIT = 2.0  # seconds close() waits, in all, for the transport's threads to end
 
 
 class _Hdr(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -145,10 +154,16 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
                 batch[0] = batch[0][sent:]
 
 
-def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+def _recv_views(
+    sock: socket.socket, views: list[memoryview], stop: Callable[[], bool] | None = None
+) -> None:
+    """Receive straight into ``views``; ``stop`` (checked before every socket call) ends it
+    early, so a revoked connection writes no more of our memory than one call's worth."""
     for k in range(0, len(views), _IOV):
         batch = views[k : k + _IOV]
         while batch:
+            if stop is not None and stop():
+                raise _PeerGone("access revoked mid-transfer")
             got = sock.recvmsg_into(batch)[0] if len(batch) > 1 else sock.recv_into(batch[0])
             if got == 0:
                 raise _PeerGone("connection closed by peer mid-transfer")
@@ -165,6 +180,14 @@ def _why(exc: BaseException, timeout: float) -> str:
     if isinstance(exc, OSError):
         return f"connection lost ({exc.strerror or exc})"
     return str(exc)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake any thread blocked on ``sock`` (close() alone would not) and end the stream."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _tune(sock: socket.socket) -> None:
@@ -208,12 +231,15 @@ class _Peer:
             self.cv.notify()
 
     def close(self, reason: str) -> None:
+        """Fail what is queued and break the connection; the transfer in progress (if any)
+        turns FAILED on this peer's thread once its socket call has returned (quiescent)."""
         with self.cv:
             self.closed = True
+            sock = self.sock
             self.cv.notify()
-        if self.sock is not None:
+        if sock is not None:
             try:
-                self.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         self._fail_queued(reason)
@@ -228,17 +254,21 @@ class _Peer:
     def _connect(self) -> socket.socket:
         if self.sock is None:
             try:
-                self.sock = socket.create_connection(
+                sock = socket.create_connection(
                     (self.desc.host, self.desc.port), timeout=self.owner.timeout
                 )
             except OSError as exc:
                 raise _PeerGone(
                     f"cannot connect to {self.desc.host}:{self.desc.port}: {exc}"
                 ) from exc
-            _tune(self.sock)
+            with self.cv:  # close() shuts down what it sees here: never open behind its back
+                if self.closed:
+                    sock.close()
+                    raise _PeerGone("disconnected")
+                self.sock = sock
+            _tune(sock)
             _send_hdr(
-                self.sock,
-                _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token),
+                sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token)
             )
         return self.sock
 
@@ -301,6 +331,19 @@ class _Peer:
         owner._finish(xfer, DONE)
 
 
+# ---------------------------------------------------------------------------- server side
+
+
+@dataclasses.dataclass(eq=False)
+class _Inbound:
+    """One accepted connection and the thread serving it."""
+
+    conn: socket.socket
+    thread: threading.Thread
+    agent: str | None = None  # set once its handshake header checked out
+    revoked: bool = False  # fence(): stop before the next socket call
+
+
 # ---------------------------------------------------------------------------- the transport
 
 
@@ -333,11 +376,15 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._xfers: dict[int, _Xfer] = {}
         self._peers: dict[str, _Peer] = {}
-        self._conns: set[socket.socket] = set()
+        self._inbound: dict[socket.socket, _Inbound] = {}
+        self._revoked: set[str] = set()  # agents fenced off until connect() names them again
         self._notifs: collections.deque[tuple[str, bytes]] = collections.deque()
         self._handles = itertools.count(1)
         self._closed = False
-        threading.Thread(target=self._accept, name="kvlink-tcp-accept", daemon=True).start()
+        self._acceptor = threading.Thread(
+            target=self._accept, name="kvlink-tcp-accept", daemon=True
+        )
+        self._acceptor.start()
 
     # -- contract
     def register(self, regions: Sequence[Region]) -> None:
@@ -391,13 +438,15 @@ class TcpTransport(Transport):
         else:
             _send_views(sock, self._memory.slices(ext, "extent"))
 
-    def _recv_ext(self, sock: socket.socket, ext: Extents) -> None:
+    def _recv_ext(
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+    ) -> None:
         if self._is_staged(ext):
             assert self._copier is not None and self._pool is not None
-            staging.recv_staged(lambda mv: _recv_views(sock, [mv]), ext, self._copier,
+            staging.recv_staged(lambda mv: _recv_views(sock, [mv], stop), ext, self._copier,
                                 self._pool, self._chunk, self.timeout)
         else:
-            _recv_views(sock, self._memory.slices(ext, "extent"))
+            _recv_views(sock, self._memory.slices(ext, "extent"), stop)
 
     def descriptor(self) -> bytes:
         return _enc.encode(
@@ -414,6 +463,9 @@ class TcpTransport(Transport):
     def connect(self, peer: str, descriptor: bytes) -> None:
         desc = decode_versioned(descriptor, _Descriptor, _VERSION, f"tcp descriptor from {peer}")
         with self._lock:
+            if self._closed:
+                raise TransportUnavailable("tcp transport is closed")
+            self._revoked.discard(peer)  # a new handshake re-admits a fenced peer
             old = self._peers.pop(peer, None)
             self._peers[peer] = _Peer(self, peer, desc)
         if old is not None:
@@ -441,15 +493,18 @@ class TcpTransport(Transport):
             t0,
         )
         with self._lock:
-            self._xfers[handle] = xfer
             target = self._peers.get(peer)
+        if target is not None:  # a caller bug: raise before a handle exists
+            target.remote_table.locate(xfer.remote, "remote extent")
+        with self._lock:
+            self._xfers[handle] = xfer
         if target is None:
-            self._finish(xfer, XferState(XferStatus.FAILED, f"peer {peer} is not connected"))
+            why = "the transport is closed" if self._closed else "it is not connected"
+            self._finish(xfer, XferState(XferStatus.FAILED, f"peer {peer}: {why}"))
         else:
             try:
-                target.remote_table.locate(xfer.remote, "remote extent")
                 target.submit((handle, xfer))
-            except (ExtentOutOfBounds, TransportUnavailable) as exc:
+            except TransportUnavailable as exc:
                 self._finish(xfer, XferState(XferStatus.FAILED, str(exc)))
         self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
         return handle
@@ -477,20 +532,54 @@ class TcpTransport(Transport):
         target.submit((None, message))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._listener.close()
+        """Stop accepting (the port refuses), break every connection, join every thread.
+
+        ``shutdown`` on the listener is what wakes the accept thread: ``close`` alone leaves it
+        blocked in ``accept()`` on the still-listening socket, which kept accepting (and serving)
+        connections after close."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             peers, self._peers = list(self._peers.values()), {}
-            conns = list(self._conns)
+            inbound = list(self._inbound.values())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
         for p in peers:
             p.close("transport closed")
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for c in inbound:
+            c.revoked = True
+            _shutdown(c.conn)
+        deadline = time.monotonic() + _CLOSE_WAIT
+        threads = [self._acceptor, *(p.thread for p in peers), *(c.thread for c in inbound)]
+        for th in threads:
+            if th is not threading.current_thread():
+                th.join(max(deadline - time.monotonic(), 0.0))
+        alive = [th.name for th in threads if th.is_alive()]
+        if alive:
+            log.warning("tcp: threads still running %.1fs after close: %s", _CLOSE_WAIT, alive)
+
+    def fence(self, peer: str, timeout: float) -> bool:
+        """Revoke agent ``peer``'s inbound access: refuse its new connections and requests
+        until :meth:`connect` names it again, break its connections, and wait (up to
+        ``timeout`` s) for their serving threads to leave any socket call into our memory.
+        True once they have: no byte of a transfer ``peer`` initiated can land any more."""
+        with self._lock:
+            self._revoked.add(peer)
+            mine = [c for c in self._inbound.values() if c.agent == peer]
+        for c in mine:
+            c.revoked = True
+            _shutdown(c.conn)
+        deadline = time.monotonic() + timeout
+        for c in mine:
+            c.thread.join(max(deadline - time.monotonic(), 0.0))
+        ok = not any(c.thread.is_alive() for c in mine)
+        log.info("tcp: fenced agent %s (%d connection(s))%s", peer, len(mine),
+                 "" if ok else f"; still serving after {timeout:.1f}s")
+        return ok
 
     def inflight(self) -> int:
         return sum(1 for x in list(self._xfers.values()) if x.state.status is XferStatus.PENDING)
@@ -508,26 +597,39 @@ class TcpTransport(Transport):
 
     # -- server side: peers' transfers against our memory
     def _accept(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 conn, addr = self._listener.accept()
             except OSError:
-                return
-            _tune(conn)
+                return  # close() shut the listener down
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn, addr), name="kvlink-tcp-serve", daemon=True
-            ).start()
+                if self._closed:
+                    conn.close()
+                    return
+                _tune(conn)
+                inb = _Inbound(conn, threading.Thread(
+                    target=self._serve, args=(conn, addr), name="kvlink-tcp-serve", daemon=True
+                ))
+                self._inbound[conn] = inb
+                inb.thread.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
+        inb = self._inbound[conn]
         try:
             hello = _recv_hdr(conn)
             if hello.op != "H" or not hmac.compare_digest(hello.token, self._token):
                 log.warning("tcp: connection from %s presented no valid memory key; closed", addr)
                 return
+            with self._lock:  # fence() reads agent and revoked set under the same lock
+                if self._closed or hello.agent in self._revoked:
+                    log.warning("tcp: refused agent %s from %s: access revoked (fenced)",
+                                hello.agent, addr)
+                    return
+                inb.agent = hello.agent
             while True:
                 hdr = _recv_hdr(conn)
+                if inb.revoked:
+                    raise _PeerGone(f"agent {inb.agent} was fenced")
                 if hdr.op == "N":
                     if hdr.notify is not None:
                         self._notifs.append((hdr.agent, hdr.notify))
@@ -547,7 +649,7 @@ class TcpTransport(Transport):
                     _send_hdr(conn, _Hdr(_VERSION, "A"))
                     self._send_ext(conn, ext)
                 else:
-                    self._recv_ext(conn, ext)
+                    self._recv_ext(conn, ext, lambda: inb.revoked)
                     if hdr.notify is not None:
                         self._notifs.append((hdr.agent, hdr.notify))
                     _send_hdr(conn, _Hdr(_VERSION, "A"))
@@ -556,5 +658,5 @@ class TcpTransport(Transport):
                 log.info("tcp: connection from %s ended: %s", addr, exc)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._inbound.pop(conn, None)
             conn.close()
