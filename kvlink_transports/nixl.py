@@ -31,6 +31,13 @@ UCX's transport per peer with ``ucx_info`` and warn on TCP / host-staged fallbac
 True). The probe runs ``ucx_info`` (0.5 s on an idle machine, tens of seconds on a loaded one), so
 it runs on a background thread after :meth:`NixlTransport.connect`, never on a handshake's path
 (:meth:`NixlTransport.wait_probes` waits for it).
+
+Contract (``kvlink/transport.py``): a handle made of several NIXL requests reports FAILED only
+once none of them can move a byte any more. When one request errors (at post or at poll), or
+its peer is dropped, the others are released, which makes NIXL cancel them; one that NIXL
+cannot cancel (its release raises) stays attached to the handle, which stays PENDING and keeps
+checking it until it is DONE or ERR. :meth:`NixlTransport.post` gives a FAILED handle, never an
+exception, for an unknown peer or a closed transport.
 """
 
 from __future__ import annotations
@@ -176,13 +183,14 @@ class _Peer:
 class _Xfer:
     peer: str
     agent: str
-    reqs: list[Any]  # nixl_xfer_handle, one per memory pair (usually exactly one)
-    done: list[bool]
+    reqs: list[Any]  # nixl_xfer_handle, one per memory pair (usually exactly one); None: freed
+    done: list[bool]  # per request: it can move no more bytes (DONE, ERR, or cancelled)
     nbytes: int
     ndesc: int
     t_post: float
     notify: bytes | None = None  # sent by poll when the request was split
     state: XferState = PENDING
+    failure: str | None = None  # first error; reported once every request is done
     telemetry: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -436,13 +444,17 @@ class NixlTransport(Transport):
                 self._drop_peer(p, "peer disconnected")
 
     def _drop_peer(self, p: _Peer, reason: str) -> None:
-        """Fail and free every NIXL request to the peer, then forget its metadata (lock held)."""
+        """Cancel every NIXL request to the peer, then forget its metadata (lock held).
+
+        A transfer whose requests NIXL cancelled is FAILED at once; one that NIXL cannot cancel
+        yet stays PENDING until poll sees its requests finish (contract rule 1)."""
         for x in self._xfers.values():
             if x.peer != p.key or x.agent != p.agent:
                 continue
             if x.state.status is XferStatus.PENDING:
                 self._fail(x, f"{reason} (peer {p.key!r}, agent {p.agent})")
-            self._release_reqs(x)
+            else:
+                self._release_reqs(x)
         self._remove_remote(p.agent)
         self._peers.pop(p.key, None)
         if self._by_agent.get(p.agent) == p.key:
@@ -463,11 +475,11 @@ class NixlTransport(Transport):
         check_pairs(local, remote)
         notif = bytes(notify) if notify else None
         with self._lock:
-            self._check_open()
-            p = self._peers.get(peer)
-            if p is None:
-                raise TransferError(f"nixl: peer {peer!r} is not connected")
             li = self._local.table.locate(local, "local extent")
+            p = self._peers.get(peer)
+            if self._closed or p is None:
+                why = "the transport is closed" if self._closed else "it is not connected"
+                return self._failed_handle(peer, f"nixl: peer {peer!r}: {why}")
             ri = p.side.table.locate(remote, "remote extent")
             if self._zombies:
                 self._reap_zombies()
@@ -505,11 +517,18 @@ class NixlTransport(Transport):
                         _MEM_NAMES[rm],
                         notif if mask is None else None,
                     )
-                    if err is not None:
+                    if err is not None:  # parts already posted are cancelled or awaited
                         self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err}")
-                        self._release_reqs(x)
                         break
         self._account(post_seconds=time.perf_counter() - t0)
+        return handle
+
+    def _failed_handle(self, peer: str, reason: str) -> int:
+        """A handle that never started (lock held): FAILED at once, nothing to wait for."""
+        handle = next(self._ids)
+        x = _Xfer(peer, "", [], [], 0, 0, time.perf_counter())
+        self._xfers[handle] = x
+        self._fail(x, reason)
         return handle
 
     def _post_one(
@@ -574,9 +593,13 @@ class NixlTransport(Transport):
                     x.done[i] = True
                 elif s == "PROC":
                     pending = True
-                else:
-                    self._fail(x, f"nixl transfer with {x.peer!r} (agent {x.agent}) failed: {err}")
-                    return x.state
+                else:  # this request is over; the others may still be moving bytes
+                    x.done[i] = True
+                    if x.failure is None:
+                        x.failure = f"nixl transfer with {x.peer!r} (agent {x.agent}) failed: {err}"
+            if x.failure is not None:
+                self._fail(x, x.failure)  # cancels what still runs; FAILED once nothing does
+                return x.state
             if pending:
                 return x.state
             if x.notify is not None and not self._send_notif(x, x.agent, x.notify):
@@ -625,9 +648,26 @@ class NixlTransport(Transport):
             return out
 
     def _fail(self, x: _Xfer, reason: str) -> None:
-        x.state = XferState(XferStatus.FAILED, reason)
-        self._account(failed=1)
-        log.warning("%s", reason)
+        """Fail ``x`` (lock held): cancel its requests still in flight, and report FAILED with
+        the first error once none is (until then it stays PENDING; poll calls this again)."""
+        if x.state.status is not XferStatus.PENDING:
+            return
+        if x.failure is None:
+            x.failure = reason
+            log.warning("%s", reason)
+        for i, req in enumerate(x.reqs):
+            if x.done[i] or req is None:
+                continue
+            try:
+                req.release()  # NIXL cancels an active request, or raises if it cannot
+            except Exception as exc:
+                log.debug("nixl: request of a failed transfer still active: %s", _nixl_reason(exc))
+                continue
+            x.reqs[i] = None
+            x.done[i] = True
+        if all(x.done):
+            x.state = XferState(XferStatus.FAILED, x.failure)
+            self._account(failed=1)
 
     def _send_notif(self, x: _Xfer, agent: str, msg: bytes) -> bool:
         try:
@@ -639,6 +679,8 @@ class NixlTransport(Transport):
 
     def _release_reqs(self, x: _Xfer) -> None:
         for req in x.reqs:
+            if req is None:
+                continue
             try:
                 req.release()
             except Exception as exc:
@@ -661,7 +703,9 @@ class NixlTransport(Transport):
         with self._lock:
             return {
                 "xfers": len(self._xfers),
-                "nixl_requests": sum(len(x.reqs) for x in self._xfers.values()),
+                "nixl_requests": sum(
+                    sum(r is not None for r in x.reqs) for x in self._xfers.values()
+                ),
                 "zombies": len(self._zombies),
                 "peers": len(self._peers),
             }
@@ -729,12 +773,17 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        """Cancel every transfer, forget every peer, deregister memory, stop our threads.
+
+        A transfer NIXL cannot cancel stays PENDING (poll still works) and then the memory stays
+        registered: deregistering it under an active request would let the request touch memory
+        NIXL no longer accounts for."""
         self._stop.set()
         self._wake.set()
         if self._probe_pool is not None:
             self._probe_pool.shutdown(wait=False, cancel_futures=True)
         if self._progress is not None and self._progress is not threading.current_thread():
-            self._progress.join()
+            self._progress.join(2.0)
         with self._lock:
             if self._closed:
                 return
@@ -742,10 +791,16 @@ class NixlTransport(Transport):
             for x in self._xfers.values():
                 if x.state.status is XferStatus.PENDING:
                     self._fail(x, "nixl transport closed")
-                self._release_reqs(x)
+                else:
+                    self._release_reqs(x)
             for p in list(self._peers.values()):
                 self._drop_peer(p, "transport closed")
             self._reap_zombies()
+            stuck = sum(x.state.status is XferStatus.PENDING for x in self._xfers.values())
+            if stuck:
+                log.warning("nixl: %d transfer(s) could not be cancelled at close; keeping the "
+                            "memory registered", stuck)
+                return
             for dl in self._reg_dlists:
                 try:
                     self._agent.deregister_memory(dl)

@@ -246,8 +246,10 @@ def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]
     for lo, ro in cases:
         with pytest.raises(ExtentOutOfBounds):
             t.post(Op.READ, peer.name, lo, ro)
-    with pytest.raises(TransferError):
-        t.post(Op.READ, "nobody", ok_l, make_extents(peer.addr, 4096))
+    h = t.post(Op.READ, "nobody", ok_l, make_extents(peer.addr, 4096))  # a FAILED handle
+    state = t.poll(h)
+    assert state.status is XferStatus.FAILED and "'nobody'" in state.reason, state
+    t.release(h)
     assert t.stats.transfers == 0 and t._handle_counts()["xfers"] == 0
     t.disconnect(peer.name)
 
