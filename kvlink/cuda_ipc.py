@@ -219,14 +219,16 @@ class IpcMapper:
     """Opens peers' handles once per allocation and closes them all together.
 
     Many exported pointers share one allocation (every graph input inside one caching-allocator
-    segment), and an allocation can be mapped only once per context, so mappings are cached by the
-    handle bytes with a reference count.
+    segment), and an allocation can be mapped only once per context, so mappings are cached by
+    the exporting process and the handle bytes with a reference count: each ``open`` takes one
+    reference and each ``close`` drops one; the allocation is unmapped with the last. A handle of
+    another process (an exporter restarted, say) never gets a mapping made for an earlier one.
     """
 
     def __init__(self, device: int) -> None:
         self.device = device
-        self._bases: dict[bytes, int] = {}
-        self._refs: dict[bytes, int] = {}
+        self._bases: dict[tuple[int, bytes], int] = {}
+        self._refs: dict[tuple[int, bytes], int] = {}
         self._lock = threading.Lock()
 
     def open(self, handle: IpcHandle) -> int:
@@ -236,8 +238,9 @@ class IpcMapper:
                 "a CUDA IPC handle cannot be opened in the process that exported it "
                 f"(pid {handle.pid}); use the exporter's pointer directly"
             )
+        key = (handle.pid, handle.handle)
         with self._lock:
-            base = self._bases.get(handle.handle)
+            base = self._bases.get(key)
             if base is None:
                 ensure_context(self.device)
                 drv = driver()
@@ -252,20 +255,21 @@ class IpcMapper:
                     f"cuIpcOpenMemHandle(from pid {handle.pid}, device {handle.device})",
                 )
                 base = int(ptr.value)
-                self._bases[handle.handle] = base
-                self._refs[handle.handle] = 0
-            self._refs[handle.handle] += 1
+                self._bases[key] = base
+                self._refs[key] = 0
+            self._refs[key] += 1
             return base + handle.offset
 
     def close(self, handle: IpcHandle) -> None:
         """Drop one reference; unmap the allocation when none are left."""
+        key = (handle.pid, handle.handle)
         with self._lock:
-            refs = self._refs.get(handle.handle, 0) - 1
+            refs = self._refs.get(key, 0) - 1
             if refs > 0:
-                self._refs[handle.handle] = refs
+                self._refs[key] = refs
                 return
-            base = self._bases.pop(handle.handle, None)
-            self._refs.pop(handle.handle, None)
+            base = self._bases.pop(key, None)
+            self._refs.pop(key, None)
         if base is not None:
             _close_base(base, self.device)
 
@@ -279,6 +283,11 @@ class IpcMapper:
 
     def __len__(self) -> int:
         return len(self._bases)
+
+    def refs(self, handle: IpcHandle) -> int:
+        """References held on ``handle``'s mapping (0: not mapped)."""
+        with self._lock:
+            return self._refs.get((handle.pid, handle.handle), 0)
 
 
 def _close_base(base: int, device: int) -> None:

@@ -126,15 +126,18 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 class Pending:
     """One enqueued copy: its completion event and the records its kernels read (pinned, and
     on the device where they were uploaded). Once seen complete, its status is kept and the
-    event and buffers go back to the copier."""
+    event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
-    __slots__ = ("_done", "_failed", "buf", "dbuf", "event", "keep", "owner", "seq")
+    __slots__ = ("_done", "_failed", "buf", "dbuf", "error", "event", "keep", "owner", "seq",
+                 "shared")
 
     def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
-                 keep: tuple[Extents, ...] = (), dbuf: Any = None) -> None:
+                 keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> None:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
         self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
         self.dbuf = dbuf  # device copy of the records, if uploaded
+        self.error = error  # the host could not enqueue all of it (why); failed() once done
+        self.shared = False  # the event was handed out: never recycled for another copy
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -143,8 +146,16 @@ class Pending:
         return self._done
 
     def failed(self) -> bool:
-        """After done(): did the device refuse an extent (so that program copied nothing)?"""
+        """After done(): did the device refuse an extent (so that program copied nothing), or
+        could the host not enqueue all of the copy (``error`` says why)?"""
         return self._failed
+
+    def completion_event(self) -> Any:
+        """The CUDA event recorded after the copy's last launch: a stream that waits on it runs
+        after the copy (whether it succeeded is ``failed()``'s answer). Kept for this copy
+        alone from now on."""
+        self.shared = True
+        return self.event
 
     def wait(self) -> None:
         if not self._done:
@@ -279,6 +290,7 @@ class BatchCopier:
         self._onboard: dict[int, list[Any]] = collections.defaultdict(list)  # device records
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
+        self._order: Any = None  # event that orders a copy after the caller's stream
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -314,11 +326,15 @@ class BatchCopier:
         with self._lock:
             self._finish_locked(p)
 
-    def _take_onboard(self, nbytes: int) -> Any:
+    def _take_onboard(self, nbytes: int, stream: Any) -> Any:
         free = self._onboard[_size_class(nbytes)]
         if free:
             return free.pop()
-        return self.torch.empty(_size_class(nbytes), dtype=self.torch.uint8, device=self.device)
+        # allocated on the stream that uses it: the caching allocator may hand out a block
+        # freed on the current stream while that stream's kernels still use it
+        with self.torch.cuda.stream(stream):
+            return self.torch.empty(_size_class(nbytes), dtype=self.torch.uint8,
+                                    device=self.device)
 
     def _finish_locked(self, p: Pending) -> None:
         if p._done:
@@ -330,7 +346,9 @@ class BatchCopier:
             p._failed = int(p.buf.words[0]) == p.seq
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
             p.buf = None
-        self._events.append(p.event)
+        p._failed = p._failed or bool(p.error)
+        if not p.shared:
+            self._events.append(p.event)
         p.keep = ()
         p._done = True
 
@@ -342,47 +360,70 @@ class BatchCopier:
         return adopt_host_extents(t.numpy(), n)  # that array's base keeps t alive
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
-             stream: Any) -> Pending:
-        """Copy src[i] -> dst[i] for every i on ``stream``. Extents are checked on the device
-        against their maps and translated through them; a refused one shows as ``failed()``.
-        Pinned records (``host_extents``) must stay unchanged until the copy is done."""
+             stream: Any, after: Any = None) -> Pending:
+        """Copy src[i] -> dst[i] for every i on ``stream``, after the work enqueued so far on
+        stream ``after`` (None: no such wait). Extents are checked on the device against their
+        maps and translated through them; a refused one shows as ``failed()``, as does a launch
+        the driver refused (``error``). Pinned records (``host_extents``) must stay unchanged
+        until the copy is done."""
         if src.shape != dst.shape:
             raise ExtentOutOfBounds(
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
             )
-        n = src.shape[0]
         with self._lock:
-            if n == 0:
-                return self._enqueue(stream, None, 0)
-            # everything up to the first launch is the request's latency: nothing else here
-            seq = next(self._seq) % (_I32 - 1) + 1
-            s_at, d_at = _pinned_address(src), _pinned_address(dst)
-            first_len = int(src[0]["len"])
-            if self._cuda is not None and first_len > SMALL:
-                return self._copy_onboard(src, smap, dst, dmap, stream, seq, s_at, d_at,
-                                          first_len)
-            if s_at and d_at:  # read in place: one launch, only a status word of ours
-                buf = self._take(8)
-                buf.words[0] = 0
-                plan = self._plan(n, first_len, pieces=False)
-                self._launch(plan, s_at, d_at, 0, n, smap, dmap, buf.ptr, seq, stream)
-                return self._enqueue(stream, buf, seq, (src, dst))
-            buf = self._take(8 + 32 * n)
-            hv, hp = buf.words, buf.ptr
-            hv[0] = 0
-            s_rec, d_rec = _records(src), _records(dst)
-            plan = self._plan(n, int(s_rec[1]))
-            p0 = 0
-            for p1 in plan[2]:
-                hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
-                hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
-                self._launch(plan, hp + 8 + 16 * p0, hp + 8 + 16 * (n + p0), p0, p1, smap, dmap,
-                             hp, seq, stream)
-                p0 = p1
-            return self._enqueue(stream, buf, seq)
+            if after is not None and after.cuda_stream != stream.cuda_stream:
+                # the caller's pending work on `after` first: a wait on the device, no host
+                # sync. One event serves every post: a wait takes the event's state when it is
+                # enqueued, so recording it again later changes no earlier wait.
+                if self._order is None:
+                    self._order = self.torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self._order.record(after)
+                stream.wait_event(self._order)
+            held: list[Any] = []  # our buffers the launches read, for the error path
+            try:
+                return self._copy_locked(src, smap, dst, dmap, stream, held)
+            except (RuntimeError, OSError) as exc:  # a CUDA error: what was enqueued may run
+                # nothing goes back to the pools: launches already enqueued may read them
+                return self._enqueue(stream, None, 0, (src, dst, *held),
+                                     error=f"{type(exc).__name__}: {exc}")
+
+    def _copy_locked(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
+                     stream: Any, held: list[Any]) -> Pending:
+        n = src.shape[0]
+        if n == 0:
+            return self._enqueue(stream, None, 0)
+        # everything up to the first launch is the request's latency: nothing else here
+        seq = next(self._seq) % (_I32 - 1) + 1
+        s_at, d_at = _pinned_address(src), _pinned_address(dst)
+        first_len = int(src[0]["len"])
+        if self._cuda is not None and first_len > SMALL:
+            return self._copy_onboard(src, smap, dst, dmap, stream, seq, s_at, d_at,
+                                      first_len, held)
+        if s_at and d_at:  # read in place: one launch, only a status word of ours
+            buf = self._take(8)
+            held.append(buf)
+            buf.words[0] = 0
+            plan = self._plan(n, first_len, pieces=False)
+            self._launch(plan, s_at, d_at, 0, n, smap, dmap, buf.ptr, seq, stream)
+            return self._enqueue(stream, buf, seq, (src, dst))
+        buf = self._take(8 + 32 * n)
+        held.append(buf)
+        hv, hp = buf.words, buf.ptr
+        hv[0] = 0
+        s_rec, d_rec = _records(src), _records(dst)
+        plan = self._plan(n, int(s_rec[1]))
+        p0 = 0
+        for p1 in plan[2]:
+            hv[1 + 2 * p0 : 1 + 2 * p1] = s_rec[2 * p0 : 2 * p1]
+            hv[1 + 2 * n + 2 * p0 : 1 + 2 * n + 2 * p1] = d_rec[2 * p0 : 2 * p1]
+            self._launch(plan, hp + 8 + 16 * p0, hp + 8 + 16 * (n + p0), p0, p1, smap, dmap,
+                         hp, seq, stream)
+            p0 = p1
+        return self._enqueue(stream, buf, seq)
 
     def _copy_onboard(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
-                      stream: Any, seq: int, s_at: int, d_at: int, first_len: int) -> Pending:
+                      stream: Any, seq: int, s_at: int, d_at: int, first_len: int,
+                      held: list[Any]) -> Pending:
         """Long extents: upload the records (one per extent, so few), then one launch that
         reads them from device memory."""
         n = src.shape[0]
@@ -394,8 +435,10 @@ class BatchCopier:
             buf.words[1 : 1 + 2 * n] = _records(src)
             buf.words[1 + 2 * n : 1 + 4 * n] = _records(dst)
             s_at, d_at, keep = buf.ptr + 8, buf.ptr + 8 + 16 * n, ()
+        held.append(buf)
         buf.words[0] = 0
-        dbuf = self._take_onboard(32 * n)
+        dbuf = self._take_onboard(32 * n, stream)
+        held.append(dbuf)
         at = int(dbuf.data_ptr())
         assert self._cuda is not None
         raw = stream.cuda_stream
@@ -425,13 +468,13 @@ class BatchCopier:
             self._move((grid, g), stream, args, consts, warps, direct)
 
     def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int,
-                 keep: tuple[Extents, ...] = (), dbuf: Any = None) -> Pending:
+                 keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> Pending:
         """Completion event after the launches; finished posts hand back their buffers."""
         while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
             self._finish_locked(self._inflight.popleft())
         new_event = self.torch.cuda.Event
         event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
         event.record(stream)
-        pending = Pending(self, event, buf, seq, keep, dbuf)
+        pending = Pending(self, event, buf, seq, keep, dbuf, error)
         self._inflight.append(pending)
         return pending

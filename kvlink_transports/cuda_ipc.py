@@ -2,13 +2,41 @@
 
 Each side exports IPC handles of its registered VRAM regions; the descriptor carrying them is put
 into a handshake answer only for a peer whose host id (kernel boot + IPC namespace, exchanged in
-the handshake) equals ours — never on assumption. The peer opens the handles once and caches the
-mappings (closed on disconnect or when the peer reconnects). READ and WRITE are both copies
-between mapped pointers, enqueued by _gpucopy.BatchCopier on a side stream so the model's stream
-is never blocked: the extent records go to pinned memory, the device checks them against the
+the handshake) equals ours — never on assumption. The peer opens the handles once per connect;
+READ and WRITE are both copies between mapped pointers, enqueued by _gpucopy.BatchCopier on a
+side stream: the extent records go to pinned memory, the device checks them against the
 registered regions of both sides and translates the peer's addresses into our mappings, then one
 kernel copies them; completion is a CUDA event that poll() queries. The host does no per-extent
 numpy work before the launch: at 20480 extents that alone cost more than the copy.
+
+Stream order (the manners of CUDA libraries). A post's copy starts only after the work that was
+enqueued on the caller's current stream of our device (``torch.cuda.current_stream``) when post
+was called: for a READ the kernels still writing or reading the destination blocks, for a WRITE
+the kernels still writing the source. This is an event recorded on that stream and waited on by
+the side stream — no host sync, so post never blocks on the model. The model's stream in turn is
+never made to wait: poll() reports DONE once the copy has finished, and
+:meth:`CudaIpcTransport.completion_event` (an optional hook of the transport contract) gives the
+copy's completion event, so a consumer can order its own stream after the copy
+(``stream.wait_event(ev)``) without a host sync; whether the copy succeeded is still poll()'s
+answer. The peer's side is not ordered by us (its memory is another process's): a producer
+offers blocks only once their KV is computed. Option ``stream_order=False`` drops the wait (the
+behaviour before it existed): only for a caller that orders its streams itself, and for
+scripts/gpu_stream_order_check.py, which shows what goes wrong without it.
+
+Mappings and peers. Peers are replaced and forgotten from the handshake thread while posts run
+on the caller's: the peer table is locked. Each connect maps the peer's exports anew and each
+in-flight post holds a reference on the mappings it copies through, so disconnecting (or
+reconnecting) a peer while a copy is in flight never unmaps memory under the copy: the old
+mappings are closed once the last copy through them has completed (seen by poll, release, a
+later post, disconnect or close). A reconnected peer gets the mappings of its new descriptor,
+never the old peer's (the mapper shares one mapping per allocation and exporting process, as
+CUDA requires).
+
+Contract (``kvlink/transport.py``): post never raises for peer or runtime conditions — an unknown
+or disconnected peer, a CUDA error while enqueueing — it returns a handle that polls FAILED with
+the reason; a handle is FAILED only when no byte of it can still land (a copy cut by a
+disconnect, or one whose launch failed part way, reports FAILED only after its completion event
+has completed); disconnect fails only that peer's in-flight handles.
 
 Where IPC cannot work — another host, another IPC namespace (container), memory without legacy
 IPC handles (``expandable_segments``, ``cudaMallocAsync`` pools) — connect() raises
@@ -24,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -45,6 +73,9 @@ from kvlink.transport import (
     check_pairs,
 )
 from kvlink.wire import decode_versioned
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvlink.cuda_ipc")
 #: copy kernels: CUDA C where NVRTC builds it, else Triton ("auto"), or one of them forced
@@ -68,22 +99,30 @@ class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Peer:
+    """One connect of a peer: its regions, our mappings of them, and the posts through them."""
+
+    name: str
     table: RegionTable  # the peer's own addresses
     map: Any  # _gpucopy.RegionMap: the peer's regions -> our mappings of them
-    handles: list[Any]
+    handles: list[Any]  # kvlink.cuda_ipc.IpcHandle, one mapper reference each
+    live: set[_Xfer] = dataclasses.field(default_factory=set)  # posts not yet settled
+    gone: str = ""  # why it was disconnected; mappings closed once ``live`` is empty
+    unmapped: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Xfer:
-    pending: Any  # _gpucopy.Pending
+    pending: Any  # _gpucopy.Pending, None for a post that failed before anything was enqueued
     nbytes: int
     t_post: float
     local: Extents
     remote: Extents
-    peer_table: RegionTable | None
+    peer: _Peer | None
     state: XferState = PENDING
+    cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
+    settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
 def _device_index(device: str) -> int:
@@ -118,8 +157,10 @@ class CudaIpcTransport(Transport):
         self._device = -1
         self._regions: tuple[Region, ...] = ()
         self._exports: list[_Export] = []
-        self._peers: dict[str, _Peer] = {}
+        self.stream_order = bool(self.options.get("stream_order", True))
+        self._peers: dict[str, _Peer] = {}  # guarded by _lock, like _xfers and _released
         self._xfers: dict[int, _Xfer] = {}
+        self._released: list[_Xfer] = []  # released before their copy ended: settled later
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._mapper: Any = None
@@ -196,7 +237,8 @@ class CudaIpcTransport(Transport):
         why = self.unreachable_reason(descriptor, desc.host_id == self.ctx.host_id)
         if why:
             raise TransportUnavailable(why)
-        self.disconnect(peer)
+        # map the new descriptor first (outside the lock: opening a mapping takes milliseconds
+        # and posts to other peers go on meanwhile); the old peer, if any, is retired after
         handles, mapped = [], []
         try:
             for e in desc.exports:
@@ -214,7 +256,12 @@ class CudaIpcTransport(Transport):
         ours = np.array([order[r.addr] for r in table.regions], dtype=np.uint64)
         delta = ours.astype(np.int64) - table.starts.astype(np.int64)
         rmap = RegionMap(table.starts, table.ends, delta, self._torch.device("cuda", self._device))
-        self._peers[peer] = _Peer(table, rmap, handles)
+        new = _Peer(peer, table, rmap, handles)
+        with self._lock:
+            old = self._peers.get(peer)
+            self._peers[peer] = new
+            closable = self._retire_locked(old, "reconnected") if old is not None else []
+        self._unmap(closable)
         log.info(
             "cuda_ipc: mapped %d allocation(s) of %s (GPU %s)",
             len(handles),
@@ -223,37 +270,121 @@ class CudaIpcTransport(Transport):
         )
 
     def disconnect(self, peer: str) -> None:
-        old = self._peers.pop(peer, None)
-        if old is not None:
-            self._stream.synchronize()  # nothing of ours may still touch the mapping
-            for h in old.handles:
-                self._mapper.close(h)
+        """Forget ``peer``: its in-flight posts turn FAILED once their copies have ended, and
+        its mappings are closed then (never under a running copy). Other peers are untouched."""
+        with self._lock:
+            old = self._peers.pop(peer, None)
+            closable = self._retire_locked(old, "disconnected") if old is not None else []
+            closable += self._reap_locked()
+        self._unmap(closable)
 
+    # ------------------------------------------------------------ mapping references
+    def _retire_locked(self, p: _Peer, why: str) -> list[_Peer]:
+        """Mark a replaced or forgotten peer gone; its copies still in flight will fail. The
+        peer is returned (to unmap) if no copy of it is left in flight."""
+        p.gone = why
+        closable: list[_Peer] = []
+        for x in list(p.live):
+            if x.pending.done():  # ended before the disconnect: it keeps its own outcome
+                closable += self._settle_locked(x)
+            else:
+                x.cut = (f"peer {p.name} {why} while the copy was in flight (its bytes may "
+                         "have landed in part)")
+        if not p.live and not p.unmapped:
+            p.unmapped = True
+            closable.append(p)
+        return closable
+
+    def _settle_locked(self, x: _Xfer) -> list[_Peer]:
+        """A post whose copy has ended drops its reference on the peer's mappings; returns the
+        peer if that was the last reference of a gone peer."""
+        if x.settled:
+            return []
+        x.settled = True
+        p = x.peer
+        if p is None:
+            return []
+        p.live.discard(x)
+        if p.gone and not p.live and not p.unmapped:
+            p.unmapped = True
+            return [p]
+        return []
+
+    def _reap_locked(self) -> list[_Peer]:
+        """Settle released posts whose copies have ended since."""
+        closable: list[_Peer] = []
+        keep = []
+        for x in self._released:
+            if x.pending.done():
+                closable += self._settle_locked(x)
+            else:
+                keep.append(x)
+        self._released = keep
+        return closable
+
+    def _unmap(self, peers: list[_Peer]) -> None:
+        for p in peers:
+            for h in p.handles:
+                try:
+                    self._mapper.close(h)
+                except KVLinkError as exc:  # a dead context: nothing more to release
+                    log.warning("cuda_ipc: closing a mapping of %s failed: %s", p.name, exc)
+
+    # ------------------------------------------------------------ transfers
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
     ) -> int:
+        """Enqueue the copy after the caller's current stream (see the module docstring);
+        never raises for peer or runtime conditions: such a post polls FAILED."""
         t0 = time.perf_counter()
-        handle = next(self._handles)
-        target = self._peers.get(peer)
-        if target is None:
-            self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
-                                        XferState(XferStatus.FAILED, f"peer {peer} not connected"))
-            return handle
-        if op is Op.READ:
-            args = (remote, target.map, local, self._local_map, self._stream)
-        else:
-            args = (local, self._local_map, remote, target.map, self._stream)
         cuda = self._torch.cuda
-        if cuda.current_device() == self._device:  # the common case: skip the context switch
-            pending = self._copier.copy(*args)
-        else:
-            with cuda.device(self._device):
-                pending = self._copier.copy(*args)
-        # the copy is running: bookkeeping from here on is off the transfer's critical path
-        nbytes = int(local["len"].sum())
-        self._xfers[handle] = _Xfer(pending, nbytes, t0, local, remote, target.table)
+        with self._lock:
+            handle = next(self._handles)
+            target = self._peers.get(peer)
+            if target is None or self._copier is None:
+                why = (f"peer {peer} not connected" if self._copier is not None
+                       else "cuda_ipc: post before register()")
+                self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
+                                            XferState(XferStatus.FAILED, why), settled=True)
+                self._account(failed=1)
+                return handle
+            if op is Op.READ:
+                args = (remote, target.map, local, self._local_map, self._stream)
+            else:
+                args = (local, self._local_map, remote, target.map, self._stream)
+            try:
+                after = cuda.current_stream(self._device) if self.stream_order else None
+                if cuda.current_device() == self._device:  # common: skip the context switch
+                    pending = self._copier.copy(*args, after)
+                else:
+                    with cuda.device(self._device):
+                        pending = self._copier.copy(*args, after)
+            except (RuntimeError, OSError) as exc:
+                # the copier turns errors of its launches into a failing copy; this is one
+                # before anything was enqueued (or of a dead context): nothing can land
+                self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None, XferState(
+                    XferStatus.FAILED, f"cuda_ipc: {type(exc).__name__}: {exc}"), settled=True)
+                self._account(failed=1)
+                return handle
+            # the copy is running: bookkeeping from here on is off the transfer's critical path
+            x = _Xfer(pending, int(local["len"].sum()), t0, local, remote, target)
+            target.live.add(x)
+            self._xfers[handle] = x
+            closable = self._reap_locked() if self._released else []
+        self._unmap(closable)
         self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
         return handle
+
+    def completion_event(self, handle: int) -> torch.cuda.Event | None:
+        """Optional hook: the CUDA event recorded after this post's copy, for a caller that
+        orders its own stream after the copy without a host sync (``stream.wait_event(ev)``).
+        None for a handle without a copy (failed at post, unknown or released). The event only
+        says that the copy has ended; whether it succeeded is poll()'s answer. Valid until the
+        handle is released (a copy already seen complete gives an event that is complete)."""
+        x = self._xfers.get(handle)
+        if x is None or x.pending is None:
+            return None
+        return x.pending.completion_event()  # type: ignore[no-any-return]
 
     def extents(self, n: int) -> Extents:
         if self._copier is None:  # not registered yet: nothing to post with anyway
@@ -265,8 +396,8 @@ class CudaIpcTransport(Transport):
         try:
             check_pairs(x.local, x.remote)
             self._table.locate(x.local, "local extent")
-            if x.peer_table is not None:
-                x.peer_table.locate(x.remote, "remote extent")
+            if x.peer is not None:
+                x.peer.table.locate(x.remote, "remote extent")
         except KVLinkError as exc:
             return str(exc)
         return "an extent was refused by the device-side bounds check"
@@ -276,16 +407,36 @@ class CudaIpcTransport(Transport):
         if x is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
         if x.state.status is XferStatus.PENDING and x.pending.done():
-            if x.pending.failed():
-                x.state = XferState(XferStatus.FAILED, self._refusal(x))
-            else:
-                x.state = DONE
+            with self._lock:
+                closable = self._settle_locked(x)
+                if x.state.status is XferStatus.PENDING:  # not decided by another thread
+                    if x.cut:
+                        x.state = XferState(XferStatus.FAILED, x.cut)
+                    elif x.pending.failed():
+                        x.state = XferState(XferStatus.FAILED,
+                                            x.pending.error or self._refusal(x))
+                    else:
+                        x.state = DONE
+            self._unmap(closable)
+            if x.state is DONE:
                 self._account(transfers=1, bytes=x.nbytes,
                               xfer_seconds=time.perf_counter() - x.t_post)
+            else:
+                self._account(failed=1)
         return x.state
 
     def release(self, handle: int) -> None:
-        self._xfers.pop(handle, None)
+        """Forget the handle. A copy still running keeps its mapping reference until it ends."""
+        with self._lock:
+            x = self._xfers.pop(handle, None)
+            if x is None or x.settled:
+                return
+            if x.pending.done():
+                closable = self._settle_locked(x)
+            else:
+                self._released.append(x)
+                return
+        self._unmap(closable)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         return []
@@ -294,5 +445,15 @@ class CudaIpcTransport(Transport):
         raise TransportUnavailable("cuda_ipc has no native notifications; use the side channel")
 
     def close(self) -> None:
-        for peer in list(self._peers):
-            self.disconnect(peer)
+        """Wait for every copy of ours to end, then close every mapping. Idempotent."""
+        if self._stream is not None:
+            self._stream.synchronize()  # every copy of ours ran on this stream
+        with self._lock:
+            closable: list[_Peer] = []
+            for x in [*self._xfers.values(), *self._released]:
+                closable += self._settle_locked(x)
+            for name in list(self._peers):
+                closable += self._retire_locked(self._peers.pop(name), "closed")
+            self._xfers.clear()
+            self._released.clear()
+        self._unmap(closable)

@@ -7,6 +7,7 @@ scripts/gpu_cuda_ipc_check.py, run through the device tool.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -206,3 +207,422 @@ def test_gpu_copy_needs_a_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: the IPC copy runs in scripts/gpu_cuda_ipc_check.py "
                     "on the device machine")
+
+
+# ----------------------------------------------------------------------------------------------
+# Stream order, mapping references and the post/poll contract, with the GPU faked: a fake copier
+# hands out copies whose completion the test decides, a fake mapper counts mapping references.
+
+
+class _FakeStream:
+    def __init__(self, raw: int) -> None:
+        self.cuda_stream = raw
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.recorded_on: list[object] = []
+
+    def query(self) -> bool:
+        return self.done
+
+    def record(self, stream: object = None) -> None:
+        self.recorded_on.append(stream)
+
+
+class _FakeCopy:
+    """What _gpucopy.Pending offers the transport."""
+
+    def __init__(self, args: tuple[object, ...], after: object) -> None:
+        self.args, self.after = args, after
+        self.event = _FakeEvent()
+        self.error = ""
+        self.refused = False
+
+    def done(self) -> bool:
+        return self.event.done
+
+    def failed(self) -> bool:
+        return self.refused or bool(self.error)
+
+    def completion_event(self) -> _FakeEvent:
+        return self.event
+
+    def wait(self) -> None:
+        self.event.done = True
+
+
+class _FakeCopier:
+    def __init__(self) -> None:
+        self.copies: list[_FakeCopy] = []
+        self.raise_next: Exception | None = None
+
+    def copy(self, src: object, smap: object, dst: object, dmap: object, stream: object,
+             after: object = None) -> _FakeCopy:
+        if self.raise_next is not None:
+            exc, self.raise_next = self.raise_next, None
+            raise exc
+        c = _FakeCopy((src, smap, dst, dmap, stream), after)
+        self.copies.append(c)
+        return c
+
+
+class _FakeMapper:
+    """Counts references per (pid, handle bytes) like cuda_ipc.IpcMapper; unmaps at zero."""
+
+    def __init__(self) -> None:
+        self.refs: dict[tuple[int, bytes], int] = {}
+        self.unmapped: list[tuple[int, bytes]] = []
+
+    def open(self, h: Any) -> int:
+        key = (h.pid, h.handle)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return int(0x7000_0000_0000 + h.offset + 0x1_0000_0000 * h.pid)
+
+    def close(self, h: Any) -> None:
+        key = (h.pid, h.handle)
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.unmapped.append(key)
+
+
+class _FakeMap:
+    def __init__(self, starts: object, ends: object, delta: object, device: object) -> None:
+        self.delta = delta
+
+
+def _fake_transport(monkeypatch: pytest.MonkeyPatch, **options: object) -> Any:
+    """A CudaIpcTransport whose GPU parts are fakes: registered over [0x1000, +1 MiB)."""
+    import types
+
+    import torch
+
+    from kvlink.transport import Region, RegionTable, TransportContext
+    from kvlink_transports import cuda_ipc as mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    t: Any = mod.CudaIpcTransport(TransportContext(agent_name="me", host_id="h"), options)
+    caller = _FakeStream(111)
+    t._torch = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(current_stream=lambda device=None: caller,
+                                   current_device=lambda: 0),
+        device=lambda *a: None)
+    t._device = 0
+    t._stream = _FakeStream(222)
+    t._copier = _FakeCopier()
+    t._mapper = _FakeMapper()
+    t._table = RegionTable([Region(0x1000, 1 << 20, "cuda:0")])
+    t._local_map = "local-map"
+    t.caller = caller
+    monkeypatch.setattr(_gpucopy, "RegionMap", _FakeMap)
+    return t
+
+
+def _desc(pid: int, handle: bytes = b"h" * 64) -> bytes:
+    import msgspec
+
+    from kvlink.cuda_ipc import IpcHandle
+    from kvlink_transports import cuda_ipc as mod
+
+    h = IpcHandle(handle, 0, 1 << 20, pid, 0)
+    return msgspec.msgpack.encode(mod._Descriptor(v=1, agent=f"peer-{pid}", host_id="h",
+                                                  device_uuid="", exports=[
+                                                      mod._Export(0x9000, 1 << 20, h.to_bytes())]))
+
+
+def _ext(addr: int) -> Any:
+    from kvlink.transport import make_extents
+
+    return make_extents([addr], [4096])
+
+
+def _post(t: Any, op: Op, peer: str) -> int:
+    return int(t.post(op, peer, _ext(0x1000), _ext(0x9000)))
+
+
+def test_post_orders_the_copy_after_the_callers_current_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """READ (destination) and WRITE (source) alike: the copier is told to wait for the caller's
+    current stream; stream_order=False (the old behaviour) tells it nothing."""
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t.connect("p", _desc(4242))
+    for op in (Op.READ, Op.WRITE):
+        h = _post(t, op, "p")
+        c = t._copier.copies[-1]
+        assert c.after is t.caller
+        assert c.args[4] is t._stream
+        assert t.poll(h).status is XferStatus.PENDING
+        assert t.completion_event(h) is c.event
+        c.event.done = True
+        assert t.poll(h).status is XferStatus.DONE
+    off = _fake_transport(monkeypatch, stream_order=False)
+    off.connect("p", _desc(4242))
+    _post(off, Op.READ, "p")
+    assert off._copier.copies[-1].after is None
+
+
+def test_post_never_raises_for_peer_or_runtime_conditions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    h = _post(t, Op.READ, "nobody")
+    st = t.poll(h)
+    assert st.status is XferStatus.FAILED and "nobody" in st.reason
+    assert t.completion_event(h) is None
+    t.connect("p", _desc(4242))
+    t._copier.raise_next = RuntimeError("CUDA error: an illegal memory access")
+    st = t.poll(_post(t, Op.READ, "p"))
+    assert st.status is XferStatus.FAILED and "illegal memory access" in st.reason
+    t.disconnect("p")
+    st = t.poll(_post(t, Op.WRITE, "p"))
+    assert st.status is XferStatus.FAILED and "not connected" in st.reason
+    # a copy whose launch failed part way (the copier reports it) fails only once it has ended
+    t.connect("p", _desc(4242))
+    h = _post(t, Op.READ, "p")
+    c = t._copier.copies[-1]
+    c.error = "RuntimeError: cuLaunchKernel failed"
+    assert t.poll(h).status is XferStatus.PENDING
+    c.event.done = True
+    st = t.poll(h)
+    assert st.status is XferStatus.FAILED and "cuLaunchKernel" in st.reason
+    assert t.stats.failed == 4
+
+
+def test_disconnect_in_flight_keeps_the_mapping_until_the_copy_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy holds its mapping: disconnect neither unmaps under it nor fails it early; it
+    fails (no byte can land any more) once its event has completed, and then it is unmapped."""
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    mapper = t._mapper
+    t.connect("p", _desc(4242))
+    h = _post(t, Op.READ, "p")
+    c = t._copier.copies[-1]
+    t.disconnect("p")
+    assert mapper.unmapped == [] and sum(mapper.refs.values()) == 1
+    assert t.poll(h).status is XferStatus.PENDING
+    c.event.done = True
+    st = t.poll(h)
+    assert st.status is XferStatus.FAILED and "disconnected" in st.reason
+    assert mapper.refs == {} and len(mapper.unmapped) == 1
+    t.release(h)
+    assert len(mapper.unmapped) == 1  # unmapped exactly once
+
+
+def test_a_copy_that_ended_before_the_disconnect_keeps_its_outcome(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t.connect("p", _desc(4242))
+    h = _post(t, Op.READ, "p")
+    t._copier.copies[-1].event.done = True
+    t.disconnect("p")
+    assert t._mapper.refs == {}
+    assert t.poll(h).status is XferStatus.DONE
+
+
+def test_reconnect_in_flight_gets_new_mappings_and_keeps_the_old_until_the_copy_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer reconnecting under the same name (another exporter process: other pid, other
+    handle): posts after the reconnect go through the new mappings; the old copy keeps the old
+    ones until it has ended, then fails, and only then are they unmapped."""
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    mapper = t._mapper
+    t.connect("p", _desc(4242, b"a" * 64))
+    h1 = _post(t, Op.READ, "p")
+    old = t._copier.copies[-1]
+    t.connect("p", _desc(4343, b"b" * 64))
+    assert set(mapper.refs) == {(4242, b"a" * 64), (4343, b"b" * 64)}
+    h2 = _post(t, Op.READ, "p")
+    new = t._copier.copies[-1]
+    assert new.args[1] is not old.args[1]  # the new peer's region map, not the old one
+    assert int(new.args[1].delta[0]) != int(old.args[1].delta[0])
+    new.event.done = True
+    assert t.poll(h2).status is XferStatus.DONE
+    assert t.poll(h1).status is XferStatus.PENDING
+    assert mapper.unmapped == []
+    old.event.done = True
+    st = t.poll(h1)
+    assert st.status is XferStatus.FAILED and "reconnected" in st.reason
+    assert mapper.unmapped == [(4242, b"a" * 64)] and set(mapper.refs) == {(4343, b"b" * 64)}
+    # the same exporter reconnecting shares its allocation's one mapping (CUDA maps an
+    # allocation once per context), with one reference per connect
+    t.connect("p", _desc(4343, b"b" * 64))
+    assert mapper.refs == {(4343, b"b" * 64): 1}
+
+
+def test_disconnect_fails_only_that_peers_handles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t.connect("a", _desc(1, b"a" * 64))
+    t.connect("b", _desc(2, b"b" * 64))
+    ha, hb = _post(t, Op.READ, "a"), _post(t, Op.WRITE, "b")
+    t.disconnect("a")
+    for c in t._copier.copies:
+        c.event.done = True
+    assert t.poll(ha).status is XferStatus.FAILED
+    assert t.poll(hb).status is XferStatus.DONE
+    assert set(t._mapper.refs) == {(2, b"b" * 64)}
+
+
+def test_release_before_the_copy_ends_defers_the_unmap(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _fake_transport(monkeypatch)
+    mapper = t._mapper
+    t.connect("p", _desc(4242))
+    h = _post(t, Op.READ, "p")
+    c = t._copier.copies[-1]
+    t.release(h)  # the caller gave up on it; the copy still runs
+    t.disconnect("p")
+    assert mapper.unmapped == []
+    c.event.done = True
+    t.disconnect("p")  # any later call settles it (here: a no-op one)
+    assert len(mapper.unmapped) == 1 and mapper.refs == {}
+    t.connect("q", _desc(7, b"q" * 64))
+    _post(t, Op.READ, "q")
+    t.close()
+    assert mapper.refs == {} and len(mapper.unmapped) == 2
+    t.close()  # idempotent
+
+
+def test_peer_table_is_safe_under_concurrent_connects_and_posts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handshake threads replace and forget peers while the caller posts: every post gets a
+    handle (never an exception), and every mapping reference is dropped in the end."""
+    import threading
+
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn(name: str, pid: int) -> None:
+        try:
+            while not stop.is_set():
+                t.connect(name, _desc(pid, name.encode() * 64))
+                t.disconnect(name)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(n, i + 1)) for i, n in enumerate("ab")]
+    for th in threads:
+        th.start()
+    handles = []
+    try:
+        for i in range(3000):
+            handles.append(_post(t, Op.READ, "ab"[i % 2]))
+            if i % 7 == 0:
+                for c in t._copier.copies:
+                    c.event.done = True
+                for h in handles:
+                    t.poll(h)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+    assert not errors
+    for c in t._copier.copies:
+        c.event.done = True
+    states = {t.poll(h).status for h in handles}
+    assert XferStatus.PENDING not in states
+    for h in handles:
+        t.release(h)
+    t.close()
+    assert t._mapper.refs == {}
+
+
+def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> None:
+    """BatchCopier.copy: an event recorded on ``after`` and waited on by the copy's stream
+    before any launch (none when ``after`` is that stream); a launch that raises gives a copy
+    that fails once its event has completed, keeping the buffers the launches read. A handed
+    out completion event is never recycled for another copy."""
+    import collections
+    import threading
+    import types
+
+    from kvlink.transport import make_extents
+
+    cp: Any = object.__new__(_gpucopy.BatchCopier)
+    events: list[_FakeEvent] = []
+
+    def new_event() -> _FakeEvent:
+        events.append(_FakeEvent())
+        return events[-1]
+
+    cp.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=new_event))
+    cp._lock, cp._order, cp._events = threading.Lock(), None, []
+    cp._inflight, cp._pinned, cp._onboard = collections.deque(), {}, {}
+    order: list[str] = []
+    stream: Any = _FakeStream(1)
+    caller = _FakeStream(2)
+    stream.wait_event = lambda ev: order.append("wait")
+
+    def launch(*args: Any) -> Any:
+        order.append("launch")
+        args[-1].append("a buffer the launch reads")
+        raise RuntimeError("CUDA error 700")
+
+    cp._copy_locked = launch
+    e = make_extents([0x1000], [64])
+    p = cp.copy(e, None, e, None, stream, caller)
+    assert order == ["wait", "launch"] and events[0].recorded_on == [caller]
+    assert "CUDA error 700" in p.error and p.keep[-1] == "a buffer the launch reads"
+    assert not p.done()
+    ev = p.completion_event()
+    ev.done = True
+    assert p.done() and p.failed()
+    assert cp._events == []  # handed out: not recycled
+    order.clear()
+    cp.copy(e, None, e, None, stream, stream)
+    cp.copy(e, None, e, None, stream, None)
+    assert order == ["launch", "launch"]  # no wait on itself, none without ``after``
+
+
+def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One mapping per (exporting process, handle), referenced per open, unmapped with the last
+    close; the same handle bytes from another process get their own mapping."""
+    import ctypes
+    import types
+
+    from kvlink import cuda_ipc
+
+    opened: list[bytes] = []
+    closed: list[int] = []
+
+    def open_handle(ptr: Any, raw: Any, flags: int) -> int:
+        opened.append(bytes(raw))
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint64))[0] = 0x5000 * len(opened)
+        return 0
+
+    drv = types.SimpleNamespace(cuIpcOpenMemHandle=open_handle, check=lambda rc, what: None)
+    monkeypatch.setattr(cuda_ipc, "driver", lambda: drv)
+    monkeypatch.setattr(cuda_ipc, "ensure_context", lambda device: None)
+    monkeypatch.setattr(cuda_ipc, "_close_base", lambda base, device: closed.append(base))
+    m = cuda_ipc.IpcMapper(0)
+    a1 = cuda_ipc.IpcHandle(b"x" * 64, 16, 64, 100, 0)
+    a2 = cuda_ipc.IpcHandle(b"x" * 64, 32, 64, 100, 0)  # same allocation, another pointer
+    b = cuda_ipc.IpcHandle(b"x" * 64, 16, 64, 200, 0)  # another exporter
+    assert m.open(a1) == 0x5000 + 16 and m.open(a2) == 0x5000 + 32
+    assert m.open(b) == 0xA000 + 16
+    assert len(opened) == 2 and m.refs(a1) == 2 and m.refs(b) == 1
+    m.close(a1)
+    assert closed == []
+    m.close(a2)
+    assert closed == [0x5000] and m.refs(a1) == 0 and m.refs(b) == 1
