@@ -16,7 +16,7 @@ import msgspec
 from kvlink.errors import IncompatibleSpecError
 from kvlink.headmap import check_tp
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
 
 
 def compat_hash(geometry: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 class KVLinkError(Exception):
     """Base of every error kvlink raises on purpose."""
 
+    code: str = ""  # a peer's ErrorReply code, when the error is its answer
 
 class ConfigError(KVLinkError, ValueError):
     """A configuration value is invalid (names the key and the value)."""
@@ -53,6 +54,14 @@ class IncompatibleSpecError(HandshakeError):
 
 class SideChannelError(KVLinkError):
     """The side channel failed (bind, send, or an error answer from the peer)."""
+
+
+class TransferRefused(KVLinkError):
+    """The producer refused a transfer (not held, released, blocks it does not hold)."""
+
+
+class TransferCancelled(KVLinkError):
+    """A push the consumer cancelled (or that passed its deadline) must not be posted."""
 
 
 class PeerUnreachable(SideChannelError, TimeoutError):

@@ -1,27 +1,77 @@
-"""Scheduler side: which blocks a producer holds for remote readers, and when they may be freed.
+"""Producer-side block ownership: which blocks are held for remote readers, and when they may go.
 
-Never touches memory. A held request is released exactly once: when its last expected reader has
-notified, when its lease expires (a decode that never reads cannot pin prefill memory), or on
-abort. Duplicate, late and unknown notifications are counted and ignored.
+This is the one state machine behind every pull, for the standalone :class:`kvlink.worker.KVWorker`
+API, the demo and the vLLM connector alike. Never touches memory. Its rules:
+
+- **Held, then released exactly once**: a request's blocks are held by :meth:`BlockLeases.hold`
+  and released once — when every expected reader is done, when the lease expires, or on abort.
+  Each hold gets a fresh *generation*; release ends it. Duplicate, late and unknown reports are
+  counted and ignored.
+- **Validate after read** (a seqlock): a reader asks :meth:`begin_read` before its READ and
+  gets the generation (or a refusal: never held yet, already released, or blocks outside the
+  hold). After the READ it reports with :meth:`finish_read`, which answers whether the same
+  generation was held the whole time. Only that answer makes the READ's bytes valid: a lease
+  that expired under the READ (a stalled decode step, a long transport queue) ends its
+  generation, so the reader is told "not intact" and fails the receive. The expiry can stay a
+  timer because a timer never decides that bytes are valid.
+- **Readers that give up release at once**: ``finish_read(..., ok=False)`` counts the reader as
+  done, so a failed pull frees the producer's blocks without waiting for the lease.
+- **A READ touches only the request's own blocks**: ``begin_read`` refuses block ids the hold
+  does not contain.
+
+Thread-safe: the side channel thread answers intents and done reports while the step thread
+holds, expires and drains releases.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
+import itertools
 import logging
+import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 log = logging.getLogger("kvlink.scheduler")
+
+_REMEMBERED = 100_000  # released request ids kept to tell "released" from "not held yet"
+
+
+class Refusal(enum.Enum):
+    """Why :meth:`BlockLeases.begin_read` said no (the wire ``ErrorReply`` code)."""
+
+    NOT_YET = "not_yet"  # never held here (yet): the producer may hold it on its next step
+    RELEASED = "released"  # was held and is gone (read, expired, aborted): recompute
+    BLOCKS = "blocks"  # asks for blocks the request does not hold
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    generation: int
+    expires_in: float  # seconds the lease holds from now (a reader past it must not READ)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    code: Refusal
+    reason: str
 
 
 @dataclasses.dataclass
 class _Lease:
     block_ids: list[int]
+    held: npt.NDArray[np.int64]  # sorted unique ids, for subset checks
+    generation: int
     deadline: float
-    expected: int | None  # readers still unknown until the first notification says
-    readers: set[str] = dataclasses.field(default_factory=set)
-    reading: int = 0  # reads announced (begin_read) and not yet notified
+    expected: int | None  # readers still unknown until the first report says
+    done: set[str] = dataclasses.field(default_factory=set)
+    reading: set[str] = dataclasses.field(default_factory=set)  # granted, not yet reported
 
 
 @dataclasses.dataclass
@@ -31,88 +81,170 @@ class LeaseStats:
     released_done: int = 0
     released_expired: int = 0
     released_aborted: int = 0
+    reads_granted: int = 0
+    reads_refused: int = 0
+    reads_not_intact: int = 0  # READs whose lease ended under them (the reader was told)
+    reads_failed: int = 0  # readers that gave up (their READ failed or never ran)
     duplicate_notifications: int = 0
     unknown_notifications: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Released:
+    req_id: str
+    block_ids: list[int]
+    why: str  # "read", "expired" or "aborted"
+
+
 class BlockLeases:
-    """Holds a producer's blocks for remote readers (pull mode)."""
+    """Holds a producer's blocks for remote readers (see the module docstring for the rules)."""
 
     def __init__(self, lease_seconds: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 read_seconds: float = 30.0) -> None:
         self.lease_seconds = lease_seconds
+        self.read_seconds = read_seconds  # a granted READ extends the lease this far (a hint)
         self._clock = clock
+        self._lock = threading.RLock()
         self._leases: dict[str, _Lease] = {}
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._released: list[Released] = []
+        # random start: generations of two producer lifetimes never collide by accident
+        self._gen = itertools.count(secrets.randbits(40) + 1)
         self.stats = LeaseStats()
 
-    def hold(self, req_id: str, block_ids: Sequence[int], readers: int | None = None) -> None:
-        if req_id in self._leases:
-            raise ValueError(f"request {req_id!r} already holds blocks")
-        self._leases[req_id] = _Lease(list(block_ids), self._clock() + self.lease_seconds,
-                                      readers)
-        self.stats.held += 1
-        self.stats.held_blocks += len(block_ids)
+    # ---------------------------------------------------------------- holding
+    def hold(self, req_id: str, block_ids: Sequence[int] | npt.ArrayLike,
+             readers: int | None = None) -> int:
+        """Hold ``block_ids`` for ``req_id``'s readers (``None``: the first report says how
+        many); returns the generation."""
+        ids = [int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1)]
+        with self._lock:
+            if req_id in self._leases:
+                raise ValueError(f"request {req_id!r} already holds blocks")
+            self._gone.pop(req_id, None)
+            gen = next(self._gen)
+            self._leases[req_id] = _Lease(ids, np.unique(np.asarray(ids, dtype=np.int64)), gen,
+                                          self._clock() + self.lease_seconds, readers)
+            self.stats.held += 1
+            self.stats.held_blocks += len(ids)
+            return gen
 
     def is_held(self, req_id: str) -> bool:
-        return req_id in self._leases
+        with self._lock:
+            return req_id in self._leases
 
-    def begin_read(self, req_id: str, read_seconds: float = 30.0) -> bool:
-        """A reader announces its READ: pin the blocks for ``read_seconds`` more, or refuse.
+    def held_blocks(self, req_id: str) -> list[int] | None:
+        """The held block ids in hold order, or None when not held."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            return None if lease is None else list(lease.block_ids)
 
-        After this returns True the blocks cannot expire under the READ (until the pin runs out);
-        after it returns False the reader must not read — the blocks may already be reused.
-        """
-        lease = self._leases.get(req_id)
-        if lease is None:
-            return False
-        lease.reading += 1
-        lease.deadline = max(lease.deadline, self._clock() + read_seconds)
-        return True
+    def released_why(self, req_id: str) -> str | None:
+        """Why a recently released request went ("read", "expired", "aborted"), else None."""
+        with self._lock:
+            return self._gone.get(req_id)
+
+    # ---------------------------------------------------------------- readers
+    def begin_read(self, req_id: str, reader: str,
+                   block_ids: Sequence[int] | npt.ArrayLike | None = None) -> Grant | Refused:
+        """A reader is about to READ ``block_ids`` of ``req_id``: the generation, or why not."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                self.stats.reads_refused += 1
+                why = self._gone.get(req_id)
+                if why is None:
+                    return Refused(Refusal.NOT_YET, f"request {req_id} is not held (yet)")
+                return Refused(Refusal.RELEASED, f"request {req_id} is no longer held: {why}")
+            if block_ids is not None:
+                want = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+                bad = want[~np.isin(want, lease.held)]
+                if bad.size:
+                    self.stats.reads_refused += 1
+                    return Refused(Refusal.BLOCKS, f"blocks {np.unique(bad)[:8].tolist()} are "
+                                   f"not among the {lease.held.size} held for {req_id}")
+            now = self._clock()
+            lease.deadline = max(lease.deadline, now + self.read_seconds)
+            lease.reading.add(reader)
+            self.stats.reads_granted += 1
+            return Grant(lease.generation, lease.deadline - now)
+
+    def finish_read(self, req_id: str, reader: str, generation: int = 0, ok: bool = True,
+                    expected: int | None = None) -> bool:
+        """A reader is done with ``req_id``. Returns whether the lease of ``generation`` was
+        intact for the whole READ (always False for ``ok=False`` or ``generation=0``, which
+        only release). The request is released once its expected readers are all done."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or (generation and lease.generation != generation):
+                if ok and generation:
+                    self.stats.reads_not_intact += 1
+                    log.warning("READ of %s by %s ran on a lease that ended under it (%s); "
+                                "the reader fails the request", req_id, reader,
+                                self._gone.get(req_id, "released and held again"))
+                else:
+                    self.stats.unknown_notifications += 1
+                return False
+            if reader in lease.done:
+                self.stats.duplicate_notifications += 1
+                log.info("duplicate report for %s from %s ignored", req_id, reader)
+                return bool(ok and generation)
+            lease.done.add(reader)
+            lease.reading.discard(reader)
+            if not ok:
+                self.stats.reads_failed += 1
+            if lease.expected is None:
+                lease.expected = expected if expected is not None else 1
+            if len(lease.done) >= lease.expected:
+                self.stats.released_done += 1
+                self._release(req_id, "read")
+            return bool(ok and generation)
 
     def reader_done(self, req_id: str, reader: str,
                     expected: int | None = None) -> list[int] | None:
-        """Record one reader's notification; returns the blocks to free once all have read."""
-        lease = self._leases.get(req_id)
-        if lease is None:
-            self.stats.unknown_notifications += 1
-            log.info("notification for unknown or already released request %s from %s",
-                     req_id, reader)
-            return None
-        if reader in lease.readers:
-            self.stats.duplicate_notifications += 1
-            log.info("duplicate notification for %s from %s ignored", req_id, reader)
-            return None
-        lease.readers.add(reader)
-        lease.reading = max(0, lease.reading - 1)
-        if lease.expected is None:
-            lease.expected = expected if expected is not None else 1
-        if len(lease.readers) < lease.expected:
-            return None
-        self.stats.released_done += 1
-        return self._release(req_id)
+        """A release without validation (a reader that did not READ this rank); returns the
+        blocks if this released the request."""
+        with self._lock:
+            before = len(self._released)
+            self.finish_read(req_id, reader, 0, True, expected)
+            return self._released[-1].block_ids if len(self._released) > before else None
 
+    # ---------------------------------------------------------------- endings
     def expire(self) -> list[tuple[str, list[int]]]:
-        now = self._clock()
-        gone = [r for r, lease in self._leases.items() if lease.deadline <= now]
-        out = []
-        for req_id in gone:
-            lease = self._leases[req_id]
-            log.warning("lease of %s expired after %.1fs with %d/%s reader(s) done; freeing %d "
-                        "block(s)", req_id, self.lease_seconds, len(lease.readers),
-                        lease.expected if lease.expected is not None else "?",
-                        len(lease.block_ids))
-            self.stats.released_expired += 1
-            out.append((req_id, self._release(req_id)))
-        return out
+        """Release every lease past its deadline (READs under them will be told "not intact")."""
+        with self._lock:
+            now = self._clock()
+            out = []
+            for req_id in [r for r, lease in self._leases.items() if lease.deadline <= now]:
+                lease = self._leases[req_id]
+                log.warning("lease of %s expired with %d/%s reader(s) done, %d reading; freeing "
+                            "%d block(s)", req_id, len(lease.done),
+                            lease.expected if lease.expected is not None else "?",
+                            len(lease.reading), len(lease.block_ids))
+                self.stats.released_expired += 1
+                out.append((req_id, self._release(req_id, "expired")))
+            return out
 
     def abort(self, req_id: str) -> list[int] | None:
-        if req_id not in self._leases:
-            return None
-        self.stats.released_aborted += 1
-        return self._release(req_id)
+        with self._lock:
+            if req_id not in self._leases:
+                return None
+            self.stats.released_aborted += 1
+            return self._release(req_id, "aborted")
 
-    def _release(self, req_id: str) -> list[int]:
+    def drain_released(self) -> list[Released]:
+        """Requests released since the last call (by readers, expiry or abort)."""
+        with self._lock:
+            out, self._released = self._released, []
+            return out
+
+    def _release(self, req_id: str, why: str) -> list[int]:
         lease = self._leases.pop(req_id)
         self.stats.held -= 1
         self.stats.held_blocks -= len(lease.block_ids)
+        self._gone[req_id] = why
+        while len(self._gone) > _REMEMBERED:
+            self._gone.popitem(last=False)
+        self._released.append(Released(req_id, lease.block_ids, why))
         return lease.block_ids

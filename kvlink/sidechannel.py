@@ -31,6 +31,7 @@ from kvlink.errors import (
     AuthError,
     ConfigError,
     IncompatibleSpecError,
+    KVLinkError,
     PeerUnreachable,
     SideChannelError,
     WireError,
@@ -188,25 +189,28 @@ class SideChannelServer:
 
 
 def request(host: str, port: int, msg: wire._Msg, timeout: float,
-            secret: bytes | None = None) -> wire._Msg:
+            secret: bytes | None = None, cancel: threading.Event | None = None) -> wire._Msg:
     """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise).
 
     With a secret, first fetch a nonce, then send the message signed (two round trips; only
-    handshakes and notifications go this way, never the data path).
+    handshakes and notifications go this way, never the data path). ``cancel``: when set, the
+    call gives up within 50 ms (a closing worker must not wait out a dead peer's timeout).
+    An ``ErrorReply`` answer raises, with the peer's code in the exception's ``code``.
     """
     deadline = time.monotonic() + timeout
     if secret is not None:
         challenge = _exchange(host, port, wire.Challenge(v=wire.WIRE_VERSION, nonce=b""),
-                              timeout)
+                              timeout, cancel)
         if not isinstance(challenge, wire.Challenge) or not challenge.nonce:
             raise AuthError(f"{host}:{port} did not hand out a nonce (does it have a secret?)")
         body = wire.encode(msg)
         msg = wire.Signed(v=wire.WIRE_VERSION, nonce=challenge.nonce,
                           mac=_mac(secret, challenge.nonce, body), body=body)
-    return _exchange(host, port, msg, max(0.05, deadline - time.monotonic()))
+    return _exchange(host, port, msg, max(0.05, deadline - time.monotonic()), cancel)
 
 
-def _exchange(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg:
+def _exchange(host: str, port: int, msg: wire._Msg, timeout: float,
+              cancel: threading.Event | None = None) -> wire._Msg:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -214,17 +218,28 @@ def _exchange(host: str, port: int, msg: wire._Msg, timeout: float) -> wire._Msg
     try:
         sock.connect(endpoint(host, port))
         sock.send_multipart([b"", wire.encode(msg)])
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise PeerUnreachable(
-                f"no answer from side channel {host}:{port} within {timeout:.1f}s "
-                f"(to {type(msg).__name__})"
-            )
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            step = left if cancel is None else min(left, 0.05)
+            if sock.poll(max(0, int(step * 1000)), zmq.POLLIN):
+                break
+            if cancel is not None and cancel.is_set():
+                raise PeerUnreachable(f"call to side channel {host}:{port} cancelled (closing; "
+                                      f"{type(msg).__name__} not answered)")
+            if time.monotonic() >= end:
+                raise PeerUnreachable(
+                    f"no answer from side channel {host}:{port} within {timeout:.1f}s "
+                    f"(to {type(msg).__name__})"
+                )
         frames = sock.recv_multipart()
     finally:
         sock.close(linger=0)
     reply: wire._Msg = wire.decode(frames[-1])
     if isinstance(reply, wire.ErrorReply):
-        cls = {"incompatible": IncompatibleSpecError, "auth": AuthError}.get(
-            reply.code, SideChannelError)
-        raise cls(f"{host}:{port} answered {reply.code}: {reply.message}")
+        cls: type[KVLinkError] = {"incompatible": IncompatibleSpecError,
+                                  "auth": AuthError}.get(reply.code, SideChannelError)
+        err = cls(f"{host}:{port} answered {reply.code}: {reply.message}")
+        err.code = reply.code
+        raise err
     return reply

@@ -100,22 +100,31 @@ class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
     compat: str
     spec: SpecMsg
     transports: dict[str, bytes]
+    #: random per process start: requests carry it back, so a peer restarted under the same
+    #: engine id and address is detected (stale incarnation) instead of read through old state
+    incarnation: int = 0
 
 
 class Notification(_Msg, tag="notify", frozen=True):
-    """"Reader done" (pull) or "data written" (push) for one request."""
+    """Push mode, prefill -> decode: "your blocks for this push are filled" (``ok``), or "they
+    will not be / were not completely" (``ok=False``, the WRITE is quiescent either way)."""
 
     engine_id: str
     req_id: str
     tp_rank: int
     tp_size: int
-    kind: str = "read"  # "read": a reader is done with our blocks; "write": your blocks are filled
+    kind: str = "write"
     ok: bool = True
-    detail: str = ""
+    detail: str = ""  # why not ok (human-readable only; nothing is parsed out of it)
+    push_id: int = 0  # the PushRequest this answers (a stale push's note is ignored)
 
 
 class PushRequest(_Msg, tag="push", frozen=True):
-    """Push mode: a decode rank asks the prefill to WRITE a request's blocks into its own."""
+    """Push mode: a decode rank asks the prefill to WRITE a request's blocks into its own.
+
+    ``push_id`` names this attempt (a retry of the same request is another transfer);
+    ``ttl_ms``: the prefill must not post the WRITE later than this after it got the request
+    (the decode may have given up on it and sent a :class:`PushCancel`)."""
 
     engine_id: str
     agent_name: str
@@ -125,18 +134,69 @@ class PushRequest(_Msg, tag="push", frozen=True):
     host: str  # the decode rank's side channel, where the prefill handshakes back
     port: int  # base port (rank r at port + r)
     block_ids: list[int]
+    push_id: int = 0
+    ttl_ms: int = 0
+    incarnation: int = 0  # the decode's: a prefill with older handshake state re-handshakes
 
 
-class ReadIntent(_Msg, tag="read_intent", frozen=True):
-    """Pull mode: "I am about to READ req_id's blocks" — the producer pins them or refuses.
-
-    One-sided READs cannot be refused per request once posted, so this round trip is what stops
-    a decode from reading blocks whose lease expired and that may hold another request's KV.
-    """
+class PushCancel(_Msg, tag="push_cancel", frozen=True):
+    """Decode -> prefill: my push timed out; do not post it. Answered by :class:`PushState`."""
 
     engine_id: str
     req_id: str
     tp_rank: int
+    push_id: int
+
+
+class PushState(_Msg, tag="push_state", frozen=True):
+    """The prefill's answer to a cancel: ``cancelled`` (never posted and never will be),
+    ``in_flight`` (posted; its "written" notification follows once it is quiescent), ``done``
+    (fully written) or ``failed`` (quiescent, not completely written)."""
+
+    state: str
+    reason: str = ""
+
+
+class ReadIntent(_Msg, tag="read_intent", frozen=True):
+    """Pull mode: "I am about to READ these blocks of req_id" — answered by :class:`ReadGrant`
+    or an :class:`ErrorReply` (``not_yet``, ``released``, ``blocks``, ``stale``).
+
+    ``incarnation`` is the producer's as the reader's handshake saw it: a mismatch means the
+    producer restarted and the reader's metadata (mappings, keys) is stale."""
+
+    engine_id: str
+    req_id: str
+    tp_rank: int
+    incarnation: int = 0
+    block_ids: list[int] = []
+
+
+class ReadGrant(_Msg, tag="read_grant", frozen=True):
+    """The lease generation the READ runs under and how long the lease holds from now."""
+
+    generation: int
+    expires_in: float
+
+
+class ReadDone(_Msg, tag="read_done", frozen=True):
+    """Reader -> producer after its READ (validate-after-read): was the lease of
+    ``generation`` intact the whole time? Answered by :class:`ReadVerdict`.
+
+    ``ok=False``: the READ failed or was never posted (release now, nothing to validate).
+    ``generation=0``: a replica this reader did not read (heterogeneous TP): release only."""
+
+    engine_id: str
+    req_id: str
+    tp_rank: int
+    tp_size: int
+    incarnation: int = 0
+    generation: int = 0
+    ok: bool = True
+
+
+class ReadVerdict(_Msg, tag="read_verdict", frozen=True):
+    intact: bool
+    reason: str = ""
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
@@ -163,8 +223,8 @@ class Signed(_Msg, tag="signed", frozen=True):
 
 
 Message = (
-    HandshakeRequest | HandshakeResponse | Notification | PushRequest | ReadIntent | ErrorReply
-    | Ack | Challenge | Signed
+    HandshakeRequest | HandshakeResponse | Notification | PushRequest | PushCancel | PushState
+    | ReadIntent | ReadGrant | ReadDone | ReadVerdict | ErrorReply | Ack | Challenge | Signed
 )
 
 

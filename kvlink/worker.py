@@ -1,8 +1,33 @@
 """Worker side: register memory, handshake, post READ/WRITE, poll, report.
 
 Never decides policy (that is the scheduler's): it is told which blocks to move and reports
-which requests finished or failed. Handshakes run on a helper thread, so the caller (vLLM's
-forward loop) never blocks on a slow peer; requests wait in PENDING until their peers are ready.
+which requests finished or failed. Handshakes and side-channel calls run on helper threads, so
+the caller (vLLM's forward loop) never blocks on a slow peer; requests wait in PENDING until
+their peers are ready.
+
+Block ownership (the invariant: a block is reused only when no peer can still touch it):
+
+- **Pull, validate after read.** A producer holds a request's blocks in :attr:`KVWorker.leases`
+  (:class:`kvlink.scheduler.BlockLeases`). A reader first sends a ``ReadIntent`` (the block ids
+  it will read, the producer incarnation it handshook with) and gets a ``ReadGrant`` (the
+  lease's generation and how long it holds). It does not post past that deadline. After its
+  READ is DONE it sends ``ReadDone`` with the generation and gets a ``ReadVerdict``: only
+  "intact" makes the request finished; a lease that ended under the READ makes it failed. A
+  READ that fails (or is never posted) sends ``ReadDone(ok=False)``, releasing the producer at
+  once. Unread replicas (heterogeneous TP) are released the same way, finished or failed.
+- **Push, cancel and ack** (:mod:`kvlink.push`): a push carries an id and a time to live; the
+  prefill never posts after either runs out or a cancel arrives; a decode that timed out
+  cancels and frees its blocks only on an answer, or once its transport fenced the prefill off.
+- **Incarnation.** Every handshake answer carries the producer's random incarnation; intents
+  and done reports carry it back. A restarted producer answers "stale", and the reader
+  handshakes again instead of reading through old mappings or keys. Peers are cached by engine
+  id *and* address, so two engines sharing an id are never mixed up.
+- **Transport contract** (:mod:`kvlink.transport`): FAILED means no byte can still land, so a
+  failed part is safe to report. A failed transfer does not tear down the peer: other
+  requests' transfers to it keep going.
+
+:meth:`KVWorker.close` returns within ``close_timeout`` whatever the peers do: queued reports
+get until then, the rest are cancelled.
 """
 
 from __future__ import annotations
@@ -11,23 +36,32 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
-from kvlink.errors import ConfigError, HandshakeError, KVLinkError, TransportUnavailable
+from kvlink.errors import (
+    ConfigError,
+    HandshakeError,
+    KVLinkError,
+    SideChannelError,
+    TransferRefused,
+    TransportUnavailable,
+)
 from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.plan import Plan, plan_transfer
-from kvlink.scheduler import BlockLeases
+from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
+from kvlink.scheduler import BlockLeases, Grant, Released
 from kvlink.transport import (
     Op,
     Transport,
@@ -39,7 +73,7 @@ from kvlink.transport import (
 
 log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
-
+T = TypeVar("T")
 
 _warned: set[str] = set()
 
@@ -63,14 +97,21 @@ class WorkerConfig:
     handshake_timeout: float = 10.0
     serve: bool = True  # run a side channel server (producers, and consumers in push mode)
     secret: str | None = None  # shared side-channel secret (default: env KVLINK_SECRET)
-    announce_reads: bool = True  # pull: ask the producer to pin a request before READing it
     allow_insecure: bool = False  # bind an unauthenticated side channel on a non-loopback host
+    lease_seconds: float = 120.0  # producer: how long a held request waits for its readers
+    read_seconds: float = 30.0  # producer: a granted READ extends its lease this far (a hint)
+    intent_timeout: float = 10.0  # reader: how long to retry a request not held (yet)
+    close_timeout: float = 2.0  # close() returns within this, cancelling what it cannot send
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         if not self.transports:
             raise ConfigError("transports must name at least one transport")
+        for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
+                    "close_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,32 +131,37 @@ class _Peer:
     transport: Transport
     tp_size: int
     endpoint: tuple[str, int]
+    incarnation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Go:
+    """A part may be posted: the peer, and for an announced READ its grant and local deadline."""
+
+    peer: _Peer
+    grant: Grant | None = None
+    deadline: float = float("inf")
 
 
 @dataclasses.dataclass
 class _Part:
     read: HeadRead
-    future: cf.Future[_Peer]
+    future: cf.Future[_Go]
     handle: int | None = None
     transport: Transport | None = None
+    go: _Go | None = None
     done: bool = False
     error: str | None = None
     plan: Plan | None = None
+    verdict: cf.Future[wire._Msg] | None = None  # READ: the producer's answer to ReadDone
     t_post: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
 
-
-@dataclasses.dataclass
-class _Awaiting:
-    """Push mode, decode side: blocks reserved for a request the prefill will WRITE into."""
-
-    req_id: str
-    remote: RemoteEngine
-    waiting: set[int]  # prefill ranks that have not signalled "written" yet
-    deadline: float
-    nbytes: int
-    asked: cf.Future[None] | None = None
-    error: str | None = None  # a prefill rank said it could not write (ok=False)
+    @property
+    def settled(self) -> bool:
+        """Nothing of this part is moving or awaited any more."""
+        return self.done or (self.error is not None and self.handle is None
+                             and self.verdict is None)
 
 
 @dataclasses.dataclass
@@ -128,6 +174,18 @@ class _Request:
     parts: list[_Part]
     t_start: float
     nbytes: int = 0
+    push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
+    push_key: PushKey | None = None
+
+
+@dataclasses.dataclass
+class _Awaiting:
+    """Push mode, decode side: the request's remote and its ownership state."""
+
+    remote: RemoteEngine
+    wait: PushWait
+    asked: cf.Future[None] | None = None
+    cancels: dict[int, cf.Future[wire._Msg]] = dataclasses.field(default_factory=dict)
 
 
 class KVWorker:
@@ -137,25 +195,29 @@ class KVWorker:
         self.config = config
         self.spec: KVCacheSpec | None = None
         self.agent_name = f"{config.engine_id}/{config.tp_rank}/{os.getpid()}-{time.time_ns()}"
+        #: random per worker: a peer that sees it change knows we restarted
+        self.incarnation = secrets.randbits(62) + 1
         self.transports: dict[str, Transport] = {}
         self._server: sidechannel.SideChannelServer | None = None
-        self._peers: dict[tuple[str, int], cf.Future[_Peer]] = {}
+        self._peers: dict[tuple[str, str, int], cf.Future[_Peer]] = {}
         self._peers_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # what the side channel thread shares with the caller's
         self._side_notifs: list[wire.Notification] = []
-        self._read_notifs: list[wire.Notification] = []
         self._push_inbox: list[wire.PushRequest] = []
+        self._push_slots = PushSlots()
+        self._pushers: dict[tuple[str, int], set[str]] = {}  # (engine, rank) -> agents seen
         self._awaiting: dict[str, _Awaiting] = {}
-        self._notif_lock = threading.Lock()
+        self._abort = threading.Event()
+        self._calls: set[cf.Future[Any]] = set()
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
         self._intents = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
-        # readers' "done" notifications on their own threads: a dead prefill stalls these for
-        # the side-channel timeout each, and must not hold up read intents to live ones
+        # reports ("done", releases, cancels) on their own threads: a dead peer stalls these for
+        # the side-channel timeout each, and must not hold up intents to live ones
         self._notifier = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-notify")
-        #: producer side: when set, READs must be announced and are refused once leases expire
-        self.leases: BlockLeases | None = None
-        self.leases_lock = threading.Lock()
+        #: producer side: the requests held for readers (see the module docstring)
+        self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds)
         self._secret = sidechannel.secret_from_env(config.secret)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
@@ -211,28 +273,56 @@ class KVWorker:
 
             torch.cuda.set_device(int(self.spec.device.split(":")[1]))
 
+    def _require_spec(self) -> KVCacheSpec:
+        if self.spec is None:
+            raise ConfigError("register() a KV cache before transferring")
+        return self.spec
+
+    # ------------------------------------------------------------------ side-channel calls
+    def _submit(self, pool: cf.ThreadPoolExecutor, fn: Callable[..., T],
+                *args: Any) -> cf.Future[T]:
+        """Run ``fn`` on ``pool``, tracked so close() can wait for it (bounded) or cancel it."""
+        fut = pool.submit(fn, *args)
+        with self._lock:
+            self._calls.add(fut)
+        fut.add_done_callback(self._forget_call)
+        return fut
+
+    def _forget_call(self, fut: cf.Future[Any]) -> None:
+        with self._lock:
+            self._calls.discard(fut)
+
+    def _call(self, host: str, port: int, msg: wire._Msg,
+              timeout: float | None = None) -> wire._Msg:
+        return sidechannel.request(host, port, msg, timeout or self.config.handshake_timeout,
+                                   self._secret, cancel=self._abort)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait before a retry; a closing worker stops waiting."""
+        if self._abort.wait(seconds):
+            raise KVLinkError("worker closed")
+
     # ------------------------------------------------------------------ side channel server
     def _on_side_message(self, msg: object) -> wire._Msg:
         if isinstance(msg, wire.HandshakeRequest):
             return self._answer_handshake(msg)
+        if isinstance(msg, wire.ReadIntent):
+            return self._answer_intent(msg)
+        if isinstance(msg, wire.ReadDone):
+            return self._answer_done(msg)
         if isinstance(msg, wire.Notification):
-            with self._notif_lock:
+            with self._lock:
                 self._side_notifs.append(msg)
             return wire.Ack(v=WIRE_VERSION)
-        if isinstance(msg, wire.ReadIntent):
-            with self.leases_lock:
-                ok = self.leases is None or self.leases.begin_read(msg.req_id)
-            if ok:
-                return wire.Ack(v=WIRE_VERSION)
-            log.warning("refused READ of %s by %s rank %d: not held (lease expired, aborted or "
-                        "never existed)", msg.req_id, msg.engine_id, msg.tp_rank)
-            return wire.ErrorReply(v=WIRE_VERSION, code="expired",
-                                   message=f"request {msg.req_id} is not held here (lease "
-                                   "expired or unknown); recompute it")
         if isinstance(msg, wire.PushRequest):
-            with self._notif_lock:
-                self._push_inbox.append(msg)
-            return wire.Ack(v=WIRE_VERSION)
+            return self._answer_push(msg)
+        if isinstance(msg, wire.PushCancel):
+            with self._lock:
+                state = self._push_slots.cancel(push_key(msg.engine_id, msg.tp_rank, msg.req_id,
+                                                         msg.push_id))
+            log.info("push of %s to %s rank %d cancelled by the decode: %s", msg.req_id,
+                     msg.engine_id, msg.tp_rank, state)
+            return wire.PushState(v=WIRE_VERSION, state=state)
         return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                message=f"{type(msg).__name__} not handled here")
 
@@ -242,12 +332,54 @@ class KVWorker:
         if req.compat != ours:
             log.warning("handshake from %s (rank %d) with compat %s != ours %s; the peer will "
                         "name the differing values", req.engine_id, req.tp_rank, req.compat, ours)
+        with self._lock:
+            self._pushers.setdefault((req.engine_id, req.tp_rank), set()).add(req.agent_name)
         return wire.HandshakeResponse(
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
-            compat=ours, spec=wire.SpecMsg.of(spec),
-            transports=self._offer(req),
+            compat=ours, spec=wire.SpecMsg.of(spec), transports=self._offer(req),
+            incarnation=self.incarnation,
         )
+
+    def _stale(self, incarnation: int, what: str, req_id: str) -> wire.ErrorReply:
+        return wire.ErrorReply(v=WIRE_VERSION, code="stale",
+                               message=f"{what} of {req_id} names incarnation {incarnation}, this "
+                               f"process is {self.incarnation} (it restarted): handshake again")
+
+    def _answer_intent(self, msg: wire.ReadIntent) -> wire._Msg:
+        if msg.incarnation != self.incarnation:
+            return self._stale(msg.incarnation, "read intent", msg.req_id)
+        reader = f"{msg.engine_id}/{msg.tp_rank}"
+        got = self.leases.begin_read(msg.req_id, reader, msg.block_ids)
+        if isinstance(got, Grant):
+            return wire.ReadGrant(v=WIRE_VERSION, generation=got.generation,
+                                  expires_in=got.expires_in)
+        if got.code.value != "not_yet":
+            log.warning("refused a READ of %s by %s: %s", msg.req_id, reader, got.reason)
+        return wire.ErrorReply(v=WIRE_VERSION, code=got.code.value, message=got.reason)
+
+    def _answer_done(self, msg: wire.ReadDone) -> wire._Msg:
+        # generation 0 only releases (a replica not read, a request not read at all): it
+        # validates nothing, so it needs no incarnation
+        if msg.generation and msg.incarnation != self.incarnation:
+            return wire.ReadVerdict(v=WIRE_VERSION, intact=False,
+                                    reason=f"the producer restarted (incarnation "
+                                    f"{self.incarnation}, the READ ran under {msg.incarnation})")
+        intact = self.leases.finish_read(msg.req_id, f"{msg.engine_id}/{msg.tp_rank}",
+                                         msg.generation, msg.ok,
+                                         self.expected_readers(msg.tp_size))
+        why = "" if intact else (f"the lease of {msg.req_id} ended under the READ "
+                                 f"({self.leases.released_why(msg.req_id) or 'held again'})")
+        return wire.ReadVerdict(v=WIRE_VERSION, intact=intact, reason=why)
+
+    def _answer_push(self, msg: wire.PushRequest) -> wire._Msg:
+        with self._lock:
+            if not self._push_slots.arrive(msg, time.monotonic()):
+                return wire.ErrorReply(v=WIRE_VERSION, code="cancelled",
+                                       message=f"push of {msg.req_id} was cancelled before it "
+                                       "arrived")
+            self._push_inbox.append(msg)
+        return wire.Ack(v=WIRE_VERSION)
 
     def _offer(self, req: wire.HandshakeRequest) -> dict[str, bytes]:
         """Descriptors for this peer: same-host-only ones (IPC handles) only to our own host."""
@@ -261,51 +393,58 @@ class KVWorker:
             out[name] = t.descriptor()
         return out
 
-    def _require_spec(self) -> KVCacheSpec:
-        if self.spec is None:
-            raise ConfigError("register() a KV cache before transferring")
-        return self.spec
-
     # ------------------------------------------------------------------ handshake (client)
-    def _peer(self, remote: RemoteEngine, rank: int) -> cf.Future[_Peer]:
-        key = (remote.engine_id, rank)
+    def _peer(self, remote: RemoteEngine, rank: int,
+              incarnation: int | None = None) -> cf.Future[_Peer]:
+        """The handshake with ``remote``'s ``rank`` (cached per engine id and address);
+        ``incarnation``: the one the peer says it is now — older cached state is dropped."""
+        key = (remote.engine_id, remote.host, remote.port + rank)
         with self._peers_lock:
             fut = self._peers.get(key)
-            if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(self._handshake, remote, rank)
+            stale = (fut is not None and incarnation is not None and fut.done()
+                     and fut.exception() is None and fut.result().incarnation != incarnation)
+            if fut is None or stale or (fut.done() and fut.exception() is not None):
+                if stale:
+                    self._peers.pop(key)
+                    self._disconnect(fut, "it restarted")
+                fut = self._submit(self._pool, self._handshake, remote, rank)
                 self._peers[key] = fut
             return fut
 
-    def _intent(self, remote: RemoteEngine, rank: int, req_id: str) -> cf.Future[_Peer]:
-        """Handshake (if needed), then announce the READ; the future fails if it is refused."""
-        peer = self._peer(remote, rank)
-
-        def announce() -> _Peer:
-            ready = peer.result(timeout=self.config.handshake_timeout * 2)
-            sidechannel.request(remote.host, remote.port + rank, wire.ReadIntent(
-                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
-                tp_rank=self.config.tp_rank), self.config.handshake_timeout, self._secret)
-            return ready
-
-        return self._intents.submit(announce)
-
-    def forget_peer(self, engine_id: str, rank: int) -> None:
-        """Drop cached handshake state (after a failure, the next request handshakes again)."""
-        with self._peers_lock:
-            fut = self._peers.pop((engine_id, rank), None)
+    def _disconnect(self, fut: cf.Future[_Peer] | None, why: str) -> None:
         if fut is not None and fut.done() and fut.exception() is None:
             peer = fut.result()
+            log.info("dropping handshake state of %s (%s:%d): %s", peer.agent, *peer.endpoint,
+                     why)
             peer.transport.disconnect(peer.agent)
 
-    def _drop_stale(self, endpoint: tuple[str, int], keep: tuple[str, int]) -> None:
+    def forget_peer(self, engine_id: str, rank: int) -> None:
+        """Drop cached handshake state of ``engine_id``'s ``rank`` at every address (the next
+        request handshakes again). Its transfers in flight turn FAILED (quiescent)."""
+        with self._peers_lock:
+            keys = [k for k, f in self._peers.items() if k[0] == engine_id and f.done()
+                    and f.exception() is None and f.result().spec.tp_rank == rank]
+            futs = [self._peers.pop(k) for k in keys]
+        for fut in futs:
+            self._disconnect(fut, "forgotten")
+
+    def _forget_stale(self, remote: RemoteEngine, rank: int, fut: cf.Future[_Peer]) -> None:
+        key = (remote.engine_id, remote.host, remote.port + rank)
+        with self._peers_lock:
+            if self._peers.get(key) is fut:
+                del self._peers[key]
+        self._disconnect(fut, "it restarted")
+
+    def _drop_stale(self, endpoint: tuple[str, int], engine_id: str) -> None:
         """A new engine answers at an address an old one used: forget the old one's metadata."""
         with self._peers_lock:
-            stale = [k for k, f in self._peers.items() if k != keep and f.done()
-                     and f.exception() is None and f.result().endpoint == endpoint]
-        for engine_id, rank in stale:
-            log.warning("engine %s rank %d was replaced at %s:%d; dropping its metadata",
-                        engine_id, rank, *endpoint)
-            self.forget_peer(engine_id, rank)
+            stale = [k for k, f in self._peers.items() if k[0] != engine_id
+                     and (k[1], k[2]) == endpoint]
+            futs = [self._peers.pop(k) for k in stale]
+        for fut in futs:
+            log.warning("the engine at %s:%d was replaced by %s; dropping its metadata",
+                        *endpoint, engine_id)
+            self._disconnect(fut, "replaced")
 
     def connected_peers(self) -> list[str]:
         """Agent names of peers with live handshake state."""
@@ -319,8 +458,7 @@ class KVWorker:
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
             compat=compat_hash(spec.geometry()))
-        reply = sidechannel.request(remote.host, remote.port + rank, req,
-                                    self.config.handshake_timeout, self._secret)
+        reply = self._call(remote.host, remote.port + rank, req)
         if not isinstance(reply, wire.HandshakeResponse):
             raise HandshakeError(f"{remote.host}:{remote.port + rank} answered "
                                  f"{type(reply).__name__} to a handshake")
@@ -358,15 +496,58 @@ class KVWorker:
                            "(measured 0.46 GB/s with NIXL on one H200); put 'cuda_ipc' first "
                            "in the transports list")
             endpoint = (remote.host, remote.port + rank)
-            self._drop_stale(endpoint, (remote.engine_id, rank))
-            return _Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint)
+            self._drop_stale(endpoint, remote.engine_id)
+            return _Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint,
+                         reply.incarnation)
         raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
                              + "; ".join(reasons))
+
+    def _intent(self, remote: RemoteEngine, rank: int, req_id: str,
+                block_ids: list[int]) -> _Go:
+        """Handshake (if needed), then ask the producer for the READ's grant. Retries while the
+        request is not held yet (the producer holds it on its next step) and once after a
+        "stale" answer (the producer restarted: handshake again). Runs on a pool thread."""
+        end = time.monotonic() + self.config.intent_timeout
+        where = f"{remote.engine_id} rank {rank} ({remote.host}:{remote.port + rank})"
+        delay, restarts = 0.005, 0
+        while True:
+            fut = self._peer(remote, rank)
+            peer = fut.result(timeout=self.config.handshake_timeout * 2)
+            sent = time.monotonic()
+            try:
+                reply = self._call(remote.host, remote.port + rank, wire.ReadIntent(
+                    v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
+                    tp_rank=self.config.tp_rank, incarnation=peer.incarnation,
+                    block_ids=block_ids))
+            except SideChannelError as exc:
+                if exc.code == "stale" and restarts < 2:
+                    restarts += 1
+                    log.warning("%s restarted since our handshake; handshaking again", where)
+                    self._forget_stale(remote, rank, fut)
+                    continue
+                if exc.code == "not_yet" and time.monotonic() < end:
+                    self._pause(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
+                if exc.code:
+                    raise TransferRefused(f"{where} refused the READ of {req_id}: {exc}") from exc
+                raise
+            if not isinstance(reply, wire.ReadGrant):
+                raise TransferRefused(f"{where} answered {type(reply).__name__} to a read "
+                                      "intent; refusing to read unverified blocks")
+            return _Go(peer, Grant(reply.generation, reply.expires_in), sent + reply.expires_in)
+
+    def _handshake_only(self, remote: RemoteEngine, rank: int,
+                        incarnation: int | None) -> _Go:
+        return _Go(self._peer(remote, rank, incarnation).result(
+            timeout=self.config.handshake_timeout * 2))
 
     # ------------------------------------------------------------------ transfers
     def read(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
              remote_ids: npt.ArrayLike) -> None:
-        """Pull a request's blocks (non-blocking); completion is reported by :meth:`poll`."""
+        """Pull a request's blocks (non-blocking); completion is reported by :meth:`poll`.
+
+        Finished means the producer confirmed its lease was intact for the whole READ."""
         self._start(req_id, Op.READ, remote, local_ids, remote_ids)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -375,7 +556,8 @@ class KVWorker:
         self._start(req_id, Op.WRITE, remote, local_ids, remote_ids)
 
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
-               remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None) -> None:
+               remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
+               push: wire.PushRequest | None = None, key: PushKey | None = None) -> None:
         spec = self._require_spec()
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
@@ -384,88 +566,171 @@ class KVWorker:
         if rids.ndim != 1 or rids.shape != lids.shape:
             raise ConfigError(f"request {req_id}: {lids.shape[0]} local vs "
                               f"{np.shape(rids)} remote block ids")
+        rids = rids.astype(np.int64)
         if reads is None:
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
-        announce = op is Op.READ and self.config.announce_reads
-        parts = [_Part(r, self._intent(remote, r.remote_rank, req_id) if announce
-                       else self._peer(remote, r.remote_rank)) for r in reads]
-        self._requests[req_id] = _Request(req_id, op, remote, lids, rids.astype(np.int64), parts,
-                                          time.perf_counter())
+        ids = rids.tolist() if op is Op.READ else []
+        inc = push.incarnation if push is not None and push.incarnation else None
+        parts = [_Part(r, self._submit(self._intents, self._intent, remote, r.remote_rank,
+                                       req_id, ids) if op is Op.READ
+                       else self._submit(self._intents, self._handshake_only, remote,
+                                         r.remote_rank, inc))
+                 for r in reads]
+        self._requests[req_id] = _Request(req_id, op, remote, lids, rids, parts,
+                                          time.perf_counter(), push=push, push_key=key)
 
     def poll(self) -> tuple[set[str], dict[str, str]]:
-        """Advance every request; returns (finished ids, {failed id: reason}) since last call."""
+        """Advance every request; returns (finished ids, {failed id: reason}) since last call.
+
+        A request is reported only when nothing of it can still move: finished (READ: the
+        producer confirmed the lease intact) or failed (every part quiescent)."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
         self._poll_pushed(finished, failed)
         for req in list(self._requests.values()):
             for part in req.parts:
-                self._advance(req, part)
-            if any(p.handle is not None and not p.done for p in req.parts):
-                continue  # never report while bytes may still land in our blocks
-            if any(p.handle is None and not p.done and p.error is None for p in req.parts):
-                continue
+                try:
+                    self._advance(req, part)
+                except Exception as exc:  # a transport's bug must not kill the caller's loop
+                    log.exception("request %s: advancing a part failed", req.req_id)
+                    self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
+            if not all(p.settled for p in req.parts):
+                continue  # never report while bytes may still land or a verdict is due
             del self._requests[req.req_id]
             errors = [p.error for p in req.parts if p.error]
+            if req.op is Op.READ:
+                self._release_unread(req)
             if errors:
                 failed[req.req_id] = "; ".join(errors)
                 log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
-                if req.op is Op.WRITE and "@" in req.req_id:  # a push: the decode is waiting
-                    self._notify_write_failed(req, failed[req.req_id])
+                if req.push is not None:  # the decode is waiting: tell it (quiescent now)
+                    self._notify_written(req, ok=False, detail=failed[req.req_id])
             else:
                 finished.add(req.req_id)
+                if req.op is Op.WRITE and not self._notes_natively(req):
+                    rank = req.parts[0].read.remote_rank
+                    host, port = ((req.push.host, req.push.port + req.push.tp_rank)
+                                  if req.push is not None else
+                                  (req.remote.host, req.remote.port + rank))
+                    self._submit(self._notifier, self._send_note, host, port,
+                                 self._written(req, True))
                 self.finished_bytes += req.nbytes
                 self.xfer_seconds[req.req_id] = max((p.xfer_seconds for p in req.parts),
                                                     default=0.0)
                 if len(self.xfer_seconds) > _XFER_SECONDS_KEPT:  # nobody reads them
                     del self.xfer_seconds[next(iter(self.xfer_seconds))]
-                if req.op is Op.READ:
-                    self._release_unread(req)
                 self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
                 self.descriptors += sum(p.plan.descriptors for p in req.parts if p.plan)
+            if req.push_key is not None:
+                with self._lock:
+                    self._push_slots.finish(req.push_key, not errors)
         return finished, failed
 
     def _advance(self, req: _Request, part: _Part) -> None:
-        if part.done or (part.error is not None and part.handle is None):
+        if part.settled:
             return
-        if part.handle is None:
-            if not part.future.done():
-                return
-            exc = part.future.exception()
-            if exc is not None:
-                part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {exc}"
-                return
-            peer = part.future.result()
-            try:
-                plan = plan_transfer(self._require_spec(), peer.spec, req.local_ids,
-                                     req.remote_ids, part.read, peer.transport.extents)
-            except KVLinkError as exc:
-                part.error = str(exc)
-                return
-            note = None
-            if req.op is Op.WRITE and peer.transport.capabilities.native_notifications:
-                note = self._notification(req)  # ordered after the written bytes
-            part.plan, part.transport = plan, peer.transport
-            part.t_post = time.perf_counter()
-            part.handle = peer.transport.post(req.op, peer.agent, plan.local, plan.remote, note)
-            req.nbytes += plan.nbytes
+        if part.verdict is not None:
+            self._take_verdict(req, part)
+        elif part.handle is None:
+            self._post(req, part)
+        else:
+            self._progress(req, part)
+
+    def _post(self, req: _Request, part: _Part) -> None:
+        if not part.future.done():
             return
-        assert part.transport is not None
+        exc = part.future.exception()
+        if exc is not None:  # refused or unreachable: nothing was granted, nothing to release
+            part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {exc}"
+            return
+        go = part.future.result()
+        part.go = go
+        if time.monotonic() >= go.deadline:
+            self._part_failed(req, part, "the producer's lease deadline passed before the READ "
+                              "could start (not posted)")
+            return
+        if req.push_key is not None:
+            with self._lock:
+                why = self._push_slots.may_post(req.push_key, time.monotonic())
+            if why is not None:
+                self._part_failed(req, part, f"push of {req.req_id} not posted: {why}")
+                return
+        try:
+            plan = plan_transfer(self._require_spec(), go.peer.spec, req.local_ids,
+                                 req.remote_ids, part.read, go.peer.transport.extents)
+        except KVLinkError as exc:
+            self._part_failed(req, part, str(exc))
+            return
+        note = None
+        if self._notes_natively(req):
+            note = wire.encode(self._written(req, True))  # ordered after the written bytes
+        part.plan, part.transport = plan, go.peer.transport
+        part.t_post = time.perf_counter()
+        try:
+            part.handle = go.peer.transport.post(req.op, go.peer.agent, plan.local, plan.remote,
+                                                 note)
+        except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
+            self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
+            return
+        req.nbytes += plan.nbytes
+
+    def _progress(self, req: _Request, part: _Part) -> None:
+        assert part.transport is not None and part.handle is not None
         state = part.transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
         part.xfer_seconds = self._transport_seconds(part)
         part.transport.release(part.handle)
-        part.done = True
-        if state.status is XferStatus.FAILED:
-            part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
-            self.forget_peer(req.remote.engine_id, part.read.remote_rank)
-        elif req.op is Op.READ or not part.transport.capabilities.native_notifications:
-            # A READ is DONE once its bytes are ours, so its "done" can go over the side
-            # channel, off this thread. Through the transport it would cost the next READ from
-            # that peer: NIXL/UCX makes an RMA after a notification wait for the TARGET's
-            # progress (docs/nixl.md "Progress"), where over cma it would finish in the post.
-            self._notifier.submit(self._notify_side, req, part)
+        part.handle = None
+        if state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
+            self._part_failed(req, part, f"{req.remote.engine_id} rank "
+                              f"{part.read.remote_rank}: {state.reason}")
+        elif req.op is Op.READ and part.go is not None and part.go.grant is not None:
+            part.verdict = self._submit(self._notifier, self._report_read, req, part, True)
+        else:
+            part.done = True
+
+    @staticmethod
+    def _notes_natively(req: _Request) -> bool:
+        """A WRITE's "written" rides on the WRITE itself only when it is one transfer through
+        a transport with native notifications; else it goes over the side channel once every
+        part is DONE (a note after one part would claim bytes still moving)."""
+        part = req.parts[0]
+        return (req.op is Op.WRITE and len(req.parts) == 1 and part.go is not None
+                and part.go.peer.transport.capabilities.native_notifications)
+
+    def _take_verdict(self, req: _Request, part: _Part) -> None:
+        assert part.verdict is not None
+        if not part.verdict.done():
+            return
+        fut, part.verdict = part.verdict, None
+        exc = fut.exception()
+        reply = None if exc is not None else fut.result()
+        if isinstance(reply, wire.ReadVerdict) and reply.intact:
+            part.done = True
+            return
+        why = (reply.reason if isinstance(reply, wire.ReadVerdict)
+               else f"no verdict ({exc or type(reply).__name__})")
+        part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
+                      f"confirmed, its bytes are not trusted: {why}")
+
+    def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
+        """A part ends without bytes: for a granted READ, release the producer now."""
+        part.error = reason
+        if part.handle is not None and part.transport is not None:
+            return  # still moving: report once the transport says FAILED (quiescent)
+        if req.op is Op.READ and part.go is not None and part.go.grant is not None:
+            self._submit(self._notifier, self._report_read, req, part, False)
+
+    def _report_read(self, req: _Request, part: _Part, ok: bool) -> wire._Msg:
+        assert part.go is not None and part.go.grant is not None
+        return self._call(req.remote.host, req.remote.port + part.read.remote_rank,
+                          wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                        req_id=req.req_id, tp_rank=self.config.tp_rank,
+                                        tp_size=self.config.tp_size,
+                                        incarnation=part.go.peer.incarnation,
+                                        generation=part.go.grant.generation, ok=ok))
 
     @staticmethod
     def _transport_seconds(part: _Part) -> float:
@@ -489,56 +754,71 @@ class KVWorker:
         read = {p.read.remote_rank for p in req.parts}
         rest = notify_targets(self.config.tp_size, self.config.tp_rank, req.remote.tp_size,
                               spec.total_kv_heads, spec.mla) - read
-        if not rest:
-            return
-        msg = wire.decode(self._notification(req))
+        for rank in sorted(rest):
+            self._submit(self._notifier, self._send_note, req.remote.host,
+                         req.remote.port + rank, wire.ReadDone(
+                             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
+                             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                             incarnation=0, generation=0, ok=True))
 
-        def send() -> None:
-            for rank in sorted(rest):
-                try:
-                    sidechannel.request(req.remote.host, req.remote.port + rank, msg,
-                                        self.config.handshake_timeout, self._secret)
-                except KVLinkError as exc:
-                    log.warning("could not release %s on %s rank %d: %s (its lease will "
-                                "expire)", req.req_id, req.remote.engine_id, rank, exc)
+    def release(self, req_id: str, remote: RemoteEngine) -> None:
+        """Reader side: we will not read ``req_id`` (e.g. a full local prefix hit, or an
+        aborted request): release the producer ranks holding it for us (async)."""
+        spec = self._require_spec()
+        for rank in sorted(notify_targets(self.config.tp_size, self.config.tp_rank,
+                                          remote.tp_size, spec.total_kv_heads, spec.mla)):
+            self._submit(self._notifier, self._release_rank, remote, rank, req_id)
 
-        self._notifier.submit(send)
+    def _release_rank(self, remote: RemoteEngine, rank: int, req_id: str) -> None:
+        self._send_note(remote.host, remote.port + rank, wire.ReadDone(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, generation=0, ok=True))
 
-    def _notification(self, req: _Request) -> bytes:
-        # a pushed request is known to the decode side by its own id (before the '@')
-        return wire.encode(wire.Notification(
-            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id.split("@")[0],
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
-            kind="read" if req.op is Op.READ else "write"))
-
-    def _notify_write_failed(self, req: _Request, reason: str) -> None:
-        """A failed push: say so to the decode rank (its blocks may hold part of the bytes), so
-        it fails the request now rather than at its timeout."""
-        note = wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
-                                 req_id=req.req_id.split("@")[0], tp_rank=self.config.tp_rank,
-                                 tp_size=self.config.tp_size, kind="write", ok=False,
-                                 detail=reason[:500])
-        for rank in sorted({p.read.remote_rank for p in req.parts}):
-            self._intents.submit(self._send_failure, req.remote.host, req.remote.port + rank,
-                                 note)
-
-    def _notify_side(self, req: _Request, part: _Part) -> None:
-        msg = wire.decode(self._notification(req))
+    def _send_note(self, host: str, port: int, msg: wire._Msg) -> None:
         try:
-            sidechannel.request(req.remote.host, req.remote.port + part.read.remote_rank, msg,
-                                self.config.handshake_timeout, self._secret)
+            self._call(host, port, msg, min(2.0, self.config.handshake_timeout))
         except KVLinkError as exc:
-            log.warning("could not notify %s of %s: %s (its lease will expire)",
-                        req.remote.engine_id, req.req_id, exc)
+            log.info("could not tell %s:%d about %s: %s", host, port,
+                     getattr(msg, "req_id", "?"), exc)
+
+    def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
+        push = req.push
+        return wire.Notification(
+            v=WIRE_VERSION, engine_id=self.config.engine_id,
+            req_id=push.req_id if push is not None else req.req_id,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="write", ok=ok,
+            detail=detail[:500], push_id=push.push_id if push is not None else 0)
+
+    def _notify_written(self, req: _Request, ok: bool, detail: str = "") -> None:
+        """A push that ended: say so to the decode rank (over the side channel)."""
+        assert req.push is not None
+        self._submit(self._notifier, self._send_note, req.push.host,
+                     req.push.port + req.push.tp_rank, self._written(req, ok, detail))
 
     def descriptor_counts(self) -> tuple[int, int]:
         """(before, after) coalescing, summed over finished requests."""
         return self.raw_descriptors, self.descriptors
 
     def pending(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._awaiting)
 
     # ------------------------------------------------------------------ producer side
+    def hold(self, req_id: str, block_ids: npt.ArrayLike, readers: int | None = None) -> None:
+        """Hold ``block_ids`` for ``req_id``'s readers (pull): they READ under the lease until
+        all ``readers`` are done (``None``: as many as the first reader's TP says), the lease
+        expires, or :meth:`abort`. :meth:`released` reports the end."""
+        self.leases.hold(req_id, block_ids, readers)
+
+    def abort(self, req_id: str) -> None:
+        """Release a held request now; readers still reading it will be told "not intact"."""
+        self.leases.abort(req_id)
+
+    def released(self) -> list[Released]:
+        """Held requests that ended since the last call (read, expired, aborted): their blocks
+        may be reused. Also expires leases past their deadline."""
+        self.leases.expire()
+        return self.leases.drain_released()
+
     def expect_access(self, seconds: float, count: int = 1) -> None:
         """A reader will post ``count`` transfers against our memory within ``seconds`` (it was
         just told to go ahead): let every transport serve them promptly (see
@@ -546,46 +826,24 @@ class KVWorker:
         for t in self.transports.values():
             t.expect_access(seconds, count)
 
-    def _drain_notifications(self) -> None:
-        """Sort incoming notifications: "written" ones complete pushes, "read" ones are kept
-        for :meth:`notifications`. Bad ones are logged and dropped."""
-        got: list[wire.Notification] = []
-        for t in self.transports.values():
-            for peer, raw in t.notifications():
-                try:
-                    got.append(wire.decode(raw, wire.Notification))
-                except KVLinkError as exc:
-                    log.warning("dropped a bad notification from %s: %s", peer, exc)
-        with self._notif_lock:
-            got.extend(self._side_notifs)
-            self._side_notifs.clear()
-        for note in got:
-            if note.kind == "write":
-                wait = self._awaiting.get(note.req_id)
-                if wait is None or note.engine_id != wait.remote.engine_id:
-                    log.info("'written' notification for unknown request %s from %s/%d",
-                             note.req_id, note.engine_id, note.tp_rank)
-                elif not note.ok:  # a refusal or a failed WRITE: the blocks are not filled
-                    wait.error = (f"{note.engine_id} rank {note.tp_rank} did not write: "
-                                  f"{note.detail or 'no reason given'}")
-                else:
-                    wait.waiting.discard(note.tp_rank)
-            else:
-                self._read_notifs.append(note)
+    def expected_readers(self, reader_tp: int) -> int:
+        """How many ranks of a ``reader_tp``-way consumer will say "done" to this rank (see
+        :func:`kvlink.headmap.notify_targets`: replicas that were not read are told too)."""
+        spec = self._require_spec()
+        return sum(
+            self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
+                                                  spec.total_kv_heads, spec.mla)
+            for rank in range(reader_tp))
 
-    def notifications(self) -> list[wire.Notification]:
-        """Readers' "done" notifications (pull mode, producer side)."""
-        self._drain_notifications()
-        out, self._read_notifs = self._read_notifs, []
-        return out
-
-    # ------------------------------------------------------------------ push mode
+    # ------------------------------------------------------------------ push, decode side
     def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
                     timeout: float = 60.0) -> None:
         """Decode side: ask the prefill ranks to WRITE this request into ``local_ids``.
 
-        The blocks stay reserved until every prefill rank has signalled "written" (finished) or
-        ``timeout`` passes (failed; the caller may then free or reuse them).
+        Finished once every prefill rank signalled "written". After ``timeout`` (or a refusal)
+        the push is cancelled; it is reported failed only once no byte of it can still land
+        (every rank answered the cancel, or its transport fenced the prefill off), so the
+        caller may reuse the blocks the moment it is reported.
         """
         spec = self._require_spec()
         if self._server is None:
@@ -593,17 +851,23 @@ class KVWorker:
                               "(serve=True): the prefill handshakes back to write")
         if req_id in self._awaiting:
             raise ConfigError(f"request {req_id!r} is already awaiting a push")
+        if not timeout > 0:
+            raise ConfigError(f"push timeout must be positive, got {timeout!r}")
         lids = spec.check_block_ids(local_ids, "local")
         ranks = {r.remote_rank for r in map_heads(self.config.tp_size, self.config.tp_rank,
                                                   remote.tp_size, spec.total_kv_heads, spec.mla)}
+        wait = PushWait(req_id, secrets.randbits(62) + 1, time.monotonic() + timeout,
+                        dict.fromkeys(sorted(ranks), Rank.ASKED))
         msg = wire.PushRequest(
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             req_id=req_id, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
             host=self._public_host(), port=self.side_port - self.config.tp_rank,
-            block_ids=lids.tolist())
-        wait = _Awaiting(req_id, remote, set(ranks), time.monotonic() + timeout, 0)
-        wait.asked = self._pool.submit(self._ask_push, remote, sorted(ranks), msg, wait.deadline)
-        self._awaiting[req_id] = wait
+            block_ids=lids.tolist(), push_id=wait.push_id, ttl_ms=max(1, int(timeout * 1e3)),
+            incarnation=self.incarnation)
+        aw = _Awaiting(remote, wait)
+        aw.asked = self._submit(self._pool, self._ask_push, remote, sorted(ranks), msg,
+                                wait.deadline)
+        self._awaiting[req_id] = aw
 
     def _public_host(self) -> str:
         """Where peers dial this rank back: a wildcard bind address is no address to dial."""
@@ -617,88 +881,174 @@ class KVWorker:
                   deadline: float) -> None:
         for rank in ranks:  # an unanswered ask ends with the push's own deadline, if sooner
             wait = min(self.config.handshake_timeout, max(0.1, deadline - time.monotonic()))
-            sidechannel.request(remote.host, remote.port + rank, msg, wait, self._secret)
+            self._call(remote.host, remote.port + rank, msg, wait)
+
+    def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> wire._Msg:
+        return self._call(remote.host, remote.port + rank, wire.PushCancel(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
+            tp_rank=self.config.tp_rank, push_id=wait.push_id),
+            min(2.0, self.config.handshake_timeout))
+
+    def _take_written(self) -> None:
+        with self._lock:
+            notes, self._side_notifs = self._side_notifs, []
+        for t in self.transports.values():
+            for peer, raw in t.notifications():
+                try:
+                    notes.append(wire.decode(raw, wire.Notification))
+                except KVLinkError as exc:
+                    log.warning("dropped a bad notification from %s: %s", peer, exc)
+        for note in notes:
+            aw = self._awaiting.get(note.req_id)
+            if (aw is None or note.kind != "write" or note.engine_id != aw.remote.engine_id
+                    or note.push_id != aw.wait.push_id or note.tp_rank not in aw.wait.ranks):
+                log.info("'written' notification for unknown push %s (id %d) from %s/%d",
+                         note.req_id, note.push_id, note.engine_id, note.tp_rank)
+                continue
+            if aw.wait.ranks[note.tp_rank] is not Rank.ASKED:
+                continue
+            if note.ok:
+                aw.wait.ranks[note.tp_rank] = Rank.WRITTEN
+            else:  # quiescent by the sender's contract, not (completely) written
+                aw.wait.ranks[note.tp_rank] = Rank.SETTLED
+                aw.wait.fail(f"{note.engine_id} rank {note.tp_rank} did not write: "
+                             f"{note.detail or 'no reason given'}")
 
     def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
         if not self._awaiting:
             return
-        self._drain_notifications()
+        self._take_written()
         now = time.monotonic()
-        for req_id, wait in list(self._awaiting.items()):
-            reason = None
-            if wait.asked is not None and wait.asked.done() and wait.asked.exception():
-                reason = (f"push request to prefill ranks {sorted(wait.waiting)} of "
-                          f"{wait.remote.engine_id} failed: {wait.asked.exception()}")
-            elif wait.error is not None:
-                reason = wait.error
-            elif not wait.waiting:
-                finished.add(req_id)
-            elif now > wait.deadline:
-                reason = (f"prefill ranks {sorted(wait.waiting)} of {wait.remote.engine_id} did "
-                          "not push within the timeout")
-            else:
+        for req_id, aw in list(self._awaiting.items()):
+            wait = aw.wait
+            if aw.asked is not None and aw.asked.done():
+                exc = aw.asked.exception()
+                aw.asked = None
+                if exc is not None:
+                    wait.fail(f"push request to {aw.remote.engine_id} failed: {exc}")
+            if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
+                if not wait.cancelling:
+                    wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "
+                              "not push within the timeout")
+                    wait.cancelling = True
+                    log.warning("push of %s: %s; cancelling", req_id, wait.error)
+                self._settle_cancels(aw, now)
+            outcome = wait.outcome()
+            if outcome is None:
                 continue
             del self._awaiting[req_id]
-            if reason is not None:
-                failed[req_id] = reason
-                log.warning("push of %s failed: %s", req_id, reason)
+            if outcome:
+                finished.add(req_id)
+            else:
+                failed[req_id] = wait.error or "push failed"
+                log.warning("push of %s failed: %s", req_id, failed[req_id])
 
+    def _settle_cancels(self, aw: _Awaiting, now: float) -> None:
+        """Cancel the ranks that may still write; settle each on its answer, or by fencing it
+        off when it cannot answer. A rank nothing can settle keeps the blocks (quarantine)."""
+        wait = aw.wait
+        for rank in wait.unsettled():
+            fut = aw.cancels.get(rank)
+            if fut is None:
+                if now >= wait.next_cancel:
+                    aw.cancels[rank] = self._submit(self._notifier, self._cancel_push,
+                                                    aw.remote, rank, wait)
+                continue
+            if not fut.done():
+                continue
+            del aw.cancels[rank]
+            exc = fut.exception()
+            reply = fut.result() if exc is None else None
+            if isinstance(reply, wire.PushState):
+                if reply.state == "done":
+                    wait.ranks[rank] = Rank.WRITTEN
+                elif reply.state in ("cancelled", "failed"):
+                    wait.ranks[rank] = Rank.SETTLED
+                else:  # in flight: its "written" note follows once it is quiescent
+                    wait.next_cancel = now + self.config.handshake_timeout
+                continue
+            if self._fence(aw.remote.engine_id, rank):
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s); fenced off",
+                            wait.req_id, aw.remote.engine_id, rank, exc)
+                wait.ranks[rank] = Rank.SETTLED
+            else:
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s) and no "
+                            "transport can fence it off; its blocks stay reserved",
+                            wait.req_id, aw.remote.engine_id, rank, exc)
+                wait.next_cancel = now + 1.0
+
+    def _fence(self, engine_id: str, rank: int) -> bool:
+        """Revoke every agent of ``engine_id``'s ``rank`` that handshook with us on every
+        transport; True when they all guarantee no more bytes."""
+        with self._lock:
+            agents = set(self._pushers.get((engine_id, rank), ()))
+        ok = True
+        for agent in agents:
+            for t in self.transports.values():
+                fence = getattr(t, "fence", None)
+                ok = ok and fence is not None and bool(fence(agent, 2.0))
+        return ok
+
+    def quarantined(self) -> int:
+        """Pushes past their timeout whose blocks stay reserved (bytes may still land)."""
+        return sum(aw.wait.cancelling for aw in self._awaiting.values())
+
+    # ------------------------------------------------------------------ push, prefill side
     def push_requests(self) -> list[wire.PushRequest]:
         """Prefill side: decode ranks waiting for a request to be written (drained)."""
-        with self._notif_lock:
+        with self._lock:
             out, self._push_inbox = self._push_inbox, []
         return out
 
     def push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike) -> str:
         """Prefill side: WRITE ``local_ids`` into the decode rank's blocks; returns the id that
-        :meth:`poll` reports (``req_id@engine/rank``)."""
+        :meth:`poll` reports. Raises TransferCancelled (and tells the decode) if the push was
+        cancelled or is past its deadline: it must not be written any more."""
         spec = self._require_spec()
-        key = f"{msg.req_id}@{msg.engine_id}/{msg.tp_rank}"
+        with self._lock:
+            key = self._push_slots.start(msg, time.monotonic())
         reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size, msg.tp_rank,
                              spec.total_kv_heads, spec.mla)
         remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
-        self._start(key, Op.WRITE, remote, local_ids, msg.block_ids, reads)
-        return key
+        rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+        try:
+            self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key)
+        except KVLinkError:
+            with self._lock:
+                self._push_slots.finish(key, False)
+            raise
+        return rid
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:
         """Prefill side: tell a decode rank its push will not come, so it fails the request
-        now instead of holding its reserved blocks until its timeout (best effort, async)."""
+        now instead of holding its reserved blocks until its timeout (async)."""
+        with self._lock:
+            self._push_slots.cancel(push_key(msg.engine_id, msg.tp_rank, msg.req_id,
+                                             msg.push_id))
         note = wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
                                  req_id=msg.req_id, tp_rank=self.config.tp_rank,
                                  tp_size=self.config.tp_size, kind="write", ok=False,
-                                 detail=reason)
-        self._intents.submit(self._send_failure, msg.host, msg.port + msg.tp_rank, note)
+                                 detail=reason[:500], push_id=msg.push_id)
+        self._submit(self._notifier, self._send_note, msg.host, msg.port + msg.tp_rank, note)
 
-    def _send_failure(self, host: str, port: int, note: wire.Notification) -> None:
-        # short deadline: the peer is often the reason the push failed (dead or hung), and
-        # close() waits for queued notifications
-        try:
-            sidechannel.request(host, port, note, min(2.0, self.config.handshake_timeout),
-                                self._secret)
-        except KVLinkError as exc:
-            log.info("could not tell %s:%d that %s will not be written: %s (it times out)",
-                     host, port, note.req_id, exc)
-
-    def expected_readers(self, reader_tp: int) -> int:
-        """How many ranks of a ``reader_tp``-way consumer will say "done" to this rank (see
-        :func:`kvlink.headmap.notify_targets`: replicas that were not read are told too)."""
-        spec = self._require_spec()
-        return sum(
-            self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
-                                                  spec.total_kv_heads, spec.mla)
-            for rank in range(reader_tp))
-
+    # ------------------------------------------------------------------ the rest
     def stats(self) -> Mapping[str, TransportStats]:
         return {n: t.stats for n, t in self.transports.items()}
 
     def close(self) -> None:
+        """Stop serving, give queued reports until ``close_timeout``, cancel the rest, close
+        the transports. Returns within about ``close_timeout`` whatever the peers do."""
+        end = time.monotonic() + self.config.close_timeout
         if self._server is not None:
             self._server.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        # flush queued "done" notifications (bounded by the side-channel timeout): cancelling
-        # them would leave unread replicas holding blocks until their leases expire
-        self._intents.shutdown(wait=True)
-        self._notifier.shutdown(wait=True)
+        for pool in (self._pool, self._intents, self._notifier):
+            pool.shutdown(wait=False)
+        with self._lock:
+            calls = list(self._calls)
+        cf.wait(calls, timeout=max(0.0, end - time.monotonic()))
+        self._abort.set()  # running calls give up within 50 ms
+        for pool in (self._pool, self._intents, self._notifier):
+            pool.shutdown(wait=False, cancel_futures=True)
         for t in self.transports.values():
             t.close()
         self.transports.clear()

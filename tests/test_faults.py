@@ -13,7 +13,6 @@ from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.demo import data
 from kvlink.errors import AuthError, ConfigError
-from kvlink.scheduler import BlockLeases
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 GEO = data.Geometry(layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -62,11 +61,13 @@ def test_restarted_producer_stale_metadata_dropped(observed: Callable[[str], Non
     port = old.side_port
     d, layers = make("d", serve=False)
     try:
+        old.hold("a", [0])
         d.read("a", RemoteEngine("p-old", "127.0.0.1", port), [0], [0])
         assert wait(d, "a")[0]
         old_agent = d.connected_peers()[0]
         old.close()
         new, new_layers = make("p-new", seed=2, side_port=port)
+        new.hold("b", [1, 2])
         try:
             d.read("b", RemoteEngine("p-new", "127.0.0.1", port), [1, 2], [1, 2])
             assert wait(d, "b")[0]
@@ -87,23 +88,20 @@ def test_restarted_producer_stale_metadata_dropped(observed: Callable[[str], Non
 @pytest.mark.fault("duplicate, late and unknown notifications")
 def test_stray_notifications_are_counted_not_applied(observed: Callable[[str], None]) -> None:
     p, _ = make("p")
-    leases = BlockLeases(60)
-    leases.hold("r1", [0, 1])
-    p.leases = leases
+    p.hold("r1", [0, 1])
     try:
         def note(req: str) -> None:
-            sidechannel.request("127.0.0.1", p.side_port, wire.Notification(
+            sidechannel.request("127.0.0.1", p.side_port, wire.ReadDone(
                 v=WIRE_VERSION, engine_id="d", req_id=req, tp_rank=0, tp_size=1), 5)
 
         for req in ("r1", "r1", "ghost", "r1"):  # done, duplicate, unknown, late
             note(req)
-        freed = []
-        for n in p.notifications():
-            freed.append(leases.reader_done(n.req_id, f"{n.engine_id}/{n.tp_rank}", 1))
-        observed(f"freed once {freed.count([0, 1])}x; stats {leases.stats}")
-        assert freed == [[0, 1], None, None, None]
-        assert leases.stats.duplicate_notifications == 0  # r1 was gone: late ones are unknown
-        assert leases.stats.unknown_notifications == 3 and leases.stats.held_blocks == 0
+        freed = [r.block_ids for r in p.released()]
+        stats = p.leases.stats
+        observed(f"freed once {freed.count([0, 1])}x; stats {stats}")
+        assert freed == [[0, 1]]
+        assert stats.duplicate_notifications == 0  # r1 was gone: late ones are unknown
+        assert stats.unknown_notifications == 3 and stats.held_blocks == 0
     finally:
         p.close()
 

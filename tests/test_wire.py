@@ -49,16 +49,29 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
         wire.HandshakeResponse, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
         tp_rank=i64, tp_size=i64, host_id=text, compat=text,
         spec=st.sampled_from([wire.SpecMsg.of(s) for s in SPECS]),
-        transports=st.dictionaries(text, blob, max_size=3)),
+        transports=st.dictionaries(text, blob, max_size=3), incarnation=i64),
     wire.Notification: st.builds(
         wire.Notification, v=st.just(WIRE_VERSION), engine_id=text, req_id=text, tp_rank=i64,
-        tp_size=i64, kind=st.sampled_from(["read", "write"]), ok=st.booleans(), detail=text),
+        tp_size=i64, kind=st.sampled_from(["read", "write"]), ok=st.booleans(), detail=text,
+        push_id=i64),
     wire.PushRequest: st.builds(
         wire.PushRequest, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
         req_id=text, tp_rank=i64, tp_size=i64, host=text, port=i64,
-        block_ids=st.lists(u64, max_size=20)),
+        block_ids=st.lists(u64, max_size=20), push_id=i64, ttl_ms=i64, incarnation=i64),
     wire.ReadIntent: st.builds(wire.ReadIntent, v=st.just(WIRE_VERSION), engine_id=text,
-                               req_id=text, tp_rank=i64),
+                               req_id=text, tp_rank=i64, incarnation=i64,
+                               block_ids=st.lists(i64, max_size=20)),
+    wire.ReadGrant: st.builds(wire.ReadGrant, v=st.just(WIRE_VERSION), generation=i64,
+                              expires_in=st.floats(allow_nan=False)),
+    wire.ReadDone: st.builds(wire.ReadDone, v=st.just(WIRE_VERSION), engine_id=text,
+                             req_id=text, tp_rank=i64, tp_size=i64, incarnation=i64,
+                             generation=i64, ok=st.booleans()),
+    wire.ReadVerdict: st.builds(wire.ReadVerdict, v=st.just(WIRE_VERSION), intact=st.booleans(),
+                                reason=text),
+    wire.PushCancel: st.builds(wire.PushCancel, v=st.just(WIRE_VERSION), engine_id=text,
+                               req_id=text, tp_rank=i64, push_id=i64),
+    wire.PushState: st.builds(wire.PushState, v=st.just(WIRE_VERSION), state=text,
+                              reason=text),
     wire.ErrorReply: st.builds(wire.ErrorReply, v=st.just(WIRE_VERSION), code=text,
                                message=text),
     wire.Ack: st.just(wire.Ack(v=WIRE_VERSION)),
@@ -109,9 +122,9 @@ def test_spec_round_trip_through_handshake(spec: KVCacheSpec) -> None:
 
 
 def test_defaults_apply() -> None:
-    n = wire.decode(msgspec.msgpack.encode({"type": "notify", "v": 1, "engine_id": "e",
+    n = wire.decode(msgspec.msgpack.encode({"type": "notify", "v": WIRE_VERSION, "engine_id": "e",
                                             "req_id": "r", "tp_rank": 0, "tp_size": 1}))
-    assert n == wire.Notification(v=1, engine_id="e", req_id="r", tp_rank=0, tp_size=1)
+    assert n == wire.Notification(v=WIRE_VERSION, engine_id="e", req_id="r", tp_rank=0, tp_size=1)
     assert n.ok is True and n.detail == ""
 
 
@@ -120,24 +133,24 @@ def _raw(**fields: Any) -> bytes:
     return msgspec.msgpack.encode(fields)
 
 
-NOTIFY = {"type": "notify", "v": 1, "engine_id": "e", "req_id": "r", "tp_rank": 0, "tp_size": 1}
+NOTIFY = {"type": "notify", "v": WIRE_VERSION, "engine_id": "e", "req_id": "r", "tp_rank": 0, "tp_size": 1}
 
 
 @pytest.mark.parametrize(("fields", "match"), [
     ({**NOTIFY, "extra": 1}, "extra"),  # unknown field
-    ({"type": "ack", "v": 1, "x": None}, "x"),
+    ({"type": "ack", "v": WIRE_VERSION, "x": None}, "x"),
     ({**NOTIFY, "engine_id": 5}, r"\$\.engine_id"),  # wrong types
     ({**NOTIFY, "tp_rank": "0"}, r"\$\.tp_rank"),
     ({**NOTIFY, "ok": 1}, r"\$\.ok"),
     ({**NOTIFY, "tp_rank": 1.5}, r"\$\.tp_rank"),
-    ({"type": "push", "v": 1, "engine_id": "e", "agent_name": "a", "req_id": "r",
+    ({"type": "push", "v": WIRE_VERSION, "engine_id": "e", "agent_name": "a", "req_id": "r",
       "tp_rank": 0, "block_ids": [1, "2"]}, r"block_ids\[1\]"),
     ({**NOTIFY, "tp_size": True}, r"\$\.tp_size"),  # bool is not an int
-    ({"type": "nope", "v": 1}, "nope"),  # unknown tag
-    ({"v": 1}, "type"),  # missing tag
+    ({"type": "nope", "v": WIRE_VERSION}, "nope"),  # unknown tag
+    ({"v": WIRE_VERSION}, "type"),  # missing tag
     ({k: v for k, v in NOTIFY.items() if k != "req_id"}, "req_id"),  # missing field
-    ({"type": "challenge", "v": 1, "nonce": "not-bytes"}, "nonce"),
-    ({"type": "hs_resp", "v": 1, "engine_id": "e", "agent_name": "a", "tp_rank": 0,
+    ({"type": "challenge", "v": WIRE_VERSION, "nonce": "not-bytes"}, "nonce"),
+    ({"type": "hs_resp", "v": WIRE_VERSION, "engine_id": "e", "agent_name": "a", "tp_rank": 0,
       "tp_size": 1, "host_id": "h", "compat": "c", "spec": {"num_layers": 1},
       "transports": {}}, "spec"),  # incomplete nested struct
 ])
@@ -154,7 +167,7 @@ def test_wrong_shape_top_level() -> None:
         wire.decode(b"")
 
 
-@pytest.mark.parametrize("v", [0, 2, 99, -1, 2**63])
+@pytest.mark.parametrize("v", [0, WIRE_VERSION + 1, 99, -1, 2**63])
 def test_unknown_version(v: int) -> None:
     with pytest.raises(WireVersionError, match=f"wire version {v} is not supported"):
         wire.decode(_raw(**{**NOTIFY, "v": v}))
@@ -163,7 +176,7 @@ def test_unknown_version(v: int) -> None:
 def test_version_checked_before_fields() -> None:
     # a future version may add fields: the version error wins over "unknown field"
     with pytest.raises(WireVersionError):
-        wire.decode(_raw(type="brand_new", v=2, payload=[1, 2, 3]))
+        wire.decode(_raw(type="brand_new", v=WIRE_VERSION + 1, payload=[1, 2, 3]))
     with pytest.raises(WireError):  # no version at all
         wire.decode(_raw(type="ack"))
     with pytest.raises(WireError):  # version of the wrong type
@@ -188,11 +201,11 @@ def test_oversized_rejected_before_parsing() -> None:
     with pytest.raises(WireError, match="exceeds"):
         wire.decode(memoryview(big))
     # a real message padded past the bound (a huge detail string) is also refused
-    n = wire.Notification(v=1, engine_id="e", req_id="r", tp_rank=0, tp_size=1,
+    n = wire.Notification(v=WIRE_VERSION, engine_id="e", req_id="r", tp_rank=0, tp_size=1,
                           detail="x" * wire.MAX_MESSAGE_BYTES)
     with pytest.raises(WireError, match="exceeds"):
         wire.decode(wire.encode(n))
-    ok = wire.ErrorReply(v=1, code="c", message="x" * (wire.MAX_MESSAGE_BYTES - 64))
+    ok = wire.ErrorReply(v=WIRE_VERSION, code="c", message="x" * (wire.MAX_MESSAGE_BYTES - 64))
     assert wire.decode(wire.encode(ok)) == ok  # just under the bound still decodes
 
 
@@ -287,7 +300,7 @@ def test_spec_msg_rejects_inconsistent(spec: KVCacheSpec, change: dict[str, Any]
     bad = msgspec.structs.replace(sm, **{key: new})
     # it still crosses the wire (types are fine); rebuilding the spec is what must fail
     wired = wire.decode(wire.encode(wire.HandshakeResponse(
-        v=1, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h", compat="c",
+        v=WIRE_VERSION, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h", compat="c",
         spec=bad, transports={}))).spec
     with pytest.raises(WireError, match="invalid KV cache spec from peer"):
         wired.to_spec()

@@ -21,7 +21,6 @@ from kvlink.demo import data
 from kvlink.demo.progress import Progress
 from kvlink.errors import KVLinkError
 from kvlink.headmap import push_targets
-from kvlink.scheduler import BlockLeases
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 log = logging.getLogger("kvlink.demo")
@@ -75,29 +74,25 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     data.fill(geo, layers, tp, rank)
     worker = KVWorker(WorkerConfig(
         engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
-        host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port))
+        host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port,
+        lease_seconds=plan.lease_seconds))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     if plan.mode == "push":
         _serve_push(plan, rank, worker, ready, stop)
         return
-    leases = BlockLeases(plan.lease_seconds)
     for i in range(plan.requests):
-        leases.hold(f"req-{i}", plan.prefill_blocks(i).tolist())
-    worker.leases = leases  # READs are announced and refused once a lease has expired
+        worker.hold(f"req-{i}", plan.prefill_blocks(i))
     ready.put(("ready", rank, worker.side_port))
+    read = 0
     try:
         # until every request was read; an expired one keeps us up until the parent stops us
-        while not stop.is_set() and leases.stats.released_done < plan.requests:
-            notes = worker.notifications()
-            with worker.leases_lock:
-                for note in notes:
-                    leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
-                                       worker.expected_readers(note.tp_size))
-                leases.expire()
+        # (a late reader is refused, and a READ the lease expired under is told so)
+        while not stop.is_set() and read < plan.requests:
+            read += sum(r.why == "read" for r in worker.released())
             time.sleep(0.002)
     finally:
-        ready.put(("served", rank, dataclasses.asdict(leases.stats)))
+        ready.put(("served", rank, dataclasses.asdict(worker.leases.stats)))
         worker.close()
 
 

@@ -1,0 +1,166 @@
+"""Push mode's ownership rules, as state (no I/O): when a prefill may still WRITE into a decode.
+
+The decode reserves blocks and asks the prefill to WRITE them (:class:`kvlink.wire.PushRequest`,
+with an id and a time to live). Two sides, one rule — *the decode frees its blocks only when no
+byte of the push can still land*:
+
+- Prefill (:class:`PushSlots`): a push is ``queued`` on arrival, ``starting`` once the caller
+  takes it (handshake, plan), ``posted`` from the first WRITE, then ``done`` or ``failed``
+  (failed means quiescent: the transport contract). It is never posted after its deadline or
+  after a cancel; a cancel is answered with the state (``cancelled``, ``in_flight``, ``done``,
+  ``failed``), and a cancel that arrives before its push leaves a tombstone, so the late push is
+  refused.
+- Decode (:class:`PushWait`): each prefill rank asked is ``asked`` until it is ``written``, or
+  ``settled`` (nothing more can land: it said cancelled/failed, or the transport fenced it off).
+  On timeout or error the decode cancels the unsettled ranks and reports the request only once
+  every rank is written or settled; until then its blocks stay reserved (quarantined).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+
+from kvlink import wire
+from kvlink.errors import TransferCancelled
+
+_REMEMBERED = 100_000  # finished or cancelled pushes kept to answer late cancels and pushes
+
+PushKey = tuple[str, int, str, int]  # decode engine, decode rank, request id, push id
+
+
+def push_key(engine_id: str, tp_rank: int, req_id: str, push_id: int) -> PushKey:
+    return (engine_id, tp_rank, req_id, push_id)
+
+
+class Slot(enum.Enum):
+    QUEUED = "queued"
+    STARTING = "starting"
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# what a cancel is answered in each state (wire.PushState.state)
+_ANSWER = {Slot.QUEUED: "cancelled", Slot.STARTING: "cancelled", Slot.CANCELLED: "cancelled",
+           Slot.POSTED: "in_flight", Slot.DONE: "done", Slot.FAILED: "failed"}
+
+
+@dataclasses.dataclass
+class _Slot:
+    state: Slot
+    deadline: float
+
+
+class PushSlots:
+    """Prefill side: the state of every push request this rank was sent (caller locks)."""
+
+    def __init__(self) -> None:
+        self._slots: collections.OrderedDict[PushKey, _Slot] = collections.OrderedDict()
+
+    def _put(self, key: PushKey, slot: _Slot) -> _Slot:
+        self._slots[key] = slot
+        self._slots.move_to_end(key)
+        while len(self._slots) > _REMEMBERED:
+            old, s = next(iter(self._slots.items()))
+            if s.state in (Slot.QUEUED, Slot.STARTING, Slot.POSTED):
+                break  # never forget a live push
+            del self._slots[old]
+        return slot
+
+    def arrive(self, msg: wire.PushRequest, now: float) -> bool:
+        """A push request came in; False if it was cancelled before it arrived."""
+        key = push_key(msg.engine_id, msg.tp_rank, msg.req_id, msg.push_id)
+        old = self._slots.get(key)
+        if old is not None:
+            return old.state is not Slot.CANCELLED
+        ttl = msg.ttl_ms / 1e3 if msg.ttl_ms > 0 else float("inf")
+        self._put(key, _Slot(Slot.QUEUED, now + ttl))
+        return True
+
+    def cancel(self, key: PushKey) -> str:
+        slot = self._slots.get(key)
+        if slot is None:  # not arrived (yet): a tombstone refuses it if it does
+            self._put(key, _Slot(Slot.CANCELLED, 0.0))
+            return "cancelled"
+        if slot.state in (Slot.QUEUED, Slot.STARTING):
+            slot.state = Slot.CANCELLED
+        return _ANSWER[slot.state]
+
+    def start(self, msg: wire.PushRequest, now: float) -> PushKey:
+        """The caller takes a push: raises TransferCancelled if it must not be written."""
+        key = push_key(msg.engine_id, msg.tp_rank, msg.req_id, msg.push_id)
+        if key not in self._slots:
+            self.arrive(msg, now)
+        slot = self._slots[key]
+        if slot.state is Slot.CANCELLED:
+            raise TransferCancelled(f"push of {msg.req_id} to {msg.engine_id} rank "
+                                    f"{msg.tp_rank} was cancelled by the decode")
+        if slot.state is not Slot.QUEUED:
+            raise TransferCancelled(f"push of {msg.req_id} to {msg.engine_id} rank "
+                                    f"{msg.tp_rank} was already taken ({slot.state.value})")
+        if now > slot.deadline:
+            slot.state = Slot.CANCELLED
+            raise TransferCancelled(f"push of {msg.req_id} to {msg.engine_id} rank "
+                                    f"{msg.tp_rank} is past its deadline; the decode has given "
+                                    "up on it")
+        slot.state = Slot.STARTING
+        return key
+
+    def may_post(self, key: PushKey, now: float) -> str | None:
+        """Just before a WRITE part is posted: None (and POSTED) if it may be, else why not."""
+        slot = self._slots.get(key)
+        if slot is None or slot.state is Slot.CANCELLED:
+            return "cancelled by the decode before it was posted"
+        if slot.state is Slot.STARTING and now > slot.deadline:
+            slot.state = Slot.CANCELLED
+            return "past its deadline before it was posted"
+        if slot.state not in (Slot.STARTING, Slot.POSTED):
+            return f"not postable ({slot.state.value})"
+        slot.state = Slot.POSTED
+        return None
+
+    def finish(self, key: PushKey, ok: bool) -> None:
+        slot = self._slots.get(key)
+        if slot is not None and slot.state is not Slot.CANCELLED:
+            slot.state = Slot.DONE if ok else Slot.FAILED
+
+    def live(self) -> int:
+        return sum(s.state in (Slot.QUEUED, Slot.STARTING, Slot.POSTED)
+                   for s in self._slots.values())
+
+
+class Rank(enum.Enum):
+    ASKED = "asked"
+    WRITTEN = "written"
+    SETTLED = "settled"  # nothing (more) can land from this rank; not (completely) written
+
+
+@dataclasses.dataclass
+class PushWait:
+    """Decode side: blocks reserved for one push, per prefill rank asked."""
+
+    req_id: str
+    push_id: int
+    deadline: float
+    ranks: dict[int, Rank]
+    error: str | None = None  # the first reason the push cannot complete
+    cancelling: bool = False
+    next_cancel: float = 0.0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def unsettled(self) -> list[int]:
+        return sorted(r for r, s in self.ranks.items() if s is Rank.ASKED)
+
+    def fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
+
+    def outcome(self) -> bool | None:
+        """True (all written), False (failed, quiescent), None (bytes may still land)."""
+        if self.unsettled():
+            return None
+        return all(s is Rank.WRITTEN for s in self.ranks.values())  # late but complete: fine
