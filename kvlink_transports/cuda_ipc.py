@@ -161,6 +161,8 @@ class CudaIpcTransport(Transport):
         self._peers: dict[str, _Peer] = {}  # guarded by _lock, like _xfers and _released
         self._xfers: dict[int, _Xfer] = {}
         self._released: list[_Xfer] = []  # released before their copy ended: settled later
+        self._gone: list[_Peer] = []  # disconnected with copies in flight: mapped until they end
+        self._closed = False
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._mapper: Any = None
@@ -260,7 +262,8 @@ class CudaIpcTransport(Transport):
         with self._lock:
             old = self._peers.get(peer)
             self._peers[peer] = new
-            closable = self._retire_locked(old, "reconnected") if old is not None else []
+            closable = (self._retire_locked(old, f"peer {peer} reconnected") if old is not None
+                        else [])
         self._unmap(closable)
         log.info(
             "cuda_ipc: mapped %d allocation(s) of %s (GPU %s)",
@@ -274,7 +277,8 @@ class CudaIpcTransport(Transport):
         its mappings are closed then (never under a running copy). Other peers are untouched."""
         with self._lock:
             old = self._peers.pop(peer, None)
-            closable = self._retire_locked(old, "disconnected") if old is not None else []
+            closable = (self._retire_locked(old, f"peer {peer} disconnected") if old is not None
+                        else [])
             closable += self._reap_locked()
         self._unmap(closable)
 
@@ -288,11 +292,12 @@ class CudaIpcTransport(Transport):
             if x.pending.done():  # ended before the disconnect: it keeps its own outcome
                 closable += self._settle_locked(x)
             else:
-                x.cut = (f"peer {p.name} {why} while the copy was in flight (its bytes may "
-                         "have landed in part)")
+                x.cut = f"{why} while the copy was in flight (its bytes may have landed in part)"
         if not p.live and not p.unmapped:
             p.unmapped = True
             closable.append(p)
+        elif p.live:
+            self._gone.append(p)  # unmapped when its last copy is seen ended
         return closable
 
     def _settle_locked(self, x: _Xfer) -> list[_Peer]:
@@ -307,6 +312,8 @@ class CudaIpcTransport(Transport):
         p.live.discard(x)
         if p.gone and not p.live and not p.unmapped:
             p.unmapped = True
+            if p in self._gone:
+                self._gone.remove(p)
             return [p]
         return []
 
@@ -342,7 +349,8 @@ class CudaIpcTransport(Transport):
             handle = next(self._handles)
             target = self._peers.get(peer)
             if target is None or self._copier is None:
-                why = (f"peer {peer} not connected" if self._copier is not None
+                why = ("cuda_ipc: transport closed" if self._closed else
+                       f"peer {peer} not connected" if self._copier is not None
                        else "cuda_ipc: post before register()")
                 self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
                                             XferState(XferStatus.FAILED, why), settled=True)
@@ -444,16 +452,32 @@ class CudaIpcTransport(Transport):
     def notify(self, peer: str, message: bytes) -> None:
         raise TransportUnavailable("cuda_ipc has no native notifications; use the side channel")
 
-    def close(self) -> None:
-        """Wait for every copy of ours to end, then close every mapping. Idempotent."""
-        if self._stream is not None:
-            self._stream.synchronize()  # every copy of ours ran on this stream
+    def close(self, timeout: float = 2.0) -> None:
+        """Forget every peer; copies in flight fail once they have ended (contract rule 4).
+        Waits up to ``timeout`` seconds for them, to close their mappings here; a copy still
+        waiting longer (on a caller's stream that does not finish) keeps its mapping until a
+        poll sees it end. Idempotent."""
         with self._lock:
+            self._closed = True
             closable: list[_Peer] = []
-            for x in [*self._xfers.values(), *self._released]:
-                closable += self._settle_locked(x)
             for name in list(self._peers):
-                closable += self._retire_locked(self._peers.pop(name), "closed")
-            self._xfers.clear()
-            self._released.clear()
+                closable += self._retire_locked(self._peers.pop(name), "transport closed")
+            closable += self._reap_locked()
         self._unmap(closable)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                closable = []
+                for p in list(self._gone):
+                    for x in list(p.live):
+                        if x.pending.done():
+                            closable += self._settle_locked(x)
+                self._released = [x for x in self._released if not x.settled]
+                left = len(self._gone)
+            self._unmap(closable)
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.001)
+        if left:
+            log.warning("cuda_ipc: closed with %d peer(s) still mapped under copies in flight",
+                        left)

@@ -483,6 +483,10 @@ def test_disconnect_fails_only_that_peers_handles(monkeypatch: pytest.MonkeyPatc
 
 
 def test_release_before_the_copy_ends_defers_the_unmap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A released copy and a close keep mappings until their copies end (close waits a bounded
+    time); afterwards posts fail, saying why."""
+    from kvlink.transport import XferStatus
+
     t = _fake_transport(monkeypatch)
     mapper = t._mapper
     t.connect("p", _desc(4242))
@@ -495,10 +499,17 @@ def test_release_before_the_copy_ends_defers_the_unmap(monkeypatch: pytest.Monke
     t.disconnect("p")  # any later call settles it (here: a no-op one)
     assert len(mapper.unmapped) == 1 and mapper.refs == {}
     t.connect("q", _desc(7, b"q" * 64))
-    _post(t, Op.READ, "q")
-    t.close()
+    hq = _post(t, Op.READ, "q")
+    t.close(timeout=0.05)  # bounded: the copy has not ended, so its mapping stays
+    assert mapper.refs == {(7, b"q" * 64): 1}
+    assert t.poll(hq).status is XferStatus.PENDING
+    t._copier.copies[-1].event.done = True
+    st = t.poll(hq)
+    assert st.status is XferStatus.FAILED and "transport closed" in st.reason
     assert mapper.refs == {} and len(mapper.unmapped) == 2
     t.close()  # idempotent
+    st = t.poll(_post(t, Op.READ, "q"))
+    assert st.status is XferStatus.FAILED and "closed" in st.reason
 
 
 def test_peer_table_is_safe_under_concurrent_connects_and_posts(

@@ -1,0 +1,384 @@
+"""GPU check: cuda_ipc copies run after the caller's current stream (two processes, one GPU).
+
+    python scripts/gpu_stream_order_check.py [--out DIR] [--modes order no-order]
+
+A prefill process holds its blocks for readers with block leases (as ``kvlink demo``'s serve
+rank does) and answers handshakes; a decode process moves them through the public API
+(``KVWorker`` with transports ``["cuda_ipc"]``). Every case first queues a long kernel
+(``torch.cuda._sleep``) and then a write of the blocks involved on the caller's current stream,
+then asks for the transfer; the copy must wait for both. After poll() says finished, the
+elements that are not what the transfer must leave are counted (must be 0):
+
+- ``read_default_stream``: the decode's default stream fills its destination blocks with a
+  sentinel, then ``KVWorker.read``. Right: every destination element holds the prefill's value
+  (the copy ran after the fill). Wrong: the sentinel (the copy ran first, the fill landed on it).
+- ``read_side_stream``: the same with a user stream as the current stream.
+- ``write_source``: the decode's current stream is still writing the source blocks when
+  ``KVWorker.write`` posts; the prefill's blocks are read back (after a device sync) and must
+  hold the new value.
+- ``completion_event``: a READ posted on the transport, then a consumer stream waits on
+  ``completion_event(handle)`` and counts wrong elements on the device, with no host sync in
+  between (the event was still pending when the consumer queued its wait); a second consumer
+  that does not wait shows what the count looks like without it.
+
+Mode ``no-order`` runs the same cases with the transport option ``stream_order=False``: the
+behaviour before the wait existed, to show the race (wrong counts > 0). ``post_us`` compares the
+host time of a small post with and without the wait. Results: bench/results/gpu_stream_order.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import _gpu_common
+
+LAYERS, HEADS, DIM, BS = 8, 8, 128, 16
+N = 256  # blocks a transfer moves: 8 layers x K/V x 256 x 16 x 8 x 128 = 67,108,864 bf16
+PREFILL_BLOCKS = 2 * N  # [0, N) are read, [N, 2N) are written
+SENTINEL = -1  # as int16: the prefill's values are never negative
+MODES = ("order", "no-order")
+
+
+def _cache(nblocks: int) -> Any:
+    """One bf16 tensor (layers, K/V, blocks, tokens, heads, dim) and its per-layer views."""
+    import torch
+
+    t = torch.zeros((LAYERS, 2, nblocks, BS, HEADS, DIM), dtype=torch.bfloat16, device="cuda")
+    return t, [t[i] for i in range(LAYERS)]
+
+
+def _pattern(numel: int) -> Any:
+    """The prefill's contents as int16, from the element index alone (nonnegative)."""
+    import torch
+
+    i = torch.arange(numel, dtype=torch.int64, device="cuda")
+    return ((i * 2654435761) >> 7).bitwise_and(0x7FFF).to(torch.int16)
+
+
+def _spec(layers: list[Any]) -> Any:
+    from kvlink.layout import KVCacheSpec
+
+    return KVCacheSpec.from_tensors(layers, total_kv_heads=HEADS, dtype="bfloat16")
+
+
+def _requests(modes: list[str]) -> dict[str, list[int]]:
+    reads = list(range(N))
+    writes = list(range(N, 2 * N))
+    out = {}
+    for m in modes:
+        out[f"{m}-warmup"] = reads
+        out[f"{m}-read_default_stream"] = reads
+        out[f"{m}-read_side_stream"] = reads
+        out[f"{m}-write_check"] = writes
+    return out
+
+
+def _hold(worker: Any, reqs: dict[str, list[int]]) -> Any:
+    """Hold the requests' blocks for readers; returns the step that serves their leases.
+
+    Like kvlink.demo.roles.serve_rank: the worker owns the leases where it offers ``hold``,
+    else a BlockLeases set on the worker is driven from its readers' notifications."""
+    if hasattr(worker, "hold"):
+        for req_id, ids in reqs.items():
+            worker.hold(req_id, np.asarray(ids, dtype=np.int64))
+        return lambda: worker.released()
+    from kvlink.scheduler import BlockLeases
+
+    leases = BlockLeases(600.0)
+    for req_id, ids in reqs.items():
+        leases.hold(req_id, ids)
+    worker.leases = leases
+
+    def step() -> None:
+        notes = worker.notifications()
+        with worker.leases_lock:
+            for note in notes:
+                leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
+                                   worker.expected_readers(note.tp_size))
+            leases.expire()
+
+    return step
+
+
+def prefill(q: Any, stop: Any, modes: list[str]) -> None:
+    import torch
+
+    from kvlink.worker import KVWorker, WorkerConfig
+
+    torch.cuda.set_device(0)
+    cache, layers = _cache(PREFILL_BLOCKS)
+    cache.view(torch.int16).view(-1).copy_(_pattern(cache.numel()))
+    torch.cuda.synchronize()  # the blocks are offered only once their contents are final
+    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=["cuda_ipc"]))
+    worker.register(_spec(layers))
+    step = _hold(worker, _requests(modes))
+    q.put((worker.side_port, cache.data_ptr()))
+    try:
+        while not stop.is_set():
+            step()
+            time.sleep(0.002)
+    finally:
+        worker.close()
+
+
+class Decode:
+    """One decode worker (one mode) against the prefill."""
+
+    def __init__(self, mode: str, port: int, remote_base: int, cycles: int, timeout: float
+                 ) -> None:
+        import torch
+
+        from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+        self.torch, self.mode, self.cycles, self.timeout = torch, mode, cycles, timeout
+        self.cache, layers = _cache(N)
+        self.i16 = self.cache.view(torch.int16)
+        opts = {"cuda_ipc": {"stream_order": mode == "order"}}
+        self.worker = KVWorker(WorkerConfig(engine_id=f"decode-{mode}", transports=["cuda_ipc"],
+                                            transport_options=opts, serve=False))
+        self.worker.register(_spec(layers))
+        self.remote = RemoteEngine("prefill", "127.0.0.1", port)
+        self.remote_base = remote_base
+        rng = np.random.default_rng(7)
+        self.lids = rng.permutation(N).astype(np.int64)
+        self.rids = rng.permutation(N).astype(np.int64)
+        pat = _pattern(LAYERS * 2 * PREFILL_BLOCKS * BS * HEADS * DIM)
+        self.prefill_i16 = pat.view(LAYERS, 2, PREFILL_BLOCKS, BS, HEADS, DIM)
+        dev = self.cache.device
+        self.lidx = torch.from_numpy(self.lids).to(dev)
+        self.ridx = torch.from_numpy(self.rids).to(dev)
+        self.expected = self.prefill_i16[:, :, self.ridx]  # what the READs must leave
+        torch.cuda.synchronize()
+        # handshake, mappings and first launch before any timed case
+        self.worker.read(f"{mode}-warmup", self.remote, self.lids, self.rids)
+        self.warmup = self.wait(f"{mode}-warmup")
+        torch.cuda.synchronize()
+        if not self.warmup["finished"]:
+            raise RuntimeError(f"warm-up READ failed: {self.warmup}")
+
+    def busy_then(self, fill: int) -> None:
+        """On the current stream: a long kernel, then a write of the whole cache."""
+        self.torch.cuda._sleep(self.cycles)
+        self.i16.fill_(fill)
+
+    def wait(self, req_id: str) -> dict[str, Any]:
+        """Poll the worker until ``req_id`` is reported; how long, and the longest poll()."""
+        t0, longest = time.perf_counter(), 0.0
+        while True:
+            a = time.perf_counter()
+            done, failed = self.worker.poll()
+            longest = max(longest, time.perf_counter() - a)
+            if req_id in done or req_id in failed:
+                return {"finished": req_id in done, "error": failed.get(req_id),
+                        "seconds": time.perf_counter() - t0, "longest_poll_s": longest}
+            if time.perf_counter() - t0 > self.timeout:
+                return {"finished": False, "error": "timeout", "seconds": self.timeout,
+                        "longest_poll_s": longest}
+            time.sleep(0.0002)
+
+    def wrong_read(self) -> int:
+        """Destination elements that do not hold the prefill's (on the current stream)."""
+        got = self.i16[:, :, self.lidx]
+        return int((got != self.expected).sum().item())
+
+    def read(self, case: str, stream: Any = None) -> dict[str, Any]:
+        torch = self.torch
+        req = f"{self.mode}-{case}"
+        torch.cuda.synchronize()
+        self.i16.zero_()
+        torch.cuda.synchronize()
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            self.busy_then(SENTINEL)
+            self.worker.read(req, self.remote, self.lids, self.rids)
+            row = self.wait(req)
+            row["wrong"] = self.wrong_read()  # after finished, in the caller's stream order
+        row["elements"] = int(self.expected.numel())
+        torch.cuda.synchronize()
+        row["wrong_after_device_sync"] = self.wrong_read()
+        return row
+
+    def write(self) -> dict[str, Any]:
+        """The current stream writes the source while WRITE posts; read back and count."""
+        torch = self.torch
+        value = 0x1234
+        targets = self.rids + N
+        torch.cuda.synchronize()
+        self.i16.zero_()
+        torch.cuda.synchronize()
+        req = f"{self.mode}-write_source"
+        self.busy_then(value)
+        self.worker.write(req, self.remote, self.lids, targets)
+        row = self.wait(req)
+        torch.cuda.synchronize()  # now read the prefill's blocks back, fully ordered
+        self.i16.zero_()
+        torch.cuda.synchronize()
+        check = f"{self.mode}-write_check"
+        self.worker.read(check, self.remote, self.lids, targets)
+        back = self.wait(check)
+        torch.cuda.synchronize()
+        got = self.i16[:, :, self.lidx]
+        row["wrong"] = int((got != value).sum().item())
+        row["elements"] = int(got.numel())
+        row["read_back"] = back
+        return row
+
+    def _extents(self, t: Any) -> tuple[Any, Any]:
+        """The READ's pages as transport extents, in the transport's own (pinned) arrays."""
+        page = BS * HEADS * DIM * 2
+        planes = np.arange(LAYERS * 2, dtype=np.uint64)[:, None]
+        lo = (planes * np.uint64(N) + self.lids.astype(np.uint64)[None, :]) * np.uint64(page)
+        ro = (planes * np.uint64(PREFILL_BLOCKS) + self.rids.astype(np.uint64)[None, :]) \
+            * np.uint64(page)
+        n = lo.size
+        lx, rx = t.extents(n), t.extents(n)
+        lx["addr"], lx["len"] = np.uint64(self.cache.data_ptr()) + lo.reshape(-1), page
+        rx["addr"], rx["len"] = np.uint64(self.remote_base) + ro.reshape(-1), page
+        return lx, rx
+
+    def completion_event(self) -> dict[str, Any]:
+        """A consumer stream waits on the copy's completion event: no host sync before it."""
+        from kvlink.transport import Op, XferStatus
+
+        torch = self.torch
+        t = self.worker.transports["cuda_ipc"]
+        peer = self.worker.connected_peers()[0]
+        lx, rx = self._extents(t)
+        torch.cuda.synchronize()
+        self.i16.zero_()
+        torch.cuda.synchronize()
+        self.busy_then(SENTINEL)
+        t0 = time.perf_counter()
+        h = t.post(Op.READ, peer, lx, rx)
+        post_s = time.perf_counter() - t0
+        ev = t.completion_event(h)
+        pending_at_wait = not ev.query()
+        waiter, control = torch.cuda.Stream(), torch.cuda.Stream()
+        waiter.wait_event(ev)  # the consumer's stream waits on the device
+        with torch.cuda.stream(waiter):
+            wrong = (self.i16[:, :, self.lidx] != self.expected).sum()
+        with torch.cuda.stream(control):  # no wait: runs while the copy is still waiting
+            wrong_nowait = (self.i16[:, :, self.lidx] != self.expected).sum()
+        queued_s = time.perf_counter() - t0
+        deadline = time.perf_counter() + self.timeout
+        while (st := t.poll(h)).status is XferStatus.PENDING and time.perf_counter() < deadline:
+            time.sleep(0.0002)
+        t.release(h)
+        torch.cuda.synchronize()
+        return {"status": st.status.value, "reason": st.reason, "post_s": post_s,
+                "consumer_queued_s": queued_s, "event_pending_when_consumer_waited":
+                pending_at_wait, "wrong": int(wrong.item()),
+                "wrong_consumer_without_wait": int(wrong_nowait.item()),
+                "elements": int(self.expected.numel())}
+
+    def post_us(self, reps: int = 200) -> dict[str, float]:
+        """Host time of a one-page READ post, with and without the stream wait."""
+        from kvlink.transport import Op
+
+        t = self.worker.transports["cuda_ipc"]
+        peer = self.worker.connected_peers()[0]
+        lx, rx = self._extents(t)
+        lx, rx = lx[:1], rx[:1]
+        out = {}
+        keep = t.stream_order
+        for name, flag in (("with_wait", True), ("without_wait", False), ("with_wait_2", True)):
+            t.stream_order = flag
+            ts = []
+            for _ in range(reps):
+                self.torch.cuda.synchronize()
+                a = time.perf_counter()
+                h = t.post(Op.READ, peer, lx, rx)
+                ts.append(time.perf_counter() - a)
+                t.wait(h, self.timeout)
+                t.release(h)
+            out[name] = statistics.median(ts) * 1e6
+        t.stream_order = keep
+        return out
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--sleep-cycles", type=int, default=1_000_000_000,
+                    help="torch.cuda._sleep length queued before each case's write (~0.5 s)")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=prefill, args=(q, stop, args.modes))
+    p.start()
+    results: dict[str, Any] = {"elements_per_transfer": LAYERS * 2 * N * BS * HEADS * DIM,
+                               "sleep_cycles": args.sleep_cycles, "modes": {}}
+    try:
+        port, remote_base = q.get(timeout=300)
+        torch.cuda.set_device(0)
+        # how long the queued kernel runs, on the device's clock
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda._sleep(args.sleep_cycles)
+        e1.record()
+        e1.synchronize()
+        results["sleep_s"] = e0.elapsed_time(e1) / 1e3
+        for mode in args.modes:
+            d = Decode(mode, port, remote_base, args.sleep_cycles, args.timeout)
+            row: dict[str, Any] = {"stream_order": d.worker.transports["cuda_ipc"].stream_order,
+                                   "kernel": d.worker.transports["cuda_ipc"]._copier.kernel,
+                                   "warmup": d.warmup}
+            try:
+                row["read_default_stream"] = d.read("read_default_stream")
+                row["read_side_stream"] = d.read("read_side_stream", torch.cuda.Stream())
+                row["completion_event"] = d.completion_event()
+                row["write_source"] = d.write()
+                if mode == "order":
+                    row["post_us"] = d.post_us()
+            finally:
+                d.close()
+            results["modes"][mode] = row
+            for case in ("read_default_stream", "read_side_stream", "completion_event",
+                         "write_source"):
+                r = row[case]
+                print(f"{mode:9s} {case:20s} wrong {r['wrong']:>11,} of {r['elements']:,}",
+                      {k: v for k, v in r.items() if k not in ("wrong", "elements")},
+                      flush=True)
+            if "post_us" in row:
+                print(f"{mode:9s} post_us", row["post_us"], flush=True)
+    finally:
+        stop.set()
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    order = results["modes"].get("order")
+    if order is not None:
+        results["ordered_all_zero"] = all(
+            order[c]["wrong"] == 0 for c in ("read_default_stream", "read_side_stream",
+                                              "completion_event", "write_source"))
+    _gpu_common.write(args.out, "gpu_stream_order.json", results)
+
+
+if __name__ == "__main__":
+    main()
