@@ -152,10 +152,10 @@ class BlockLeases:
         with self._lock:
             lease = self._leases.get(req_id)
             if lease is None:
-                self.stats.reads_refused += 1
                 why = self._gone.get(req_id)
-                if why is None:
+                if why is None:  # not counted: readers retry this until the hold arrives
                     return Refused(Refusal.NOT_YET, f"request {req_id} is not held (yet)")
+                self.stats.reads_refused += 1
                 return Refused(Refusal.RELEASED, f"request {req_id} is no longer held: {why}")
             if block_ids is not None:
                 want = np.asarray(block_ids, dtype=np.int64).reshape(-1)

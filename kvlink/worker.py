@@ -176,6 +176,7 @@ class _Request:
     nbytes: int = 0
     push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
     push_key: PushKey | None = None
+    lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
 
 
 @dataclasses.dataclass
@@ -599,8 +600,15 @@ class KVWorker:
                 continue  # never report while bytes may still land or a verdict is due
             del self._requests[req.req_id]
             errors = [p.error for p in req.parts if p.error]
-            if req.op is Op.READ:
-                self._release_unread(req)
+            if req.op is Op.READ:  # replicas holding our heads that we did not read
+                self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts})
+            if req.lease is not None and req.push is not None:
+                intact = self.leases.finish_read(
+                    req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
+                    not errors, self.expected_readers(req.push.tp_size))
+                if not errors and not intact:
+                    errors.append(f"the lease of {req.lease[0]} ended under the WRITE: the "
+                                  "written bytes are not trusted")
             if errors:
                 failed[req.req_id] = "; ".join(errors)
                 log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
@@ -697,7 +705,8 @@ class KVWorker:
         a transport with native notifications; else it goes over the side channel once every
         part is DONE (a note after one part would claim bytes still moving)."""
         part = req.parts[0]
-        return (req.op is Op.WRITE and len(req.parts) == 1 and part.go is not None
+        return (req.op is Op.WRITE and len(req.parts) == 1 and req.lease is None
+                and part.go is not None
                 and part.go.peer.transport.capabilities.native_notifications)
 
     def _take_verdict(self, req: _Request, part: _Part) -> None:
@@ -748,31 +757,18 @@ class KVWorker:
                 return us / 1e6
         return time.perf_counter() - part.t_post
 
-    def _release_unread(self, req: _Request) -> None:
-        """Tell the replicas we did not read that we are done with the request's blocks."""
+    def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None) -> None:
+        """Reader side: we are done with ``req_id`` without reading it (a full local prefix
+        hit, an aborted request) from the producer ranks holding it for us, except ``skip``
+        (those we read, or that wrote to us: they count us themselves). Async."""
         spec = self._require_spec()
-        read = {p.read.remote_rank for p in req.parts}
-        rest = notify_targets(self.config.tp_size, self.config.tp_rank, req.remote.tp_size,
-                              spec.total_kv_heads, spec.mla) - read
+        rest = notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                              spec.total_kv_heads, spec.mla) - (skip or set())
         for rank in sorted(rest):
-            self._submit(self._notifier, self._send_note, req.remote.host,
-                         req.remote.port + rank, wire.ReadDone(
-                             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
-                             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
-                             incarnation=0, generation=0, ok=True))
-
-    def release(self, req_id: str, remote: RemoteEngine) -> None:
-        """Reader side: we will not read ``req_id`` (e.g. a full local prefix hit, or an
-        aborted request): release the producer ranks holding it for us (async)."""
-        spec = self._require_spec()
-        for rank in sorted(notify_targets(self.config.tp_size, self.config.tp_rank,
-                                          remote.tp_size, spec.total_kv_heads, spec.mla)):
-            self._submit(self._notifier, self._release_rank, remote, rank, req_id)
-
-    def _release_rank(self, remote: RemoteEngine, rank: int, req_id: str) -> None:
-        self._send_note(remote.host, remote.port + rank, wire.ReadDone(
-            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, generation=0, ok=True))
+            self._submit(self._notifier, self._send_note, remote.host, remote.port + rank,
+                         wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                       req_id=req_id, tp_rank=self.config.tp_rank,
+                                       tp_size=self.config.tp_size, generation=0, ok=True))
 
     def _send_note(self, host: str, port: int, msg: wire._Msg) -> None:
         try:
@@ -925,7 +921,8 @@ class KVWorker:
                 exc = aw.asked.exception()
                 aw.asked = None
                 if exc is not None:
-                    wait.fail(f"push request to {aw.remote.engine_id} failed: {exc}")
+                    wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
+                              f"{aw.remote.engine_id} failed: {exc}")
             if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
                 if not wait.cancelling:
                     wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "
@@ -937,6 +934,7 @@ class KVWorker:
             if outcome is None:
                 continue
             del self._awaiting[req_id]
+            self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
             if outcome:
                 finished.add(req_id)
             else:
@@ -994,29 +992,55 @@ class KVWorker:
         return sum(aw.wait.cancelling for aw in self._awaiting.values())
 
     # ------------------------------------------------------------------ push, prefill side
+    def queued_pushes(self) -> int:
+        """Prefill side: push requests received and not yet taken by :meth:`push_requests`."""
+        with self._lock:
+            return len(self._push_inbox)
+
     def push_requests(self) -> list[wire.PushRequest]:
         """Prefill side: decode ranks waiting for a request to be written (drained)."""
         with self._lock:
             out, self._push_inbox = self._push_inbox, []
         return out
 
-    def push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike) -> str:
+    def push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
+             lease: str | None = None) -> str:
         """Prefill side: WRITE ``local_ids`` into the decode rank's blocks; returns the id that
-        :meth:`poll` reports. Raises TransferCancelled (and tells the decode) if the push was
-        cancelled or is past its deadline: it must not be written any more."""
+        :meth:`poll` reports. Raises TransferCancelled if the push was cancelled or is past its
+        deadline (it must not be written any more).
+
+        ``lease``: the held request the blocks belong to. The WRITE then runs under its lease
+        like a READ (validate after write): a lease that ended under it fails the push, and the
+        decode is told only after that check (never through the transport's own notification),
+        and the writer counts as one of the request's readers."""
         spec = self._require_spec()
-        with self._lock:
-            key = self._push_slots.start(msg, time.monotonic())
-        reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size, msg.tp_rank,
-                             spec.total_kv_heads, spec.mla)
-        remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
-        rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+        writer = f"{msg.engine_id}/{msg.tp_rank}"
+        generation = 0
+        if lease is not None:
+            got = self.leases.begin_read(lease, writer, local_ids)
+            if not isinstance(got, Grant):
+                raise TransferRefused(f"push of {lease} to {writer}: {got.reason}")
+            generation = got.generation
         try:
-            self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key)
-        except KVLinkError:
             with self._lock:
-                self._push_slots.finish(key, False)
+                key = self._push_slots.start(msg, time.monotonic())
+            reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
+                                 msg.tp_rank, spec.total_kv_heads, spec.mla)
+            remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
+            rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+            try:
+                self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key)
+            except KVLinkError:
+                with self._lock:
+                    self._push_slots.finish(key, False)
+                raise
+        except KVLinkError:
+            if lease is not None:
+                self.leases.finish_read(lease, writer, generation, False,
+                                        self.expected_readers(msg.tp_size))
             raise
+        if lease is not None:
+            self._requests[rid].lease = (lease, generation)
         return rid
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:

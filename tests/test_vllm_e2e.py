@@ -481,7 +481,8 @@ def test_push_mode_and_its_failures() -> None:
         cons.start(StepPlan(recv=[RecvReq("d4", gone, (1,), 32, push=True)]))
         res = steps_consumer_only(cons)
         assert res.finished_recving == {"d4"} and "of P" in res.failed_recving["d4"]
-        assert time.monotonic() - t0 < 3.0 + 2.0
+        # push_timeout, then a cancel nobody answers (2 s) and the fence of P's connections
+        assert time.monotonic() - t0 < 3.0 + 2.0 + 2.0
     finally:
         prod.close()
         cons.close()
@@ -558,7 +559,7 @@ def test_push_to_a_dead_decode_releases_the_prefill() -> None:
         remote = _remote_r1(port, [1])
         cons.start(StepPlan(recv=[RecvReq("d1", remote, (2,), 32, push=True)]))
         deadline = time.monotonic() + 10
-        while "r1" not in prod._pins:  # accepted (pinned) by the prefill's side channel
+        while not prod._w().queued_pushes():  # arrived at the prefill's side channel
             assert time.monotonic() < deadline, "the push request never arrived"
             time.sleep(0.005)
         cons.close()  # the decode is gone before the prefill's step writes
@@ -572,35 +573,6 @@ def test_push_to_a_dead_decode_releases_the_prefill() -> None:
         counters, _ = prod.take_stats()
         assert counters.get("push_failed_requests") == 1 and counters.get("send_done_requests")
         assert prod.pending() == 0
-    finally:
-        prod.close()
-        cons.close()
-
-
-def test_push_to_an_expired_but_pinned_lease_is_refused_at_once() -> None:
-    """A lease that expired while a WRITE was accepted is kept only for that WRITE: another
-    push is refused at once (not parked as "not held yet" until read_intent_timeout)."""
-    from kvlink import wire
-    from kvlink.compat import WIRE_VERSION
-
-    port = free_port_range(1)
-    prod, cons, _src, _dst = _pair({"side_channel_port": port, "kv_lease_duration": 0.2},
-                                   {"side_channel_port": free_port_range(1), "mode": "push"})
-    try:
-        prod.start(StepPlan(send=[SendReq("r1", (1, 2))]))
-
-        def ask(engine: str) -> Any:
-            return prod._on_push(wire.PushRequest(
-                v=WIRE_VERSION, engine_id=engine, agent_name="a", req_id="r1", tp_rank=0,
-                tp_size=1, host="127.0.0.1", port=1, block_ids=[3]))
-
-        assert ask("D1") is None  # accepted: pinned, queued for the prefill's next step
-        # the behaviour under test is wall-clock expiry: wait until the lease's own deadline
-        expiry = prod._leases._leases["r1"].deadline
-        while (left := expiry - time.monotonic()) > 0:
-            time.sleep(left)
-        late = ask("D2")
-        assert isinstance(late, wire.ErrorReply) and "lease expired" in late.message, late
     finally:
         prod.close()
         cons.close()

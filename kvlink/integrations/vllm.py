@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvlink.errors import ConfigError
 from kvlink.integrations.vllm_common import Settings, StepPlan
 from kvlink.integrations.vllm_layout import detect
 from kvlink.integrations.vllm_sched import PullScheduler
@@ -125,6 +126,12 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.settings = Settings.from_config(str(engine_id), str(_ktc_get(ktc, "kv_role")),
                                              _ktc_get(ktc, "kv_connector_extra_config"))
         par = vllm_config.parallel_config
+        pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            # A stage's ports and geometry would match another stage's: its layers would get
+            # the other stage's KV. Until layer identity is in the handshake, refuse.
+            raise ConfigError(f"kvlink does not support pipeline parallelism yet: "
+                              f"pipeline_parallel_size={pp} (use 1)")
         self._tp_size = int(par.tensor_parallel_size)
         self._dp_rank = int(getattr(par, "data_parallel_index",
                                     getattr(par, "data_parallel_rank", 0)) or 0)
