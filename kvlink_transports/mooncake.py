@@ -27,9 +27,19 @@ bytes is harmless) up to ``max_retries`` times with exponential backoff from ``r
 A handle never completes half-applied: if any sub-batch fails for good, the whole handle is
 FAILED, its unsent sub-batches are dropped and the state is reported once its other in-flight
 sub-batches have returned. An engine call that has not returned within ``timeout_s`` (a hung
-peer) fails every transfer of that peer at the next :meth:`poll`; the engine's own timeout
-(``MC_TRANSFER_TIMEOUT``, set from ``timeout_s`` unless already set, minimum 5 s) later frees the
-thread. Bytes of such a transfer may still land after FAILED is reported — only in this case.
+peer) marks every transfer of that peer failed at the next :meth:`poll`: nothing more of them is
+submitted, and each reports FAILED once the engine has returned every sub-batch it was given —
+at the latest at the engine's own timeout (``MC_TRANSFER_TIMEOUT``, set from ``timeout_s`` unless
+already set, minimum 5 s; the engine reads it when the first transport of the process starts).
+Until then bytes may still land, so the handle stays PENDING (contract rule 1 in
+``kvlink/transport.py``): a caller that frees blocks on FAILED never has them overwritten later
+by anything this transport still waits on. (Seen on the TCP protocol: after the engine returned
+a timed-out batch, its TCP session to a stopped peer was still writing the WRITE's body — bytes
+the target may yet apply; only the target's fence can rule that out.)
+:meth:`MooncakeTransport.post` gives a FAILED handle for an unknown peer or a closed transport;
+:meth:`MooncakeTransport.close` waits at most ``_CLOSE_WAIT`` seconds for the peer threads (a
+thread inside an engine call on a hung peer ends when that call returns, and the memory stays
+registered).
 
 **Notifications.** The engine has none usable here (``native_notifications=False``): the kvlink
 worker sends them over its side channel; :meth:`notify` raises and :meth:`notifications` is empty.
@@ -93,6 +103,7 @@ _VERSION = 1
 _MAX_DESCRIPTOR = 64 << 20
 _MAX_REGIONS = 1 << 16
 _PROTOCOLS = ("tcp", "rdma")
+_CLOSE_WAIT = 1.5  # seconds close() waits for the peer threads before giving up on them
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -173,7 +184,7 @@ def split_bounds(lengths: npt.NDArray[np.uint64], max_entries: int, max_bytes: i
 @dataclasses.dataclass(eq=False)
 class _Xfer:
     op: Op
-    peer: _Peer
+    peer: _Peer | None  # None: failed at post, never queued
     local: Extents
     remote: Extents
     nbytes: int
@@ -231,7 +242,9 @@ class _Peer:
         self.cv.notify()
 
     def fail_all(self, reason: str, now: bool = False) -> None:
-        """Fail every pending transfer of this peer (``now``: without waiting for in-flight)."""
+        """Fail every pending transfer of this peer: each reports FAILED once its sub-batches
+        in the engine have returned. ``now`` skips that wait; only for a dead peer thread (a
+        kvlink bug), after which nothing would ever see those sub-batches return."""
         for x in list(self.xfers):
             if x.failure is None:
                 x.failure = reason
@@ -546,14 +559,14 @@ class MooncakeTransport(Transport):
             )
         check_pairs(local, remote)
         with self._lock:
-            if self._closed:
-                raise TransportUnavailable("mooncake transport is closed")
             p = self._peers.get(peer)
-            if p is None:
-                raise TransferError(f"mooncake: peer {peer!r} is not connected")
             self._table.locate(local, "local extent")
-            p.table.locate(remote, "remote extent")
             n = int(local.shape[0])
+            if self._closed or p is None:
+                why = "the transport is closed" if self._closed else "it is not connected"
+                return self._failed_handle(op, peer, local, remote, t0,
+                                           f"mooncake: peer {peer!r}: {why}")
+            p.table.locate(remote, "remote extent")
             x = _Xfer(
                 op,
                 p,
@@ -571,26 +584,41 @@ class MooncakeTransport(Transport):
         self._account(post_seconds=time.perf_counter() - t0, descriptors=n)
         return handle
 
+    def _failed_handle(
+        self, op: Op, peer: str, local: Extents, remote: Extents, t0: float, reason: str
+    ) -> int:
+        """A handle that never started (lock held): FAILED at once."""
+        x = _Xfer(op, None, local, remote, 0, t0)
+        handle = next(self._handles)
+        self._xfers[handle] = x
+        log.warning("%s", reason)
+        self._finish(x, XferState(XferStatus.FAILED, reason))
+        return handle
+
     def poll(self, handle: int) -> XferState:
         x = self._xfers.get(handle)
         if x is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
-        if x.state is PENDING:
-            since = x.peer.call_since
+        p = x.peer
+        if x.state is PENDING and p is not None:
+            since = p.call_since
             if since is not None and time.monotonic() - since > self.timeout:
                 with self._lock:
-                    since = x.peer.call_since
-                    if since is not None and time.monotonic() - since > self.timeout:
+                    since = p.call_since
+                    if (
+                        since is not None
+                        and time.monotonic() - since > self.timeout
+                        and any(y.failure is None for y in p.xfers)
+                    ):
                         log.warning(
                             "mooncake: %s: engine call blocked for %.1fs > timeout_s; "
-                            "failing its transfers",
-                            x.peer.where(),
+                            "failing its transfers once the engine returns their sub-batches",
+                            p.where(),
                             time.monotonic() - since,
                         )
-                        x.peer.fail_all(
-                            f"mooncake: {x.peer.where()} did not complete a transfer within "
-                            f"{self.timeout:.1f}s (peer hung or unreachable)",
-                            now=True,
+                        p.fail_all(
+                            f"mooncake: {p.where()} did not complete a transfer within "
+                            f"{self.timeout:.1f}s (peer hung or unreachable)"
                         )
         return x.state
 
@@ -615,8 +643,8 @@ class MooncakeTransport(Transport):
             peers, self._peers = list(self._peers.values()), {}
             for p in peers:
                 p.closed = True
-                p.fail_all("mooncake transport closed", now=True)
-        deadline = time.monotonic() + min(self.timeout, 5.0)
+                p.fail_all("mooncake transport closed")
+        deadline = time.monotonic() + _CLOSE_WAIT
         for p in peers:
             p.thread.join(max(deadline - time.monotonic(), 0.0))
         if any(p.thread.is_alive() for p in peers):
@@ -657,7 +685,8 @@ class MooncakeTransport(Transport):
             self._finish(x, DONE)
 
     def _finish(self, x: _Xfer, state: XferState) -> None:
-        x.peer.xfers.discard(x)
+        if x.peer is not None:
+            x.peer.xfers.discard(x)
         if state.status is XferStatus.DONE:
             self._account(transfers=1, bytes=x.nbytes, xfer_seconds=time.perf_counter() - x.t_post)
         else:

@@ -31,7 +31,6 @@ except ImportError as _exc:
 from kvlink.errors import (
     ConfigError,
     ExtentOutOfBounds,
-    TransferError,
     TransportUnavailable,
     WireError,
     WireVersionError,
@@ -217,8 +216,10 @@ def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]
     ro["addr"][1500] = peer.addr + peer.nbytes
     with pytest.raises(ExtentOutOfBounds, match="remote extent 1500"):
         t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096), ro)
-    with pytest.raises(TransferError):
-        t.post(Op.WRITE, "nobody", ok_l, make_extents(peer.addr, 4096))
+    h = t.post(Op.WRITE, "nobody", ok_l, make_extents(peer.addr, 4096))  # a FAILED handle
+    state = t.poll(h)
+    assert state.status is XferStatus.FAILED and "'nobody'" in state.reason, state
+    t.release(h)
     assert np.array_equal(peer.buffer(), before)  # nothing was written
     assert t.stats.transfers == 0 and t.stats.descriptors == 0 and not t._xfers
     t.disconnect(peer.name)
@@ -283,21 +284,40 @@ def test_decode_killed_mid_write_fails_within_timeout() -> None:
         p.stop()
 
 
-def test_hung_peer_fails_at_timeout_s() -> None:
+def test_hung_peer_fails_at_timeout_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At ``timeout_s`` the transfer is marked failed, but it reports FAILED only once the
+    engine has given its batch back (its own timeout, MC_TRANSFER_TIMEOUT, 5 s here): until then
+    bytes could still land (contract rule 1)."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # read by the engine this test starts
     p = Peer(f"hung-{uuid.uuid4().hex[:8]}", 256 << 20, seed=4)
     t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 2.0})
     buf = np.ones(256 << 20, dtype=np.uint8)
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
         t.connect(p.name, p.descriptor)
+        # a first transfer opens the engine's session to the peer: without it the next submit
+        # blocks in the engine's handshake (~60 s), not in the batch wait that MC_TRANSFER_TIMEOUT
+        # bounds
+        warm = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, 4096),
+                      make_extents(p.addr, 4096))
+        assert t.wait(warm, TIMEOUT).status is XferStatus.DONE
+        t.release(warm)
         p.signal(signal.SIGSTOP)  # alive but silent: sockets stay open, nothing is answered
         h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, buf.nbytes),
                    make_extents(p.addr, p.nbytes))
         t0 = time.monotonic()
+        x = t._xfers[h]
+        while x.failure is None and time.monotonic() - t0 < 20.0:  # timeout_s: marked failed
+            assert t.poll(h).status is XferStatus.PENDING
+            time.sleep(0.01)
+        assert x.failure is not None and time.monotonic() - t0 < 4.0
+        if x.inflight:  # the engine still holds the batch: not FAILED yet
+            assert t.poll(h).status is XferStatus.PENDING
         state = t.wait(h, 20.0)
         elapsed = time.monotonic() - t0
         assert state.status is XferStatus.FAILED, state
-        assert "within 2.0s" in state.reason and elapsed < 6.0, (elapsed, state)
+        assert x.inflight == 0 and x.queued == 0
+        assert "within 2.0s" in state.reason and elapsed < 12.0, (elapsed, state)
         t.release(h)
     finally:
         p.kill()
