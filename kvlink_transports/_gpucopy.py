@@ -371,10 +371,13 @@ class BatchCopier:
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
             )
         with self._lock:
-            if after is not None and after.cuda_stream != stream.cuda_stream:
+            if (after is not None and after.cuda_stream != stream.cuda_stream
+                    and not after.query()):
                 # the caller's pending work on `after` first: a wait on the device, no host
-                # sync. One event serves every post: a wait takes the event's state when it is
-                # enqueued, so recording it again later changes no earlier wait.
+                # sync (an idle `after` has nothing to wait for: cudaStreamQuery, ~1 us, saves
+                # the device-side dependency). One event serves every post: a wait takes the
+                # event's state when it is enqueued, so recording it again changes no earlier
+                # wait.
                 if self._order is None:
                     self._order = self.torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self._order.record(after)

@@ -23,7 +23,9 @@ elements that are not what the transfer must leave are counted (must be 0):
 
 Mode ``no-order`` runs the same cases with the transport option ``stream_order=False``: the
 behaviour before the wait existed, to show the race (wrong counts > 0). ``post_us`` compares the
-host time of a small post with and without the wait. Results: bench/results/gpu_stream_order.json.
+host time of a small post with and without the wait (caller's stream idle); ``timing_*`` the end
+to end READ of 20480 x 8 KiB blocks with and without it, the caller's stream idle or with a
+kernel pending. Results: bench/results/gpu_stream_order.json.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import _gpu_common
 LAYERS, HEADS, DIM, BS = 8, 8, 128, 16
 N = 256  # blocks a transfer moves: 8 layers x K/V x 256 x 16 x 8 x 128 = 67,108,864 bf16
 PREFILL_BLOCKS = 2 * N  # [0, N) are read, [N, 2N) are written
+DECODE_BLOCKS = 2 * N  # the cases use [0, N); the timing uses all 256 MiB
 SENTINEL = -1  # as int16: the prefill's values are never negative
 MODES = ("order", "no-order")
 
@@ -142,7 +145,7 @@ class Decode:
         from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
         self.torch, self.mode, self.cycles, self.timeout = torch, mode, cycles, timeout
-        self.cache, layers = _cache(N)
+        self.cache, layers = _cache(DECODE_BLOCKS)
         self.i16 = self.cache.view(torch.int16)
         opts = {"cuda_ipc": {"stream_order": mode == "order"}}
         self.worker = KVWorker(WorkerConfig(engine_id=f"decode-{mode}", transports=["cuda_ipc"],
@@ -238,7 +241,8 @@ class Decode:
         """The READ's pages as transport extents, in the transport's own (pinned) arrays."""
         page = BS * HEADS * DIM * 2
         planes = np.arange(LAYERS * 2, dtype=np.uint64)[:, None]
-        lo = (planes * np.uint64(N) + self.lids.astype(np.uint64)[None, :]) * np.uint64(page)
+        lo = (planes * np.uint64(DECODE_BLOCKS) + self.lids.astype(np.uint64)[None, :]) \
+            * np.uint64(page)
         ro = (planes * np.uint64(PREFILL_BLOCKS) + self.rids.astype(np.uint64)[None, :]) \
             * np.uint64(page)
         n = lo.size
@@ -283,27 +287,91 @@ class Decode:
                 "elements": int(self.expected.numel())}
 
     def post_us(self, reps: int = 200) -> dict[str, float]:
-        """Host time of a one-page READ post, with and without the stream wait."""
+        """Host time (median, us) of a one-page READ post with and without the stream wait,
+        the caller's stream idle (the wait is skipped after a stream query) or with a tiny
+        kernel pending (event record + stream wait)."""
         from kvlink.transport import Op
 
+        torch = self.torch
         t = self.worker.transports["cuda_ipc"]
         peer = self.worker.connected_peers()[0]
         lx, rx = self._extents(t)
         lx, rx = lx[:1], rx[:1]
-        out = {}
+        tiny = torch.zeros(1, device="cuda")
+        variants = (("no_order_idle", False, False), ("order_idle", True, False),
+                    ("no_order_pending", False, True), ("order_pending", True, True))
+        times: dict[str, list[float]] = {v[0]: [] for v in variants}
         keep = t.stream_order
-        for name, flag in (("with_wait", True), ("without_wait", False), ("with_wait_2", True)):
-            t.stream_order = flag
-            ts = []
-            for _ in range(reps):
-                self.torch.cuda.synchronize()
+        for _ in range(reps):
+            for name, flag, pending in variants:
+                t.stream_order = flag
+                torch.cuda.synchronize()
+                if pending:
+                    tiny.add_(1)
                 a = time.perf_counter()
                 h = t.post(Op.READ, peer, lx, rx)
-                ts.append(time.perf_counter() - a)
+                times[name].append(time.perf_counter() - a)
                 t.wait(h, self.timeout)
                 t.release(h)
-            out[name] = statistics.median(ts) * 1e6
         t.stream_order = keep
+        return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+
+    def timing(self, reps: int) -> dict[str, Any]:
+        """End to end (post -> DONE polled, after a device sync, as gpu_cuda_ipc_check.py times
+        it) of a Llama-70B-shaped READ, 20480 x 8 KiB at random places, with and without the
+        stream wait, interleaved; the caller's stream idle (the wait is skipped: nothing is
+        pending) or with one tiny kernel pending (the wait is enqueued). Ratios to a device
+        copy of the same bytes in the same run."""
+        from kvlink.transport import Op, XferStatus
+
+        torch = self.torch
+        t = self.worker.transports["cuda_ipc"]
+        peer = self.worker.connected_peers()[0]
+        ext, count = 8 << 10, 20480
+        rng = np.random.default_rng(11)
+        lslot = rng.choice(self.cache.numel() * 2 // ext, count, replace=False)
+        rslot = rng.choice(self.prefill_i16.numel() * 2 // ext, count, replace=False)
+        lx, rx = t.extents(count), t.extents(count)
+        lx["addr"] = np.uint64(self.cache.data_ptr()) + lslot.astype(np.uint64) * np.uint64(ext)
+        rx["addr"] = np.uint64(self.remote_base) + rslot.astype(np.uint64) * np.uint64(ext)
+        lx["len"], rx["len"] = ext, ext
+        src = torch.empty(count * ext // 8, dtype=torch.int64, device="cuda").random_()
+        dst = torch.empty_like(src)
+        tiny = torch.zeros(1, device="cuda")
+        variants = (("no_order_idle", False, False), ("order_idle", True, False),
+                    ("no_order_pending", False, True), ("order_pending", True, True))
+        times: dict[str, list[float]] = {v[0]: [] for v in (*variants, ("device_copy",))}
+        keep = t.stream_order
+        for rep in range(reps + 1):
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize()
+            if rep:
+                times["device_copy"].append(time.perf_counter() - a)
+            for name, flag, pending in variants:
+                t.stream_order = flag
+                torch.cuda.synchronize()
+                if pending:
+                    tiny.add_(1)  # a kernel still pending on the caller's stream at post
+                a = time.perf_counter()
+                h = t.post(Op.READ, peer, lx, rx)
+                while (st := t.poll(h)).status is XferStatus.PENDING:
+                    pass
+                b = time.perf_counter()
+                t.release(h)
+                if st.status is not XferStatus.DONE:
+                    raise RuntimeError(f"timing READ {name}: {st.reason}")
+                if rep:
+                    times[name].append(b - a)
+        t.stream_order = keep
+        base = statistics.median(times["device_copy"])
+        out: dict[str, Any] = {"bytes": count * ext, "extents": count, "reps": reps,
+                               "device_copy_s": base}
+        for name, ts in times.items():
+            if name != "device_copy":
+                out[f"{name}_s"] = statistics.median(ts)
+                out[f"{name}_ratio_to_device_copy"] = base / statistics.median(ts)
         return out
 
     def close(self) -> None:
@@ -327,6 +395,8 @@ def main() -> None:
     ap.add_argument("--sleep-cycles", type=int, default=1_000_000_000,
                     help="torch.cuda._sleep length queued before each case's write (~0.5 s)")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--timing-reps", type=int, default=15,
+                    help="end-to-end READ timings with and without the wait (0: none)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
@@ -356,6 +426,8 @@ def main() -> None:
                 row["write_source"] = d.write()
                 if mode == "order":
                     row["post_us"] = d.post_us()
+                    if args.timing_reps:
+                        row["timing_b_llama70b_4096tok_8KiB"] = d.timing(args.timing_reps)
             finally:
                 d.close()
             results["modes"][mode] = row
@@ -365,8 +437,9 @@ def main() -> None:
                 print(f"{mode:9s} {case:20s} wrong {r['wrong']:>11,} of {r['elements']:,}",
                       {k: v for k, v in r.items() if k not in ("wrong", "elements")},
                       flush=True)
-            if "post_us" in row:
-                print(f"{mode:9s} post_us", row["post_us"], flush=True)
+            for key in ("post_us", "timing_b_llama70b_4096tok_8KiB"):
+                if key in row:
+                    print(f"{mode:9s} {key}", row[key], flush=True)
     finally:
         stop.set()
         p.join(60)

@@ -218,6 +218,10 @@ class _FakeStream:
     def __init__(self, raw: int) -> None:
         self.cuda_stream = raw
         self.waited: list[object] = []
+        self.busy = True  # work pending on it (query() False)
+
+    def query(self) -> bool:
+        return not self.busy
 
     def wait_event(self, event: object) -> None:
         self.waited.append(event)
@@ -561,9 +565,9 @@ def test_peer_table_is_safe_under_concurrent_connects_and_posts(
 
 def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> None:
     """BatchCopier.copy: an event recorded on ``after`` and waited on by the copy's stream
-    before any launch (none when ``after`` is that stream); a launch that raises gives a copy
-    that fails once its event has completed, keeping the buffers the launches read. A handed
-    out completion event is never recycled for another copy."""
+    before any launch (none when ``after`` is that stream or has nothing pending); a launch
+    that raises gives a copy that fails once its event has completed, keeping the buffers the
+    launches read. A handed out completion event is never recycled for another copy."""
     import collections
     import threading
     import types
@@ -603,7 +607,10 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     order.clear()
     cp.copy(e, None, e, None, stream, stream)
     cp.copy(e, None, e, None, stream, None)
-    assert order == ["launch", "launch"]  # no wait on itself, none without ``after``
+    caller.busy = False
+    cp.copy(e, None, e, None, stream, caller)
+    # no wait on itself, none without ``after``, none on a caller stream with nothing pending
+    assert order == ["launch", "launch", "launch"]
 
 
 def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.MonkeyPatch) -> None:
