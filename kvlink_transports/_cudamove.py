@@ -158,6 +158,53 @@ class CudaMove:
             raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUDA error {rc}")
 
 
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_EVENT_DISABLE_TIMING = 0x2
+
+
+class StreamOrder:
+    """Makes a stream wait, on the device, for the work enqueued on another one so far: a
+    stream query, and where work is pending an event record and a stream wait — no host sync.
+    Driver calls through ctypes (about a microsecond each; torch's Stream and Event objects cost
+    several). One event serves every call: a wait takes the event's state when it is enqueued.
+    Calls must come from a thread whose current context is the device's; not thread-safe (the
+    owning BatchCopier serialises its posts)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp = ctypes.c_void_p
+        for name, args in (("cuStreamQuery", [vp]),
+                           ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                           ("cuEventRecord", [vp, vp]),
+                           ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        self._lib = lib
+        self._event: ctypes.c_void_p | None = None
+
+    def wait(self, stream: int, after: int) -> bool:
+        """``stream`` (raw handle) runs its next work after what ``after`` holds now; False
+        where ``after`` had nothing pending (then nothing was enqueued)."""
+        lib = self._lib
+        rc = lib.cuStreamQuery(after)
+        if rc == 0:
+            return False
+        if rc != _NOT_READY:
+            raise RuntimeError(f"cuStreamQuery failed with CUDA error {rc}")
+        if self._event is None:
+            ev = ctypes.c_void_p()
+            rc = lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+            if rc:
+                raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
+            self._event = ev
+        rc = lib.cuEventRecord(self._event, after)
+        if rc == 0:
+            rc = lib.cuStreamWaitEvent(stream, self._event, 0)
+        if rc:
+            raise RuntimeError(f"ordering a copy after stream 0x{after:x}: CUDA error {rc}")
+        return True
+
+
 def load(device: Any) -> CudaMove | None:
     """The CUDA C mover for ``device``, or None (logged once) where NVRTC can't build it."""
     try:

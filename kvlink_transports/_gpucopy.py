@@ -290,7 +290,7 @@ class BatchCopier:
         self._onboard: dict[int, list[Any]] = collections.defaultdict(list)  # device records
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
-        self._order: Any = None  # event that orders a copy after the caller's stream
+        self._order: _cudamove.StreamOrder | None = None  # copies after a caller's stream
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -360,9 +360,10 @@ class BatchCopier:
         return adopt_host_extents(t.numpy(), n)  # that array's base keeps t alive
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
-             stream: Any, after: Any = None) -> Pending:
+             stream: Any, after: int | None = None) -> Pending:
         """Copy src[i] -> dst[i] for every i on ``stream``, after the work enqueued so far on
-        stream ``after`` (None: no such wait). Extents are checked on the device against their
+        the stream whose raw handle is ``after`` (``torch.cuda.current_stream().cuda_stream``;
+        None: no such wait). Extents are checked on the device against their
         maps and translated through them; a refused one shows as ``failed()``, as does a launch
         the driver refused (``error``). Pinned records (``host_extents``) must stay unchanged
         until the copy is done."""
@@ -371,17 +372,12 @@ class BatchCopier:
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
             )
         with self._lock:
-            if (after is not None and after.cuda_stream != stream.cuda_stream
-                    and not after.query()):
+            if after is not None and after != stream.cuda_stream:
                 # the caller's pending work on `after` first: a wait on the device, no host
-                # sync (an idle `after` has nothing to wait for: cudaStreamQuery, ~1 us, saves
-                # the device-side dependency). One event serves every post: a wait takes the
-                # event's state when it is enqueued, so recording it again changes no earlier
-                # wait.
+                # sync, skipped where `after` has nothing pending
                 if self._order is None:
-                    self._order = self.torch.cuda.Event()  # type: ignore[no-untyped-call]
-                self._order.record(after)
-                stream.wait_event(self._order)
+                    self._order = _cudamove.StreamOrder()
+                self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []  # our buffers the launches read, for the error path
             try:
                 return self._copy_locked(src, smap, dst, dmap, stream, held)

@@ -154,6 +154,10 @@ class CudaIpcTransport(Transport):
         if not torch.cuda.is_available():
             raise TransportUnavailable("cuda_ipc needs a CUDA device; none is visible here")
         self._torch = torch
+        # raw handle of the caller's current stream: torch's own getter (what Triton uses) costs
+        # a fraction of building a torch.cuda.Stream object
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._current_stream: Any = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
         self._device = -1
         self._regions: tuple[Region, ...] = ()
         self._exports: list[_Export] = []
@@ -361,7 +365,7 @@ class CudaIpcTransport(Transport):
             else:
                 args = (local, self._local_map, remote, target.map, self._stream)
             try:
-                after = cuda.current_stream(self._device) if self.stream_order else None
+                after = self._current_stream(self._device) if self.stream_order else None
                 if cuda.current_device() == self._device:  # common: skip the context switch
                     pending = self._copier.copy(*args, after)
                 else:

@@ -218,10 +218,6 @@ class _FakeStream:
     def __init__(self, raw: int) -> None:
         self.cuda_stream = raw
         self.waited: list[object] = []
-        self.busy = True  # work pending on it (query() False)
-
-    def query(self) -> bool:
-        return not self.busy
 
     def wait_event(self, event: object) -> None:
         self.waited.append(event)
@@ -315,18 +311,15 @@ def _fake_transport(monkeypatch: pytest.MonkeyPatch, **options: object) -> Any:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     t: Any = mod.CudaIpcTransport(TransportContext(agent_name="me", host_id="h"), options)
-    caller = _FakeStream(111)
-    t._torch = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(current_stream=lambda device=None: caller,
-                                   current_device=lambda: 0),
-        device=lambda *a: None)
+    t._torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_device=lambda: 0),
+                                     device=lambda *a: None)
+    t._current_stream = lambda device: 111  # the caller's current stream (raw handle)
     t._device = 0
     t._stream = _FakeStream(222)
     t._copier = _FakeCopier()
     t._mapper = _FakeMapper()
     t._table = RegionTable([Region(0x1000, 1 << 20, "cuda:0")])
     t._local_map = "local-map"
-    t.caller = caller
     monkeypatch.setattr(_gpucopy, "RegionMap", _FakeMap)
     return t
 
@@ -364,7 +357,7 @@ def test_post_orders_the_copy_after_the_callers_current_stream(
     for op in (Op.READ, Op.WRITE):
         h = _post(t, op, "p")
         c = t._copier.copies[-1]
-        assert c.after is t.caller
+        assert c.after == 111
         assert c.args[4] is t._stream
         assert t.poll(h).status is XferStatus.PENDING
         assert t.completion_event(h) is c.event
@@ -564,10 +557,10 @@ def test_peer_table_is_safe_under_concurrent_connects_and_posts(
 
 
 def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> None:
-    """BatchCopier.copy: an event recorded on ``after`` and waited on by the copy's stream
-    before any launch (none when ``after`` is that stream or has nothing pending); a launch
-    that raises gives a copy that fails once its event has completed, keeping the buffers the
-    launches read. A handed out completion event is never recycled for another copy."""
+    """BatchCopier.copy: the copy's stream is ordered after ``after`` before any launch (not
+    when ``after`` is that stream, nor without it); a launch that raises gives a copy that fails
+    once its event has completed, keeping the buffers the launches read. A handed out
+    completion event is never recycled for another copy."""
     import collections
     import threading
     import types
@@ -575,19 +568,12 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     from kvlink.transport import make_extents
 
     cp: Any = object.__new__(_gpucopy.BatchCopier)
-    events: list[_FakeEvent] = []
-
-    def new_event() -> _FakeEvent:
-        events.append(_FakeEvent())
-        return events[-1]
-
-    cp.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=new_event))
-    cp._lock, cp._order, cp._events = threading.Lock(), None, []
+    cp.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_FakeEvent))
+    order: list[object] = []
+    cp._lock, cp._events = threading.Lock(), []
+    cp._order = types.SimpleNamespace(wait=lambda s, a: order.append(("wait", s, a)))
     cp._inflight, cp._pinned, cp._onboard = collections.deque(), {}, {}
-    order: list[str] = []
-    stream: Any = _FakeStream(1)
-    caller = _FakeStream(2)
-    stream.wait_event = lambda ev: order.append("wait")
+    stream = _FakeStream(1)
 
     def launch(*args: Any) -> Any:
         order.append("launch")
@@ -596,8 +582,8 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
 
     cp._copy_locked = launch
     e = make_extents([0x1000], [64])
-    p = cp.copy(e, None, e, None, stream, caller)
-    assert order == ["wait", "launch"] and events[0].recorded_on == [caller]
+    p = cp.copy(e, None, e, None, stream, 2)
+    assert order == [("wait", 1, 2), "launch"]
     assert "CUDA error 700" in p.error and p.keep[-1] == "a buffer the launch reads"
     assert not p.done()
     ev = p.completion_event()
@@ -605,12 +591,44 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     assert p.done() and p.failed()
     assert cp._events == []  # handed out: not recycled
     order.clear()
-    cp.copy(e, None, e, None, stream, stream)
+    cp.copy(e, None, e, None, stream, 1)
     cp.copy(e, None, e, None, stream, None)
-    caller.busy = False
-    cp.copy(e, None, e, None, stream, caller)
-    # no wait on itself, none without ``after``, none on a caller stream with nothing pending
-    assert order == ["launch", "launch", "launch"]
+    assert order == ["launch", "launch"]
+
+
+def test_stream_order_waits_only_for_pending_work() -> None:
+    """_cudamove.StreamOrder through a fake driver: an idle stream (query 0) enqueues nothing;
+    a busy one (CUDA_ERROR_NOT_READY) gets one event, recorded on it and waited on by the copy's
+    stream, reused afterwards; driver errors raise (the post then fails, nothing enqueued)."""
+    import types
+
+    from kvlink_transports import _cudamove
+
+    calls: list[tuple[object, ...]] = []
+    query = {"rc": 0}
+
+    def fn(name: str, rc: Any = 0) -> Any:
+        def call(*args: Any) -> int:
+            calls.append((name, *[getattr(a, "value", a) for a in args[:2]]))
+            return int(rc() if callable(rc) else rc)
+        return call
+
+    so: Any = object.__new__(_cudamove.StreamOrder)
+    so._event = None
+    so._lib = types.SimpleNamespace(cuStreamQuery=fn("query", lambda: query["rc"]),
+                                    cuEventCreate=fn("create"), cuEventRecord=fn("record"),
+                                    cuStreamWaitEvent=fn("wait"))
+    assert so.wait(7, 9) is False and [c[0] for c in calls] == ["query"]
+    query["rc"] = 600
+    calls.clear()
+    assert so.wait(7, 9) is True and [c[0] for c in calls] == ["query", "create", "record",
+                                                                "wait"]
+    assert calls[3][1] == 7  # the copy's stream waits
+    calls.clear()
+    assert so.wait(7, 0) is True and [c[0] for c in calls] == ["query", "record", "wait"]
+    query["rc"] = 700
+    with pytest.raises(RuntimeError, match="700"):
+        so.wait(7, 9)
 
 
 def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.MonkeyPatch) -> None:
