@@ -12,8 +12,10 @@ numpy work before the launch: at 20480 extents that alone cost more than the cop
 Stream order (the manners of CUDA libraries). A post's copy starts only after the work that was
 enqueued on the caller's current stream of our device (``torch.cuda.current_stream``) when post
 was called: for a READ the kernels still writing or reading the destination blocks, for a WRITE
-the kernels still writing the source. This is an event recorded on that stream and waited on by
-the side stream — no host sync, so post never blocks on the model. The model's stream in turn is
+the kernels still writing the source. Where that stream has work pending, an event is recorded
+on it and the side stream waits on it (_cudamove.StreamOrder, driver calls): no host sync, so
+post never blocks on the model. For KVWorker the post happens in poll(): the stream that counts
+is the current stream of the thread calling poll() then. The model's stream in turn is
 never made to wait: poll() reports DONE once the copy has finished, and
 :meth:`CudaIpcTransport.completion_event` (an optional hook of the transport contract) gives the
 copy's completion event, so a consumer can order its own stream after the copy
