@@ -154,6 +154,8 @@ class _Part:
     error: str | None = None
     plan: Plan | None = None
     verdict: cf.Future[wire._Msg] | None = None  # READ: the producer's answer to ReadDone
+    asks: int = 0  # intents answered "not held yet" so far
+    retry_at: float = 0.0  # when to ask again after "not held yet"
     t_post: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
 
@@ -187,6 +189,10 @@ class _Awaiting:
     wait: PushWait
     asked: cf.Future[None] | None = None
     cancels: dict[int, cf.Future[wire._Msg]] = dataclasses.field(default_factory=dict)
+
+
+class _NotYet(TransferRefused):
+    """The producer does not hold the request yet (it may on its next step): ask again."""
 
 
 class KVWorker:
@@ -297,11 +303,6 @@ class KVWorker:
               timeout: float | None = None) -> wire._Msg:
         return sidechannel.request(host, port, msg, timeout or self.config.handshake_timeout,
                                    self._secret, cancel=self._abort)
-
-    def _pause(self, seconds: float) -> None:
-        """Wait before a retry; a closing worker stops waiting."""
-        if self._abort.wait(seconds):
-            raise KVLinkError("worker closed")
 
     # ------------------------------------------------------------------ side channel server
     def _on_side_message(self, msg: object) -> wire._Msg:
@@ -505,12 +506,12 @@ class KVWorker:
 
     def _intent(self, remote: RemoteEngine, rank: int, req_id: str,
                 block_ids: list[int]) -> _Go:
-        """Handshake (if needed), then ask the producer for the READ's grant. Retries while the
-        request is not held yet (the producer holds it on its next step) and once after a
-        "stale" answer (the producer restarted: handshake again). Runs on a pool thread."""
-        end = time.monotonic() + self.config.intent_timeout
+        """Handshake (if needed), then ask the producer for the READ's grant; again after a
+        "stale" answer (the producer restarted: handshake again). A request not held yet
+        raises :class:`_NotYet`: :meth:`poll` asks again later, so a producer that is slow to
+        hold never occupies this pool. Runs on a pool thread."""
         where = f"{remote.engine_id} rank {rank} ({remote.host}:{remote.port + rank})"
-        delay, restarts = 0.005, 0
+        restarts = 0
         while True:
             fut = self._peer(remote, rank)
             peer = fut.result(timeout=self.config.handshake_timeout * 2)
@@ -526,10 +527,8 @@ class KVWorker:
                     log.warning("%s restarted since our handshake; handshaking again", where)
                     self._forget_stale(remote, rank, fut)
                     continue
-                if exc.code == "not_yet" and time.monotonic() < end:
-                    self._pause(delay)
-                    delay = min(delay * 2, 0.2)
-                    continue
+                if exc.code == "not_yet":
+                    raise _NotYet(f"{where} refused the READ of {req_id}: {exc}") from exc
                 if exc.code:
                     raise TransferRefused(f"{where} refused the READ of {req_id}: {exc}") from exc
                 raise
@@ -646,9 +645,20 @@ class KVWorker:
             self._progress(req, part)
 
     def _post(self, req: _Request, part: _Part) -> None:
+        if part.retry_at:
+            if time.monotonic() < part.retry_at:
+                return
+            part.retry_at = 0.0
+            part.future = self._submit(self._intents, self._intent, req.remote,
+                                       part.read.remote_rank, req.req_id, req.remote_ids.tolist())
         if not part.future.done():
             return
         exc = part.future.exception()
+        if isinstance(exc, _NotYet) and (time.perf_counter() - req.t_start
+                                         < self.config.intent_timeout):
+            part.asks += 1
+            part.retry_at = time.monotonic() + min(0.005 * 2 ** part.asks, 0.2)
+            return
         if exc is not None:  # refused or unreachable: nothing was granted, nothing to release
             part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {exc}"
             return

@@ -516,9 +516,9 @@ def test_push_times_out_when_the_prefill_never_writes() -> None:
     """A prefill that accepted the push and then hangs: the decode gives its blocks up at
     push_timeout and reports the receive failed (recomputed or failed by policy)."""
     port, dport = free_port_range(1), free_port_range(1)
-    prod, cons, _src, _dst = _pair({"side_channel_port": port},
-                                   {"side_channel_port": dport, "mode": "push",
-                                    "push_timeout": 0.5})
+    prod, cons, _src, dst = _pair({"side_channel_port": port},
+                                  {"side_channel_port": dport, "mode": "push",
+                                   "push_timeout": 0.5})
     try:
         prod.start(StepPlan(send=[SendReq("r1", (1,))]))
         remote = _remote_r1(port, [1])
@@ -527,6 +527,15 @@ def test_push_times_out_when_the_prefill_never_writes() -> None:
         res = steps_consumer_only(cons)  # the prefill's step loop never runs: it never writes
         assert "did not push within the timeout" in res.failed_recving["d1"]
         assert 0.5 <= time.monotonic() - t0 < 5
+        # vLLM may reuse block 2 now. The prefill's step resumes and reaches the push: the
+        # decode cancelled it, so it is refused, never written (issue 18, item 1).
+        dst[0][2].fill_(-1.0)
+        for _ in range(20):
+            prod.start(StepPlan())
+            prod.results()
+        counters, _ = prod.take_stats()
+        assert counters.get("pushes_refused") == 1 and not counters.get("push_sent_requests")
+        assert bool((dst[0][2] == -1.0).all()) and not dst[1][2].any()
     finally:
         prod.close()
         cons.close()

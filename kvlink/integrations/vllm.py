@@ -116,6 +116,13 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
+        par = vllm_config.parallel_config
+        pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            # A stage's ports and geometry would match another stage's: its layers would get
+            # the other stage's KV. Until layer identity is in the handshake, refuse.
+            raise ConfigError(f"kvlink does not support pipeline parallelism yet: "
+                              f"pipeline_parallel_size={pp} (use 1)")
         init: Any = super().__init__
         if "kv_cache_config" in _INIT_PARAMS:
             init(vllm_config, role, kv_cache_config)
@@ -126,12 +133,6 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.settings = Settings.from_config(str(engine_id), str(_ktc_get(ktc, "kv_role")),
                                              _ktc_get(ktc, "kv_connector_extra_config"))
         par = vllm_config.parallel_config
-        pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
-        if pp > 1:
-            # A stage's ports and geometry would match another stage's: its layers would get
-            # the other stage's KV. Until layer identity is in the handshake, refuse.
-            raise ConfigError(f"kvlink does not support pipeline parallelism yet: "
-                              f"pipeline_parallel_size={pp} (use 1)")
         self._tp_size = int(par.tensor_parallel_size)
         self._dp_rank = int(getattr(par, "data_parallel_index",
                                     getattr(par, "data_parallel_rank", 0)) or 0)

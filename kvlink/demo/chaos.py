@@ -1,0 +1,247 @@
+"""A randomized lifecycle schedule over real processes: block ownership under stalls, expiries,
+kills and restarts.
+
+One producer process at a time (engine ``chaos-p`` on a fixed port; killed and restarted under
+the same engine id, i.e. a new incarnation) holds requests under short leases and, the moment
+the core releases one, overwrites its blocks with other bytes (the blocks are reused). The
+consumer (the calling process) pulls every request it is told about over tcp, stalls its step
+loop at random (sometimes past the lease), and after every finished receive checks that the
+bytes are that request's own. A schedule passes when no finished receive has wrong bytes, every
+request resolves before its deadline, and every producer that ran to the end released each hold
+exactly once with no block left held. ``bench/lifecycle_soak.py`` runs many schedules; the test
+suite runs a few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import random
+import signal
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from kvlink.demo import data
+from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+GEO = data.Geometry(layers=2, kv_heads=2, head_dim=16, block_size=4)
+PRODUCER_BLOCKS = 24
+CONSUMER_BLOCKS = 64
+_mp = mp.get_context("spawn")
+
+
+def _stamp(layers: list[object], ids: list[int], tag: str) -> None:
+    """Fill block ``ids[k]`` of every layer with bytes only ``(tag, k)`` produces."""
+    for li, lv in enumerate(layers):
+        arr = np.asarray(lv)
+        for k, b in enumerate(ids):
+            h = zlib.crc32(f"{tag}/{k}/{li}".encode())
+            arr[:, b] = ((np.arange(arr[:, b].size, dtype=np.uint32) * 7 + h) % 65521
+                         ).astype(np.uint16).reshape(arr[:, b].shape)
+
+
+def _matches(layers: list[object], ids: list[int], tag: str) -> bool:
+    _want_buf, want = data.allocate(GEO, len(ids), 1, 0)
+    _stamp(want, list(range(len(ids))), tag)
+    return all(np.array_equal(np.asarray(lv)[:, ids], np.asarray(w))
+               for lv, w in zip(layers, want))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    seed: int
+    requests: int = 24  # holds over all producer incarnations
+    lease: float = 0.3  # producer lease (seconds)
+    kills: int = 1  # producer kills (each followed by a restart under the same engine id)
+    deadline: float = 10.0  # every read must resolve within this
+
+
+def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: Any,
+             stop: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rng = random.Random(seed)
+    _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
+                              read_seconds=lease / 2, handshake_timeout=1.0))
+    w.register(data.spec_of(GEO, layers, 1, 0))
+    free = list(range(PRODUCER_BLOCKS))
+    holds: dict[str, list[int]] = {}
+    issued, doubles = 0, 0
+    events.put(("ready", tag))
+    try:
+        while not stop.is_set():  # serve until the consumer is done (or we are killed)
+            for rel in w.released():
+                ids = holds.pop(rel.req_id, None)
+                if ids is None:
+                    doubles += 1
+                    continue
+                _stamp(layers, ids, f"reused-{rng.random()}")  # another request's bytes now
+                free.extend(ids)
+                events.put(("released", rel.req_id, rel.why))
+            if issued < budget and len(free) >= 4 and rng.random() < 0.3:
+                rng.shuffle(free)
+                n = rng.randint(1, 4)
+                ids, free = free[:n], free[n:]
+                req = f"{tag}-{issued}"
+                issued += 1
+                _stamp(layers, ids, req)
+                holds[req] = ids
+                w.hold(req, ids)
+                events.put(("held", req, ids))
+            time.sleep(rng.random() * 0.004)
+        s = w.leases.stats
+        events.put(("done", tag, {"doubles": doubles, "held": s.held, "held_blocks":
+                                  s.held_blocks, "free": len(free), "issued": issued,
+                                  "not_intact": s.reads_not_intact}))
+    finally:
+        w.close()
+
+
+@dataclasses.dataclass
+class _Read:
+    req: str
+    local: list[int]
+    t0: float
+
+
+def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
+    """Run one schedule per seed; totals, plus every violation found (must be empty)."""
+    from kvlink.demo.run import free_port_range
+
+    total: dict[str, Any] = {"schedules": 0, "finished": 0, "verified": 0, "failed": 0,
+                             "kills": 0, "reasons": {}, "violations": []}
+    for seed in seeds:
+        c = run_schedule(Schedule(seed=seed, **kw), free_port_range(1))
+        total["schedules"] += 1
+        for k in ("finished", "verified", "failed", "kills"):
+            total[k] += c[k]
+        for k, n in c["reasons"].items():
+            total["reasons"][k] = total["reasons"].get(k, 0) + n
+        total["violations"] += c["violations"]
+    return total
+
+
+def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
+    """Run one schedule; returns its counts (``violations`` must be empty)."""
+    rng = random.Random(sched.seed)
+    stop = _mp.Event()
+    consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="chaos-d", serve=False, handshake_timeout=1.0,
+                              intent_timeout=1.0))
+    w.register(data.spec_of(GEO, clayers, 1, 0))
+    remote = RemoteEngine("chaos-p", "127.0.0.1", port)
+    counts: dict[str, Any] = {"finished": 0, "failed": 0, "verified": 0, "kills": 0,
+                              "violations": [], "producers": [], "reasons": {}}
+    incarnations = sched.kills + 1
+    budgets = [sched.requests // incarnations] * incarnations
+    budgets[-1] += sched.requests - sum(budgets)
+    kill_after = [rng.randint(1, max(1, b - 1)) for b in budgets[:-1]]
+    free = list(range(CONSUMER_BLOCKS))
+    pending: list[tuple[float, str, list[int]]] = []  # (start at, req, remote ids)
+    reading: dict[str, _Read] = {}
+    proc = None
+    try:
+        for inc, budget in enumerate(budgets):
+            tag = f"s{sched.seed}i{inc}"
+            # a queue per producer: one killed while writing would hold the queue's lock forever
+            events: Any = _mp.Queue()
+            proc = _mp.Process(target=_produce, args=(port, sched.seed * 100 + inc, tag,
+                                                      sched.lease, budget, events, stop))
+            proc.start()
+            held_here, last = 0, inc == len(budgets) - 1
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                try:
+                    ev = events.get(timeout=0.001)
+                except queue.Empty:
+                    ev = None
+                if ev is not None and ev[0] == "held":
+                    held_here += 1
+                    pending.append((time.monotonic() + rng.random() * 0.6 * sched.lease,
+                                    ev[1], ev[2]))
+                now = time.monotonic()
+                for item in [p for p in pending if p[0] <= now]:
+                    if len(free) < len(item[2]):
+                        break
+                    pending.remove(item)
+                    local = [free.pop(rng.randrange(len(free))) for _ in item[2]]
+                    reading[item[1]] = _Read(item[1], local, now)
+                    w.read(item[1], remote, local, item[2])
+                if rng.random() < 0.01:  # the decode's step stalls, sometimes past the lease
+                    time.sleep(rng.random() * 1.5 * sched.lease)
+                _settle(w, clayers, reading, free, counts, sched.deadline)
+                if not last and held_here >= kill_after[inc]:
+                    proc.kill()  # mid-flight: holds, grants and READs of this incarnation die
+                    proc.join(10)
+                    counts["kills"] += 1
+                    break
+                if last and held_here >= budget and not pending and not reading:
+                    stop.set()  # the producer reports its books and exits
+                    _wait_done(events, counts, 10)
+                    break
+            else:
+                counts["violations"].append(
+                    f"schedule {sched.seed} incarnation {inc} did not finish within 60 s "
+                    f"({held_here}/{budget} held, {len(pending)} pending, {len(reading)} "
+                    f"reading, producer {'alive' if proc.is_alive() else proc.exitcode})")
+        for _ in range(int(sched.deadline * 1000)):
+            if not reading:
+                break
+            _settle(w, clayers, reading, free, counts, sched.deadline)
+            time.sleep(0.001)
+        if reading:
+            counts["violations"].append(f"reads never resolved: {sorted(reading)}")
+    finally:
+        stop.set()
+        if proc is not None:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        w.close()
+        del consumer_buf
+    return counts
+
+
+def _wait_done(events: Any, counts: dict[str, Any], timeout: float) -> None:
+    """The last producer's books: every hold released once, no block left held."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            ev = events.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if ev[0] == "done":
+            counts["producers"].append(ev[2])
+            if ev[2]["doubles"] or ev[2]["held"] or ev[2]["free"] != PRODUCER_BLOCKS:
+                counts["violations"].append(f"producer {ev[1]}: {ev[2]}")
+            return
+    counts["violations"].append("the last producer never reported its books")
+
+
+def _settle(w: KVWorker, layers: list[object], reading: dict[str, _Read], free: list[int],
+            counts: dict[str, Any], deadline: float) -> None:
+    done, failed = w.poll()
+    for req in done:
+        r = reading.pop(req)
+        counts["finished"] += 1
+        if _matches(layers, r.local, req):
+            counts["verified"] += 1
+        else:
+            counts["violations"].append(f"{req} finished with bytes that are not its own")
+        free.extend(r.local)
+    for req, why in failed.items():
+        r = reading.pop(req)
+        counts["failed"] += 1
+        kind = ("not intact" if "not confirmed" in why else "refused" if "refused" in why
+                else "deadline" if "deadline passed" in why else "unreachable/other")
+        counts["reasons"][kind] = counts["reasons"].get(kind, 0) + 1
+        free.extend(r.local)
+    now = time.monotonic()
+    for r in reading.values():
+        if now - r.t0 > deadline:
+            counts["violations"].append(f"{r.req} unresolved after {deadline:.0f}s")
+            r.t0 = float("inf")
