@@ -39,7 +39,7 @@ def make(engine: str, seed: int = 0, **cfg: Any) -> tuple[KVWorker, np.ndarray]:
 
 
 def blocks(w: KVWorker, ids: list[int]) -> np.ndarray:
-    """The bytes of ``ids`` in every plane of ``w``'s cache (layers × K/V × blocks)."""
+    """The bytes of ``ids`` in every plane of ``w``'s cache (layers, K/V, blocks)."""
     _buf, layers = w._keep  # type: ignore[attr-defined]
     return np.stack([np.asarray(lv)[:, ids] for lv in layers])
 
@@ -112,7 +112,7 @@ def test_push_to_a_dead_prefill_fails_after_fencing(observed: Callable[[str], No
         until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
         (msg,) = prefill.push_requests()
         key = prefill.push(msg, [1, 2])
-        hs = prefill._requests[key].parts[0].future  # noqa: SLF001 - die right before the post
+        hs = prefill._requests[key].parts[0].future
         until(hs.done, 10, "the prefill handshook back to the decode")
         prefill.close()  # dead before posting or answering anything else
         t0 = time.monotonic()
@@ -156,7 +156,7 @@ def test_read_whose_lease_ended_under_it_is_not_finished(
     try:
         prefill.hold("r0", [2, 3])
         decode.read("r0", remote(prefill), [7, 8], [2, 3])
-        req = decode._requests["r0"]  # noqa: SLF001 - to stall right after the post
+        req = decode._requests["r0"]
         until(lambda: (decode.poll() and False) or req.parts[0].handle is not None, 10,
               "the READ was posted")
         sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
@@ -178,7 +178,7 @@ def test_read_is_not_posted_past_the_grant_deadline() -> None:
     try:
         prefill.hold("r0", [2])
         decode.read("r0", remote(prefill), [7], [2])
-        fut = decode._requests["r0"].parts[0].future  # noqa: SLF001 - stall before the post
+        fut = decode._requests["r0"].parts[0].future
         until(fut.done, 10, "the grant arrived")
         sleep_until(time.monotonic() + fut.result().grant.expires_in + 0.05)
         ok, reason = outcome(decode, "r0", 10)
@@ -197,7 +197,7 @@ def test_failed_pull_releases_the_prefill_at_once() -> None:
     try:
         prefill.hold("r0", [2])
         decode.read("r0", remote(prefill), [7], [2])
-        until(decode._requests["r0"].parts[0].future.done, 10,  # noqa: SLF001
+        until(decode._requests["r0"].parts[0].future.done, 10,
               "the grant arrived")
         decode.transports["tcp"].close()
         ok, reason = outcome(decode, "r0", 10)

@@ -25,7 +25,7 @@ def test_random_schedules_never_finish_with_wrong_bytes(
     caplog.set_level(logging.ERROR)  # refusals and expiries are the point: not news
     n = int(os.environ.get("KVLINK_CHAOS_SCHEDULES", "6"))
     total = run_schedules(range(n))
-    print(f"lifecycle schedules run: {total}")  # noqa: T201 - the count CI reports
+    print(f"lifecycle schedules run: {total}")
     observed(f"{total['schedules']} schedules, {total['finished']} finished "
              f"({total['verified']} verified), {total['failed']} failed {total['reasons']}, "
              f"{total['kills']} kills; violations: {total['violations'] or 'none'}")

@@ -385,7 +385,7 @@ def test_nixl_error_in_one_part_waits_for_the_other(nixl: Callable[[], Node]) ->
     for _ in range(3):
         assert t.poll(h).status is XferStatus.PENDING
     fake.let_go = True
-    state = t.poll(h)
+    state = t.wait(h, TIMEOUT)
     assert state.status is XferStatus.FAILED and "NIXL returned ERR" in state.reason, state
     t.release(h)
     assert t._handle_counts()["zombies"] == 0 and t._handle_counts()["nixl_requests"] == 0

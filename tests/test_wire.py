@@ -133,7 +133,8 @@ def _raw(**fields: Any) -> bytes:
     return msgspec.msgpack.encode(fields)
 
 
-NOTIFY = {"type": "notify", "v": WIRE_VERSION, "engine_id": "e", "req_id": "r", "tp_rank": 0, "tp_size": 1}
+NOTIFY = {"type": "notify", "v": WIRE_VERSION, "engine_id": "e", "req_id": "r", "tp_rank": 0,
+          "tp_size": 1}
 
 
 @pytest.mark.parametrize(("fields", "match"), [
@@ -300,7 +301,8 @@ def test_spec_msg_rejects_inconsistent(spec: KVCacheSpec, change: dict[str, Any]
     bad = msgspec.structs.replace(sm, **{key: new})
     # it still crosses the wire (types are fine); rebuilding the spec is what must fail
     wired = wire.decode(wire.encode(wire.HandshakeResponse(
-        v=WIRE_VERSION, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h", compat="c",
+        v=WIRE_VERSION, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h",
+        compat="c",
         spec=bad, transports={}))).spec
     with pytest.raises(WireError, match="invalid KV cache spec from peer"):
         wired.to_spec()
