@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import time
 from typing import Any
 
@@ -33,17 +34,21 @@ def rss_mib(pid: int | str = "self") -> float:
     return 0.0
 
 
-def producer(q: Any, stop: Any, transport: str) -> None:
+def producer(q: Any, holds: Any, stop: Any, transport: str) -> None:
     _buf, layers = data.allocate(GEO, BLOCKS, 1, 0)
     data.fill(GEO, layers, 1, 0)
     w = KVWorker(WorkerConfig(engine_id="soak-p", transports=[transport]))
     w.register(data.spec_of(GEO, layers, 1, 0))
     q.put(w.side_port)
-    notes = 0
+    released = 0
     while not stop.is_set():
-        notes += len(w.notifications())  # drained, as a scheduler would
-        time.sleep(0.01)
-    q.put(notes)
+        try:  # the requests to hold for the consumer, as a prefill scheduler would
+            req_id, ids = holds.get(timeout=0.001)
+            w.hold(req_id, ids)
+        except queue.Empty:
+            pass
+        released += len(w.released())  # drained, as a scheduler would
+    q.put(released)
     w.close()
 
 
@@ -55,8 +60,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=producer, args=(q, stop, args.transport))
+    q, holds, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=producer, args=(q, holds, stop, args.transport))
     proc.start()
     port = q.get(timeout=120)
     _buf, layers = data.allocate(GEO, BLOCKS, 1, 0)
@@ -71,6 +76,7 @@ def main() -> None:
         n = int(rng.integers(1, args.max_blocks + 1))
         rids = rng.choice(BLOCKS, n, replace=False)
         lids = rng.choice(BLOCKS, n, replace=False)
+        holds.put((f"s{i}", rids))
         w.read(f"s{i}", remote, lids, rids)
         while True:
             done, fails = w.poll()
@@ -96,10 +102,10 @@ def main() -> None:
     ref = samples[max(0, len(samples) // 10 - 1)]
     growth = {k: samples[-1][k] - ref[k] for k in ("consumer_rss_mib", "producer_rss_mib")}
     print(f"{args.requests} requests, {moved / 1e9:.1f} GB, {secs:.0f}s, bad {bad}, failed "
-          f"{failed}, notifications {notes}, RSS growth after 10%: {growth}")
+          f"{failed}, released {notes}, RSS growth after 10%: {growth}")
     write_result("soak", {"requests": args.requests, "transport": args.transport,
                           "bytes": moved, "seconds": secs, "mismatched_requests": bad,
-                          "failed_requests": failed, "producer_notifications": notes,
+                          "failed_requests": failed, "producer_released": notes,
                           "rss_samples": samples, "rss_growth_after_10pct_mib": growth},
                  args.json)
     raise SystemExit(1 if bad or failed else 0)

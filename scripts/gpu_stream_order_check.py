@@ -88,30 +88,10 @@ def _requests(modes: list[str]) -> dict[str, list[int]]:
 
 
 def _hold(worker: Any, reqs: dict[str, list[int]]) -> Any:
-    """Hold the requests' blocks for readers; returns the step that serves their leases.
-
-    Like kvlink.demo.roles.serve_rank: the worker owns the leases where it offers ``hold``,
-    else a BlockLeases set on the worker is driven from its readers' notifications."""
-    if hasattr(worker, "hold"):
-        for req_id, ids in reqs.items():
-            worker.hold(req_id, np.asarray(ids, dtype=np.int64))
-        return lambda: worker.released()
-    from kvlink.scheduler import BlockLeases
-
-    leases = BlockLeases(600.0)
+    """Hold the requests' blocks for readers; returns the step that serves their leases."""
     for req_id, ids in reqs.items():
-        leases.hold(req_id, ids)
-    worker.leases = leases
-
-    def step() -> None:
-        notes = worker.notifications()
-        with worker.leases_lock:
-            for note in notes:
-                leases.reader_done(note.req_id, f"{note.engine_id}/{note.tp_rank}",
-                                   worker.expected_readers(note.tp_size))
-            leases.expire()
-
-    return step
+        worker.hold(req_id, np.asarray(ids, dtype=np.int64))
+    return lambda: worker.released()
 
 
 def prefill(q: Any, stop: Any, modes: list[str]) -> None:
