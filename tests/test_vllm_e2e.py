@@ -585,3 +585,19 @@ def test_push_to_a_dead_decode_releases_the_prefill() -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def test_pipeline_parallel_is_refused_at_startup() -> None:
+    """Issue 18 item 4: with PP > 1 a stage's ports and geometry match another stage's, so its
+    layers would get the other stage's KV; until layer identity is in the handshake, the
+    connector refuses at startup, naming the value."""
+    if VLLM_MISSING:
+        pytest.skip(VLLM_MISSING)
+    from types import SimpleNamespace
+
+    from kvlink.integrations.vllm import KVConnectorRole, KVLinkConnector
+
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2,
+                                                          tensor_parallel_size=8))
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 \(use 1\)"):
+        KVLinkConnector(cfg, KVConnectorRole.WORKER)

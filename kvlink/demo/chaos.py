@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvlink.demo import data
+from kvlink.errors import SideChannelError
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 GEO = data.Geometry(layers=2, kv_heads=2, head_dim=16, block_size=4)
@@ -65,9 +66,17 @@ def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rng = random.Random(seed)
     _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
-    w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
-                              read_seconds=lease / 2, handshake_timeout=1.0))
-    w.register(data.spec_of(GEO, layers, 1, 0))
+    for attempt in range(50):  # as a supervisor would: the port may be briefly taken
+        w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
+                                  read_seconds=lease / 2, handshake_timeout=1.0))
+        try:
+            w.register(data.spec_of(GEO, layers, 1, 0))
+            break
+        except SideChannelError:
+            w.close()
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
     free = list(range(PRODUCER_BLOCKS))
     holds: dict[str, list[int]] = {}
     issued, doubles = 0, 0
