@@ -36,8 +36,10 @@ Contract (``kvlink/transport.py``): a handle made of several NIXL requests repor
 once none of them can move a byte any more. When one request errors (at post or at poll), or
 its peer is dropped, the others are released, which makes NIXL cancel them; one that NIXL
 cannot cancel (its release raises) stays attached to the handle, which stays PENDING and keeps
-checking it until it is DONE or ERR. :meth:`NixlTransport.post` gives a FAILED handle, never an
-exception, for an unknown peer or a closed transport.
+checking it until it is DONE or ERR (NIXL reports a request whose remote agent was removed as
+ERR, "invalidated during transfer": that status is NIXL's word that it is over).
+:meth:`NixlTransport.post` gives a FAILED handle, never an exception, for an unknown peer or a
+closed transport.
 """
 
 from __future__ import annotations
@@ -487,10 +489,9 @@ class NixlTransport(Transport):
             x = _Xfer(p.key, p.agent, [], [], int(local["len"].sum()) if n else 0, n, t0)
             handle = next(self._ids)
             self._xfers[handle] = x
-            if n == 0:
-                x.state = DONE
-                if notif is not None:
-                    self._send_notif(x, p.agent, notif)
+            if n == 0:  # nothing moves; DONE unless its notification cannot be sent
+                if notif is None or self._send_notif(x, p.agent, notif):
+                    x.state = DONE
             else:
                 lmem, rmem = self._local.mem[li], p.side.mem[ri]
                 ldev, rdev = self._local.dev[li], p.side.dev[ri]
