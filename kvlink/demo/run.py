@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import queue
+import random
 import socket
 import time
 from typing import Any
@@ -15,12 +16,30 @@ from kvlink.errors import KVLinkError
 _mp = mp.get_context("spawn")  # no fork: transports own threads and sockets
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_range(n: int, host: str = "127.0.0.1") -> int:
-    """A base port with n consecutive free ports (rank r listens on base + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = int(s.getsockname()[1])
+    """A base port with n consecutive free ports (rank r listens on base + r).
+
+    Chosen below the kernel's ephemeral range where it can be: a port in that range may be
+    taken by any outgoing connection (every side-channel call opens one) between this check
+    and the bind."""
+    lo, _hi = _ephemeral_range()
+    rng = random.Random()
+    for attempt in range(100):
+        if attempt < 80 and lo - n > 10000:
+            base = rng.randrange(10000, lo - n)
+        else:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                base = int(s.getsockname()[1])
         if base + n >= 65535:
             continue
         socks = []
@@ -58,7 +77,8 @@ class Serving:
         deadline = time.monotonic() + timeout
         while waiting:
             try:
-                kind, rank, _ = self.events.get(timeout=max(0.1, deadline - time.monotonic()))
+                kind, rank, _ = self.events.get(timeout=min(0.5, max(0.1, deadline
+                                                                     - time.monotonic())))
             except queue.Empty:
                 dead = [p.name for p in self.procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
