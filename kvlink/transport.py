@@ -38,6 +38,16 @@ nixl and mooncake):
    until it connects again (our :meth:`~Transport.connect` for it, after a new handshake).
    The default returns False ("cannot guarantee"). A decode uses it in push mode to free the
    blocks of a timed-out push whose prefill cannot answer a cancel.
+6. **Stream order** (GPU memory): a copy a transport runs on the device starts only after the
+   work enqueued on the caller's current stream of its device when ``post`` was called (READ
+   destination and WRITE source alike), and DONE means the bytes are there. Optional hook
+   ``completion_event(handle) -> torch.cuda.Event | None`` (cuda_ipc): the event recorded after
+   the handle's device copy, so a caller can order its own stream after it without a host
+   sync (``stream.wait_event(ev)``); None where there is none. It says the copy has ended, not
+   that it succeeded: :meth:`~Transport.poll` says that. :class:`kvlink.worker.KVWorker` posts
+   from :meth:`~kvlink.worker.KVWorker.poll`, so the stream that counts is the current stream
+   of the thread polling when a request's transfer is posted: poll from the thread (and
+   stream) that called ``read``/``write``.
 """
 
 from __future__ import annotations
