@@ -12,11 +12,27 @@ transfer waits for a buffer (backpressure) up to a deadline.
 The device side is a :class:`Copier`: :class:`CudaCopier` (one Triton gather/scatter launch plus
 one bulk copy per chunk) on GPUs, :class:`HostCopier` for host memory — which runs the very same
 pipeline on CPU, so CI checks bytes, chunk boundaries and the pool bound without a GPU.
+
+Stream order (the manners of CUDA libraries, as for cuda_ipc: docs/cuda_ipc.md "Stream order").
+The copies run on the copier's side stream, on the transport's thread for the peer, long after
+``post`` returned; they must still see the caller's memory as the caller's current stream leaves
+it at ``post``. So ``post`` (on the caller's thread) takes a :meth:`Copier.mark`: a query of the
+caller's current stream of the device and, where work is pending, a CUDA event recorded on it
+(:class:`StreamMarks`, driver calls, a small pool of events: the wait happens later on another
+thread, so one reused event would be re-recorded under it). The transfer's thread hands the mark
+to :meth:`Copier.after` before the transfer's first gather (WRITE source) or scatter (READ
+destination): the side stream waits on the event on the device, no host sync. Completion: the
+pipeline synchronises every chunk's copy before it reports the transfer (a READ is DONE only
+once its last scatter to the device has completed). Serving a peer's READ of our memory or
+applying its WRITE has no local caller: those copies are ordered after nothing of ours but the
+side stream's earlier work; that the served blocks are final (computed, synchronised) before
+they are offered, and untouched while a peer writes them, is the owner's responsibility.
 """
 
 from __future__ import annotations
 
 import abc
+import ctypes
 import dataclasses
 import threading
 import time
@@ -105,8 +121,130 @@ class PinnedPool:
             self._cv.notify()
 
 
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_EVENT_DISABLE_TIMING = 0x2
+
+
+class StreamMarks:
+    """Marks of the work enqueued so far on the caller's current stream, taken on one thread and
+    waited on by another stream later, on another thread: a stream query (nothing more where the
+    stream is idle: then there is nothing to wait for) and, where work is pending, an event from
+    a pool recorded on it. :meth:`wait` enqueues the stream wait (it takes the event's state at
+    that moment, so the event goes back to the pool right after); :meth:`drop` hands back a mark
+    that will not be waited on. Driver calls through ctypes, each in the device's primary
+    context (pushed where the calling thread has another one current, or none)."""
+
+    KEEP = 64  # free events kept; more are destroyed
+
+    def __init__(self, device: int, lib: Any = None, current_stream: Any = None) -> None:
+        vp = ctypes.c_void_p
+        if lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            for name, args in (("cuStreamQuery", [vp]),
+                               ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                               ("cuEventRecord", [vp, vp]),
+                               ("cuEventDestroy_v2", [vp]),
+                               ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
+                               ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
+                               ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+                               ("cuCtxPushCurrent_v2", [vp]),
+                               ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)])):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, ctypes.c_int
+        if current_stream is None:
+            import torch
+
+            # torch's raw getter (what cuda_ipc and Triton use): no torch.cuda.Stream object
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            current_stream = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        self._lib, self._current, self.device = lib, current_stream, device
+        ctx = vp()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "retain context")
+        self._ctx = ctx
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+        self.created = 0
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"stream order: {what} failed with CUDA error {rc}")
+
+    def _enter(self) -> bool:
+        cur = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(cur)), "cuCtxGetCurrent")
+        if cur.value == self._ctx.value:
+            return False
+        self._check(self._lib.cuCtxPushCurrent_v2(self._ctx), "cuCtxPushCurrent")
+        return True
+
+    def _leave(self, pushed: bool) -> None:
+        if pushed:
+            self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+    def take(self) -> Any:
+        """On the caller's thread: an event marking what its current stream of the device holds
+        now, or None where that stream is idle."""
+        lib = self._lib
+        pushed = self._enter()
+        try:
+            stream = self._current(self.device)
+            rc = lib.cuStreamQuery(stream)
+            if rc == 0:
+                return None
+            if rc != _NOT_READY:
+                self._check(rc, f"cuStreamQuery(0x{stream:x})")
+            with self._lock:
+                ev = self._free.pop() if self._free else None
+            if ev is None:
+                ev = ctypes.c_void_p()
+                self._check(lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING),
+                            "cuEventCreate")
+                self.created += 1
+            rc = lib.cuEventRecord(ev, stream)
+            if rc:
+                self.drop(ev)
+                self._check(rc, f"cuEventRecord on stream 0x{stream:x}")
+            return ev
+        finally:
+            self._leave(pushed)
+
+    def wait(self, stream: int, mark: Any) -> None:
+        """On the copying thread: ``stream``'s next work runs after ``mark``; the mark is
+        handed back (also when the driver refuses)."""
+        pushed = self._enter()
+        try:
+            rc = self._lib.cuStreamWaitEvent(stream, mark, 0)
+        finally:
+            self.drop(mark)
+            self._leave(pushed)
+        self._check(rc, f"cuStreamWaitEvent on stream 0x{stream:x}")
+
+    def drop(self, mark: Any) -> None:
+        with self._lock:
+            if len(self._free) < self.KEEP:
+                self._free.append(mark)
+                return
+        self._lib.cuEventDestroy_v2(mark)
+
+
 class Copier(abc.ABC):
     """Moves a chunk between (device) extents and a host buffer, asynchronously."""
+
+    def mark(self) -> Any:
+        """On the posting thread: a token for the work enqueued so far on the caller's current
+        stream of the device, or None (nothing to wait for: host memory, or an idle stream).
+        Every token goes to exactly one :meth:`after` or :meth:`drop`."""
+        return None
+
+    def after(self, mark: Any) -> None:
+        """On the copying thread, before a transfer's first gather or scatter: the copies
+        enqueued from now on run after ``mark`` (on the device, no host sync)."""
+        return None
+
+    def drop(self, mark: Any) -> None:
+        """Hand back a mark that will not be waited on (its transfer ended before copying)."""
+        return None
 
     @abc.abstractmethod
     def gather(self, ext: Extents, buf: Buffer) -> Any:
@@ -153,6 +291,21 @@ class CudaCopier(Copier):
         self._scratch = [torch.empty(chunk, dtype=torch.uint8, device=self.device)
                          for _ in range(scratch)]
         self._next = 0
+        # the transport's threads (one per peer, one per inbound connection) share the stream
+        # and the scratch buffers: a chunk's slot, copy and bulk copy are enqueued together
+        self._lock = threading.Lock()
+        self.marks = StreamMarks(device)
+
+    def mark(self) -> Any:
+        return self.marks.take()
+
+    def after(self, mark: Any) -> None:
+        if mark is not None:
+            self.marks.wait(self.stream.cuda_stream, mark)
+
+    def drop(self, mark: Any) -> None:
+        if mark is not None:
+            self.marks.drop(mark)
 
     def _slot(self) -> Any:
         s = self._scratch[self._next % len(self._scratch)]
@@ -172,8 +325,8 @@ class CudaCopier(Copier):
     def gather(self, ext: Extents, buf: Buffer) -> Any:
         torch = self.torch
         n = int(ext["len"].sum())
-        scratch = self._slot()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            scratch = self._slot()
             self.copier.copy(ext, self._anywhere, self._packed(scratch, ext), self._anywhere,
                              self.stream)
             self._host(buf, n).copy_(scratch[:n], non_blocking=True)
@@ -184,8 +337,8 @@ class CudaCopier(Copier):
     def scatter(self, buf: Buffer, ext: Extents) -> Any:
         torch = self.torch
         n = int(ext["len"].sum())
-        scratch = self._slot()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            scratch = self._slot()
             scratch[:n].copy_(self._host(buf, n), non_blocking=True)
             self.copier.copy(self._packed(scratch, ext), self._anywhere, ext, self._anywhere,
                              self.stream)

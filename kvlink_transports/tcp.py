@@ -43,7 +43,13 @@ import msgspec
 import numpy as np
 
 from kvlink import hostmem, staging
-from kvlink.errors import ExtentOutOfBounds, KVLinkError, TransportUnavailable, WireError
+from kvlink.errors import (
+    ExtentOutOfBounds,
+    KVLinkError,
+    TransferError,
+    TransportUnavailable,
+    WireError,
+)
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -208,6 +214,9 @@ class _Xfer:
     nbytes: int
     t_post: float
     state: XferState = PENDING
+    # staged device memory: the caller's current stream at post (staging.Copier.mark), waited
+    # on by the staging stream before this transfer's first gather or scatter
+    mark: Any = None
 
 
 class _Peer:
@@ -306,6 +315,7 @@ class _Peer:
 
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
         owner = self.owner
+        owner._order_after_post(xfer)  # before this transfer's first gather or scatter
         hdr = _Hdr(
             _VERSION,
             "R" if xfer.op is Op.READ else "W",
@@ -359,6 +369,9 @@ class TcpTransport(Transport):
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         self.timeout = float(self.options.get("timeout_s", 30.0))
+        # staged device memory moves after the caller's current stream at post (staging.py,
+        # "Stream order"); False: no wait, for a caller that orders its streams itself
+        self.stream_order = bool(self.options.get("stream_order", True))
         port = int(self.options.get("port", 0))
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)
@@ -482,7 +495,7 @@ class TcpTransport(Transport):
     ) -> int:
         t0 = time.perf_counter()
         check_pairs(local, remote)
-        self._memory.table.locate(local, "local extent")
+        idx = self._memory.table.locate(local, "local extent")
         handle = next(self._handles)
         xfer = _Xfer(
             op,
@@ -501,13 +514,46 @@ class TcpTransport(Transport):
         if target is None:
             why = "the transport is closed" if self._closed else "it is not connected"
             self._finish(xfer, XferState(XferStatus.FAILED, f"peer {peer}: {why}"))
-        else:
+        elif self._mark_caller_stream(xfer, idx):  # else FAILED: CUDA refused the mark
             try:
                 target.submit((handle, xfer))
             except TransportUnavailable as exc:
                 self._finish(xfer, XferState(XferStatus.FAILED, str(exc)))
         self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
         return handle
+
+    def _mark_caller_stream(self, xfer: _Xfer, idx: np.ndarray) -> bool:
+        """On the caller's thread: for staged local extents, mark the caller's current stream
+        of our device (READ: the kernels still using the destination, WRITE: those still
+        writing the source), for :meth:`_order_after_post`. False (the transfer FAILED) where
+        CUDA refused."""
+        copier = self._copier
+        if copier is None or not self.stream_order or xfer.local.shape[0] == 0:
+            return True
+        regions = self._memory.table.regions
+        staged = bool(self.options.get("stage_host_memory")) or any(
+            regions[int(i)].memory_kind != "cpu" for i in np.unique(idx))
+        if not staged:
+            return True
+        try:
+            xfer.mark = copier.mark()
+        except (RuntimeError, OSError) as exc:
+            self._finish(xfer, XferState(XferStatus.FAILED, f"tcp: cannot order the transfer "
+                                         f"after the caller's stream: {exc}"))
+            return False
+        return True
+
+    def _order_after_post(self, xfer: _Xfer) -> None:
+        """On the peer's thread: the staging stream waits for the caller's mark (device side);
+        the mark is used up. A CUDA error here fails the transfer before any byte moved."""
+        mark, xfer.mark = xfer.mark, None
+        if mark is not None:
+            assert self._copier is not None
+            try:
+                self._copier.after(mark)
+            except (RuntimeError, OSError) as exc:
+                raise TransferError(f"cannot order the transfer after the caller's stream: "
+                                    f"{exc}") from exc
 
     def poll(self, handle: int) -> XferState:
         xfer = self._xfers.get(handle)
@@ -585,6 +631,9 @@ class TcpTransport(Transport):
         return sum(1 for x in list(self._xfers.values()) if x.state.status is XferStatus.PENDING)
 
     def _finish(self, xfer: _Xfer, state: XferState) -> None:
+        mark, xfer.mark = xfer.mark, None  # ended before its first copy: hand the mark back
+        if mark is not None and self._copier is not None:
+            self._copier.drop(mark)
         if xfer.state.status is not XferStatus.PENDING:
             return
         if state.status is XferStatus.DONE:
