@@ -1,11 +1,26 @@
 """GPU check of host-buffer staging: VRAM -> pinned host -> tcp -> pinned host -> VRAM.
 
     python scripts/gpu_staging_check.py [--out DIR] [--gib 1]
+    python scripts/gpu_staging_check.py --stream-order [--modes order no-order] [--out DIR]
 
 Two processes, each with a VRAM cache and a host buffer registered with the tcp transport (which
 stages VRAM through its bounded pinned pool). Measured in the same run: the staged READ end to end
 (bytes verified), pinned D2H and H2D of the same bytes, the tcp transport alone host -> host on
 the same extents, and the three stages back to back (what no pipelining would cost).
+
+``--stream-order``: the staged copies run after the caller's current stream at post
+(kvlink/staging.py "Stream order"), checked as scripts/gpu_stream_order_check.py checks cuda_ipc
+and with its cases and helpers: two processes on one GPU through ``KVWorker`` with transports
+``["tcp"]`` and device caches (so tcp stages through pinned memory), the prefill holding its
+requests with ``worker.hold`` and draining ``worker.released()``. Each case queues
+``torch.cuda._sleep`` and then a write of the blocks involved on the caller's current stream,
+then asks for the transfer; after poll() says finished the wrong elements are counted (must be
+0): ``read_default_stream`` (destination filled with a sentinel on the default stream),
+``read_side_stream`` (the same on a user stream set as current), ``write_source`` (the source
+still being written when ``write`` posts; the prefill's blocks read back). Mode ``no-order``
+runs them with tcp option ``stream_order=False`` (the behaviour before the wait). ``post_us``:
+host time of a one-page post with and without the mark, the caller's stream idle or busy.
+Results: bench/results/gpu_staging_stream_order.json.
 """
 
 from __future__ import annotations
@@ -52,6 +67,171 @@ def producer(q: Any, done: Any, nbytes: int) -> None:
     t.close()
 
 
+def stream_prefill(q: Any, stop: Any, modes: list[str]) -> None:
+    """gpu_stream_order_check's prefill with transports ["tcp"]: holds every case's blocks."""
+    import time
+
+    import gpu_stream_order_check as so
+    import torch
+
+    from kvlink.worker import KVWorker, WorkerConfig
+
+    torch.cuda.set_device(0)
+    cache, layers = so._cache(so.PREFILL_BLOCKS)
+    cache.view(torch.int16).view(-1).copy_(so._pattern(cache.numel()))
+    torch.cuda.synchronize()  # the blocks are offered only once their contents are final
+    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=["tcp"],
+                                   transport_options={"tcp": dict(STREAM_OPTS)}))
+    worker.register(so._spec(layers))
+    step = so._hold(worker, so._requests(modes))
+    q.put((worker.side_port, cache.data_ptr()))
+    try:
+        while not stop.is_set():
+            step()
+            time.sleep(0.002)
+    finally:
+        worker.close()
+
+
+STREAM_OPTS = {"timeout_s": 60}
+
+
+def _staged_decode_class() -> Any:
+    import gpu_stream_order_check as so
+
+    class StagedDecode(so.Decode):  # type: ignore[misc]
+        """gpu_stream_order_check's decode with transports ["tcp"] (staged through pinned
+        memory); read() and write() are its cases."""
+
+        def __init__(self, mode: str, port: int, remote_base: int, cycles: int,
+                     timeout: float) -> None:
+            import torch
+
+            from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+            self.torch, self.mode, self.cycles, self.timeout = torch, mode, cycles, timeout
+            self.cache, layers = so._cache(so.DECODE_BLOCKS)
+            self.i16 = self.cache.view(torch.int16)
+            opts = {"tcp": {**STREAM_OPTS, "stream_order": mode == "order"}}
+            self.worker = KVWorker(WorkerConfig(engine_id=f"decode-{mode}", transports=["tcp"],
+                                                transport_options=opts, serve=False))
+            self.worker.register(so._spec(layers))
+            self.transport = self.worker.transports["tcp"]
+            assert self.transport._copier is not None, "tcp is not staging the device cache"
+            self.remote = RemoteEngine("prefill", "127.0.0.1", port)
+            self.remote_base = remote_base
+            rng = np.random.default_rng(7)
+            self.lids = rng.permutation(so.N).astype(np.int64)
+            self.rids = rng.permutation(so.N).astype(np.int64)
+            pat = so._pattern(so.LAYERS * 2 * so.PREFILL_BLOCKS * so.BS * so.HEADS * so.DIM)
+            self.prefill_i16 = pat.view(so.LAYERS, 2, so.PREFILL_BLOCKS, so.BS, so.HEADS,
+                                        so.DIM)
+            dev = self.cache.device
+            self.lidx = torch.from_numpy(self.lids).to(dev)
+            self.ridx = torch.from_numpy(self.rids).to(dev)
+            self.expected = self.prefill_i16[:, :, self.ridx]
+            torch.cuda.synchronize()
+            self.worker.read(f"{mode}-warmup", self.remote, self.lids, self.rids)
+            self.warmup = self.wait(f"{mode}-warmup")
+            torch.cuda.synchronize()
+            if not self.warmup["finished"]:
+                raise RuntimeError(f"warm-up READ failed: {self.warmup}")
+
+        def post_us(self, reps: int = 200) -> dict[str, float]:
+            """Host time (median, us) of a one-page staged READ post with and without the
+            mark, the caller's stream idle (one stream query) or with a tiny kernel pending
+            (query + event record)."""
+            import statistics
+            import time
+
+            from kvlink.transport import Op, make_extents
+
+            torch = self.torch
+            t = self.transport
+            peer = self.worker.connected_peers()[0]
+            page = so.BS * so.HEADS * so.DIM * 2
+            lx = make_extents(self.cache.data_ptr(), page)
+            rx = make_extents(self.remote_base, page)
+            tiny = torch.zeros(1, device="cuda")
+            variants = (("no_order_idle", False, False), ("order_idle", True, False),
+                        ("no_order_pending", False, True), ("order_pending", True, True))
+            times: dict[str, list[float]] = {v[0]: [] for v in variants}
+            keep = t.stream_order
+            for _ in range(reps):
+                for name, flag, pending in variants:
+                    t.stream_order = flag
+                    torch.cuda.synchronize()
+                    if pending:
+                        tiny.add_(1)
+                    a = time.perf_counter()
+                    h = t.post(Op.READ, peer, lx, rx)
+                    times[name].append(time.perf_counter() - a)
+                    t.wait(h, self.timeout)
+                    t.release(h)
+            t.stream_order = keep
+            return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+
+    return StagedDecode
+
+
+def stream_order_main(args: Any) -> None:
+    import gpu_stream_order_check as so
+    import torch
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=stream_prefill, args=(q, stop, args.modes))
+    p.start()
+    cases = ("read_default_stream", "read_side_stream", "write_source")
+    results: dict[str, Any] = {
+        "transport": "tcp (device caches staged through pinned host memory)",
+        "elements_per_transfer": so.LAYERS * 2 * so.N * so.BS * so.HEADS * so.DIM,
+        "sleep_cycles": args.sleep_cycles, "options": STREAM_OPTS, "modes": {}}
+    decode_cls = _staged_decode_class()
+    try:
+        port, remote_base = q.get(timeout=300)
+        torch.cuda.set_device(0)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda._sleep(args.sleep_cycles)
+        e1.record()
+        e1.synchronize()
+        results["sleep_s"] = e0.elapsed_time(e1) / 1e3
+        for mode in args.modes:
+            d = decode_cls(mode, port, remote_base, args.sleep_cycles, args.timeout)
+            row: dict[str, Any] = {"stream_order": d.transport.stream_order,
+                                   "copier": type(d.transport._copier).__name__,
+                                   "warmup": d.warmup}
+            try:
+                row["read_default_stream"] = d.read("read_default_stream")
+                row["read_side_stream"] = d.read("read_side_stream", torch.cuda.Stream())
+                row["write_source"] = d.write()
+                if mode == "order":
+                    row["post_us"] = d.post_us()
+                    row["events_created"] = d.transport._copier.marks.created
+            finally:
+                d.close()
+            results["modes"][mode] = row
+            for case in cases:
+                r = row[case]
+                print(f"{mode:9s} {case:20s} wrong {r['wrong']:>11,} of {r['elements']:,}",
+                      {k: v for k, v in r.items() if k not in ("wrong", "elements")},
+                      flush=True)
+            if "post_us" in row:
+                print(f"{mode:9s} post_us", row["post_us"], flush=True)
+    finally:
+        stop.set()
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    for mode, row in results["modes"].items():
+        results[f"{mode}_wrong"] = {c: row[c]["wrong"] for c in cases}
+    order = results["modes"].get("order")
+    if order is not None:
+        results["ordered_all_zero"] = all(order[c]["wrong"] == 0 for c in cases)
+    _gpu_common.write(args.out, "gpu_staging_stream_order.json", results)
+
+
 def main() -> None:
     import torch
 
@@ -62,7 +242,17 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--stream-order", action="store_true",
+                    help="check stream order through KVWorker instead of measuring throughput")
+    ap.add_argument("--modes", nargs="+", choices=("order", "no-order"),
+                    default=["order", "no-order"])
+    ap.add_argument("--sleep-cycles", type=int, default=1_000_000_000,
+                    help="torch.cuda._sleep length queued before each case's write (~0.5 s)")
+    ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
+    if args.stream_order:
+        stream_order_main(args)
+        return
     nbytes = int(args.gib * (1 << 30)) // EXT * EXT
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
