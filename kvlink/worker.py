@@ -73,6 +73,7 @@ from kvlink.transport import (
 
 log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
+_NOTES_KEPT = 65536  # "written" notifications waiting for poll()
 T = TypeVar("T")
 
 _warned: set[str] = set()
@@ -314,6 +315,9 @@ class KVWorker:
             return self._answer_done(msg)
         if isinstance(msg, wire.Notification):
             with self._lock:
+                if len(self._side_notifs) >= _NOTES_KEPT:  # nobody awaits them: bounded
+                    return wire.ErrorReply(v=WIRE_VERSION, code="busy",
+                                           message="too many unread notifications")
                 self._side_notifs.append(msg)
             return wire.Ack(v=WIRE_VERSION)
         if isinstance(msg, wire.PushRequest):
