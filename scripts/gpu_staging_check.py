@@ -141,35 +141,13 @@ def _staged_decode_class() -> Any:
             """Host time (median, us) of a one-page staged READ post with and without the
             mark, the caller's stream idle (one stream query) or with a tiny kernel pending
             (query + event record)."""
-            import statistics
-            import time
+            from kvlink.transport import make_extents
 
-            from kvlink.transport import Op, make_extents
-
-            torch = self.torch
-            t = self.transport
-            peer = self.worker.connected_peers()[0]
             page = so.BS * so.HEADS * so.DIM * 2
-            lx = make_extents(self.cache.data_ptr(), page)
-            rx = make_extents(self.remote_base, page)
-            tiny = torch.zeros(1, device="cuda")
-            variants = (("no_order_idle", False, False), ("order_idle", True, False),
-                        ("no_order_pending", False, True), ("order_pending", True, True))
-            times: dict[str, list[float]] = {v[0]: [] for v in variants}
-            keep = t.stream_order
-            for _ in range(reps):
-                for name, flag, pending in variants:
-                    t.stream_order = flag
-                    torch.cuda.synchronize()
-                    if pending:
-                        tiny.add_(1)
-                    a = time.perf_counter()
-                    h = t.post(Op.READ, peer, lx, rx)
-                    times[name].append(time.perf_counter() - a)
-                    t.wait(h, self.timeout)
-                    t.release(h)
-            t.stream_order = keep
-            return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+            return so.post_host_us(self.torch, self.transport,
+                                   self.worker.connected_peers()[0],
+                                   make_extents(self.cache.data_ptr(), page),
+                                   make_extents(self.remote_base, page), reps, self.timeout)
 
     return StagedDecode
 

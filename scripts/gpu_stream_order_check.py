@@ -115,6 +115,33 @@ def prefill(q: Any, stop: Any, modes: list[str]) -> None:
         worker.close()
 
 
+def post_host_us(torch: Any, t: Any, peer: str, lx: Any, rx: Any, reps: int,
+                 timeout: float) -> dict[str, float]:
+    """Host time (median, us) of transport ``t``'s READ post of ``lx <- rx`` with and without
+    its stream order (option ``stream_order``), the caller's stream idle or a tiny kernel
+    pending; each post is waited for before the next."""
+    from kvlink.transport import Op
+
+    tiny = torch.zeros(1, device="cuda")
+    variants = (("no_order_idle", False, False), ("order_idle", True, False),
+                ("no_order_pending", False, True), ("order_pending", True, True))
+    times: dict[str, list[float]] = {v[0]: [] for v in variants}
+    keep = t.stream_order
+    for _ in range(reps):
+        for name, flag, pending in variants:
+            t.stream_order = flag
+            torch.cuda.synchronize()
+            if pending:
+                tiny.add_(1)
+            a = time.perf_counter()
+            h = t.post(Op.READ, peer, lx, rx)
+            times[name].append(time.perf_counter() - a)
+            t.wait(h, timeout)
+            t.release(h)
+    t.stream_order = keep
+    return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+
+
 class Decode:
     """One decode worker (one mode) against the prefill."""
 
@@ -270,31 +297,11 @@ class Decode:
         """Host time (median, us) of a one-page READ post with and without the stream wait,
         the caller's stream idle (the wait is skipped after a stream query) or with a tiny
         kernel pending (event record + stream wait)."""
-        from kvlink.transport import Op
 
-        torch = self.torch
         t = self.worker.transports["cuda_ipc"]
-        peer = self.worker.connected_peers()[0]
         lx, rx = self._extents(t)
-        lx, rx = lx[:1], rx[:1]
-        tiny = torch.zeros(1, device="cuda")
-        variants = (("no_order_idle", False, False), ("order_idle", True, False),
-                    ("no_order_pending", False, True), ("order_pending", True, True))
-        times: dict[str, list[float]] = {v[0]: [] for v in variants}
-        keep = t.stream_order
-        for _ in range(reps):
-            for name, flag, pending in variants:
-                t.stream_order = flag
-                torch.cuda.synchronize()
-                if pending:
-                    tiny.add_(1)
-                a = time.perf_counter()
-                h = t.post(Op.READ, peer, lx, rx)
-                times[name].append(time.perf_counter() - a)
-                t.wait(h, self.timeout)
-                t.release(h)
-        t.stream_order = keep
-        return {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+        return post_host_us(self.torch, t, self.worker.connected_peers()[0], lx[:1], rx[:1],
+                            reps, self.timeout)
 
     def timing(self, reps: int) -> dict[str, Any]:
         """End to end (post -> DONE polled, after a device sync, as gpu_cuda_ipc_check.py times
