@@ -532,13 +532,14 @@ class KVWorker:
                     self._forget_stale(remote, rank, fut)
                     continue
                 if exc.code == "not_yet":
-                    raise _NotYet(f"{where} refused the READ of {req_id}: {exc}") from exc
+                    raise _NotYet(f"refused the READ of {req_id}: {exc}") from exc
                 if exc.code:
-                    raise TransferRefused(f"{where} refused the READ of {req_id}: {exc}") from exc
+                    raise TransferRefused(f"refused the READ of {req_id}: {exc}") from exc
                 raise
             if not isinstance(reply, wire.ReadGrant):
-                raise TransferRefused(f"{where} answered {type(reply).__name__} to a read "
-                                      "intent; refusing to read unverified blocks")
+                raise TransferRefused(f"{remote.host}:{remote.port + rank} answered "
+                                      f"{type(reply).__name__} to a read intent; refusing to "
+                                      "read unverified blocks")
             return _Go(peer, Grant(reply.generation, reply.expires_in), sent + reply.expires_in)
 
     def _handshake_only(self, remote: RemoteEngine, rank: int,
