@@ -47,10 +47,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import sidechannel, wire
-from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
+from kvlink.compat import WIRE_VERSION, compat_hash
 from kvlink.errors import (
     ConfigError,
-    HandshakeError,
     KVLinkError,
     SideChannelError,
     TransferRefused,
@@ -59,6 +58,8 @@ from kvlink.errors import (
 from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
+from kvlink.peers import Peer, PeerTable
+from kvlink.peers import RemoteEngine as RemoteEngine  # re-exported: the public API
 from kvlink.plan import Plan, plan_transfer
 from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
 from kvlink.scheduler import BlockLeases, Grant, Released
@@ -75,15 +76,6 @@ log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
 T = TypeVar("T")
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
 
 @dataclasses.dataclass
 class WorkerConfig:
@@ -116,30 +108,10 @@ class WorkerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteEngine:
-    """How to reach a remote instance: the keys vLLM's kv_transfer_params carry."""
-
-    engine_id: str
-    host: str
-    port: int  # side channel base port (rank r at port + r)
-    tp_size: int = 1
-
-
-@dataclasses.dataclass
-class _Peer:
-    agent: str
-    spec: KVCacheSpec
-    transport: Transport
-    tp_size: int
-    endpoint: tuple[str, int]
-    incarnation: int
-
-
-@dataclasses.dataclass(frozen=True)
 class _Go:
     """A part may be posted: the peer, and for an announced READ its grant and local deadline."""
 
-    peer: _Peer
+    peer: Peer
     grant: Grant | None = None
     deadline: float = float("inf")
 
@@ -207,8 +179,6 @@ class KVWorker:
         self.incarnation = secrets.randbits(62) + 1
         self.transports: dict[str, Transport] = {}
         self._server: sidechannel.SideChannelServer | None = None
-        self._peers: dict[tuple[str, str, int], cf.Future[_Peer]] = {}
-        self._peers_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # what the side channel thread shares with the caller's
         self._side_notifs: list[wire.Notification] = []
@@ -218,6 +188,10 @@ class KVWorker:
         self._awaiting: dict[str, _Awaiting] = {}
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
+        self.peers = PeerTable(config.engine_id, self.agent_name, config.tp_rank,
+                               config.tp_size, self._require_spec, self.transports, self._call,
+                               lambda fn, remote, rank: self._submit(self._pool, fn, remote,
+                                                                     rank))
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
         self._intents = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
@@ -401,112 +375,17 @@ class KVWorker:
 
     # ------------------------------------------------------------------ handshake (client)
     def _peer(self, remote: RemoteEngine, rank: int,
-              incarnation: int | None = None) -> cf.Future[_Peer]:
-        """The handshake with ``remote``'s ``rank`` (cached per engine id and address);
-        ``incarnation``: the one the peer says it is now — older cached state is dropped."""
-        key = (remote.engine_id, remote.host, remote.port + rank)
-        with self._peers_lock:
-            fut = self._peers.get(key)
-            stale = (fut is not None and incarnation is not None and fut.done()
-                     and fut.exception() is None and fut.result().incarnation != incarnation)
-            if fut is None or stale or (fut.done() and fut.exception() is not None):
-                if stale:
-                    self._peers.pop(key)
-                    self._disconnect(fut, "it restarted")
-                fut = self._submit(self._pool, self._handshake, remote, rank)
-                self._peers[key] = fut
-            return fut
-
-    def _disconnect(self, fut: cf.Future[_Peer] | None, why: str) -> None:
-        if fut is not None and fut.done() and fut.exception() is None:
-            peer = fut.result()
-            log.info("dropping handshake state of %s (%s:%d): %s", peer.agent, *peer.endpoint,
-                     why)
-            peer.transport.disconnect(peer.agent)
+              incarnation: int | None = None) -> cf.Future[Peer]:
+        return self.peers.get(remote, rank, incarnation)
 
     def forget_peer(self, engine_id: str, rank: int) -> None:
         """Drop cached handshake state of ``engine_id``'s ``rank`` at every address (the next
         request handshakes again). Its transfers in flight turn FAILED (quiescent)."""
-        with self._peers_lock:
-            keys = [k for k, f in self._peers.items() if k[0] == engine_id and f.done()
-                    and f.exception() is None and f.result().spec.tp_rank == rank]
-            futs = [self._peers.pop(k) for k in keys]
-        for fut in futs:
-            self._disconnect(fut, "forgotten")
-
-    def _forget_stale(self, remote: RemoteEngine, rank: int, fut: cf.Future[_Peer]) -> None:
-        key = (remote.engine_id, remote.host, remote.port + rank)
-        with self._peers_lock:
-            if self._peers.get(key) is fut:
-                del self._peers[key]
-        self._disconnect(fut, "it restarted")
-
-    def _drop_stale(self, endpoint: tuple[str, int], engine_id: str) -> None:
-        """A new engine answers at an address an old one used: forget the old one's metadata."""
-        with self._peers_lock:
-            stale = [k for k, f in self._peers.items() if k[0] != engine_id
-                     and (k[1], k[2]) == endpoint]
-            futs = [self._peers.pop(k) for k in stale]
-        for fut in futs:
-            log.warning("the engine at %s:%d was replaced by %s; dropping its metadata",
-                        *endpoint, engine_id)
-            self._disconnect(fut, "replaced")
+        self.peers.forget(engine_id, rank)
 
     def connected_peers(self) -> list[str]:
         """Agent names of peers with live handshake state."""
-        with self._peers_lock:
-            futs = list(self._peers.values())
-        return sorted(f.result().agent for f in futs if f.done() and f.exception() is None)
-
-    def _handshake(self, remote: RemoteEngine, rank: int) -> _Peer:
-        spec = self._require_spec()
-        req = wire.HandshakeRequest(
-            v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
-            compat=compat_hash(spec.geometry()))
-        reply = self._call(remote.host, remote.port + rank, req)
-        if not isinstance(reply, wire.HandshakeResponse):
-            raise HandshakeError(f"{remote.host}:{remote.port + rank} answered "
-                                 f"{type(reply).__name__} to a handshake")
-        if reply.engine_id != remote.engine_id or reply.tp_rank != rank:
-            raise HandshakeError(
-                f"{remote.host}:{remote.port + rank} is engine {reply.engine_id!r} rank "
-                f"{reply.tp_rank}, expected {remote.engine_id!r} rank {rank}")
-        rspec = reply.spec.to_spec()
-        check_compatible(spec.geometry(), rspec.geometry(), self.config.tp_size, reply.tp_size)
-        same_host = reply.host_id == host_id()
-        reasons = []
-        for name, transport in self.transports.items():
-            desc = reply.transports.get(name)
-            if desc is None:
-                reasons.append(f"{name}: not offered by the peer")
-                continue
-            why = transport.unreachable_reason(desc, same_host)
-            kind = rspec.device.split(":")[0]
-            if why is None and kind not in transport.capabilities.memory_kinds:
-                why = f"{name} cannot reach peer memory on {rspec.device}"
-            if why is not None:
-                reasons.append(f"{name}: {why}")
-                continue
-            try:
-                transport.connect(reply.agent_name, desc)
-            except KVLinkError as exc:
-                reasons.append(f"{name}: {exc}")
-                continue
-            log.info("peer %s rank %d (%s, %s host): transport %s", remote.engine_id, rank,
-                     reply.agent_name, "same" if same_host else "other", name)
-            if (same_host and name != "cuda_ipc" and spec.device.startswith("cuda")
-                    and rspec.device.startswith("cuda")):
-                _warn_once(f"same-host GPU peer {remote.engine_id} is served by {name}, not "
-                           "cuda_ipc: one-sided READs of VRAM can fall back to a TCP lane "
-                           "(measured 0.46 GB/s with NIXL on one H200); put 'cuda_ipc' first "
-                           "in the transports list")
-            endpoint = (remote.host, remote.port + rank)
-            self._drop_stale(endpoint, remote.engine_id)
-            return _Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint,
-                         reply.incarnation)
-        raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
-                             + "; ".join(reasons))
+        return self.peers.connected()
 
     def _intent(self, remote: RemoteEngine, rank: int, req_id: str,
                 block_ids: list[int]) -> _Go:
@@ -529,7 +408,7 @@ class KVWorker:
                 if exc.code == "stale" and restarts < 2:
                     restarts += 1
                     log.warning("%s restarted since our handshake; handshaking again", where)
-                    self._forget_stale(remote, rank, fut)
+                    self.peers.forget_stale(remote, rank, fut)
                     continue
                 if exc.code == "not_yet":
                     raise _NotYet(f"refused the READ of {req_id}: {exc}") from exc
