@@ -1,10 +1,12 @@
 """Randomized lifecycle schedules over real processes and tcp (see kvlink/demo/chaos.py).
 
-Each schedule: a producer process holding requests under 0.3 s leases and reusing blocks the
-moment they are released, killed mid-flight and restarted under the same engine id; a consumer
-pulling every request with random delays and step stalls. After every finished receive its
-bytes must be the request's own; every read resolves before its deadline; the producer that
-ran to the end released each hold once and holds nothing. CI runs ``KVLINK_CHAOS_SCHEDULES``
+Each schedule: a producer process holding requests under 0.5 s leases and reusing blocks the
+moment they are released, serving push requests late, killed mid-flight and restarted under
+the same engine id; a consumer pulling half the requests and having the other half pushed,
+with random delays and step stalls. After every finished receive its bytes must be the
+request's own; no byte lands in a failed push's blocks afterwards; every receive resolves
+before its deadline; the producer that ran to the end released each hold once and holds
+nothing. CI runs ``KVLINK_CHAOS_SCHEDULES``
 schedules (default 6, about 15 s); ``bench/lifecycle_soak.py`` runs hundreds.
 """
 
@@ -19,7 +21,7 @@ import pytest
 from kvlink.demo.chaos import run_schedules
 
 
-@pytest.mark.fault("randomized schedule: stalls, lease expiries, kills, restarts (pull)")
+@pytest.mark.fault("randomized schedules: stalls, lease expiries, push cancels, kills, restarts")
 def test_random_schedules_never_finish_with_wrong_bytes(
         observed: Callable[[str], None], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)  # refusals and expiries are the point: not news
@@ -27,9 +29,10 @@ def test_random_schedules_never_finish_with_wrong_bytes(
     total = run_schedules(range(n))
     print(f"lifecycle schedules run: {total}")
     observed(f"{total['schedules']} schedules, {total['finished']} finished "
-             f"({total['verified']} verified), {total['failed']} failed {total['reasons']}, "
-             f"{total['kills']} kills; violations: {total['violations'] or 'none'}")
+             f"({total['verified']} verified, {total['pushed']} pushed), {total['failed']} "
+             f"failed {total['reasons']}, {total['kills']} kills; violations: "
+             f"{total['violations'] or 'none'}")
     assert total["schedules"] == n
     assert not total["violations"], total["violations"]
     assert total["verified"] == total["finished"] > 0
-    assert total["kills"] == n and total["failed"] > 0
+    assert total["kills"] == n and total["failed"] > 0 and total["pushed"] > 0

@@ -1,15 +1,22 @@
 """A randomized lifecycle schedule over real processes: block ownership under stalls, expiries,
-kills and restarts.
+cancels, kills and restarts.
 
 One producer process at a time (engine ``chaos-p`` on a fixed port; killed and restarted under
 the same engine id, i.e. a new incarnation) holds requests under short leases and, the moment
 the core releases one, overwrites its blocks with other bytes (the blocks are reused). The
-consumer (the calling process) pulls every request it is told about over tcp, stalls its step
-loop at random (sometimes past the lease), and after every finished receive checks that the
-bytes are that request's own. A schedule passes when no finished receive has wrong bytes, every
-request resolves before its deadline, and every producer that ran to the end released each hold
-exactly once with no block left held. ``bench/lifecycle_soak.py`` runs many schedules; the test
-suite runs a few.
+consumer (the calling process) takes every request it is told about over tcp, pulling some and
+having the others pushed; it stalls its step loop at random (sometimes past the lease), and
+the producer's step reaches a push request up to 1.5x the decode's push timeout late, so pushes
+are cancelled, refused and killed mid-flight. A schedule passes when:
+
+- every finished receive holds that request's own bytes;
+- every receive resolves before its deadline;
+- no byte lands in a failed push's blocks after the decode was told it failed (they are
+  stamped at that moment and checked once every producer is gone);
+- the producer that ran to the end released each hold exactly once, with no block left held.
+
+``bench/lifecycle_soak.py`` runs many schedules; the test suite runs a few. (A mutation that
+posts cancelled pushes anyway is caught: "a WRITE of ... landed after its push failed".)
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from kvlink import wire
 from kvlink.demo import data
-from kvlink.errors import SideChannelError
+from kvlink.errors import KVLinkError, SideChannelError
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 GEO = data.Geometry(layers=2, kv_heads=2, head_dim=16, block_size=4)
 PRODUCER_BLOCKS = 24
-CONSUMER_BLOCKS = 64
+CONSUMER_BLOCKS = 256
 _mp = mp.get_context("spawn")
 
 
@@ -56,13 +64,15 @@ def _matches(layers: list[object], ids: list[int], tag: str) -> bool:
 class Schedule:
     seed: int
     requests: int = 24  # holds over all producer incarnations
-    lease: float = 0.3  # producer lease (seconds)
+    lease: float = 0.5  # producer lease (seconds)
     kills: int = 1  # producer kills (each followed by a restart under the same engine id)
     deadline: float = 10.0  # every read must resolve within this
+    push_share: float = 0.5  # requests the consumer has pushed (the rest it pulls)
+    push_timeout: float = 0.3  # decode side; the producer's step reaches a push 0-1.5x this late
 
 
-def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: Any,
-             stop: Any) -> None:
+def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, budget: int,
+             events: Any, stop: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rng = random.Random(seed)
     _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
@@ -79,6 +89,7 @@ def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: 
             time.sleep(0.1)
     free = list(range(PRODUCER_BLOCKS))
     holds: dict[str, list[int]] = {}
+    pushes: list[tuple[float, wire.PushRequest]] = []
     issued, doubles = 0, 0
     events.put(("ready", tag))
     try:
@@ -101,6 +112,7 @@ def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: 
                 holds[req] = ids
                 w.hold(req, ids)
                 events.put(("held", req, ids))
+            _serve_pushes(w, rng, holds, pushes, push_delay)
             time.sleep(rng.random() * 0.004)
         s = w.leases.stats
         events.put(("done", tag, {"doubles": doubles, "held": s.held, "held_blocks":
@@ -110,11 +122,31 @@ def _produce(port: int, seed: int, tag: str, lease: float, budget: int, events: 
         w.close()
 
 
+def _serve_pushes(w: KVWorker, rng: random.Random, holds: dict[str, list[int]],
+                  pushes: list[tuple[float, wire.PushRequest]], delay: float) -> None:
+    """The prefill's step reaches each push request 0-``delay`` s late (sometimes after the
+    decode gave up on it), writes it from the held blocks, and advances its WRITEs."""
+    now = time.monotonic()
+    pushes += [(now + rng.random() * delay, m) for m in w.push_requests()]
+    for item in [p for p in pushes if p[0] <= now]:
+        pushes.remove(item)
+        msg = item[1]
+        try:
+            ids = holds.get(msg.req_id)
+            if ids is None:
+                raise KVLinkError(f"{msg.req_id} is not held")
+            w.push(msg, ids, lease=msg.req_id)
+        except KVLinkError as exc:
+            w.refuse_push(msg, str(exc))
+    w.poll()
+
+
 @dataclasses.dataclass
 class _Read:
     req: str
     local: list[int]
     t0: float
+    push: bool = False
 
 
 def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
@@ -122,11 +154,11 @@ def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
     from kvlink.demo.run import free_port_range
 
     total: dict[str, Any] = {"schedules": 0, "finished": 0, "verified": 0, "failed": 0,
-                             "kills": 0, "reasons": {}, "violations": []}
+                             "kills": 0, "pushed": 0, "reasons": {}, "violations": []}
     for seed in seeds:
         c = run_schedule(Schedule(seed=seed, **kw), free_port_range(1))
         total["schedules"] += 1
-        for k in ("finished", "verified", "failed", "kills"):
+        for k in ("finished", "verified", "failed", "kills", "pushed"):
             total[k] += c[k]
         for k, n in c["reasons"].items():
             total["reasons"][k] = total["reasons"].get(k, 0) + n
@@ -138,13 +170,13 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     """Run one schedule; returns its counts (``violations`` must be empty)."""
     rng = random.Random(sched.seed)
     stop = _mp.Event()
-    consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
-    w = KVWorker(WorkerConfig(engine_id="chaos-d", serve=False, handshake_timeout=1.0,
-                              intent_timeout=1.0))
+    _consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="chaos-d", handshake_timeout=1.0, intent_timeout=1.0))
     w.register(data.spec_of(GEO, clayers, 1, 0))
     remote = RemoteEngine("chaos-p", "127.0.0.1", port)
     counts: dict[str, Any] = {"finished": 0, "failed": 0, "verified": 0, "kills": 0,
-                              "violations": [], "producers": [], "reasons": {}}
+                              "pushed": 0, "violations": [], "producers": [], "reasons": {},
+                              "quarantine": []}
     incarnations = sched.kills + 1
     budgets = [sched.requests // incarnations] * incarnations
     budgets[-1] += sched.requests - sum(budgets)
@@ -158,8 +190,9 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
             tag = f"s{sched.seed}i{inc}"
             # a queue per producer: one killed while writing would hold the queue's lock forever
             events: Any = _mp.Queue()
-            proc = _mp.Process(target=_produce, args=(port, sched.seed * 100 + inc, tag,
-                                                      sched.lease, budget, events, stop))
+            proc = _mp.Process(target=_produce, args=(
+                port, sched.seed * 100 + inc, tag, sched.lease, 1.5 * sched.push_timeout, budget,
+                events, stop))
             proc.start()
             held_here, last = 0, inc == len(budgets) - 1
             end = time.monotonic() + 60
@@ -178,8 +211,12 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
                         break
                     pending.remove(item)
                     local = [free.pop(rng.randrange(len(free))) for _ in item[2]]
-                    reading[item[1]] = _Read(item[1], local, now)
-                    w.read(item[1], remote, local, item[2])
+                    push = rng.random() < sched.push_share
+                    reading[item[1]] = _Read(item[1], local, now, push)
+                    if push:
+                        w.expect_push(item[1], remote, local, timeout=sched.push_timeout)
+                    else:
+                        w.read(item[1], remote, local, item[2])
                 if rng.random() < 0.01:  # the decode's step stalls, sometimes past the lease
                     time.sleep(rng.random() * 1.5 * sched.lease)
                 _settle(w, clayers, reading, free, counts, sched.deadline)
@@ -211,7 +248,11 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
         w.close()
-        del consumer_buf
+    # every producer is gone: a failed push's blocks must still hold what the decode wrote
+    # into them when it was told the push failed (no WRITE landed after the failure)
+    for req, ids in counts.pop("quarantine"):
+        if not _matches(clayers, ids, f"given-back-{req}"):
+            counts["violations"].append(f"a WRITE of {req} landed after its push failed")
     return counts
 
 
@@ -237,6 +278,7 @@ def _settle(w: KVWorker, layers: list[object], reading: dict[str, _Read], free: 
     for req in done:
         r = reading.pop(req)
         counts["finished"] += 1
+        counts["pushed"] += r.push
         if _matches(layers, r.local, req):
             counts["verified"] += 1
         else:
@@ -245,10 +287,15 @@ def _settle(w: KVWorker, layers: list[object], reading: dict[str, _Read], free: 
     for req, why in failed.items():
         r = reading.pop(req)
         counts["failed"] += 1
-        kind = ("not intact" if "not confirmed" in why else "refused" if "refused" in why
-                else "deadline" if "deadline passed" in why else "unreachable/other")
+        kind = ("push: not written" if r.push else "not intact" if "not confirmed" in why
+                else "refused" if "refused" in why else "deadline" if "deadline passed" in why
+                else "unreachable/other")
         counts["reasons"][kind] = counts["reasons"].get(kind, 0) + 1
-        free.extend(r.local)
+        if r.push:  # the decode reuses these blocks now: any later WRITE would show
+            _stamp(layers, r.local, f"given-back-{req}")
+            counts["quarantine"].append((req, r.local))
+        else:
+            free.extend(r.local)
     now = time.monotonic()
     for r in reading.values():
         if now - r.t0 > deadline:
