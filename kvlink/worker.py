@@ -77,6 +77,7 @@ _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfe
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
 T = TypeVar("T")
 
+
 @dataclasses.dataclass
 class WorkerConfig:
     engine_id: str
@@ -184,7 +185,8 @@ class KVWorker:
         self._side_notifs: list[wire.Notification] = []
         self._push_inbox: list[wire.PushRequest] = []
         self._push_slots = PushSlots()
-        self._pushers: dict[tuple[str, int], set[str]] = {}  # (engine, rank) -> agents seen
+        # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
+        self._handshook: dict[tuple[str, int], set[str]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
@@ -313,7 +315,7 @@ class KVWorker:
             log.warning("handshake from %s (rank %d) with compat %s != ours %s; the peer will "
                         "name the differing values", req.engine_id, req.tp_rank, req.compat, ours)
         with self._lock:
-            self._pushers.setdefault((req.engine_id, req.tp_rank), set()).add(req.agent_name)
+            self._handshook.setdefault((req.engine_id, req.tp_rank), set()).add(req.agent_name)
         return wire.HandshakeResponse(
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
@@ -873,7 +875,7 @@ class KVWorker:
         """Revoke every agent of ``engine_id``'s ``rank`` that handshook with us on every
         transport; True when they all guarantee no more bytes."""
         with self._lock:
-            agents = set(self._pushers.get((engine_id, rank), ()))
+            agents = set(self._handshook.get((engine_id, rank), ()))
         ok = True
         for agent in agents:
             for t in self.transports.values():
