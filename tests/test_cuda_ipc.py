@@ -81,7 +81,8 @@ def test_fallback_when_cuda_ipc_cannot_serve(caplog: pytest.LogCaptureFixture) -
     try:
         assert list(producer.transports) == ["tcp"]
         with caplog.at_level(logging.INFO, logger="kvlink.worker"):
-            peer = consumer._handshake(RemoteEngine("p", "127.0.0.1", producer.side_port), 0)
+            peer = consumer.peers.get(RemoteEngine("p", "127.0.0.1", producer.side_port),
+                                      0).result(timeout=20)
         assert peer.transport.name == "tcp"
         assert any("transport tcp" in r.getMessage() for r in caplog.records)
         assert any("cuda_ipc" in r.getMessage() for r in caplog.records)
