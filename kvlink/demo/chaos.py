@@ -93,7 +93,12 @@ def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, bu
     issued, doubles = 0, 0
     events.put(("ready", tag))
     try:
-        while not stop.is_set():  # serve until the consumer is done (or we are killed)
+        # serve until the consumer is done (or we are killed), then until every hold has
+        # ended: read, cancelled, or expired (a lease and a late push step at most)
+        end = float("inf")
+        while time.monotonic() < end and (end == float("inf") or holds):
+            if end == float("inf") and stop.is_set():
+                end = time.monotonic() + lease + push_delay + 1.0
             for rel in w.released():
                 ids = holds.pop(rel.req_id, None)
                 if ids is None:
@@ -102,7 +107,7 @@ def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, bu
                 _stamp(layers, ids, f"reused-{rng.random()}")  # another request's bytes now
                 free.extend(ids)
                 events.put(("released", rel.req_id, rel.why))
-            if issued < budget and len(free) >= 4 and rng.random() < 0.3:
+            if issued < budget and len(free) >= 4 and rng.random() < 0.3 and not stop.is_set():
                 rng.shuffle(free)
                 n = rng.randint(1, 4)
                 ids, free = free[:n], free[n:]
