@@ -174,7 +174,7 @@ def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
 def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     """Run one schedule; returns its counts (``violations`` must be empty)."""
     rng = random.Random(sched.seed)
-    stop = _mp.Event()
+    stop: Any = None
     _consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
     w = KVWorker(WorkerConfig(engine_id="chaos-d", handshake_timeout=1.0, intent_timeout=1.0))
     w.register(data.spec_of(GEO, clayers, 1, 0))
@@ -193,8 +193,9 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     try:
         for inc, budget in enumerate(budgets):
             tag = f"s{sched.seed}i{inc}"
-            # a queue per producer: one killed while writing would hold the queue's lock forever
+            # a queue and an event per producer: one killed inside either holds its lock forever
             events: Any = _mp.Queue()
+            stop = _mp.Event()
             proc = _mp.Process(target=_produce, args=(
                 port, sched.seed * 100 + inc, tag, sched.lease, 1.5 * sched.push_timeout, budget,
                 events, stop))
@@ -247,7 +248,8 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
         if reading:
             counts["violations"].append(f"reads never resolved: {sorted(reading)}")
     finally:
-        stop.set()
+        if stop is not None:
+            stop.set()
         if proc is not None:
             proc.join(5)
             if proc.is_alive():
