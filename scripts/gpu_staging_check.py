@@ -169,12 +169,7 @@ def stream_order_main(args: Any) -> None:
     try:
         port, remote_base = q.get(timeout=300)
         torch.cuda.set_device(0)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.cuda._sleep(args.sleep_cycles)
-        e1.record()
-        e1.synchronize()
-        results["sleep_s"] = e0.elapsed_time(e1) / 1e3
+        results["sleep_s"] = so.sleep_seconds(torch, args.sleep_cycles)
         for mode in args.modes:
             d = decode_cls(mode, port, remote_base, args.sleep_cycles, args.timeout)
             row: dict[str, Any] = {"stream_order": d.transport.stream_order,

@@ -115,6 +115,16 @@ def prefill(q: Any, stop: Any, modes: list[str]) -> None:
         worker.close()
 
 
+def sleep_seconds(torch: Any, cycles: int) -> float:
+    """How long the queued ``torch.cuda._sleep(cycles)`` kernel runs, on the device's clock."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(cycles)
+    e1.record()
+    e1.synchronize()
+    return float(e0.elapsed_time(e1)) / 1e3
+
+
 def post_host_us(torch: Any, t: Any, peer: str, lx: Any, rx: Any, reps: int,
                  timeout: float) -> dict[str, float]:
     """Host time (median, us) of transport ``t``'s READ post of ``lx <- rx`` with and without
@@ -394,13 +404,7 @@ def main() -> None:
     try:
         port, remote_base = q.get(timeout=300)
         torch.cuda.set_device(0)
-        # how long the queued kernel runs, on the device's clock
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        torch.cuda._sleep(args.sleep_cycles)
-        e1.record()
-        e1.synchronize()
-        results["sleep_s"] = e0.elapsed_time(e1) / 1e3
+        results["sleep_s"] = sleep_seconds(torch, args.sleep_cycles)
         for mode in args.modes:
             d = Decode(mode, port, remote_base, args.sleep_cycles, args.timeout)
             row: dict[str, Any] = {"stream_order": d.worker.transports["cuda_ipc"].stream_order,
