@@ -122,7 +122,6 @@ class _Part:
     read: HeadRead
     future: cf.Future[_Go]
     handle: int | None = None
-    transport: Transport | None = None
     go: _Go | None = None
     done: bool = False
     error: str | None = None
@@ -569,7 +568,7 @@ class KVWorker:
         note = None
         if self._notes_natively(req):
             note = wire.encode(self._written(req, True))  # ordered after the written bytes
-        part.plan, part.transport = plan, go.peer.transport
+        part.plan = plan
         part.t_post = time.perf_counter()
         try:
             part.handle = go.peer.transport.post(req.op, go.peer.agent, plan.local, plan.remote,
@@ -580,12 +579,13 @@ class KVWorker:
         req.nbytes += plan.nbytes
 
     def _progress(self, req: _Request, part: _Part) -> None:
-        assert part.transport is not None and part.handle is not None
-        state = part.transport.poll(part.handle)
+        assert part.go is not None and part.handle is not None
+        transport = part.go.peer.transport
+        state = transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
         part.xfer_seconds = self._transport_seconds(part)
-        part.transport.release(part.handle)
+        transport.release(part.handle)
         part.handle = None
         if state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
             self._part_failed(req, part, f"{req.remote.engine_id} rank "
@@ -623,7 +623,7 @@ class KVWorker:
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
         """A part ends without bytes: for a granted READ, release the producer now."""
         part.error = reason
-        if part.handle is not None and part.transport is not None:
+        if part.handle is not None:
             return  # still moving: report once the transport says FAILED (quiescent)
         if req.op is Op.READ and part.go is not None and part.go.grant is not None:
             self._submit(self._notifier, self._report_read, req, part, False)
@@ -642,7 +642,8 @@ class KVWorker:
         """Post to completion of one finished part: the transport's own timing if it keeps one
         (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
         ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE."""
-        telemetry = getattr(part.transport, "xfer_telemetry", None)
+        transport = part.go.peer.transport if part.go is not None else None
+        telemetry = getattr(transport, "xfer_telemetry", None)
         if telemetry is not None and part.handle is not None:
             try:
                 entries = telemetry(part.handle)

@@ -67,32 +67,6 @@ def producer(q: Any, done: Any, nbytes: int) -> None:
     t.close()
 
 
-def stream_prefill(q: Any, stop: Any, modes: list[str]) -> None:
-    """gpu_stream_order_check's prefill with transports ["tcp"]: holds every case's blocks."""
-    import time
-
-    import gpu_stream_order_check as so
-    import torch
-
-    from kvlink.worker import KVWorker, WorkerConfig
-
-    torch.cuda.set_device(0)
-    cache, layers = so._cache(so.PREFILL_BLOCKS)
-    cache.view(torch.int16).view(-1).copy_(so._pattern(cache.numel()))
-    torch.cuda.synchronize()  # the blocks are offered only once their contents are final
-    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=["tcp"],
-                                   transport_options={"tcp": dict(STREAM_OPTS)}))
-    worker.register(so._spec(layers))
-    step = so._hold(worker, so._requests(modes))
-    q.put((worker.side_port, cache.data_ptr()))
-    try:
-        while not stop.is_set():
-            step()
-            time.sleep(0.002)
-    finally:
-        worker.close()
-
-
 STREAM_OPTS = {"timeout_s": 60}
 
 
@@ -158,7 +132,7 @@ def stream_order_main(args: Any) -> None:
 
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=stream_prefill, args=(q, stop, args.modes))
+    p = ctx.Process(target=so.prefill, args=(q, stop, args.modes, "tcp", STREAM_OPTS))
     p.start()
     cases = ("read_default_stream", "read_side_stream", "write_source")
     results: dict[str, Any] = {

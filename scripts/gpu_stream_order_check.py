@@ -94,7 +94,9 @@ def _hold(worker: Any, reqs: dict[str, list[int]]) -> Any:
     return lambda: worker.released()
 
 
-def prefill(q: Any, stop: Any, modes: list[str]) -> None:
+def prefill(q: Any, stop: Any, modes: list[str], transport: str = "cuda_ipc",
+            options: dict[str, Any] | None = None) -> None:
+    """The prefill process: fills its cache with the pattern, holds every case's blocks."""
     import torch
 
     from kvlink.worker import KVWorker, WorkerConfig
@@ -103,7 +105,8 @@ def prefill(q: Any, stop: Any, modes: list[str]) -> None:
     cache, layers = _cache(PREFILL_BLOCKS)
     cache.view(torch.int16).view(-1).copy_(_pattern(cache.numel()))
     torch.cuda.synchronize()  # the blocks are offered only once their contents are final
-    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=["cuda_ipc"]))
+    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=[transport],
+                                   transport_options={transport: dict(options or {})}))
     worker.register(_spec(layers))
     step = _hold(worker, _requests(modes))
     q.put((worker.side_port, cache.data_ptr()))
