@@ -96,6 +96,11 @@ class Released:
     why: str  # "read", "expired" or "aborted"
 
 
+def new_generation() -> int:
+    """A fresh random generation, for a caller that mints it where it reserves the blocks."""
+    return secrets.randbits(62) + 1
+
+
 class BlockLeases:
     """Holds a producer's blocks for remote readers (see the module docstring for the rules)."""
 
@@ -115,15 +120,21 @@ class BlockLeases:
 
     # ---------------------------------------------------------------- holding
     def hold(self, req_id: str, block_ids: Sequence[int] | npt.ArrayLike,
-             readers: int | None = None) -> int:
+             readers: int | None = None, generation: int | None = None) -> int:
         """Hold ``block_ids`` for ``req_id``'s readers (``None``: the first report says how
-        many); returns the generation."""
+        many); returns the generation.
+
+        ``generation``: one the caller minted when it reserved the blocks (vLLM's scheduler
+        does, to hand it to the decode with the block ids before this worker holds them). It
+        must be positive and unique per hold: a reader that names it validates against it."""
         ids = [int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1)]
+        if generation is not None and not 0 < generation < 2**63:
+            raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
         with self._lock:
             if req_id in self._leases:
                 raise ValueError(f"request {req_id!r} already holds blocks")
             self._gone.pop(req_id, None)
-            gen = next(self._gen)
+            gen = next(self._gen) if generation is None else generation
             self._leases[req_id] = _Lease(ids, np.unique(np.asarray(ids, dtype=np.int64)), gen,
                                           self._clock() + self.lease_seconds, readers)
             self.stats.held += 1

@@ -429,10 +429,13 @@ class KVWorker:
 
     # ------------------------------------------------------------------ transfers
     def read(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
-             remote_ids: npt.ArrayLike) -> None:
+             remote_ids: npt.ArrayLike, generation: int | None = None) -> None:
         """Pull a request's blocks (non-blocking); completion is reported by :meth:`poll`.
 
-        Finished means the producer confirmed its lease was intact for the whole READ."""
+        Finished means the producer confirmed its lease was intact for the whole READ.
+        ``generation``: the producer's hold (:meth:`hold`'s answer, passed along with the block
+        ids): the READ is posted at once and validated after; without it, a read intent asks
+        the producer for the generation first (one more round trip)."""
         self._start(req_id, Op.READ, remote, local_ids, remote_ids)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -696,11 +699,16 @@ class KVWorker:
         return len(self._requests) + len(self._awaiting)
 
     # ------------------------------------------------------------------ producer side
-    def hold(self, req_id: str, block_ids: npt.ArrayLike, readers: int | None = None) -> None:
+    def hold(self, req_id: str, block_ids: npt.ArrayLike, readers: int | None = None,
+             generation: int | None = None) -> int:
         """Hold ``block_ids`` for ``req_id``'s readers (pull): they READ under the lease until
         all ``readers`` are done (``None``: as many as the first reader's TP says), the lease
-        expires, or :meth:`abort`. :meth:`released` reports the end."""
-        self.leases.hold(req_id, block_ids, readers)
+        expires, or :meth:`abort`. :meth:`released` reports the end.
+
+        Returns the hold's generation (``generation``: one minted by the caller, see
+        :meth:`BlockLeases.hold`). A reader given it reads at once, with no round trip before
+        its READ (see :meth:`read`)."""
+        return self.leases.hold(req_id, block_ids, readers, generation)
 
     def abort(self, req_id: str) -> None:
         """Release a held request now; readers still reading it will be told "not intact"."""
