@@ -16,7 +16,8 @@ import msgspec
 from kvlink.errors import IncompatibleSpecError
 from kvlink.headmap import check_tp
 
-WIRE_VERSION = 2  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
+WIRE_VERSION = 3  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
+#                  3: kept-open sessions, batches, READs validated without an intent
 
 
 def compat_hash(geometry: dict[str, Any]) -> str:

@@ -183,7 +183,9 @@ class ReadDone(_Msg, tag="read_done", frozen=True):
     ``generation`` intact the whole time? Answered by :class:`ReadVerdict`.
 
     ``ok=False``: the READ failed or was never posted (release now, nothing to validate).
-    ``generation=0``: a replica this reader did not read (heterogeneous TP): release only."""
+    ``generation=0``: a replica this reader did not read (heterogeneous TP): release only.
+    ``block_ids``: a READ posted without an intent (the reader got the generation with the
+    block ids): the blocks it read, checked against the hold here, after the fact."""
 
     engine_id: str
     req_id: str
@@ -192,6 +194,7 @@ class ReadDone(_Msg, tag="read_done", frozen=True):
     incarnation: int = 0
     generation: int = 0
     ok: bool = True
+    block_ids: list[int] | None = None
 
 
 class ReadVerdict(_Msg, tag="read_verdict", frozen=True):
@@ -222,9 +225,56 @@ class Signed(_Msg, tag="signed", frozen=True):
     body: bytes
 
 
+class Hello(_Msg, tag="hello", frozen=True):
+    """Client -> server, first on a kept-open connection: opens an authenticated session.
+    Answered by :class:`Welcome`; the session key is HMAC-SHA256(secret, label || client nonce
+    || server nonce), so neither side alone picks it and no two sessions share one."""
+
+    nonce: bytes
+
+
+class Welcome(_Msg, tag="welcome", frozen=True):
+    nonce: bytes
+
+
+#: what a client asks (inside a :class:`Batch`) and what a server answers (in :class:`Replies`)
+Request = HandshakeRequest | Notification | PushRequest | PushCancel | ReadIntent | ReadDone
+Reply = HandshakeResponse | PushState | ReadGrant | ReadVerdict | ErrorReply | Ack
+
+
+class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    id: int  # the client's, echoed in the answer: replies may come in any batch
+    msg: Request
+
+
+class Answer(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    id: int
+    msg: Reply
+
+
+class Batch(_Msg, tag="batch", frozen=True):
+    """Every message one client step has for one peer, in one frame, answered in order."""
+
+    calls: list[Call]
+
+
+class Sealed(_Msg, tag="sealed", frozen=True):
+    """A :class:`Batch` under a session: HMAC-SHA256(session key, counter || body); the
+    counter only grows on one connection, so a replayed or reordered frame is refused."""
+
+    counter: int
+    mac: bytes
+    body: bytes
+
+
+class Replies(_Msg, tag="replies", frozen=True):
+    answers: list[Answer]
+
+
 Message = (
     HandshakeRequest | HandshakeResponse | Notification | PushRequest | PushCancel | PushState
     | ReadIntent | ReadGrant | ReadDone | ReadVerdict | ErrorReply | Ack | Challenge | Signed
+    | Hello | Welcome | Batch | Sealed | Replies
 )
 
 
