@@ -1,0 +1,757 @@
+"""A request end to end through the public API (KVWorker.hold -> read -> poll), with baselines
+measured in the same run on the same bytes.
+
+    .venv/bin/python bench/e2e_request.py                          # CPU, tcp
+    .venv/bin/python bench/e2e_request.py --transport nixl         # CPU, nixl (if importable)
+    python bench/e2e_request.py --device cuda                      # GPU, cuda_ipc (docs/e2e.md)
+
+Two processes (spawn). The producer (prefill) owns a vLLM FlashAttention-shaped bf16 cache,
+``(2, num_blocks, 16, heads, 128)`` per layer, fills a request's blocks with a pattern unique to
+(request, layer, K|V, block, element) *before* anything is timed, holds them
+(``KVWorker.hold``) and sends the block ids and the hold's generation back through a Queue, as a
+serving router passes ``kv_transfer_params``. The consumer (decode, this process) fills its
+destination blocks with a sentinel, then times ``read(..., generation=gen)`` -> the ``poll()``
+that reports the request finished, then (outside the timed window) checks every element of
+every request against the recomputed pattern.
+
+Block ids: prefill side contiguous (request slot ``k`` holds blocks ``[k*n, (k+1)*n)``); decode
+side shuffled runs of 1-8 consecutive blocks (seeded), disjoint between requests in flight.
+
+Modes: ``sleep`` (0.2 ms sleep between polls, a serving loop), ``spin`` (tight poll loop, a busy
+worker), one request at a time and interleaved request by request; ``inflight8`` (``--inflight``
+requests posted at once, timed to the last finished).
+
+Baselines, same run, same extents/bytes: the transport alone (the worker's own connected
+transport and peer agent, ``plan_transfer`` once outside the timed window, post -> poll DONE,
+same poll mode, run right after each kvlink request); CPU: a plain-socket transfer of the same
+bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy of the same bytes
+(CUDA events) and torch's in-process gather of the same block ids (index_select + index_copy_
+per layer, CUDA events). Writes bench/results/e2e_request_<device>_<transport>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import queue
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from _common import write_result
+
+BS, DIM = 16, 128  # tokens per block, head dim
+POLL_SLEEP = 0.0002
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layers: int
+    heads: int  # KV heads this rank holds
+    blocks: int  # blocks per request
+    cpu_requests: int  # default request count on CPU (GPU: 50)
+
+    @property
+    def page_elems(self) -> int:
+        return BS * self.heads * DIM
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * 2 * self.blocks * self.page_elems * 2
+
+
+CASES = {
+    "16-blocks": Case(layers=80, heads=1, blocks=16, cpu_requests=50),  # 70b-tp8 geometry
+    "70b-tp8": Case(layers=80, heads=1, blocks=256, cpu_requests=12),  # 160 MiB / 4096 tokens
+    "8b-tp1": Case(layers=32, heads=8, blocks=256, cpu_requests=4),  # 512 MiB / 4096 tokens
+}
+CPU_CASES = ["16-blocks", "70b-tp8"]
+GPU_CASES = ["70b-tp8", "8b-tp1", "16-blocks"]
+
+GOALS_TEXT = {
+    "cuda": ["70b-tp8 one at a time: median post->done <= 0.2 ms and >= 0.45x device copy",
+             "70b-tp8 inflight8: >= 0.7x device copy", "8b-tp1 one at a time: >= 0.8x device copy",
+             "spin median within 1.2x of sleep median"],
+    "cpu": ["70b-tp8 over tcp: kvlink adds <= 10% to the transport alone",
+            "16-blocks over tcp: post->done <= 2x a plain-socket round trip of the same bytes"],
+}
+
+
+# --------------------------------------------------------------------------- shared
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class Cache:
+    """One bf16 tensor (layers, K|V, blocks, tokens, heads, dim); per-layer views are vLLM's
+    FlashAttention shape ``(2, blocks, 16, heads, 128)``."""
+
+    def __init__(self, case: Case, nblocks: int, device: str) -> None:
+        torch = _torch()
+        self.case, self.nblocks, self.device = case, nblocks, device
+        # zeros: every page is touched now, no first-touch page faults inside a timed window
+        self.t = torch.zeros((case.layers, 2, nblocks, BS, case.heads, DIM),
+                             dtype=torch.bfloat16, device=device)
+        self.i16 = self.t.view(torch.int16)
+        self.layers = [self.t[i] for i in range(case.layers)]
+
+    def spec(self) -> Any:
+        from kvlink.layout import KVCacheSpec
+
+        return KVCacheSpec.from_tensors(self.layers, total_kv_heads=self.case.heads,
+                                        dtype="bfloat16")
+
+
+def pattern(case: Case, req_no: int, layer: int, blocks: Any, device: str) -> Any:
+    """int16 (2, n, page) contents of prefill ``blocks`` of ``layer`` for request ``req_no``:
+    unique per (request, layer, K|V, block), varying along the page, never negative (the
+    sentinel is -1). Pure int64 arithmetic without overflow: the same on CPU and GPU."""
+    torch = _torch()
+    kv = torch.arange(2, dtype=torch.int64, device=device)[:, None, None]
+    b = blocks.to(device=device, dtype=torch.int64)[None, :, None]
+    key = (((req_no * 1009 + layer) * 2 + kv) * 1000003 + b * 7919) & 0x7FFFFFFF
+    e = torch.arange(case.page_elems, dtype=torch.int64, device=device)[None, None, :]
+    return (((key * 2654435761 + e * 40503) >> 7) & 0x7FFF).to(torch.int16)
+
+
+def _jsonable(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {k: _jsonable(x) for k, x in dataclasses.asdict(v).items()}
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    return repr(v)
+
+
+def worker_stats(w: Any) -> dict[str, Any]:
+    """What the worker says about itself: transport counters, descriptor counts, and per-phase
+    timings if this KVWorker version has them (looked up by name, never required)."""
+    out: dict[str, Any] = {"transport_stats": _jsonable(w.stats()),
+                           "descriptor_counts_raw_coalesced": list(w.descriptor_counts())}
+    for name in ("phase_stats", "phases", "phase_seconds", "phase", "timings", "stats_phases"):
+        v = getattr(w, name, None)
+        if v is None:
+            continue
+        try:
+            out[name] = _jsonable(v() if callable(v) else v)
+        except Exception as exc:  # an attribute mid-change by its author: record why
+            out[name] = f"unreadable: {type(exc).__name__}: {exc}"
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        _torch().cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- producer
+def producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
+             options: dict[str, Any], idle_timeout: float) -> None:
+    """The prefill process: a cache per case, fills and holds what the consumer asks for."""
+    try:
+        _producer(cmd_q, rep_q, device, transport, options, idle_timeout)
+    except BaseException as exc:
+        rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
+              options: dict[str, Any], idle_timeout: float) -> None:
+    from kvlink.worker import KVWorker, WorkerConfig
+
+    torch = _torch()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(device.split(":")[1]))
+    parent = mp.parent_process()
+    w: Any = None
+    cache: Cache | None = None
+    last = time.monotonic()
+    try:
+        while True:
+            if parent is not None and not parent.is_alive():
+                return  # the consumer died: do not linger
+            if time.monotonic() - last > idle_timeout:
+                return
+            try:
+                cmd = cmd_q.get(timeout=0.005)
+            except queue.Empty:
+                if w is not None:
+                    w.released()  # serves lease ends and expiries
+                continue
+            last = time.monotonic()
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "case":
+                _, name, nblocks = cmd
+                if w is not None:
+                    w.close()
+                case = CASES[name]
+                cache = None
+                cache = Cache(case, nblocks, device)
+                _sync(device)
+                w = KVWorker(WorkerConfig(engine_id=f"e2e-p-{name}", transports=[transport],
+                                          transport_options={transport: dict(options)}))
+                w.register(cache.spec())
+                rep_q.put(("ready", w.side_port))
+            elif cmd[0] == "hold":
+                assert cache is not None and w is not None
+                held = []
+                n = cache.case.blocks
+                for req_id, req_no, slot in cmd[1]:
+                    s0 = slot * n
+                    ids = torch.arange(s0, s0 + n, dtype=torch.int64)
+                    for li in range(cache.case.layers):
+                        cache.i16[li, :, s0:s0 + n] = pattern(
+                            cache.case, req_no, li, ids, device).view(2, n, BS, cache.case.heads,
+                                                                       DIM)
+                    _sync(device)  # blocks are offered only once their contents are final
+                    gen = w.hold(req_id, np.arange(s0, s0 + n, dtype=np.int64))
+                    held.append((req_id, list(range(s0, s0 + n)), int(gen)))
+                rep_q.put(("held", held))
+            elif cmd[0] == "stats":
+                rep_q.put(("stats", worker_stats(w) if w is not None else {}))
+    finally:
+        if w is not None:
+            w.close()
+
+
+class Producer:
+    """The consumer's handle on the producer process: every wait bounded, death noticed."""
+
+    def __init__(self, device: str, transport: str, options: dict[str, Any],
+                 timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.cmd_q, self.rep_q = ctx.Queue(), ctx.Queue()
+        self.timeout = timeout
+        self.proc = ctx.Process(target=producer, daemon=True,
+                                args=(self.cmd_q, self.rep_q, device, transport, options,
+                                      max(600.0, 4 * timeout)))
+        self.proc.start()
+
+    def ask(self, cmd: tuple[Any, ...], want: str, timeout: float | None = None) -> Any:
+        self.cmd_q.put(cmd)
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while time.monotonic() < deadline:
+            try:
+                kind, *rest = self.rep_q.get(timeout=0.5)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"producer died (exit code {self.proc.exitcode})"
+                                       ) from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"producer failed: {rest[0]}")
+            if kind == want:
+                return rest[0] if len(rest) == 1 else rest
+        raise TimeoutError(f"producer did not answer {cmd[0]!r} within "
+                           f"{timeout or self.timeout:.0f} s")
+
+    def stop(self) -> None:
+        try:
+            self.cmd_q.put(("stop",))
+        except (OSError, ValueError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+# --------------------------------------------------------------------------- consumer
+def run_shuffled(rng: np.random.Generator, nblocks: int) -> np.ndarray:
+    """All of [0, nblocks) as runs of 1-8 consecutive ids, the runs in random order."""
+    runs, pos = [], 0
+    while pos < nblocks:
+        n = int(rng.integers(1, 9))
+        runs.append(np.arange(pos, min(pos + n, nblocks), dtype=np.int64))
+        pos += n
+    order = rng.permutation(len(runs))
+    return np.concatenate([runs[i] for i in order])
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    a = np.asarray(xs)
+    return {"median_s": float(np.median(a)), "p10_s": float(np.percentile(a, 10)),
+            "p90_s": float(np.percentile(a, 90)), "n": len(xs)}
+
+
+class Consumer:
+    """The decode side of one case: its worker, cache, and the timed loops."""
+
+    def __init__(self, args: argparse.Namespace, name: str, prod: Producer) -> None:
+        from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+
+        torch = _torch()
+        self.torch, self.args, self.name, self.prod = torch, args, name, prod
+        self.case = c = CASES[name]
+        self.device = args.device_name
+        self.inflight = args.inflight
+        self.prefill_blocks = self.inflight * c.blocks
+        self.nblocks = self.inflight * c.blocks + max(64, c.blocks // 2)
+        port = prod.ask(("case", name, self.prefill_blocks), "ready", timeout=300)
+        self.cache = Cache(c, self.nblocks, self.device)
+        self.w = KVWorker(WorkerConfig(engine_id=f"e2e-d-{name}", transports=[args.transport],
+                                       transport_options={args.transport: dict(args.options)},
+                                       serve=False))
+        self.w.register(self.cache.spec())
+        self.remote = RemoteEngine(f"e2e-p-{name}", "127.0.0.1", port)
+        self.rng = np.random.default_rng(args.seed)
+        self.req_no = 0
+        self.mismatches: dict[str, int] = {}
+        self.verified: dict[str, int] = {}
+        self.xfer: dict[str, list[float]] = {}
+        self.peer: Any = None  # the handshake's Peer, after the first request
+
+    # ---------------------------------------------------------------- helpers
+    def _hold(self, tag: str, count: int) -> list[tuple[str, int, list[int], int]]:
+        """Ask the producer to fill and hold ``count`` requests (slots 0..count-1)."""
+        reqs = []
+        for slot in range(count):
+            self.req_no += 1
+            reqs.append((f"{self.name}-{tag}-{self.req_no}", self.req_no, slot))
+        held = self.prod.ask(("hold", reqs), "held")
+        return [(rid, no, ids, gen) for (rid, no, _), (_, ids, gen) in zip(reqs, held)]
+
+    def _local_ids(self, count: int) -> list[np.ndarray]:
+        order = run_shuffled(self.rng, self.nblocks)
+        n = self.case.blocks
+        return [order[i * n:(i + 1) * n] for i in range(count)]
+
+    def _expected(self, req_no: int, rids: list[int]) -> Any:
+        torch, c = self.torch, self.case
+        ids = torch.tensor(rids, dtype=torch.int64)
+        exp = torch.empty((c.layers, 2, len(rids), c.page_elems), dtype=torch.int16,
+                          device=self.device)
+        for li in range(c.layers):
+            exp[li] = pattern(c, req_no, li, ids, self.device)
+        return exp
+
+    def _sentinel(self, lids: list[np.ndarray]) -> None:
+        idx = self.torch.from_numpy(np.concatenate(lids)).to(self.device)
+        self.cache.i16.index_fill_(2, idx, -1)
+        _sync(self.device)
+
+    def _check(self, key: str, lids: np.ndarray, exp: Any) -> int:
+        idx = self.torch.from_numpy(lids).to(self.device)
+        got = self.cache.i16.index_select(2, idx).reshape(exp.shape)
+        bad = int((got != exp).sum().item())
+        self.verified[key] = self.verified.get(key, 0) + 1
+        self.mismatches[key] = self.mismatches.get(key, 0) + bad
+        if bad:
+            print(f"  MISMATCH {key}: {bad} of {exp.numel()} elements wrong", flush=True)
+        return bad
+
+    def _wait_all(self, pending: set[str], spin: bool, t0: float) -> float:
+        timeout = self.args.timeout
+        while pending:
+            done, failed = self.w.poll()
+            bad = pending & set(failed)
+            if bad:
+                raise RuntimeError(f"requests failed: { {r: failed[r] for r in bad} }")
+            pending -= done
+            if not pending:
+                break
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"{sorted(pending)} not finished within {timeout} s")
+            if not spin:
+                time.sleep(POLL_SLEEP)
+        return time.perf_counter() - t0
+
+    def kvlink(self, held: list[tuple[str, int, list[int], int]], lids: list[np.ndarray],
+               spin: bool) -> float:
+        """read(..., generation=gen) of every request at once -> the poll that reports the
+        last one finished."""
+        w, remote = self.w, self.remote
+        pending = {rid for rid, *_ in held}
+        t0 = time.perf_counter()
+        for (rid, _, rids, gen), li in zip(held, lids):
+            w.read(rid, remote, li, rids, generation=gen)
+        dt = self._wait_all(pending, spin, t0)
+        for rid, *_ in held:
+            x = w.xfer_seconds.pop(rid, None)
+            if x is not None:
+                self.xfer.setdefault("spin" if spin else "sleep", []).append(x)
+        return dt
+
+    def alone(self, plans: list[Any], spin: bool) -> float:
+        """The worker's connected transport alone: post every plan, poll until all DONE."""
+        from kvlink.transport import Op, XferStatus
+
+        t, agent = self.peer.transport, self.peer.agent
+        t0 = time.perf_counter()
+        hs = [t.post(Op.READ, agent, p.local, p.remote) for p in plans]
+        left = set(hs)
+        while left:
+            for h in list(left):
+                st = t.poll(h)
+                if st.status is XferStatus.PENDING:
+                    continue
+                if st.status is not XferStatus.DONE:
+                    raise RuntimeError(f"transport-alone READ failed: {st.reason}")
+                left.discard(h)
+            if not left:
+                break
+            if time.perf_counter() - t0 > self.args.timeout:
+                raise TimeoutError("transport-alone READ not done in time")
+            if not spin:
+                time.sleep(POLL_SLEEP)
+        dt = time.perf_counter() - t0
+        for h in hs:
+            t.release(h)
+        return dt
+
+    def plan(self, lids: np.ndarray, rids: list[int]) -> Any:
+        from kvlink.plan import plan_transfer
+
+        assert self.w.spec is not None
+        return plan_transfer(self.w.spec, self.peer.spec, lids, rids, None,
+                             self.peer.transport.extents)
+
+    # ---------------------------------------------------------------- the run
+    def one_round(self, tag: str, count: int, spin: bool, out: dict[str, list[float]],
+                  count_it: bool = True) -> None:
+        """``count`` requests at once through kvlink, verified; then the transport alone on
+        the same extents, verified."""
+        held = self._hold(tag, count)
+        lids = self._local_ids(count)
+        exps = [self._expected(no, rids) for _, no, rids, _ in held]
+        self._sentinel(lids)
+        dt = self.kvlink(held, lids, spin)
+        for li, exp in zip(lids, exps):
+            self._check(tag if count_it else "warmup", li, exp)
+        if self.peer is None:  # after the first request: the handshake's peer
+            self.peer = self.w.peers.get(self.remote, 0).result(timeout=self.args.timeout)
+        a = time.perf_counter()
+        plans = [self.plan(li, rids) for li, (_, _, rids, _) in zip(lids, held)]
+        plan_s = time.perf_counter() - a
+        self._sentinel(lids)
+        da = self.alone(plans, spin)
+        for li, exp in zip(lids, exps):
+            self._check(f"{tag}/transport_alone" if count_it else "warmup", li, exp)
+        if count_it:
+            out.setdefault("kvlink", []).append(dt)
+            out.setdefault("transport_alone", []).append(da)
+            out.setdefault("plan", []).append(plan_s)
+            out.setdefault("descriptors", []).append(sum(p.descriptors for p in plans))
+
+    def run(self) -> dict[str, Any]:
+        c, n_req = self.case, self.args.requests_for(self.name)
+        print(f"[{self.name}] {c.layers} layers x {c.heads} KV heads x {c.blocks} blocks = "
+              f"{c.nbytes / MiB:.1f} MiB/request, {n_req} requests per mode", flush=True)
+        self.one_round("warmup", 1, False, {}, count_it=False)  # handshake: not counted
+        self.one_round("warmup", self.inflight, False, {}, count_it=False)
+        raw: dict[str, dict[str, list[float]]] = {"sleep": {}, "spin": {}, "inflight8": {}}
+        for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise
+            self.one_round("sleep", 1, False, raw["sleep"])
+            self.one_round("spin", 1, True, raw["spin"])
+            if (i + 1) % 10 == 0:
+                print(f"  {i + 1}/{n_req}", flush=True)
+        for _ in range(self.args.inflight_rounds_for(n_req)):
+            self.one_round("inflight8", self.inflight, False, raw["inflight8"])
+        stats = worker_stats(self.w)
+        stats_prefill = self.prod.ask(("stats",), "stats")
+        bases = self.baselines(n_req)
+        modes = {}
+        for mode, r in raw.items():
+            count = 1 if mode != "inflight8" else self.inflight
+            nbytes = c.nbytes * count
+            row: dict[str, Any] = {
+                "requests_at_once": count, "bytes": nbytes,
+                "kvlink": _stats(r["kvlink"]), "transport_alone": _stats(r["transport_alone"]),
+                "plan_once_median_s": statistics.median(r["plan"]),
+                "descriptors": int(statistics.median(r["descriptors"])),
+                "verified": self.verified.get(mode, 0),
+                "mismatches": self.mismatches.get(mode, 0),
+                "transport_alone_verified": self.verified.get(f"{mode}/transport_alone", 0),
+                "transport_alone_mismatches": self.mismatches.get(f"{mode}/transport_alone", 0),
+                "raw_s": {k: r[k] for k in ("kvlink", "transport_alone")},
+            }
+            k = row["kvlink"]["median_s"]
+            row["kvlink_gbps"] = nbytes / k / 1e9
+            row["ratio_kvlink_over_transport_alone"] = k / row["transport_alone"]["median_s"]
+            xf = self.xfer.get("spin" if mode == "spin" else "sleep") if mode != "inflight8" \
+                else None
+            if xf:
+                row["worker_xfer_seconds_median_s"] = statistics.median(xf)
+            b = bases.get(mode, {})
+            row["baselines"] = b
+            for base, key in (("device_copy", "ratio_device_copy_over_kvlink"),
+                              ("gather", "ratio_gather_over_kvlink")):
+                if base in b:
+                    row[key] = b[base]["median_s"] / k
+            if "plain_socket" in b:
+                row["ratio_kvlink_over_plain_socket"] = k / b["plain_socket"]["median_s"]
+            modes[mode] = row
+        return {"layers": c.layers, "kv_heads": c.heads, "blocks": c.blocks,
+                "bytes_per_request": c.nbytes, "requests_per_mode": n_req,
+                "prefill_cache_blocks": self.prefill_blocks, "decode_cache_blocks": self.nblocks,
+                "modes": modes, "worker_stats_decode": stats,
+                "worker_stats_prefill": stats_prefill}
+
+    def baselines(self, n_req: int) -> dict[str, dict[str, Any]]:
+        """Per mode: what the same bytes cost without kvlink (see the module docstring)."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.device.startswith("cuda"):
+            one = {"device_copy": self._device_copy(self.case.nbytes),
+                   "gather": self._gather(1)}
+            many = {"device_copy": self._device_copy(self.case.nbytes * self.inflight),
+                    "gather": self._gather(self.inflight)}
+        else:
+            from tcp_vs_socket import socket_rounds
+
+            reps = max(5, min(n_req, 50))
+            one = {"plain_socket": _stats(socket_rounds(self.case.nbytes, MiB, reps))}
+            many = {"plain_socket": _stats(socket_rounds(self.case.nbytes * self.inflight, MiB,
+                                                         max(3, reps // 4)))}
+        out["sleep"] = out["spin"] = one
+        out["inflight8"] = many
+        return out
+
+    def _events(self, fn: Callable[[], None], reps: int) -> dict[str, Any]:
+        """CUDA-event time of ``fn`` (one call per pair of events, after one untimed call),
+        and its host time between two synchronizes."""
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize()
+        dev, host = [], []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            h0 = time.perf_counter()
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            host.append(time.perf_counter() - h0)
+            dev.append(e0.elapsed_time(e1) / 1e3)
+        return {**_stats(dev), "host_sync_median_s": statistics.median(host),
+                "timing": "cuda events"}
+
+    def _device_copy(self, nbytes: int) -> dict[str, Any]:
+        torch = self.torch
+        src = torch.ones(nbytes // 2, dtype=torch.int16, device=self.device)
+        dst = torch.zeros_like(src)
+        r = self._events(lambda: dst.copy_(src), 30)
+        return {**r, "bytes": nbytes}
+
+    def _gather(self, count: int) -> dict[str, Any]:
+        """torch in one process: a prefill-shaped source cache, the same block ids (prefill
+        slots contiguous, decode ids run-shuffled), index_select + index_copy_ per layer."""
+        torch = self.torch
+        src = Cache(self.case, self.prefill_blocks, self.device)
+        rid = torch.arange(count * self.case.blocks, dtype=torch.int64, device=self.device)
+        lid = torch.from_numpy(np.concatenate(self._local_ids(count))).to(self.device)
+        dl, sl = self.cache.layers, src.layers
+
+        def gather() -> None:
+            for d, s in zip(dl, sl):
+                d.index_copy_(1, lid, s.index_select(1, rid))
+
+        r = self._events(gather, 30)
+        return {**r, "bytes": self.case.nbytes * count}
+
+    def close(self) -> None:
+        self.w.close()
+
+
+# --------------------------------------------------------------------------- report
+def goals(device: str, transport: str, cases: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(text: str, value: float | None, ok: bool | None) -> None:
+        out.append({"goal": text, "value": value, "met": ok})
+
+    def mode(case: str, m: str) -> dict[str, Any] | None:
+        r: dict[str, Any] | None = cases.get(case, {}).get("modes", {}).get(m)
+        return r
+
+    for m in ("sleep", "spin"):
+        if device == "cuda":
+            r = mode("70b-tp8", m)
+            if r:
+                med = r["kvlink"]["median_s"]
+                add(f"70b-tp8 {m}: median post->done <= 0.2 ms", med * 1e3, med <= 0.2e-3)
+                x = r.get("ratio_device_copy_over_kvlink")
+                add(f"70b-tp8 {m}: >= 0.45x device copy", x, None if x is None else x >= 0.45)
+            r = mode("8b-tp1", m)
+            if r and "ratio_device_copy_over_kvlink" in r:
+                x = r["ratio_device_copy_over_kvlink"]
+                add(f"8b-tp1 {m}: >= 0.8x device copy", x, x >= 0.8)
+        elif transport == "tcp":
+            r = mode("70b-tp8", m)
+            if r:
+                x = r["ratio_kvlink_over_transport_alone"]
+                add(f"70b-tp8 {m}: kvlink / transport alone <= 1.10", x, x <= 1.10)
+            r = mode("16-blocks", m)
+            if r and "ratio_kvlink_over_plain_socket" in r:
+                x = r["ratio_kvlink_over_plain_socket"]
+                add(f"16-blocks {m}: kvlink / plain socket <= 2.0", x, x <= 2.0)
+    if device == "cuda":
+        r = mode("70b-tp8", "inflight8")
+        if r and "ratio_device_copy_over_kvlink" in r:
+            x = r["ratio_device_copy_over_kvlink"]
+            add("70b-tp8 inflight8: >= 0.7x device copy", x, x >= 0.7)
+        for name, cr in cases.items():
+            s, p = cr["modes"].get("sleep"), cr["modes"].get("spin")
+            if s and p:
+                x = p["kvlink"]["median_s"] / s["kvlink"]["median_s"]
+                add(f"{name}: spin median / sleep median <= 1.2", x, x <= 1.2)
+    return out
+
+
+def print_table(device: str, cases: dict[str, Any]) -> None:
+    cols = ["case", "mode", "MiB", "median ms", "p10 ms", "p90 ms", "GB/s", "alone ms",
+            "k/alone"]
+    cols += ["copy ms", "copy/k", "gather/k"] if device == "cuda" else ["socket ms", "k/socket"]
+    cols += ["verified", "mismatch"]
+    rows = []
+    for name, cr in cases.items():
+        for mode, r in cr["modes"].items():
+            k, b = r["kvlink"], r["baselines"]
+            row = [name, mode, f"{r['bytes'] / MiB:.0f}", f"{k['median_s'] * 1e3:.3f}",
+                   f"{k['p10_s'] * 1e3:.3f}", f"{k['p90_s'] * 1e3:.3f}",
+                   f"{r['kvlink_gbps']:.2f}", f"{r['transport_alone']['median_s'] * 1e3:.3f}",
+                   f"{r['ratio_kvlink_over_transport_alone']:.2f}"]
+            if device == "cuda":
+                row += [f"{b['device_copy']['median_s'] * 1e3:.3f}",
+                        f"{r['ratio_device_copy_over_kvlink']:.2f}",
+                        f"{r['ratio_gather_over_kvlink']:.2f}"]
+            else:
+                row += [f"{b['plain_socket']['median_s'] * 1e3:.3f}",
+                        f"{r['ratio_kvlink_over_plain_socket']:.2f}"]
+            row += [f"{r['verified']}+{r['transport_alone_verified']}",
+                    str(r["mismatches"] + r["transport_alone_mismatches"])]
+            rows.append(row)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(wd) for c, wd in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(x.rjust(wd) for x, wd in zip(r, widths)))
+    print("k = kvlink post->done (read() to the poll that reports it finished); alone = the "
+          "same extents through the worker's transport directly;")
+    if device == "cuda":
+        print("copy/k = device copy time / kvlink time (fraction of the copy's speed); "
+              "copy and gather timed by CUDA events")
+    else:
+        print("k/socket = kvlink time / plain-socket time of the same bytes")
+
+
+# --------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--gpu", type=int, default=0, help="CUDA device of both processes")
+    ap.add_argument("--transport", choices=("tcp", "nixl", "cuda_ipc"), default=None,
+                    help="default: tcp on cpu, cuda_ipc on cuda")
+    ap.add_argument("--cases", default=None,
+                    help=f"comma list of {', '.join(CASES)} (default cpu: {','.join(CPU_CASES)}; "
+                         f"cuda: {','.join(GPU_CASES)})")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per one-at-a-time mode (default 50; on cpu per case: "
+                         + ", ".join(f"{k} {v.cpu_requests}" for k, v in CASES.items()) + ")")
+    ap.add_argument("--inflight", type=int, default=8, help="requests posted at once")
+    ap.add_argument("--inflight-rounds", type=int, default=None,
+                    help="rounds of --inflight requests (default max(3, requests // 4))")
+    ap.add_argument("--timeout", type=float, default=60.0, help="per wait, seconds")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "tcp")
+    args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
+    args.options = {"ucx_probe": False} if args.transport == "nixl" else {}
+    names = (args.cases.split(",") if args.cases else
+             GPU_CASES if args.device == "cuda" else CPU_CASES)
+    for n in names:
+        if n not in CASES:
+            ap.error(f"unknown case {n!r}; known: {', '.join(CASES)}")
+    args.requests_for = lambda n: (args.requests if args.requests is not None else
+                                   50 if args.device == "cuda" else CASES[n].cpu_requests)
+    args.inflight_rounds_for = lambda n_req: (args.inflight_rounds if args.inflight_rounds
+                                              is not None else max(3, n_req // 4))
+    out = args.out or f"bench/results/e2e_request_{args.device}_{args.transport}.json"
+    name = f"e2e_request_{args.device}_{args.transport}"
+
+    if args.transport == "nixl":
+        try:
+            import nixl  # noqa: F401
+        except ImportError as exc:
+            print(f"skipping: transport nixl needs `import nixl` ({exc}); pip install "
+                  "'kvlink[nixl]'")
+            return
+    if args.device == "cuda":
+        torch = _torch()
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device visible (torch.cuda.is_available() is False)")
+            sys.exit(2)
+        torch.cuda.set_device(args.gpu)
+    elif args.transport == "cuda_ipc":
+        ap.error("cuda_ipc moves GPU memory: use --device cuda")
+
+    prod = Producer(args.device_name, args.transport, args.options, args.timeout)
+    cases: dict[str, Any] = {}
+    try:
+        for n in names:
+            cons = Consumer(args, n, prod)
+            try:
+                cases[n] = cons.run()
+            finally:
+                cons.close()
+            del cons
+    finally:
+        prod.stop()
+    print_table(args.device, cases)
+    gl = goals(args.device, args.transport, cases)
+    print("goals (from the issue):")
+    for g in gl:
+        mark = "n/a" if g["met"] is None else "MET" if g["met"] else "NOT MET"
+        v = "-" if g["value"] is None else f"{g['value']:.3f}"
+        print(f"  [{mark:7s}] {g['goal']}: {v}")
+    bad = sum(m["mismatches"] + m["transport_alone_mismatches"]
+              for cr in cases.values() for m in cr["modes"].values())
+    payload = {
+        "device": args.device, "transport": args.transport,
+        "device_name": _gpu_name(args) if args.device == "cuda" else "cpu",
+        "geometry": {"block_size": BS, "head_dim": DIM, "dtype": "bfloat16",
+                     "per_layer_shape": "(2, num_blocks, 16, kv_heads, 128)"},
+        "block_ids": {"prefill": "contiguous per request slot",
+                      "decode": "shuffled runs of 1-8 consecutive blocks (seeded), disjoint "
+                                "between requests in flight"},
+        "poll_sleep_s": POLL_SLEEP, "inflight": args.inflight,
+        "timed_window": "KVWorker.read() call to the poll() that reports the request finished "
+                        "(fill before, verification after, both untimed)",
+        "ratios": "ratio_device_copy_over_kvlink / ratio_gather_over_kvlink: baseline time / "
+                  "kvlink time (fraction of the baseline's speed); ratio_kvlink_over_*: kvlink "
+                  "time / baseline time",
+        "goals_text": GOALS_TEXT["cuda" if args.device == "cuda" else "cpu"],
+        "goals": gl, "total_mismatches": bad, "cases": cases,
+    }
+    write_result(name, payload, out)
+    if bad:
+        print(f"FAILED: {bad} elements did not match what the producer wrote")
+        sys.exit(1)
+
+
+def _gpu_name(args: argparse.Namespace) -> str:
+    torch = _torch()
+    return f"{torch.cuda.get_device_name(args.gpu)} (torch {torch.__version__}, " \
+           f"cuda {torch.version.cuda})"
+
+
+if __name__ == "__main__":
+    main()
