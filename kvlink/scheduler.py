@@ -212,6 +212,41 @@ class BlockLeases:
                 self._release(req_id, "read")
             return bool(ok and generation)
 
+    def validate_read(self, req_id: str, reader: str, generation: int,
+                      block_ids: Sequence[int] | npt.ArrayLike,
+                      expected: int | None = None) -> Grant | Refused:
+        """A READ that ran without asking first is over (its reader got ``generation`` with the
+        block ids): was the hold of that generation live the whole time, over these blocks?
+
+        A generation is minted where the blocks are reserved, before any reader can know it,
+        so "held under that generation now" means "held for the whole READ". Intact answers a
+        :class:`Grant` and counts the reader done. ``NOT_YET``: never held here (yet) — the
+        caller minted the generation and holds on its next step; ask again. Any other refusal
+        means the READ's bytes are not trusted."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                why = self._gone.get(req_id)
+                if why is None:
+                    return Refused(Refusal.NOT_YET, f"request {req_id} is not held (yet)")
+                self.stats.reads_not_intact += 1
+                return Refused(Refusal.RELEASED, f"request {req_id} was released under the "
+                               f"READ ({why})")
+            if lease.generation != generation:
+                self.stats.reads_not_intact += 1
+                return Refused(Refusal.RELEASED, f"request {req_id} was released and held "
+                               "again under the READ (another generation)")
+            want = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+            bad = want[~np.isin(want, lease.held)]
+            if bad.size:
+                self.stats.reads_refused += 1
+                self.finish_read(req_id, reader, generation, False, expected)
+                return Refused(Refusal.BLOCKS, f"blocks {np.unique(bad)[:8].tolist()} are not "
+                               f"among the {lease.held.size} held for {req_id}")
+            self.stats.reads_granted += 1
+            self.finish_read(req_id, reader, generation, True, expected)
+            return Grant(generation, 0.0)
+
     def reader_done(self, req_id: str, reader: str,
                     expected: int | None = None) -> list[int] | None:
         """A release without validation (a reader that did not READ this rank); returns the

@@ -39,7 +39,8 @@ from kvlink.errors import (
 
 log = logging.getLogger("kvlink.sidechannel")
 
-Handler = Callable[[object], "wire._Msg"]
+SESSION_LABEL = b"kvlink-session-v1"
+Handler = Callable[[object], "wire.Reply"]
 
 
 def is_loopback(host: str) -> bool:
@@ -63,6 +64,15 @@ def _mac(secret: bytes, nonce: bytes, body: bytes) -> bytes:
     return hmac.new(secret, nonce + body, hashlib.sha256).digest()
 
 
+def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """The key of one kept-open connection: both sides' nonces in it, so neither picks it."""
+    return hmac.new(secret, SESSION_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def seal_mac(key: bytes, counter: int, body: bytes) -> bytes:
+    return hmac.new(key, counter.to_bytes(8, "little") + body, hashlib.sha256).digest()
+
+
 class _Nonces:
     """Outstanding single-use nonces with an expiry (bounded, so a flood cannot grow memory)."""
 
@@ -81,6 +91,36 @@ class _Nonces:
     def redeem(self, nonce: bytes) -> bool:
         deadline = self._issued.pop(nonce, None)
         return deadline is not None and time.monotonic() <= deadline
+
+
+class _Sessions:
+    """Keys of kept-open connections by ZMQ routing id (one per connection, picked by ZMQ, so
+    a peer cannot take over another's), with the last counter seen. Bounded: the oldest
+    session goes first, and its client simply opens a new one."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._keys: collections.OrderedDict[bytes, tuple[bytes, int]] = (
+            collections.OrderedDict())
+        self._limit = limit
+
+    def open(self, ident: bytes, key: bytes) -> None:
+        self._keys[ident] = (key, 0)
+        self._keys.move_to_end(ident)
+        while len(self._keys) > self._limit:
+            self._keys.popitem(last=False)
+
+    def unseal(self, ident: bytes, msg: wire.Sealed) -> bytes:
+        got = self._keys.get(ident)
+        if got is None:
+            raise AuthError("no session on this connection (the server restarted, or it was "
+                            "evicted): say Hello again")
+        key, last = got
+        if msg.counter <= last:
+            raise AuthError(f"frame counter {msg.counter} after {last}: replayed or reordered")
+        if not hmac.compare_digest(msg.mac, seal_mac(key, msg.counter, msg.body)):
+            raise AuthError("bad session MAC: the peers' secrets differ")
+        self._keys[ident] = (key, msg.counter)
+        return msg.body
 
 
 def endpoint(host: str, port: int) -> str:
@@ -103,6 +143,7 @@ class SideChannelServer:
         self._handler = handler
         self._secret = secret
         self._nonces = _Nonces()
+        self._sessions = _Sessions()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -137,16 +178,18 @@ class SideChannelServer:
             if len(frames) < 2:
                 continue
             ident, body = frames[0], frames[-1]
-            reply = self._answer(body)
+            reply = self._answer(ident, body)
             try:
                 self._sock.send_multipart([ident, b"", wire.encode(reply)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.info("side channel reply dropped: %s", exc)
         self._sock.close(linger=0)
 
-    def _answer(self, body: bytes) -> wire._Msg:
+    def _answer(self, ident: bytes, body: bytes) -> wire._Msg:
         try:
             msg = wire.decode(body)
+            if isinstance(msg, (wire.Hello, wire.Sealed, wire.Batch)):
+                return self._session_frame(ident, msg)
             if self._secret is not None:
                 if isinstance(msg, wire.Challenge):
                     return wire.Challenge(v=wire.WIRE_VERSION, nonce=self._nonces.issue())
@@ -159,6 +202,33 @@ class SideChannelServer:
         except AuthError as exc:
             log.warning("side channel refused a peer: %s", exc)
             return wire.ErrorReply(v=wire.WIRE_VERSION, code="auth", message=str(exc))
+        return self._handle(msg)
+
+    def _session_frame(self, ident: bytes, msg: wire.Hello | wire.Sealed | wire.Batch
+                       ) -> wire._Msg:
+        """A kept-open connection's frame (:mod:`kvlink.channel`): open its session, or
+        answer every call of its batch in one :class:`wire.Replies`."""
+        if isinstance(msg, wire.Hello):
+            if self._secret is None:  # nothing to agree on: any batch is taken as it is
+                return wire.Welcome(v=wire.WIRE_VERSION, nonce=b"")
+            if not 8 <= len(msg.nonce) <= 64:
+                raise AuthError(f"a Hello nonce of {len(msg.nonce)} B (8-64 expected)")
+            ours = secrets.token_bytes(16)
+            self._sessions.open(ident, session_key(self._secret, msg.nonce, ours))
+            return wire.Welcome(v=wire.WIRE_VERSION, nonce=ours)
+        if isinstance(msg, wire.Sealed):
+            if self._secret is None:
+                batch = wire.decode(msg.body, wire.Batch)
+            else:
+                batch = wire.decode(self._sessions.unseal(ident, msg), wire.Batch)
+        elif self._secret is not None:
+            raise AuthError("an unsealed batch, and this side channel requires authentication")
+        else:
+            batch = msg
+        return wire.Replies(v=wire.WIRE_VERSION, answers=[
+            wire.Answer(c.id, self._handle(c.msg)) for c in batch.calls])
+
+    def _handle(self, msg: object) -> wire.Reply:
         try:
             return self._handler(msg)
         except IncompatibleSpecError as exc:

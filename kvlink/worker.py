@@ -47,11 +47,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import sidechannel, wire
+from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION, compat_hash
 from kvlink.errors import (
     ConfigError,
     KVLinkError,
-    SideChannelError,
     TransferRefused,
     TransportUnavailable,
 )
@@ -62,7 +62,7 @@ from kvlink.peers import Peer, PeerTable
 from kvlink.peers import RemoteEngine as RemoteEngine  # re-exported: the public API
 from kvlink.plan import Plan, plan_transfer
 from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
-from kvlink.scheduler import BlockLeases, Grant, Released
+from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released
 from kvlink.transport import (
     Op,
     Transport,
@@ -76,6 +76,7 @@ log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 @dataclasses.dataclass
@@ -110,26 +111,45 @@ class WorkerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Go:
-    """A part may be posted: the peer, and for an announced READ its grant and local deadline."""
+    """A part may be posted: the peer, and the generation its READ is validated against (with
+    the local deadline of an intent's grant; a READ told its generation has none)."""
 
     peer: Peer
-    grant: Grant | None = None
+    generation: int = 0
     deadline: float = float("inf")
+
+
+@dataclasses.dataclass
+class Phases:
+    """Where one finished request's time went, in seconds (see :attr:`KVWorker.phases`):
+    ``wait`` handshake or read intent before the first post, ``plan`` block planning, ``post``
+    the transports' post calls, ``transfer`` post to the last part's DONE, ``verdict`` DONE to
+    the producer's answer (pull) — all on the caller's thread, measured by its clock."""
+
+    wait: float = 0.0
+    plan: float = 0.0
+    post: float = 0.0
+    transfer: float = 0.0
+    verdict: float = 0.0
 
 
 @dataclasses.dataclass
 class _Part:
     read: HeadRead
-    future: cf.Future[_Go]
+    peer: cf.Future[Peer]
+    intent: Pending | None = None  # READ without a generation: the grant, asked
     handle: int | None = None
     go: _Go | None = None
     done: bool = False
     error: str | None = None
     plan: Plan | None = None
-    verdict: cf.Future[wire._Msg] | None = None  # READ: the producer's answer to ReadDone
-    asks: int = 0  # intents answered "not held yet" so far
+    verdict: Pending | None = None  # READ: the producer's answer to ReadDone
+    asks: int = 0  # "not held yet" answers so far
     retry_at: float = 0.0  # when to ask again after "not held yet"
+    restarts: int = 0  # "stale" answers: the producer restarted, handshake again
+    reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
     t_post: float = 0.0
+    t_done: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
 
     @property
@@ -148,7 +168,9 @@ class _Request:
     remote_ids: npt.NDArray[np.int64]
     parts: list[_Part]
     t_start: float
+    generation: int | None = None  # READ: the hold's, passed with the block ids (no intent)
     nbytes: int = 0
+    phases: Phases = dataclasses.field(default_factory=Phases)
     push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
     push_key: PushKey | None = None
     lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
@@ -160,12 +182,8 @@ class _Awaiting:
 
     remote: RemoteEngine
     wait: PushWait
-    asked: cf.Future[None] | None = None
-    cancels: dict[int, cf.Future[wire._Msg]] = dataclasses.field(default_factory=dict)
-
-
-class _NotYet(TransferRefused):
-    """The producer does not hold the request yet (it may on its next step): ask again."""
+    asked: list[Pending] = dataclasses.field(default_factory=list)
+    cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
 
 
 class KVWorker:
@@ -195,13 +213,13 @@ class KVWorker:
                                                                      rank))
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
-        self._intents = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvlink-intent")
-        # reports ("done", releases, cancels) on their own threads: a dead peer stalls these for
-        # the side-channel timeout each, and must not hold up intents to live ones
-        self._notifier = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-notify")
         #: producer side: the requests held for readers (see the module docstring)
         self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds)
         self._secret = sidechannel.secret_from_env(config.secret)
+        # every per-request message (intents, reports, notes, cancels) goes through kept-open
+        # connections, driven from the caller's thread (see kvlink.channel)
+        self._chan = Channels(self._secret)
+        self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
@@ -210,6 +228,8 @@ class KVWorker:
         #: with the nixl option ``telemetry``), else post() call to DONE seen by poll().
         #: Excludes handshake, read intents and the step loop. Callers pop what they read.
         self.xfer_seconds: dict[str, float] = {}
+        #: finished request id -> where its time went (:class:`Phases`). Callers pop them.
+        self.phases: dict[str, Phases] = {}
 
     # ------------------------------------------------------------------ setup
     def register(self, spec: KVCacheSpec) -> None:
@@ -281,7 +301,7 @@ class KVWorker:
                                    self._secret, cancel=self._abort)
 
     # ------------------------------------------------------------------ side channel server
-    def _on_side_message(self, msg: object) -> wire._Msg:
+    def _on_side_message(self, msg: object) -> wire.Reply:
         if isinstance(msg, wire.HandshakeRequest):
             return self._answer_handshake(msg)
         if isinstance(msg, wire.ReadIntent):
@@ -307,7 +327,7 @@ class KVWorker:
         return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                message=f"{type(msg).__name__} not handled here")
 
-    def _answer_handshake(self, req: wire.HandshakeRequest) -> wire._Msg:
+    def _answer_handshake(self, req: wire.HandshakeRequest) -> wire.Reply:
         spec = self._require_spec()
         ours = compat_hash(spec.geometry())
         if req.compat != ours:
@@ -327,7 +347,7 @@ class KVWorker:
                                message=f"{what} of {req_id} names incarnation {incarnation}, this "
                                f"process is {self.incarnation} (it restarted): handshake again")
 
-    def _answer_intent(self, msg: wire.ReadIntent) -> wire._Msg:
+    def _answer_intent(self, msg: wire.ReadIntent) -> wire.Reply:
         if msg.incarnation != self.incarnation:
             return self._stale(msg.incarnation, "read intent", msg.req_id)
         reader = f"{msg.engine_id}/{msg.tp_rank}"
@@ -339,21 +359,32 @@ class KVWorker:
             log.warning("refused a READ of %s by %s: %s", msg.req_id, reader, got.reason)
         return wire.ErrorReply(v=WIRE_VERSION, code=got.code.value, message=got.reason)
 
-    def _answer_done(self, msg: wire.ReadDone) -> wire._Msg:
+    def _answer_done(self, msg: wire.ReadDone) -> wire.Reply:
         # generation 0 only releases (a replica not read, a request not read at all): it
         # validates nothing, so it needs no incarnation
+        reader = f"{msg.engine_id}/{msg.tp_rank}"
         if msg.generation and msg.incarnation != self.incarnation:
+            if msg.block_ids is not None:  # a READ without an intent: READ again, after a
+                return self._stale(msg.incarnation, "read report", msg.req_id)  # handshake
             return wire.ReadVerdict(v=WIRE_VERSION, intact=False,
                                     reason=f"the producer restarted (incarnation "
                                     f"{self.incarnation}, the READ ran under {msg.incarnation})")
-        intact = self.leases.finish_read(msg.req_id, f"{msg.engine_id}/{msg.tp_rank}",
-                                         msg.generation, msg.ok,
+        if msg.block_ids is not None and msg.ok:  # validate after read, no intent before
+            got = self.leases.validate_read(msg.req_id, reader, msg.generation, msg.block_ids,
+                                            self.expected_readers(msg.tp_size))
+            if isinstance(got, Refused):
+                if got.code is Refusal.NOT_YET:
+                    return wire.ErrorReply(v=WIRE_VERSION, code=got.code.value,
+                                           message=got.reason)
+                return wire.ReadVerdict(v=WIRE_VERSION, intact=False, reason=got.reason)
+            return wire.ReadVerdict(v=WIRE_VERSION, intact=True, reason="")
+        intact = self.leases.finish_read(msg.req_id, reader, msg.generation, msg.ok,
                                          self.expected_readers(msg.tp_size))
         why = "" if intact else (f"the lease of {msg.req_id} ended under the READ "
                                  f"({self.leases.released_why(msg.req_id) or 'held again'})")
         return wire.ReadVerdict(v=WIRE_VERSION, intact=intact, reason=why)
 
-    def _answer_push(self, msg: wire.PushRequest) -> wire._Msg:
+    def _answer_push(self, msg: wire.PushRequest) -> wire.Reply:
         with self._lock:
             if not self._push_slots.arrive(msg, time.monotonic()):
                 return wire.ErrorReply(v=WIRE_VERSION, code="cancelled",
@@ -388,44 +419,26 @@ class KVWorker:
         """Agent names of peers with live handshake state."""
         return self.peers.connected()
 
-    def _intent(self, remote: RemoteEngine, rank: int, req_id: str,
-                block_ids: list[int]) -> _Go:
-        """Handshake (if needed), then ask the producer for the READ's grant; again after a
-        "stale" answer (the producer restarted: handshake again). A request not held yet
-        raises :class:`_NotYet`: :meth:`poll` asks again later, so a producer that is slow to
-        hold never occupies this pool. Runs on a pool thread."""
-        where = f"{remote.engine_id} rank {rank} ({remote.host}:{remote.port + rank})"
-        restarts = 0
-        while True:
-            fut = self._peer(remote, rank)
-            peer = fut.result(timeout=self.config.handshake_timeout * 2)
-            sent = time.monotonic()
-            try:
-                reply = self._call(remote.host, remote.port + rank, wire.ReadIntent(
-                    v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req_id,
-                    tp_rank=self.config.tp_rank, incarnation=peer.incarnation,
-                    block_ids=block_ids))
-            except SideChannelError as exc:
-                if exc.code == "stale" and restarts < 2:
-                    restarts += 1
-                    log.warning("%s restarted since our handshake; handshaking again", where)
-                    self.peers.forget_stale(remote, rank, fut)
-                    continue
-                if exc.code == "not_yet":
-                    raise _NotYet(f"refused the READ of {req_id}: {exc}") from exc
-                if exc.code:
-                    raise TransferRefused(f"refused the READ of {req_id}: {exc}") from exc
-                raise
-            if not isinstance(reply, wire.ReadGrant):
-                raise TransferRefused(f"{remote.host}:{remote.port + rank} answered "
-                                      f"{type(reply).__name__} to a read intent; refusing to "
-                                      "read unverified blocks")
-            return _Go(peer, Grant(reply.generation, reply.expires_in), sent + reply.expires_in)
+    def _send(self, host: str, port: int, msg: wire.Request,
+              timeout: float | None = None) -> Pending:
+        """Queue ``msg`` on the kept-open connection to ``host:port`` (sent at the end of this
+        call's :meth:`read`/:meth:`poll`); its answer is taken by a later :meth:`poll`."""
+        return self._chan.call(host, port, msg, timeout or self.config.handshake_timeout)
 
-    def _handshake_only(self, remote: RemoteEngine, rank: int,
-                        incarnation: int | None) -> _Go:
-        return _Go(self._peer(remote, rank, incarnation).result(
-            timeout=self.config.handshake_timeout * 2))
+    def _tell(self, host: str, port: int, msg: wire.Request) -> None:
+        """Send a report nobody waits for (a release, a "written" note): a failure is logged."""
+        self._told.append(self._send(host, port, msg, min(2.0, self.config.handshake_timeout)))
+
+    def _log_told(self) -> None:
+        if not self._told:
+            return
+        keep = []
+        for pending in self._told:
+            if not pending.done():
+                keep.append(pending)
+            elif pending.exception() is not None:
+                log.info("could not tell %s: %s", pending.what, pending.exception())
+        self._told = keep
 
     # ------------------------------------------------------------------ transfers
     def read(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -434,9 +447,13 @@ class KVWorker:
 
         Finished means the producer confirmed its lease was intact for the whole READ.
         ``generation``: the producer's hold (:meth:`hold`'s answer, passed along with the block
-        ids): the READ is posted at once and validated after; without it, a read intent asks
-        the producer for the generation first (one more round trip)."""
-        self._start(req_id, Op.READ, remote, local_ids, remote_ids)
+        ids): the READ is posted here, at once (once the peer's handshake is cached), and
+        validated after; without it, a read intent asks the producer for the generation first
+        (one more round trip)."""
+        if generation is not None and not 0 < generation < 2**63:
+            raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
+                              f"integer, got {generation!r}")
+        self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
               remote_ids: npt.ArrayLike) -> None:
@@ -445,7 +462,8 @@ class KVWorker:
 
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
                remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
-               push: wire.PushRequest | None = None, key: PushKey | None = None) -> None:
+               push: wire.PushRequest | None = None, key: PushKey | None = None,
+               generation: int | None = None) -> None:
         spec = self._require_spec()
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
@@ -458,100 +476,170 @@ class KVWorker:
         if reads is None:
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
-        ids = rids.tolist() if op is Op.READ else []
         inc = push.incarnation if push is not None and push.incarnation else None
-        parts = [_Part(r, self._submit(self._intents, self._intent, remote, r.remote_rank,
-                                       req_id, ids) if op is Op.READ
-                       else self._submit(self._intents, self._handshake_only, remote,
-                                         r.remote_rank, inc))
-                 for r in reads]
-        self._requests[req_id] = _Request(req_id, op, remote, lids, rids, parts,
-                                          time.perf_counter(), push=push, push_key=key)
+        req = _Request(req_id, op, remote, lids, rids,
+                       [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
+                       time.perf_counter(), generation=generation, push=push, push_key=key)
+        self._requests[req_id] = req
+        self._step(req)  # a cached peer: posted now, on the caller's thread
+        self._chan.flush()
 
     def poll(self) -> tuple[set[str], dict[str, str]]:
         """Advance every request; returns (finished ids, {failed id: reason}) since last call.
 
         A request is reported only when nothing of it can still move: finished (READ: the
-        producer confirmed the lease intact) or failed (every part quiescent)."""
+        producer confirmed the lease intact) or failed (every part quiescent). Everything
+        runs here, on the caller's thread: answers that arrived are taken, DONE transfers
+        are reported, and every message this produced leaves in one frame per peer."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
+        self._chan.pump()
+        self._log_told()
         self._poll_pushed(finished, failed)
         for req in list(self._requests.values()):
-            for part in req.parts:
-                try:
-                    self._advance(req, part)
-                except Exception as exc:  # a transport's bug must not kill the caller's loop
-                    log.exception("request %s: advancing a part failed", req.req_id)
-                    self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
-            if not all(p.settled for p in req.parts):
-                continue  # never report while bytes may still land or a verdict is due
-            del self._requests[req.req_id]
-            errors = [p.error for p in req.parts if p.error]
-            if req.op is Op.READ:  # replicas holding our heads that we did not read
-                self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts})
-            if req.lease is not None and req.push is not None:
-                intact = self.leases.finish_read(
-                    req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
-                    not errors, self.expected_readers(req.push.tp_size))
-                if not errors and not intact:
-                    errors.append(f"the lease of {req.lease[0]} ended under the WRITE: the "
-                                  "written bytes are not trusted")
-            if errors:
-                failed[req.req_id] = "; ".join(errors)
-                log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
-                if req.push is not None:  # the decode is waiting: tell it (quiescent now)
-                    self._notify_written(req, ok=False, detail=failed[req.req_id])
-            else:
-                finished.add(req.req_id)
-                if req.op is Op.WRITE and not self._notes_natively(req):
-                    rank = req.parts[0].read.remote_rank
-                    host, port = ((req.push.host, req.push.port + req.push.tp_rank)
-                                  if req.push is not None else
-                                  (req.remote.host, req.remote.port + rank))
-                    self._submit(self._notifier, self._send_note, host, port,
-                                 self._written(req, True))
-                self.finished_bytes += req.nbytes
-                self.xfer_seconds[req.req_id] = max((p.xfer_seconds for p in req.parts),
-                                                    default=0.0)
-                if len(self.xfer_seconds) > _XFER_SECONDS_KEPT:  # nobody reads them
-                    del self.xfer_seconds[next(iter(self.xfer_seconds))]
-                self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
-                self.descriptors += sum(p.plan.descriptors for p in req.parts if p.plan)
-            if req.push_key is not None:
-                with self._lock:
-                    self._push_slots.finish(req.push_key, not errors)
+            if self._step(req):
+                self._report(req, finished, failed)
+        self._chan.flush()
         return finished, failed
+
+    def wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, waking early when a side-channel answer arrives
+        (with the GIL released). For a caller with nothing else to do between polls."""
+        self._chan.wait(timeout)
+
+    def _step(self, req: _Request) -> bool:
+        """Advance every part of ``req``; True once all of them are settled."""
+        for part in req.parts:
+            try:
+                self._advance(req, part)
+            except Exception as exc:  # a transport's bug must not kill the caller's loop
+                log.exception("request %s: advancing a part failed", req.req_id)
+                self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
+        return all(p.settled for p in req.parts)
+
+    def _report(self, req: _Request, finished: set[str], failed: dict[str, str]) -> None:
+        del self._requests[req.req_id]
+        errors = [p.error for p in req.parts if p.error]
+        if req.op is Op.READ:  # replicas holding our heads that we did not read
+            self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts})
+        if req.lease is not None and req.push is not None:
+            intact = self.leases.finish_read(
+                req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
+                not errors, self.expected_readers(req.push.tp_size))
+            if not errors and not intact:
+                errors.append(f"the lease of {req.lease[0]} ended under the WRITE: the "
+                              "written bytes are not trusted")
+        if errors:
+            failed[req.req_id] = "; ".join(errors)
+            log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
+            if req.push is not None:  # the decode is waiting: tell it (quiescent now)
+                self._notify_written(req, ok=False, detail=failed[req.req_id])
+        else:
+            finished.add(req.req_id)
+            if req.op is Op.WRITE and not self._notes_natively(req):
+                rank = req.parts[0].read.remote_rank
+                host, port = ((req.push.host, req.push.port + req.push.tp_rank)
+                              if req.push is not None else
+                              (req.remote.host, req.remote.port + rank))
+                self._tell(host, port, self._written(req, True))
+            self.finished_bytes += req.nbytes
+            self._remember(self.xfer_seconds, req.req_id,
+                       max((p.xfer_seconds for p in req.parts), default=0.0))
+            now = time.perf_counter()
+            req.phases.verdict = max((now - p.t_done for p in req.parts if p.t_done),
+                                     default=0.0)
+            self._remember(self.phases, req.req_id, req.phases)
+            self.raw_descriptors += sum(p.plan.raw_descriptors for p in req.parts if p.plan)
+            self.descriptors += sum(p.plan.descriptors for p in req.parts if p.plan)
+        if req.push_key is not None:
+            with self._lock:
+                self._push_slots.finish(req.push_key, not errors)
+
+    @staticmethod
+    def _remember(kept: dict[str, V], key: str, value: V) -> None:
+        kept[key] = value
+        if len(kept) > _XFER_SECONDS_KEPT:  # nobody reads them: bounded
+            del kept[next(iter(kept))]
 
     def _advance(self, req: _Request, part: _Part) -> None:
         if part.settled:
             return
-        if part.verdict is not None:
+        if part.reask:  # the producer did not hold it yet when our report came: again
+            if time.monotonic() >= part.retry_at:
+                part.reask, part.retry_at = False, 0.0
+                part.verdict = self._report_read(req, part, True)
+        elif part.verdict is not None:
             self._take_verdict(req, part)
-        elif part.handle is None:
-            self._post(req, part)
-        else:
+        elif part.handle is not None:
             self._progress(req, part)
+        elif part.go is None:
+            self._get_go(req, part)
+            if part.go is not None:
+                self._post(req, part)
 
-    def _post(self, req: _Request, part: _Part) -> None:
+    def _get_go(self, req: _Request, part: _Part) -> None:
+        """The peer's handshake, then (READ without a generation) the producer's grant."""
         if part.retry_at:
             if time.monotonic() < part.retry_at:
                 return
             part.retry_at = 0.0
-            part.future = self._submit(self._intents, self._intent, req.remote,
-                                       part.read.remote_rank, req.req_id, req.remote_ids.tolist())
-        if not part.future.done():
+        if not part.peer.done():
             return
-        exc = part.future.exception()
-        if isinstance(exc, _NotYet) and (time.perf_counter() - req.t_start
-                                         < self.config.intent_timeout):
+        unreachable = part.peer.exception()
+        where = f"{req.remote.engine_id} rank {part.read.remote_rank}"
+        if unreachable is not None:  # or incompatible: nothing was granted or posted
+            part.error = f"{where}: {unreachable}"
+            return
+        peer = part.peer.result()
+        if req.op is not Op.READ:
+            part.go = _Go(peer)
+        elif req.generation is not None:
+            part.go = _Go(peer, req.generation)
+        elif part.intent is None:
+            part.intent = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                     wire.ReadIntent(v=WIRE_VERSION,
+                                                     engine_id=self.config.engine_id,
+                                                     req_id=req.req_id,
+                                                     tp_rank=self.config.tp_rank,
+                                                     incarnation=peer.incarnation,
+                                                     block_ids=req.remote_ids.tolist()))
+        elif part.intent.done():
+            intent, part.intent = part.intent, None
+            try:
+                reply = intent.result()
+            except KVLinkError as exc:
+                if not self._again(req, part, exc):
+                    part.error = f"{where}: refused the READ of {req.req_id}: {exc}"
+                return
+            if not isinstance(reply, wire.ReadGrant):
+                part.error = (f"{where} answered {type(reply).__name__} to a read intent; "
+                              "refusing to read unverified blocks")
+                return
+            part.go = _Go(peer, reply.generation, intent.asked + reply.expires_in)
+        if part.go is not None:
+            req.phases.wait = max(req.phases.wait, time.perf_counter() - req.t_start)
+
+    def _again(self, req: _Request, part: _Part, exc: KVLinkError) -> bool:
+        """Whether a refusal is worth asking again: "not held yet" (the producer holds on its
+        next step) within ``intent_timeout``, or "stale" (it restarted: handshake again)."""
+        code = getattr(exc, "code", "")
+        if code == "stale" and part.restarts < 2:
+            part.restarts += 1
+            log.warning("%s rank %d restarted since our handshake; handshaking again",
+                        req.remote.engine_id, part.read.remote_rank)
+            self.peers.forget_stale(req.remote, part.read.remote_rank, part.peer)
+            part.peer = self._peer(req.remote, part.read.remote_rank)
+            return True
+        if code == "not_yet" and (time.perf_counter() - req.t_start
+                                  < self.config.intent_timeout):
             part.asks += 1
             part.retry_at = time.monotonic() + min(0.005 * 2 ** part.asks, 0.2)
-            return
-        if exc is not None:  # refused or unreachable: nothing was granted, nothing to release
-            part.error = f"{req.remote.engine_id} rank {part.read.remote_rank}: {exc}"
-            return
-        go = part.future.result()
-        part.go = go
+            return True
+        return False
+
+    def _post(self, req: _Request, part: _Part) -> None:
+        go = part.go
+        assert go is not None
         if time.monotonic() >= go.deadline:
             self._part_failed(req, part, "the producer's lease deadline passed before the READ "
                               "could start (not posted)")
@@ -562,6 +650,7 @@ class KVWorker:
             if why is not None:
                 self._part_failed(req, part, f"push of {req.req_id} not posted: {why}")
                 return
+        t0 = time.perf_counter()
         try:
             plan = plan_transfer(self._require_spec(), go.peer.spec, req.local_ids,
                                  req.remote_ids, part.read, go.peer.transport.extents)
@@ -573,12 +662,14 @@ class KVWorker:
             note = wire.encode(self._written(req, True))  # ordered after the written bytes
         part.plan = plan
         part.t_post = time.perf_counter()
+        req.phases.plan += part.t_post - t0
         try:
             part.handle = go.peer.transport.post(req.op, go.peer.agent, plan.local, plan.remote,
                                                  note)
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
+        req.phases.post += time.perf_counter() - part.t_post
         req.nbytes += plan.nbytes
 
     def _progress(self, req: _Request, part: _Part) -> None:
@@ -587,14 +678,16 @@ class KVWorker:
         state = transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
+        part.t_done = time.perf_counter()
+        req.phases.transfer = max(req.phases.transfer, part.t_done - part.t_post)
         part.xfer_seconds = self._transport_seconds(part)
         transport.release(part.handle)
         part.handle = None
         if state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
             self._part_failed(req, part, f"{req.remote.engine_id} rank "
                               f"{part.read.remote_rank}: {state.reason}")
-        elif req.op is Op.READ and part.go is not None and part.go.grant is not None:
-            part.verdict = self._submit(self._notifier, self._report_read, req, part, True)
+        elif req.op is Op.READ and part.go.generation:
+            part.verdict = self._report_read(req, part, True)
         else:
             part.done = True
 
@@ -612,33 +705,49 @@ class KVWorker:
         assert part.verdict is not None
         if not part.verdict.done():
             return
-        fut, part.verdict = part.verdict, None
-        exc = fut.exception()
-        reply = None if exc is not None else fut.result()
+        pending, part.verdict = part.verdict, None
+        try:
+            reply = pending.result()
+        except KVLinkError as exc:
+            if req.generation is not None and self._again(req, part, exc):
+                if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
+                    part.reask = True
+                else:  # restarted under the READ: READ again after the new handshake
+                    req.nbytes -= part.plan.nbytes if part.plan is not None else 0
+                    part.go, part.plan = None, None
+                return
+            reply, why = None, f"no verdict ({exc})"
         if isinstance(reply, wire.ReadVerdict) and reply.intact:
             part.done = True
             return
-        why = (reply.reason if isinstance(reply, wire.ReadVerdict)
-               else f"no verdict ({exc or type(reply).__name__})")
+        if isinstance(reply, wire.ReadVerdict):
+            why = reply.reason
+        elif reply is not None:
+            why = f"answered {type(reply).__name__}"
         part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
                       f"confirmed, its bytes are not trusted: {why}")
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
-        """A part ends without bytes: for a granted READ, release the producer now."""
+        """A part ends without bytes: for a READ with a generation, release the producer now."""
         part.error = reason
         if part.handle is not None:
             return  # still moving: report once the transport says FAILED (quiescent)
-        if req.op is Op.READ and part.go is not None and part.go.grant is not None:
-            self._submit(self._notifier, self._report_read, req, part, False)
+        if req.op is Op.READ and part.go is not None and part.go.generation:
+            self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                       self._read_done(req, part, False))
 
-    def _report_read(self, req: _Request, part: _Part, ok: bool) -> wire._Msg:
-        assert part.go is not None and part.go.grant is not None
-        return self._call(req.remote.host, req.remote.port + part.read.remote_rank,
-                          wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
-                                        req_id=req.req_id, tp_rank=self.config.tp_rank,
-                                        tp_size=self.config.tp_size,
-                                        incarnation=part.go.peer.incarnation,
-                                        generation=part.go.grant.generation, ok=ok))
+    def _read_done(self, req: _Request, part: _Part, ok: bool) -> wire.ReadDone:
+        assert part.go is not None
+        return wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                             req_id=req.req_id, tp_rank=self.config.tp_rank,
+                             tp_size=self.config.tp_size, incarnation=part.go.peer.incarnation,
+                             generation=part.go.generation, ok=ok,
+                             block_ids=(req.remote_ids.tolist()
+                                        if ok and req.generation is not None else None))
+
+    def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
+        return self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                          self._read_done(req, part, ok))
 
     @staticmethod
     def _transport_seconds(part: _Part) -> float:
@@ -660,22 +769,16 @@ class KVWorker:
     def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None) -> None:
         """Reader side: we are done with ``req_id`` without reading it (a full local prefix
         hit, an aborted request) from the producer ranks holding it for us, except ``skip``
-        (those we read, or that wrote to us: they count us themselves). Async."""
+        (those we read, or that wrote to us: they count us themselves). Sent with the next
+        frame to each peer (at the latest by the next :meth:`poll`)."""
         spec = self._require_spec()
         rest = notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla) - (skip or set())
         for rank in sorted(rest):
-            self._submit(self._notifier, self._send_note, remote.host, remote.port + rank,
-                         wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
-                                       req_id=req_id, tp_rank=self.config.tp_rank,
-                                       tp_size=self.config.tp_size, generation=0, ok=True))
-
-    def _send_note(self, host: str, port: int, msg: wire._Msg) -> None:
-        try:
-            self._call(host, port, msg, min(2.0, self.config.handshake_timeout))
-        except KVLinkError as exc:
-            log.info("could not tell %s:%d about %s: %s", host, port,
-                     getattr(msg, "req_id", "?"), exc)
+            self._tell(remote.host, remote.port + rank,
+                       wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                     req_id=req_id, tp_rank=self.config.tp_rank,
+                                     tp_size=self.config.tp_size, generation=0, ok=True))
 
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
         push = req.push
@@ -688,8 +791,8 @@ class KVWorker:
     def _notify_written(self, req: _Request, ok: bool, detail: str = "") -> None:
         """A push that ended: say so to the decode rank (over the side channel)."""
         assert req.push is not None
-        self._submit(self._notifier, self._send_note, req.push.host,
-                     req.push.port + req.push.tp_rank, self._written(req, ok, detail))
+        self._tell(req.push.host, req.push.port + req.push.tp_rank,
+                   self._written(req, ok, detail))
 
     def descriptor_counts(self) -> tuple[int, int]:
         """(before, after) coalescing, summed over finished requests."""
@@ -765,10 +868,10 @@ class KVWorker:
             host=self._public_host(), port=self.side_port - self.config.tp_rank,
             block_ids=lids.tolist(), push_id=wait.push_id, ttl_ms=max(1, int(timeout * 1e3)),
             incarnation=self.incarnation)
-        aw = _Awaiting(remote, wait)
-        aw.asked = self._submit(self._pool, self._ask_push, remote, sorted(ranks), msg,
-                                wait.deadline)
-        self._awaiting[req_id] = aw
+        ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
+        self._awaiting[req_id] = _Awaiting(remote, wait, [
+            self._send(remote.host, remote.port + rank, msg, ask) for rank in sorted(ranks)])
+        self._chan.flush()
 
     def _public_host(self) -> str:
         """Where peers dial this rank back: a wildcard bind address is no address to dial."""
@@ -778,14 +881,8 @@ class KVWorker:
             return socket.getfqdn()
         return self.config.host
 
-    def _ask_push(self, remote: RemoteEngine, ranks: list[int], msg: wire.PushRequest,
-                  deadline: float) -> None:
-        for rank in ranks:  # an unanswered ask ends with the push's own deadline, if sooner
-            wait = min(self.config.handshake_timeout, max(0.1, deadline - time.monotonic()))
-            self._call(remote.host, remote.port + rank, msg, wait)
-
-    def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> wire._Msg:
-        return self._call(remote.host, remote.port + rank, wire.PushCancel(
+    def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> Pending:
+        return self._send(remote.host, remote.port + rank, wire.PushCancel(
             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
             tp_rank=self.config.tp_rank, push_id=wait.push_id),
             min(2.0, self.config.handshake_timeout))
@@ -822,12 +919,11 @@ class KVWorker:
         now = time.monotonic()
         for req_id, aw in list(self._awaiting.items()):
             wait = aw.wait
-            if aw.asked is not None and aw.asked.done():
-                exc = aw.asked.exception()
-                aw.asked = None
-                if exc is not None:
-                    wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
-                              f"{aw.remote.engine_id} failed: {exc}")
+            for asked in [a for a in aw.asked if a.done()]:
+                aw.asked.remove(asked)
+                if asked.exception() is not None:
+                    wait.fail(f"push request to {aw.remote.engine_id} failed: "
+                              f"{asked.exception()}")
             if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
                 if not wait.cancelling:
                     wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "
@@ -854,8 +950,7 @@ class KVWorker:
             fut = aw.cancels.get(rank)
             if fut is None:
                 if now >= wait.next_cancel:
-                    aw.cancels[rank] = self._submit(self._notifier, self._cancel_push,
-                                                    aw.remote, rank, wait)
+                    aw.cancels[rank] = self._cancel_push(aw.remote, rank, wait)
                 continue
             if not fut.done():
                 continue
@@ -958,7 +1053,8 @@ class KVWorker:
                                  req_id=msg.req_id, tp_rank=self.config.tp_rank,
                                  tp_size=self.config.tp_size, kind="write", ok=False,
                                  detail=reason[:500], push_id=msg.push_id)
-        self._submit(self._notifier, self._send_note, msg.host, msg.port + msg.tp_rank, note)
+        self._tell(msg.host, msg.port + msg.tp_rank, note)
+        self._chan.flush()
 
     # ------------------------------------------------------------------ the rest
     def stats(self) -> Mapping[str, TransportStats]:
@@ -970,14 +1066,16 @@ class KVWorker:
         end = time.monotonic() + self.config.close_timeout
         if self._server is not None:
             self._server.close()
-        for pool in (self._pool, self._intents, self._notifier):
-            pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False)
+        self._chan.flush()
+        while self._chan.busy() and (left := end - time.monotonic()) > 0:
+            self._chan.wait(min(left, 0.05))  # queued reports get until close_timeout
+        self._chan.close()
         with self._lock:
             calls = list(self._calls)
         cf.wait(calls, timeout=max(0.0, end - time.monotonic()))
-        self._abort.set()  # running calls give up within 50 ms
-        for pool in (self._pool, self._intents, self._notifier):
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._abort.set()  # running handshakes give up within 50 ms
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for t in self.transports.values():
             t.close()
         self.transports.clear()

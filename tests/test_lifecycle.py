@@ -112,7 +112,7 @@ def test_push_to_a_dead_prefill_fails_after_fencing(observed: Callable[[str], No
         until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
         (msg,) = prefill.push_requests()
         key = prefill.push(msg, [1, 2])
-        hs = prefill._requests[key].parts[0].future
+        hs = prefill._requests[key].parts[0].peer
         until(hs.done, 10, "the prefill handshook back to the decode")
         prefill.close()  # dead before posting or answering anything else
         t0 = time.monotonic()
@@ -178,9 +178,11 @@ def test_read_is_not_posted_past_the_grant_deadline() -> None:
     try:
         prefill.hold("r0", [2])
         decode.read("r0", remote(prefill), [7], [2])
-        fut = decode._requests["r0"].parts[0].future
-        until(fut.done, 10, "the grant arrived")
-        sleep_until(time.monotonic() + fut.result().grant.expires_in + 0.05)
+        part = decode._requests["r0"].parts[0]
+        until(lambda: bool(decode.poll()) and part.intent is not None, 10, "the intent went out")
+        # the grant (0.1 s at least) arrives while the decode does not poll: its clock started
+        # when the intent went out, so the post that comes after it must not happen
+        sleep_until(time.monotonic() + 0.4)
         ok, reason = outcome(decode, "r0", 10)
         assert not ok and "deadline passed" in reason
         assert decode.transports["tcp"].stats.transfers == 0  # never posted
@@ -197,7 +199,7 @@ def test_failed_pull_releases_the_prefill_at_once() -> None:
     try:
         prefill.hold("r0", [2])
         decode.read("r0", remote(prefill), [7], [2])
-        until(decode._requests["r0"].parts[0].future.done, 10,
+        until(decode._requests["r0"].parts[0].peer.done, 10,
               "the grant arrived")
         decode.transports["tcp"].close()
         ok, reason = outcome(decode, "r0", 10)

@@ -65,7 +65,8 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
                               expires_in=st.floats(allow_nan=False)),
     wire.ReadDone: st.builds(wire.ReadDone, v=st.just(WIRE_VERSION), engine_id=text,
                              req_id=text, tp_rank=i64, tp_size=i64, incarnation=i64,
-                             generation=i64, ok=st.booleans()),
+                             generation=i64, ok=st.booleans(),
+                             block_ids=st.none() | st.lists(i64, max_size=20)),
     wire.ReadVerdict: st.builds(wire.ReadVerdict, v=st.just(WIRE_VERSION), intact=st.booleans(),
                                 reason=text),
     wire.PushCancel: st.builds(wire.PushCancel, v=st.just(WIRE_VERSION), engine_id=text,
@@ -80,6 +81,18 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
 if hasattr(wire, "Signed"):  # authenticated envelope (side-channel auth)
     STRATEGIES[wire.Signed] = st.builds(wire.Signed, v=st.just(WIRE_VERSION), nonce=blob,
                                         mac=blob, body=blob)
+STRATEGIES[wire.Hello] = st.builds(wire.Hello, v=st.just(WIRE_VERSION), nonce=blob)
+STRATEGIES[wire.Welcome] = st.builds(wire.Welcome, v=st.just(WIRE_VERSION), nonce=blob)
+STRATEGIES[wire.Sealed] = st.builds(wire.Sealed, v=st.just(WIRE_VERSION), counter=i64,
+                                    mac=blob, body=blob)
+_requests = st.one_of(*(STRATEGIES[t] for t in wire.Request.__args__))
+_replies = st.one_of(*(STRATEGIES[t] for t in wire.Reply.__args__))
+STRATEGIES[wire.Batch] = st.builds(
+    wire.Batch, v=st.just(WIRE_VERSION),
+    calls=st.lists(st.builds(wire.Call, id=i64, msg=_requests), max_size=4))
+STRATEGIES[wire.Replies] = st.builds(
+    wire.Replies, v=st.just(WIRE_VERSION),
+    answers=st.lists(st.builds(wire.Answer, id=i64, msg=_replies), max_size=4))
 messages = st.one_of(*STRATEGIES.values())
 
 
