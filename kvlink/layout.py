@@ -145,16 +145,19 @@ class KVCacheSpec:
         arr = np.asarray(ids)
         if arr.ndim != 1:
             raise BlockIdOutOfRange(f"{side} block ids must be 1-D, got shape {arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        if not arr.size:
+            return arr.astype(np.int64, copy=False)
+        if arr.dtype.kind not in "iu":
             raise BlockIdOutOfRange(f"{side} block ids must be integers, got dtype {arr.dtype}")
-        if arr.size:
+        out = arr.astype(np.int64, copy=False)
+        # one reduction on the planner's hot path: a negative id wraps to a huge unsigned one
+        if out.view(np.uint64).max() >= self.num_blocks:
             bad = np.flatnonzero((arr < 0) | (arr >= self.num_blocks))
-            if bad.size:
-                raise BlockIdOutOfRange(
-                    f"{side} block id {int(arr[bad[0]])} (position {int(bad[0])}) is out of range "
-                    f"[0, {self.num_blocks})"
-                )
-        return arr.astype(np.int64, copy=False)
+            raise BlockIdOutOfRange(
+                f"{side} block id {int(arr[bad[0]])} (position {int(bad[0])}) is out of range "
+                f"[0, {self.num_blocks})"
+            )
+        return out
 
     def page_extents(self, layer: int, block: int, kv: int = 0,
                      heads: tuple[int, int] | None = None) -> Extents:

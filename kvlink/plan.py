@@ -1,13 +1,26 @@
 """Block planning: block ids x head map -> coalesced (local, remote) extent arrays.
 
-Everything is numpy broadcasting over a [layer, kv, block, piece] grid — no Python loop per
-block — followed by one vectorised merge of neighbours that are contiguous on *both* sides.
-A request of 256 blocks x 80 layers x K/V plans in well under a millisecond.
+A peer's geometry is fixed at handshake, so everything that depends only on the two specs and
+the head map is worked out once, in a :class:`PlanTable`: validation, the in-page piece offsets,
+and per *segment* (a (layer, K|V) plane, or a layer when K and V of a block are neighbours) the
+address of block 0 and the block stride on both sides. Planning a request is then O(blocks):
+
+* the runs of block-id pairs consecutive on *both* sides are found once, on the id lists;
+* one extent per (segment, run) is written by broadcasting the segment bases against the runs;
+* seams — the last extent of a segment touching the first of the next on both sides (layers
+  back to back in one allocation, a request covering a whole plane) — are found in O(segments)
+  and merged by one variable-length coalesce, only when there is one.
+
+The output is exactly the general path's (every (layer, K|V, block, piece) address on a numpy
+grid, then neighbours merged), which is kept for what the fast path does not cover: NHD head
+slices (``block_size`` strided pieces per page), K/V-joined pages moved in head slices, and
+specs whose planes mix whole-page and padded block strides.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +30,9 @@ from kvlink.errors import BlockIdOutOfRange, IncompatibleSpecError
 from kvlink.headmap import HeadRead
 from kvlink.layout import KVCacheSpec, Layout
 from kvlink.transport import EXTENT_DTYPE, Extents
+
+U64 = npt.NDArray[np.uint64]
+Alloc = Callable[[int], Extents]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +50,272 @@ class Plan:
         return int(self.local.shape[0])
 
 
+class Path(str, enum.Enum):
+    """How a :class:`PlanTable` plans (fixed per peer, so logged once, not per request)."""
+
+    RUNS = "runs"  # whole units, stride == unit on both sides: runs of consecutive ids merge
+    BLOCKS = "blocks"  # one unit per (segment, block); nothing inside a segment can merge
+    GENERAL = "general"  # the full [layer, kv, block, piece] grid, then coalesce
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanTable:
+    """What planning against one peer needs that does not depend on the block ids.
+
+    Built once per (local spec, remote spec, HeadRead) — at handshake — by :meth:`build`, which
+    raises everything :func:`plan_transfer` would for an incompatible pair. :meth:`plan` then
+    costs O(blocks + segments x runs) on the fast paths (see the module docstring).
+    """
+
+    local: KVCacheSpec
+    remote: KVCacheSpec
+    read: HeadRead | None
+    local_offsets: U64  # piece offsets inside a local page
+    remote_offsets: U64
+    piece: int  # bytes of one piece
+    kv_inner: bool  # K and V of a block are neighbours on both sides: kv iterates innermost
+    path: Path
+    unit: int  # fast paths: bytes one block contributes to one segment
+    local_base: U64  # fast paths: [segments] address of block 0's unit
+    remote_base: U64
+    local_stride: U64  # fast paths: [segments] bytes between blocks
+    remote_stride: U64
+    local_gaps: frozenset[int] | None  # see _gaps
+    remote_gaps: frozenset[int] | None
+
+    @classmethod
+    def build(cls, local: KVCacheSpec, remote: KVCacheSpec,
+              read: HeadRead | None = None) -> PlanTable:
+        """Validate the pair and precompute the per-segment table (see the class docstring)."""
+        if local.num_layers != remote.num_layers or local.num_kv != remote.num_kv:
+            raise IncompatibleSpecError(
+                f"layers x planes differ: local {local.num_layers}x{local.num_kv} vs "
+                f"remote {remote.num_layers}x{remote.num_kv}"
+            )
+        loff, roff, piece = _page_pieces(local, remote, read)
+        kv_inner = _kv_inner(local) and _kv_inner(remote)
+        path, unit, (lb, rb, ls, rs) = _segments(local, remote, loff, roff, piece, kv_inner)
+        return cls(local, remote, read, loff, roff, piece, kv_inner, path, unit, lb, rb, ls, rs,
+                   _gaps(lb, ls), _gaps(rb, rs))
+
+    @property
+    def segments(self) -> int:
+        return int(self.local_base.shape[0])
+
+    def plan(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
+             alloc: Alloc | None = None) -> Plan:
+        """Extents moving ``remote_ids`` blocks of the remote into ``local_ids`` blocks locally.
+
+        The same arrays serve READ (remote -> local) and WRITE (local -> remote). Block ids are
+        bounds-checked here, before anything can be posted. ``alloc(n)`` makes the output arrays
+        (a transport's ``extents``, so they land where it posts from without another copy); it
+        is called for the local array, then the remote one.
+        """
+        lids, rids = self._check_ids(local_ids, remote_ids)
+        if self.path is Path.GENERAL:
+            return self._plan_grid(lids, rids, alloc)
+        return self._plan_segments(lids, rids, alloc)
+
+    def plan_general(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
+                     alloc: Alloc | None = None) -> Plan:
+        """The general path whatever :attr:`path` says: every piece on a grid, then coalesced.
+        Same output as :meth:`plan`; kept callable for benchmarks and tests."""
+        lids, rids = self._check_ids(local_ids, remote_ids)
+        return self._plan_grid(lids, rids, alloc)
+
+    def raw_count(self, blocks: int) -> int:
+        """Extents before coalescing: (layer, K|V, block, piece) count, by arithmetic."""
+        pieces = int(self.local_offsets.shape[0])
+        return self.local.num_layers * self.local.num_kv * blocks * pieces
+
+    # ------------------------------------------------------------------ internals
+    def _check_ids(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike
+                   ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        lids = self.local.check_block_ids(local_ids, "local")
+        rids = self.remote.check_block_ids(remote_ids, "remote")
+        if lids.shape != rids.shape:
+            raise BlockIdOutOfRange(
+                f"{lids.shape[0]} local block ids but {rids.shape[0]} remote block ids"
+            )
+        return lids, rids
+
+    def _plan_segments(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64],
+                       alloc: Alloc | None) -> Plan:
+        """Fast paths: one extent per (segment, run), seams merged only where there are any.
+
+        Written for few numpy calls: at a few hundred blocks their fixed cost, not the data,
+        is most of the time.
+        """
+        n = lids.shape[0]
+        raw = self.raw_count(n)
+        if n == 0:
+            return Plan(_alloc(alloc, 0), _alloc(alloc, 0), raw)
+        unit = np.uint64(self.unit)
+        lu, ru = lids.view(np.uint64), rids.view(np.uint64)  # bounds-checked: never negative
+        lens: U64 | np.uint64
+        if self.path is Path.RUNS:
+            edge = np.empty(n + 1, dtype=bool)  # a run starts at each True; edge[n] closes
+            edge[0] = edge[n] = True
+            np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
+            edge[1:n] |= rids[1:] - rids[:-1] != 1
+            at = edge.nonzero()[0]
+            starts = at[:-1]
+            lens = (at[1:] - starts).view(np.uint64) * unit
+            # stride == unit on every segment: one multiply per run, not per (segment, run)
+            lrun, rrun = lu[starts] * unit, ru[starts] * unit
+            lstride = rstride = None
+        else:
+            lrun, rrun, lens = lu, ru, unit
+            lstride, rstride = self.local_stride[:, None], self.remote_stride[:, None]
+        segs, runs = self.segments, lrun.shape[0]
+        seams = self._seams(lids, rids)
+        if seams is None:
+            lext, rext = _alloc(alloc, segs * runs), _alloc(alloc, segs * runs)
+            _outer(self.local_base, lrun, lstride, lext["addr"].reshape(segs, runs))
+            _outer(self.remote_base, rrun, rstride, rext["addr"].reshape(segs, runs))
+            lext["len"].reshape(segs, runs)[...] = lens
+            rext["len"] = lext["len"]
+            return Plan(lext, rext, raw)
+        la = _outer(self.local_base, lrun, lstride, np.empty((segs, runs), np.uint64))
+        ra = _outer(self.remote_base, rrun, rstride, np.empty((segs, runs), np.uint64))
+        brk = np.ones((segs, runs), dtype=bool)
+        brk[1:, 0] = ~seams
+        first = brk.reshape(-1).nonzero()[0]
+        merged = np.add.reduceat(np.broadcast_to(lens, (segs, runs)).reshape(-1), first)
+        lext, rext = _alloc(alloc, first.shape[0]), _alloc(alloc, first.shape[0])
+        lext["addr"] = la.reshape(-1)[first]
+        rext["addr"] = ra.reshape(-1)[first]
+        lext["len"] = merged
+        rext["len"] = merged
+        return Plan(lext, rext, raw)
+
+    def _seams(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]
+               ) -> npt.NDArray[np.bool_] | None:
+        """[segments - 1]: the request's last unit in segment j ends, on both sides, where its
+        first unit in segment j + 1 starts; None when no segment does (the usual answer, found
+        in O(1) from the table's gap sets when strides are uniform). uint64 wraps like C; only
+        equality is asked, so the wrap is harmless."""
+        if self.segments < 2:
+            return None
+        lf, ll, rf, rl = int(lids[0]), int(lids[-1]), int(rids[0]), int(rids[-1])
+        if not (_may_touch(self.local_gaps, ll - lf, self.local_stride, self.unit)
+                and _may_touch(self.remote_gaps, rl - rf, self.remote_stride, self.unit)):
+            return None
+        seam = _touch(self.local_base, self.local_stride, lf, ll, self.unit)
+        seam &= _touch(self.remote_base, self.remote_stride, rf, rl, self.unit)
+        return seam if seam.any() else None
+
+    def _plan_grid(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64],
+                   alloc: Alloc | None) -> Plan:
+        """General path: addresses over the whole [layer, kv, block, piece] grid, merged."""
+        loff, roff, piece = self.local_offsets, self.remote_offsets, self.piece
+        if loff.shape[0] > 1:
+            # strided head slices of NHD pages: pieces are never adjacent, so skip the merge and
+            # write addresses straight into the output records
+            n = self.raw_count(lids.shape[0])
+            lext, rext = _alloc(alloc, n), _alloc(alloc, n)
+            _grid(self.local, lids, loff, self.kv_inner, lext["addr"])
+            _grid(self.remote, rids, roff, self.kv_inner, rext["addr"])
+            lext["len"] = piece
+            rext["len"] = piece
+            return Plan(lext, rext, raw_descriptors=n)
+        la = _grid(self.local, lids, loff, self.kv_inner)
+        ra = _grid(self.remote, rids, roff, self.kv_inner)
+        return Plan(*coalesce(la, ra, piece, alloc), raw_descriptors=int(la.shape[0]))
+
+
+def plan_transfer(
+    local: KVCacheSpec,
+    remote: KVCacheSpec,
+    local_ids: npt.ArrayLike,
+    remote_ids: npt.ArrayLike,
+    read: HeadRead | None = None,
+    alloc: Alloc | None = None,
+) -> Plan:
+    """Extents moving ``remote_ids`` blocks of ``remote`` into ``local_ids`` blocks of ``local``:
+    ``PlanTable.build(local, remote, read).plan(local_ids, remote_ids, alloc)``. A caller
+    planning many requests against one peer should keep the table instead."""
+    return PlanTable.build(local, remote, read).plan(local_ids, remote_ids, alloc)
+
+
+def _segments(local: KVCacheSpec, remote: KVCacheSpec, loff: U64, roff: U64, piece: int,
+              kv_inner: bool) -> tuple[Path, int, tuple[U64, U64, U64, U64]]:
+    """The fast-path table, or Path.GENERAL with empty arrays.
+
+    A *unit* is what one block contributes to one segment, in the general path's order: a piece
+    of one plane, or — K and V neighbours and moved whole — the block's K and V pages as one.
+    Inside a segment two units of consecutive list positions touch on a side iff that side's
+    block stride equals the unit and the ids step by one (strides are at least a page, and a
+    page at least a piece). So either every segment merges runs (RUNS), or none merges anything
+    (BLOCKS); a mix, or several pieces per page, is left to the general path.
+    """
+    empty = np.zeros(0, dtype=np.uint64)
+    general = (Path.GENERAL, 0, (empty, empty, empty, empty))
+    if loff.shape[0] != 1:
+        return general
+    if kv_inner:
+        whole = piece == local.page_bytes == remote.page_bytes
+        same_kv = (np.array_equal(local.block_stride[:, 0], local.block_stride[:, 1])
+                   and np.array_equal(remote.block_stride[:, 0], remote.block_stride[:, 1]))
+        # a stride of one page with K and V one page apart would put V of block b on K of
+        # block b + 1: units two blocks apart would touch; leave such overlaps to the grid
+        overlap = (np.any(local.block_stride == piece)
+                   or np.any(remote.block_stride == piece))
+        if not whole or not same_kv or overlap:
+            return general
+        unit = 2 * piece
+        lb, rb = local.plane_base[:, 0], remote.plane_base[:, 0]
+        ls, rs = local.block_stride[:, 0], remote.block_stride[:, 0]
+    else:
+        unit = piece
+        lb, rb = local.plane_base.reshape(-1), remote.plane_base.reshape(-1)
+        ls, rs = local.block_stride.reshape(-1), remote.block_stride.reshape(-1)
+    merges = (ls == unit) & (rs == unit)
+    if merges.all():
+        path = Path.RUNS
+    elif not merges.any():
+        path = Path.BLOCKS
+    else:
+        return general
+    seg = (lb + loff[0], rb + roff[0], np.ascontiguousarray(ls), np.ascontiguousarray(rs))
+    return path, unit, seg
+
+
+def _gaps(base: U64, stride: U64) -> frozenset[int] | None:
+    """Distances from each segment's block 0 to the next one's (mod 2**64), when every segment
+    has the same block stride: then a seam is possible only if the request's span is one."""
+    if stride.shape[0] < 2 or not (stride == stride[0]).all():
+        return None
+    return frozenset((base[1:] - base[:-1]).tolist())
+
+
+def _may_touch(gaps: frozenset[int] | None, span: int, stride: U64, unit: int) -> bool:
+    """False when no segment's last unit can touch the next segment's first (see _gaps)."""
+    if gaps is None:
+        return True
+    return (span * int(stride[0]) + unit) % (1 << 64) in gaps
+
+
+def _touch(base: U64, stride: U64, first: int, last: int, unit: int) -> npt.NDArray[np.bool_]:
+    """[segments - 1]: the unit of block ``last`` in segment j ends where block ``first``'s
+    starts in segment j + 1."""
+    end = base[:-1] + stride[:-1] * np.uint64(last) + np.uint64(unit)
+    return np.asarray(end == base[1:] + stride[1:] * np.uint64(first))
+
+
+def _outer(base: U64, run: U64, stride: U64 | None, out: U64) -> U64:
+    """out[j, r] = base[j] + run[r] (* stride[j], when given) — one broadcast, no loop."""
+    if stride is None:
+        np.add(base[:, None], run[None, :], out=out)
+    else:
+        np.multiply(stride, run[None, :], out=out)
+        out += base[:, None]
+    return out
+
+
 def _page_pieces(
     local: KVCacheSpec, remote: KVCacheSpec, read: HeadRead | None
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], int]:
+) -> tuple[U64, U64, int]:
     """Offsets inside a page (local, remote) and the piece length for one page's exchange."""
     if local.mla or read is None or (
         read.count == local.num_kv_heads == remote.num_kv_heads
@@ -74,54 +353,12 @@ def _kv_inner(spec: KVCacheSpec) -> bool:
     return bool(np.all(gap == spec.page_bytes))
 
 
-def plan_transfer(
-    local: KVCacheSpec,
-    remote: KVCacheSpec,
-    local_ids: npt.ArrayLike,
-    remote_ids: npt.ArrayLike,
-    read: HeadRead | None = None,
-    alloc: Callable[[int], Extents] | None = None,
-) -> Plan:
-    """Extents moving ``remote_ids`` blocks of ``remote`` into ``local_ids`` blocks of ``local``.
-
-    The same arrays serve READ (remote -> local) and WRITE (local -> remote). Block ids are
-    bounds-checked here, before anything can be posted. ``alloc(n)`` makes the output arrays
-    (a transport's ``extents``, so they land where it posts from without another copy).
-    """
-    lids = local.check_block_ids(local_ids, "local")
-    rids = remote.check_block_ids(remote_ids, "remote")
-    if lids.shape != rids.shape:
-        raise BlockIdOutOfRange(
-            f"{lids.shape[0]} local block ids but {rids.shape[0]} remote block ids"
-        )
-    if local.num_layers != remote.num_layers or local.num_kv != remote.num_kv:
-        raise IncompatibleSpecError(
-            f"layers x planes differ: local {local.num_layers}x{local.num_kv} vs "
-            f"remote {remote.num_layers}x{remote.num_kv}"
-        )
-    loff, roff, piece = _page_pieces(local, remote, read)
-    kv_inner = _kv_inner(local) and _kv_inner(remote)
-    if loff.shape[0] > 1:
-        # strided head slices of NHD pages: pieces are never adjacent, so skip the merge and
-        # write addresses straight into the output records
-        n = local.num_layers * local.num_kv * lids.shape[0] * loff.shape[0]
-        lext, rext = _alloc(alloc, n), _alloc(alloc, n)
-        _grid(local, lids, loff, kv_inner, lext["addr"])
-        _grid(remote, rids, roff, kv_inner, rext["addr"])
-        lext["len"] = piece
-        rext["len"] = piece
-        return Plan(lext, rext, raw_descriptors=n)
-    la = _grid(local, lids, loff, kv_inner)
-    ra = _grid(remote, rids, roff, kv_inner)
-    return Plan(*coalesce(la, ra, piece, alloc), raw_descriptors=int(la.shape[0]))
-
-
-def _alloc(alloc: Callable[[int], Extents] | None, n: int) -> Extents:
+def _alloc(alloc: Alloc | None, n: int) -> Extents:
     return np.empty(n, dtype=EXTENT_DTYPE) if alloc is None else alloc(n)
 
 
-def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np.uint64],
-          kv_inner: bool, out: npt.NDArray[np.uint64] | None = None) -> npt.NDArray[np.uint64]:
+def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: U64,
+          kv_inner: bool, out: U64 | None = None) -> U64:
     """Addresses over the [layer, kv, block, piece] grid (kv and block swapped if kv_inner).
 
     uint64 arithmetic wraps like C; the bounds were checked on the ids, so it never does here.
@@ -143,8 +380,7 @@ def _grid(spec: KVCacheSpec, ids: npt.NDArray[np.int64], offsets: npt.NDArray[np
 
 
 def coalesce(
-    laddr: npt.NDArray[np.uint64], raddr: npt.NDArray[np.uint64], piece: int,
-    alloc: Callable[[int], Extents] | None = None,
+    laddr: U64, raddr: U64, piece: int, alloc: Alloc | None = None,
 ) -> tuple[Extents, Extents]:
     """Merge runs of equal-length pieces that are contiguous on both sides into single extents."""
     n = laddr.shape[0]
