@@ -148,6 +148,7 @@ class _Part:
     retry_at: float = 0.0  # when to ask again after "not held yet"
     restarts: int = 0  # "stale" answers: the producer restarted, handshake again
     reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
+    failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     t_post: float = 0.0
     t_done: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
@@ -683,9 +684,18 @@ class KVWorker:
         part.xfer_seconds = self._transport_seconds(part)
         transport.release(part.handle)
         part.handle = None
-        if state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
-            self._part_failed(req, part, f"{req.remote.engine_id} rank "
-                              f"{part.read.remote_rank}: {state.reason}")
+        reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
+        if state.status is XferStatus.FAILED and req.generation is not None and (
+                part.restarts < 2):
+            # quiescent by contract. Nothing asked the producer before this READ, so it may
+            # have restarted since our handshake: its answer to the release says ("stale":
+            # READ again after a new handshake); a dead one fails it within the report timeout
+            part.failure = reason
+            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                      self._read_done(req, part, False),
+                                      min(2.0, self.config.handshake_timeout))
+        elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
+            self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
             part.verdict = self._report_read(req, part, True)
         else:
@@ -709,6 +719,10 @@ class KVWorker:
         try:
             reply = pending.result()
         except KVLinkError as exc:
+            if part.failure is not None and getattr(exc, "code", "") != "stale":
+                part.error = part.failure  # the producer did not restart: the READ failed
+                return
+            part.failure = None
             if req.generation is not None and self._again(req, part, exc):
                 if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
                     part.reask = True
@@ -717,6 +731,9 @@ class KVWorker:
                     part.go, part.plan = None, None
                 return
             reply, why = None, f"no verdict ({exc})"
+        if part.failure is not None:  # released by that report: the READ failed
+            part.error = part.failure
+            return
         if isinstance(reply, wire.ReadVerdict) and reply.intact:
             part.done = True
             return
@@ -743,7 +760,7 @@ class KVWorker:
                              tp_size=self.config.tp_size, incarnation=part.go.peer.incarnation,
                              generation=part.go.generation, ok=ok,
                              block_ids=(req.remote_ids.tolist()
-                                        if ok and req.generation is not None else None))
+                                        if req.generation is not None else None))
 
     def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
         return self._send(req.remote.host, req.remote.port + part.read.remote_rank,

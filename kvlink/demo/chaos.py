@@ -115,8 +115,7 @@ def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, bu
                 issued += 1
                 _stamp(layers, ids, req)
                 holds[req] = ids
-                w.hold(req, ids)
-                events.put(("held", req, ids))
+                events.put(("held", req, ids, w.hold(req, ids)))
             _serve_pushes(w, rng, holds, pushes, push_delay)
             time.sleep(rng.random() * 0.004)
         s = w.leases.stats
@@ -210,7 +209,7 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
                 if ev is not None and ev[0] == "held":
                     held_here += 1
                     pending.append((time.monotonic() + rng.random() * 0.6 * sched.lease,
-                                    ev[1], ev[2]))
+                                    ev[1], ev[2], ev[3]))
                 now = time.monotonic()
                 for item in [p for p in pending if p[0] <= now]:
                     if len(free) < len(item[2]):
@@ -222,7 +221,10 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
                     if push:
                         w.expect_push(item[1], remote, local, timeout=sched.push_timeout)
                     else:
-                        w.read(item[1], remote, local, item[2])
+                        # most READs are told the generation (posted at once, validated
+                        # after), some ask for it first (read intent): both under the kills
+                        w.read(item[1], remote, local, item[2],
+                               generation=item[3] if rng.random() < 0.7 else None)
                 if rng.random() < 0.01:  # the decode's step stalls, sometimes past the lease
                     time.sleep(rng.random() * 1.5 * sched.lease)
                 _settle(w, clayers, reading, free, counts, sched.deadline)

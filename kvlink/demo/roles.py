@@ -21,6 +21,7 @@ from kvlink.demo import data
 from kvlink.demo.progress import Progress
 from kvlink.errors import KVLinkError
 from kvlink.headmap import push_targets
+from kvlink.scheduler import new_generation
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 log = logging.getLogger("kvlink.demo")
@@ -42,6 +43,9 @@ class DemoPlan:
     timeout: float = 60.0
     mode: str = "pull"  # "push": decode asks, prefill batch-WRITEs (Mooncake style)
     decode_port: int = 0  # push mode: decode side channel base port
+    #: the holds' generations derive from it, as the block ids derive from the request index
+    #: (both standing in for what a router passes along in kv_transfer_params)
+    run_id: int = dataclasses.field(default_factory=new_generation)
 
     @property
     def blocks_per_request(self) -> int:
@@ -54,6 +58,10 @@ class DemoPlan:
     def prefill_blocks(self, i: int) -> npt.NDArray[np.int64]:
         n = self.blocks_per_request
         return np.arange(n, dtype=np.int64) + (i % self.slots(self.prefill_tp)) * n
+
+    def generation(self, i: int) -> int:
+        """Request i's hold generation: minted by the parent, so the decode READs at once."""
+        return (self.run_id + i) % (2**62) + 1
 
     def decode_blocks(self, i: int) -> npt.NDArray[np.int64]:
         n = self.blocks_per_request
@@ -82,7 +90,7 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
         _serve_push(plan, rank, worker, ready, stop)
         return
     for i in range(plan.requests):
-        worker.hold(f"req-{i}", plan.prefill_blocks(i))
+        worker.hold(f"req-{i}", plan.prefill_blocks(i), generation=plan.generation(i))
     ready.put(("ready", rank, worker.side_port))
     read = 0
     try:
@@ -156,7 +164,8 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
                 if push:
                     worker.expect_push(req_id, remote, plan.decode_blocks(i), plan.timeout)
                 else:
-                    worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i))
+                    worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i),
+                                generation=plan.generation(i))
             before = worker.finished_bytes
             done_ids: list[str] = []
             waiting = set(wave)

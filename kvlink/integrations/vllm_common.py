@@ -21,6 +21,8 @@ DEFAULT_PUSH_TIMEOUT = 30.0
 MODES = ("pull", "push")
 #: kv_transfer_params key a router may set to pick the mode of one request (decode side)
 MODE_PARAM = "kvlink_mode"
+#: kv_transfer_params key: the prefill's hold generation, so the decode READs without asking
+GENERATION_PARAM = "kvlink_generation"
 
 #: kv_transfer_params keys vLLM's NixlConnector uses (same names, same meaning).
 PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
@@ -152,6 +154,7 @@ class Remote:
     tp_size: int
     block_ids: tuple[int, ...]
     block_size: int = 0  # the remote scheduler's block size in tokens (0: same as ours)
+    generation: int = 0  # the prefill's hold (GENERATION_PARAM): READ at once, validate after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,7 @@ class RecvReq:
 class SendReq:
     req_id: str
     block_ids: tuple[int, ...]
+    generation: int = 0  # minted where the blocks were kept (request_finished); 0: the worker's
 
 
 @dataclasses.dataclass
@@ -195,6 +199,13 @@ def flat_block_ids(raw: Any) -> tuple[int, ...] | None:
     return tuple(int(x) for x in ids)
 
 
+def _generation(raw: Any) -> int:
+    """A hold generation off the params, or 0 (ask with a read intent) when absent or bad."""
+    if isinstance(raw, int) and not isinstance(raw, bool) and 0 < raw < 2**63:
+        return raw
+    return 0
+
+
 def parse_remote(params: Mapping[str, Any]) -> Remote | None:
     """The remote prefill named by a request's kv_transfer_params, or None if incomplete."""
     try:
@@ -205,6 +216,7 @@ def parse_remote(params: Mapping[str, Any]) -> Remote | None:
             return None
         return Remote(engine_id=str(engine), request_id=str(req), host=str(host),
                       port=int(port), tp_size=int(params.get("tp_size") or 1), block_ids=ids,
-                      block_size=int(params.get("kvlink_block_size") or 0))
+                      block_size=int(params.get("kvlink_block_size") or 0),
+                      generation=_generation(params.get(GENERATION_PARAM)))
     except (TypeError, ValueError):
         return None

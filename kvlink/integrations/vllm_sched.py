@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from kvlink.integrations.vllm_common import (
+    GENERATION_PARAM,
     MODE_PARAM,
     MODES,
     RecvReq,
@@ -19,6 +20,7 @@ from kvlink.integrations.vllm_common import (
     StepPlan,
     parse_remote,
 )
+from kvlink.scheduler import new_generation
 
 log = logging.getLogger("kvlink.vllm")
 
@@ -113,7 +115,10 @@ class PullScheduler:
         if status not in _FINISHED_OK or not block_ids:
             return False, None  # aborted, or nothing computed: free now
         ids = tuple(int(b) for b in block_ids)
-        self._plan.send.append(SendReq(request.request_id, ids))
+        # minted here, where the blocks are kept from now on: the decode READs them at once
+        # and the worker's hold (next step) validates it after the READ
+        generation = new_generation()
+        self._plan.send.append(SendReq(request.request_id, ids, generation))
         self._count("held_requests")
         return True, {
             "do_remote_prefill": True,
@@ -126,6 +131,7 @@ class PullScheduler:
             "tp_size": self.tp_size,
             "remote_num_tokens": int(getattr(request, "num_computed_tokens", 0)),
             "kvlink_block_size": self.block_size,
+            GENERATION_PARAM: generation,
         }
 
     # ------------------------------------------------------------------ every step

@@ -128,7 +128,8 @@ class PullWorker:
             if w.leases.is_held(r.req_id):
                 log.warning("request %s is already held; ignoring a second hold", r.req_id)
                 continue
-            w.hold(r.req_id, expand_blocks(r.block_ids, self.block_ratio))
+            w.hold(r.req_id, expand_blocks(r.block_ids, self.block_ratio),
+                   generation=r.generation or None)
 
     def _collect_released(self) -> None:
         for r in self._w().released():
@@ -201,7 +202,8 @@ class PullWorker:
                 self._w().expect_push(r.remote.request_id, _engine(r.remote), local,
                                       timeout=self.s.push_timeout)
             else:
-                self._w().read(r.remote.request_id, _engine(r.remote), local, remote_ids)
+                self._w().read(r.remote.request_id, _engine(r.remote), local, remote_ids,
+                               generation=r.remote.generation or None)
         except KVLinkError as exc:
             self._fail(r, str(exc))
             return

@@ -1,0 +1,244 @@
+"""The control plane off the critical path (issue 19), through the public API.
+
+Real KVWorkers over the real tcp transport and the real ZMQ side channel on 127.0.0.1. Each
+test failed on the code before: a READ waited for a read intent answered on a thread pool, and
+every side-channel message opened its own socket (plus a challenge round trip with a secret).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import zmq
+from test_lifecycle import blocks, make, outcome, remote, sleep_until, until
+
+from kvlink import sidechannel, wire
+from kvlink.channel import Channels
+from kvlink.compat import WIRE_VERSION
+from kvlink.errors import AuthError, PeerUnreachable
+from kvlink.worker import KVWorker
+
+
+def _warm(decode: KVWorker, prefill: KVWorker) -> None:
+    """One request so the decode has the prefill's handshake cached."""
+    gen = prefill.hold("warm", [0])
+    decode.read("warm", remote(prefill), [0], [0], generation=gen)
+    ok, reason = outcome(decode, "warm", 10)
+    assert ok, reason
+
+
+def test_read_told_its_generation_is_posted_inside_read() -> None:
+    """No round trip before the READ: with the handshake cached, read() itself posts it, on
+    the caller's thread; the bytes are validated after (finished = the producer confirmed)."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("r0", [2, 3, 9])
+        decode.read("r0", remote(prefill), [4, 5, 6], [2, 3, 9], generation=gen)
+        assert decode._requests["r0"].parts[0].handle is not None  # posted already
+        ok, reason = outcome(decode, "r0", 10)
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [4, 5, 6]), blocks(prefill, [2, 3, 9]))
+        assert [r.req_id for r in prefill.released()] == ["warm", "r0"]
+        phases = decode.phases.pop("r0")
+        assert phases.transfer > 0 and phases.verdict > 0 and phases.wait == pytest.approx(
+            0, abs=0.05)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_read_without_an_intent_whose_lease_ended_fails() -> None:
+    """Validate after read without an intent: the lease expired (and the blocks were free to
+    be reused) before the READ's report: not finished, and the prefill counts it."""
+    prefill, _ = make("p", seed=1, lease_seconds=0.3)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("r0", [2])
+        sleep_until(time.monotonic() + 0.4)
+        assert [r.why for r in prefill.released()] == ["read", "expired"]  # warm, r0
+        decode.read("r0", remote(prefill), [7], [2], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "not trusted" in reason and "expired" in reason
+        assert prefill.leases.stats.reads_not_intact == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_read_with_another_holds_generation_fails() -> None:
+    """Released and held again under the READ: the generation the reader was told is not the
+    one held now, so its bytes may be the next request's."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        old = prefill.hold("r0", [2])
+        prefill.abort("r0")
+        prefill.hold("r0", [2])
+        decode.read("r0", remote(prefill), [7], [2], generation=old)
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "another generation" in reason
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_read_without_an_intent_of_blocks_not_held_fails() -> None:
+    """The producer checks the READ's block ids after the fact: blocks outside the hold are
+    not trusted, and the reader counts as done (the hold is released, not left to expire)."""
+    prefill, _ = make("p", seed=1, lease_seconds=60)
+    decode, _ = make("d", serve=False)
+    try:
+        gen = prefill.hold("r0", [2])
+        decode.read("r0", remote(prefill), [7, 8], [2, 5], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "not among" in reason
+        assert [(r.req_id, r.why) for r in prefill.released()] == [("r0", "read")]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_generation_minted_before_the_hold_validates_once_held() -> None:
+    """vLLM's case: the scheduler mints the generation where it keeps the blocks, the decode
+    READs before the prefill worker's next step holds them; its report is answered "not held
+    yet", asked again, and validated once the hold (same generation) arrives."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        gen = 123456789
+        decode.read("r0", remote(prefill), [7], [4], generation=gen)
+        part = decode._requests["r0"].parts[0]
+        until(lambda: bool(decode.poll()) or part.reask, 10, "the report was answered not_yet")
+        prefill.hold("r0", [4], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [7]), blocks(prefill, [4]))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.fault("producer restarted between a READ's handshake and its report")
+def test_restart_under_a_read_told_its_generation(observed: Callable[[str], None]) -> None:
+    """The READ ran against a producer that restarted since our handshake (its report names
+    the old incarnation): never finished with those bytes; the reader handshakes again and
+    READs again, and the new producer's answer decides. The next request works."""
+    old, _ = make("p", seed=1)
+    port = old.side_port
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, old)
+        old.close()
+        new, _ = make("p", seed=2, side_port=port)
+        try:
+            gen = new.hold("r1", [2])
+            decode.read("r1", remote(new), [2], [2], generation=gen)
+            ok, reason = outcome(decode, "r1", 20)
+            observed(f"read after the restart: {'ok' if ok else reason}")
+            assert ok, reason
+            assert np.array_equal(blocks(decode, [2]), blocks(new, [2]))  # the new bytes
+            assert decode.connected_peers() == [new.agent_name]
+        finally:
+            new.close()
+    finally:
+        decode.close()
+
+
+def test_one_session_carries_every_message_with_a_secret() -> None:
+    """Authenticate once per connection: 20 requests with a shared secret cost one Hello, and
+    each poll's reports leave in one frame per peer (before: a socket and a challenge round
+    trip per message)."""
+    prefill, _ = make("p", seed=1, secret="s3cret")
+    decode, _ = make("d", serve=False, secret="s3cret")
+    try:
+        gens = {f"r{i}": prefill.hold(f"r{i}", [i]) for i in range(8)}
+        for req, gen in gens.items():
+            i = int(req[1:])
+            decode.read(req, remote(prefill), [i], [i], generation=gen)
+        pending = set(gens)
+        deadline = time.monotonic() + 20
+        while pending and time.monotonic() < deadline:
+            done, failed = decode.poll()
+            assert not failed, failed
+            pending -= done
+        assert not pending
+        assert np.array_equal(blocks(decode, list(range(8))), blocks(prefill, list(range(8))))
+        chan = decode._chan
+        assert len(chan._conns) == 1  # one connection to the one peer, kept open
+        assert chan.calls_sent >= 8 and chan.frames_sent < chan.calls_sent
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _server(secret: bytes | None) -> sidechannel.SideChannelServer:
+    return sidechannel.SideChannelServer(
+        "127.0.0.1", 0, lambda m: wire.Ack(v=WIRE_VERSION), secret=secret)
+
+
+def _ack(chan: Channels, port: int, timeout: float = 5.0) -> wire._Msg:
+    note = wire.Notification(v=WIRE_VERSION, engine_id="e", req_id="r", tp_rank=0, tp_size=1,
+                             kind="write", ok=True)
+    pending = chan.call("127.0.0.1", port, note, timeout)
+    chan.flush()
+    deadline = time.monotonic() + timeout + 1
+    while not pending.done() and time.monotonic() < deadline:
+        chan.wait(0.05)
+    return pending.result()
+
+
+def test_sessions_refuse_wrong_secrets_unsealed_batches_and_replays() -> None:
+    srv = _server(b"right")
+    try:
+        assert isinstance(_ack(Channels(b"right"), srv.port), wire.Ack)
+        with pytest.raises(AuthError, match="secrets differ"):
+            _ack(Channels(b"wrong"), srv.port)
+        with pytest.raises(AuthError, match="requires authentication"):
+            _ack(Channels(None), srv.port)
+        # a frame replayed on its own connection: the counter has moved on
+        chan = Channels(b"right")
+        assert isinstance(_ack(chan, srv.port), wire.Ack)
+        conn = next(iter(chan._conns.values()))
+        assert conn.key is not None
+        body = wire.encode(wire.Batch(v=WIRE_VERSION, calls=[]))
+        mac = sidechannel.seal_mac(conn.key, conn.counter, body)
+        conn.sock.send_multipart([b"", wire.encode(wire.Sealed(
+            v=WIRE_VERSION, counter=conn.counter, mac=mac, body=body))])
+        assert conn.sock.poll(5000, zmq.POLLIN)
+        reply = wire.decode(conn.sock.recv_multipart()[-1])
+        assert isinstance(reply, wire.ErrorReply) and "replayed" in reply.message
+    finally:
+        srv.close()
+
+
+def test_a_restarted_server_gets_a_new_session_and_a_dead_one_times_out() -> None:
+    """The kept-open connection outlives its server: the first frame to the restarted one is
+    refused (no session), the next call opens a new session; a server that is gone fails the
+    call at its deadline, not later."""
+    srv = _server(b"k")
+    port = srv.port
+    chan = Channels(b"k")
+    assert isinstance(_ack(chan, port), wire.Ack)
+    srv.close()
+    srv = sidechannel.SideChannelServer("127.0.0.1", port, lambda m: wire.Ack(v=WIRE_VERSION),
+                                        secret=b"k")
+    try:
+        try:
+            _ack(chan, port)
+        except AuthError as exc:
+            assert "no session" in str(exc)
+        assert isinstance(_ack(chan, port), wire.Ack)
+    finally:
+        srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable):
+        _ack(chan, port, timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
