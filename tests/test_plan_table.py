@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -109,7 +110,7 @@ def random_ids(rng: np.random.Generator, nb: int, n: int, distinct: bool
             k = int(rng.integers(1, 9))
             runs.append(list(range(at, min(at + k, nb))))
             at += k
-        rng.shuffle(runs)  # type: ignore[arg-type]
+        rng.shuffle(runs)
         ids = [i for r in runs for i in (r[::-1] if rng.random() < 0.2 else r)]
     skip = int(rng.integers(0, nb - n + 1))
     return np.array(ids[skip:skip + n], dtype=np.int64)
@@ -183,7 +184,7 @@ def loop_pieces(c: Case) -> tuple[list[tuple[int, int]], int]:
             offs = [((t * lo.num_kv_heads + read.local_start) * hb,
                      (t * re.num_kv_heads + read.remote_start) * hb) for t in range(bs)]
             piece = read.count * hb
-    out = []
+    out: list[tuple[int, int]] = []
     for layer, kv in itertools.product(range(lo.num_layers), range(lo.num_kv)):
         lb, ls = int(lo.plane_base[layer, kv]), int(lo.block_stride[layer, kv])
         rb, rs = int(re.plane_base[layer, kv]), int(re.block_stride[layer, kv])
@@ -196,7 +197,7 @@ def loop_pieces(c: Case) -> tuple[list[tuple[int, int]], int]:
 def unit_pieces(plan: Plan, piece: int) -> list[tuple[int, int]]:
     """The plan's extents cut back into ``piece``-sized (local, remote) pairs."""
     assert np.array_equal(plan.local["len"], plan.remote["len"])
-    out = []
+    out: list[tuple[int, int]] = []
     for la, ra, n in zip(plan.local["addr"].tolist(), plan.remote["addr"].tolist(),
                          plan.local["len"].tolist()):
         assert n > 0 and n % piece == 0, (n, piece)
@@ -204,7 +205,7 @@ def unit_pieces(plan: Plan, piece: int) -> list[tuple[int, int]]:
     return out
 
 
-def garbage_alloc(made: list[np.ndarray]) -> object:
+def garbage_alloc(made: list[np.ndarray]) -> Callable[[int], np.ndarray]:
     """Like Transport.extents but the arrays start as garbage, so an unwritten record shows."""
     def alloc(n: int) -> np.ndarray:
         out = np.frombuffer(np.random.default_rng(n).bytes(16 * n), dtype=EXTENT_DTYPE).copy()
@@ -224,7 +225,7 @@ def test_random_geometries_move_the_same_bytes(seed: int) -> None:
         table = PlanTable.build(c.local, c.remote, c.read)
         paths[table.path] += 1
         made: list[np.ndarray] = []
-        plan = table.plan(c.lids, c.rids, garbage_alloc(made))  # type: ignore[arg-type]
+        plan = table.plan(c.lids, c.rids, garbage_alloc(made))
         if c.lids.size:
             assert plan.local is made[0] and plan.remote is made[1]
         want, piece = loop_pieces(c)
