@@ -200,6 +200,8 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
                     w.close()
                 case = CASES[name]
                 cache = None
+                if device.startswith("cuda"):  # a fresh allocation for the next case's export
+                    torch.cuda.empty_cache()
                 cache = Cache(case, nblocks, device)
                 _sync(device)
                 w = KVWorker(WorkerConfig(engine_id=f"e2e-p-{name}", transports=[transport],
@@ -316,6 +318,7 @@ class Consumer:
         self.verified: dict[str, int] = {}
         self.xfer: dict[str, list[float]] = {}
         self.peer: Any = None  # the handshake's Peer, after the first request
+        self.sock: dict[str, list[float]] = {"one": [], "many": []}
 
     # ---------------------------------------------------------------- helpers
     def _hold(self, tag: str, count: int) -> list[tuple[str, int, list[int], int]]:
@@ -456,6 +459,8 @@ class Consumer:
         self.one_round("warmup", 1, False, {}, count_it=False)  # handshake: not counted
         self.one_round("warmup", self.inflight, False, {}, count_it=False)
         raw: dict[str, dict[str, list[float]]] = {"sleep": {}, "spin": {}, "inflight8": {}}
+        if not self.device.startswith("cuda"):
+            self.socket_half(n_req)
         for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise
             self.one_round("sleep", 1, False, raw["sleep"])
             self.one_round("spin", 1, True, raw["spin"])
@@ -465,7 +470,9 @@ class Consumer:
             self.one_round("inflight8", self.inflight, False, raw["inflight8"])
         stats = worker_stats(self.w)
         stats_prefill = self.prod.ask(("stats",), "stats")
-        bases = self.baselines(n_req)
+        if not self.device.startswith("cuda"):
+            self.socket_half(n_req)
+        bases = self.baselines()
         modes = {}
         for mode, r in raw.items():
             count = 1 if mode != "inflight8" else self.inflight
@@ -503,7 +510,17 @@ class Consumer:
                 "modes": modes, "worker_stats_decode": stats,
                 "worker_stats_prefill": stats_prefill}
 
-    def baselines(self, n_req: int) -> dict[str, dict[str, Any]]:
+    def socket_half(self, n_req: int) -> None:
+        """CPU: half of the plain-socket rounds (run before and after the kvlink rounds, so
+        both see the same stretch of the machine's noise)."""
+        from tcp_vs_socket import socket_rounds
+
+        reps = max(3, min(n_req, 50) // 2)
+        self.sock["one"] += socket_rounds(self.case.nbytes, MiB, reps)
+        self.sock["many"] += socket_rounds(self.case.nbytes * self.inflight, MiB,
+                                           max(2, reps // 4))
+
+    def baselines(self) -> dict[str, dict[str, Any]]:
         """Per mode: what the same bytes cost without kvlink (see the module docstring)."""
         out: dict[str, dict[str, Any]] = {}
         if self.device.startswith("cuda"):
@@ -512,12 +529,10 @@ class Consumer:
             many = {"device_copy": self._device_copy(self.case.nbytes * self.inflight),
                     "gather": self._gather(self.inflight)}
         else:
-            from tcp_vs_socket import socket_rounds
-
-            reps = max(5, min(n_req, 50))
-            one = {"plain_socket": _stats(socket_rounds(self.case.nbytes, MiB, reps))}
-            many = {"plain_socket": _stats(socket_rounds(self.case.nbytes * self.inflight, MiB,
-                                                         max(3, reps // 4)))}
+            one = {"plain_socket": {**_stats(self.sock["one"]), "raw_s": self.sock["one"],
+                                    "chunk_bytes": MiB}}
+            many = {"plain_socket": {**_stats(self.sock["many"]), "raw_s": self.sock["many"],
+                                     "chunk_bytes": MiB}}
         out["sleep"] = out["spin"] = one
         out["inflight8"] = many
         return out
@@ -713,6 +728,8 @@ def main() -> None:
             finally:
                 cons.close()
             del cons
+            if args.device == "cuda":
+                _torch().cuda.empty_cache()
     finally:
         prod.stop()
     print_table(args.device, cases)
@@ -722,6 +739,9 @@ def main() -> None:
         mark = "n/a" if g["met"] is None else "MET" if g["met"] else "NOT MET"
         v = "-" if g["value"] is None else f"{g['value']:.3f}"
         print(f"  [{mark:7s}] {g['goal']}: {v}")
+    grain = _sleep_measured()
+    print(f"sleep mode: time.sleep({POLL_SLEEP * 1e3:.1f} ms) sleeps {grain * 1e3:.3f} ms here "
+          "(median): the grain of its post->done")
     bad = sum(m["mismatches"] + m["transport_alone_mismatches"]
               for cr in cases.values() for m in cr["modes"].values())
     payload = {
@@ -732,7 +752,8 @@ def main() -> None:
         "block_ids": {"prefill": "contiguous per request slot",
                       "decode": "shuffled runs of 1-8 consecutive blocks (seeded), disjoint "
                                 "between requests in flight"},
-        "poll_sleep_s": POLL_SLEEP, "inflight": args.inflight,
+        "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
+        "inflight": args.inflight,
         "timed_window": "KVWorker.read() call to the poll() that reports the request finished "
                         "(fill before, verification after, both untimed)",
         "ratios": "ratio_device_copy_over_kvlink / ratio_gather_over_kvlink: baseline time / "
@@ -745,6 +766,16 @@ def main() -> None:
     if bad:
         print(f"FAILED: {bad} elements did not match what the producer wrote")
         sys.exit(1)
+
+
+def _sleep_measured() -> float:
+    """How long ``time.sleep(POLL_SLEEP)`` really sleeps here: the sleep mode's poll grain."""
+    ts = []
+    for _ in range(200):
+        a = time.perf_counter()
+        time.sleep(POLL_SLEEP)
+        ts.append(time.perf_counter() - a)
+    return statistics.median(ts)
 
 
 def _gpu_name(args: argparse.Namespace) -> str:

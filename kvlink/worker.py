@@ -60,7 +60,7 @@ from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.peers import Peer, PeerTable
 from kvlink.peers import RemoteEngine as RemoteEngine  # re-exported: the public API
-from kvlink.plan import Plan, plan_transfer
+from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
 from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released
 from kvlink.transport import (
@@ -75,6 +75,7 @@ from kvlink.transport import (
 log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
+_TABLES_KEPT = 4096  # plan tables, one per (peer, head read)
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -221,6 +222,7 @@ class KVWorker:
         # connections, driven from the caller's thread (see kvlink.channel)
         self._chan = Channels(self._secret)
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
+        self._tables: dict[tuple[str, HeadRead], PlanTable] = {}
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
@@ -653,8 +655,8 @@ class KVWorker:
                 return
         t0 = time.perf_counter()
         try:
-            plan = plan_transfer(self._require_spec(), go.peer.spec, req.local_ids,
-                                 req.remote_ids, part.read, go.peer.transport.extents)
+            plan = self._table(go.peer, part.read).plan(req.local_ids, req.remote_ids,
+                                                        go.peer.transport.extents)
         except KVLinkError as exc:
             self._part_failed(req, part, str(exc))
             return
@@ -672,6 +674,17 @@ class KVWorker:
             return
         req.phases.post += time.perf_counter() - part.t_post
         req.nbytes += plan.nbytes
+
+    def _table(self, peer: Peer, read: HeadRead) -> PlanTable:
+        """The peer's plan table for ``read``, built at its first request (per handshake: a
+        restarted peer has a new agent name)."""
+        key = (peer.agent, read)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= _TABLES_KEPT:  # peers come and go: bounded
+                self._tables.clear()
+            table = self._tables[key] = PlanTable.build(self._require_spec(), peer.spec, read)
+        return table
 
     def _progress(self, req: _Request, part: _Part) -> None:
         assert part.go is not None and part.handle is not None

@@ -173,7 +173,12 @@ def test_one_session_carries_every_message_with_a_secret() -> None:
         assert np.array_equal(blocks(decode, list(range(8))), blocks(prefill, list(range(8))))
         chan = decode._chan
         assert len(chan._conns) == 1  # one connection to the one peer, kept open
-        assert chan.calls_sent >= 8 and chan.frames_sent < chan.calls_sent
+        assert prefill._server is not None and len(prefill._server._sessions._keys) == 1
+        frames, calls = chan.frames_sent, chan.calls_sent
+        for i in range(8):  # one step's eight reports: one frame
+            decode.release(f"gone{i}", remote(prefill))
+        decode.poll()
+        assert (chan.frames_sent - frames, chan.calls_sent - calls) == (1, 8)
     finally:
         prefill.close()
         decode.close()

@@ -186,7 +186,7 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     budgets[-1] += sched.requests - sum(budgets)
     kill_after = [rng.randint(1, max(1, b - 1)) for b in budgets[:-1]]
     free = list(range(CONSUMER_BLOCKS))
-    pending: list[tuple[float, str, list[int]]] = []  # (start at, req, remote ids)
+    pending: list[tuple[float, str, list[int], int]] = []  # (start at, req, remote ids, gen)
     reading: dict[str, _Read] = {}
     proc = None
     try:
