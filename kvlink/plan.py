@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -97,6 +98,29 @@ class PlanTable:
         path, unit, (lb, rb, ls, rs) = _segments(local, remote, loff, roff, piece, kv_inner)
         return cls(local, remote, read, loff, roff, piece, kv_inner, path, unit, lb, rb, ls, rs,
                    _gaps(lb, ls), _gaps(rb, rs))
+
+    @classmethod
+    def for_peer(cls, local: KVCacheSpec, remote: KVCacheSpec,
+                 read: HeadRead | None = None) -> PlanTable:
+        """:meth:`build`, once per (local, remote, read): kept in a small bounded cache.
+
+        Keyed on the spec objects' identities — a KVCacheSpec is never changed once made, and
+        a kept table holds its specs, so an id cannot be reused by another spec while its entry
+        lives. This is what lets :func:`plan_transfer` callers get the table's speed without
+        holding one.
+        """
+        key = (id(local), id(remote), read)
+        with _CACHE_LOCK:
+            table = _CACHE.pop(key, None)
+            if table is not None:
+                _CACHE[key] = table  # most recently used last
+                return table
+        table = cls.build(local, remote, read)  # raises for an incompatible pair: not kept
+        with _CACHE_LOCK:
+            _CACHE[key] = table
+            while len(_CACHE) > _CACHE_SIZE:
+                del _CACHE[next(iter(_CACHE))]
+        return table
 
     @property
     def segments(self) -> int:
@@ -233,9 +257,16 @@ def plan_transfer(
     alloc: Alloc | None = None,
 ) -> Plan:
     """Extents moving ``remote_ids`` blocks of ``remote`` into ``local_ids`` blocks of ``local``:
-    ``PlanTable.build(local, remote, read).plan(local_ids, remote_ids, alloc)``. A caller
-    planning many requests against one peer should keep the table instead."""
-    return PlanTable.build(local, remote, read).plan(local_ids, remote_ids, alloc)
+    ``PlanTable.for_peer(local, remote, read).plan(local_ids, remote_ids, alloc)`` — the table
+    is built on the first request of a pair and reused after (see PlanTable.for_peer)."""
+    return PlanTable.for_peer(local, remote, read).plan(local_ids, remote_ids, alloc)
+
+
+# PlanTable.for_peer's tables, least recently used first. Bounded: a worker talks to a few
+# dozen (peer rank, HeadRead) pairs; a table is a few arrays of segments entries.
+_CACHE: dict[tuple[int, int, HeadRead | None], PlanTable] = {}
+_CACHE_SIZE = 256
+_CACHE_LOCK = threading.Lock()
 
 
 def _segments(local: KVCacheSpec, remote: KVCacheSpec, loff: U64, roff: U64, piece: int,

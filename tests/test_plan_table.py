@@ -335,3 +335,25 @@ def test_plan_checks_block_ids() -> None:
     big = np.array([np.iinfo(np.uint64).max], dtype=np.uint64)  # wraps negative as int64
     with pytest.raises(BlockIdOutOfRange, match="local block id"):
         table.plan(big, [0])
+
+
+def test_for_peer_builds_once_per_pair_and_stays_bounded(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from kvlink import plan as plan_mod
+    monkeypatch.setattr(plan_mod, "_CACHE", {})
+    monkeypatch.setattr(plan_mod, "_CACHE_SIZE", 3)
+    a, b = _fa(2, 2, 8, 1 << 40), _fa(2, 2, 8, 1 << 41)
+    t = PlanTable.for_peer(a, b)
+    assert PlanTable.for_peer(a, b) is t
+    r0, r1 = HeadRead(0, 0, 0, 1), HeadRead(0, 1, 1, 1)
+    assert PlanTable.for_peer(a, b, r0) is not t
+    assert PlanTable.for_peer(a, b, r0) is PlanTable.for_peer(a, b, HeadRead(0, 0, 0, 1))
+    assert PlanTable.for_peer(b, a) is not t  # direction matters
+    PlanTable.for_peer(a, b, r1)  # a fourth pair: the least recently used (a, b, None) goes
+    assert len(plan_mod._CACHE) == 3
+    assert PlanTable.for_peer(a, b) is not t
+    bad = _fa(3, 2, 8, 1 << 42)
+    for _ in range(2):  # an incompatible pair raises every time and is never kept
+        with pytest.raises(IncompatibleSpecError, match="layers x planes differ"):
+            plan_transfer(a, bad, [0], [0])
+    assert all(bad is not tb.remote for tb in plan_mod._CACHE.values())
