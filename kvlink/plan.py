@@ -38,6 +38,8 @@ Alloc = Callable[[int], Extents]
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """One request's extents: ``local[i]`` and ``remote[i]`` are the two ends of one copy."""
+
     local: Extents
     remote: Extents
     raw_descriptors: int  # extent count before coalescing
@@ -51,7 +53,7 @@ class Plan:
         return int(self.local.shape[0])
 
 
-class Path(str, enum.Enum):
+class PlanPath(str, enum.Enum):
     """How a :class:`PlanTable` plans (fixed per peer, so logged once, not per request)."""
 
     RUNS = "runs"  # whole units, stride == unit on both sides: runs of consecutive ids merge
@@ -75,7 +77,7 @@ class PlanTable:
     remote_offsets: U64
     piece: int  # bytes of one piece
     kv_inner: bool  # K and V of a block are neighbours on both sides: kv iterates innermost
-    path: Path
+    path: PlanPath
     unit: int  # fast paths: bytes one block contributes to one segment
     local_base: U64  # fast paths: [segments] address of block 0's unit
     remote_base: U64
@@ -136,7 +138,7 @@ class PlanTable:
         is called for the local array, then the remote one.
         """
         lids, rids = self._check_ids(local_ids, remote_ids)
-        if self.path is Path.GENERAL:
+        if self.path is PlanPath.GENERAL:
             return self._plan_grid(lids, rids, alloc)
         return self._plan_segments(lids, rids, alloc)
 
@@ -177,7 +179,7 @@ class PlanTable:
         unit = np.uint64(self.unit)
         lu, ru = lids.view(np.uint64), rids.view(np.uint64)  # bounds-checked: never negative
         lens: U64 | np.uint64
-        if self.path is Path.RUNS:
+        if self.path is PlanPath.RUNS:
             edge = np.empty(n + 1, dtype=bool)  # a run starts at each True; edge[n] closes
             edge[0] = edge[n] = True
             np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
@@ -270,8 +272,8 @@ _CACHE_LOCK = threading.Lock()
 
 
 def _segments(local: KVCacheSpec, remote: KVCacheSpec, loff: U64, roff: U64, piece: int,
-              kv_inner: bool) -> tuple[Path, int, tuple[U64, U64, U64, U64]]:
-    """The fast-path table, or Path.GENERAL with empty arrays.
+              kv_inner: bool) -> tuple[PlanPath, int, tuple[U64, U64, U64, U64]]:
+    """The fast-path table, or PlanPath.GENERAL with empty arrays.
 
     A *unit* is what one block contributes to one segment, in the general path's order: a piece
     of one plane, or — K and V neighbours and moved whole — the block's K and V pages as one.
@@ -281,7 +283,7 @@ def _segments(local: KVCacheSpec, remote: KVCacheSpec, loff: U64, roff: U64, pie
     (BLOCKS); a mix, or several pieces per page, is left to the general path.
     """
     empty = np.zeros(0, dtype=np.uint64)
-    general = (Path.GENERAL, 0, (empty, empty, empty, empty))
+    general = (PlanPath.GENERAL, 0, (empty, empty, empty, empty))
     if loff.shape[0] != 1:
         return general
     if kv_inner:
@@ -303,9 +305,9 @@ def _segments(local: KVCacheSpec, remote: KVCacheSpec, loff: U64, roff: U64, pie
         ls, rs = local.block_stride.reshape(-1), remote.block_stride.reshape(-1)
     merges = (ls == unit) & (rs == unit)
     if merges.all():
-        path = Path.RUNS
+        path = PlanPath.RUNS
     elif not merges.any():
-        path = Path.BLOCKS
+        path = PlanPath.BLOCKS
     else:
         return general
     seg = (lb + loff[0], rb + roff[0], np.ascontiguousarray(ls), np.ascontiguousarray(rs))

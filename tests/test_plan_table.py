@@ -27,7 +27,7 @@ import pytest
 from kvlink.errors import BlockIdOutOfRange, IncompatibleSpecError
 from kvlink.headmap import HeadRead, map_heads, rank_heads
 from kvlink.layout import KVCacheSpec, Layout
-from kvlink.plan import Path, Plan, PlanTable, plan_transfer
+from kvlink.plan import Plan, PlanPath, PlanTable, plan_transfer
 from kvlink.transport import EXTENT_DTYPE, Region
 
 KINDS = ("split", "joined", "pair", "padded", "mixed", "overlap")
@@ -218,7 +218,7 @@ def garbage_alloc(made: list[np.ndarray]) -> Callable[[int], np.ndarray]:
 @pytest.mark.parametrize("seed", range(12))
 def test_random_geometries_move_the_same_bytes(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    paths: Counter[Path] = Counter()
+    paths: Counter[PlanPath] = Counter()
     seams = 0
     for _ in range(400):
         c = random_case(rng)
@@ -235,10 +235,10 @@ def test_random_geometries_move_the_same_bytes(seed: int) -> None:
         assert np.array_equal(plan.local, general.local), (table.path, c)
         assert np.array_equal(plan.remote, general.remote), (table.path, c)
         assert plan.raw_descriptors == general.raw_descriptors
-        if table.path is not Path.GENERAL and c.lids.size:
+        if table.path is not PlanPath.GENERAL and c.lids.size:
             seams += table._seams(c.lids, c.rids) is not None
     # every path, and the seam merge, was exercised (else the cases above prove little)
-    assert min(paths[p] for p in Path) >= 20, paths
+    assert min(paths[p] for p in PlanPath) >= 20, paths
     assert seams >= 5, seams
 
 
@@ -263,7 +263,7 @@ def _fa(layers: int, heads: int, nb: int, base: int, *, packed: bool = True,
 def test_flash_attention_runs_one_extent_per_plane_and_run() -> None:
     local, remote = _fa(4, 1, 64, 1 << 40), _fa(4, 1, 32, 1 << 41)
     table = PlanTable.build(local, remote)
-    assert table.path is Path.RUNS and table.segments == 8 and table.unit == local.page_bytes
+    assert table.path is PlanPath.RUNS and table.segments == 8 and table.unit == local.page_bytes
     lids = np.array([10, 11, 12, 40, 41, 5, 7, 8])
     rids = np.array([0, 1, 2, 3, 4, 5, 6, 7])  # runs: [10-12], [40-41], [5], [7-8]
     plan = table.plan(lids, rids)
@@ -287,7 +287,7 @@ def test_whole_plane_request_merges_across_seams() -> None:
 
 
 def test_hnd_head_slices_take_the_blocks_path_and_nhd_the_general_one() -> None:
-    for layout, path in ((Layout.HND, Path.BLOCKS), (Layout.NHD, Path.GENERAL)):
+    for layout, path in ((Layout.HND, PlanPath.BLOCKS), (Layout.NHD, PlanPath.GENERAL)):
         local = _fa(2, 4, 16, 1 << 40, layout=layout)
         remote = _fa(2, 1, 16, 1 << 41, layout=layout)
         read = HeadRead(remote_rank=0, local_start=2, remote_start=0, count=1)
