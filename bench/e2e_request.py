@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import sys
@@ -150,6 +151,25 @@ def worker_stats(w: Any) -> dict[str, Any]:
         except Exception as exc:  # an attribute mid-change by its author: record why
             out[name] = f"unreadable: {type(exc).__name__}: {exc}"
     return out
+
+
+def phase_medians(w: Any, case: str) -> dict[str, dict[str, float]]:
+    """Per mode, the median of each of the worker's per-request phases (``KVWorker.phases``:
+    request id -> phase -> seconds, where this KVWorker version keeps them); {} if none."""
+    ph = getattr(w, "phases", None)
+    if not isinstance(ph, Mapping):
+        return {}
+    by_mode: dict[str, dict[str, list[float]]] = {}
+    for rid, p in ph.items():
+        d = _jsonable(p)
+        if not isinstance(d, dict):
+            continue
+        tag = str(rid)[len(case) + 1:].rsplit("-", 1)[0]  # ids are <case>-<mode>-<n>
+        for k, v in d.items():
+            if isinstance(v, (int, float)):
+                by_mode.setdefault(tag, {}).setdefault(k, []).append(float(v))
+    return {tag: {k: statistics.median(v) for k, v in ks.items()}
+            for tag, ks in by_mode.items()}
 
 
 def _sync(device: str) -> None:
@@ -469,6 +489,7 @@ class Consumer:
         for _ in range(self.args.inflight_rounds_for(n_req)):
             self.one_round("inflight8", self.inflight, False, raw["inflight8"])
         stats = worker_stats(self.w)
+        phases = phase_medians(self.w, self.name)
         stats_prefill = self.prod.ask(("stats",), "stats")
         if not self.device.startswith("cuda"):
             self.socket_half(n_req)
@@ -495,6 +516,8 @@ class Consumer:
                 else None
             if xf:
                 row["worker_xfer_seconds_median_s"] = statistics.median(xf)
+            if mode in phases:
+                row["worker_phases_median_s"] = phases[mode]
             b = bases.get(mode, {})
             row["baselines"] = b
             for base, key in (("device_copy", "ratio_device_copy_over_kvlink"),
@@ -658,6 +681,15 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
         print("  ".join(x.rjust(wd) for x, wd in zip(r, widths)))
     print("k = kvlink post->done (read() to the poll that reports it finished); alone = the "
           "same extents through the worker's transport directly;")
+    ph = [(n, m, r["worker_phases_median_s"]) for n, cr in cases.items()
+          for m, r in cr["modes"].items() if "worker_phases_median_s" in r]
+    if ph:
+        keys = list(ph[0][2])
+        print("worker phases (KVWorker.phases, median ms per request): case mode "
+              + " ".join(keys))
+        for n, m, p in ph:
+            print(f"  {n} {m} " + " ".join(f"{k}={p.get(k, float('nan')) * 1e3:.3f}"
+                                          for k in keys))
     if device == "cuda":
         print("copy/k = device copy time / kvlink time (fraction of the copy's speed); "
               "copy and gather timed by CUDA events")
@@ -718,6 +750,7 @@ def main() -> None:
     elif args.transport == "cuda_ipc":
         ap.error("cuda_ipc moves GPU memory: use --device cuda")
 
+    load0, commit = _loadavg(), _git_commit()
     prod = Producer(args.device_name, args.transport, args.options, args.timeout)
     cases: dict[str, Any] = {}
     try:
@@ -760,12 +793,37 @@ def main() -> None:
                   "kvlink time (fraction of the baseline's speed); ratio_kvlink_over_*: kvlink "
                   "time / baseline time",
         "goals_text": GOALS_TEXT["cuda" if args.device == "cuda" else "cpu"],
+        "kvlink_commit": commit, "loadavg_1_5_15_start": load0, "loadavg_1_5_15_end": _loadavg(),
         "goals": gl, "total_mismatches": bad, "cases": cases,
     }
     write_result(name, payload, out)
     if bad:
         print(f"FAILED: {bad} elements did not match what the producer wrote")
         sys.exit(1)
+
+
+def _loadavg() -> list[float] | None:
+    """The machine's load (others' processes skew a 2-core machine's figures)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _git_commit() -> str | None:
+    """The checkout measured: HEAD, and "+dirty" when kvlink/ has uncommitted changes."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "kvlink",
+                                "kvlink_transports"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 def _sleep_measured() -> float:
