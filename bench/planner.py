@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/planner.py [--runs 300] [--out bench/results/planner.json]
 
-Every case is timed four ways in the same run: ``table_plan`` (PlanTable.plan on a table built
-beforehand, what the worker does per request), ``plan_transfer`` (build + plan per call),
-``general_path`` (PlanTable.plan_general: the whole [layer, kv, block, piece] grid then
-coalesced — the planner before PlanTable), ``build_table`` alone; plus a Python loop over
-(layer, kv, block) building the uncoalesced extents.
+Every case is timed these ways in the same run: ``table_plan`` (PlanTable.plan on a table
+built beforehand: what a worker does per request), ``plan_transfer`` (the table from
+PlanTable.for_peer's cache, then plan), ``build_then_plan`` (a fresh table every call: a pair's
+first request), ``general_path`` (PlanTable.plan_general: the whole [layer, kv, block, piece]
+grid then coalesced — the planner before PlanTable), ``build_table`` alone; plus a Python loop
+over (layer, kv, block) building the uncoalesced extents.
 
 (a) one 4096-token request of a Llama-3-70B-sized rank (80 layers, 8 kv heads, head_dim 128,
     bf16, block 16): 256 blocks x 80 layers = 20480 (layer, block) pairs, K/V split.
@@ -18,6 +19,7 @@ coalesced — the planner before PlanTable), ``build_table`` alone; plus a Pytho
     256 blocks; decode ids in shuffled runs of 1-8 blocks, prefill ids contiguous.
     c1: a Llama-3-70B TP8 rank (80 layers, 1 kv head). Goal: table_plan median <= 0.1 ms.
     c2: Llama-3-8B TP1 (32 layers, 8 kv heads). Goal: table_plan median <= 0.1 ms.
+(d) one block of the (a) specs: the smallest request, where building a table costs the most.
 
 Specs are built directly with fake addresses (KVCacheSpec fields), so nothing large is allocated.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -68,7 +71,8 @@ def shuffled_runs(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarr
     cuts = np.cumsum(rng.integers(1, 9, num_blocks))
     runs = np.split(np.arange(num_blocks), cuts[cuts < num_blocks])
     order = rng.permutation(len(runs))
-    return np.concatenate([runs[i] for i in order])[:n].astype(np.int64)
+    ids: np.ndarray = np.concatenate([runs[i] for i in order])[:n].astype(np.int64)
+    return ids
 
 
 def timed(fn: Callable[[], Any], runs: int, warmup: int = 5) -> list[float]:
@@ -82,13 +86,20 @@ def timed(fn: Callable[[], Any], runs: int, warmup: int = 5) -> list[float]:
     return out
 
 
-def summary(ms: list[float], goal: float, **extra: Any) -> dict[str, Any]:
+def summary(ms: list[float], goal: float | None, **extra: Any) -> dict[str, Any]:
     q = statistics.quantiles(ms, n=10) if len(ms) >= 10 else [min(ms), max(ms)]
     return {
         "median_ms": statistics.median(ms), "p10_ms": q[0], "p90_ms": q[-1], "min_ms": min(ms),
-        "goal_ms": goal, "meets_goal": statistics.median(ms) <= goal, "runs": len(ms),
+        "goal_ms": goal, "meets_goal": None if goal is None else statistics.median(ms) <= goal,
+        "runs": len(ms),
         **extra, "raw_ms": [round(x, 4) for x in ms],
     }
+
+
+def build_then_plan(local: KVCacheSpec, remote: KVCacheSpec, lids: np.ndarray,
+                    rids: np.ndarray) -> Any:
+    """A pair's first request: the table built, then used once."""
+    return PlanTable.build(local, remote).plan(lids, rids)
 
 
 def python_loop_plan(local: KVCacheSpec, remote: KVCacheSpec, lids: np.ndarray,
@@ -118,7 +129,11 @@ def run_cases(runs: int) -> dict[str, Any]:
         "a1_random_decode_contiguous_prefill": (random_ids, np.arange(1000, 1000 + NBLK)),
         "a2_both_contiguous": (np.arange(3000, 3000 + NBLK), np.arange(1000, 1000 + NBLK)),
     }
-    specs = {name: (decode, prefill, GOAL_A_MS, "plan_transfer") for name in cases}
+    specs: dict[str, tuple[KVCacheSpec, KVCacheSpec, float | None, str]] = {
+        name: (decode, prefill, GOAL_A_MS, "plan_transfer") for name in cases}
+    # (d) the smallest request: is a table (first request of a pair: built) ever slower?
+    cases["d_one_block"] = (random_ids[:1], np.arange(1000, 1001))
+    specs["d_one_block"] = (decode, prefill, None, "plan_transfer")
     # (c) vLLM FlashAttention per layer, decode ids in shuffled runs
     for name, layers, heads in (("c1_llama70b_tp8_rank_runs", LAYERS, 1),
                                 ("c2_llama8b_tp1_runs", 32, 8)):
@@ -135,9 +150,10 @@ def run_cases(runs: int) -> dict[str, Any]:
         general = table.plan_general(lids, rids)
         assert np.array_equal(plan.local, general.local)
         assert np.array_equal(plan.remote, general.remote)
-        fns = {
+        fns: dict[str, Callable[[], Any]] = {
             "table_plan": functools.partial(table.plan, lids, rids),
             "plan_transfer": functools.partial(plan_transfer, local, remote, lids, rids),
+            "build_then_plan": functools.partial(build_then_plan, local, remote, lids, rids),
             "general_path": functools.partial(table.plan_general, lids, rids),
             "build_table": functools.partial(PlanTable.build, local, remote),
         }
@@ -150,8 +166,7 @@ def run_cases(runs: int) -> dict[str, Any]:
             "kv_heads": local.num_kv_heads, "layer_block_pairs": local.num_layers * NBLK,
             "raw_descriptors": plan.raw_descriptors, "descriptors": plan.descriptors,
             "bytes": plan.nbytes, "goal_of": goal_of,
-            **{k: summary(v, goal if k == goal_of else float("nan")) for k, v in
-               timings.items()},
+            **{k: summary(v, goal if k == goal_of else None) for k, v in timings.items()},
             "baseline_python_loop_median_ms": statistics.median(base),
             "speedup_table_plan_vs_general_path": med["general_path"] / med["table_plan"],
             "speedup_plan_transfer_vs_general_path": (med["general_path"]
@@ -159,7 +174,8 @@ def run_cases(runs: int) -> dict[str, Any]:
             "speedup_table_plan_vs_python_loop": statistics.median(base) / med["table_plan"],
         }
         print(f"  {name} ({table.path.value}): table_plan {med['table_plan'] * 1e3:.1f} us, "
-              f"plan_transfer {med['plan_transfer'] * 1e3:.1f} us, general path "
+              f"plan_transfer {med['plan_transfer'] * 1e3:.1f} us, build + plan "
+              f"{med['build_then_plan'] * 1e3:.1f} us, general path "
               f"{med['general_path'] * 1e3:.1f} us, build {med['build_table'] * 1e3:.1f} us "
               f"(goal {goal_of} <= {goal} ms); {plan.descriptors} descriptors from "
               f"{plan.raw_descriptors}; python loop {statistics.median(base):.1f} ms")
@@ -200,7 +216,7 @@ def run_cases(runs: int) -> dict[str, Any]:
             "raw_descriptors": sum(p.raw_descriptors for p in plans),
             "descriptors": sum(p.descriptors for p in plans),
             "bytes": sum(p.nbytes for p in plans), "goal_of": "plan_transfer",
-            **{k: summary(v, GOAL_B_MS if k == "plan_transfer" else float("nan"))
+            **{k: summary(v, GOAL_B_MS if k == "plan_transfer" else None)
                for k, v in timings.items()},
             "speedup_table_plan_vs_general_path": med["general_path"] / med["table_plan"],
         }
@@ -226,6 +242,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    load_before = os.getloadavg()
     print("default allocator:")
     results = run_cases(args.runs)
     payload: dict[str, Any] = {
@@ -243,6 +260,9 @@ def main() -> None:
     if keep_freed_memory():
         print("glibc mallopt(M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB):")
         payload["results_malloc_keep_freed"] = run_cases(args.runs)
+    # a shared 2-CPU machine: say how busy it was, since other work inflates every figure
+    payload["loadavg_1_5_15_before"] = load_before
+    payload["loadavg_1_5_15_after"] = os.getloadavg()
     write_result("planner", payload, args.out)
 
 
