@@ -66,7 +66,7 @@ class Refused:
 @dataclasses.dataclass
 class _Lease:
     block_ids: list[int]
-    held: npt.NDArray[np.int64]  # sorted unique ids, for subset checks
+    held: frozenset[int]  # for subset checks: a set beats numpy at a few hundred ids
     generation: int
     deadline: float
     expected: int | None  # readers still unknown until the first report says
@@ -94,6 +94,15 @@ class Released:
     req_id: str
     block_ids: list[int]
     why: str  # "read", "expired" or "aborted"
+
+
+def _outside(held: frozenset[int], block_ids: Sequence[int] | npt.ArrayLike) -> list[int]:
+    """Up to 8 of ``block_ids`` that are not ``held`` (sorted), empty when all are."""
+    ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
+    if isinstance(ids, (list, tuple)) and held.issuperset(ids):
+        return []
+    want = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    return sorted({int(b) for b in want.tolist() if int(b) not in held})[:8]
 
 
 def new_generation() -> int:
@@ -135,7 +144,7 @@ class BlockLeases:
                 raise ValueError(f"request {req_id!r} already holds blocks")
             self._gone.pop(req_id, None)
             gen = next(self._gen) if generation is None else generation
-            self._leases[req_id] = _Lease(ids, np.unique(np.asarray(ids, dtype=np.int64)), gen,
+            self._leases[req_id] = _Lease(ids, frozenset(ids), gen,
                                           self._clock() + self.lease_seconds, readers)
             self.stats.held += 1
             self.stats.held_blocks += len(ids)
@@ -169,12 +178,11 @@ class BlockLeases:
                 self.stats.reads_refused += 1
                 return Refused(Refusal.RELEASED, f"request {req_id} is no longer held: {why}")
             if block_ids is not None:
-                want = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-                bad = want[~np.isin(want, lease.held)]
-                if bad.size:
+                bad = _outside(lease.held, block_ids)
+                if bad:
                     self.stats.reads_refused += 1
-                    return Refused(Refusal.BLOCKS, f"blocks {np.unique(bad)[:8].tolist()} are "
-                                   f"not among the {lease.held.size} held for {req_id}")
+                    return Refused(Refusal.BLOCKS, f"blocks {bad} are not among the "
+                                   f"{len(lease.held)} held for {req_id}")
             now = self._clock()
             lease.deadline = max(lease.deadline, now + self.read_seconds)
             lease.reading.add(reader)
@@ -236,13 +244,12 @@ class BlockLeases:
                 self.stats.reads_not_intact += 1
                 return Refused(Refusal.RELEASED, f"request {req_id} was released and held "
                                "again under the READ (another generation)")
-            want = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-            bad = want[~np.isin(want, lease.held)]
-            if bad.size:
+            bad = _outside(lease.held, block_ids)
+            if bad:
                 self.stats.reads_refused += 1
                 self.finish_read(req_id, reader, generation, False, expected)
-                return Refused(Refusal.BLOCKS, f"blocks {np.unique(bad)[:8].tolist()} are not "
-                               f"among the {lease.held.size} held for {req_id}")
+                return Refused(Refusal.BLOCKS, f"blocks {bad} are not among the "
+                               f"{len(lease.held)} held for {req_id}")
             self.stats.reads_granted += 1
             self.finish_read(req_id, reader, generation, True, expected)
             return Grant(generation, 0.0)

@@ -223,6 +223,7 @@ class KVWorker:
         self._chan = Channels(self._secret)
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
         self._tables: dict[tuple[str, HeadRead], PlanTable] = {}
+        self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
@@ -863,11 +864,14 @@ class KVWorker:
     def expected_readers(self, reader_tp: int) -> int:
         """How many ranks of a ``reader_tp``-way consumer will say "done" to this rank (see
         :func:`kvlink.headmap.notify_targets`: replicas that were not read are told too)."""
-        spec = self._require_spec()
-        return sum(
-            self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
-                                                  spec.total_kv_heads, spec.mla)
-            for rank in range(reader_tp))
+        known = self._readers.get(reader_tp)
+        if known is None:  # asked by every report: computed once per consumer TP
+            spec = self._require_spec()
+            known = self._readers[reader_tp] = sum(
+                self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
+                                                      spec.total_kv_heads, spec.mla)
+                for rank in range(reader_tp))
+        return known
 
     # ------------------------------------------------------------------ push, decode side
     def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -952,8 +956,8 @@ class KVWorker:
             for asked in [a for a in aw.asked if a.done()]:
                 aw.asked.remove(asked)
                 if asked.exception() is not None:
-                    wait.fail(f"push request to {aw.remote.engine_id} failed: "
-                              f"{asked.exception()}")
+                    wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
+                              f"{aw.remote.engine_id} failed: {asked.exception()}")
             if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
                 if not wait.cancelling:
                     wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "

@@ -18,7 +18,7 @@ from test_lifecycle import blocks, make, outcome, remote, sleep_until, until
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import AuthError, PeerUnreachable
+from kvlink.errors import AuthError, PeerUnreachable, SideChannelError
 from kvlink.worker import KVWorker
 
 
@@ -224,6 +224,19 @@ def test_sessions_refuse_wrong_secrets_unsealed_batches_and_replays() -> None:
         srv.close()
 
 
+def _rebind(port: int) -> sidechannel.SideChannelServer:
+    """The same port again: ZMQ lets go of a closed socket's port asynchronously."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return sidechannel.SideChannelServer(
+                "127.0.0.1", port, lambda m: wire.Ack(v=WIRE_VERSION), secret=b"k")
+        except SideChannelError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def test_a_restarted_server_gets_a_new_session_and_a_dead_one_times_out() -> None:
     """The kept-open connection outlives its server: the first frame to the restarted one is
     refused (no session), the next call opens a new session; a server that is gone fails the
@@ -233,8 +246,7 @@ def test_a_restarted_server_gets_a_new_session_and_a_dead_one_times_out() -> Non
     chan = Channels(b"k")
     assert isinstance(_ack(chan, port), wire.Ack)
     srv.close()
-    srv = sidechannel.SideChannelServer("127.0.0.1", port, lambda m: wire.Ack(v=WIRE_VERSION),
-                                        secret=b"k")
+    srv = _rebind(port)
     try:
         try:
             _ack(chan, port)

@@ -329,7 +329,10 @@ def test_scheduler_params_round_trip() -> None:
     delay, params = prod.request_finished(req, [4, 5, 6])
     assert delay and params is not None
     assert params["remote_block_ids"] == [[4, 5, 6]] and params["remote_port"] == 7000
-    assert prod.build_plan().send == [SendReq("p1", (4, 5, 6))]
+    (send,) = prod.build_plan().send
+    assert (send.req_id, send.block_ids) == ("p1", (4, 5, 6))
+    # minted where the blocks are kept, handed to the decode: it READs without asking
+    assert send.generation > 0 and params["kvlink_generation"] == send.generation
     aborted = _Req("p2", prompt_ids, {"do_remote_decode": True}, 70, _Status("FINISHED_ABORTED"))
     assert prod.request_finished(aborted, [1]) == (False, None)  # freed at once, not held
 
