@@ -396,7 +396,7 @@ class Consumer:
         return time.perf_counter() - t0
 
     def kvlink(self, held: list[tuple[str, int, list[int], int]], lids: list[np.ndarray],
-               spin: bool) -> float:
+               spin: bool, tag: str | None) -> float:
         """read(..., generation=gen) of every request at once -> the poll that reports the
         last one finished."""
         w, remote = self.w, self.remote
@@ -407,8 +407,8 @@ class Consumer:
         dt = self._wait_all(pending, spin, t0)
         for rid, *_ in held:
             x = w.xfer_seconds.pop(rid, None)
-            if x is not None:
-                self.xfer.setdefault("spin" if spin else "sleep", []).append(x)
+            if x is not None and tag is not None:
+                self.xfer.setdefault(tag, []).append(x)
         return dt
 
     def alone(self, plans: list[Any], spin: bool) -> float:
@@ -454,7 +454,7 @@ class Consumer:
         lids = self._local_ids(count)
         exps = [self._expected(no, rids) for _, no, rids, _ in held]
         self._sentinel(lids)
-        dt = self.kvlink(held, lids, spin)
+        dt = self.kvlink(held, lids, spin, tag if count_it else None)
         for li, exp in zip(lids, exps):
             self._check(tag if count_it else "warmup", li, exp)
         if self.peer is None:  # after the first request: the handshake's peer
@@ -512,8 +512,7 @@ class Consumer:
             k = row["kvlink"]["median_s"]
             row["kvlink_gbps"] = nbytes / k / 1e9
             row["ratio_kvlink_over_transport_alone"] = k / row["transport_alone"]["median_s"]
-            xf = self.xfer.get("spin" if mode == "spin" else "sleep") if mode != "inflight8" \
-                else None
+            xf = self.xfer.get(mode)
             if xf:
                 row["worker_xfer_seconds_median_s"] = statistics.median(xf)
             if mode in phases:
