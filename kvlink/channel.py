@@ -16,18 +16,27 @@ per-request path, and it never blocks:
   ``ErrorReply``: every call on that connection fails with it, and the next call opens a new
   connection and session. Replies to calls that already timed out are dropped by id.
 
-Not thread-safe by design beyond one lock that makes concurrent use correct, not fast: the
-worker drives it from its caller's thread.
+Two pipes carry the frames. Before a handshake said where the peer's session port is, a
+ZMQ DEALER to its side channel; after (:meth:`Channels.learn`), one plain TCP connection to that
+port, read and written non-blocking from the caller's thread. Why both: ZMQ hands every frame
+to its I/O thread and back, four thread wake-ups a round trip, measured 126 us (343 us with the
+cores idle 2 ms between requests) against 16 us (61 us) for plain TCP on the same loopback —
+most of a small request's time. ZMQ stays for what comes before a handshake.
+
+One lock makes concurrent use correct, not fast: the worker drives it from its caller's thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import logging
 import secrets
+import socket
 import threading
 import time
+from typing import Protocol
 
 import zmq
 
@@ -40,7 +49,7 @@ from kvlink.errors import (
     PeerUnreachable,
     SideChannelError,
 )
-from kvlink.sidechannel import endpoint, seal_mac, session_key
+from kvlink.sidechannel import FRAME, endpoint, seal_mac, session_key
 
 log = logging.getLogger("kvlink.channel")
 
@@ -90,16 +99,122 @@ class Pending:
         self._reply, self._error = reply, error
 
 
+class _Pipe(Protocol):
+    def put(self, body: bytes) -> None: ...  # raises OSError when the connection is gone
+    def take(self) -> list[bytes]: ...  # frames that arrived; raises OSError when gone
+    def pollable(self) -> zmq.Socket[bytes] | int: ...
+    def close(self) -> None: ...
+
+
+class _ZmqPipe:
+    """A DEALER to a side channel's ROUTER (before a handshake named the session port)."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.sock.connect(endpoint(host, port))
+
+    def put(self, body: bytes) -> None:
+        try:
+            self.sock.send_multipart([b"", body], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer's queue is full: those calls time out
+            log.info("side channel frame not sent: %s", exc)
+
+    def take(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK)[-1])
+            except zmq.Again:
+                return out
+
+    def pollable(self) -> zmq.Socket[bytes]:
+        return self.sock
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class _TcpPipe:
+    """One plain TCP connection to a side channel's session port, never blocking: frames
+    are ``FRAME``-prefixed; what the kernel does not take now is sent by the next call."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                  socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
+        err = self.sock.connect_ex((host, port))
+        if err not in (0, errno.EINPROGRESS):
+            self.sock.close()
+            raise OSError(err, f"cannot connect to the session port {host}:{port}: "
+                          f"{errno.errorcode.get(err, err)}")
+        self._out = bytearray()
+        self._in = bytearray()
+
+    def put(self, body: bytes) -> None:
+        if len(body) > wire.MAX_MESSAGE_BYTES:
+            raise OSError(errno.EMSGSIZE, f"a frame of {len(body)} B")
+        self._out += FRAME.pack(len(body))
+        self._out += body
+        self._send()
+
+    def _send(self) -> None:
+        while self._out:
+            try:
+                n = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno == errno.ENOTCONN:  # still connecting
+                    return
+                raise
+            del self._out[:n]
+
+    def take(self) -> list[bytes]:
+        self._send()
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno == errno.ENOTCONN:
+                    break
+                raise
+            if not chunk:
+                raise ConnectionResetError(errno.ECONNRESET, "the session port closed")
+            self._in += chunk
+        out = []
+        while len(self._in) >= FRAME.size:
+            (n,) = FRAME.unpack_from(self._in)
+            if n > wire.MAX_MESSAGE_BYTES:
+                raise OSError(errno.EMSGSIZE, f"an answer frame of {n} B")
+            if len(self._in) < FRAME.size + n:
+                break
+            out.append(bytes(self._in[FRAME.size:FRAME.size + n]))
+            del self._in[:FRAME.size + n]
+        return out
+
+    def pollable(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 @dataclasses.dataclass
 class _Conn:
     where: str
-    sock: zmq.Socket[bytes]
+    pipe: _Pipe
     queued: list[tuple[int, wire.Request, Pending]] = dataclasses.field(default_factory=list)
-    waiting: dict[int, Pending] = dataclasses.field(default_factory=dict)
+    waiting: dict[int, tuple[wire.Request, Pending]] = dataclasses.field(default_factory=dict)
     nonce: bytes = b""  # our Hello's nonce while the session opens
     key: bytes | None = None
     counter: int = 0
     hello_deadline: float = 0.0
+    broken: str = ""  # a send failed: the connection is gone
 
 
 class Channels:
@@ -109,6 +224,7 @@ class Channels:
         self._secret = secret
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._conns: dict[tuple[str, int], _Conn] = {}
+        self._session_ports: dict[tuple[str, int], int] = {}  # side channel -> session port
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self.frames_sent = 0
@@ -123,6 +239,17 @@ class Channels:
             conn.queued.append((next(self._ids), msg, pending))
             return pending
 
+    def learn(self, host: str, port: int, session_port: int) -> None:
+        """A handshake with ``host:port`` named its session port: calls go there from now on
+        (a connection open to an older one is closed once nothing awaits an answer on it)."""
+        with self._lock:
+            if not session_port or self._session_ports.get((host, port)) == session_port:
+                return
+            self._session_ports[(host, port)] = session_port
+            conn = self._conns.get((host, port))
+            if conn is not None and not (conn.queued or conn.waiting or conn.nonce):
+                self._reset((host, port), conn, PeerUnreachable("replaced"))
+
     def flush(self) -> None:
         """Send every queued message, one frame per peer (a session opens first if needed)."""
         with self._lock:
@@ -135,17 +262,30 @@ class Channels:
         with self._lock:
             now = time.monotonic()
             for key, conn in list(self._conns.items()):
-                while conn.waiting or conn.nonce:
+                if conn.broken:
+                    if isinstance(conn.pipe, _TcpPipe):
+                        self._fall_back(key, conn, conn.broken)
+                    else:
+                        self._reset(key, conn, PeerUnreachable(
+                            f"side channel {conn.where}: {conn.broken}"))
+                    continue
+                if conn.waiting or conn.nonce:
                     try:
-                        frames = conn.sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._take(key, conn, frames[-1])
-                    if self._conns.get(key) is not conn:
-                        break
+                        frames = conn.pipe.take()
+                    except OSError as exc:
+                        if isinstance(conn.pipe, _TcpPipe):
+                            self._fall_back(key, conn, exc)
+                        else:
+                            self._reset(key, conn, PeerUnreachable(
+                                f"side channel {conn.where}: {exc}"))
+                        continue
+                    for body in frames:
+                        self._take(key, conn, body)
+                        if self._conns.get(key) is not conn:
+                            break
                 if self._conns.get(key) is not conn:
                     continue
-                for cid, pending in list(conn.waiting.items()):
+                for cid, (_, pending) in list(conn.waiting.items()):
                     if now >= pending.deadline:
                         del conn.waiting[cid]
                         pending._settle(None, PeerUnreachable(
@@ -167,7 +307,7 @@ class Channels:
             poller = zmq.Poller()
             for conn in self._conns.values():
                 if conn.waiting or conn.nonce:
-                    poller.register(conn.sock, zmq.POLLIN)
+                    poller.register(conn.pipe.pollable(), zmq.POLLIN)
         if poller.sockets:
             poller.poll(max(0, int(timeout * 1000)))
         self.pump()
@@ -182,11 +322,16 @@ class Channels:
     def _conn(self, host: str, port: int) -> _Conn:
         conn = self._conns.get((host, port))
         if conn is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-            sock.connect(endpoint(host, port))
-            conn = self._conns[(host, port)] = _Conn(f"{host}:{port}", sock)
+            session = self._session_ports.get((host, port))
+            pipe: _Pipe
+            try:
+                pipe = (_TcpPipe(host, session) if session else
+                        _ZmqPipe(self._ctx, host, port))
+            except OSError as exc:  # fails its calls at their deadline, in pump()
+                log.info("session port of %s:%d: %s; using its side channel", host, port, exc)
+                pipe = _ZmqPipe(self._ctx, host, port)
+            where = f"{host}:{port}" + (f" (session port {session})" if session else "")
+            conn = self._conns[(host, port)] = _Conn(where, pipe)
         return conn
 
     def _send(self, conn: _Conn) -> None:
@@ -205,17 +350,18 @@ class Channels:
                 body = wire.encode(batch)
                 frame = wire.Sealed(v=WIRE_VERSION, counter=conn.counter,
                                     mac=seal_mac(conn.key, conn.counter, body), body=body)
-            for cid, _, pending in chunk:
-                conn.waiting[cid] = pending
+            for cid, m, pending in chunk:
+                conn.waiting[cid] = (m, pending)
             self._put(conn, frame)
             self.calls_sent += len(chunk)
 
     def _put(self, conn: _Conn, msg: wire._Msg) -> None:
         try:
-            conn.sock.send_multipart([b"", wire.encode(msg)], zmq.NOBLOCK)
+            conn.pipe.put(wire.encode(msg))
             self.frames_sent += 1
-        except zmq.ZMQError as exc:  # the peer's queue is full: those calls time out
+        except OSError as exc:  # gone: its calls fail in the next pump()
             log.info("side channel frame to %s not sent: %s", conn.where, exc)
+            conn.broken = f"{exc}"
 
     def _take(self, key: tuple[str, int], conn: _Conn, body: bytes) -> None:
         try:
@@ -225,9 +371,9 @@ class Channels:
             return
         if isinstance(reply, wire.Replies):
             for ans in reply.answers:
-                pending = conn.waiting.pop(ans.id, None)
-                if pending is not None:
-                    pending._settle(ans.msg)
+                got = conn.waiting.pop(ans.id, None)
+                if got is not None:
+                    got[1]._settle(ans.msg)
         elif isinstance(reply, wire.Welcome) and conn.nonce and self._secret is not None:
             conn.key = session_key(self._secret, conn.nonce, reply.nonce)
             conn.nonce = b""
@@ -246,13 +392,27 @@ class Channels:
                 keep.append(item)
         conn.queued = keep
 
+    def _fall_back(self, key: tuple[str, int], conn: _Conn, why: object) -> None:
+        """The session connection broke (refused, reset, closed) with calls unanswered: its
+        server is gone — it answers every frame it takes before it closes — so they go again
+        through the side channel, which reaches whoever serves that address now (a restarted
+        process answers "stale" and the worker handshakes again). Until a handshake names a
+        session port again, the side channel carries everything to that address."""
+        log.info("session connection %s broke (%s); using its side channel", conn.where, why)
+        self._session_ports.pop(key, None)
+        del self._conns[key]
+        conn.pipe.close()
+        fresh = self._conn(*key)
+        fresh.queued = [(cid, m, p) for cid, (m, p) in conn.waiting.items()] + conn.queued
+        self._send(fresh)
+
     def _reset(self, key: tuple[str, int], conn: _Conn, error: KVLinkError) -> None:
         """Fail everything on ``conn`` and drop it: the next call opens a fresh one."""
         for _, _, pending in conn.queued:
             pending._settle(None, error)
-        for pending in conn.waiting.values():
+        for _, pending in conn.waiting.values():
             pending._settle(None, error)
-        conn.sock.close(linger=0)
+        conn.pipe.close()
         if self._conns.get(key) is conn:
             del self._conns[key]
         if not isinstance(error, PeerUnreachable) or "cancelled" not in str(error):

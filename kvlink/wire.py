@@ -103,6 +103,8 @@ class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
     #: random per process start: requests carry it back, so a peer restarted under the same
     #: engine id and address is detected (stale incarnation) instead of read through old state
     incarnation: int = 0
+    #: where this rank takes kept-open sessions (plain TCP, see kvlink.channel); 0: none
+    session_port: int = 0
 
 
 class Notification(_Msg, tag="notify", frozen=True):

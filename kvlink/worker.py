@@ -266,6 +266,8 @@ class KVWorker:
                 self.config.host, port, self._on_side_message,
                 name=f"kvlink-side-{self.config.tp_rank}", secret=self._secret,
                 allow_insecure=self.config.allow_insecure)
+            log.info("rank %d side channel on %s:%d, sessions on port %d", self.config.tp_rank,
+                     self.config.host, self._server.port, self._server.session_port)
 
     @property
     def side_port(self) -> int:
@@ -344,6 +346,7 @@ class KVWorker:
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, host_id=host_id(),
             compat=ours, spec=wire.SpecMsg.of(spec), transports=self._offer(req),
             incarnation=self.incarnation,
+            session_port=self._server.session_port if self._server is not None else 0,
         )
 
     def _stale(self, incarnation: int, what: str, req_id: str) -> wire.ErrorReply:
@@ -595,6 +598,7 @@ class KVWorker:
             part.error = f"{where}: {unreachable}"
             return
         peer = part.peer.result()
+        self._chan.learn(*peer.endpoint, peer.session_port)
         if req.op is not Op.READ:
             part.go = _Go(peer)
         elif req.generation is not None:

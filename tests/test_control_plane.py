@@ -215,10 +215,11 @@ def test_sessions_refuse_wrong_secrets_unsealed_batches_and_replays() -> None:
         assert conn.key is not None
         body = wire.encode(wire.Batch(v=WIRE_VERSION, calls=[]))
         mac = sidechannel.seal_mac(conn.key, conn.counter, body)
-        conn.sock.send_multipart([b"", wire.encode(wire.Sealed(
+        sock = conn.pipe.sock  # type: ignore[attr-defined]
+        sock.send_multipart([b"", wire.encode(wire.Sealed(
             v=WIRE_VERSION, counter=conn.counter, mac=mac, body=body))])
-        assert conn.sock.poll(5000, zmq.POLLIN)
-        reply = wire.decode(conn.sock.recv_multipart()[-1])
+        assert sock.poll(5000, zmq.POLLIN)
+        reply = wire.decode(sock.recv_multipart()[-1])
         assert isinstance(reply, wire.ErrorReply) and "replayed" in reply.message
     finally:
         srv.close()
