@@ -298,11 +298,12 @@ class PullWorker:
         return len(self._recv) + len(self._writes) + len(self._push_waiting) + held
 
     def _yield(self, seconds: float) -> None:
-        """An idle step's yield: up to ``seconds`` with the GIL released, polling every 0.2 ms,
-        ended early by a finished or failed receive."""
+        """An idle step's yield: up to ``seconds`` with the GIL released, polling at least every
+        0.2 ms and as soon as a side-channel answer arrives (a READ's verdict), ended early by a
+        finished or failed receive."""
         deadline = time.perf_counter() + seconds
         while (left := deadline - time.perf_counter()) > 0:
-            time.sleep(min(left, 0.0002))
+            self._w().wait(min(left, 0.0002))
             if self._recv or self._writes:
                 self._poll()
             if self._finished or self._failed:
