@@ -33,6 +33,7 @@ import errno
 import itertools
 import logging
 import secrets
+import select
 import socket
 import threading
 import time
@@ -302,14 +303,21 @@ class Channels:
             return any(c.queued or c.waiting or c.nonce for c in self._conns.values())
 
     def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` for any answer (with the GIL released in ZMQ), then pump."""
+        """Block up to ``timeout`` seconds (at least 1 ms while a ZMQ pipe is awaited: ZMQ polls
+        in milliseconds), waking early when an answer arrives, with the GIL released; then
+        pump. Never a busy return, so a caller may loop on it."""
         with self._lock:
+            busy = [c.pipe for c in self._conns.values() if c.waiting or c.nonce]
+        timeout = max(0.0, timeout)
+        if any(isinstance(p, _ZmqPipe) for p in busy):  # ZMQ polls in whole milliseconds
             poller = zmq.Poller()
-            for conn in self._conns.values():
-                if conn.waiting or conn.nonce:
-                    poller.register(conn.pipe.pollable(), zmq.POLLIN)
-        if poller.sockets:
-            poller.poll(max(0, int(timeout * 1000)))
+            for p in busy:
+                poller.register(p.pollable(), zmq.POLLIN)
+            poller.poll(max(1, round(timeout * 1000)))
+        elif busy:
+            select.select([p.pollable() for p in busy], [], [], timeout)
+        else:  # nothing awaited here: a plain sleep
+            time.sleep(timeout)
         self.pump()
 
     def close(self, why: str = "closing") -> None:
