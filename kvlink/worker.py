@@ -150,6 +150,7 @@ class _Part:
     restarts: int = 0  # "stale" answers: the producer restarted, handshake again
     reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
+    nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     t_done: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
@@ -678,7 +679,8 @@ class KVWorker:
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
         req.phases.post += time.perf_counter() - part.t_post
-        req.nbytes += plan.nbytes
+        part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
+        req.nbytes += part.nbytes
 
     def _table(self, peer: Peer, read: HeadRead) -> PlanTable:
         """The peer's plan table for ``read``, built at its first request (per handshake: a
@@ -745,8 +747,8 @@ class KVWorker:
                 if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
                     part.reask = True
                 else:  # restarted under the READ: READ again after the new handshake
-                    req.nbytes -= part.plan.nbytes if part.plan is not None else 0
-                    part.go, part.plan = None, None
+                    req.nbytes -= part.nbytes
+                    part.go, part.plan, part.nbytes = None, None, 0
                 return
             reply, why = None, f"no verdict ({exc})"
         if part.failure is not None:  # released by that report: the READ failed

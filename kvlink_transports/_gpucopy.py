@@ -46,6 +46,7 @@ SMALL = 64 << 10  # extents up to this size go several to a program
 _SMALL_SHAPE = (4, 1024, 4)
 _LARGE_SHAPE = (1, 8192, 16)
 _I32 = 1 << 31
+_LENT_KEPT = 1024  # host_extents arrays lent out and not yet back from a copy
 
 
 class RegionMap:
@@ -166,12 +167,13 @@ class Pending:
 class _Pinned:
     """A pinned host buffer and its uint64 view (making the view costs as much as a launch)."""
 
-    __slots__ = ("ptr", "tensor", "words")
+    __slots__ = ("bytes", "ptr", "tensor", "words")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
         self.ptr: int = tensor.data_ptr()
-        self.words: npt.NDArray[np.uint64] = tensor.numpy().view(np.uint64)
+        self.bytes: npt.NDArray[np.uint8] = tensor.numpy()
+        self.words: npt.NDArray[np.uint64] = self.bytes.view(np.uint64)
 
 
 def parts_per_extent(n: int, first_len: int, chunk: int, min_parts: int) -> int:
@@ -287,6 +289,11 @@ class BatchCopier:
         # the caching allocator can't serve from its cache costs a millisecond
         self._events: list[Any] = []
         self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
+        # host_extents' buffers: lent out by id of the array handed out, back once its copy
+        # completed (a request's planning allocates nothing in steady state)
+        self._records: dict[int, list[_Pinned]] = collections.defaultdict(list)
+        self._lent: collections.OrderedDict[int, tuple[Extents, _Pinned]] = (
+            collections.OrderedDict())
         self._onboard: dict[int, list[Any]] = collections.defaultdict(list)  # device records
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
@@ -347,6 +354,10 @@ class BatchCopier:
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
             p.buf = None
         p._failed = p._failed or bool(p.error)
+        for ext in () if p._failed else p.keep:  # a failed copy's records explain the refusal
+            lent = self._lent.pop(id(ext), None)
+            if lent is not None and lent[0] is ext:
+                self._records[lent[1].tensor.shape[0]].append(lent[1])
         if not p.shared:
             self._events.append(p.event)
         p.keep = ()
@@ -354,10 +365,20 @@ class BatchCopier:
 
     def host_extents(self, n: int) -> Extents:
         """An uninitialised extent array in pinned memory: records built here are posted
-        without a copy (the kernel reads them in place), in one launch."""
-
-        t = self.torch.empty(max(1, n) * 16, dtype=self.torch.uint8, pin_memory=True)
-        return adopt_host_extents(t.numpy(), n)  # that array's base keeps t alive
+        without a copy (the kernel reads them in place), in one launch. Recycled: once a copy
+        that read it completed, the array may be handed out again (do not read it after)."""
+        size = _size_class(max(1, n) * 16)
+        with self._lock:
+            free = self._records[size]
+            buf = free.pop() if free else None
+        if buf is None:  # a pinned allocation costs tens of microseconds: only to grow
+            buf = _Pinned(self.torch.empty(size, dtype=self.torch.uint8, pin_memory=True))
+        ext = adopt_host_extents(buf.bytes, n)
+        with self._lock:
+            self._lent[id(ext)] = (ext, buf)
+            while len(self._lent) > _LENT_KEPT:  # planned, never posted: let them go
+                self._lent.popitem(last=False)
+        return ext
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
              stream: Any, after: int | None = None) -> Pending:
