@@ -260,3 +260,20 @@ def test_a_restarted_server_gets_a_new_session_and_a_dead_one_times_out() -> Non
     with pytest.raises(PeerUnreachable):
         _ack(chan, port, timeout=0.3)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_wait_sleeps_when_nothing_is_awaited() -> None:
+    """``wait`` is a caller's idle sleep (vLLM's idle step yields through it): with nothing
+    awaited it sleeps. Returning at once made that yield a busy loop holding the GIL from
+    the side channel's and the transport's threads (the prefill stopped answering)."""
+    chan = Channels(None)
+    t0 = time.monotonic()
+    chan.wait(0.05)
+    assert time.monotonic() - t0 >= 0.045
+    srv = _server(None)
+    try:
+        chan.learn("127.0.0.1", srv.port, srv.session_port)
+        assert isinstance(_ack(chan, srv.port), wire.Ack)  # over the session port
+        assert "session port" in next(iter(chan._conns.values())).where
+    finally:
+        srv.close()
