@@ -127,6 +127,10 @@ class Capabilities:
     memory_kinds: frozenset[str]
     same_host_only: bool = False
     native_notifications: bool = True
+    #: its transfers progress on Python threads of its own (they need the GIL): a caller that
+    #: polls in a tight loop must yield it, or each of their steps waits out the interpreter's
+    #: switch interval (5 ms) — measured 24 ms instead of 5 for a 10 MiB tcp READ
+    python_threads: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

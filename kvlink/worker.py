@@ -504,10 +504,17 @@ class KVWorker:
         self._chan.pump()
         self._log_told()
         self._poll_pushed(finished, failed)
+        threads = False
         for req in list(self._requests.values()):
             if self._step(req):
                 self._report(req, finished, failed)
+            else:
+                threads = threads or any(
+                    p.handle is not None and p.go is not None
+                    and p.go.peer.transport.capabilities.python_threads for p in req.parts)
         self._chan.flush()
+        if threads:  # let a transport's own threads move our bytes (see Capabilities)
+            time.sleep(0)
         return finished, failed
 
     def wait(self, timeout: float) -> None:

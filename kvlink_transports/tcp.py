@@ -364,6 +364,7 @@ class TcpTransport(Transport):
         memory_kinds=frozenset({"cpu", "cuda"}),  # cuda: staged through pinned host buffers
         same_host_only=False,
         native_notifications=True,
+        python_threads=True,  # one thread per peer runs its transfers
     )
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
