@@ -30,7 +30,7 @@ import numpy.typing as npt
 from kvlink.errors import BlockIdOutOfRange, IncompatibleSpecError
 from kvlink.headmap import HeadRead
 from kvlink.layout import KVCacheSpec, Layout
-from kvlink.transport import EXTENT_DTYPE, Extents
+from kvlink.transport import EXTENT_DTYPE, Extents, Runs
 
 U64 = npt.NDArray[np.uint64]
 Alloc = Callable[[int], Extents]
@@ -142,6 +142,34 @@ class PlanTable:
             return self._plan_grid(lids, rids, alloc)
         return self._plan_segments(lids, rids, alloc)
 
+    def runs(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs | None:
+        """The RUNS path's plan before it is expanded: (segment bases, runs), for a transport
+        that computes the addresses on its device (cuda_ipc). None where the request does not
+        fit that form (another path, or a seam to merge): use :meth:`plan`."""
+        if self.path is not PlanPath.RUNS:
+            return None
+        lids, rids = self._check_ids(local_ids, remote_ids)
+        n = lids.shape[0]
+        if n == 0 or self._seams(lids, rids) is not None:
+            return None
+        lrun, rrun, lens = self._run_starts(lids, rids)
+        return Runs(self.local_base, self.remote_base, lrun, rrun, lens, self.raw_count(n))
+
+    def _run_starts(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]
+                    ) -> tuple[U64, U64, U64]:
+        """Byte offsets (local, remote) and lengths of the runs of ids consecutive on both
+        sides (RUNS path: stride == unit, so one multiply per run)."""
+        n = lids.shape[0]
+        unit = np.uint64(self.unit)
+        edge = np.empty(n + 1, dtype=bool)  # a run starts at each True; edge[n] closes
+        edge[0] = edge[n] = True
+        np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
+        edge[1:n] |= rids[1:] - rids[:-1] != 1
+        at = edge.nonzero()[0]
+        starts = at[:-1]
+        lens = (at[1:] - starts).view(np.uint64) * unit
+        return lids.view(np.uint64)[starts] * unit, rids.view(np.uint64)[starts] * unit, lens
+
     def plan_general(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
                      alloc: Alloc | None = None) -> Plan:
         """The general path whatever :attr:`path` says: every piece on a grid, then coalesced.
@@ -180,15 +208,8 @@ class PlanTable:
         lu, ru = lids.view(np.uint64), rids.view(np.uint64)  # bounds-checked: never negative
         lens: U64 | np.uint64
         if self.path is PlanPath.RUNS:
-            edge = np.empty(n + 1, dtype=bool)  # a run starts at each True; edge[n] closes
-            edge[0] = edge[n] = True
-            np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
-            edge[1:n] |= rids[1:] - rids[:-1] != 1
-            at = edge.nonzero()[0]
-            starts = at[:-1]
-            lens = (at[1:] - starts).view(np.uint64) * unit
             # stride == unit on every segment: one multiply per run, not per (segment, run)
-            lrun, rrun = lu[starts] * unit, ru[starts] * unit
+            lrun, rrun, lens = self._run_starts(lids, rids)
             lstride = rstride = None
         else:
             lrun, rrun, lens = lu, ru, unit

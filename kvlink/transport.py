@@ -45,9 +45,13 @@ nixl and mooncake):
    the handle's device copy, so a caller can order its own stream after it without a host
    sync (``stream.wait_event(ev)``); None where there is none. It says the copy has ended, not
    that it succeeded: :meth:`~Transport.poll` says that. :class:`kvlink.worker.KVWorker` posts
-   from :meth:`~kvlink.worker.KVWorker.poll`, so the stream that counts is the current stream
-   of the thread polling when a request's transfer is posted: poll from the thread (and
-   stream) that called ``read``/``write``.
+   from ``read``/``write`` when the peer's handshake is cached, else from
+   :meth:`~kvlink.worker.KVWorker.poll`, so the stream that counts is the current stream of
+   the thread posting: poll from the thread (and stream) that called ``read``/``write``.
+7. **post_runs(op, peer, runs) -> handle** (optional): :meth:`~Transport.post` of
+   ``runs.expand()`` (:class:`Runs`) without the host expanding it; same contract as post.
+   cuda_ipc implements it (its kernel computes the addresses); the worker uses it where the
+   plan takes that form.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import importlib.util
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any, ClassVar
 
@@ -119,6 +123,49 @@ class Region:
     @property
     def memory_kind(self) -> str:
         return self.device.split(":", 1)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """A request's extents in factored form, for a transport that computes addresses on its
+    device (optional hook ``post_runs``): extent (s, r) is ``local_base[s] + local_at[r]`` <->
+    ``remote_base[s] + remote_at[r]``, ``lens[r]`` bytes — segments x runs extents described
+    by segments + runs numbers. The planner makes it (``kvlink.plan.PlanTable.runs``) where a
+    request has that form; :meth:`expand` gives the plain extents, in the planner's order."""
+
+    local_base: npt.NDArray[np.uint64]  # [segments]
+    remote_base: npt.NDArray[np.uint64]
+    local_at: npt.NDArray[np.uint64]  # [runs] byte offset of the run's first block
+    remote_at: npt.NDArray[np.uint64]
+    lens: npt.NDArray[np.uint64]  # [runs]
+    raw_descriptors: int  # extent count before coalescing (the planner's count)
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.local_base.shape[0]) * int(self.lens.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local_base.shape[0]) * int(self.lens.sum())
+
+    def expand(self, alloc: Callable[[int], Extents] | None = None) -> ExpandedRuns:
+        segs, runs = self.local_base.shape[0], self.lens.shape[0]
+        make = alloc or (lambda n: np.empty(n, dtype=EXTENT_DTYPE))
+        local, remote = make(segs * runs), make(segs * runs)
+        np.add(self.local_base[:, None], self.local_at[None, :],
+               out=local["addr"].reshape(segs, runs))
+        np.add(self.remote_base[:, None], self.remote_at[None, :],
+               out=remote["addr"].reshape(segs, runs))
+        local["len"].reshape(segs, runs)[...] = self.lens
+        remote["len"] = local["len"]
+        return ExpandedRuns(local, remote, self.raw_descriptors)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpandedRuns:
+    local: Extents
+    remote: Extents
+    raw_descriptors: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,6 +65,7 @@ from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
 from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released
 from kvlink.transport import (
     Op,
+    Runs,
     Transport,
     TransportContext,
     TransportStats,
@@ -143,7 +144,7 @@ class _Part:
     go: _Go | None = None
     done: bool = False
     error: str | None = None
-    plan: Plan | None = None
+    plan: Plan | Runs | None = None
     verdict: Pending | None = None  # READ: the producer's answer to ReadDone
     asks: int = 0  # "not held yet" answers so far
     retry_at: float = 0.0  # when to ask again after "not held yet"
@@ -667,21 +668,32 @@ class KVWorker:
                 self._part_failed(req, part, f"push of {req.req_id} not posted: {why}")
                 return
         t0 = time.perf_counter()
-        try:
-            plan = self._table(go.peer, part.read).plan(req.local_ids, req.remote_ids,
-                                                        go.peer.transport.extents)
-        except KVLinkError as exc:
-            self._part_failed(req, part, str(exc))
-            return
+        transport = go.peer.transport
         note = None
         if self._notes_natively(req):
             note = wire.encode(self._written(req, True))  # ordered after the written bytes
+        # a transport that computes addresses on its device takes the factored plan
+        post_runs = getattr(transport, "post_runs", None) if note is None else None
+        plan: Plan | Runs | None = None
+        try:
+            table = self._table(go.peer, part.read)
+            if post_runs is not None:
+                plan = table.runs(req.local_ids, req.remote_ids)
+            if plan is None:
+                plan = table.plan(req.local_ids, req.remote_ids, transport.extents)
+        except KVLinkError as exc:
+            self._part_failed(req, part, str(exc))
+            return
         part.plan = plan
         part.t_post = time.perf_counter()
         req.phases.plan += part.t_post - t0
         try:
-            part.handle = go.peer.transport.post(req.op, go.peer.agent, plan.local, plan.remote,
-                                                 note)
+            if isinstance(plan, Runs):
+                assert post_runs is not None
+                part.handle = post_runs(req.op, go.peer.agent, plan)
+            else:
+                part.handle = transport.post(req.op, go.peer.agent, plan.local, plan.remote,
+                                             note)
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return

@@ -43,18 +43,13 @@ __device__ __forceinline__ bool kv_translate(i64 addr, i64 len, const i64* map, 
   return false;
 }
 
-extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
-    const i64* __restrict__ sx, const i64* __restrict__ dx, i64 n,
-    const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
-    i64* status, i64 seq, i64 G) {
-  const int lane = threadIdx.x % KV_TP;
-  const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
-  if (p >= n * G) return;
-  const i64 e = p / G, g = p - e * G;
-  const i64 sl = sx[2 * e + 1], dl = dx[2 * e + 1];
+// part g of G of one extent (sa, sl) -> (da, dl), by the KV_TP threads of one group
+__device__ __forceinline__ void kv_part(i64 sa, i64 sl, i64 da, i64 dl,
+                                        const i64* smap, i64 ns, const i64* dmap, i64 nd,
+                                        i64* status, i64 seq, i64 G, i64 g, int lane) {
   i64 s = 0, d = 0;
-  if (sl != dl || sl < 0 || !kv_translate(sx[2 * e], sl, smap, ns, &s) ||
-      !kv_translate(dx[2 * e], dl, dmap, nd, &d)) {
+  if (sl != dl || sl < 0 || !kv_translate(sa, sl, smap, ns, &s) ||
+      !kv_translate(da, dl, dmap, nd, &d)) {
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
@@ -85,6 +80,35 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
     for (i64 i = lane; i < hi - lo; i += KV_TP) dst[i] = src[i];
   }
 }
+
+extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
+    const i64* __restrict__ sx, const i64* __restrict__ dx, i64 n,
+    const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
+    i64* status, i64 seq, i64 G) {
+  const int lane = threadIdx.x % KV_TP;
+  const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
+  if (p >= n * G) return;
+  const i64 e = p / G, g = p - e * G;
+  kv_part(sx[2 * e], sx[2 * e + 1], dx[2 * e], dx[2 * e + 1], smap, ns, dmap, nd, status, seq,
+          G, g, lane);
+}
+
+// The same copy with the addresses computed here: extent (seg, r) of S segments x R runs is
+// src base[seg] + at[r] -> dst base[seg] + at[r], len[r] bytes. t holds, as i64, the source
+// bases [S], destination bases [S], source offsets [R], destination offsets [R], lengths [R].
+extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
+    const i64* __restrict__ t, i64 S, i64 R,
+    const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
+    i64* status, i64 seq, i64 G) {
+  const int lane = threadIdx.x % KV_TP;
+  const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
+  if (p >= S * R * G) return;
+  const i64 e = p / G, g = p - e * G;
+  const i64 seg = e / R, r = e - seg * R;
+  const i64 len = t[2 * S + 2 * R + r];
+  kv_part(t[seg] + t[2 * S + r], len, t[S + seg] + t[2 * S + R + r], len, smap, ns, dmap, nd,
+          status, seq, G, g, lane);
+}
 """
 
 #: (threads a block, threads per extent part, 16-byte vectors in flight per thread), from the
@@ -95,7 +119,7 @@ LARGE_SHAPE = (1024, 1024, 2)
 CHUNK = 64 << 10  # bytes one group moves of a long extent
 
 _NARGS = 10
-_compiled: dict[tuple[int, tuple[int, int, int]], Any] = {}
+_compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
 _compile_lock = threading.Lock()
 
 
@@ -108,18 +132,18 @@ def _driver() -> Any:
     return lib
 
 
-def _compile(device: Any, shape: tuple[int, int, int]) -> Any:
-    """The kernel for ``shape`` on ``device`` (compiled once per process and device)."""
+def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move") -> Any:
+    """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device)."""
     import torch
 
-    key = (int(device.index or 0), shape)
+    key = (int(device.index or 0), shape, name)
     with _compile_lock:
         fn = _compiled.get(key)
         if fn is None:
             t, tp, u = shape
             defines = f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
             with torch.cuda.device(device):
-                fn = torch.cuda._compile_kernel(defines + SOURCE, "kv_move")
+                fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
         return fn
 
@@ -132,6 +156,8 @@ class CudaMove:
         self.device = device
         self._lib = _driver()
         self._fn = {s: _compile(device, s).func for s in (SMALL_SHAPE, LARGE_SHAPE)}
+        self._runs_fn = {s: _compile(device, s, "kv_move_runs").func
+                         for s in (SMALL_SHAPE, LARGE_SHAPE)}
         self._vals = (ctypes.c_longlong * _NARGS)()
         base = ctypes.addressof(self._vals)
         self._ptrs = (ctypes.c_void_p * _NARGS)(*[base + 8 * i for i in range(_NARGS)])
@@ -141,15 +167,17 @@ class CudaMove:
         return SMALL_SHAPE if first_len <= small else LARGE_SHAPE
 
     def launch(self, shape: tuple[int, int, int], parts: int, args: tuple[int, ...],
-               stream: int) -> None:
-        """kv_move over ``parts`` extent parts; args as _gpukernels.move takes them."""
+               stream: int, runs: bool = False) -> None:
+        """kv_move over ``parts`` extent parts; args as _gpukernels.move takes them (``runs``:
+        kv_move_runs, args (table, segments, runs, maps..., status, seq, parts per extent))."""
         t, tp, _ = shape
         self._vals[:] = list(args)
         grid = -(-parts // (t // tp))
-        rc = self._lib.cuLaunchKernel(self._fn[shape], grid, 1, 1, t, 1, 1, 0, stream,
-                                      self._ptrs, None)
+        fn = (self._runs_fn if runs else self._fn)[shape]
+        rc = self._lib.cuLaunchKernel(fn, grid, 1, 1, t, 1, 1, 0, stream, self._ptrs, None)
         if rc:
-            raise RuntimeError(f"cuLaunchKernel(kv_move) failed with CUDA error {rc}")
+            raise RuntimeError(f"cuLaunchKernel({'kv_move_runs' if runs else 'kv_move'}) "
+                               f"failed with CUDA error {rc}")
 
     def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy ``nbytes`` of pinned host memory to the device, in stream order."""

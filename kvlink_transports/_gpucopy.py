@@ -407,6 +407,53 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0, (src, dst, *held),
                                      error=f"{type(exc).__name__}: {exc}")
 
+    @property
+    def computes_addresses(self) -> bool:
+        """Whether :meth:`copy_runs` is available (the CUDA C kernel; not Triton's)."""
+        return self._cuda is not None
+
+    def copy_runs(self, table: npt.NDArray[np.uint64], segments: int, runs: int,
+                  smap: RegionMap, dmap: RegionMap, stream: Any,
+                  after: int | None = None) -> Pending:
+        """:meth:`copy` of segments x runs extents whose addresses the kernel computes:
+        ``table`` is (source bases [segments], destination bases [segments], source offsets
+        [runs], destination offsets [runs], lengths [runs]) as uint64 — a few kilobytes where
+        the extents would be hundreds. Only with :attr:`computes_addresses`."""
+        if self._cuda is None:
+            raise ConfigError("copy_runs needs the CUDA C kernel (NVRTC)")
+        with self._lock:
+            if after is not None and after != stream.cuda_stream:
+                if self._order is None:
+                    self._order = _cudamove.StreamOrder()
+                self._order.wait(stream.cuda_stream, after)
+            held: list[Any] = []
+            try:
+                n = segments * runs
+                if n == 0:
+                    return self._enqueue(stream, None, 0)
+                seq = next(self._seq) % (_I32 - 1) + 1
+                words = table.shape[0]
+                buf = self._take(8 + 8 * words)
+                held.append(buf)
+                buf.words[0] = 0
+                buf.words[1:1 + words] = table
+                dbuf = self._take_onboard(8 * words, stream)  # one small upload: the
+                held.append(dbuf)  # kernel's loads then hit device memory, not PCIe
+                at = int(dbuf.data_ptr())
+                raw = stream.cuda_stream
+                self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
+                longest = int(table[2 * segments + 2 * runs:].max())
+                shape = self._cuda.shape(longest, SMALL)
+                g = parts_per_extent(n, longest, self.chunk,
+                                     self.min_programs * (shape[0] // shape[1]))
+                self._cuda.launch(shape, n * g, (at, segments, runs, smap.ptr, smap.count,
+                                                 dmap.ptr, dmap.count, buf.ptr, seq, g),
+                                  raw, runs=True)
+                return self._enqueue(stream, buf, seq, (), dbuf)
+            except (RuntimeError, OSError) as exc:
+                return self._enqueue(stream, None, 0, tuple(held),
+                                     error=f"{type(exc).__name__}: {exc}")
+
     def _copy_locked(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
                      stream: Any, held: list[Any]) -> Pending:
         n = src.shape[0]

@@ -68,6 +68,7 @@ from kvlink.transport import (
     Op,
     Region,
     RegionTable,
+    Runs,
     Transport,
     TransportContext,
     XferState,
@@ -119,10 +120,11 @@ class _Xfer:
     pending: Any  # _gpucopy.Pending, None for a post that failed before anything was enqueued
     nbytes: int
     t_post: float
-    local: Extents
-    remote: Extents
+    local: Extents | None  # None for a post of runs (see ``runs``)
+    remote: Extents | None
     peer: _Peer | None
     state: XferState = PENDING
+    runs: Runs | None = None  # post_runs: expanded only to explain a refusal
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
@@ -389,6 +391,58 @@ class CudaIpcTransport(Transport):
         self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
         return handle
 
+    def post_runs(self, op: Op, peer: str, runs: Runs) -> int:
+        """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post`
+        of ``runs.expand()`` without expanding it — the kernel computes each extent's
+        addresses from the segment bases and runs, so the host writes a few kilobytes instead
+        of segments x runs records. Same contract as post (stream order, never raises)."""
+        copier = self._copier
+        if copier is None or not copier.computes_addresses:
+            plan = runs.expand(self.extents)
+            return self.post(op, peer, plan.local, plan.remote)
+        t0 = time.perf_counter()
+        cuda = self._torch.cuda
+        local_side = (runs.local_base, runs.local_at)
+        remote_side = (runs.remote_base, runs.remote_at)
+        with self._lock:
+            handle = next(self._handles)
+            target = self._peers.get(peer)
+            if target is None:
+                why = ("cuda_ipc: transport closed" if self._closed else
+                       f"peer {peer} not connected")
+                self._xfers[handle] = _Xfer(None, 0, t0, None, None, None,
+                                            XferState(XferStatus.FAILED, why), settled=True,
+                                            runs=runs)
+                self._account(failed=1)
+                return handle
+            src, smap, dst, dmap = ((remote_side, target.map, local_side, self._local_map)
+                                    if op is Op.READ else
+                                    (local_side, self._local_map, remote_side, target.map))
+            table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
+            segments, count = int(src[0].shape[0]), int(runs.lens.shape[0])
+            try:
+                after = self._current_stream(self._device) if self.stream_order else None
+                if cuda.current_device() == self._device:
+                    pending = copier.copy_runs(table, segments, count, smap, dmap, self._stream,
+                                               after)
+                else:
+                    with cuda.device(self._device):
+                        pending = copier.copy_runs(table, segments, count, smap, dmap,
+                                                   self._stream, after)
+            except (RuntimeError, OSError) as exc:
+                self._xfers[handle] = _Xfer(None, 0, t0, None, None, None, XferState(
+                    XferStatus.FAILED, f"cuda_ipc: {type(exc).__name__}: {exc}"), settled=True,
+                    runs=runs)
+                self._account(failed=1)
+                return handle
+            x = _Xfer(pending, runs.nbytes, t0, None, None, target, runs=runs)
+            target.live.add(x)
+            self._xfers[handle] = x
+            closable = self._reap_locked() if self._released else []
+        self._unmap(closable)
+        self._account(post_seconds=time.perf_counter() - t0, descriptors=runs.descriptors)
+        return handle
+
     def completion_event(self, handle: int) -> torch.cuda.Event | None:
         """Optional hook: the CUDA event recorded after this post's copy, for a caller that
         orders its own stream after the copy without a host sync (``stream.wait_event(ev)``).
@@ -407,11 +461,16 @@ class CudaIpcTransport(Transport):
 
     def _refusal(self, x: _Xfer) -> str:
         """Why the device refused an extent: the host checks, run only on this slow path."""
+        local, remote = x.local, x.remote
+        if x.runs is not None:
+            plan = x.runs.expand()
+            local, remote = plan.local, plan.remote
+        assert local is not None and remote is not None
         try:
-            check_pairs(x.local, x.remote)
-            self._table.locate(x.local, "local extent")
+            check_pairs(local, remote)
+            self._table.locate(local, "local extent")
             if x.peer is not None:
-                x.peer.table.locate(x.remote, "remote extent")
+                x.peer.table.locate(remote, "remote extent")
         except KVLinkError as exc:
             return str(exc)
         return "an extent was refused by the device-side bounds check"

@@ -242,6 +242,27 @@ def test_random_geometries_move_the_same_bytes(seed: int) -> None:
     assert seams >= 5, seams
 
 
+def test_runs_expand_to_the_plan() -> None:
+    """What cuda_ipc's device computes from (segment bases, runs) is the plan, record for
+    record; requests the form cannot hold (other paths, seams) get None."""
+    rng = np.random.default_rng(7)
+    got = 0
+    for _ in range(600):
+        c = random_case(rng)
+        table = PlanTable.build(c.local, c.remote, c.read)
+        runs = table.runs(c.lids, c.rids)
+        if runs is None:
+            assert (table.path is not PlanPath.RUNS or not c.lids.size
+                    or table._seams(c.lids, c.rids) is not None)
+            continue
+        got += 1
+        plan, flat = table.plan(c.lids, c.rids), runs.expand()
+        assert np.array_equal(flat.local, plan.local) and np.array_equal(flat.remote, plan.remote)
+        assert (runs.descriptors, runs.nbytes, runs.raw_descriptors) == (
+            plan.descriptors, plan.nbytes, plan.raw_descriptors)
+    assert got >= 50, got
+
+
 def test_plan_transfer_is_the_table() -> None:
     rng = np.random.default_rng(99)
     for _ in range(200):
