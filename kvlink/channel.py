@@ -286,11 +286,14 @@ class Channels:
                             break
                 if self._conns.get(key) is not conn:
                     continue
-                for cid, (_, pending) in list(conn.waiting.items()):
-                    if now >= pending.deadline:
-                        del conn.waiting[cid]
-                        pending._settle(None, PeerUnreachable(
-                            f"no answer from side channel {pending.what} in time"))
+                late = [p for _, p in conn.waiting.values() if now >= p.deadline]
+                if late:
+                    # a peer that let a call time out is gone or wedged: drop the connection,
+                    # and with it what may still sit in its queues, so no stale frame reaches
+                    # whoever serves that address next (a restarted process)
+                    self._reset(key, conn, PeerUnreachable(
+                        f"no answer from side channel {late[0].what} in time"))
+                    continue
                 if conn.nonce and now >= conn.hello_deadline:
                     self._reset(key, conn, PeerUnreachable(
                         f"side channel {conn.where} did not open a session in time"))

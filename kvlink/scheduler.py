@@ -254,6 +254,20 @@ class BlockLeases:
             self.finish_read(req_id, reader, generation, True, expected)
             return Grant(generation, 0.0)
 
+    def release_reader(self, req_id: str, reader: str, generation: int,
+                       expected: int | None = None) -> bool:
+        """A reader that did not READ this rank is done with ``req_id`` (a replica it did
+        not read, a request it did not read at all). ``generation``, where the reader knows
+        it, must be this hold's: a late release meant for an earlier hold of the same request
+        id is counted as unknown and ignored. True when it counted."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None or (generation and lease.generation != generation):
+                self.stats.unknown_notifications += 1
+                return False
+            self.finish_read(req_id, reader, 0, True, expected)
+            return True
+
     def reader_done(self, req_id: str, reader: str,
                     expected: int | None = None) -> list[int] | None:
         """A release without validation (a reader that did not READ this rank); returns the

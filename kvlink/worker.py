@@ -369,9 +369,13 @@ class KVWorker:
         return wire.ErrorReply(v=WIRE_VERSION, code=got.code.value, message=got.reason)
 
     def _answer_done(self, msg: wire.ReadDone) -> wire.Reply:
-        # generation 0 only releases (a replica not read, a request not read at all): it
-        # validates nothing, so it needs no incarnation
+        # a release (a replica not read, a request not read at all) validates nothing, so it
+        # needs no incarnation; its generation, where the reader knew it, must be this hold's
         reader = f"{msg.engine_id}/{msg.tp_rank}"
+        if msg.ok and msg.block_ids is None and not msg.incarnation:  # a release
+            self.leases.release_reader(msg.req_id, reader, msg.generation,
+                                       self.expected_readers(msg.tp_size))
+            return wire.ReadVerdict(v=WIRE_VERSION, intact=False, reason="released")
         if msg.generation and msg.incarnation != self.incarnation:
             if msg.block_ids is not None:  # a READ without an intent: READ again, after a
                 return self._stale(msg.incarnation, "read report", msg.req_id)  # handshake
@@ -537,7 +541,8 @@ class KVWorker:
         del self._requests[req.req_id]
         errors = [p.error for p in req.parts if p.error]
         if req.op is Op.READ:  # replicas holding our heads that we did not read
-            self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts})
+            self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts},
+                         req.generation)
         if req.lease is not None and req.push is not None:
             intact = self.leases.finish_read(
                 req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
@@ -822,11 +827,14 @@ class KVWorker:
                 return us / 1e6
         return time.perf_counter() - part.t_post
 
-    def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None) -> None:
+    def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None,
+                generation: int | None = None) -> None:
         """Reader side: we are done with ``req_id`` without reading it (a full local prefix
         hit, an aborted request) from the producer ranks holding it for us, except ``skip``
-        (those we read, or that wrote to us: they count us themselves). Sent with the next
-        frame to each peer (at the latest by the next :meth:`poll`)."""
+        (those we read, or that wrote to us: they count us themselves). ``generation``: the
+        hold's, where known (a producer ignores a release naming another hold of the same
+        request id). Sent with the next frame to each peer (at the latest by the next
+        :meth:`poll`)."""
         spec = self._require_spec()
         rest = notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla) - (skip or set())
@@ -834,7 +842,8 @@ class KVWorker:
             self._tell(remote.host, remote.port + rank,
                        wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
                                      req_id=req_id, tp_rank=self.config.tp_rank,
-                                     tp_size=self.config.tp_size, generation=0, ok=True))
+                                     tp_size=self.config.tp_size, generation=generation or 0,
+                                     ok=True))
 
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
         push = req.push

@@ -19,7 +19,7 @@ from kvlink import sidechannel, wire
 from kvlink.channel import Channels
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import AuthError, PeerUnreachable, SideChannelError
-from kvlink.worker import KVWorker
+from kvlink.worker import KVWorker, RemoteEngine
 
 
 def _warm(decode: KVWorker, prefill: KVWorker) -> None:
@@ -116,7 +116,7 @@ def test_generation_minted_before_the_hold_validates_once_held() -> None:
         gen = 123456789
         decode.read("r0", remote(prefill), [7], [4], generation=gen)
         part = decode._requests["r0"].parts[0]
-        until(lambda: bool(decode.poll()) or part.reask, 10, "the report was answered not_yet")
+        until(lambda: decode.poll() is None or part.reask, 10, "the report was answered not_yet")
         prefill.hold("r0", [4], generation=gen)
         ok, reason = outcome(decode, "r0", 10)
         assert ok, reason
@@ -277,3 +277,32 @@ def test_wait_sleeps_when_nothing_is_awaited() -> None:
         assert "session port" in next(iter(chan._conns.values())).where
     finally:
         srv.close()
+
+
+def test_no_stale_report_reaches_the_next_process_at_an_address() -> None:
+    """A release sent to an address nobody serves times out; it must not sit in a kept-open
+    connection's queue and reach the next process bound there (which holds the same request
+    id), releasing that hold. And a release naming another hold's generation is ignored."""
+    from kvlink.demo.run import free_port_range
+
+    port = free_port_range(1)
+    decode, _ = make("d", serve=False, handshake_timeout=0.3)
+    prefill: KVWorker | None = None
+    try:
+        decode.release("r0", remote_at(port))
+        until(lambda: decode.poll() is None or not decode._told, 10, "the release timed out")
+        prefill, _ = make("p", seed=1, side_port=port)
+        gen = prefill.hold("r0", [1])
+        decode.release("r0", remote_at(port), generation=gen + 1)  # another hold's
+        # answered: the prefill took it (and, had it survived, the stale one before it)
+        until(lambda: decode.poll() is None or not decode._told, 10, "the release was answered")
+        assert prefill.leases.is_held("r0"), prefill.leases.released_why("r0")
+        assert prefill.leases.stats.unknown_notifications >= 1
+    finally:
+        decode.close()
+        if prefill is not None:
+            prefill.close()
+
+
+def remote_at(port: int) -> RemoteEngine:
+    return RemoteEngine("p", "127.0.0.1", port)

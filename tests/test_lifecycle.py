@@ -179,7 +179,7 @@ def test_read_is_not_posted_past_the_grant_deadline() -> None:
         prefill.hold("r0", [2])
         decode.read("r0", remote(prefill), [7], [2])
         part = decode._requests["r0"].parts[0]
-        until(lambda: bool(decode.poll()) and part.intent is not None, 10, "the intent went out")
+        until(lambda: decode.poll() is None or part.intent is not None, 10, "the intent went out")
         # the grant (0.1 s at least) arrives while the decode does not poll: its clock started
         # when the intent went out, so the post that comes after it must not happen
         sleep_until(time.monotonic() + 0.4)

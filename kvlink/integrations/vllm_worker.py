@@ -267,7 +267,8 @@ class PullWorker:
         for r in plan.recv:
             self._start_recv(r)
         for remote in plan.release:
-            self._w().release(remote.request_id, _engine(remote))
+            self._w().release(remote.request_id, _engine(remote),
+                              generation=remote.generation or None)
         if self._recv or self._writes:
             self._poll()
 
