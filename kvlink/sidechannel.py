@@ -38,6 +38,7 @@ from kvlink.errors import (
     SideChannelError,
     WireError,
 )
+from kvlink.sockets import shutdown
 
 log = logging.getLogger("kvlink.sidechannel")
 
@@ -155,14 +156,6 @@ def _read_exact(sock: socket.socket, n: int) -> bytes | None:
             raise WireError(f"the session connection closed after {got} of {n} B")
         got += k
     return bytes(buf)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 def endpoint(host: str, port: int) -> str:
@@ -355,11 +348,12 @@ class SideChannelServer:
 
     def close(self) -> None:
         self._stop.set()
-        _shutdown(self._listener)
+        shutdown(self._listener)
+        self._listener.close()
         with self._sessions_lock:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
-            _shutdown(conn)  # wakes its thread out of recv
+            shutdown(conn)  # wakes its thread out of recv; it closes the socket
         end = time.monotonic() + 2
         for t in [self._thread, self._acceptor, *threads]:
             if t.is_alive() and threading.current_thread() is not t:

@@ -50,6 +50,7 @@ from kvlink.errors import (
     TransportUnavailable,
     WireError,
 )
+from kvlink.sockets import shutdown
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -188,12 +189,6 @@ def _why(exc: BaseException, timeout: float) -> str:
     return str(exc)
 
 
-def _shutdown(sock: socket.socket) -> None:
-    """Wake any thread blocked on ``sock`` (close() alone would not) and end the stream."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def _tune(sock: socket.socket) -> None:
@@ -599,7 +594,7 @@ class TcpTransport(Transport):
             p.close("transport closed")
         for c in inbound:
             c.revoked = True
-            _shutdown(c.conn)
+            shutdown(c.conn)
         deadline = time.monotonic() + _CLOSE_WAIT
         threads = [self._acceptor, *(p.thread for p in peers), *(c.thread for c in inbound)]
         for th in threads:
@@ -619,7 +614,7 @@ class TcpTransport(Transport):
             mine = [c for c in self._inbound.values() if c.agent == peer]
         for c in mine:
             c.revoked = True
-            _shutdown(c.conn)
+            shutdown(c.conn)
         deadline = time.monotonic() + timeout
         for c in mine:
             c.thread.join(max(deadline - time.monotonic(), 0.0))
