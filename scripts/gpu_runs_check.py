@@ -69,11 +69,11 @@ def main() -> None:
     out: dict[str, object] = {"extents": runs.descriptors, "bytes": runs.nbytes,
                               "failed": p.failed()}
     flat = runs.expand()
-    want = torch.zeros(nbytes, dtype=torch.uint8)
-    host_src = src.cpu()
+    want = np.zeros(nbytes, dtype=np.uint8)
+    host_src = src.cpu().numpy()
     for (la, ln), (ra, _) in zip(flat.local.tolist(), flat.remote.tolist(), strict=True):
         want[la - dp:la - dp + ln] = host_src[ra - sp:ra - sp + ln]
-    out["verified"] = bool(torch.equal(dst.cpu(), want))
+    out["verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
     # refused: a source base outside the registered region; nothing may be written
     dst.zero_()
     bad = Runs(runs.local_base, runs.remote_base + np.uint64(nbytes), runs.local_at,
@@ -116,8 +116,11 @@ def main() -> None:
     out["ratio_device_copy_over_copy_runs"] = med["device_copy"] / med["copy_runs"]
     out["ratio_device_copy_over_copy_expanded"] = med["device_copy"] / med["copy_expanded"]
     print(json.dumps(out, indent=1))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_runs_check.json").write_text(json.dumps(out, indent=1) + "\n")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from _common import write_result  # command, machine, date
+
+    write_result("gpu_runs_check", {"device_name": torch.cuda.get_device_name(dev), **out},
+                 str(Path(args.out) / "gpu_runs_check.json"))
     ok = out["verified"] and not out["failed"] and out["refused_failed"] and out[
         "refused_wrote_nothing"]
     sys.exit(0 if ok else 1)
