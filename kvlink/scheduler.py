@@ -72,6 +72,7 @@ class _Lease:
     expected: int | None  # readers still unknown until the first report says
     done: set[str] = dataclasses.field(default_factory=set)
     reading: set[str] = dataclasses.field(default_factory=set)  # granted, not yet reported
+    intact: set[str] = dataclasses.field(default_factory=set)  # told "intact"
 
 
 @dataclasses.dataclass
@@ -122,6 +123,10 @@ class BlockLeases:
         self._lock = threading.RLock()
         self._leases: dict[str, _Lease] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # (request, generation) -> readers told "intact" before the release: a report that
+        # comes again (its answer was lost with a connection) gets the same answer
+        self._intact: collections.OrderedDict[tuple[str, int], frozenset[str]] = (
+            collections.OrderedDict())
         self._released: list[Released] = []
         # random start: generations of two producer lifetimes never collide by accident
         self._gen = itertools.count(secrets.randbits(40) + 1)
@@ -196,6 +201,8 @@ class BlockLeases:
         only release). The request is released once its expected readers are all done."""
         with self._lock:
             lease = self._leases.get(req_id)
+            if ok and generation and self._was_intact(req_id, generation, reader, lease):
+                return True
             if lease is None or (generation and lease.generation != generation):
                 if ok and generation:
                     self.stats.reads_not_intact += 1
@@ -205,12 +212,14 @@ class BlockLeases:
                 else:
                     self.stats.unknown_notifications += 1
                 return False
-            if reader in lease.done:
+            if reader in lease.done:  # (told "intact" before: answered by _was_intact)
                 self.stats.duplicate_notifications += 1
                 log.info("duplicate report for %s from %s ignored", req_id, reader)
-                return bool(ok and generation)
+                return False
             lease.done.add(reader)
             lease.reading.discard(reader)
+            if ok and generation:
+                lease.intact.add(reader)
             if not ok:
                 self.stats.reads_failed += 1
             if lease.expected is None:
@@ -233,6 +242,8 @@ class BlockLeases:
         means the READ's bytes are not trusted."""
         with self._lock:
             lease = self._leases.get(req_id)
+            if self._was_intact(req_id, generation, reader, lease):
+                return Grant(generation, 0.0)
             if lease is None:
                 why = self._gone.get(req_id)
                 if why is None:
@@ -251,8 +262,10 @@ class BlockLeases:
                 return Refused(Refusal.BLOCKS, f"blocks {bad} are not among the "
                                f"{len(lease.held)} held for {req_id}")
             self.stats.reads_granted += 1
-            self.finish_read(req_id, reader, generation, True, expected)
-            return Grant(generation, 0.0)
+            if self.finish_read(req_id, reader, generation, True, expected):
+                return Grant(generation, 0.0)
+            return Refused(Refusal.RELEASED, f"{reader} already reported a failed READ of "
+                           f"{req_id}")
 
     def release_reader(self, req_id: str, reader: str, generation: int,
                        expected: int | None = None) -> bool:
@@ -267,6 +280,18 @@ class BlockLeases:
                 return False
             self.finish_read(req_id, reader, 0, True, expected)
             return True
+
+    def _was_intact(self, req_id: str, generation: int, reader: str,
+                    lease: _Lease | None) -> bool:
+        """This reader's READ of this hold was already answered "intact" (a report sent
+        again): the same answer, counted as a duplicate. Under the lock."""
+        if lease is not None and lease.generation == generation:
+            told = reader in lease.intact
+        else:
+            told = reader in self._intact.get((req_id, generation), ())
+        if told:
+            self.stats.duplicate_notifications += 1
+        return told
 
     def reader_done(self, req_id: str, reader: str,
                     expected: int | None = None) -> list[int] | None:
@@ -313,5 +338,9 @@ class BlockLeases:
         self._gone[req_id] = why
         while len(self._gone) > _REMEMBERED:
             self._gone.popitem(last=False)
+        if lease.intact:
+            self._intact[(req_id, lease.generation)] = frozenset(lease.intact)
+            while len(self._intact) > _REMEMBERED:
+                self._intact.popitem(last=False)
         self._released.append(Released(req_id, lease.block_ids, why))
         return lease.block_ids
