@@ -1,8 +1,11 @@
 """ZMQ side channel: handshakes and notifications, with a deadline on every call.
 
-Each producer (and, in push mode, each consumer) runs one :class:`SideChannelServer` thread: a
-ROUTER socket answering one request with one reply. Clients open a fresh DEALER per call, so a
-call that timed out can never receive a stale reply meant for it later.
+Each producer (and, in push mode, each consumer) runs one :class:`SideChannelServer`: a thread
+with a ROUTER socket answering one request (or one :class:`wire.Batch`) with one reply, and a
+*session port* — plain TCP, one thread per kept-open connection, blocked in ``recv`` — for
+the per-request messages of peers that handshook (:mod:`kvlink.channel`). :func:`request`
+opens a fresh DEALER per call (handshakes), so a call that timed out can never receive a stale
+reply meant for it later.
 
 Who may connect: the handshake hands out what is needed to read registered memory, so with a
 shared secret (config or ``KVLINK_SECRET``) every request must be a :class:`wire.Signed` message:

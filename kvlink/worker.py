@@ -1,14 +1,20 @@
 """Worker side: register memory, handshake, post READ/WRITE, poll, report.
 
 Never decides policy (that is the scheduler's): it is told which blocks to move and reports
-which requests finished or failed. Handshakes and side-channel calls run on helper threads, so
-the caller (vLLM's forward loop) never blocks on a slow peer; requests wait in PENDING until
-their peers are ready.
+which requests finished or failed. Only handshakes run on helper threads (a slow peer never
+blocks the caller); everything per request — planning, posting, polling, the read report and
+its verdict — runs on the caller's thread inside :meth:`KVWorker.read` / :meth:`KVWorker.poll`,
+over one kept-open session per peer (:mod:`kvlink.channel`), so a caller that polls in a tight
+loop starves nothing the request waits for.
 
 Block ownership (the invariant: a block is reused only when no peer can still touch it):
 
 - **Pull, validate after read.** A producer holds a request's blocks in :attr:`KVWorker.leases`
-  (:class:`kvlink.scheduler.BlockLeases`). A reader first sends a ``ReadIntent`` (the block ids
+  (:class:`kvlink.scheduler.BlockLeases`). A reader told the hold's generation (with the block
+  ids, as a router passes them) posts its READ at once and reports ``ReadDone`` (generation,
+  block ids) after: intact only if that generation still holds those blocks, which — the
+  generation minted before any reader knew it — means held for the whole READ. Otherwise the
+  reader first sends a ``ReadIntent`` (the block ids
   it will read, the producer incarnation it handshook with) and gets a ``ReadGrant`` (the
   lease's generation and how long it holds). It does not post past that deadline. After its
   READ is DONE it sends ``ReadDone`` with the generation and gets a ``ReadVerdict``: only
