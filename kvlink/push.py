@@ -71,6 +71,9 @@ class PushSlots:
             del self._slots[old]
         return slot
 
+    def __contains__(self, key: PushKey) -> bool:
+        return key in self._slots
+
     def arrive(self, msg: wire.PushRequest, now: float) -> bool:
         """A push request came in; False if it was cancelled before it arrived."""
         key = push_key(msg.engine_id, msg.tp_rank, msg.req_id, msg.push_id)

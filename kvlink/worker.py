@@ -405,11 +405,14 @@ class KVWorker:
 
     def _answer_push(self, msg: wire.PushRequest) -> wire.Reply:
         with self._lock:
+            again = push_key(msg.engine_id, msg.tp_rank, msg.req_id,
+                             msg.push_id) in self._push_slots
             if not self._push_slots.arrive(msg, time.monotonic()):
                 return wire.ErrorReply(v=WIRE_VERSION, code="cancelled",
                                        message=f"push of {msg.req_id} was cancelled before it "
                                        "arrived")
-            self._push_inbox.append(msg)
+            if not again:  # a request sent again (its answer lost with a session): once
+                self._push_inbox.append(msg)
         return wire.Ack(v=WIRE_VERSION)
 
     def _offer(self, req: wire.HandshakeRequest) -> dict[str, bytes]:

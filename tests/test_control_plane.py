@@ -279,3 +279,18 @@ def test_no_stale_report_reaches_the_next_process_at_an_address() -> None:
 
 def remote_at(port: int) -> RemoteEngine:
     return RemoteEngine("p", "127.0.0.1", port)
+
+
+def test_a_push_request_sent_again_is_queued_once() -> None:
+    """A session that breaks with calls unanswered resends them through the side channel; a
+    push request the prefill had already taken must not be written twice."""
+    prefill, _ = make("p")
+    try:
+        msg = wire.PushRequest(v=WIRE_VERSION, engine_id="d", agent_name="a", req_id="r0",
+                               tp_rank=0, tp_size=1, host="127.0.0.1", port=1, block_ids=[0],
+                               push_id=7, ttl_ms=10_000)
+        assert isinstance(prefill._on_side_message(msg), wire.Ack)
+        assert isinstance(prefill._on_side_message(msg), wire.Ack)  # again
+        assert [m.push_id for m in prefill.push_requests()] == [7]
+    finally:
+        prefill.close()
