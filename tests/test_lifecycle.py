@@ -268,7 +268,8 @@ def test_restart_under_the_same_engine_id_rehandshakes(observed: Callable[[str],
             decode.read("r1", RemoteEngine("p", "127.0.0.1", port), [2], [2],
                         generation=gen if told else None)
             ok, reason = outcome(decode, "r1", 20)
-            observed(f"read after the restart: {'ok' if ok else reason}; peers "
+            observed(f"{'told the generation' if told else 'read intent'}: read after the "
+                     f"restart: {'ok' if ok else reason}; peers "
                      f"{decode.connected_peers()}")
             assert ok, reason
             assert np.array_equal(blocks(decode, [2]), blocks(new, [2]))  # the new bytes
