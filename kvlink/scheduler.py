@@ -123,6 +123,7 @@ class BlockLeases:
         self._lock = threading.RLock()
         self._leases: dict[str, _Lease] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._gone_generation: dict[str, int] = {}  # the released hold's (same keys as _gone)
         # (request, generation) -> readers told "intact" before the release: a report that
         # comes again (its answer was lost with a connection) gets the same answer
         self._intact: collections.OrderedDict[tuple[str, int], frozenset[str]] = (
@@ -147,6 +148,10 @@ class BlockLeases:
         with self._lock:
             if req_id in self._leases:
                 raise ValueError(f"request {req_id!r} already holds blocks")
+            if generation is not None and self._gone_generation.get(req_id) == generation:
+                # that hold came and went (a second path delivering the same hold late)
+                raise ValueError(f"request {req_id!r} was held under generation {generation} "
+                                 "and released already")
             self._gone.pop(req_id, None)
             gen = next(self._gen) if generation is None else generation
             self._leases[req_id] = _Lease(ids, frozenset(ids), gen,
@@ -154,6 +159,17 @@ class BlockLeases:
             self.stats.held += 1
             self.stats.held_blocks += len(ids)
             return gen
+
+    def generation_of(self, req_id: str) -> int | None:
+        """The generation ``req_id`` is held under, or None."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            return None if lease is None else lease.generation
+
+    def released_generation(self, req_id: str) -> int | None:
+        """The generation of ``req_id``'s last released hold, while remembered, else None."""
+        with self._lock:
+            return self._gone_generation.get(req_id) if req_id in self._gone else None
 
     def is_held(self, req_id: str) -> bool:
         with self._lock:
@@ -336,8 +352,9 @@ class BlockLeases:
         self.stats.held -= 1
         self.stats.held_blocks -= len(lease.block_ids)
         self._gone[req_id] = why
+        self._gone_generation[req_id] = lease.generation
         while len(self._gone) > _REMEMBERED:
-            self._gone.popitem(last=False)
+            self._gone_generation.pop(self._gone.popitem(last=False)[0], None)
         if lease.intact:
             self._intact[(req_id, lease.generation)] = frozenset(lease.intact)
             while len(self._intact) > _REMEMBERED:

@@ -239,8 +239,22 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     nonce: bytes
 
 
+class Hold(_Msg, tag="hold", frozen=True):
+    """A producer's scheduler -> its own workers, the moment it keeps a finished request's
+    blocks: hold them now, under this generation (the one handed to the decode), instead of at
+    the engine's next step — an idle engine takes its next step much later (about 0.5 s on a
+    2-core host), and the decode's READ report waits for the hold. Block ids are the
+    scheduler's; the worker maps them to its kernel blocks. Only from its own engine id."""
+
+    engine_id: str
+    req_id: str
+    block_ids: list[int]
+    generation: int
+
+
 #: what a client asks (inside a :class:`Batch`) and what a server answers (in :class:`Replies`)
-Request = HandshakeRequest | Notification | PushRequest | PushCancel | ReadIntent | ReadDone
+Request = (HandshakeRequest | Notification | PushRequest | PushCancel | ReadIntent | ReadDone
+           | Hold)
 Reply = HandshakeResponse | PushState | ReadGrant | ReadVerdict | ErrorReply | Ack
 
 
@@ -276,7 +290,7 @@ class Replies(_Msg, tag="replies", frozen=True):
 Message = (
     HandshakeRequest | HandshakeResponse | Notification | PushRequest | PushCancel | PushState
     | ReadIntent | ReadGrant | ReadDone | ReadVerdict | ErrorReply | Ack | Challenge | Signed
-    | Hello | Welcome | Batch | Sealed | Replies
+    | Hello | Welcome | Batch | Sealed | Replies | Hold
 )
 
 

@@ -242,6 +242,9 @@ class KVWorker:
         self.xfer_seconds: dict[str, float] = {}
         #: finished request id -> where its time went (:class:`Phases`). Callers pop them.
         self.phases: dict[str, Phases] = {}
+        #: takes ``wire.Hold`` messages of our own engine's scheduler (the vLLM connector sets
+        #: it); called on the side channel's thread. None: they are refused
+        self.hold_hook: Callable[[wire.Hold], None] | None = None
 
     # ------------------------------------------------------------------ setup
     def register(self, spec: KVCacheSpec) -> None:
@@ -331,6 +334,8 @@ class KVWorker:
             return wire.Ack(v=WIRE_VERSION)
         if isinstance(msg, wire.PushRequest):
             return self._answer_push(msg)
+        if isinstance(msg, wire.Hold):
+            return self._answer_hold(msg)
         if isinstance(msg, wire.PushCancel):
             with self._lock:
                 state = self._push_slots.cancel(push_key(msg.engine_id, msg.tp_rank, msg.req_id,
@@ -402,6 +407,15 @@ class KVWorker:
         why = "" if intact else (f"the lease of {msg.req_id} ended under the READ "
                                  f"({self.leases.released_why(msg.req_id) or 'held again'})")
         return wire.ReadVerdict(v=WIRE_VERSION, intact=intact, reason=why)
+
+    def _answer_hold(self, msg: wire.Hold) -> wire.Reply:
+        hook = self.hold_hook
+        if hook is None or msg.engine_id != self.config.engine_id:
+            return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
+                                   message=f"holds are taken only from engine "
+                                   f"{self.config.engine_id!r}'s own scheduler here")
+        hook(msg)
+        return wire.Ack(v=WIRE_VERSION)
 
     def _answer_push(self, msg: wire.PushRequest) -> wire.Reply:
         with self._lock:

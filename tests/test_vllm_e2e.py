@@ -604,3 +604,48 @@ def test_pipeline_parallel_is_refused_at_startup() -> None:
                                                           tensor_parallel_size=8))
     with pytest.raises(ConfigError, match=r"pipeline_parallel_size=2 \(use 1\)"):
         KVLinkConnector(cfg, KVConnectorRole.WORKER)
+
+
+def test_prefill_scheduler_holds_at_once_and_the_step_plan_does_not_again() -> None:
+    """The prefill's scheduler tells its workers to hold the moment it keeps a finished
+    request's blocks (before: only the engine's next step did, about 0.5 s later on an idle
+    2-core engine, and the decode's READ report waited for it). The same hold in the step's
+    plan is then a no-op, even after the request was read and released."""
+    port = free_port_range(1)
+    extra = {"side_channel_port": port}
+    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    settings = Settings.from_config("P", "kv_producer", extra)
+    sched = PullScheduler(settings, tp_size=1, block_size=4)
+    prod = PullWorker(settings, 0, 1)
+    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra), 0, 1)
+    try:
+        for w, caches in ((prod, src), (cons, dst)):
+            w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
+                              tp_size=1, tp_rank=0, use_mla=False).spec)
+        req = _Req("r1", list(range(64)), {"do_remote_decode": True}, 64,
+                   _Status("FINISHED_STOPPED"))
+        delay, params = sched.request_finished(req, [1, 3])
+        assert delay and params is not None
+        worker = prod._w()
+        deadline = time.monotonic() + 5
+        while not worker.leases.is_held("r1"):  # no step of the prefill engine
+            assert time.monotonic() < deadline, "the scheduler's hold never arrived"
+            sched.build_plan()  # (only reads the answers: the hold went out at once)
+            time.sleep(0.001)
+        assert worker.leases.generation_of("r1") == params["kvlink_generation"]
+        remote = parse_remote(params)
+        assert remote is not None
+        steps = _Steps(prod, cons)
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (4, 0), 64)]))
+        res = steps.recv()
+        assert res.finished_recving == {"d1"} and not res.failed_recving
+        assert torch.equal(dst[0][4], src[0][1]) and torch.equal(dst[0][0], src[0][3])
+        steps.wait_sent("r1")
+        prod.start(sched.build_plan())  # the step's plan, late: the same hold, not again
+        assert not worker.leases.is_held("r1")
+        assert worker.leases.stats.held == 0
+    finally:
+        prod.close()
+        cons.close()
+        sched.close()

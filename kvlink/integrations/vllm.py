@@ -256,6 +256,8 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._sched is not None:
+            self._sched.close()
 
     # ================================================================ stats
     def get_kv_connector_stats(self) -> Any:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvlink import wire
+from kvlink.channel import Channels, Pending
+from kvlink.compat import WIRE_VERSION
 from kvlink.integrations.vllm_common import (
     GENERATION_PARAM,
     MODE_PARAM,
@@ -21,6 +24,7 @@ from kvlink.integrations.vllm_common import (
     parse_remote,
 )
 from kvlink.scheduler import new_generation
+from kvlink.sidechannel import secret_from_env
 
 log = logging.getLogger("kvlink.vllm")
 
@@ -44,6 +48,9 @@ class PullScheduler:
         self._plan = StepPlan()
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (tokens, blocks)
         self.counters: dict[str, float] = {}
+        # producer: holds go to our own workers the moment the blocks are kept (wire.Hold)
+        self._chan = Channels(secret_from_env(settings.secret)) if settings.producer else None
+        self._sent: list[Pending] = []
 
     def _count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -119,6 +126,7 @@ class PullScheduler:
         # and the worker's hold (next step) validates it after the READ
         generation = new_generation()
         self._plan.send.append(SendReq(request.request_id, ids, generation))
+        self._hold_now(request.request_id, ids, generation)
         self._count("held_requests")
         return True, {
             "do_remote_prefill": True,
@@ -134,8 +142,27 @@ class PullScheduler:
             GENERATION_PARAM: generation,
         }
 
+    def _hold_now(self, req_id: str, ids: tuple[int, ...], generation: int) -> None:
+        """Tell every local worker rank to hold now (the step's plan carries the same hold, for
+        a worker that did not get this: whichever comes first holds). Never blocks."""
+        if self._chan is None:
+            return
+        host = self.s.host if self.s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        msg = wire.Hold(v=WIRE_VERSION, engine_id=self.s.engine_id, req_id=req_id,
+                        block_ids=list(ids), generation=generation)
+        self._sent += [self._chan.call(host, self.side_port + r, msg, 2.0)
+                       for r in range(self.tp_size)]
+        self._chan.flush()
+
     # ------------------------------------------------------------------ every step
     def build_plan(self) -> StepPlan:
+        if self._chan is not None and self._sent:
+            self._chan.pump()
+            for p in [p for p in self._sent if p.done()]:
+                self._sent.remove(p)
+                if p.exception() is not None:
+                    log.info("a hold did not reach its worker now (the step's plan carries "
+                             "it): %s", p.exception())
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -155,3 +182,7 @@ class PullScheduler:
     def take_counters(self) -> dict[str, float]:
         out, self.counters = self.counters, {}
         return out
+
+    def close(self) -> None:
+        if self._chan is not None:
+            self._chan.close()

@@ -104,6 +104,7 @@ class PullWorker:
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
             intent_timeout=self.s.intent_timeout)
         self.worker = KVWorker(cfg)
+        self.worker.hold_hook = self._hold_now
         self.worker.register(spec)
         self.spec = self.worker.spec
         if self.s.consumer and self.s.mode == "push" and not any(
@@ -123,13 +124,25 @@ class PullWorker:
 
     # ------------------------------------------------------------------ producer
     def _hold(self, plan: StepPlan) -> None:
-        w = self._w()
         for r in plan.send:
-            if w.leases.is_held(r.req_id):
-                log.warning("request %s is already held; ignoring a second hold", r.req_id)
-                continue
-            w.hold(r.req_id, expand_blocks(r.block_ids, self.block_ratio),
-                   generation=r.generation or None)
+            self._take_hold(r.req_id, r.block_ids, r.generation)
+
+    def _hold_now(self, msg: wire.Hold) -> None:
+        """The scheduler's hold, sent the moment it kept the blocks (side channel thread):
+        the decode's READ report need not wait for this engine's next step."""
+        self._take_hold(msg.req_id, tuple(msg.block_ids), msg.generation)
+
+    def _take_hold(self, req_id: str, block_ids: tuple[int, ...], generation: int) -> None:
+        """Hold once, whichever of the step's plan and the scheduler's message comes first."""
+        w = self._w()
+        try:
+            w.hold(req_id, expand_blocks(block_ids, self.block_ratio),
+                   generation=generation or None)
+        except ValueError:  # held already: by the other path (same generation), or a bug
+            if generation and generation in (w.leases.generation_of(req_id),
+                                             w.leases.released_generation(req_id)):
+                return  # the same hold, delivered twice (or late, after its release)
+            log.warning("request %s is already held; ignoring a second hold", req_id)
 
     def _collect_released(self) -> None:
         for r in self._w().released():
