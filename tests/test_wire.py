@@ -81,6 +81,9 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
 if hasattr(wire, "Signed"):  # authenticated envelope (side-channel auth)
     STRATEGIES[wire.Signed] = st.builds(wire.Signed, v=st.just(WIRE_VERSION), nonce=blob,
                                         mac=blob, body=blob)
+STRATEGIES[wire.Hold] = st.builds(wire.Hold, v=st.just(WIRE_VERSION), engine_id=text,
+                                  req_id=text, block_ids=st.lists(i64, max_size=20),
+                                  generation=i64)
 STRATEGIES[wire.Hello] = st.builds(wire.Hello, v=st.just(WIRE_VERSION), nonce=blob)
 STRATEGIES[wire.Welcome] = st.builds(wire.Welcome, v=st.just(WIRE_VERSION), nonce=blob)
 STRATEGIES[wire.Sealed] = st.builds(wire.Sealed, v=st.just(WIRE_VERSION), counter=i64,
