@@ -82,7 +82,6 @@ from kvlink.transport import (
 log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
-_TABLES_KEPT = 4096  # plan tables, one per (peer, head read)
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -230,7 +229,6 @@ class KVWorker:
         # connections, driven from the caller's thread (see kvlink.channel)
         self._chan = Channels(self._secret)
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
-        self._tables: dict[tuple[str, HeadRead], PlanTable] = {}
         self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
@@ -707,7 +705,9 @@ class KVWorker:
         post_runs = getattr(transport, "post_runs", None) if note is None else None
         plan: Plan | Runs | None = None
         try:
-            table = self._table(go.peer, part.read)
+            # built at the peer's first request (a handshake's spec is a new object: a
+            # restarted peer gets a new table), cached in the planner
+            table = PlanTable.for_peer(self._require_spec(), go.peer.spec, part.read)
             if post_runs is not None:
                 plan = table.runs(req.local_ids, req.remote_ids)
             if plan is None:
@@ -731,17 +731,6 @@ class KVWorker:
         req.phases.post += time.perf_counter() - part.t_post
         part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += part.nbytes
-
-    def _table(self, peer: Peer, read: HeadRead) -> PlanTable:
-        """The peer's plan table for ``read``, built at its first request (per handshake: a
-        restarted peer has a new agent name)."""
-        key = (peer.agent, read)
-        table = self._tables.get(key)
-        if table is None:
-            if len(self._tables) >= _TABLES_KEPT:  # peers come and go: bounded
-                self._tables.clear()
-            table = self._tables[key] = PlanTable.build(self._require_spec(), peer.spec, read)
-        return table
 
     def _progress(self, req: _Request, part: _Part) -> None:
         assert part.go is not None and part.handle is not None

@@ -53,7 +53,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -351,96 +351,76 @@ class CudaIpcTransport(Transport):
     ) -> int:
         """Enqueue the copy after the caller's current stream (see the module docstring);
         never raises for peer or runtime conditions: such a post polls FAILED."""
-        t0 = time.perf_counter()
-        cuda = self._torch.cuda
-        with self._lock:
-            handle = next(self._handles)
-            target = self._peers.get(peer)
-            if target is None or self._copier is None:
-                why = ("cuda_ipc: transport closed" if self._closed else
-                       f"peer {peer} not connected" if self._copier is not None
-                       else "cuda_ipc: post before register()")
-                self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
-                                            XferState(XferStatus.FAILED, why), settled=True)
-                self._account(failed=1)
-                return handle
+        def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             if op is Op.READ:
-                args = (remote, target.map, local, self._local_map, self._stream)
-            else:
-                args = (local, self._local_map, remote, target.map, self._stream)
-            try:
-                after = self._current_stream(self._device) if self.stream_order else None
-                if cuda.current_device() == self._device:  # common: skip the context switch
-                    pending = self._copier.copy(*args, after)
-                else:
-                    with cuda.device(self._device):
-                        pending = self._copier.copy(*args, after)
-            except (RuntimeError, OSError) as exc:
-                # the copier turns errors of its launches into a failing copy; this is one
-                # before anything was enqueued (or of a dead context): nothing can land
-                self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None, XferState(
-                    XferStatus.FAILED, f"cuda_ipc: {type(exc).__name__}: {exc}"), settled=True)
-                self._account(failed=1)
-                return handle
-            # the copy is running: bookkeeping from here on is off the transfer's critical path
-            x = _Xfer(pending, int(local["len"].sum()), t0, local, remote, target)
-            target.live.add(x)
-            self._xfers[handle] = x
-            closable = self._reap_locked() if self._released else []
-        self._unmap(closable)
-        self._account(post_seconds=time.perf_counter() - t0, descriptors=int(local.shape[0]))
-        return handle
+                return copier.copy(remote, target.map, local, self._local_map, self._stream,
+                                   after)
+            return copier.copy(local, self._local_map, remote, target.map, self._stream, after)
+
+        return self._post(peer, copy, local, remote, None, int(local["len"].sum()),
+                          int(local.shape[0]))
 
     def post_runs(self, op: Op, peer: str, runs: Runs) -> int:
         """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post`
         of ``runs.expand()`` without expanding it — the kernel computes each extent's
         addresses from the segment bases and runs, so the host writes a few kilobytes instead
         of segments x runs records. Same contract as post (stream order, never raises)."""
-        copier = self._copier
-        if copier is None or not copier.computes_addresses:
+        if self._copier is None or not self._copier.computes_addresses:
             plan = runs.expand(self.extents)
             return self.post(op, peer, plan.local, plan.remote)
+        ours, theirs = (runs.local_base, runs.local_at), (runs.remote_base, runs.remote_at)
+        segments, count = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
+
+        def copy(copier: Any, target: _Peer, after: int | None) -> Any:
+            (src, smap), (dst, dmap) = (((theirs, target.map), (ours, self._local_map))
+                                        if op is Op.READ else
+                                        ((ours, self._local_map), (theirs, target.map)))
+            table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
+            return copier.copy_runs(table, segments, count, smap, dmap, self._stream, after)
+
+        return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
+
+    def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
+              local: Extents | None, remote: Extents | None, runs: Runs | None, nbytes: int,
+              descriptors: int) -> int:
+        """Both posts: ``copy(copier, target, after)`` enqueues on our stream after the
+        caller's; anything that stops it before it is enqueued makes a FAILED handle."""
         t0 = time.perf_counter()
         cuda = self._torch.cuda
-        local_side = (runs.local_base, runs.local_at)
-        remote_side = (runs.remote_base, runs.remote_at)
         with self._lock:
             handle = next(self._handles)
             target = self._peers.get(peer)
-            if target is None:
+            why = ""
+            if target is None or self._copier is None:
                 why = ("cuda_ipc: transport closed" if self._closed else
-                       f"peer {peer} not connected")
-                self._xfers[handle] = _Xfer(None, 0, t0, None, None, None,
+                       f"peer {peer} not connected" if self._copier is not None
+                       else "cuda_ipc: post before register()")
+            else:
+                try:
+                    after = self._current_stream(self._device) if self.stream_order else None
+                    if cuda.current_device() == self._device:  # common: no context switch
+                        pending = copy(self._copier, target, after)
+                    else:
+                        with cuda.device(self._device):
+                            pending = copy(self._copier, target, after)
+                except (RuntimeError, OSError) as exc:
+                    # the copier turns errors of its launches into a failing copy; this is one
+                    # before anything was enqueued (or of a dead context): nothing can land
+                    why = f"cuda_ipc: {type(exc).__name__}: {exc}"
+            if why:
+                self._xfers[handle] = _Xfer(None, 0, t0, local, remote, None,
                                             XferState(XferStatus.FAILED, why), settled=True,
                                             runs=runs)
                 self._account(failed=1)
                 return handle
-            src, smap, dst, dmap = ((remote_side, target.map, local_side, self._local_map)
-                                    if op is Op.READ else
-                                    (local_side, self._local_map, remote_side, target.map))
-            table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
-            segments, count = int(src[0].shape[0]), int(runs.lens.shape[0])
-            try:
-                after = self._current_stream(self._device) if self.stream_order else None
-                if cuda.current_device() == self._device:
-                    pending = copier.copy_runs(table, segments, count, smap, dmap, self._stream,
-                                               after)
-                else:
-                    with cuda.device(self._device):
-                        pending = copier.copy_runs(table, segments, count, smap, dmap,
-                                                   self._stream, after)
-            except (RuntimeError, OSError) as exc:
-                self._xfers[handle] = _Xfer(None, 0, t0, None, None, None, XferState(
-                    XferStatus.FAILED, f"cuda_ipc: {type(exc).__name__}: {exc}"), settled=True,
-                    runs=runs)
-                self._account(failed=1)
-                return handle
-            x = _Xfer(pending, runs.nbytes, t0, None, None, target, runs=runs)
+            assert target is not None
+            # the copy is running: bookkeeping from here on is off the transfer's critical path
+            x = _Xfer(pending, nbytes, t0, local, remote, target, runs=runs)
             target.live.add(x)
             self._xfers[handle] = x
             closable = self._reap_locked() if self._released else []
         self._unmap(closable)
-        self._account(post_seconds=time.perf_counter() - t0, descriptors=runs.descriptors)
+        self._account(post_seconds=time.perf_counter() - t0, descriptors=descriptors)
         return handle
 
     def completion_event(self, handle: int) -> torch.cuda.Event | None:

@@ -361,6 +361,7 @@ def test_plan_checks_block_ids() -> None:
 def test_for_peer_builds_once_per_pair_and_stays_bounded(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     from kvlink import plan as plan_mod
+    # not a fake: a cache of this test's own, and a small bound to reach it
     monkeypatch.setattr(plan_mod, "_CACHE", {})
     monkeypatch.setattr(plan_mod, "_CACHE_SIZE", 3)
     a, b = _fa(2, 2, 8, 1 << 40), _fa(2, 2, 8, 1 << 41)
