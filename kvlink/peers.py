@@ -55,7 +55,6 @@ class Peer:
     tp_size: int
     endpoint: tuple[str, int]
     incarnation: int
-    session_port: int = 0  # the peer's kept-open session port (see kvlink.channel)
 
 
 Call = Callable[[str, int, wire._Msg], wire._Msg]
@@ -170,7 +169,7 @@ class PeerTable:
             endpoint = (remote.host, remote.port + rank)
             self._drop_replaced(endpoint, remote.engine_id)
             return Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint,
-                        reply.incarnation, reply.session_port)
+                        reply.incarnation)
         raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
                              + "; ".join(reasons))
 

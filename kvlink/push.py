@@ -126,6 +126,17 @@ class PushSlots:
         slot.state = Slot.POSTED
         return None
 
+    def still_queued(self, key: PushKey, now: float) -> bool:
+        """A queued push may still be taken: not cancelled and within its time to live (one
+        past it is cancelled here, so a late cancel is answered "cancelled")."""
+        slot = self._slots.get(key)
+        if slot is None or slot.state is Slot.CANCELLED:
+            return False
+        if slot.state is Slot.QUEUED and now > slot.deadline:
+            slot.state = Slot.CANCELLED
+            return False
+        return True
+
     def finish(self, key: PushKey, ok: bool) -> None:
         slot = self._slots.get(key)
         if slot is not None and slot.state is not Slot.CANCELLED:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import itertools
 import logging
 import secrets
 import threading
@@ -69,6 +68,7 @@ class _Lease:
     held: frozenset[int]  # for subset checks: a set beats numpy at a few hundred ids
     generation: int
     deadline: float
+    limit: float  # no read intent extends the deadline past this
     expected: int | None  # readers still unknown until the first report says
     done: set[str] = dataclasses.field(default_factory=set)
     reading: set[str] = dataclasses.field(default_factory=set)  # granted, not yet reported
@@ -116,10 +116,16 @@ class BlockLeases:
 
     def __init__(self, lease_seconds: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, *,
-                 read_seconds: float = 30.0) -> None:
+                 read_seconds: float = 30.0,
+                 on_release: Callable[[str, int], None] | None = None) -> None:
         self.lease_seconds = lease_seconds
-        self.read_seconds = read_seconds  # a granted READ extends the lease this far (a hint)
+        # a READ granted near the lease's end extends it this far, once: read intents cannot
+        # keep a hold alive past lease_seconds + read_seconds, whoever sends them
+        self.read_seconds = read_seconds
         self._clock = clock
+        #: called with (request id, generation) as a hold ends, under the lock (the worker
+        #: revokes the hold's data-plane grant there); must not block
+        self.on_release = on_release
         self._lock = threading.RLock()
         self._leases: dict[str, _Lease] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -129,8 +135,6 @@ class BlockLeases:
         self._intact: collections.OrderedDict[tuple[str, int], frozenset[str]] = (
             collections.OrderedDict())
         self._released: list[Released] = []
-        # random start: generations of two producer lifetimes never collide by accident
-        self._gen = itertools.count(secrets.randbits(40) + 1)
         self.stats = LeaseStats()
 
     # ---------------------------------------------------------------- holding
@@ -153,9 +157,12 @@ class BlockLeases:
                 raise ValueError(f"request {req_id!r} was held under generation {generation} "
                                  "and released already")
             self._gone.pop(req_id, None)
-            gen = next(self._gen) if generation is None else generation
-            self._leases[req_id] = _Lease(ids, frozenset(ids), gen,
-                                          self._clock() + self.lease_seconds, readers)
+            # random, never counted up: the generation is what lets a reader in (kvlink.grants)
+            gen = new_generation() if generation is None else generation
+            now = self._clock()
+            self._leases[req_id] = _Lease(ids, frozenset(ids), gen, now + self.lease_seconds,
+                                          now + self.lease_seconds + self.read_seconds,
+                                          readers)
             self.stats.held += 1
             self.stats.held_blocks += len(ids)
             return gen
@@ -205,7 +212,7 @@ class BlockLeases:
                     return Refused(Refusal.BLOCKS, f"blocks {bad} are not among the "
                                    f"{len(lease.held)} held for {req_id}")
             now = self._clock()
-            lease.deadline = max(lease.deadline, now + self.read_seconds)
+            lease.deadline = min(max(lease.deadline, now + self.read_seconds), lease.limit)
             lease.reading.add(reader)
             self.stats.reads_granted += 1
             return Grant(lease.generation, lease.deadline - now)
@@ -360,4 +367,6 @@ class BlockLeases:
             while len(self._intact) > _REMEMBERED:
                 self._intact.popitem(last=False)
         self._released.append(Released(req_id, lease.block_ids, why))
+        if self.on_release is not None:
+            self.on_release(req_id, lease.generation)
         return lease.block_ids

@@ -52,6 +52,13 @@ nixl and mooncake):
    ``runs.expand()`` (:class:`Runs`) without the host expanding it; same contract as post.
    cuda_ipc implements it (its kernel computes the addresses); the worker uses it where the
    plan takes that form.
+8. **Grants** (:mod:`kvlink.grants`): every ``post`` names the ``ticket`` its owner granted.
+   A transport that serves peers' transfers on the owner's side and declares
+   ``Capabilities.enforces_grants`` serves, when its context says ``require_grants``, only
+   transfers whose ticket has a live :meth:`~Transport.grant` for that operation covering
+   every extent; anything else is refused (the initiator's handle FAILED, naming why) and
+   counted in ``TransportStats.refused``. Others accept the ticket and cannot check it
+   (docs/security.md says what each one enforces).
 """
 
 from __future__ import annotations
@@ -106,6 +113,9 @@ class XferStatus(enum.Enum):
 class XferState:
     status: XferStatus
     reason: str = ""
+    #: FAILED because the owner refused it before any byte moved (no grant for it, out of its
+    #: bounds): posting it again may succeed once the owner grants it
+    refused: bool = False
 
 
 PENDING = XferState(XferStatus.PENDING)
@@ -178,6 +188,8 @@ class Capabilities:
     #: polls in a tight loop must yield it, or each of their steps waits out the interpreter's
     #: switch interval (5 ms) — measured 24 ms instead of 5 for a 10 MiB tcp READ
     python_threads: bool = False
+    #: serves peers' transfers only inside granted windows (contract rule 8)
+    enforces_grants: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +200,9 @@ class TransportContext:
     host: str = "127.0.0.1"  # address to bind data-plane listeners on
     advertise_host: str | None = None  # address peers should dial (defaults to host)
     host_id: str = ""  # identifies the physical host (same-host transports compare it)
+    #: serve a peer's transfer only under a live grant (rule 8); False: any peer that passed
+    #: the handshake may touch all registered memory (a transport used on its own)
+    require_grants: bool = False
 
 
 @dataclasses.dataclass
@@ -196,6 +211,7 @@ class TransportStats:
 
     transfers: int = 0
     failed: int = 0
+    refused: int = 0  # peers' transfers against our memory refused (no grant, out of bounds)
     bytes: int = 0
     descriptors: int = 0
     post_seconds: float = 0.0
@@ -244,9 +260,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def post(
-        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
+        *, ticket: bytes = b"",
     ) -> int:
         """Start one transfer of all extents (READ: remote -> local, WRITE: local -> remote).
+
+        ``ticket``: the grant the peer made for it (contract rule 8; empty: none).
 
         Never raises for the peer's or the library's state: a transfer that cannot start gives
         a handle that polls FAILED with a reason naming the peer (contract rule 2). Raises
@@ -288,6 +307,17 @@ class Transport(abc.ABC):
         (the default: most libraries give no such handle on a remote initiator). Why: a decode
         that pushed block ids to a prefill which then stopped answering must know the prefill's
         WRITEs can no longer land before it reuses those blocks."""
+        return False
+
+    def grant(self, ticket: bytes, op: Op, extents: Extents) -> None:
+        """Let peers presenting ``ticket`` run ``op`` on ``extents`` of our memory, until
+        :meth:`revoke` (contract rule 8). Default: nothing to enforce with."""
+        return None
+
+    def revoke(self, ticket: bytes, timeout: float = 0.0) -> bool:
+        """End the grant of ``ticket``: the owner refuses its transfers from now on. True once,
+        within ``timeout`` s, no transfer under it is still touching our memory (so a WRITE
+        window's blocks may be reused); False where the transport cannot tell (the default)."""
         return False
 
     def extents(self, n: int) -> Extents:

@@ -7,17 +7,81 @@ and unknown tags are errors). Decoders raise only :class:`kvlink.errors.WireErro
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import re
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
 
 from kvlink.compat import WIRE_VERSION as WIRE_VERSION
-from kvlink.errors import WireError, WireVersionError
+from kvlink.errors import ConfigError, WireError, WireVersionError
 from kvlink.layout import KVCacheSpec, Layout
 from kvlink.transport import EXTENT_DTYPE, Extents, Region
 
 MAX_MESSAGE_BYTES = 16 << 20
+
+# ----------------------------------------------------------------------------- field bounds
+# Every field of every message is checked against these while it is decoded (msgspec
+# constraints, plus ``__post_init__`` for what spans fields, e.g. tp_rank < tp_size): a peer's
+# number never reaches a loop, an allocation or a lock unchecked. A violation is a WireError
+# that names the field (msgspec's "- at `$.tp_size`"), answered ``ErrorReply(code=
+# "bad_message")`` by a side-channel server. Constraints hold at decode time only: building a
+# message breaks nothing but its cross-field checks (tests build hostile messages freely).
+MAX_TP = 4096  #: tp_size in 1..MAX_TP, tp_rank in 0..tp_size-1
+MAX_ID_LEN = 256  #: engine and request ids (vLLM: "cmpl-<uuid>-0" and suffixes, under 100)
+MAX_NAME_LEN = 512  #: agent names (an engine id, a rank, a pid and a clock), host ids, hashes
+MAX_HOST_LEN = 255  #: a host to dial back: a DNS name (253) or an IPv6 literal with its zone
+MAX_TAG_LEN = 64  #: short words: kinds, states, error codes, dtypes, layouts, transport names
+MAX_TEXT_LEN = 1 << 16  #: human-readable details, reasons and error messages
+MAX_BLOCK_IDS = 1 << 20  #: block ids in one list (16 M tokens at 16 tokens a block)
+MAX_BLOCK_ID = 2**31 - 1  #: vLLM's block tables are int32; so is any sane cache
+#: incarnations, generations, push ids, call ids, session counters, and addresses and byte
+#: counts (user-space and device addresses fit in 63 bits; msgspec bounds stop at int64)
+MAX_U63 = 2**63 - 1
+MAX_PORT = 65535
+MAX_NONCE_BYTES = 64  #: nonces and MACs (HMAC-SHA256 is 32 B, nonces 16 B)
+MAX_AUTH_BYTES = 4096  #: HandshakeRequest.auth
+MAX_CALLS = 4096  #: calls in one Batch, answers in one Replies (kvlink.channel sends <= 512)
+MAX_TRANSPORTS = 32  #: descriptors in one handshake answer
+MAX_LAYERS = 4096
+MAX_REGIONS = 4 * MAX_LAYERS  #: registered regions in one spec (one or two a layer in practice)
+MAX_HEADS = 1 << 16  #: KV heads (total and per rank)
+MAX_HEAD_DIM = 1 << 16
+MAX_BLOCK_SIZE = 1 << 20  #: tokens per block
+MAX_ITEMSIZE = 16
+MAX_SECONDS = 1e9  #: ReadGrant.expires_in (finite; negative only when a lease just ran out)
+MAX_TTL_MS = 7 * 86_400_000  #: PushRequest.ttl_ms: a week (0: no ttl)
+
+_NO_CONTROL = r"^[^\x00-\x1f\x7f]*\Z"  # ids end up in logs and keys: no control characters
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN, pattern=_NO_CONTROL)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN, pattern=_NO_CONTROL)]
+# a host name, an IPv4 or a bare IPv6 literal (with its %zone): what a peer dials back
+Host = Annotated[str, msgspec.Meta(max_length=MAX_HOST_LEN, pattern=r"^[A-Za-z0-9._:%-]+\Z")]
+Tag = Annotated[str, msgspec.Meta(max_length=MAX_TAG_LEN, pattern=_NO_CONTROL)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_LEN)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
+TpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_TP - 1)]
+U63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_U63)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=MAX_PORT)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+Nonce = Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE_BYTES)]
+Body = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)]
+
+
+def check_id(value: str, what: str) -> str:
+    """A caller's id, checked against what a peer will accept before it leaves (one id out
+    of bounds would make the peer refuse the whole frame it travels in)."""
+    if len(value) > MAX_ID_LEN or not re.match(_NO_CONTROL, value):
+        raise ConfigError(f"{what} {value[:40]!r}{'...' if len(value) > 40 else ''}: at most "
+                          f"{MAX_ID_LEN} characters, no control characters")
+    return value
+
+
+def _check_rank(tp_rank: int, tp_size: int) -> None:
+    """Cross-field: raised in ``__post_init__``, which msgspec turns into a ValidationError."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"`tp_rank` {tp_rank} out of range for `tp_size` {tp_size}")
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
@@ -25,27 +89,30 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=
 
 
 class RegionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
-    addr: int
-    nbytes: int
-    device: str
+    addr: U63
+    nbytes: U63
+    device: Tag
 
 
 class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    itemsize: int
-    layout: str
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_ID + 1)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEADS)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1, le=MAX_HEAD_DIM)]
+    dtype: Tag
+    itemsize: Annotated[int, msgspec.Meta(ge=1, le=MAX_ITEMSIZE)]
+    layout: Tag
     mla: bool
-    total_kv_heads: int
-    tp_size: int
-    tp_rank: int
-    regions: list[RegionMsg]
-    plane_base: list[int]
-    block_stride: list[int]
+    total_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=MAX_HEADS)]  # 0: num_kv_heads
+    tp_size: TpSize
+    tp_rank: TpRank
+    regions: Annotated[list[RegionMsg], msgspec.Meta(max_length=MAX_REGIONS)]
+    plane_base: Annotated[list[U63], msgspec.Meta(max_length=2 * MAX_LAYERS)]
+    block_stride: Annotated[list[U63], msgspec.Meta(max_length=2 * MAX_LAYERS)]
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
 
     @classmethod
     def of(cls, spec: KVCacheSpec) -> SpecMsg:
@@ -82,43 +149,52 @@ class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class HandshakeRequest(_Msg, tag="hs_req", frozen=True):
-    engine_id: str
-    agent_name: str
-    tp_rank: int
-    tp_size: int
-    host_id: str
-    compat: str
-    auth: bytes = b""
+    engine_id: Id
+    agent_name: Name
+    tp_rank: TpRank
+    tp_size: TpSize
+    host_id: Name
+    compat: Name
+    auth: Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)] = b""
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
 
 
 class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
-    engine_id: str
-    agent_name: str
-    tp_rank: int
-    tp_size: int
-    host_id: str
-    compat: str
+    engine_id: Id
+    agent_name: Name
+    tp_rank: TpRank
+    tp_size: TpSize
+    host_id: Name
+    compat: Name
     spec: SpecMsg
-    transports: dict[str, bytes]
+    transports: Annotated[dict[Tag, Body], msgspec.Meta(max_length=MAX_TRANSPORTS)]
     #: random per process start: requests carry it back, so a peer restarted under the same
     #: engine id and address is detected (stale incarnation) instead of read through old state
-    incarnation: int = 0
+    incarnation: U63 = 0
     #: where this rank takes kept-open sessions (plain TCP, see kvlink.channel); 0: none
-    session_port: int = 0
+    session_port: Port = 0
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
 
 
 class Notification(_Msg, tag="notify", frozen=True):
     """Push mode, prefill -> decode: "your blocks for this push are filled" (``ok``), or "they
     will not be / were not completely" (``ok=False``, the WRITE is quiescent either way)."""
 
-    engine_id: str
-    req_id: str
-    tp_rank: int
-    tp_size: int
-    kind: str = "write"
+    engine_id: Id
+    req_id: Id
+    tp_rank: TpRank
+    tp_size: TpSize
+    kind: Tag = "write"
     ok: bool = True
-    detail: str = ""  # why not ok (human-readable only; nothing is parsed out of it)
-    push_id: int = 0  # the PushRequest this answers (a stale push's note is ignored)
+    detail: Text = ""  # why not ok (human-readable only; nothing is parsed out of it)
+    push_id: U63 = 0  # the PushRequest this answers (a stale push's note is ignored)
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
 
 
 class PushRequest(_Msg, tag="push", frozen=True):
@@ -128,26 +204,31 @@ class PushRequest(_Msg, tag="push", frozen=True):
     ``ttl_ms``: the prefill must not post the WRITE later than this after it got the request
     (the decode may have given up on it and sent a :class:`PushCancel`)."""
 
-    engine_id: str
-    agent_name: str
-    req_id: str
-    tp_rank: int
-    tp_size: int
-    host: str  # the decode rank's side channel, where the prefill handshakes back
-    port: int  # base port (rank r at port + r)
-    block_ids: list[int]
-    push_id: int = 0
-    ttl_ms: int = 0
-    incarnation: int = 0  # the decode's: a prefill with older handshake state re-handshakes
+    engine_id: Id
+    agent_name: Name
+    req_id: Id
+    tp_rank: TpRank
+    tp_size: TpSize
+    host: Host  # the decode rank's side channel, where the prefill handshakes back
+    port: Annotated[int, msgspec.Meta(ge=1, le=MAX_PORT)]  # base port (rank r at port + r)
+    block_ids: BlockIds
+    push_id: U63 = 0
+    ttl_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_TTL_MS)] = 0  # 0: no time to live
+    incarnation: U63 = 0  # the decode's: a prefill with older handshake state re-handshakes
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
+        if self.port + self.tp_rank > MAX_PORT:
+            raise ValueError(f"`port` {self.port} + `tp_rank` {self.tp_rank} is no port")
 
 
 class PushCancel(_Msg, tag="push_cancel", frozen=True):
     """Decode -> prefill: my push timed out; do not post it. Answered by :class:`PushState`."""
 
-    engine_id: str
-    req_id: str
-    tp_rank: int
-    push_id: int
+    engine_id: Id
+    req_id: Id
+    tp_rank: TpRank
+    push_id: U63
 
 
 class PushState(_Msg, tag="push_state", frozen=True):
@@ -155,8 +236,8 @@ class PushState(_Msg, tag="push_state", frozen=True):
     ``in_flight`` (posted; its "written" notification follows once it is quiescent), ``done``
     (fully written) or ``failed`` (quiescent, not completely written)."""
 
-    state: str
-    reason: str = ""
+    state: Tag
+    reason: Text = ""
 
 
 class ReadIntent(_Msg, tag="read_intent", frozen=True):
@@ -166,18 +247,18 @@ class ReadIntent(_Msg, tag="read_intent", frozen=True):
     ``incarnation`` is the producer's as the reader's handshake saw it: a mismatch means the
     producer restarted and the reader's metadata (mappings, keys) is stale."""
 
-    engine_id: str
-    req_id: str
-    tp_rank: int
-    incarnation: int = 0
-    block_ids: list[int] = []
+    engine_id: Id
+    req_id: Id
+    tp_rank: TpRank
+    incarnation: U63 = 0
+    block_ids: BlockIds = []
 
 
 class ReadGrant(_Msg, tag="read_grant", frozen=True):
     """The lease generation the READ runs under and how long the lease holds from now."""
 
-    generation: int
-    expires_in: float
+    generation: U63
+    expires_in: Annotated[float, msgspec.Meta(ge=-MAX_SECONDS, le=MAX_SECONDS)]
 
 
 class ReadDone(_Msg, tag="read_done", frozen=True):
@@ -189,24 +270,27 @@ class ReadDone(_Msg, tag="read_done", frozen=True):
     ``block_ids``: a READ posted without an intent (the reader got the generation with the
     block ids): the blocks it read, checked against the hold here, after the fact."""
 
-    engine_id: str
-    req_id: str
-    tp_rank: int
-    tp_size: int
-    incarnation: int = 0
-    generation: int = 0
+    engine_id: Id
+    req_id: Id
+    tp_rank: TpRank
+    tp_size: TpSize
+    incarnation: U63 = 0
+    generation: U63 = 0
     ok: bool = True
-    block_ids: list[int] | None = None
+    block_ids: BlockIds | None = None
+
+    def __post_init__(self) -> None:
+        _check_rank(self.tp_rank, self.tp_size)
 
 
 class ReadVerdict(_Msg, tag="read_verdict", frozen=True):
     intact: bool
-    reason: str = ""
+    reason: Text = ""
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):
-    code: str
-    message: str
+    code: Tag
+    message: Text
 
 
 class Ack(_Msg, tag="ack", frozen=True):
@@ -216,15 +300,15 @@ class Ack(_Msg, tag="ack", frozen=True):
 class Challenge(_Msg, tag="challenge", frozen=True):
     """Asks for (empty nonce) or hands out (server) a single-use nonce for :class:`Signed`."""
 
-    nonce: bytes
+    nonce: Nonce
 
 
 class Signed(_Msg, tag="signed", frozen=True):
     """Another message, authenticated: HMAC-SHA256(secret, nonce || body)."""
 
-    nonce: bytes
-    mac: bytes
-    body: bytes
+    nonce: Nonce
+    mac: Nonce
+    body: Body
 
 
 class Hello(_Msg, tag="hello", frozen=True):
@@ -232,11 +316,11 @@ class Hello(_Msg, tag="hello", frozen=True):
     Answered by :class:`Welcome`; the session key is HMAC-SHA256(secret, label || client nonce
     || server nonce), so neither side alone picks it and no two sessions share one."""
 
-    nonce: bytes
+    nonce: Nonce
 
 
 class Welcome(_Msg, tag="welcome", frozen=True):
-    nonce: bytes
+    nonce: Nonce
 
 
 class Hold(_Msg, tag="hold", frozen=True):
@@ -244,12 +328,20 @@ class Hold(_Msg, tag="hold", frozen=True):
     blocks: hold them now, under this generation (the one handed to the decode), instead of at
     the engine's next step — an idle engine takes its next step much later (about 0.5 s on a
     2-core host), and the decode's READ report waits for the hold. Block ids are the
-    scheduler's; the worker maps them to its kernel blocks. Only from its own engine id."""
+    scheduler's; the worker maps them to its kernel blocks. Only from its own engine: ``mac``
+    is HMAC-SHA256 under the engine's local key (:mod:`kvlink.localkey`) over
+    :func:`hold_body`, since a hold names the generation that lets a reader in."""
 
-    engine_id: str
-    req_id: str
-    block_ids: list[int]
-    generation: int
+    engine_id: Id
+    req_id: Id
+    block_ids: BlockIds
+    generation: U63
+    mac: Nonce = b""
+
+
+def hold_body(engine_id: str, req_id: str, block_ids: list[int], generation: int) -> bytes:
+    """What a :class:`Hold`'s MAC covers (every field but the MAC)."""
+    return _encoder.encode((engine_id, req_id, block_ids, generation))
 
 
 #: what a client asks (inside a :class:`Batch`) and what a server answers (in :class:`Replies`)
@@ -259,32 +351,32 @@ Reply = HandshakeResponse | PushState | ReadGrant | ReadVerdict | ErrorReply | A
 
 
 class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
-    id: int  # the client's, echoed in the answer: replies may come in any batch
+    id: U63  # the client's, echoed in the answer: replies may come in any batch
     msg: Request
 
 
 class Answer(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
-    id: int
+    id: U63
     msg: Reply
 
 
 class Batch(_Msg, tag="batch", frozen=True):
     """Every message one client step has for one peer, in one frame, answered in order."""
 
-    calls: list[Call]
+    calls: Annotated[list[Call], msgspec.Meta(max_length=MAX_CALLS)]
 
 
 class Sealed(_Msg, tag="sealed", frozen=True):
     """A :class:`Batch` under a session: HMAC-SHA256(session key, counter || body); the
     counter only grows on one connection, so a replayed or reordered frame is refused."""
 
-    counter: int
-    mac: bytes
-    body: bytes
+    counter: U63
+    mac: Nonce
+    body: Body
 
 
 class Replies(_Msg, tag="replies", frozen=True):
-    answers: list[Answer]
+    answers: Annotated[list[Answer], msgspec.Meta(max_length=MAX_CALLS)]
 
 
 Message = (
@@ -295,7 +387,7 @@ Message = (
 
 
 class _Version(msgspec.Struct):
-    v: int = -1
+    v: int = -1  # unconstrained: any other version is answered as such, not as malformed
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -38,6 +38,7 @@ get until then, the rest are cancelled.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import logging
@@ -52,7 +53,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvlink import sidechannel, wire
+from kvlink import localkey, sidechannel, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION, compat_hash
 from kvlink.errors import (
@@ -61,6 +62,7 @@ from kvlink.errors import (
     TransferRefused,
     TransportUnavailable,
 )
+from kvlink.grants import block_extents, push_ticket, read_ticket
 from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
@@ -68,7 +70,7 @@ from kvlink.peers import Peer, PeerTable
 from kvlink.peers import RemoteEngine as RemoteEngine  # re-exported: the public API
 from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushKey, PushSlots, PushWait, Rank, push_key
-from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released
+from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released, new_generation
 from kvlink.transport import (
     Op,
     Runs,
@@ -104,10 +106,22 @@ class WorkerConfig:
     read_seconds: float = 30.0  # producer: a granted READ extends its lease this far (a hint)
     intent_timeout: float = 10.0  # reader: how long to retry a request not held (yet)
     close_timeout: float = 2.0  # close() returns within this, cancelling what it cannot send
+    #: least privilege on the data plane (docs/security.md): a transport that can enforce it
+    #: serves a peer's transfer only inside what this worker granted for it — a reader the
+    #: blocks of a hold it was told the generation of, READ only; a pushing prefill the
+    #: blocks reserved for that push, WRITE only, until the push ends. False: any peer that
+    #: passed the handshake may touch all registered memory
+    grants: bool = True
+    #: prefill in push mode: take decodes' push requests (push_requests()); False: refuse them
+    #: ("this rank serves pulls"), so nothing queues on a rank that never takes them
+    serve_pushes: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.tp_size > wire.MAX_TP:
+            raise ConfigError(f"tp_size {self.tp_size} exceeds {wire.MAX_TP}")
+        wire.check_id(self.engine_id, "engine_id")
         if not self.transports:
             raise ConfigError("transports must name at least one transport")
         for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
@@ -155,6 +169,7 @@ class _Part:
     retry_at: float = 0.0  # when to ask again after "not held yet"
     restarts: int = 0  # "stale" answers: the producer restarted, handshake again
     reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
+    refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
@@ -223,8 +238,14 @@ class KVWorker:
         self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
                                            initializer=self._thread_init)
         #: producer side: the requests held for readers (see the module docstring)
-        self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds)
+        self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds,
+                                  on_release=self._revoke_hold)
         self._secret = sidechannel.secret_from_env(config.secret)
+        #: messages refused because they did not come from the transfer's peer (a release
+        #: without the hold's generation, a note for another push, a hold not from our own
+        #: scheduler), by kind; the data plane's own refusals are in stats()[name].refused
+        self.refusals: collections.Counter[str] = collections.Counter()
+        self._engine_key: bytes | None = None  # for our scheduler's holds (kvlink.localkey)
         # every per-request message (intents, reports, notes, cancels) goes through kept-open
         # connections, driven from the caller's thread (see kvlink.channel)
         self._chan = Channels(self._secret)
@@ -252,7 +273,8 @@ class KVWorker:
                                        tp_rank=self.config.tp_rank)
         self.spec = spec
         ctx = TransportContext(agent_name=self.agent_name, host=self.config.host,
-                               advertise_host=self.config.advertise_host, host_id=host_id())
+                               advertise_host=self.config.advertise_host, host_id=host_id(),
+                               require_grants=self.config.grants)
         reasons = []
         for name in self.config.transports:
             try:
@@ -275,8 +297,8 @@ class KVWorker:
                 self.config.host, port, self._on_side_message,
                 name=f"kvlink-side-{self.config.tp_rank}", secret=self._secret,
                 allow_insecure=self.config.allow_insecure)
-            log.info("rank %d side channel on %s:%d, sessions on port %d", self.config.tp_rank,
-                     self.config.host, self._server.port, self._server.session_port)
+            log.info("rank %d side channel on %s:%d", self.config.tp_rank, self.config.host,
+                     self._server.port)
 
     @property
     def side_port(self) -> int:
@@ -324,6 +346,23 @@ class KVWorker:
         if isinstance(msg, wire.ReadDone):
             return self._answer_done(msg)
         if isinstance(msg, wire.Notification):
+            from kvlink.headmap import check_tp
+
+            spec = self._require_spec()
+            try:  # the sender's TP must split our heads (it wrote them)
+                if not spec.mla:
+                    check_tp(spec.total_kv_heads, msg.tp_size, "tp_size")
+            except KVLinkError as exc:
+                return wire.ErrorReply(v=WIRE_VERSION, code="incompatible",
+                                       message=f"Notification: {exc}")
+            # only a note for a push we await is kept (the rest would be dropped by poll(),
+            # or never taken at all by a rank that awaits none): a flood costs nothing here
+            aw = self._awaiting.get(msg.req_id)  # a plain dict read: safe off-thread
+            if aw is None or msg.push_id != aw.wait.push_id:
+                self.refusals["written"] += 1
+                return wire.ErrorReply(v=WIRE_VERSION, code="unknown",
+                                       message=f"no push of {msg.req_id!r} (id {msg.push_id}) "
+                                       "is awaited here")
             with self._lock:
                 if len(self._side_notifs) >= _NOTES_KEPT:  # nobody awaits them: bounded
                     return wire.ErrorReply(v=WIRE_VERSION, code="busy",
@@ -379,9 +418,19 @@ class KVWorker:
 
     def _answer_done(self, msg: wire.ReadDone) -> wire.Reply:
         # a release (a replica not read, a request not read at all) validates nothing, so it
-        # needs no incarnation; its generation, where the reader knew it, must be this hold's
+        # needs no incarnation. Whatever ends a reader's part of a hold (a release, a failed
+        # READ) must name the hold's generation: only readers given it may (kvlink.grants)
         reader = f"{msg.engine_id}/{msg.tp_rank}"
-        if msg.ok and msg.block_ids is None and not msg.incarnation:  # a release
+        release = msg.ok and msg.block_ids is None and not msg.incarnation
+        held = self.leases.generation_of(msg.req_id)
+        if (release or not msg.ok) and held is not None and msg.generation != held:
+            self.refusals["release"] += 1
+            log.warning("refused a %s of %s by %s: it does not name the hold's generation",
+                        "release" if release else "failed-READ report", msg.req_id, reader)
+            return wire.ErrorReply(v=WIRE_VERSION, code="not_yours",
+                                   message=f"a release of {msg.req_id} must name the hold's "
+                                   "generation")
+        if release:
             self.leases.release_reader(msg.req_id, reader, msg.generation,
                                        self.expected_readers(msg.tp_size))
             return wire.ReadVerdict(v=WIRE_VERSION, intact=False, reason="released")
@@ -412,20 +461,63 @@ class KVWorker:
             return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                    message=f"holds are taken only from engine "
                                    f"{self.config.engine_id!r}'s own scheduler here")
+        body = wire.hold_body(msg.engine_id, msg.req_id, msg.block_ids, msg.generation)
+        if not localkey.verify(self.engine_key(), body, msg.mac):
+            self.refusals["hold"] += 1
+            log.warning("refused a hold of %s not signed with engine %s's key", msg.req_id,
+                        msg.engine_id)
+            return wire.ErrorReply(v=WIRE_VERSION, code="auth",
+                                   message="a hold must be signed with the engine's key")
         hook(msg)
         return wire.Ack(v=WIRE_VERSION)
 
+    def engine_key(self) -> bytes:
+        """The key our own engine's scheduler signs its holds with (:mod:`kvlink.localkey`)."""
+        if self._engine_key is None:
+            self._engine_key = localkey.engine_key(self.config.engine_id, self._secret)
+        return self._engine_key
+
     def _answer_push(self, msg: wire.PushRequest) -> wire.Reply:
-        with self._lock:
-            again = push_key(msg.engine_id, msg.tp_rank, msg.req_id,
-                             msg.push_id) in self._push_slots
-            if not self._push_slots.arrive(msg, time.monotonic()):
-                return wire.ErrorReply(v=WIRE_VERSION, code="cancelled",
-                                       message=f"push of {msg.req_id} was cancelled before it "
-                                       "arrived")
-            if not again:  # a request sent again (its answer lost with a session): once
-                self._push_inbox.append(msg)
-        return wire.Ack(v=WIRE_VERSION)
+        """Queue a push request for :meth:`push_requests`, or refuse it now: a TP that cannot
+        split our heads, a decode rank that holds none of ours, or a full queue ("busy": at
+        most 4096 requests and ``wire.MAX_BLOCK_IDS`` block ids wait, after those past their
+        time to live were dropped — a rank nobody takes pushes from never drains it)."""
+        if not self.config.serve_pushes:
+            return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
+                                   message=f"engine {self.config.engine_id} rank "
+                                   f"{self.config.tp_rank} serves pulls, not pushes")
+        most, most_ids = 4096, wire.MAX_BLOCK_IDS
+        spec = self._require_spec()
+        try:
+            reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
+                                 msg.tp_rank, spec.total_kv_heads, spec.mla)
+        except KVLinkError as exc:
+            return wire.ErrorReply(v=WIRE_VERSION, code="incompatible",
+                                   message=f"PushRequest tp_size={msg.tp_size} tp_rank="
+                                   f"{msg.tp_rank}: {exc}")
+        if not reads:
+            return wire.ErrorReply(v=WIRE_VERSION, code="bad_message",
+                                   message=f"PushRequest: rank {self.config.tp_rank} holds no "
+                                   f"head of decode rank {msg.tp_rank} (tp_size={msg.tp_size})")
+        key = push_key(msg.engine_id, msg.tp_rank, msg.req_id, msg.push_id)
+        for look in range(2):
+            with self._lock:  # work bounded by the queue's bound, never by the message
+                again = key in self._push_slots
+                queued = sum(len(m.block_ids) for m in self._push_inbox)
+                if again or (len(self._push_inbox) < most
+                             and queued + len(msg.block_ids) <= most_ids):
+                    if not self._push_slots.arrive(msg, time.monotonic()):
+                        return wire.ErrorReply(v=WIRE_VERSION, code="cancelled",
+                                               message=f"push of {msg.req_id} was cancelled "
+                                               "before it arrived")
+                    if not again:  # a request sent again (its answer lost with a session)
+                        self._push_inbox.append(msg)
+                    return wire.Ack(v=WIRE_VERSION)
+            if not look:
+                self.queued_pushes()  # drops the queued pushes past their time to live
+        return wire.ErrorReply(v=WIRE_VERSION, code="busy",
+                               message=f"{len(self._push_inbox)} push requests ({queued} block "
+                               "ids) wait already: is this rank serving pushes?")
 
     def _offer(self, req: wire.HandshakeRequest) -> dict[str, bytes]:
         """Descriptors for this peer: same-host-only ones (IPC handles) only to our own host."""
@@ -499,6 +591,7 @@ class KVWorker:
                push: wire.PushRequest | None = None, key: PushKey | None = None,
                generation: int | None = None) -> None:
         spec = self._require_spec()
+        wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
         lids = spec.check_block_ids(local_ids, "local")
@@ -561,9 +654,13 @@ class KVWorker:
     def _report(self, req: _Request, finished: set[str], failed: dict[str, str]) -> None:
         del self._requests[req.req_id]
         errors = [p.error for p in req.parts if p.error]
-        if req.op is Op.READ:  # replicas holding our heads that we did not read
+        if req.op is Op.READ:  # replicas holding our heads that we did not read: a producer
+            # takes a release only with the hold's generation (the one we read under, where
+            # the producer ranks share it, as a generation minted by the caller is shared)
+            granted = [p.go.generation for p in req.parts if p.go is not None and
+                       p.go.generation]
             self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts},
-                         req.generation)
+                         req.generation or (granted[0] if granted else None))
         if req.lease is not None and req.push is not None:
             intact = self.leases.finish_read(
                 req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
@@ -633,7 +730,6 @@ class KVWorker:
             part.error = f"{where}: {unreachable}"
             return
         peer = part.peer.result()
-        self._chan.learn(*peer.endpoint, peer.session_port)
         if req.op is not Op.READ:
             part.go = _Go(peer)
         elif req.generation is not None:
@@ -718,13 +814,15 @@ class KVWorker:
         part.plan = plan
         part.t_post = time.perf_counter()
         req.phases.plan += part.t_post - t0
+        ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
+                  else read_ticket(req.req_id, go.generation) if go.generation else b"")
         try:
             if isinstance(plan, Runs):
                 assert post_runs is not None
-                part.handle = post_runs(req.op, go.peer.agent, plan)
+                part.handle = post_runs(req.op, go.peer.agent, plan, ticket=ticket)
             else:
                 part.handle = transport.post(req.op, go.peer.agent, plan.local, plan.remote,
-                                             note)
+                                             note, ticket=ticket)
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
@@ -744,7 +842,19 @@ class KVWorker:
         transport.release(part.handle)
         part.handle = None
         reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
-        if state.status is XferStatus.FAILED and req.generation is not None and (
+        if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
+                and time.perf_counter() - req.t_start < self.config.intent_timeout):
+            # nothing moved: the producer had not held it yet (we were told the generation
+            # first), or no longer does. Ask which (an intent answers with the generation)
+            part.failure, part.refused = reason, True
+            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                      wire.ReadIntent(v=WIRE_VERSION,
+                                                      engine_id=self.config.engine_id,
+                                                      req_id=req.req_id,
+                                                      tp_rank=self.config.tp_rank,
+                                                      incarnation=part.go.peer.incarnation,
+                                                      block_ids=req.remote_ids.tolist()))
+        elif state.status is XferStatus.FAILED and req.generation is not None and (
                 part.restarts < 2):
             # quiescent by contract. Nothing asked the producer before this READ, so it may
             # have restarted since our handshake: its answer to the release says ("stale":
@@ -775,6 +885,9 @@ class KVWorker:
         if not part.verdict.done():
             return
         pending, part.verdict = part.verdict, None
+        if part.refused:
+            self._take_requery(req, part, pending)
+            return
         try:
             reply = pending.result()
         except KVLinkError as exc:
@@ -786,8 +899,7 @@ class KVWorker:
                 if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
                     part.reask = True
                 else:  # restarted under the READ: READ again after the new handshake
-                    req.nbytes -= part.nbytes
-                    part.go, part.plan, part.nbytes = None, None, 0
+                    self._read_again(req, part)
                 return
             reply, why = None, f"no verdict ({exc})"
         if part.failure is not None:  # released by that report: the READ failed
@@ -802,6 +914,34 @@ class KVWorker:
             why = f"answered {type(reply).__name__}"
         part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
                       f"confirmed, its bytes are not trusted: {why}")
+
+    def _take_requery(self, req: _Request, part: _Part, pending: Pending) -> None:
+        """The owner refused our READ before any byte moved, and we asked whether it holds
+        the request: under our generation → READ again (it held after we posted: we were told
+        the generation first); not yet → READ again shortly; restarted → after a handshake;
+        anything else → the hold is gone, fail."""
+        failure, part.refused = part.failure or "refused", False
+        part.failure = None
+        try:
+            reply = pending.result()
+        except KVLinkError as exc:
+            if self._again(req, part, exc):
+                self._read_again(req, part)
+            elif getattr(exc, "code", "") == Refusal.BLOCKS.value:  # held, but not those:
+                self._part_failed(req, part, f"{failure}; {exc}")  # release it now
+            else:
+                part.error = f"{failure}; and asked: {exc}"
+            return
+        assert part.go is not None
+        if isinstance(reply, wire.ReadGrant) and reply.generation == part.go.generation:
+            self._read_again(req, part)
+        else:
+            part.error = f"{failure}: the hold it was told ended before its READ"
+
+    @staticmethod
+    def _read_again(req: _Request, part: _Part) -> None:
+        req.nbytes -= part.nbytes
+        part.go, part.plan, part.nbytes = None, None, 0
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
         """A part ends without bytes: for a READ with a generation, release the producer now."""
@@ -890,8 +1030,41 @@ class KVWorker:
 
         Returns the hold's generation (``generation``: one minted by the caller, see
         :meth:`BlockLeases.hold`). A reader given it reads at once, with no round trip before
-        its READ (see :meth:`read`)."""
-        return self.leases.hold(req_id, block_ids, readers, generation)
+        its READ (see :meth:`read`); it is also what lets the reader in: with
+        :attr:`WorkerConfig.grants`, transports that can enforce it serve READs of these blocks
+        only to a transfer that names it, until the hold ends (:mod:`kvlink.grants`)."""
+        wire.check_id(req_id, "request id")
+        if generation is not None and not 0 < generation < 2**63:
+            raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
+        gen = new_generation() if generation is None else generation
+        # granted before the hold is visible: a reader told the generation may READ at once
+        ticket = read_ticket(req_id, gen)
+        self._grant(ticket, Op.READ, block_ids)
+        try:
+            return self.leases.hold(req_id, block_ids, readers, gen)
+        except ValueError:
+            if self.leases.generation_of(req_id) != gen:  # not the same hold delivered twice
+                for t in self._enforcing():
+                    t.revoke(ticket)
+            raise
+
+    def _enforcing(self) -> list[Transport]:
+        if not self.config.grants:
+            return []
+        return [t for t in self.transports.values() if t.capabilities.enforces_grants]
+
+    def _grant(self, ticket: bytes, op: Op, block_ids: npt.ArrayLike) -> None:
+        enforcing = self._enforcing()
+        if enforcing:
+            window = block_extents(self._require_spec(), block_ids)
+            for t in enforcing:
+                t.grant(ticket, op, window)
+
+    def _revoke_hold(self, req_id: str, generation: int) -> None:
+        """A hold ended (read, expired, aborted): its READ grant with it (BlockLeases calls
+        this under its lock; revoking is a dict update)."""
+        for t in self._enforcing():
+            t.revoke(read_ticket(req_id, generation))
 
     def abort(self, req_id: str) -> None:
         """Release a held request now; readers still reading it will be told "not intact"."""
@@ -915,7 +1088,18 @@ class KVWorker:
         :func:`kvlink.headmap.notify_targets`: replicas that were not read are told too)."""
         known = self._readers.get(reader_tp)
         if known is None:  # asked by every report: computed once per consumer TP
+            from kvlink.errors import IncompatibleSpecError
+            from kvlink.headmap import check_tp
+
             spec = self._require_spec()
+            # a peer's number: bounded (wire.MAX_TP) before it gets here, and checked against
+            # our heads before it is looped over (no lock is held here); IncompatibleSpecError
+            # is answered "incompatible" by the side channel
+            if not 1 <= reader_tp <= wire.MAX_TP:
+                raise IncompatibleSpecError(f"reader tp_size={reader_tp} is outside "
+                                            f"1..{wire.MAX_TP}")
+            if not spec.mla:
+                check_tp(spec.total_kv_heads, reader_tp, "reader tp_size")
             known = self._readers[reader_tp] = sum(
                 self.config.tp_rank in notify_targets(reader_tp, rank, self.config.tp_size,
                                                       spec.total_kv_heads, spec.mla)
@@ -936,6 +1120,7 @@ class KVWorker:
         if self._server is None:
             raise ConfigError("push mode needs a side channel server on the decode side "
                               "(serve=True): the prefill handshakes back to write")
+        wire.check_id(req_id, "request id")
         if req_id in self._awaiting:
             raise ConfigError(f"request {req_id!r} is already awaiting a push")
         if not timeout > 0:
@@ -949,8 +1134,10 @@ class KVWorker:
             v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
             req_id=req_id, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
             host=self._public_host(), port=self.side_port - self.config.tp_rank,
-            block_ids=lids.tolist(), push_id=wait.push_id, ttl_ms=max(1, int(timeout * 1e3)),
+            block_ids=lids.tolist(), push_id=wait.push_id,
+            ttl_ms=min(max(1, int(timeout * 1e3)), wire.MAX_TTL_MS),
             incarnation=self.incarnation)
+        self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
         self._awaiting[req_id] = _Awaiting(remote, wait, [
             self._send(remote.host, remote.port + rank, msg, ask) for rank in sorted(ranks)])
@@ -983,8 +1170,10 @@ class KVWorker:
             aw = self._awaiting.get(note.req_id)
             if (aw is None or note.kind != "write" or note.engine_id != aw.remote.engine_id
                     or note.push_id != aw.wait.push_id or note.tp_rank not in aw.wait.ranks):
-                log.info("'written' notification for unknown push %s (id %d) from %s/%d",
-                         note.req_id, note.push_id, note.engine_id, note.tp_rank)
+                self.refusals["written"] += 1
+                log.info("refused a 'written' notification for push %s (id %d) from %s/%d:"
+                            " no such push was asked of that rank", note.req_id, note.push_id,
+                            note.engine_id, note.tp_rank)
                 continue
             if aw.wait.ranks[note.tp_rank] is not Rank.ASKED:
                 continue
@@ -1018,6 +1207,7 @@ class KVWorker:
             if outcome is None:
                 continue
             del self._awaiting[req_id]
+            self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
             self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
             if outcome:
                 finished.add(req_id)
@@ -1048,7 +1238,12 @@ class KVWorker:
                 else:  # in flight: its "written" note follows once it is quiescent
                     wait.next_cancel = now + self.config.handshake_timeout
                 continue
-            if self._fence(aw.remote.engine_id, rank):
+            if self._revoke_push(wait, 2.0):
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s); its grant "
+                            "is revoked and quiescent", wait.req_id, aw.remote.engine_id, rank,
+                            exc)
+                wait.ranks[rank] = Rank.SETTLED
+            elif self._fence(aw.remote.engine_id, rank):
                 log.warning("push of %s: %s rank %d cannot answer its cancel (%s); fenced off",
                             wait.req_id, aw.remote.engine_id, rank, exc)
                 wait.ranks[rank] = Rank.SETTLED
@@ -1057,6 +1252,14 @@ class KVWorker:
                             "transport can fence it off; its blocks stay reserved",
                             wait.req_id, aw.remote.engine_id, rank, exc)
                 wait.next_cancel = now + 1.0
+
+    def _revoke_push(self, wait: PushWait, timeout: float) -> bool:
+        """End a push's WRITE grant; True when every transport guarantees that no byte of it
+        can land any more (only transports that enforce grants can: else fence the peer)."""
+        ticket = push_ticket(wait.req_id, wait.push_id)
+        enforcing = self._enforcing()
+        quiet = [t.revoke(ticket, timeout) for t in enforcing]
+        return bool(enforcing) and len(enforcing) == len(self.transports) and all(quiet)
 
     def _fence(self, engine_id: str, rank: int) -> bool:
         """Revoke every agent of ``engine_id``'s ``rank`` that handshook with us on every
@@ -1076,12 +1279,25 @@ class KVWorker:
 
     # ------------------------------------------------------------------ push, prefill side
     def queued_pushes(self) -> int:
-        """Prefill side: push requests received and not yet taken by :meth:`push_requests`."""
-        with self._lock:
-            return len(self._push_inbox)
+        """Prefill side: push requests received and not yet taken by :meth:`push_requests`.
+
+        Drops those that may not be written any more first: past their time to live (the
+        decode gave up on them; a cancel is answered "cancelled"), or cancelled."""
+        now = time.monotonic()
+        with self._lock:  # the queue is bounded (see _answer_push)
+            keep = [m for m in self._push_inbox if self._push_slots.still_queued(
+                push_key(m.engine_id, m.tp_rank, m.req_id, m.push_id), now)]
+            if len(keep) < len(self._push_inbox):
+                log.info("%d push request(s) dropped unserved: cancelled or past their time "
+                         "to live", len(self._push_inbox) - len(keep))
+            self._push_inbox = keep
+            return len(keep)
 
     def push_requests(self) -> list[wire.PushRequest]:
-        """Prefill side: decode ranks waiting for a request to be written (drained)."""
+        """Prefill side: decode ranks waiting for a request to be written (drained). Each one
+        taken is written (:meth:`push`: one past its time to live or cancelled raises
+        TransferCancelled) or refused (:meth:`refuse_push`). The queue is bounded (see
+        ``_answer_push``), so a rank that never takes them costs a bounded amount."""
         with self._lock:
             out, self._push_inbox = self._push_inbox, []
         return out
@@ -1107,11 +1323,11 @@ class KVWorker:
         try:
             with self._lock:
                 key = self._push_slots.start(msg, time.monotonic())
-            reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
-                                 msg.tp_rank, spec.total_kv_heads, spec.mla)
             remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
             rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
             try:
+                reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
+                                     msg.tp_rank, spec.total_kv_heads, spec.mla)
                 self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key)
             except KVLinkError:
                 with self._lock:

@@ -347,7 +347,8 @@ class CudaIpcTransport(Transport):
 
     # ------------------------------------------------------------ transfers
     def post(
-        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
+        *, ticket: bytes = b"",  # not checked by the owner here (docs/security.md)
     ) -> int:
         """Enqueue the copy after the caller's current stream (see the module docstring);
         never raises for peer or runtime conditions: such a post polls FAILED."""
@@ -360,7 +361,7 @@ class CudaIpcTransport(Transport):
         return self._post(peer, copy, local, remote, None, int(local["len"].sum()),
                           int(local.shape[0]))
 
-    def post_runs(self, op: Op, peer: str, runs: Runs) -> int:
+    def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"") -> int:
         """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post`
         of ``runs.expand()`` without expanding it — the kernel computes each extent's
         addresses from the segment bases and runs, so the host writes a few kilobytes instead

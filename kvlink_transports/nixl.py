@@ -28,18 +28,26 @@ progressed, so at the idle cadence every such transfer would take up to ``progre
 see docs/nixl.md "Progress"), ``num_threads`` (backend worker threads), ``telemetry`` (capture
 NIXL per-transfer telemetry, see :meth:`NixlTransport.xfer_telemetry`), ``ucx_probe`` (predict
 UCX's transport per peer with ``ucx_info`` and warn on TCP / host-staged fallbacks; default
-True). The probe runs ``ucx_info`` (0.5 s on an idle machine, tens of seconds on a loaded one), so
-it runs on a background thread after :meth:`NixlTransport.connect`, never on a handshake's path
-(:meth:`NixlTransport.wait_probes` waits for it).
+True), ``timeout_s`` (seconds, default 30, like tcp and mooncake: the deadline of every
+transfer, see below). The probe runs ``ucx_info`` (0.5 s on an idle machine, tens of seconds on a
+loaded one), so it runs on a background thread after :meth:`NixlTransport.connect`, never on a
+handshake's path (:meth:`NixlTransport.wait_probes` waits for it).
 
-Contract (``kvlink/transport.py``): a handle made of several NIXL requests reports FAILED only
-once none of them can move a byte any more. When one request errors (at post or at poll), or
-its peer is dropped, the others are released, which makes NIXL cancel them; one that NIXL
-cannot cancel (its release raises) stays attached to the handle, which stays PENDING and keeps
-checking it until it is DONE or ERR (NIXL reports a request whose remote agent was removed as
-ERR, "invalidated during transfer": that status is NIXL's word that it is over).
-:meth:`NixlTransport.post` gives a FAILED handle, never an exception, for an unknown peer or a
-closed transport.
+Contract (``kvlink/transport.py``): a handle reports FAILED only once none of its NIXL requests
+can move a byte any more. NIXL 1.5.1 cannot stop a UCX request in flight: releasing it returns
+success while UCX's READ goes on (``ucp_request_cancel`` does nothing to RMA), and removing the
+remote agent makes NIXL answer NOT_FOUND for it without asking UCX, which still completes it
+(measured: 4-64 MiB landed in a FAILED READ's destination after the peer resumed; docs/nixl.md
+"Deadlines"). So a failed handle keeps asking NIXL about each request until UCX has ended it,
+and what ends a request that hangs is UCX failing its endpoint: when a transfer outlives
+``timeout_s``, when its peer is disconnected or replaced, and at close, the transport shuts
+down the TCP connections its UCX opened to that peer (found at :meth:`NixlTransport.connect`,
+``_ucx.new_ucx_connections``); UCX then fails the endpoint at its next progress, which aborts
+every request on it, and NIXL reports them ERR (NIXL_ERR_REMOTE_DISCONNECT) and drops the
+peer's metadata itself. kvlink removes a remote agent only once none of its requests is in
+flight (until then the peer is "draining"), so a NOT_FOUND answer always comes after such an
+endpoint failure. :meth:`NixlTransport.post` gives a FAILED handle, never an exception, for an
+unknown peer or a closed transport.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import logging
+import math
 import socket
 import threading
 import time
@@ -81,6 +90,7 @@ from kvlink.transport import (
     check_pairs,
 )
 from kvlink.wire import decode_versioned
+from kvlink_transports import _ucx
 
 log = logging.getLogger("kvlink.nixl")
 
@@ -89,6 +99,8 @@ _VERSION = 1
 _MAX_DESCRIPTOR = 64 << 20
 _MAX_REGIONS = 1 << 16
 _MEM_NAMES = ("DRAM", "VRAM")  # index = memory code used in the per-region arrays
+_DRAIN_WAIT = 2.0  # connect: how long to wait for a dropped peer's requests before re-adding it
+_CLOSE_DRAIN = 0.5  # close: how long torn-down endpoints get to end their requests
 _OPS = {Op.READ: "READ", Op.WRITE: "WRITE"}
 
 _warned: set[str] = set()
@@ -179,6 +191,10 @@ class _Peer:
     descriptor: bytes
     side: _Side
     host: str
+    #: remote ends of the TCP connections our UCX opened to it at connect (its tcp interfaces):
+    #: what a teardown shuts down
+    ucx: frozenset[tuple[str, int]] = frozenset()
+    torn: bool = False  # its connections were shut down once (warn once)
 
 
 @dataclasses.dataclass
@@ -194,6 +210,9 @@ class _Xfer:
     state: XferState = PENDING
     failure: str | None = None  # first error; reported once every request is done
     telemetry: list[Any] = dataclasses.field(default_factory=list)
+    op: str = ""
+    deadline: float = math.inf  # time.monotonic() bound (timeout_s after post)
+    expired: bool = False  # the deadline passed and its peer was torn down
 
 
 def _progress_loop(ref: weakref.ref[NixlTransport], stop: threading.Event, wake: threading.Event,
@@ -273,14 +292,15 @@ class NixlTransport(Transport):
         fast = float(opts.get("progress_fast_interval", 0.00005))
         if fast <= 0:
             raise ConfigError(f"nixl option progress_fast_interval must be > 0: {fast!r}")
+        self._timeout = float(opts.get("timeout_s", 30.0))
+        if not self._timeout > 0:
+            raise ConfigError(f"nixl option timeout_s must be > 0: {self._timeout!r}")
         cfg = api.nixl_agent_config(
             enable_prog_thread=nixl_progress,
             capture_telemetry=self._telemetry,
             num_threads=int(opts.get("num_threads", 0)),
             backends=self._backends,
         )
-        from kvlink_transports import _ucx
-
         if "UCX" in self._backends and _ucx.apply_safe_env():
             log.info("nixl: no RDMA devices here, set UCX_MODULES=^ib (avoids a crash at exit)")
         try:
@@ -304,6 +324,9 @@ class NixlTransport(Transport):
         self._reg_dlists: list[Any] = []
         self._peers: dict[str, _Peer] = {}
         self._by_agent: dict[str, str] = {}
+        # agents dropped (disconnect, reconnect, deadline, close) while requests to them were in
+        # flight: NIXL keeps them loaded until those requests are over (see the module doc)
+        self._draining: dict[str, _Peer] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._zombies: list[Any] = []  # NIXL requests whose release failed; retried later
         self._ids = itertools.count(1)
@@ -410,7 +433,17 @@ class NixlTransport(Transport):
                     peer,
                 )
                 self._drop_peer(self._peers[other], f"agent {desc.agent} reconnected as {peer!r}")
+            if desc.agent in self._draining and not self._await_drained(desc.agent, _DRAIN_WAIT):
+                busy = sum(
+                    x.agent == desc.agent and x.state.status is XferStatus.PENDING
+                    for x in self._xfers.values()
+                )
+                raise HandshakeError(
+                    f"nixl peer {peer!r} (agent {desc.agent}): {busy} transfer(s) of its previous "
+                    f"connection are still in flight (UCX has not ended them); connect again later"
+                )
             self._ensure_cuda_device(self._regions)
+            before = _ucx.tcp_sockets() if "UCX" in self._backends else []
             try:
                 name = self._agent.add_remote_agent(desc.metadata)
             except Exception as exc:
@@ -435,7 +468,17 @@ class NixlTransport(Transport):
                     f"nixl peer {peer!r}: descriptor names agent {desc.agent!r}, "
                     f"its metadata {name!r}"
                 )
-            self._peers[peer] = _Peer(peer, name, descriptor, side, desc.host)
+            ucx: frozenset[tuple[str, int]] = frozenset()
+            if "UCX" in self._backends:  # the connections UCX's endpoint creation just dialled
+                ucx = _ucx.new_ucx_connections(before, _ucx.tcp_sockets(), desc.metadata)
+                if not ucx:
+                    log.info(
+                        "nixl peer %s: UCX opened no TCP connection to it at connect (it reuses "
+                        "one the peer opened, or has no tcp lane): a transfer that outlives "
+                        "timeout_s cannot be torn down (docs/nixl.md 'Deadlines')",
+                        peer,
+                    )
+            self._peers[peer] = _Peer(peer, name, descriptor, side, desc.host, ucx)
             self._by_agent[name] = peer
         self._check_ucx_path(peer, desc.host == self._host, side.has_vram or self._local.has_vram)
 
@@ -446,21 +489,81 @@ class NixlTransport(Transport):
                 self._drop_peer(p, "peer disconnected")
 
     def _drop_peer(self, p: _Peer, reason: str) -> None:
-        """Cancel every NIXL request to the peer, then forget its metadata (lock held).
+        """Forget the peer (lock held); its transfers turn FAILED, each once quiescent (rule 1).
 
-        A transfer whose requests NIXL cancelled is FAILED at once; one that NIXL cannot cancel
-        yet stays PENDING until poll sees its requests finish (contract rule 1)."""
+        With requests to it still in flight, its UCX connections are torn down (UCX then fails
+        the endpoint, which ends them) and its NIXL agent stays loaded, "draining", until they
+        are over: removing it first would make NIXL stop asking UCX about them. Without any, the
+        agent is removed now."""
+        self._peers.pop(p.key, None)
+        if self._by_agent.get(p.agent) == p.key:
+            del self._by_agent[p.agent]
+        live = []
         for x in self._xfers.values():
             if x.peer != p.key or x.agent != p.agent:
                 continue
             if x.state.status is XferStatus.PENDING:
-                self._fail(x, f"{reason} (peer {p.key!r}, agent {p.agent})")
+                live.append(x)
             else:
                 self._release_reqs(x)
-        self._remove_remote(p.agent)
-        self._peers.pop(p.key, None)
-        if self._by_agent.get(p.agent) == p.key:
-            del self._by_agent[p.agent]
+        in_flight = sum(self._check_reqs(x) for x in live)
+        if in_flight:
+            self._draining[p.agent] = p
+            self._teardown(p, in_flight)
+        for x in live:
+            self._fail(x, f"{reason} (peer {p.key!r}, agent {p.agent})")
+        if not in_flight:
+            self._remove_remote(p.agent)
+
+    def _teardown(self, p: _Peer, in_flight: int) -> int:
+        """Shut down the TCP connections our UCX opened to ``p`` (lock held): UCX then fails
+        the endpoint at its next progress, which ends every request on it (NIXL reports them
+        NIXL_ERR_REMOTE_DISCONNECT). Returns how many were shut down."""
+        first = not p.torn
+        p.torn = True
+        shut = _ucx.shutdown_connections(p.ucx) if p.ucx else 0
+        if shut and first:
+            log.warning(
+                "nixl: tearing down peer %r (agent %s): shut down %d UCX TCP connection(s) to "
+                "%s; its %d transfer(s) in flight end when UCX fails the endpoint",
+                p.key, p.agent, shut, sorted(p.ucx), in_flight,
+            )
+        elif not shut and first:
+            log.warning(
+                "nixl: cannot tear down peer %r (agent %s): no TCP connection of this process "
+                "goes to its UCX interfaces (%s); its %d transfer(s) in flight stay PENDING until "
+                "UCX ends them (docs/nixl.md 'Deadlines')",
+                p.key, p.agent, sorted(p.ucx) or "none seen at connect", in_flight,
+            )
+        return shut
+
+    def _settle_draining(self) -> None:
+        """Remove the NIXL agents of dropped peers none of whose requests is in flight any more
+        (lock held)."""
+        for agent in list(self._draining):
+            if any(
+                x.agent == agent and x.state.status is XferStatus.PENDING
+                for x in self._xfers.values()
+            ):
+                continue
+            del self._draining[agent]
+            if agent not in self._by_agent:
+                self._remove_remote(agent)
+
+    def _await_drained(self, agent: str, timeout: float) -> bool:
+        """Progress the requests of a draining agent until none is in flight (True) or
+        ``timeout`` seconds pass (False). Lock held."""
+        end = time.monotonic() + timeout
+        while True:
+            for x in list(self._xfers.values()):
+                if x.agent == agent and x.state.status is XferStatus.PENDING:
+                    self._fail(x, f"peer dropped (agent {agent})")
+            self._settle_draining()
+            if agent not in self._draining:
+                return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.001)
 
     def _remove_remote(self, agent: str) -> None:
         try:
@@ -471,7 +574,8 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ transfers
 
     def post(
-        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
+        *, ticket: bytes = b"",  # not checked by the owner here (docs/security.md)
     ) -> int:
         t0 = time.perf_counter()
         check_pairs(local, remote)
@@ -486,7 +590,8 @@ class NixlTransport(Transport):
             if self._zombies:
                 self._reap_zombies()
             n = int(local.shape[0])
-            x = _Xfer(p.key, p.agent, [], [], int(local["len"].sum()) if n else 0, n, t0)
+            x = _Xfer(p.key, p.agent, [], [], int(local["len"].sum()) if n else 0, n, t0,
+                      op=_OPS[op], deadline=time.monotonic() + self._timeout)
             handle = next(self._ids)
             self._xfers[handle] = x
             if n == 0:  # nothing moves; DONE unless its notification cannot be sent
@@ -580,26 +685,15 @@ class NixlTransport(Transport):
                 raise TransferError(f"nixl: unknown or released handle {handle}")
             if x.state.status is not XferStatus.PENDING:
                 return x.state
-            pending = False
-            for i, req in enumerate(x.reqs):
-                if x.done[i]:
-                    continue
-                try:
-                    s = self._agent.check_xfer_state(req)
-                except Exception as exc:
-                    s, err = "ERR", _nixl_reason(exc)
-                else:
-                    err = "NIXL returned ERR"
-                if s == "DONE":
-                    x.done[i] = True
-                elif s == "PROC":
-                    pending = True
-                else:  # this request is over; the others may still be moving bytes
-                    x.done[i] = True
-                    if x.failure is None:
-                        x.failure = f"nixl transfer with {x.peer!r} (agent {x.agent}) failed: {err}"
+            pending = self._check_reqs(x)
+            if pending and not x.expired and time.monotonic() >= x.deadline:
+                self._expire(x)  # may report it FAILED already
+                if x.state.status is not XferStatus.PENDING:
+                    return x.state
+                pending = self._check_reqs(x)
             if x.failure is not None:
-                self._fail(x, x.failure)  # cancels what still runs; FAILED once nothing does
+                if not pending:
+                    self._failed(x)
                 return x.state
             if pending:
                 return x.state
@@ -627,6 +721,8 @@ class NixlTransport(Transport):
                 self._release_reqs(x)
             if self._zombies:
                 self._reap_zombies()
+            if self._draining:
+                self._settle_draining()
 
     def xfer_telemetry(self, handle: int) -> list[dict[str, float]]:
         """NIXL telemetry of a DONE transfer (needs ``options["telemetry"]``), one dict per NIXL
@@ -649,26 +745,67 @@ class NixlTransport(Transport):
             return out
 
     def _fail(self, x: _Xfer, reason: str) -> None:
-        """Fail ``x`` (lock held): cancel its requests still in flight, and report FAILED with
-        the first error once none is (until then it stays PENDING; poll calls this again)."""
+        """Fail ``x`` (lock held): FAILED with the first error once none of its requests is in
+        flight; until then it stays PENDING and poll keeps asking NIXL about them. (Releasing
+        one would not stop it, only hide it: see the module doc.)"""
         if x.state.status is not XferStatus.PENDING:
             return
         if x.failure is None:
             x.failure = reason
             log.warning("%s", reason)
+        if not self._check_reqs(x):
+            self._failed(x)
+
+    def _failed(self, x: _Xfer) -> None:
+        """``x`` has a failure and nothing in flight (lock held): report it FAILED."""
+        if x.state.status is not XferStatus.PENDING:
+            return
+        x.state = XferState(XferStatus.FAILED, x.failure or "nixl transfer failed")
+        self._account(failed=1)
+        if x.agent in self._draining:
+            self._settle_draining()
+
+    def _check_reqs(self, x: _Xfer) -> bool:
+        """Ask NIXL about each request of ``x`` not known to be over (lock held); a request
+        that is no longer PROC is over (DONE, or ended by an error). Records the first error in
+        ``x.failure``. True while one is still in flight."""
+        pending = False
         for i, req in enumerate(x.reqs):
             if x.done[i] or req is None:
                 continue
             try:
-                req.release()  # NIXL cancels an active request, or raises if it cannot
+                s = self._agent.check_xfer_state(req)
             except Exception as exc:
-                log.debug("nixl: request of a failed transfer still active: %s", _nixl_reason(exc))
+                s, err = "ERR", _nixl_reason(exc)
+            else:
+                err = "NIXL returned ERR"
+            if s == "PROC":
+                pending = True
                 continue
-            x.reqs[i] = None
             x.done[i] = True
-        if all(x.done):
-            x.state = XferState(XferStatus.FAILED, x.failure)
-            self._account(failed=1)
+            if s != "DONE" and x.failure is None:  # the others may still be moving bytes
+                x.failure = f"nixl transfer with {x.peer!r} (agent {x.agent}) failed: {err}"
+        return pending
+
+    def _expire(self, x: _Xfer) -> None:
+        """``x`` outlived its deadline with requests in flight (lock held): fail it, and tear
+        down its peer so that UCX ends them (every transfer of that peer fails with it)."""
+        x.expired = True
+        why = (
+            f"nixl {x.op or 'transfer'} {'from' if x.op == 'READ' else 'to'} peer {x.peer!r} "
+            f"(agent {x.agent}) did not complete within timeout_s={self._timeout:g}s (peer hung "
+            f"or unreachable)"
+        )
+        if x.failure is None:
+            x.failure = why
+            log.warning("%s", why)
+        p = self._peers.get(x.peer)
+        if p is not None and p.agent == x.agent:
+            self._drop_peer(
+                p, f"torn down: a transfer to it outlived timeout_s={self._timeout:g}s"
+            )
+        elif (d := self._draining.get(x.agent)) is not None:
+            self._teardown(d, 1)  # dropped already; UCX may have dialled it again since
 
     def _send_notif(self, x: _Xfer, agent: str, msg: bytes) -> bool:
         try:
@@ -774,11 +911,12 @@ class NixlTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Cancel every transfer, forget every peer, deregister memory, stop our threads.
+        """Fail every transfer, forget every peer, deregister memory, stop our threads.
 
-        A transfer NIXL cannot cancel stays PENDING (poll still works) and then the memory stays
-        registered: deregistering it under an active request would let the request touch memory
-        NIXL no longer accounts for."""
+        Peers with requests in flight are torn down (their UCX connections shut down) and get
+        up to 0.5 s for UCX to end them. A transfer still in flight after that stays PENDING
+        (poll still works) and then the memory stays registered: deregistering it under an
+        active request would let the request touch memory NIXL no longer accounts for."""
         self._stop.set()
         self._wake.set()
         if self._probe_pool is not None:
@@ -795,7 +933,10 @@ class NixlTransport(Transport):
                 else:
                     self._release_reqs(x)
             for p in list(self._peers.values()):
-                self._drop_peer(p, "transport closed")
+                self._drop_peer(p, "transport closed")  # tears down peers with requests in flight
+            end = time.monotonic() + _CLOSE_DRAIN  # UCX fails those endpoints at next progress
+            for agent in list(self._draining):
+                self._await_drained(agent, max(0.0, end - time.monotonic()))
             self._reap_zombies()
             stuck = sum(x.state.status is XferStatus.PENDING for x in self._xfers.values())
             if stuck:
@@ -841,8 +982,6 @@ class NixlTransport(Transport):
         return not pending
 
     def _probe_ucx_path(self, peer: str, same_host: bool, vram: bool) -> None:
-        from kvlink_transports import _ucx
-
         placement = "intra" if same_host else "inter"
         rma = _ucx.rma_transports(placement)
         log.info(

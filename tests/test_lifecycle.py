@@ -32,6 +32,7 @@ def make(engine: str, seed: int = 0, **cfg: Any) -> tuple[KVWorker, np.ndarray]:
     """A worker over a cache filled with ``seed``'s random bytes; returns (worker, raw buffer)."""
     buf, layers = data.allocate(GEO, NBLOCKS, 1, 0)
     buf[:] = np.random.default_rng(seed).integers(1, 2**16, buf.shape, dtype=np.uint16)
+    cfg.setdefault("serve_pushes", True)  # these workers play either side of a push
     w = KVWorker(WorkerConfig(engine_id=engine, **cfg))
     w.register(data.spec_of(GEO, layers, 1, 0))
     w._keep = (buf, layers)  # type: ignore[attr-defined]

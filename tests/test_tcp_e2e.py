@@ -269,7 +269,7 @@ def _push_pair() -> tuple[KVWorker, KVWorker]:
     geo = small_plan().geo
     w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
     w.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
-    prefill = KVWorker(WorkerConfig(engine_id="prefill"))
+    prefill = KVWorker(WorkerConfig(engine_id="prefill", serve_pushes=True))
     prefill.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
     return w, prefill
 
@@ -323,7 +323,7 @@ def test_decode_killed_mid_write_fails_push_on_prefill(observed: Callable[[str],
                     decode_port=free_port_range(1), cache_bytes=512 << 20, timeout=30.0,
                     mode="push")
     _buf, layers = data.allocate(geo, plan.slots(1) * plan.blocks_per_request, 1, 0)
-    prefill = KVWorker(WorkerConfig(engine_id="prefill", side_port=plan.port,
+    prefill = KVWorker(WorkerConfig(engine_id="prefill", side_port=plan.port, serve_pushes=True,
                                     transport_options={"tcp": {"timeout_s": 8.0}}))
     prefill.register(data.spec_of(geo, layers, 1, 0))
     ctx = mp.get_context("spawn")

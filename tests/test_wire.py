@@ -36,41 +36,53 @@ def real_spec(mla: bool = False, hnd: bool = False) -> KVCacheSpec:
 SPECS = [real_spec(), real_spec(hnd=True), real_spec(mla=True)]
 
 # ----------------------------------------------------------------------------- strategies
-i64 = st.integers(-(2**63), 2**63 - 1)
-u64 = st.integers(0, 2**64 - 1)
-text = st.text(max_size=40)
+# in the bounds every field is decoded against (kvlink.wire's MAX_*; test_field_bounds below
+# sends each field past them)
+u63 = st.integers(0, wire.MAX_U63)
+u64 = st.integers(0, 2**64 - 1)  # extent tables (not msgspec-decoded)
+block_id = st.integers(0, wire.MAX_BLOCK_ID)
+text = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=40)  # no controls
 blob = st.binary(max_size=64)
+port = st.integers(1, wire.MAX_PORT - wire.MAX_TP)
+
+
+def ranked(cls: type[Any], **kw: Any) -> st.SearchStrategy[Any]:
+    """``cls`` with a tp_rank below its tp_size (a cross-field bound) and ``kw``."""
+    return st.integers(1, wire.MAX_TP).flatmap(lambda n: st.builds(
+        cls, tp_size=st.just(n), tp_rank=st.integers(0, n - 1), **kw))
+
 
 STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
-    wire.HandshakeRequest: st.builds(
+    wire.HandshakeRequest: ranked(
         wire.HandshakeRequest, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
-        tp_rank=i64, tp_size=i64, host_id=text, compat=text, auth=blob),
-    wire.HandshakeResponse: st.builds(
+        host_id=text, compat=text, auth=blob),
+    wire.HandshakeResponse: ranked(
         wire.HandshakeResponse, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
-        tp_rank=i64, tp_size=i64, host_id=text, compat=text,
+        host_id=text, compat=text,
         spec=st.sampled_from([wire.SpecMsg.of(s) for s in SPECS]),
-        transports=st.dictionaries(text, blob, max_size=3), incarnation=i64),
-    wire.Notification: st.builds(
-        wire.Notification, v=st.just(WIRE_VERSION), engine_id=text, req_id=text, tp_rank=i64,
-        tp_size=i64, kind=st.sampled_from(["read", "write"]), ok=st.booleans(), detail=text,
-        push_id=i64),
-    wire.PushRequest: st.builds(
+        transports=st.dictionaries(text, blob, max_size=3), incarnation=u63),
+    wire.Notification: ranked(
+        wire.Notification, v=st.just(WIRE_VERSION), engine_id=text, req_id=text,
+        kind=st.sampled_from(["read", "write"]), ok=st.booleans(), detail=text,
+        push_id=u63),
+    wire.PushRequest: ranked(
         wire.PushRequest, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
-        req_id=text, tp_rank=i64, tp_size=i64, host=text, port=i64,
-        block_ids=st.lists(u64, max_size=20), push_id=i64, ttl_ms=i64, incarnation=i64),
+        req_id=text, host=st.from_regex(r"[A-Za-z0-9._:%-]{1,40}", fullmatch=True), port=port,
+        block_ids=st.lists(block_id, max_size=20), push_id=u63,
+        ttl_ms=st.integers(0, wire.MAX_TTL_MS), incarnation=u63),
     wire.ReadIntent: st.builds(wire.ReadIntent, v=st.just(WIRE_VERSION), engine_id=text,
-                               req_id=text, tp_rank=i64, incarnation=i64,
-                               block_ids=st.lists(i64, max_size=20)),
-    wire.ReadGrant: st.builds(wire.ReadGrant, v=st.just(WIRE_VERSION), generation=i64,
-                              expires_in=st.floats(allow_nan=False)),
-    wire.ReadDone: st.builds(wire.ReadDone, v=st.just(WIRE_VERSION), engine_id=text,
-                             req_id=text, tp_rank=i64, tp_size=i64, incarnation=i64,
-                             generation=i64, ok=st.booleans(),
-                             block_ids=st.none() | st.lists(i64, max_size=20)),
+                               req_id=text, tp_rank=st.integers(0, wire.MAX_TP - 1),
+                               incarnation=u63, block_ids=st.lists(block_id, max_size=20)),
+    wire.ReadGrant: st.builds(wire.ReadGrant, v=st.just(WIRE_VERSION), generation=u63,
+                              expires_in=st.floats(-wire.MAX_SECONDS, wire.MAX_SECONDS)),
+    wire.ReadDone: ranked(wire.ReadDone, v=st.just(WIRE_VERSION), engine_id=text,
+                          req_id=text, incarnation=u63, generation=u63, ok=st.booleans(),
+                          block_ids=st.none() | st.lists(block_id, max_size=20)),
     wire.ReadVerdict: st.builds(wire.ReadVerdict, v=st.just(WIRE_VERSION), intact=st.booleans(),
                                 reason=text),
     wire.PushCancel: st.builds(wire.PushCancel, v=st.just(WIRE_VERSION), engine_id=text,
-                               req_id=text, tp_rank=i64, push_id=i64),
+                               req_id=text, tp_rank=st.integers(0, wire.MAX_TP - 1),
+                               push_id=u63),
     wire.PushState: st.builds(wire.PushState, v=st.just(WIRE_VERSION), state=text,
                               reason=text),
     wire.ErrorReply: st.builds(wire.ErrorReply, v=st.just(WIRE_VERSION), code=text,
@@ -82,20 +94,20 @@ if hasattr(wire, "Signed"):  # authenticated envelope (side-channel auth)
     STRATEGIES[wire.Signed] = st.builds(wire.Signed, v=st.just(WIRE_VERSION), nonce=blob,
                                         mac=blob, body=blob)
 STRATEGIES[wire.Hold] = st.builds(wire.Hold, v=st.just(WIRE_VERSION), engine_id=text,
-                                  req_id=text, block_ids=st.lists(i64, max_size=20),
-                                  generation=i64)
+                                  req_id=text, block_ids=st.lists(block_id, max_size=20),
+                                  generation=u63)
 STRATEGIES[wire.Hello] = st.builds(wire.Hello, v=st.just(WIRE_VERSION), nonce=blob)
 STRATEGIES[wire.Welcome] = st.builds(wire.Welcome, v=st.just(WIRE_VERSION), nonce=blob)
-STRATEGIES[wire.Sealed] = st.builds(wire.Sealed, v=st.just(WIRE_VERSION), counter=i64,
+STRATEGIES[wire.Sealed] = st.builds(wire.Sealed, v=st.just(WIRE_VERSION), counter=u63,
                                     mac=blob, body=blob)
 _requests = st.one_of(*(STRATEGIES[t] for t in wire.Request.__args__))
 _replies = st.one_of(*(STRATEGIES[t] for t in wire.Reply.__args__))
 STRATEGIES[wire.Batch] = st.builds(
     wire.Batch, v=st.just(WIRE_VERSION),
-    calls=st.lists(st.builds(wire.Call, id=i64, msg=_requests), max_size=4))
+    calls=st.lists(st.builds(wire.Call, id=u63, msg=_requests), max_size=4))
 STRATEGIES[wire.Replies] = st.builds(
     wire.Replies, v=st.just(WIRE_VERSION),
-    answers=st.lists(st.builds(wire.Answer, id=i64, msg=_replies), max_size=4))
+    answers=st.lists(st.builds(wire.Answer, id=u63, msg=_replies), max_size=4))
 messages = st.one_of(*STRATEGIES.values())
 
 
@@ -222,8 +234,11 @@ def test_oversized_rejected_before_parsing() -> None:
                           detail="x" * wire.MAX_MESSAGE_BYTES)
     with pytest.raises(WireError, match="exceeds"):
         wire.decode(wire.encode(n))
-    ok = wire.ErrorReply(v=WIRE_VERSION, code="c", message="x" * (wire.MAX_MESSAGE_BYTES - 64))
-    assert wire.decode(wire.encode(ok)) == ok  # just under the bound still decodes
+    # just under the bound still decodes (in a field that may be that big: text is bounded
+    # far lower, see test_field_bounds)
+    ok = wire.Signed(v=WIRE_VERSION, nonce=b"n", mac=b"m",
+                     body=b"x" * (wire.MAX_MESSAGE_BYTES - 64))
+    assert wire.decode(wire.encode(ok)) == ok
 
 
 # ----------------------------------------------------------------------------- fuzz
@@ -315,12 +330,13 @@ def test_spec_msg_rejects_inconsistent(spec: KVCacheSpec, change: dict[str, Any]
     else:
         new = how
     bad = msgspec.structs.replace(sm, **{key: new})
-    # it still crosses the wire (types are fine); rebuilding the spec is what must fail
-    wired = wire.decode(wire.encode(wire.HandshakeResponse(
-        v=WIRE_VERSION, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h",
-        compat="c",
-        spec=bad, transports={}))).spec
-    with pytest.raises(WireError, match="invalid KV cache spec from peer"):
+    # a field out of its bounds (a zero layer count, a negative size) is refused as it is
+    # decoded; what only the fields together break crosses the wire and fails to_spec()
+    with pytest.raises(WireError, match=r"invalid KV cache spec from peer|at `\$\.spec\."):
+        wired = wire.decode(wire.encode(wire.HandshakeResponse(
+            v=WIRE_VERSION, engine_id="e", agent_name="a", tp_rank=0, tp_size=1, host_id="h",
+            compat="c",
+            spec=bad, transports={}))).spec
         wired.to_spec()
 
 

@@ -78,7 +78,8 @@ def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, bu
     _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
     for attempt in range(50):  # as a supervisor would: the port may be briefly taken
         w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
-                                  read_seconds=lease / 2, handshake_timeout=1.0))
+                                  read_seconds=lease / 2, handshake_timeout=1.0,
+                                  serve_pushes=True))
         try:
             w.register(data.spec_of(GEO, layers, 1, 0))
             break

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import wire
 from kvlink.demo import data
 from kvlink.demo.progress import Progress
-from kvlink.errors import KVLinkError
+from kvlink.errors import KVLinkError, TransferRefused
 from kvlink.headmap import push_targets
 from kvlink.scheduler import new_generation
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
@@ -83,7 +84,7 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     worker = KVWorker(WorkerConfig(
         engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
         host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port,
-        lease_seconds=plan.lease_seconds))
+        lease_seconds=plan.lease_seconds, serve_pushes=plan.mode == "push"))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     if plan.mode == "push":
@@ -104,26 +105,60 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
         worker.close()
 
 
+def request_index(plan: DemoPlan, req_id: str) -> int | None:
+    """Request i of the plan is called ``req-<i>``; None for any other id (not ours)."""
+    num = req_id.removeprefix("req-")
+    if num == req_id or not (num.isascii() and num.isdecimal()) or len(num) > 12:
+        return None
+    i = int(num)
+    return i if f"req-{i}" == req_id and i < plan.requests else None
+
+
+def _take_push(plan: DemoPlan, worker: KVWorker, msg: wire.PushRequest,
+               stats: dict[str, int]) -> None:
+    """Start one push, or refuse it (the decode is told at once, and this rank goes on): a
+    request this prefill does not have, a push the worker will not write, or a bug on a
+    peer's input — a message never takes the rank down."""
+    i = request_index(plan, msg.req_id)
+    try:
+        if i is None:
+            raise TransferRefused(f"no request {msg.req_id[:80]!r} here (this prefill serves "
+                                  f"req-0..req-{plan.requests - 1})")
+        worker.push(msg, plan.prefill_blocks(i))
+        return
+    except KVLinkError as exc:
+        why = str(exc)
+        log.warning("push of %.80r to %.80s rank %d refused: %s", msg.req_id, msg.engine_id,
+                    msg.tp_rank, why)
+    except Exception as exc:  # a peer's message found a bug: refuse it, go on
+        why = f"{type(exc).__name__}: {exc}"
+        log.exception("push of %.80r to %.80s rank %d failed", msg.req_id, msg.engine_id,
+                      msg.tp_rank)
+    stats["push_failed" if i is not None else "push_refused"] += 1
+    try:
+        worker.refuse_push(msg, why)
+    except Exception:  # its address may be anything: logged, not fatal
+        log.exception("could not tell %.80s rank %d that its push is refused", msg.engine_id,
+                      msg.tp_rank)
+
+
 def _serve_push(plan: DemoPlan, rank: int, worker: KVWorker, ready: Any, stop: Any) -> None:
     """Push mode: WRITE each request into the decode ranks that ask, as soon as they ask.
 
-    The prefill holds nothing for a reader; a failed write is reported and forgotten.
+    The prefill holds nothing for a reader; a failed write is reported and forgotten. A push
+    of a request this prefill does not have is refused (``push_refused``) and not counted
+    towards the end of serving.
     """
     spec = worker._require_spec()
     targets = sum(bool(push_targets(plan.prefill_tp, rank, plan.decode_tp, d, spec.total_kv_heads,
                                     spec.mla)) for d in range(plan.decode_tp))
-    stats = {"pushed": 0, "push_failed": 0, "held_blocks": 0}
+    stats = {"pushed": 0, "push_failed": 0, "push_refused": 0, "held_blocks": 0}
     ready.put(("ready", rank, worker.side_port))
     try:
         while (not stop.is_set()
                and stats["pushed"] + stats["push_failed"] < plan.requests * targets):
             for msg in worker.push_requests():
-                i = int(msg.req_id.removeprefix("req-"))
-                try:
-                    worker.push(msg, plan.prefill_blocks(i))
-                except KVLinkError as exc:
-                    log.warning("push of %s refused: %s", msg.req_id, exc)
-                    stats["push_failed"] += 1
+                _take_push(plan, worker, msg, stats)
             done, failed = worker.poll()
             stats["pushed"] += len(done)
             stats["push_failed"] += len(failed)

@@ -90,17 +90,27 @@ class Serving:
                 waiting.discard(rank)
 
     def wait_served(self, timeout: float) -> dict[int, dict[str, int]]:
-        """Lease accounting of each prefill rank once all readers are done (or timeout)."""
+        """Lease accounting of each prefill rank once all readers are done (or timeout, or
+        every rank that has not reported is dead: see :meth:`failures`)."""
         out: dict[int, dict[str, int]] = {}
         deadline = time.monotonic() + timeout
         while len(out) < self.plan.prefill_tp and time.monotonic() < deadline:
             try:
                 kind, rank, stats = self.events.get(timeout=0.5)
             except queue.Empty:
+                if all(not self.procs[r].is_alive() for r in range(self.plan.prefill_tp)
+                       if r not in out):
+                    break  # a rank died without a word: nothing more will come
                 continue
             if kind == "served":
                 out[rank] = stats
         return out
+
+    def failures(self) -> dict[str, int]:
+        """Ranks that ended badly so far, by name: their exit code (an exception, a signal:
+        negative; killed by :meth:`close` after not stopping in time: -9)."""
+        return {p.name: p.exitcode for p in self.procs
+                if p.exitcode is not None and p.exitcode != 0}
 
     def close(self) -> None:
         self.stop.set()
@@ -108,6 +118,7 @@ class Serving:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
 
 
 def run_pull(plan: DemoPlan, show_progress: bool = True) -> dict[str, Any]:
@@ -161,6 +172,7 @@ def run_demo(plan: DemoPlan, show_progress: bool = True) -> dict[str, Any]:
         result["prefill_leases"] = serving.wait_served(timeout=120 if result["verified"] else 1)
     finally:
         serving.close()
+    result["prefill_failures"] = serving.failures()  # a rank that died verifies nothing
     leases = result["prefill_leases"]
     result["leaks"] = sum(s.get("held_blocks", 0) for s in leases.values())
     if plan.mode == "push":  # the prefill side planned and posted the writes
@@ -169,5 +181,5 @@ def run_demo(plan: DemoPlan, show_progress: bool = True) -> dict[str, Any]:
         result["verified"] = result["verified"] and all(
             s.get("push_failed", 1) == 0 for s in leases.values())
     result["verified"] = bool(result["verified"] and len(leases) == plan.prefill_tp
-                              and result["leaks"] == 0)
+                              and result["leaks"] == 0 and not result["prefill_failures"])
     return result

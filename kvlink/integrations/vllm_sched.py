@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvlink import wire
+from kvlink import localkey, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.integrations.vllm_common import (
@@ -49,7 +49,10 @@ class PullScheduler:
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (tokens, blocks)
         self.counters: dict[str, float] = {}
         # producer: holds go to our own workers the moment the blocks are kept (wire.Hold)
-        self._chan = Channels(secret_from_env(settings.secret)) if settings.producer else None
+        secret = secret_from_env(settings.secret)
+        self._chan = Channels(secret) if settings.producer else None
+        # holds are signed: a hold names the generation that lets a reader in (kvlink.grants)
+        self._key = localkey.engine_key(settings.engine_id, secret) if settings.producer else b""
         self._sent: list[Pending] = []
 
     def _count(self, key: str, n: float = 1) -> None:
@@ -148,8 +151,10 @@ class PullScheduler:
         if self._chan is None:
             return
         host = self.s.host if self.s.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        body = wire.hold_body(self.s.engine_id, req_id, list(ids), generation)
         msg = wire.Hold(v=WIRE_VERSION, engine_id=self.s.engine_id, req_id=req_id,
-                        block_ids=list(ids), generation=generation)
+                        block_ids=list(ids), generation=generation,
+                        mac=localkey.sign(self._key, body))
         self._sent += [self._chan.call(host, self.side_port + r, msg, 2.0)
                        for r in range(self.tp_size)]
         self._chan.flush()
