@@ -810,8 +810,12 @@ def _loadavg() -> list[float] | None:
 
 
 def _git_commit() -> str | None:
-    """The checkout measured: HEAD, and "+dirty" when kvlink/ has uncommitted changes."""
+    """The checkout measured: HEAD, and "+dirty" when kvlink/ has uncommitted changes
+    (``KVLINK_COMMIT`` names it instead, for a tree exported without its git metadata)."""
     import subprocess
+
+    if os.environ.get("KVLINK_COMMIT"):
+        return os.environ["KVLINK_COMMIT"]
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
