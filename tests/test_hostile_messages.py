@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from test_lifecycle import outcome
 
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels
@@ -222,13 +223,13 @@ def test_push_of_unknown_request_refused_rank_serves_on(
         remote = RemoteEngine("prefill", "127.0.0.1", server.port, 1)
         t0 = time.monotonic()
         decode.expect_push("evil", remote, plan.decode_blocks(0), timeout=30.0)
-        ok, reason = _outcome(decode, "evil")
+        ok, reason = outcome(decode, "evil", 40)
         took = time.monotonic() - t0
         assert not ok and "no request 'evil' here" in reason, reason
         assert took < 10, took  # told, not timed out (30 s)
         legit = answers_legit_client(server.port)
         decode.expect_push("req-0", remote, plan.decode_blocks(0), timeout=30.0)
-        ok, reason = _outcome(decode, "req-0")
+        ok, reason = outcome(decode, "req-0", 40)
         assert ok, reason
         assert data.verify(GEO, layers, 1, 0, plan.decode_blocks(0), plan.prefill_blocks(0)) == 0
         rc = server.proc.wait(timeout=60)  # its one request pushed: serving is over
@@ -238,18 +239,6 @@ def test_push_of_unknown_request_refused_rank_serves_on(
     finally:
         decode.close()
         server.close()
-
-
-def _outcome(w: KVWorker, req: str, timeout: float = 40.0) -> tuple[bool, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, failed = w.poll()
-        if req in done:
-            return True, ""
-        if req in failed:
-            return False, failed[req]
-        w.wait(0.01)  # wakes on the next side-channel answer
-    raise AssertionError(f"{req} neither finished nor failed within {timeout} s")
 
 
 @pytest.mark.attack("a prefill rank dies (SIGKILL) under `kvlink serve`")
