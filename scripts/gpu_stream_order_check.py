@@ -105,7 +105,9 @@ def prefill(q: Any, stop: Any, modes: list[str], transport: str = "cuda_ipc",
     cache, layers = _cache(PREFILL_BLOCKS)
     cache.view(torch.int16).view(-1).copy_(_pattern(cache.numel()))
     torch.cuda.synchronize()  # the blocks are offered only once their contents are final
-    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=[transport],
+    # grants=False: the write_source case WRITEs into this worker with a raw write(), which a
+    # least-privilege owner refuses (no push reserved those blocks); this checks stream order
+    worker = KVWorker(WorkerConfig(engine_id="prefill", transports=[transport], grants=False,
                                    transport_options={transport: dict(options or {})}))
     worker.register(_spec(layers))
     step = _hold(worker, _requests(modes))
