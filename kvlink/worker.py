@@ -1034,6 +1034,7 @@ class KVWorker:
         :attr:`WorkerConfig.grants`, transports that can enforce it serve READs of these blocks
         only to a transfer that names it, until the hold ends (:mod:`kvlink.grants`)."""
         wire.check_id(req_id, "request id")
+        self._require_spec().check_block_ids(block_ids, "held")  # a window is granted over them
         if generation is not None and not 0 < generation < 2**63:
             raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
         gen = new_generation() if generation is None else generation

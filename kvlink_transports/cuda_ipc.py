@@ -60,6 +60,7 @@ import msgspec
 import numpy as np
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
+from kvlink.options import check_options
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -144,7 +145,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        chunk = self.options.get("chunk_bytes")  # part of a long extent one program moves
+        chunk = check_options("cuda_ipc", self.options).get("chunk_bytes")  # one program's part
         self.chunk = None if chunk is None else int(chunk)  # None: the kernel's own default
         self.piece = int(self.options.get("piece_extents", 4096))  # extents per launch
         self.kernel = str(self.options.get("kernel", "auto"))

@@ -77,6 +77,7 @@ from kvlink.errors import (
     TransportUnavailable,
     WireError,
 )
+from kvlink.options import check_options
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -413,7 +414,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        opts = self.options
+        opts = check_options("mooncake", self.options)
         self.protocol = str(opts.get("protocol", "tcp"))
         if self.protocol not in _PROTOCOLS:
             raise ConfigError(

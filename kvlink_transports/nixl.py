@@ -75,6 +75,7 @@ from kvlink.errors import (
     TransportUnavailable,
     WireError,
 )
+from kvlink.options import check_options
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -267,7 +268,7 @@ class NixlTransport(Transport):
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         api = _import_nixl()
-        opts = self.options
+        opts = check_options("nixl", self.options)
         backends = opts.get("backends", ["UCX"])
         if (
             isinstance(backends, str)

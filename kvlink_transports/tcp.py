@@ -84,6 +84,7 @@ from kvlink.errors import (
     WireError,
 )
 from kvlink.grants import Grants
+from kvlink.options import check_options
 from kvlink.sockets import shutdown
 from kvlink.transport import (
     DONE,
@@ -537,7 +538,7 @@ class TcpTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        self.timeout = float(self.options.get("timeout_s", 30.0))
+        self.timeout = float(check_options("tcp", self.options).get("timeout_s", 30.0))
         # before authentication (module docstring, "Bounds")
         self.hello_timeout = float(self.options.get("hello_timeout_s", 5.0))
         self.max_unauthenticated = int(self.options.get("max_unauthenticated", 64))

@@ -13,6 +13,9 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
+from kvlink import options
 from kvlink.errors import ConfigError
 
 DEFAULT_SIDE_PORT = 5600
@@ -40,18 +43,148 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+_WHERE = "kv_connector_extra_config"
+
+
+class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Every key ``kv_connector_extra_config`` may hold (see :class:`Settings`); None: unset
+    (the default, or an environment variable, applies)."""
+
+    transport: str | list[str] | None = None
+    transports: str | list[str] | None = None  # alias of transport
+    transport_options: dict[str, dict[str, Any]] | None = None
+    side_channel_host: str | None = None
+    side_channel_port: int | None = None
+    advertise_host: str | None = None
+    kv_lease_duration: float | None = None
+    lease_seconds: float | None = None  # alias of kv_lease_duration
+    read_pin_seconds: float = 60.0
+    handshake_timeout: float = 10.0
+    read_intent_timeout: float = 10.0
+    idle_yield_ms: float = 2.0
+    secret: str | None = None
+    allow_insecure: bool = False
+    mode: str = "pull"
+    push_timeout: float = DEFAULT_PUSH_TIMEOUT
+    grants: bool = True  # least privilege on the data plane (WorkerConfig.grants)
+
+
+#: other connectors' keys kvlink takes with the same meaning: key -> (connector, transport,
+#: that transport's option)
+TRANSLATED = {
+    "backends": ("NixlConnector", "nixl", "backends"),
+    "num_threads": ("NixlConnector", "nixl", "num_threads"),
+    "mooncake_protocol": ("MooncakeConnector", "mooncake", "protocol"),
+    "device_name": ("MooncakeConnector", "mooncake", "device_name"),
+}
+
+#: other connectors' keys kvlink has no equivalent for: key -> why / what to use instead
+REFUSED = {
+    "kv_recompute_threshold": "NixlConnector's kv_recompute_threshold has no kvlink equivalent",
+    "bidirectional_kv_xfer": "NixlConnector's bidirectional_kv_xfer has no kvlink equivalent "
+                             "(for the prefill to WRITE into the decode set mode: \"push\" "
+                             "on the decode)",
+    "decoder_kv_blocks_ttl": "NixlConnector's decoder_kv_blocks_ttl has no kvlink equivalent "
+                             "(a push-mode decode's reservation is push_timeout)",
+    "engine_ttl": "NixlConnector's engine_ttl has no kvlink equivalent",
+    "enforce_handshake_compat": "NixlConnector's enforce_handshake_compat has no kvlink "
+                                "equivalent (kvlink always checks the layouts it is handed)",
+    "num_workers": "MooncakeConnector's num_workers has no kvlink equivalent",
+    "bootstrap_server_address": "MooncakeConnector's bootstrap_server_address has no kvlink "
+                                "equivalent (decodes dial the prefill's side_channel_host / "
+                                "side_channel_port, from kv_transfer_params)",
+    "preferred_segment": "MooncakeConnector's preferred_segment has no kvlink equivalent",
+}
+
+
+def _names(key: str, raw: Any) -> tuple[str, ...]:
+    names = tuple(raw.split(",") if isinstance(raw, str) else raw)
+    if not names or not all(isinstance(x, str) and x for x in names):
+        raise ConfigError(f"{_WHERE}.{key} must name transports, got {raw!r}")
+    return names
+
+
+def parse_extra(extra: Mapping[str, Any] | None) -> ExtraConfig:
+    """``kv_connector_extra_config`` checked key by key, other connectors' keys translated
+    (:data:`TRANSLATED`) or refused (:data:`REFUSED`), transport options checked against
+    their schemas (kvlink.options)."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"{_WHERE} must be a mapping, got {extra!r}")
+    raw = dict(extra or {})
+    fields = options.field_types(ExtraConfig)
+    vals: dict[str, Any] = {}
+    foreign: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in TRANSLATED:
+            foreign[key] = value
+        elif key in REFUSED:
+            raise ConfigError(f"{_WHERE}: {key!r} is not a kvlink key: {REFUSED[key]}")
+        elif key not in fields:
+            raise ConfigError(f"{_WHERE}: unknown key {key!r}"
+                              f"{options.did_you_mean(str(key), fields)}")
+        else:
+            vals[key] = options.convert(key, value, fields[key])
+    for a, b in (("transport", "transports"), ("kv_lease_duration", "lease_seconds")):
+        if a in vals and b in vals and vals[a] != vals[b]:
+            raise ConfigError(f"{_WHERE}: {a}={vals[a]!r} and its alias {b}={vals[b]!r} "
+                              f"disagree; set {a} only")
+    named = "transport" if "transport" in vals else "transports"
+    given = _names(named, vals[named]) if vals.get(named) is not None else None
+    opts: dict[str, dict[str, Any]] = {str(k): dict(v) for k, v in
+                                       (vals.get("transport_options") or {}).items()}
+    implied: list[str] = []
+    for key, value in foreign.items():
+        connector, transport, option = TRANSLATED[key]
+        if given is not None and transport not in given:
+            raise ConfigError(
+                f"{_WHERE}: {key!r} is {connector}'s key for kvlink's {transport} transport, "
+                f"but transport is {list(given)}; use transport: {transport!r} with "
+                f"transport_options: {{{transport!r}: {{{option!r}: {value!r}}}}}")
+        mine = opts.setdefault(transport, {})
+        value = options.convert(key, value, options.field_types(options.SCHEMAS[transport])[
+            option])
+        if option in mine and options.check_options(transport, {option: mine[option]}) != {
+                option: value}:
+            raise ConfigError(f"{_WHERE}: {key}={value!r} ({connector}'s key) disagrees with "
+                              f"transport_options.{transport}.{option}={mine[option]!r}; "
+                              f"set the latter only")
+        mine[option] = value
+        if transport not in implied:
+            implied.append(transport)
+    transports = given if given is not None else tuple(implied) or ("tcp",)
+    for name, o in opts.items():
+        if name not in options.SCHEMAS and name not in transports:
+            known = set(options.SCHEMAS) | set(transports)
+            raise ConfigError(f"{_WHERE}.transport_options: {name!r} is neither a transport in "
+                              f"use ({list(transports)}) nor a built-in one"
+                              f"{options.did_you_mean(name, known)}")
+        opts[name] = options.check_options(name, o)
+    vals["transport"] = list(transports)
+    vals.pop("transports", None)
+    vals["transport_options"] = opts
+    if "lease_seconds" in vals:
+        vals.setdefault("kv_lease_duration", vals.pop("lease_seconds"))
+        vals.pop("lease_seconds", None)
+    return ExtraConfig(**vals)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """``kv_transfer_config`` as kvlink reads it (``kv_connector_extra_config`` keys below).
+    """``kv_transfer_config`` as kvlink reads it (``kv_connector_extra_config`` keys below,
+    checked by :func:`parse_extra`: an unknown key or a value of the wrong type fails at
+    startup naming the key).
 
-    ``transport`` (str or list, default "tcp"), ``transport_options`` ({name: {...}}),
-    ``side_channel_host`` / ``side_channel_port`` (else env ``KVLINK_SIDE_CHANNEL_HOST|PORT``,
-    then ``VLLM_NIXL_SIDE_CHANNEL_HOST|PORT``; rank r of DP rank d listens on
-    ``port + d * tp + r``), ``advertise_host``, ``kv_lease_duration`` (seconds a prefill holds
-    blocks for readers), ``handshake_timeout``, ``read_intent_timeout``, ``idle_yield_ms``,
-    ``secret`` (side channel HMAC; else env ``KVLINK_SECRET``), ``allow_insecure``,
-    ``mode`` ("pull" or "push": how a consumer gets the KV; see docs/vllm.md) and
-    ``push_timeout`` (seconds a consumer keeps blocks reserved for a push).
+    ``transport`` (str or list, default "tcp"), ``transport_options`` ({name: {...}}, checked
+    against kvlink.options), ``side_channel_host`` / ``side_channel_port`` (else env
+    ``KVLINK_SIDE_CHANNEL_HOST|PORT``, then ``VLLM_NIXL_SIDE_CHANNEL_HOST|PORT``; rank r of DP
+    rank d listens on ``port + d * tp + r``), ``advertise_host``, ``kv_lease_duration`` (seconds
+    a prefill holds blocks for readers), ``read_pin_seconds``, ``handshake_timeout``,
+    ``read_intent_timeout``, ``idle_yield_ms``, ``secret`` (side channel HMAC; else env
+    ``KVLINK_SECRET``), ``allow_insecure``, ``mode`` ("pull" or "push": how a consumer gets the
+    KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
+    push) and ``grants`` (least privilege on the data plane, default true). NixlConnector's
+    ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
+    ``device_name`` become the nixl / mooncake transport's options.
     """
 
     engine_id: str
@@ -71,6 +204,7 @@ class Settings:
     allow_insecure: bool = False
     mode: str = "pull"  # consumer: "pull" (READ from the prefill) or "push" (prefill WRITEs)
     push_timeout: float = DEFAULT_PUSH_TIMEOUT  # consumer: blocks reserved for a push at most
+    grants: bool = True  # WorkerConfig.grants: serve a peer only what was granted to it
 
     @property
     def serves(self) -> bool:
@@ -81,53 +215,59 @@ class Settings:
     @classmethod
     def from_config(cls, engine_id: str, kv_role: str, extra: Mapping[str, Any] | None
                     ) -> Settings:
-        extra = dict(extra or {})
         if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
             raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, "
                               f"got {kv_role!r}")
-        t = extra.get("transport", extra.get("transports", "tcp"))
-        transports = tuple(t.split(",") if isinstance(t, str) else t)
-        if not transports or not all(isinstance(x, str) and x for x in transports):
-            raise ConfigError(f"kv_connector_extra_config.transport must name transports, "
-                              f"got {t!r}")
-        host = str(extra.get("side_channel_host") or os.environ.get("KVLINK_SIDE_CHANNEL_HOST")
+        x = parse_extra(extra)
+        host = str(x.side_channel_host or os.environ.get("KVLINK_SIDE_CHANNEL_HOST")
                    or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1")
         if host == "localhost":
             host = "127.0.0.1"
-        port = extra.get("side_channel_port")
+        port = x.side_channel_port
         if port is None:
             port = _env_int("KVLINK_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT")
-        lease = extra.get("kv_lease_duration", extra.get("lease_seconds",
-                                                        DEFAULT_LEASE_SECONDS))
-        mode = extra.get("mode", "pull")
-        if mode not in MODES:
-            raise ConfigError(f"kv_connector_extra_config.mode must be one of {list(MODES)}, "
-                              f"got {mode!r}")
-        opts = extra.get("transport_options") or {}
-        if not isinstance(opts, Mapping):
-            raise ConfigError(f"transport_options must map transport names to options, "
-                              f"got {opts!r}")
+        if x.mode not in MODES:
+            raise ConfigError(f"{_WHERE}.mode must be one of {list(MODES)}, got {x.mode!r}")
+        assert isinstance(x.transport, list)
         s = cls(
             engine_id=engine_id, producer=kv_role in ("kv_producer", "kv_both"),
-            consumer=kv_role in ("kv_consumer", "kv_both"), transports=transports,
-            transport_options={str(k): dict(v) for k, v in opts.items()}, host=host,
-            advertise_host=extra.get("advertise_host"),
-            side_port=int(port) if port is not None else DEFAULT_SIDE_PORT,
-            lease_seconds=float(lease),
-            pin_seconds=float(extra.get("read_pin_seconds", 60.0)),
-            handshake_timeout=float(extra.get("handshake_timeout", 10.0)),
-            intent_timeout=float(extra.get("read_intent_timeout", 10.0)),
-            idle_yield_s=float(extra.get("idle_yield_ms", 2.0)) / 1e3,
-            secret=extra.get("secret"), allow_insecure=bool(extra.get("allow_insecure", False)),
-            mode=str(mode), push_timeout=float(extra.get("push_timeout", DEFAULT_PUSH_TIMEOUT)),
+            consumer=kv_role in ("kv_consumer", "kv_both"), transports=tuple(x.transport),
+            transport_options=x.transport_options or {}, host=host,
+            advertise_host=x.advertise_host,
+            side_port=port if port is not None else DEFAULT_SIDE_PORT,
+            lease_seconds=(x.kv_lease_duration if x.kv_lease_duration is not None
+                           else DEFAULT_LEASE_SECONDS),
+            pin_seconds=x.read_pin_seconds, handshake_timeout=x.handshake_timeout,
+            intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
+            secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
+            push_timeout=x.push_timeout, grants=x.grants,
         )
-        if s.lease_seconds <= 0:
-            raise ConfigError(f"kv_lease_duration must be positive, got {s.lease_seconds}")
-        if s.push_timeout <= 0:
-            raise ConfigError(f"push_timeout must be positive, got {s.push_timeout}")
+        for key, value in (("kv_lease_duration", s.lease_seconds),
+                           ("push_timeout", s.push_timeout),
+                           ("read_pin_seconds", s.pin_seconds),
+                           ("handshake_timeout", s.handshake_timeout),
+                           ("read_intent_timeout", s.intent_timeout)):
+            if not value > 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
+        if not s.idle_yield_s >= 0:
+            raise ConfigError(f"idle_yield_ms must be >= 0, got {x.idle_yield_ms}")
         if not 0 < s.side_port < 65536:
             raise ConfigError(f"side_channel_port {s.side_port} out of range")
         return s
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``kv_connector_extra_config`` that reads back (:meth:`from_config`) as these
+        settings, every key explicit."""
+        return {
+            "transport": list(self.transports),
+            "transport_options": {k: dict(v) for k, v in self.transport_options.items()},
+            "side_channel_host": self.host, "side_channel_port": self.side_port,
+            "advertise_host": self.advertise_host, "kv_lease_duration": self.lease_seconds,
+            "read_pin_seconds": self.pin_seconds, "handshake_timeout": self.handshake_timeout,
+            "read_intent_timeout": self.intent_timeout, "idle_yield_ms": self.idle_yield_s * 1e3,
+            "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
+            "push_timeout": self.push_timeout, "grants": self.grants,
+        }
 
     def rank_port(self, dp_rank: int, tp_size: int) -> int:
         """Base side-channel port of this DP rank's TP group (TP rank r adds r)."""

@@ -102,7 +102,7 @@ class PullWorker:
             handshake_timeout=self.s.handshake_timeout, serve=self.s.serves,
             secret=self.s.secret, allow_insecure=self.s.allow_insecure,
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
-            intent_timeout=self.s.intent_timeout,
+            intent_timeout=self.s.intent_timeout, grants=self.s.grants,
             serve_pushes=self.s.producer)  # whichever mode a decode asks in: drained each step
         self.worker = KVWorker(cfg)
         self.worker.hold_hook = self._hold_now
