@@ -1,0 +1,244 @@
+"""Strict kv_connector_extra_config and transport options (issue 21, "Strict config").
+
+No vLLM server: Settings.from_config and create_transport directly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from kvlink.errors import ConfigError
+from kvlink.integrations.vllm_common import Settings
+from kvlink.transport import TransportContext, create_transport
+
+
+def _s(extra: dict[str, Any], role: str = "kv_producer") -> Settings:
+    return Settings.from_config("E", role, extra)
+
+
+# ----------------------------------------------------------------------------- top-level keys
+def test_typo_top_level_key_fails_with_did_you_mean() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'tranport'; did you mean 'transport'\?"):
+        _s({"tranport": "nixl"})
+
+
+def test_unknown_key_without_a_close_match_lists_the_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'zzz'; known: .*kv_lease_duration"):
+        _s({"zzz": 1})
+
+
+def test_bad_number_names_key_and_value() -> None:
+    with pytest.raises(ConfigError,
+                       match=r"^kv_lease_duration: expected a number, got 'abc'$"):
+        _s({"kv_lease_duration": "abc"})
+    with pytest.raises(ConfigError, match=r"^side_channel_port: expected an integer"):
+        _s({"side_channel_port": "x"})
+    with pytest.raises(ConfigError, match=r"^allow_insecure: expected true or false, got 'no'"):
+        _s({"allow_insecure": "no"})
+    with pytest.raises(ConfigError, match=r"^grants: expected true or false, got 'false'"):
+        _s({"grants": "false"})
+
+
+def test_numeric_strings_still_read_as_numbers() -> None:
+    # float()/int() read these before: keep them working
+    s = _s({"kv_lease_duration": "5", "side_channel_port": "5700", "idle_yield_ms": 1})
+    assert (s.lease_seconds, s.side_port, s.idle_yield_s) == (5.0, 5700, 0.001)
+
+
+def test_mode_message_unchanged() -> None:
+    with pytest.raises(ConfigError, match=r"mode must be one of \['pull', 'push'\], got 'write'"):
+        _s({"mode": "write"}, "kv_consumer")
+
+
+def test_grants_reaches_settings() -> None:
+    assert _s({}).grants is True
+    assert _s({"grants": False}).grants is False
+
+
+def test_grants_reaches_worker_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlink.integrations import vllm_worker
+
+    seen: list[Any] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(cfg: Any) -> Any:
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(vllm_worker, "KVWorker", fake)
+    w = vllm_worker.PullWorker(_s({"grants": False}), 0, 1)
+    with pytest.raises(Stop):
+        w.register(None)  # type: ignore[arg-type]
+    assert seen[0].grants is False
+
+
+# ----------------------------------------------------------------------------- transport options
+def test_tcp_option_typo_fails_in_settings() -> None:
+    with pytest.raises(ConfigError, match=r"tcp transport: unknown option 'timeout'; "
+                                          r"did you mean 'timeout_s'\?"):
+        _s({"transport_options": {"tcp": {"timeout": 5}}})
+
+
+def test_tcp_option_typo_fails_in_create_transport() -> None:
+    with pytest.raises(ConfigError, match=r"tcp transport: unknown option 'timeout'; "
+                                          r"did you mean 'timeout_s'\?"):
+        create_transport("tcp", TransportContext(agent_name="strict/0/0"), {"timeout": 5})
+
+
+def test_tcp_option_bad_type_names_key_and_value() -> None:
+    with pytest.raises(ConfigError, match=r"tcp option timeout_s: expected a number, got 'x'"):
+        create_transport("tcp", TransportContext(agent_name="strict/0/1"), {"timeout_s": "x"})
+    with pytest.raises(ConfigError, match=r"tcp option stage_host_memory: expected true or "
+                                          r"false, got 'false'"):
+        _s({"transport_options": {"tcp": {"stage_host_memory": "false"}}})
+
+
+def test_tcp_valid_options_still_create() -> None:
+    t = create_transport("tcp", TransportContext(agent_name="strict/0/2"),
+                         {"timeout_s": 8.0, "port": 0, "stage_host_memory": True})
+    try:
+        assert t.timeout == 8.0  # type: ignore[attr-defined]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(("name", "bad", "near"), [
+    ("nixl", "backend", "backends"), ("nixl", "num_thread", "num_threads"),
+    ("mooncake", "protocl", "protocol"), ("cuda_ipc", "kernal", "kernel"),
+])
+def test_option_typo_each_transport(name: str, bad: str, near: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{name} transport: unknown option '{bad}'; "
+                                          rf"did you mean '{near}'\?"):
+        _s({"transport": name, "transport_options": {name: {bad: 1}}})
+
+
+@pytest.mark.parametrize(("name", "module"), [("nixl", "nixl"), ("mooncake", "mooncake")])
+def test_option_typo_fails_in_create_transport(name: str, module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    with pytest.raises(ConfigError, match=rf"{name} transport: unknown option 'bogus'"):
+        create_transport(name, TransportContext(agent_name=f"strict-{name}",
+                                                advertise_host="127.0.0.1"), {"bogus": 1})
+
+
+def test_transport_options_for_an_unknown_name_fail() -> None:
+    with pytest.raises(ConfigError, match=r"transport_options: 'ncl' is neither .*did you mean "
+                                          r"'nixl'\?"):
+        _s({"transport_options": {"ncl": {}}})
+
+
+def test_none_means_unset_for_computed_defaults() -> None:
+    s = _s({"transport": "mooncake", "transport_options": {"mooncake": {"sub_batch": None}}})
+    assert s.transport_options["mooncake"] == {}
+
+
+def test_schemas_match_defaults() -> None:
+    from kvlink import options
+
+    assert options.defaults("tcp")["timeout_s"] == 30.0
+    assert options.defaults("nixl")["backends"] == ["UCX"]
+    assert options.defaults("mooncake")["protocol"] == "tcp"
+    assert options.defaults("cuda_ipc")["kernel"] == "auto"
+
+
+# ----------------------------------------------------------------------------- other connectors
+def test_nixl_connector_backends_select_nixl() -> None:
+    s = _s({"backends": ["UCX"]})
+    assert s.transports == ("nixl",)
+    assert s.transport_options["nixl"] == {"backends": ["UCX"]}
+
+
+def test_nixl_connector_num_threads() -> None:
+    s = _s({"transport": ["nixl", "tcp"], "backends": ["UCX"], "num_threads": 4})
+    assert s.transports == ("nixl", "tcp")
+    assert s.transport_options["nixl"] == {"backends": ["UCX"], "num_threads": 4}
+
+
+def test_nixl_connector_key_with_another_transport_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"'backends' is NixlConnector's key for kvlink's "
+                                          r"nixl transport, but transport is \['tcp'\]"):
+        _s({"transport": "tcp", "backends": ["UCX"]})
+    with pytest.raises(ConfigError, match=r"'num_threads' is NixlConnector's key"):
+        _s({"transport": "tcp", "num_threads": 8})
+
+
+def test_nixl_connector_key_disagreeing_with_transport_options() -> None:
+    with pytest.raises(ConfigError, match=r"disagrees with transport_options.nixl.backends"):
+        _s({"backends": ["UCX"], "transport_options": {"nixl": {"backends": ["GDS"]}}})
+
+
+def test_mooncake_connector_protocol() -> None:
+    s = _s({"mooncake_protocol": "rdma", "device_name": "mlx5_0"})
+    assert s.transports == ("mooncake",)
+    assert s.transport_options["mooncake"] == {"protocol": "rdma", "device_name": "mlx5_0"}
+    with pytest.raises(ConfigError, match=r"mooncake_protocol: expected one of 'tcp', 'rdma', "
+                                          r"got 'udp'"):
+        _s({"mooncake_protocol": "udp"})
+
+
+@pytest.mark.parametrize(("key", "hint"), [
+    ("kv_recompute_threshold", "no kvlink equivalent"),
+    ("bidirectional_kv_xfer", r"mode: \"push\""),
+    ("decoder_kv_blocks_ttl", "push_timeout"),
+    ("num_workers", "MooncakeConnector"),
+    ("bootstrap_server_address", "side_channel_host"),
+])
+def test_other_connectors_keys_refused(key: str, hint: str) -> None:
+    with pytest.raises(ConfigError, match=rf"'{key}' is not a kvlink key: .*{hint}"):
+        _s({key: 1})
+
+
+# ----------------------------------------------------------------------------- valid configs
+def test_empty_config_defaults() -> None:
+    s = _s({})
+    assert s.transports == ("tcp",) and s.mode == "pull" and s.side_port == 5600
+    assert s == Settings.from_config("E", "kv_producer", None)
+
+
+def test_env_fallbacks_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5900")
+    s = _s({})
+    assert (s.host, s.side_port) == ("127.0.0.1", 5900)
+
+
+def test_aliases() -> None:
+    s = _s({"transports": "nixl,tcp", "lease_seconds": 7})
+    assert s.transports == ("nixl", "tcp") and s.lease_seconds == 7.0
+    with pytest.raises(ConfigError, match="disagree"):
+        _s({"transport": "tcp", "transports": "nixl"})
+
+
+FULL: dict[str, Any] = {
+    "transport": ["nixl", "tcp"],
+    "transport_options": {"tcp": {"timeout_s": 8.0, "staging_buffers": 4},
+                          "nixl": {"backends": ["UCX"], "progress_thread": True,
+                                   "post_mode": "direct"},
+                          "mooncake": {"protocol": "rdma"}, "cuda_ipc": {"chunk_bytes": 1 << 20}},
+    "side_channel_host": "10.0.0.5", "side_channel_port": 5700, "advertise_host": "pf.example",
+    "kv_lease_duration": 45.0, "read_pin_seconds": 20.0, "handshake_timeout": 3.0,
+    "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
+    "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
+}
+
+
+def test_full_config_round_trips() -> None:
+    s = Settings.from_config("E", "kv_both", FULL)
+    assert s.transports == ("nixl", "tcp") and s.mode == "push" and s.grants is False
+    assert s.lease_seconds == 45.0 and s.idle_yield_s == 0.005 and s.side_port == 5700
+    assert s.transport_options["tcp"] == {"timeout_s": 8.0, "staging_buffers": 4}
+    again = s.to_config()
+    assert again == FULL
+    assert Settings.from_config("E", "kv_both", again) == s
+
+
+def test_docs_examples_parse() -> None:
+    _s({"transport": "tcp"})
+    _s({"transport": "tcp", "mode": "push", "side_channel_port": 5700}, "kv_consumer")
+    _s({"side_channel_port": 5601, "kv_lease_duration": 0.5})
+    _s({"transport_options": {"nixl": {"progress_thread": True}}, "transport": "nixl"})
