@@ -21,7 +21,8 @@ Modes: ``sleep`` (0.2 ms sleep between polls, a serving loop), ``spin`` (tight p
 worker), one request at a time and interleaved request by request; ``inflight8`` (``--inflight``
 requests posted at once, timed to the last finished).
 
-Baselines, same run, same extents/bytes: the transport alone (the worker's own connected
+Baselines, same run, same extents/bytes: the transport alone (under a standing hold of the
+whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's own connected
 transport and peer agent, ``plan_transfer`` once outside the timed window, post -> poll DONE,
 same poll mode, run right after each kvlink request); CPU: a plain-socket transfer of the same
 bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy of the same bytes
@@ -49,6 +50,7 @@ from _common import write_result
 BS, DIM = 16, 128  # tokens per block, head dim
 POLL_SLEEP = 0.0002
 MiB = 1 << 20
+ALONE = "transport-alone-baseline"  # the standing hold the transport-alone baseline reads under
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,9 +227,13 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
                 cache = Cache(case, nblocks, device)
                 _sync(device)
                 w = KVWorker(WorkerConfig(engine_id=f"e2e-p-{name}", transports=[transport],
-                                          transport_options={transport: dict(options)}))
+                                          transport_options={transport: dict(options)},
+                                          lease_seconds=24 * 3600.0))
                 w.register(cache.spec())
-                rep_q.put(("ready", w.side_port))
+                # the transport-alone baseline reads under a standing hold of the whole cache
+                # (a least-privilege owner serves no READ without one: kvlink.grants)
+                alone = w.hold(ALONE, np.arange(nblocks, dtype=np.int64))
+                rep_q.put(("ready", (w.side_port, alone)))
             elif cmd[0] == "hold":
                 assert cache is not None and w is not None
                 held = []
@@ -325,7 +331,8 @@ class Consumer:
         self.inflight = args.inflight
         self.prefill_blocks = self.inflight * c.blocks
         self.nblocks = self.inflight * c.blocks + max(64, c.blocks // 2)
-        port = prod.ask(("case", name, self.prefill_blocks), "ready", timeout=300)
+        port, self.alone_gen = prod.ask(("case", name, self.prefill_blocks), "ready",
+                                        timeout=300)
         self.cache = Cache(c, self.nblocks, self.device)
         self.w = KVWorker(WorkerConfig(engine_id=f"e2e-d-{name}", transports=[args.transport],
                                        transport_options={args.transport: dict(args.options)},
@@ -413,11 +420,13 @@ class Consumer:
 
     def alone(self, plans: list[Any], spin: bool) -> float:
         """The worker's connected transport alone: post every plan, poll until all DONE."""
+        from kvlink.grants import read_ticket
         from kvlink.transport import Op, XferStatus
 
         t, agent = self.peer.transport, self.peer.agent
+        ticket = read_ticket(ALONE, self.alone_gen)
         t0 = time.perf_counter()
-        hs = [t.post(Op.READ, agent, p.local, p.remote) for p in plans]
+        hs = [t.post(Op.READ, agent, p.local, p.remote, ticket=ticket) for p in plans]
         left = set(hs)
         while left:
             for h in list(left):
