@@ -58,23 +58,11 @@ def test_grants_reaches_settings() -> None:
     assert _s({"grants": False}).grants is False
 
 
-def test_grants_reaches_worker_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grants_reaches_worker_config() -> None:
     from kvlink.integrations import vllm_worker
 
-    seen: list[Any] = []
-
-    class Stop(Exception):
-        pass
-
-    def fake(cfg: Any) -> Any:
-        seen.append(cfg)
-        raise Stop
-
-    monkeypatch.setattr(vllm_worker, "KVWorker", fake)
-    w = vllm_worker.PullWorker(_s({"grants": False}), 0, 1)
-    with pytest.raises(Stop):
-        w.register(None)  # type: ignore[arg-type]
-    assert seen[0].grants is False
+    assert vllm_worker.PullWorker(_s({"grants": False}), 0, 1).worker_config().grants is False
+    assert vllm_worker.PullWorker(_s({}), 0, 1).worker_config().grants is True
 
 
 # ----------------------------------------------------------------------------- transport options

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_transport_contract import wait_until as _until
 
 try:
     from nixl import _api  # noqa: F401
@@ -57,13 +58,6 @@ def _transport(opts: dict[str, Any]) -> knixl.NixlTransport:
             os.environ["UCX_TLS"] = old
 
 
-def _until(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _stop(pid: int) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from test_lifecycle import until
 
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels
@@ -117,14 +118,6 @@ def server() -> Iterator[Server]:
     srv = Server()
     yield srv
     srv.close()
-
-
-def until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.01)  # polling a condition, with a deadline
 
 
 # ---------------------------------------------------------------------- clients

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
+from test_transport_contract import wait_until as until
 
 from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
 from kvlink.wire import decode_versioned
@@ -40,14 +41,6 @@ TICKET = b"reader-ticket-01"
 SEED = 7
 
 
-def until(cond: Callable[[], bool], timeout: float) -> bool:
-    """Poll ``cond`` until it holds or ``timeout`` passes (a deadline, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(1e-3)
-    return True
 
 
 def owner_bytes() -> np.ndarray:

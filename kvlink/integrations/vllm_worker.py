@@ -93,8 +93,9 @@ class PullWorker:
         self.counters[key] = self.counters.get(key, 0) + n
 
     # ------------------------------------------------------------------ setup
-    def register(self, spec: KVCacheSpec) -> None:
-        cfg = WorkerConfig(
+    def worker_config(self) -> WorkerConfig:
+        """The standalone worker's config this connector rank runs (from its Settings)."""
+        return WorkerConfig(
             engine_id=self.s.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
             transports=list(self.s.transports),
             transport_options={k: dict(v) for k, v in self.s.transport_options.items()},
@@ -104,7 +105,9 @@ class PullWorker:
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
             intent_timeout=self.s.intent_timeout, grants=self.s.grants,
             serve_pushes=self.s.producer)  # whichever mode a decode asks in: drained each step
-        self.worker = KVWorker(cfg)
+
+    def register(self, spec: KVCacheSpec) -> None:
+        self.worker = KVWorker(self.worker_config())
         self.worker.hold_hook = self._hold_now
         self.worker.register(spec)
         self.spec = self.worker.spec
