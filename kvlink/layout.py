@@ -1,12 +1,15 @@
 """KVCacheSpec: one worker's KV cache as byte geometry.
 
-The cache is modelled as *planes*: one page array per (layer, K|V) — a single latent plane per
-layer for MLA. A page is one block of ``block_size`` tokens for the heads this rank holds, stored
-NHD (token-major) or HND (head-major). Every byte kvlink moves is addressed as
-``plane_base[layer, kv] + block_id * block_stride[layer, kv] + offset-in-page``; this is enough
-to describe vLLM's FlashAttention (K/V split: ``(2, blocks, ...)``), FlashInfer (K/V joined per
-block: ``(blocks, 2, ...)``), separate K and V tensors, and MLA, whatever the physical stride
-order — which is read from the strides, never assumed from the shape.
+The cache is modelled as *planes*: one page array per (layer, K|V) — a single plane per layer
+for MLA (the latent) and for vLLM >= 0.32's packed caches (``kv_packed``: K‖V of one (token,
+head) side by side in the content dim, RFC 42082). A page is one block of ``block_size`` tokens
+for the heads this rank holds, stored NHD (token-major) or HND (head-major); ``head_dim`` is what
+one (token, head) holds in one plane, so ``2·D`` for a packed cache. Every byte kvlink moves is
+addressed as ``plane_base[layer, kv] + block_id * block_stride[layer, kv] + offset-in-page``;
+this is enough to describe vLLM's FlashAttention (K/V split: ``(2, blocks, ...)``), FlashInfer
+(K/V joined per block: ``(blocks, 2, ...)``), separate K and V tensors, MLA and the packed
+``(B, H, N, C)`` caches of every layout with dense pages, whatever the physical stride order —
+which is read from the strides, never assumed from the shape.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class KVCacheSpec:
     total_kv_heads: int = 0  # across all TP ranks (0 -> num_kv_heads)
     tp_size: int = 1
     tp_rank: int = 0
+    kv_packed: bool = False  # one plane per layer, content = K‖V; heads sliced like K/V planes
 
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
@@ -106,6 +110,9 @@ class KVCacheSpec:
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"MLA caches hold one latent per token, got {self.num_kv_heads} heads")
+        if self.kv_packed and (self.mla or self.head_dim % 2):
+            raise LayoutError(f"a packed K|V plane needs an even content dim and no MLA, got "
+                              f"head_dim={self.head_dim} mla={self.mla}")
         want = (self.num_layers, self.num_kv)
         if self.plane_base.shape != want or self.block_stride.shape != want:
             raise LayoutError(f"plane arrays must have shape {want}, got {self.plane_base.shape}")
@@ -118,8 +125,8 @@ class KVCacheSpec:
     # ------------------------------------------------------------------ derived geometry
     @property
     def num_kv(self) -> int:
-        """Planes per layer: 2 (K and V) or 1 (MLA latent)."""
-        return 1 if self.mla else 2
+        """Planes per layer: 2 (K and V), or 1 (MLA latent, packed K‖V)."""
+        return 1 if self.mla or self.kv_packed else 2
 
     @property
     def head_bytes(self) -> int:
@@ -185,7 +192,8 @@ class KVCacheSpec:
             "num_layers": self.num_layers, "block_size": self.block_size,
             "head_dim": self.head_dim, "dtype": self.dtype,
             "layout": self.layout.value if self.layout_matters else "any",
-            "mla": self.mla, "total_kv_heads": self.total_kv_heads,
+            "mla": self.mla, "kv_packed": self.kv_packed,
+            "total_kv_heads": self.total_kv_heads,
         }
 
     # ------------------------------------------------------------------ constructors
@@ -200,18 +208,24 @@ class KVCacheSpec:
         tp_size: int = 1,
         tp_rank: int = 0,
         dtype: str | None = None,
+        kv_packed: bool = False,
     ) -> KVCacheSpec:
         """Describe caches the way vLLM hands them over: one tensor (or a (K, V) pair) per layer.
 
         Accepted per layer (torch tensors or numpy arrays, any physical stride order):
         ``(2, blocks, block_size, heads, dim)`` K/V split, ``(blocks, 2, block_size, heads, dim)``
         K/V joined, a ``(K, V)`` pair of ``(blocks, block_size, heads, dim)``, or MLA
-        ``(blocks, block_size, latent)``. ``kv_dim`` disambiguates when blocks == 2.
+        ``(blocks, block_size, latent)``. ``kv_dim`` disambiguates when blocks == 2. With
+        ``kv_packed``: vLLM >= 0.32's ``(blocks, heads, block_size, 2·dim)`` per layer, K‖V in
+        the last dim, pages head-major (LBHNC, BLHNC) or token-major (LBNHC, BLNHC).
         """
         layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
         if not layers:
             raise LayoutError("no KV cache tensors given")
-        parsed = [_parse_layer(i, t, mla, kv_dim) for i, t in enumerate(layers)]
+        if kv_packed and mla:
+            raise LayoutError("kv_packed and mla exclude each other (an MLA page is one latent)")
+        parsed = [_parse_packed(i, t) if kv_packed else _parse_layer(i, t, mla, kv_dim)
+                  for i, t in enumerate(layers)]
         first = parsed[0]
         for i, p in enumerate(parsed[1:], start=1):
             if p.key() != first.key():
@@ -229,6 +243,7 @@ class KVCacheSpec:
             plane_base=np.array([p.bases for p in parsed], dtype=np.uint64),
             block_stride=np.array([p.strides for p in parsed], dtype=np.uint64),
             total_kv_heads=total_kv_heads, tp_size=tp_size, tp_rank=tp_rank,
+            kv_packed=kv_packed,
         )
 
     from_arrays = from_tensors
@@ -275,6 +290,23 @@ def _page_layout(info: ArrayInfo, dims: tuple[int, int, int], where: str) -> Lay
         f"{where}: page of shape (tokens={bs}, heads={h}, dim={d}) with byte strides "
         f"({s_tok}, {s_head}, {s_dim}) is neither dense NHD nor dense HND"
     )
+
+
+def _parse_packed(i: int, t: Any) -> _Layer:
+    """One packed ``(B, H, N, C)`` layer: a single plane whose (token, head) content is K‖V."""
+    where = f"layer {i}"
+    info = ArrayInfo.of(t)
+    if len(info.shape) != 4:
+        raise LayoutError(f"{where}: a packed K|V cache is (blocks, heads, tokens, content), "
+                          f"got shape {info.shape}")
+    nb, h, bs, c = info.shape
+    if info.strides[0] <= 0 and nb > 1:
+        raise LayoutError(f"{where}: block stride {info.strides[0]} B is not positive")
+    if c % 2:
+        raise LayoutError(f"{where}: packed content dim {c} is not K‖V (odd)")
+    layout = _page_layout(info, (2, 1, 3), where)
+    return _Layer(nb, bs, h, c, info.itemsize, info.dtype, info.device, layout, False,
+                  [info.ptr], [info.strides[0]], [info.span()])
 
 
 def _parse_layer(i: int, t: Any, mla: bool | None, kv_dim: int | None) -> _Layer:

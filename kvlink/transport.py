@@ -463,7 +463,7 @@ def load_transport(name: str) -> type[Transport]:
     except ImportError as exc:
         raise TransportUnavailable(
             f"transport {name!r} is registered but its library failed to import: {exc}; "
-            f"install it with `pip install kvlink[{name}]`"
+            "install it (README's transport table names the package for CPU and for GPU hosts)"
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise TransportUnavailable(f"entry point {name!r} -> {ep.value} is not a Transport")

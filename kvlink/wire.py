@@ -110,6 +110,7 @@ class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     regions: Annotated[list[RegionMsg], msgspec.Meta(max_length=MAX_REGIONS)]
     plane_base: Annotated[list[U63], msgspec.Meta(max_length=2 * MAX_LAYERS)]
     block_stride: Annotated[list[U63], msgspec.Meta(max_length=2 * MAX_LAYERS)]
+    kv_packed: bool = False
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size)
@@ -124,12 +125,13 @@ class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             regions=[RegionMsg(r.addr, r.nbytes, r.device) for r in spec.regions],
             plane_base=[int(x) for x in spec.plane_base.reshape(-1)],
             block_stride=[int(x) for x in spec.block_stride.reshape(-1)],
+            kv_packed=spec.kv_packed,
         )
 
     def to_spec(self) -> KVCacheSpec:
         """Rebuild the peer's spec; geometry errors surface as WireError (it came off a socket)."""
         try:
-            kv = 1 if self.mla else 2
+            kv = 1 if self.mla or self.kv_packed else 2
             shape = (self.num_layers, kv)
             base = np.array(self.plane_base, dtype=np.uint64)
             stride = np.array(self.block_stride, dtype=np.uint64)
@@ -143,6 +145,7 @@ class SpecMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 regions=tuple(Region(r.addr, r.nbytes, r.device) for r in self.regions),
                 plane_base=base.reshape(shape), block_stride=stride.reshape(shape),
                 total_kv_heads=self.total_kv_heads, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                kv_packed=self.kv_packed,
             )
         except (ValueError, OverflowError) as exc:
             raise WireError(f"invalid KV cache spec from peer: {exc}") from exc

@@ -97,8 +97,9 @@ from kvlink.wire import decode_versioned
 log = logging.getLogger("kvlink.mooncake")
 
 PIP_HINT = (
-    "pip install 'kvlink[mooncake]'  (or: pip install mooncake-transfer-engine-non-cuda;"
-    " it needs libibverbs1: apt-get install libibverbs1)"
+    "pip install 'kvlink[mooncake-cpu]' on a CPU host (= mooncake-transfer-engine-non-cuda),"
+    " pip install mooncake-transfer-engine on a GPU host; it needs libibverbs1:"
+    " apt-get install libibverbs1"
 )
 _VERSION = 1
 _MAX_DESCRIPTOR = 64 << 20

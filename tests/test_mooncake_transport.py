@@ -24,7 +24,7 @@ try:
     import mooncake.engine  # noqa: F401
 except ImportError as _exc:
     _why = (f"mooncake.engine is not importable ({_exc}); install it with "
-            "`pip install mooncake-transfer-engine-non-cuda` (+ apt-get install libibverbs1)")
+            "`pip install 'kvlink[mooncake-cpu]'` (+ apt-get install libibverbs1)")
     print(f"SKIP tests/test_mooncake_transport.py: {_why}")
     pytest.skip(_why, allow_module_level=True)
 

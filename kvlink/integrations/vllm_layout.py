@@ -9,13 +9,16 @@ What ``register_kv_caches`` receives depends on the vLLM version and attention b
   head) — or the MLA latent with ``H == 1`` — and the physical order of B, H, N is the layout's
   (``LBHNC``: head-major pages, ``LBNHC``: token-major pages, ...).
 
-kvlink's layout model keeps K and V in separate planes, which a packed ``C`` is not. Until the
-core grows a packed-plane mode (see docs/vllm.md), a packed cache is described exactly, byte for
-byte, as one latent-like plane per layer whose page is the whole block (``H·N·C`` elements) —
-or, when a block's heads are not adjacent in memory, one plane per (layer, head). The physical
-page order is recorded in the spec's ``layout`` and the per-rank head count in its ``head_dim``,
-so two caches that would interpret the bytes differently fail at handshake, naming both values.
-Such a spec moves whole pages, so it serves equal TP sizes; other TP ratios are refused there.
+A packed cache is one plane per layer (``KVCacheSpec.kv_packed``) of ``H`` heads x ``N`` tokens
+x ``C = 2·D``; the planner slices heads out of it like out of separate K and V planes, so every
+TP pair the head mapper serves works (D ≥ P, P > D, replicated heads), in the layouts whose
+block interior is a dense page: LBHNC and BLHNC (head-major), LBNHC and BLNHC (token-major).
+MLA (``H == 1``, ``C`` = the latent) is the MLA spec, read from one replica.
+
+Layouts whose heads are not adjacent inside a block (LHBNC: heads outermost; BHLNC: layers
+between heads) are described exactly, one whole-page plane per (layer, head): equal TP only —
+a TP pair that would need a head slice fails at handshake (``num_layers`` differs, both values
+named) and at registration the log line says so.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvlink.errors import LayoutError
-from kvlink.layout import KVCacheSpec, Layout
+from kvlink.layout import KVCacheSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class DetectedLayout:
     spec: KVCacheSpec
-    kind: str  # "split", "joined", "pair", "mla", "packed-block", "packed-head"
+    kind: str  # "split", "joined", "pair", "mla", "packed", "packed-mla", "packed-head"
     description: str
 
 
@@ -49,28 +52,27 @@ def _unique_layers(kv_caches: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def _packed_views(t: Any, where: str) -> tuple[list[Any], str, Layout]:
-    """Views describing one packed ``(B, H, N, C)`` layer as latent-like planes."""
+def _dense_block(t: Any) -> bool:
+    """True when each block's ``(H, N, C)`` page is one dense run (HND or NHD)."""
+    nb, h, n, c = (int(s) for s in t.shape)
+    sb, sh, sn, _ = (int(s) for s in t.stride())
+    hnd = (sn == c or n == 1) and (sh == n * c or h == 1)
+    nhd = (sh == c or h == 1) and (sn == h * c or n == 1)
+    return (hnd or nhd) and (sb >= h * n * c or nb == 1)
+
+
+def _head_planes(t: Any, where: str) -> list[Any]:
+    """One ``(B, N, C)`` whole-page view per head, for layouts whose heads are apart."""
     import torch
 
     nb, h, n, c = (int(s) for s in t.shape)
     sb, sh, sn, sc = (int(s) for s in t.stride())
-    if sc != 1 and c > 1:
-        raise LayoutError(f"{where}: content dim of {tuple(t.shape)} is not contiguous "
-                          f"(strides {tuple(t.stride())})")
-    hnd = (sn == c or n == 1) and (sh == n * c or h == 1)
-    nhd = (sh == c or h == 1) and (sn == h * c or n == 1)
-    page = h * n * c
-    if (hnd or nhd) and (sb >= page or nb == 1):  # a block is one dense run: one plane/layer
-        layout = Layout.HND if hnd and h > 1 else Layout.NHD
-        view = torch.as_strided(t, (nb, n, h * c), (sb, h * c, 1), t.storage_offset())
-        return [view], "packed-block", layout
-    if (sn == c or n == 1) and (sb >= n * c or nb == 1):  # heads apart: one plane per head
-        return ([torch.as_strided(t, (nb, n, c), (sb, c, 1), t.storage_offset() + i * sh)
-                 for i in range(h)], "packed-head", Layout.HND)
-    raise LayoutError(f"{where}: page (heads={h}, tokens={n}, content={c}) with element "
-                      f"strides (block {sb}, head {sh}, token {sn}, content {sc}) is neither a "
-                      "dense block nor dense per head")
+    if (sc != 1 and c > 1) or not ((sn == c or n == 1) and (sb >= n * c or nb == 1)):
+        raise LayoutError(f"{where}: page (heads={h}, tokens={n}, content={c}) with element "
+                          f"strides (block {sb}, head {sh}, token {sn}, content {sc}) is neither a "
+                          "dense block nor dense per head")
+    return [torch.as_strided(t, (nb, n, c), (sb, c, 1), t.storage_offset() + i * sh)
+            for i in range(h)]
 
 
 def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, tp_rank: int,
@@ -96,23 +98,29 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
     if first.dim() != 4:
         raise LayoutError(f"{layers[0][0]}: cannot describe a KV cache tensor of shape "
                           f"{tuple(first.shape)}")
-    views: list[Any] = []
-    kinds, layouts = set(), set()
     for name, t in layers:
         if t.dim() != 4 or tuple(t.shape) != tuple(first.shape):
             raise LayoutError(f"{name}: shape {tuple(t.shape)} differs from "
                               f"{layers[0][0]} {tuple(first.shape)}")
-        v, kind, layout = _packed_views(t, name)
-        views += v
-        kinds.add(kind)
-        layouts.add(layout)
-    if len(kinds) != 1 or len(layouts) != 1:
-        raise LayoutError(f"KV cache layers mix layouts: {sorted(kinds)} {sorted(layouts)}")
-    spec = KVCacheSpec.from_tensors(views, mla=True, tp_size=tp_size, tp_rank=tp_rank)
-    spec = dataclasses.replace(spec, layout=layouts.pop())
-    kind = kinds.pop()
     b, h, n, c = (int(s) for s in first.shape)
-    desc = (f"{kind} (B={b}, H={h}, N={n}, C={c}) {spec.layout.value}-paged, "
-            f"{'MLA latent' if use_mla else 'K|V packed'}; {spec.num_layers} plane(s) of "
-            f"{spec.page_bytes} B pages")
-    return DetectedLayout(spec, kind, desc)
+    dense = {_dense_block(t) for _, t in layers}
+    if len(dense) != 1:
+        raise LayoutError("KV cache layers mix dense and head-strided pages")
+    if dense.pop():
+        if use_mla:
+            if h != 1:
+                raise LayoutError(f"{layers[0][0]}: an MLA cache has one latent per token, got "
+                                  f"{h} heads in {tuple(first.shape)}")
+            spec = KVCacheSpec.from_tensors([t[:, 0] for _, t in layers], mla=True,
+                                            tp_size=tp_size, tp_rank=tp_rank)
+            return DetectedLayout(spec, "packed-mla", f"MLA (B={b}, 1, N={n}, L={c})")
+        spec = KVCacheSpec.from_tensors([t for _, t in layers], kv_packed=True,
+                                        total_kv_heads=total_kv_heads, tp_size=tp_size,
+                                        tp_rank=tp_rank)
+        return DetectedLayout(spec, "packed", f"K|V packed (B={b}, H={h}, N={n}, C={c}) "
+                              f"{spec.layout.value} pages; any TP pair")
+    views = [v for name, t in layers for v in _head_planes(t, name)]
+    spec = KVCacheSpec.from_tensors(views, mla=True, tp_size=tp_size, tp_rank=tp_rank)
+    desc = (f"packed-head (B={b}, H={h}, N={n}, C={c}), heads apart inside a block: "
+            f"{spec.num_layers} whole-page planes, equal TP only")
+    return DetectedLayout(spec, "packed-head", desc)
