@@ -27,6 +27,9 @@ def _geometry_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--transport", default="tcp", help="any registered transport")
     r.add_argument("--mode", choices=["pull", "push"], default="pull",
                    help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)")
+    r.add_argument("--integrity", choices=["off", "sample", "full"], default="off",
+                   help="check the KV that landed against the prefill's digests (pull mode): "
+                        "sample = about 1 block in 32 per request, full = every block")
     r.add_argument("--cache-gib", type=float, default=1.0, help="KV cache per instance")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     r.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -39,6 +42,9 @@ def _plan(args: argparse.Namespace, port: int) -> Any:
     from kvlink.transport import load_transport
 
     load_transport(args.transport)  # unknown names fail here, listing the registered ones
+    if args.integrity != "off" and args.mode == "push":
+        raise SystemExit("kvlink: error: --integrity covers pull mode only (a push's "
+                         "'written' carries no digest yet)")
     geo = Geometry(layers=args.layers, kv_heads=1 if args.mla else args.kv_heads,
                    head_dim=args.head_dim, block_size=args.block_size, layout=args.layout,
                    mla=args.mla)
@@ -47,6 +53,7 @@ def _plan(args: argparse.Namespace, port: int) -> Any:
         decode_tp=args.decode_tp, transport=args.transport, host=args.host,
         advertise_host=getattr(args, "advertise_host", None), port=port,
         cache_bytes=int(args.cache_gib * (1 << 30)), timeout=args.timeout, mode=args.mode,
+        integrity=args.integrity,
     )
 
 
@@ -62,6 +69,9 @@ def _report(result: dict[str, Any], json_path: str | None) -> int:
         ("GB/s", f"{result['gbps']:.2f}"),
         ("verified", "yes, every byte" if result["verified"] else "NO"),
     ]
+    if result.get("integrity", "off") != "off":
+        rows.append(("integrity", f"{result['integrity']}: "
+                                  f"{result['integrity_checked_blocks']:,} blocks' digests match"))
     if "leaks" in result:
         rows.append(("prefill blocks still held", str(result["leaks"])))
     width = max(len(k) for k, _ in rows)

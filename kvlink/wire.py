@@ -34,6 +34,7 @@ MAX_HOST_LEN = 255  #: a host to dial back: a DNS name (253) or an IPv6 literal 
 MAX_TAG_LEN = 64  #: short words: kinds, states, error codes, dtypes, layouts, transport names
 MAX_TEXT_LEN = 1 << 16  #: human-readable details, reasons and error messages
 MAX_BLOCK_IDS = 1 << 20  #: block ids in one list (16 M tokens at 16 tokens a block)
+MAX_DIGEST_BYTES = 4 << 20  #: a verdict's digests (kvlink.integrity folds larger ones)
 MAX_BLOCK_ID = 2**31 - 1  #: vLLM's block tables are int32; so is any sane cache
 #: incarnations, generations, push ids, call ids, session counters, and addresses and byte
 #: counts (user-space and device addresses fit in 63 bits; msgspec bounds stop at int64)
@@ -287,8 +288,15 @@ class ReadDone(_Msg, tag="read_done", frozen=True):
 
 
 class ReadVerdict(_Msg, tag="read_verdict", frozen=True):
+    """``intact``: the lease held the whole READ. With integrity on, the producer's digests of
+    the blocks ``digest_ids`` (``kvlink.integrity``: little-endian uint64, ``[blocks, layers,
+    planes, heads]``, or ``[blocks, 1, 1, heads]`` when ``folded``) for the reader to check."""
+
     intact: bool
     reason: Text = ""
+    digest_ids: BlockIds = []
+    digests: Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)] = b""
+    folded: bool = False
 
 
 class ErrorReply(_Msg, tag="error", frozen=True):

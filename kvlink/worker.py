@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +65,7 @@ from kvlink.errors import (
 from kvlink.grants import block_extents, push_ticket, read_ticket
 from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
 from kvlink.hostid import host_id
+from kvlink.integrity import Checker, Level, Planes, spec_planes
 from kvlink.layout import KVCacheSpec
 from kvlink.peers import Peer, PeerTable
 from kvlink.peers import RemoteEngine as RemoteEngine  # re-exported: the public API
@@ -84,6 +85,7 @@ from kvlink.transport import (
 log = logging.getLogger("kvlink.worker")
 _XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
+_TRANSFERS_KEPT = 65536  # ended transfers KVWorker.transfers keeps until a caller takes them
 T = TypeVar("T")
 V = TypeVar("V")
 
@@ -115,6 +117,11 @@ class WorkerConfig:
     #: prefill in push mode: take decodes' push requests (push_requests()); False: refuse them
     #: ("this rank serves pulls"), so nothing queues on a rank that never takes them
     serve_pushes: bool = False
+    #: end-to-end KV integrity (kvlink.integrity, docs/integrity.md): "off", "sample" (about
+    #: one block in 32 of every request, and its last) or "full". A producer sends its digests
+    #: with every "intact" verdict; a reader with it on fails a receive whose landed KV differs,
+    #: or that came without digests (fail closed)
+    integrity: str = "off"
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -124,6 +131,7 @@ class WorkerConfig:
         wire.check_id(self.engine_id, "engine_id")
         if not self.transports:
             raise ConfigError("transports must name at least one transport")
+        Level.parse(self.integrity, "integrity")
         for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
                     "close_timeout"):
             if not getattr(self, key) > 0:
@@ -154,6 +162,20 @@ class Phases:
     verdict: float = 0.0
 
 
+class Transfer(NamedTuple):
+    """One transfer this rank posted, once the transport said DONE or FAILED (see
+    :attr:`KVWorker.transfers`): a plain tuple, so recording it costs one append on the poll
+    path. A request has one per part it posted (more with heterogeneous TP, or a READ posted
+    again after a refusal)."""
+
+    transport: str  # the transport this peer was reached over (chosen per peer)
+    post_seconds: float  # host time inside the transport's post call
+    nbytes: int
+    descriptors: int  # extents posted (after kvlink's coalescing)
+    xfer_seconds: float  # post to completion (see KVWorker.xfer_seconds for the clock)
+    ok: bool  # DONE; False: FAILED (refused ones included), nothing more can land
+
+
 @dataclasses.dataclass
 class _Part:
     read: HeadRead
@@ -173,6 +195,7 @@ class _Part:
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
+    post_seconds: float = 0.0  # inside the transport's post call
     t_done: float = 0.0
     xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
 
@@ -240,6 +263,7 @@ class KVWorker:
         #: producer side: the requests held for readers (see the module docstring)
         self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds,
                                   on_release=self._revoke_hold)
+        self.integrity = Checker(Level(config.integrity))
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own
@@ -261,17 +285,28 @@ class KVWorker:
         self.xfer_seconds: dict[str, float] = {}
         #: finished request id -> where its time went (:class:`Phases`). Callers pop them.
         self.phases: dict[str, Phases] = {}
+        #: every transfer posted that ended, in order (:class:`Transfer`), for per-transport
+        #: metrics; :meth:`take_transfers` drains it. Bounded: the oldest drop if nobody does
+        self.transfers: collections.deque[Transfer] = collections.deque(maxlen=_TRANSFERS_KEPT)
+        #: reports nobody waits for (releases, read reports, "written" notes) that could not
+        #: be delivered, since start (each is logged)
+        self.reports_failed = 0
         #: takes ``wire.Hold`` messages of our own engine's scheduler (the vLLM connector sets
         #: it); called on the side channel's thread. None: they are refused
         self.hold_hook: Callable[[wire.Hold], None] | None = None
 
     # ------------------------------------------------------------------ setup
-    def register(self, spec: KVCacheSpec) -> None:
-        """Register the cache with every configured transport that can take it; start serving."""
+    def register(self, spec: KVCacheSpec, planes: Planes | None = None) -> None:
+        """Register the cache with every configured transport that can take it; start serving.
+
+        ``planes``: the framework's own logical views of the cache (``integrity.tensor_planes``)
+        for integrity digests; default: views of the memory as ``spec`` describes it."""
         if spec.tp_size != self.config.tp_size or spec.tp_rank != self.config.tp_rank:
             spec = dataclasses.replace(spec, tp_size=self.config.tp_size,
                                        tp_rank=self.config.tp_rank)
         self.spec = spec
+        if self.integrity.on:
+            self.integrity.planes = planes if planes is not None else spec_planes(spec)
         ctx = TransportContext(agent_name=self.agent_name, host=self.config.host,
                                advertise_host=self.config.advertise_host, host_id=host_id(),
                                require_grants=self.config.grants)
@@ -386,9 +421,10 @@ class KVWorker:
     def _answer_handshake(self, req: wire.HandshakeRequest) -> wire.Reply:
         spec = self._require_spec()
         ours = compat_hash(spec.geometry())
-        if req.compat != ours:
-            log.warning("handshake from %s (rank %d) with compat %s != ours %s; the peer will "
-                        "name the differing values", req.engine_id, req.tp_rank, req.compat, ours)
+        if req.compat != ours:  # also between compatible TP sizes (a one-head page's layout
+            # is "any"): the peer compares the values and names the ones that differ
+            log.debug("handshake from %s (rank %d) with compat %s != ours %s", req.engine_id,
+                      req.tp_rank, req.compat, ours)
         with self._lock:
             self._handshook.setdefault((req.engine_id, req.tp_rank), set()).add(req.agent_name)
         return wire.HandshakeResponse(
@@ -422,6 +458,9 @@ class KVWorker:
         # READ) must name the hold's generation: only readers given it may (kvlink.grants)
         reader = f"{msg.engine_id}/{msg.tp_rank}"
         release = msg.ok and msg.block_ids is None and not msg.incarnation
+        # taken before the verdict: the last reader's report ends the hold (and its digests)
+        ids, blob, folded = ([], b"", False) if release or not msg.ok else (
+            self.integrity.for_verdict(msg.req_id, msg.generation))
         held = self.leases.generation_of(msg.req_id)
         if (release or not msg.ok) and held is not None and msg.generation != held:
             self.refusals["release"] += 1
@@ -448,12 +487,16 @@ class KVWorker:
                     return wire.ErrorReply(v=WIRE_VERSION, code=got.code.value,
                                            message=got.reason)
                 return wire.ReadVerdict(v=WIRE_VERSION, intact=False, reason=got.reason)
-            return wire.ReadVerdict(v=WIRE_VERSION, intact=True, reason="")
+            return wire.ReadVerdict(v=WIRE_VERSION, intact=True, reason="", digest_ids=ids,
+                                    digests=blob, folded=folded)
         intact = self.leases.finish_read(msg.req_id, reader, msg.generation, msg.ok,
                                          self.expected_readers(msg.tp_size))
         why = "" if intact else (f"the lease of {msg.req_id} ended under the READ "
                                  f"({self.leases.released_why(msg.req_id) or 'held again'})")
-        return wire.ReadVerdict(v=WIRE_VERSION, intact=intact, reason=why)
+        if not intact:
+            return wire.ReadVerdict(v=WIRE_VERSION, intact=False, reason=why)
+        return wire.ReadVerdict(v=WIRE_VERSION, intact=True, reason="", digest_ids=ids,
+                                digests=blob, folded=folded)
 
     def _answer_hold(self, msg: wire.Hold) -> wire.Reply:
         hook = self.hold_hook
@@ -563,6 +606,7 @@ class KVWorker:
             if not pending.done():
                 keep.append(pending)
             elif pending.exception() is not None:
+                self.reports_failed += 1
                 log.info("could not tell %s: %s", pending.what, pending.exception())
         self._told = keep
 
@@ -589,7 +633,7 @@ class KVWorker:
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
                remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
                push: wire.PushRequest | None = None, key: PushKey | None = None,
-               generation: int | None = None) -> None:
+               generation: int | None = None, lease: tuple[str, int] | None = None) -> None:
         spec = self._require_spec()
         wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
@@ -606,7 +650,8 @@ class KVWorker:
         inc = push.incarnation if push is not None and push.incarnation else None
         req = _Request(req_id, op, remote, lids, rids,
                        [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
-                       time.perf_counter(), generation=generation, push=push, push_key=key)
+                       time.perf_counter(), generation=generation, push=push, push_key=key,
+                       lease=lease)  # set before the first post: it decides how "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread
         self._chan.flush()
@@ -826,7 +871,8 @@ class KVWorker:
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
-        req.phases.post += time.perf_counter() - part.t_post
+        part.post_seconds = time.perf_counter() - part.t_post
+        req.phases.post += part.post_seconds
         part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += part.nbytes
 
@@ -839,6 +885,10 @@ class KVWorker:
         part.t_done = time.perf_counter()
         req.phases.transfer = max(req.phases.transfer, part.t_done - part.t_post)
         part.xfer_seconds = self._transport_seconds(part)
+        self.transfers.append(Transfer(
+            transport.name, part.post_seconds, part.nbytes,
+            part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
+            state.status is XferStatus.DONE))
         transport.release(part.handle)
         part.handle = None
         reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
@@ -906,7 +956,7 @@ class KVWorker:
             part.error = part.failure
             return
         if isinstance(reply, wire.ReadVerdict) and reply.intact:
-            part.done = True
+            self._check_landed(req, part, reply)
             return
         if isinstance(reply, wire.ReadVerdict):
             why = reply.reason
@@ -914,6 +964,22 @@ class KVWorker:
             why = f"answered {type(reply).__name__}"
         part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
                       f"confirmed, its bytes are not trusted: {why}")
+
+    def _check_landed(self, req: _Request, part: _Part, verdict: wire.ReadVerdict) -> None:
+        """An intact READ: with integrity on, its bytes count only if they digest like the
+        producer's (the heads this part read; kvlink.integrity)."""
+        spec = self._require_spec()
+        r = part.read
+        why = self.integrity.check(req.req_id, req.local_ids, req.remote_ids,
+                                   (r.local_start, r.remote_start, r.count),
+                                   verdict.digest_ids, verdict.digests, verdict.folded,
+                                   spec.num_layers, spec.num_kv)
+        if why is None:
+            part.done = True
+            return
+        log.warning("request %s from %s rank %d: %s", req.req_id, req.remote.engine_id,
+                    r.remote_rank, why)
+        part.error = why
 
     def _take_requery(self, req: _Request, part: _Part, pending: Pending) -> None:
         """The owner refused our READ before any byte moved, and we asked whether it holds
@@ -1014,6 +1080,13 @@ class KVWorker:
         self._tell(req.push.host, req.push.port + req.push.tp_rank,
                    self._written(req, ok, detail))
 
+    def take_transfers(self) -> list[Transfer]:
+        """The transfers that ended since the last call (:attr:`transfers`), oldest first.
+        Call it on the thread that polls (the deque is filled there)."""
+        out = list(self.transfers)
+        self.transfers.clear()
+        return out
+
     def descriptor_counts(self) -> tuple[int, int]:
         """(before, after) coalescing, summed over finished requests."""
         return self.raw_descriptors, self.descriptors
@@ -1038,13 +1111,16 @@ class KVWorker:
         if generation is not None and not 0 < generation < 2**63:
             raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
         gen = new_generation() if generation is None else generation
-        # granted before the hold is visible: a reader told the generation may READ at once
+        # granted before the hold is visible: a reader told the generation may READ at once;
+        # digested before too: the verdict of that READ carries them
         ticket = read_ticket(req_id, gen)
         self._grant(ticket, Op.READ, block_ids)
+        self.integrity.fix(req_id, gen, block_ids)
         try:
             return self.leases.hold(req_id, block_ids, readers, gen)
         except ValueError:
             if self.leases.generation_of(req_id) != gen:  # not the same hold delivered twice
+                self.integrity.drop(req_id, gen)
                 for t in self._enforcing():
                     t.revoke(ticket)
             raise
@@ -1066,6 +1142,7 @@ class KVWorker:
         this under its lock; revoking is a dict update)."""
         for t in self._enforcing():
             t.revoke(read_ticket(req_id, generation))
+        self.integrity.drop(req_id, generation)
 
     def abort(self, req_id: str) -> None:
         """Release a held request now; readers still reading it will be told "not intact"."""
@@ -1117,6 +1194,9 @@ class KVWorker:
         (every rank answered the cancel, or its transport fenced the prefill off), so the
         caller may reuse the blocks the moment it is reported.
         """
+        if self.integrity.on:  # a push's "written" carries no digest yet: fail closed
+            raise ConfigError(f"integrity {self.integrity.level.value} covers pulls only "
+                              "(READs); a push cannot be checked yet: pull, or integrity off")
         spec = self._require_spec()
         if self._server is None:
             raise ConfigError("push mode needs a side channel server on the decode side "
@@ -1329,7 +1409,11 @@ class KVWorker:
             try:
                 reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
                                      msg.tp_rank, spec.total_kv_heads, spec.mla)
-                self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key)
+                # the lease is the request's from the start: _step may post at once (a
+                # cached peer), and a WRITE posted without it would carry a native "written"
+                # (sent before the lease check) besides the side-channel one _report sends
+                self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
+                            lease=None if lease is None else (lease, generation))
             except KVLinkError:
                 with self._lock:
                     self._push_slots.finish(key, False)
@@ -1339,8 +1423,6 @@ class KVWorker:
                 self.leases.finish_read(lease, writer, generation, False,
                                         self.expected_readers(msg.tp_size))
             raise
-        if lease is not None:
-            self._requests[rid].lease = (lease, generation)
         return rid
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:

@@ -46,9 +46,10 @@ class Rank:
     spec: KVCacheSpec
 
 
-def vllm_rank(layout: str, heads: int, tp: int, rank: int, total: int) -> Rank:
+def vllm_rank(layout: str, heads: int, tp: int, rank: int, total: int,
+              block_size: int = BLOCK_SIZE) -> Rank:
     """One TP rank's caches exactly as vLLM builds them for ``layout``."""
-    spec = kv_iface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads,
+    spec = kv_iface.FullAttentionSpec(block_size=block_size, num_kv_heads=heads,
                                       head_size=HEAD_SIZE, dtype=torch.float16)
     lay = KVCacheLayout[layout]
     strides = kv_iface.compute_layout_strides(spec, BLOCKS, LAYERS, lay)
@@ -158,3 +159,13 @@ def test_layouts_with_heads_apart_serve_equal_tp_and_refuse_other_pairs(layout: 
     other = instance(layout, 1, total, None)  # TP 1 <- 2 would need a head slice
     with pytest.raises(IncompatibleSpecError, match="num_layers: local=12 remote=6"):
         check_compatible(other[0].spec.geometry(), prefill[0].spec.geometry(), 1, 2)
+
+
+@pytest.mark.parametrize("local,remote", [(4, 8), (8, 4)])
+def test_different_page_sizes_fail_at_handshake_naming_both(local: int, remote: int) -> None:
+    """Pages of different token counts are refused in both directions (docs/vllm.md, "Block
+    sizes"), naming both values, before any byte moves."""
+    a = vllm_rank("LBHNC", 2, 1, 0, 2, block_size=local).spec
+    b = vllm_rank("LBHNC", 1, 2, 0, 2, block_size=remote).spec
+    with pytest.raises(IncompatibleSpecError, match=f"block_size: local={local} remote={remote}"):
+        check_compatible(a.geometry(), b.geometry(), 1, 2)

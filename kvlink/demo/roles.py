@@ -44,6 +44,7 @@ class DemoPlan:
     timeout: float = 60.0
     mode: str = "pull"  # "push": decode asks, prefill batch-WRITEs (Mooncake style)
     decode_port: int = 0  # push mode: decode side channel base port
+    integrity: str = "off"  # WorkerConfig.integrity of both sides (pull mode)
     #: the holds' generations derive from it, as the block ids derive from the request index
     #: (both standing in for what a router passes along in kv_transfer_params)
     run_id: int = dataclasses.field(default_factory=new_generation)
@@ -84,7 +85,8 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     worker = KVWorker(WorkerConfig(
         engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
         host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port,
-        lease_seconds=plan.lease_seconds, serve_pushes=plan.mode == "push"))
+        lease_seconds=plan.lease_seconds, serve_pushes=plan.mode == "push",
+        integrity=plan.integrity))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     if plan.mode == "push":
@@ -179,7 +181,7 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
     push = plan.mode == "push"
     worker = KVWorker(WorkerConfig(engine_id="decode", tp_rank=rank, tp_size=tp,
                                    transports=[plan.transport], host=plan.host, serve=push,
-                                   side_port=plan.decode_port))
+                                   side_port=plan.decode_port, integrity=plan.integrity))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     remote = RemoteEngine("prefill", plan.advertise_host or plan.host, plan.port, plan.prefill_tp)
@@ -229,6 +231,7 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
             if waiting:
                 break
         out["raw_descriptors"], out["descriptors"] = worker.descriptor_counts()
+        out["integrity_checked_blocks"] = worker.integrity.checked_blocks
     finally:
         progress.close()
         worker.close()

@@ -157,6 +157,8 @@ def summarize(plan: DemoPlan, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "raw_descriptors": sum(r["raw_descriptors"] for r in ranks),
         "descriptors": sum(r["descriptors"] for r in ranks),
         "prefill_tp": plan.prefill_tp, "decode_tp": plan.decode_tp,
+        "integrity": plan.integrity,
+        "integrity_checked_blocks": sum(r.get("integrity_checked_blocks", 0) for r in ranks),
         "geometry": plan.geo.__dict__, "ranks": ranks, "failed": failed,
     }
 

@@ -1,0 +1,342 @@
+"""End-to-end KV integrity: digests of what a request's blocks *mean*, not of their bytes.
+
+A digest is one 64-bit value per (block, layer, K|V plane, KV head) of a request: a weighted sum,
+modulo 2**64, of the head's words in logical order (token-major inside the head, whatever the
+page's physical layout). So the producer's digest of a head equals the consumer's digest of the
+same head whatever the two sides' TP sizes, layouts (NHD/HND, split/joined/packed planes) and
+head slices — a consumer compares only the heads it read, one replica each.
+
+Every weight is odd, hence invertible modulo 2**64: any change confined to one word of a head
+always changes its digest, and a word moved to another token or offset does too (each position
+has its own weight). Several changes cancel only for a particular linear combination — this is a
+check against wrong blocks, wrong layouts, reuse and late writes, not against an adversary
+(docs/integrity.md says what it catches and what it cannot).
+
+Levels: ``off``; ``sample`` — the blocks whose (request, remote block id) hash falls in one of
+:data:`SAMPLE_EVERY` buckets, at least one per request, chosen identically on both sides from
+what both know; ``full`` — every block. CPU caches are hashed with numpy, one vectorised pass per
+plane; CUDA caches with torch on the device (only the digests are copied back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.errors import ConfigError
+from kvlink.layout import KVCacheSpec, Layout
+from kvlink.wire import MAX_DIGEST_BYTES
+
+SAMPLE_EVERY = 32  # ``sample`` checks about one block in this many (at least one per request)
+U64 = npt.NDArray[np.uint64]
+
+
+class Level(str, enum.Enum):
+    OFF = "off"
+    SAMPLE = "sample"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: object, key: str = "integrity") -> Level:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be one of {[m.value for m in cls]}, got {value!r}"
+                              ) from None
+
+
+def checked(level: Level, req_id: str, remote_ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Which positions of a request's (remote) block ids are checked at ``level``.
+
+    Deterministic in what both sides know (the producer's request id and its block ids), so
+    the producer digests exactly what the consumer will check. ``sample`` keeps at least one
+    block per request (the request's first in list order when none fell in the bucket)."""
+    ids = np.asarray(remote_ids, dtype=np.int64)
+    if level is Level.OFF or ids.size == 0:
+        return np.zeros(ids.shape, dtype=bool)
+    if level is Level.FULL:
+        return np.ones(ids.shape, dtype=bool)
+    salt = np.uint64(_salt(req_id))
+    with np.errstate(over="ignore"):
+        mixed = _mix(ids.view(np.uint64) ^ salt)
+    keep: npt.NDArray[np.bool_] = np.asarray(mixed % np.uint64(SAMPLE_EVERY) == 0)
+    if not keep.any():
+        keep[0] = True
+    return keep
+
+
+Planes = Sequence[Sequence[Any]]  # [layer][plane] -> (blocks, heads, tokens, head bytes) uint8
+
+
+def digest(planes: Planes, block_ids: npt.ArrayLike,
+           heads: tuple[int, int] | None = None) -> U64:
+    """``[blocks, layers, planes, heads]`` digests of heads ``[h0, h1)`` (rank-local; default
+    all) of ``block_ids``. ``planes`` are logical byte views (:func:`spec_planes`,
+    :func:`tensor_planes`): numpy arrays are hashed with numpy, torch tensors with torch on
+    their device (only the digests are copied back)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    first = planes[0][0]
+    h0, h1 = heads if heads is not None else (0, int(first.shape[1]))
+    out = np.empty((ids.shape[0], len(planes), len(planes[0]), h1 - h0), dtype=np.uint64)
+    if ids.shape[0] == 0 or h1 <= h0:
+        return out
+    hashing = _numpy_plane if isinstance(first, np.ndarray) else _torch_plane
+    for layer, per_layer in enumerate(planes):
+        for kv, view in enumerate(per_layer):
+            out[:, layer, kv] = hashing(view, ids, h0, h1)
+    return out
+
+
+def spec_planes(spec: KVCacheSpec) -> Planes:
+    """Logical views of this process's memory as ``spec`` describes it. A digest over them
+    checks the bytes kvlink moved against that description; :func:`tensor_planes` (the
+    framework's own tensors) also catches a description that is wrong."""
+    sh, st = _strides(spec)
+    shape = (spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_bytes)
+    cuda = spec.device.startswith("cuda")
+    out: list[list[Any]] = []
+    for layer in range(spec.num_layers):
+        row: list[Any] = []
+        for kv in range(spec.num_kv):
+            base, stride, span = _plane_geometry(spec, layer, kv)
+            if cuda:
+                import torch
+
+                dev = torch.as_tensor(_Cuda(base, span), device=torch.device(spec.device))
+                row.append(torch.as_strided(dev, shape, (stride, sh, st, 1)))
+            else:
+                host = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(base))
+                row.append(np.lib.stride_tricks.as_strided(host, shape, (stride, sh, st, 1),
+                                                           writeable=False))
+        out.append(row)
+    return out
+
+
+def tensor_planes(layers: Sequence[Sequence[Any]]) -> Planes:
+    """Logical byte views of a framework's own ``[layer][plane] (blocks, heads, tokens, dim)``
+    tensors (any strides; torch or numpy): the content the model reads, independent of how
+    kvlink described the memory."""
+    out: list[list[Any]] = []
+    for per_layer in layers:
+        row: list[Any] = []
+        for t in per_layer:
+            if isinstance(t, np.ndarray):
+                row.append(_bytes_np(t))
+            else:
+                row.append(_bytes_torch(t))
+        out.append(row)
+    return out
+
+
+def first_mismatch(want: U64, got: U64) -> tuple[int, int, int, int] | None:
+    """(block position, layer, plane, head) of the first differing digest, or None."""
+    if want.shape != got.shape:
+        raise ValueError(f"digest shapes differ: {want.shape} vs {got.shape}")
+    bad = np.argwhere(want != got)
+    if not bad.size:
+        return None
+    b, layer, kv, head = (int(x) for x in bad[0])
+    return b, layer, kv, head
+
+
+# ---------------------------------------------------------------------------- internals
+def _salt(req_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(x: U64) -> U64:
+    """splitmix64's finaliser: spreads consecutive ids over the buckets."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _word(head_bytes: int) -> int:
+    return next(w for w in (8, 4, 2, 1) if head_bytes % w == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(tokens: int, words: int) -> U64:
+    """Odd weights, one per (token, word) of a head: fixed, so both sides agree."""
+    with np.errstate(over="ignore"):
+        seq = np.arange(1, tokens * words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        w = _mix(seq) | np.uint64(1)
+    w.setflags(write=False)
+    return w.reshape(tokens, words)
+
+
+def _strides(spec: KVCacheSpec) -> tuple[int, int]:
+    """(head stride, token stride) in bytes inside one page."""
+    hb, n, h = spec.head_bytes, spec.block_size, spec.num_kv_heads
+    if spec.layout is Layout.HND or h == 1:
+        return n * hb, hb
+    return hb, h * hb
+
+
+def _plane_geometry(spec: KVCacheSpec, layer: int, kv: int) -> tuple[int, int, int]:
+    base = int(spec.plane_base[layer, kv])
+    stride = int(spec.block_stride[layer, kv])
+    span = (spec.num_blocks - 1) * stride + spec.page_bytes
+    return base, stride, span
+
+
+def _bytes_np(t: npt.NDArray[Any]) -> npt.NDArray[np.uint8]:
+    """(B, H, N, D) of any dtype -> (B, H, N, D·itemsize) uint8: a view when D is dense."""
+    if t.strides[-1] != t.itemsize and t.shape[-1] > 1:
+        t = np.ascontiguousarray(t)
+    return t.view(np.uint8)
+
+
+def _bytes_torch(t: Any) -> Any:
+    import torch
+
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t.view(torch.uint8)
+
+
+def _numpy_plane(pages: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64], h0: int,
+                 h1: int) -> U64:
+    hb = int(pages.shape[3])
+    word = _word(hb)
+    x = np.ascontiguousarray(pages[ids, h0:h1]).view(f"<u{word}")
+    if word != 8:
+        x = x.astype(np.uint64)
+    w = _weights(int(pages.shape[2]), hb // word)
+    with np.errstate(over="ignore"):
+        prod = np.multiply(x, w, dtype=np.uint64)
+        return np.asarray(prod.sum(axis=(2, 3), dtype=np.uint64))
+
+
+class _Cuda:
+    """A device pointer as ``__cuda_array_interface__`` (torch wraps it without a copy)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3}
+
+
+def _torch_plane(pages: Any, ids: npt.NDArray[np.int64], h0: int, h1: int) -> U64:
+    import torch
+
+    hb = int(pages.shape[3])
+    word = _word(hb)
+    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    dev = pages.device
+    x = pages.index_select(0, torch.as_tensor(ids, device=dev))[:, h0:h1].contiguous()
+    x = x.view(dtype).to(torch.int64)
+    if word < 8:  # unsigned words: undo the sign extension of the narrower view
+        x &= (1 << (8 * word)) - 1
+    w = torch.from_numpy(_weights(int(pages.shape[2]), hb // word).view(np.int64).copy()).to(dev)
+    # int64 products and sums wrap modulo 2**64 like the numpy path's uint64
+    out: Any = (x * w).sum(dim=(2, 3))
+    return np.asarray(out.cpu().numpy()).view(np.uint64)
+
+
+# ---------------------------------------------------------------------------- the two sides
+HeadSlice = tuple[int, int, int]  # (local first head, remote first head, count)
+
+
+def fold(d: U64) -> U64:
+    """``[k, L, P, H]`` -> ``[k, 1, 1, H]``: a weighted sum over (layer, plane) with odd
+    weights, so a change in one layer still changes the fold (a verdict too large otherwise)."""
+    k, layers, planes, heads = d.shape
+    w = _weights(layers, planes).reshape(1, layers, planes, 1)
+    with np.errstate(over="ignore"):
+        return np.asarray((d * w).sum(axis=(1, 2), dtype=np.uint64)).reshape(k, 1, 1, heads)
+
+
+class Checker:
+    """One worker's integrity state: digests fixed at hold (producer) and the check of what
+    landed (consumer). Digests are computed on the caller's thread, like the transfer work."""
+
+    def __init__(self, level: Level) -> None:
+        self.level = level
+        self.planes: Planes | None = None  # set at register (spec_planes or tensor_planes)
+        self._fixed: dict[str, tuple[int, npt.NDArray[np.int64], U64]] = {}
+        self.checked_blocks = 0  # consumer: blocks whose digests matched
+        self.failures = 0  # consumer: receives failed on a digest mismatch
+
+    @property
+    def on(self) -> bool:
+        return self.level is not Level.OFF
+
+    # ------------------------------------------------------------------ producer
+    def fix(self, req_id: str, generation: int, block_ids: npt.ArrayLike) -> None:
+        """The request's KV is final (it is being held): digest the blocks a reader will
+        check — the sampled ones and the last (every reader reads the tail)."""
+        if not self.on or self.planes is None:
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        keep = checked(self.level, req_id, ids)
+        keep[-1] = True
+        sel = ids[keep]
+        self._fixed[req_id] = (generation, sel, digest(self.planes, sel))
+
+    def drop(self, req_id: str, generation: int) -> None:
+        got = self._fixed.get(req_id)
+        if got is not None and got[0] == generation:
+            del self._fixed[req_id]
+
+    def for_verdict(self, req_id: str, generation: int) -> tuple[list[int], bytes, bool]:
+        """(block ids, digests, folded) to send with an "intact" verdict; empty if none."""
+        got = self._fixed.get(req_id)
+        if got is None or got[0] != generation:
+            return [], b"", False
+        _, ids, d = got
+        folded = d.nbytes > MAX_DIGEST_BYTES
+        if folded:
+            d = fold(d)
+        return ids.tolist(), d.astype("<u8").tobytes(), folded
+
+    # ------------------------------------------------------------------ consumer
+    def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
+              remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
+              blob: bytes, folded: bool, layers: int, planes: int) -> str | None:
+        """None when what landed matches the producer's digests of the heads we read; else
+        the reason (naming request, block, layer, plane and head), which fails the receive."""
+        if not self.on:
+            return None
+        if not digest_ids:
+            self.failures += 1
+            return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
+                    "(is integrity off there?): not trusted")
+        assert self.planes is not None
+        ours_at = {int(r): i for i, r in enumerate(remote_ids.tolist())}
+        pos = [(j, ours_at[r]) for j, r in enumerate(digest_ids) if r in ours_at]
+        if not pos:
+            self.failures += 1
+            return f"integrity: none of the producer's digested blocks of {req_id} was read"
+        lp, rp, count = heads
+        theirs_all = np.frombuffer(blob, dtype="<u8")
+        shape = (len(digest_ids), 1 if folded else layers, 1 if folded else planes, -1)
+        try:
+            theirs_all = theirs_all.reshape(shape)
+        except ValueError:
+            self.failures += 1
+            return f"integrity: the producer's digests of {req_id} have the wrong size"
+        j_idx = np.array([j for j, _ in pos])
+        i_idx = np.array([i for _, i in pos])
+        theirs = theirs_all[j_idx][..., rp:rp + count].astype(np.uint64)
+        ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
+        if folded:
+            ours = fold(ours)
+        bad = first_mismatch(theirs, ours)
+        if bad is None:
+            self.checked_blocks += len(pos)
+            return None
+        self.failures += 1
+        b, layer, kv, head = bad
+        where = "layers folded" if folded else f"layer {layer}, plane {kv}"
+        return (f"integrity: KV of {req_id} differs from the producer's: local block "
+                f"{int(local_ids[i_idx[b]])} (remote {digest_ids[j_idx[b]]}), {where}, "
+                f"head {lp + head} (local)")

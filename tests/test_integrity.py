@@ -1,0 +1,267 @@
+"""End-to-end KV integrity (kvlink.integrity): a wrong KV is a failed receive, never a finished one.
+
+Real KVWorkers over the real tcp transport and side channel on 127.0.0.1; the producer holds a
+request (its digests are fixed then), the consumer READs it. Each fault class is injected, and
+said so: a byte flipped in the producer's block after the hold (memory corruption), a held
+block overwritten with another request's KV (reuse under a READ), a transport that reads the
+neighbouring block (the consumer lands another request's KV — a fake tcp transport, because
+the real one cannot be made to misaddress on demand), a consumer whose framework reads its
+memory in another layout than kvlink described (a layout disagreement the geometry check cannot
+see). Each is caught with ``integrity="full"``; the same fault with integrity off finishes
+"successfully" with the wrong bytes (the control, so each test can fail).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from kvlink.demo import data
+from kvlink.errors import ConfigError
+from kvlink.integrity import Level, checked, digest, spec_planes, tensor_planes
+from kvlink.transport import Extents, register_transport
+from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
+from kvlink_transports.tcp import TcpTransport
+
+GEO = data.Geometry(layers=3, kv_heads=2, head_dim=8, block_size=4)
+NBLOCKS = 16
+HELD = [3, 7, 8, 12]  # the prefill's blocks of the request
+LOCAL = [1, 2, 5, 9]  # where the decode puts them
+
+
+class Rank:
+    def __init__(self, engine: str, tp: int = 1, rank: int = 0, fill: bool = True,
+                 planes: Any = None, **cfg: Any) -> None:
+        self.buf, self.layers = data.allocate(GEO, NBLOCKS, tp, rank)
+        if fill:
+            data.fill(GEO, self.layers, tp, rank)
+        else:
+            self.buf[:] = np.random.default_rng(7).integers(1, 2**16, self.buf.shape,
+                                                             dtype=np.uint16)
+        self.spec = data.spec_of(GEO, self.layers, tp, rank)
+        self.w = KVWorker(WorkerConfig(engine_id=engine, tp_rank=rank, tp_size=tp, **cfg))
+        self.w.register(self.spec, planes(self) if planes is not None else None)
+
+    def remote(self, tp: int = 1) -> RemoteEngine:
+        return RemoteEngine(self.w.config.engine_id, "127.0.0.1", self.w.side_port, tp)
+
+    def block(self, ids: list[int]) -> npt.NDArray[np.uint16]:
+        return np.stack([np.asarray(lv)[:, ids] for lv in self.layers])
+
+
+def pull(prefill: Rank, decode: Rank, req: str = "r1") -> tuple[bool, str]:
+    """Hold on the prefill, READ on the decode (told the generation), until an outcome."""
+    gen = prefill.w.hold(req, HELD)
+    decode.w.read(req, prefill.remote(), LOCAL, HELD, generation=gen)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, failed = decode.w.poll()
+        prefill.w.poll()
+        if req in done:
+            return True, ""
+        if req in failed:
+            return False, failed[req]
+        time.sleep(0.001)
+    raise AssertionError(f"{req} neither finished nor failed within 20 s")
+
+
+def pair(level: str, **decode_kw: Any) -> tuple[Rank, Rank]:
+    return Rank("p", integrity=level), Rank("d", fill=False, integrity=level, **decode_kw)
+
+
+def closed(*ranks: Rank) -> None:
+    for r in ranks:
+        r.w.close()
+
+
+# ---------------------------------------------------------------------------- the digest
+def test_digest_is_the_same_across_layouts_and_tp_sizes() -> None:
+    """One head's digest does not depend on NHD/HND or on which rank holds it."""
+    nhd = Rank("a", integrity="full")
+    hnd_geo = data.Geometry(layers=3, kv_heads=2, head_dim=8, block_size=4, layout="HND")
+    buf, layers = data.allocate(hnd_geo, NBLOCKS, 2, 1)
+    data.fill(hnd_geo, layers, 2, 1)
+    spec = data.spec_of(hnd_geo, layers, 2, 1)  # rank 1 of 2: head 1 only
+    try:
+        whole = digest(spec_planes(nhd.spec), HELD)
+        half = digest(spec_planes(spec), HELD)
+        assert whole.shape == (4, 3, 2, 2) and half.shape == (4, 3, 2, 1)
+        assert np.array_equal(whole[..., 1:], half)
+        assert not np.array_equal(whole[..., :1], half)
+    finally:
+        closed(nhd)
+        del buf
+
+
+def test_sample_picks_a_deterministic_subset_and_at_least_one_block() -> None:
+    ids = np.arange(4096)
+    keep = checked(Level.SAMPLE, "req-a", ids)
+    assert np.array_equal(keep, checked(Level.SAMPLE, "req-a", ids))
+    assert 4096 / 64 < keep.sum() < 4096 / 16
+    assert not np.array_equal(keep, checked(Level.SAMPLE, "req-b", ids))
+    assert checked(Level.SAMPLE, "req-a", np.array([5])).sum() == 1
+    assert checked(Level.FULL, "x", ids).all() and not checked(Level.OFF, "x", ids).any()
+
+
+def test_bad_level_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"integrity must be one of .*got 'ful'"):
+        WorkerConfig(engine_id="x", integrity="ful")
+
+
+# ---------------------------------------------------------------------------- clean runs
+@pytest.mark.parametrize("level", ["sample", "full"])
+def test_clean_pull_passes_and_checks(level: str) -> None:
+    prefill, decode = pair(level)
+    try:
+        assert pull(prefill, decode) == (True, "")
+        assert np.array_equal(decode.block(LOCAL), prefill.block(HELD))
+        assert decode.w.integrity.checked_blocks >= 1 and decode.w.integrity.failures == 0
+    finally:
+        closed(prefill, decode)
+
+
+def test_heterogeneous_tp_pull_passes() -> None:
+    """Decode TP 2 reads its head from a TP 1 prefill: no false alarm on a head slice."""
+    prefill = Rank("p", integrity="full")
+    decodes = [Rank("d", tp=2, rank=r, fill=False, integrity="full") for r in range(2)]
+    try:
+        gen = prefill.w.hold("r1", HELD)
+        for d in decodes:
+            d.w.read("r1", prefill.remote(), LOCAL, HELD, generation=gen)
+        left = {0, 1}
+        deadline = time.monotonic() + 20
+        while left:
+            assert time.monotonic() < deadline, "TP 2 decode did not finish"
+            prefill.w.poll()
+            for r in list(left):
+                done, failed = decodes[r].w.poll()
+                assert "r1" not in failed, failed
+                if "r1" in done:
+                    left.discard(r)
+            time.sleep(0.001)
+        assert all(d.w.integrity.checked_blocks == 4 for d in decodes)
+    finally:
+        closed(prefill, *decodes)
+
+
+def test_consumer_with_integrity_fails_closed_without_digests() -> None:
+    prefill, decode = Rank("p"), Rank("d", fill=False, integrity="sample")
+    try:
+        ok, why = pull(prefill, decode)
+        assert not ok and "sent no digest" in why
+    finally:
+        closed(prefill, decode)
+
+
+def test_push_with_integrity_is_refused_clearly() -> None:
+    prefill, decode = pair("full")
+    try:
+        with pytest.raises(ConfigError, match="covers pulls only"):
+            decode.w.expect_push("r1", prefill.remote(), LOCAL)
+    finally:
+        closed(prefill, decode)
+
+
+# ---------------------------------------------------------------------------- faults
+def _flip_after_hold(prefill: Rank) -> None:
+    """Injected fault: one byte of held block 8, layer 2, V plane, flipped after the hold."""
+    np.asarray(prefill.layers[2])[1, 8, 3, 1, 5] ^= 1
+
+
+def _reuse_after_hold(prefill: Rank) -> None:
+    """Injected fault: held block 12 given to another request, which wrote its KV there."""
+    for lv in prefill.layers:
+        arr = np.asarray(lv)
+        arr[:, 12] = arr[:, 0]
+
+
+class _Hold:
+    """``KVWorker.hold`` that runs ``fault`` right after the hold fixed the digests."""
+
+    def __init__(self, rank: Rank, fault: Any) -> None:
+        self.rank, self.fault, self.real = rank, fault, rank.w.hold
+
+    def __call__(self, *a: Any, **kw: Any) -> int:
+        gen: int = self.real(*a, **kw)
+        self.fault(self.rank)
+        return gen
+
+
+@pytest.mark.parametrize("level", ["off", "full"])
+@pytest.mark.parametrize("fault,where", [(_flip_after_hold, "local block 5 (remote 8), layer 2"),
+                                         (_reuse_after_hold, "local block 9 (remote 12)")])
+def test_producer_side_corruption_is_a_failed_receive(level: str, fault: Any, where: str) -> None:
+    prefill, decode = pair(level)
+    try:
+        want = prefill.block(HELD)
+        prefill.w.hold = _Hold(prefill, fault)  # type: ignore[method-assign]
+        ok, why = pull(prefill, decode)
+        if level == "off":  # the control: the fault passes silently
+            assert ok and not np.array_equal(decode.block(LOCAL), want)
+        else:
+            assert not ok and "integrity: KV of r1 differs" in why and where in why, why
+            assert decode.w.integrity.failures == 1
+    finally:
+        closed(prefill, decode)
+
+
+class _Misaddressing(TcpTransport):
+    """A fake tcp transport (injected fault): every READ's remote extents point one block
+    further — the consumer lands the neighbouring block, another request's KV."""
+
+    name = "tcp_misaddressing"
+    shift = 0
+
+    def post(self, op: Any, peer: str, local: Extents, remote: Extents,
+             notify: bytes | None = None, *, ticket: bytes = b"") -> int:
+        remote = remote.copy()
+        remote["addr"] += np.uint64(self.shift)
+        return super().post(op, peer, local, remote, notify, ticket=ticket)
+
+
+@pytest.mark.parametrize("level", ["off", "full"])
+def test_consumer_landing_another_requests_blocks_is_a_failed_receive(level: str) -> None:
+    register_transport("tcp_misaddressing", _Misaddressing)
+    prefill = Rank("p", integrity=level, transports=["tcp_misaddressing"], grants=False)
+    decode = Rank("d", fill=False, integrity=level, transports=["tcp_misaddressing"],
+                  grants=False)
+    _Misaddressing.shift = int(prefill.spec.block_stride[0, 0])
+    try:
+        ok, why = pull(prefill, decode)
+        if level == "off":
+            assert ok and not np.array_equal(decode.block(LOCAL), prefill.block(HELD))
+        else:
+            assert not ok and "integrity: KV of r1 differs" in why, why
+    finally:
+        _Misaddressing.shift = 0
+        closed(prefill, decode)
+
+
+def _hnd_views(rank: Rank) -> Any:
+    """The decode's framework reads its memory head-major (HND), while kvlink was told (and
+    the producer uses) token-major: a disagreement no geometry field shows."""
+    out = []
+    for lv in rank.layers:
+        arr = np.asarray(lv)  # (2, B, N, H, D) as kvlink described it
+        b, n, h, d = arr.shape[1:]
+        flat = arr.reshape(2, b, n * h * d)
+        out.append([flat[kv].reshape(b, h, n, d) for kv in range(2)])
+    return tensor_planes(out)
+
+
+@pytest.mark.parametrize("level", ["off", "full"])
+def test_layout_disagreement_is_a_failed_receive(level: str) -> None:
+    prefill = Rank("p", integrity=level)
+    decode = Rank("d", fill=False, integrity=level, planes=_hnd_views)
+    try:
+        ok, why = pull(prefill, decode)
+        if level == "off":
+            assert ok  # every byte arrived as described; the model would read them wrongly
+        else:
+            assert not ok and "integrity: KV of r1 differs" in why, why
+    finally:
+        closed(prefill, decode)
