@@ -22,12 +22,13 @@ worker), one request at a time and interleaved request by request; ``inflight8``
 requests posted at once, timed to the last finished).
 
 Baselines, same run, same extents/bytes: the transport alone (under a standing hold of the
-whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's own connected
-transport and peer agent, ``plan_transfer`` once outside the timed window, post -> poll DONE,
-same poll mode, run right after each kvlink request); CPU: a plain-socket transfer of the same
-bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy of the same bytes
-(CUDA events) and torch's in-process gather of the same block ids (index_select + index_copy_
-per layer, CUDA events). Writes bench/results/e2e_request_<device>_<transport>.json.
+whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's
+own connected transport and peer agent, ``plan_transfer`` once outside the timed window, post
+-> poll DONE, same poll mode, run right after each kvlink request); CPU: a plain-socket
+transfer of the same bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy
+of the same bytes (CUDA events) and torch's in-process gather of the same block ids
+(index_select + index_copy_ per layer, CUDA events).
+Writes bench/results/e2e_request_<device>_<transport>.json.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ CASES = {
     "16-blocks": Case(layers=80, heads=1, blocks=16, cpu_requests=50),  # 70b-tp8 geometry
     "70b-tp8": Case(layers=80, heads=1, blocks=256, cpu_requests=12),  # 160 MiB / 4096 tokens
     "8b-tp1": Case(layers=32, heads=8, blocks=256, cpu_requests=4),  # 512 MiB / 4096 tokens
+    "1gib": Case(layers=32, heads=8, blocks=512, cpu_requests=2),  # 1 GiB / 8192 tokens
 }
 CPU_CASES = ["16-blocks", "70b-tp8"]
 GPU_CASES = ["70b-tp8", "8b-tp1", "16-blocks"]
@@ -181,17 +183,17 @@ def _sync(device: str) -> None:
 
 # --------------------------------------------------------------------------- producer
 def producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
-             options: dict[str, Any], idle_timeout: float) -> None:
+             options: dict[str, Any], idle_timeout: float, integrity: str = "off") -> None:
     """The prefill process: a cache per case, fills and holds what the consumer asks for."""
     try:
-        _producer(cmd_q, rep_q, device, transport, options, idle_timeout)
+        _producer(cmd_q, rep_q, device, transport, options, idle_timeout, integrity)
     except BaseException as exc:
         rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
 def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
-              options: dict[str, Any], idle_timeout: float) -> None:
+              options: dict[str, Any], idle_timeout: float, integrity: str = "off") -> None:
     from kvlink.worker import KVWorker, WorkerConfig
 
     torch = _torch()
@@ -216,6 +218,12 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
             last = time.monotonic()
             if cmd[0] == "stop":
                 return
+            if cmd[0] == "integrity":  # bench/integrity_overhead.py: the level of next holds
+                from kvlink.integrity import Level
+
+                assert w is not None
+                w.integrity.level = Level(cmd[1])
+                rep_q.put(("integrity", cmd[1]))
             if cmd[0] == "case":
                 _, name, nblocks = cmd
                 if w is not None:
@@ -228,7 +236,7 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
                 _sync(device)
                 w = KVWorker(WorkerConfig(engine_id=f"e2e-p-{name}", transports=[transport],
                                           transport_options={transport: dict(options)},
-                                          lease_seconds=24 * 3600.0))
+                                          lease_seconds=24 * 3600.0, integrity=integrity))
                 w.register(cache.spec())
                 # the transport-alone baseline reads under a standing hold of the whole cache
                 # (a least-privilege owner serves no READ without one: kvlink.grants)
@@ -260,13 +268,13 @@ class Producer:
     """The consumer's handle on the producer process: every wait bounded, death noticed."""
 
     def __init__(self, device: str, transport: str, options: dict[str, Any],
-                 timeout: float) -> None:
+                 timeout: float, integrity: str = "off") -> None:
         ctx = mp.get_context("spawn")
         self.cmd_q, self.rep_q = ctx.Queue(), ctx.Queue()
         self.timeout = timeout
         self.proc = ctx.Process(target=producer, daemon=True,
                                 args=(self.cmd_q, self.rep_q, device, transport, options,
-                                      max(600.0, 4 * timeout)))
+                                      max(600.0, 4 * timeout), integrity))
         self.proc.start()
 
     def ask(self, cmd: tuple[Any, ...], want: str, timeout: float | None = None) -> Any:
@@ -336,7 +344,8 @@ class Consumer:
         self.cache = Cache(c, self.nblocks, self.device)
         self.w = KVWorker(WorkerConfig(engine_id=f"e2e-d-{name}", transports=[args.transport],
                                        transport_options={args.transport: dict(args.options)},
-                                       serve=False))
+                                       serve=False,
+                                       integrity=getattr(args, "integrity", "off")))
         self.w.register(self.cache.spec())
         self.remote = RemoteEngine(f"e2e-p-{name}", "127.0.0.1", port)
         self.rng = np.random.default_rng(args.seed)

@@ -24,6 +24,7 @@ import ctypes
 import enum
 import functools
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +88,11 @@ def digest(planes: Planes, block_ids: npt.ArrayLike,
     out = np.empty((ids.shape[0], len(planes), len(planes[0]), h1 - h0), dtype=np.uint64)
     if ids.shape[0] == 0 or h1 <= h0:
         return out
+    if not isinstance(first, np.ndarray) and first.device.type == "cuda":
+        fused = _cuda_digest(planes, ids, h0, h1)
+        if fused is not None:
+            out[...] = fused
+            return out
     hashing = _numpy_plane if isinstance(first, np.ndarray) else _torch_plane
     for layer, per_layer in enumerate(planes):
         for kv, view in enumerate(per_layer):
@@ -202,17 +208,50 @@ def _bytes_torch(t: Any) -> Any:
     return t.view(torch.uint8)
 
 
+def _as_words(pages: npt.NDArray[np.uint8], word: int) -> npt.NDArray[Any] | None:
+    """The same memory as ``(B, H, N, hb / word)`` unsigned words, where it is aligned."""
+    ptr = int(pages.__array_interface__["data"][0])
+    strides = pages.strides
+    if (ptr | strides[0] | strides[1] | strides[2]) % word or strides[3] != 1:
+        return None
+    span = sum((n - 1) * st for n, st in zip(pages.shape[:3], strides[:3])) + pages.shape[3]
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(ptr)).view(f"<u{word}")
+    return np.lib.stride_tricks.as_strided(
+        raw, (*pages.shape[:3], pages.shape[3] // word), (*strides[:3], word), writeable=False)
+
+
+def _gather(words: npt.NDArray[Any], ids: npt.NDArray[np.int64], h0: int, h1: int,
+            word: int) -> npt.NDArray[Any]:
+    """``words[ids, h0:h1]`` as (n, heads, N, W), fast: a dense page (HND or NHD) is gathered
+    as whole rows (one contiguous copy per block) and re-viewed in logical order, instead of
+    an element-wise copy through four strides (10x slower on a 16 MiB plane)."""
+    b, h, n, w = words.shape
+    sb, sh, sn, _ = words.strides
+    hnd = sh == n * w * word and sn == w * word
+    nhd = sn == h * w * word and sh == w * word
+    if not (hnd or nhd):
+        return np.ascontiguousarray(words[ids, h0:h1])
+    rows = np.lib.stride_tricks.as_strided(words, (b, h * n * w), (sb, word), writeable=False)
+    taken = rows[ids]
+    if hnd:
+        return taken.reshape(-1, h, n, w)[:, h0:h1]
+    return taken.reshape(-1, n, h, w).transpose(0, 2, 1, 3)[:, h0:h1]
+
+
 def _numpy_plane(pages: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64], h0: int,
                  h1: int) -> U64:
     hb = int(pages.shape[3])
     word = _word(hb)
-    x = np.ascontiguousarray(pages[ids, h0:h1]).view(f"<u{word}")
+    words = _as_words(pages, word)
+    if words is not None:
+        x = _gather(words, ids, h0, h1, word)
+    else:
+        x = np.ascontiguousarray(pages[ids, h0:h1]).view(f"<u{word}")
     if word != 8:
         x = x.astype(np.uint64)
     w = _weights(int(pages.shape[2]), hb // word)
-    with np.errstate(over="ignore"):
-        prod = np.multiply(x, w, dtype=np.uint64)
-        return np.asarray(prod.sum(axis=(2, 3), dtype=np.uint64))
+    # one pass, no temporary (5x the multiply-then-sum); uint64 arithmetic wraps mod 2**64
+    return np.asarray(np.einsum("bhtw,tw->bh", x, w), dtype=np.uint64)
 
 
 class _Cuda:
@@ -221,6 +260,30 @@ class _Cuda:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
                                          "data": (ptr, False), "version": 3}
+
+
+_TABLES: dict[int, tuple[Planes, Any]] = {}  # id(planes) -> (planes, integrity_cuda.Table)
+
+
+def _cuda_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int) -> U64 | None:
+    """Every plane in one kernel launch (kvlink.integrity_cuda); None: use the torch path.
+    The planes' table is built once per planes object (a worker's, fixed at register)."""
+    import torch
+
+    from kvlink import integrity_cuda
+
+    got = _TABLES.get(id(planes))
+    if got is None or got[0] is not planes:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        got = (planes, integrity_cuda.Table([v for row in planes for v in row]))
+        _TABLES[id(planes)] = got
+    table = got[1]
+    out = table.digest(torch.from_numpy(ids).to(table.device), h0, h1)
+    if out is None:
+        return None
+    host = np.asarray(out.cpu().numpy()).view(np.uint64)
+    return host.reshape(ids.shape[0], len(planes), len(planes[0]), h1 - h0)
 
 
 def _torch_plane(pages: Any, ids: npt.NDArray[np.int64], h0: int, h1: int) -> U64:
@@ -263,6 +326,7 @@ class Checker:
         self._fixed: dict[str, tuple[int, npt.NDArray[np.int64], U64]] = {}
         self.checked_blocks = 0  # consumer: blocks whose digests matched
         self.failures = 0  # consumer: receives failed on a digest mismatch
+        self.check_seconds = 0.0  # consumer: time spent checking, since start (benchmarks)
 
     @property
     def on(self) -> bool:
@@ -306,6 +370,16 @@ class Checker:
         the reason (naming request, block, layer, plane and head), which fails the receive."""
         if not self.on:
             return None
+        t0 = time.perf_counter()
+        try:
+            return self._check(req_id, local_ids, remote_ids, heads, digest_ids, blob, folded,
+                               layers, planes)
+        finally:
+            self.check_seconds += time.perf_counter() - t0
+
+    def _check(self, req_id: str, local_ids: npt.NDArray[np.int64],
+               remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
+               blob: bytes, folded: bool, layers: int, planes: int) -> str | None:
         if not digest_ids:
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "

@@ -117,7 +117,12 @@ _IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
 _CHECK = 1 << 16  # extents per numpy pass of a check: its temporaries are O(this), not O(request)
 _CLOSE_WAIT = 2.0  # seconds close() waits, in all, for the transport's threads to end
 _ACCEPT_PAUSE = 0.1  # seconds the accept thread stops accepting when out of descriptors
-_CUT_GRACE = 0.05  # seconds revoke() lets a request under the ticket stop on its own
+# seconds revoke() lets a request under the ticket stop on its own before its connection is
+# shut down. Not shorter: a thread whose last sendall just handed the bytes to the kernel may
+# be descheduled that long on a loaded machine (50 ms cut live connections on 2 busy cores,
+# failing the *next* READ on them); what the grace bounds is a hung peer's socket, not
+# correctness (a READ the hold ended under is refused at its verdict anyway)
+_CUT_GRACE = 1.0
 
 
 class _Hdr(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):

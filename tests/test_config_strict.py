@@ -212,6 +212,7 @@ FULL: dict[str, Any] = {
     "kv_lease_duration": 45.0, "read_pin_seconds": 20.0, "handshake_timeout": 3.0,
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
+    "integrity": "off",
 }
 
 
@@ -230,3 +231,11 @@ def test_docs_examples_parse() -> None:
     _s({"transport": "tcp", "mode": "push", "side_channel_port": 5700}, "kv_consumer")
     _s({"side_channel_port": 5601, "kv_lease_duration": 0.5})
     _s({"transport_options": {"nixl": {"progress_thread": True}}, "transport": "nixl"})
+
+
+def test_integrity_is_checked_naming_its_key() -> None:
+    assert _s({"integrity": "sample"}).integrity == "sample"
+    with pytest.raises(ConfigError, match=r"integrity must be one of .*got 'ful'"):
+        _s({"integrity": "ful"})
+    with pytest.raises(ConfigError, match="integrity 'full' covers pulls only"):
+        _s({"integrity": "full", "mode": "push"}, "kv_consumer")

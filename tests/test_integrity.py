@@ -265,3 +265,75 @@ def test_layout_disagreement_is_a_failed_receive(level: str) -> None:
             assert not ok and "integrity: KV of r1 differs" in why, why
     finally:
         closed(prefill, decode)
+
+
+@pytest.mark.parametrize("kind", ["split", "joined", "pair", "mla", "packed", "packed-mla"])
+def test_vllm_tensor_views_digest_like_the_spec(kind: str) -> None:
+    """The connector digests vLLM's own tensors (``DetectedLayout.planes``); for a correct
+    description they give exactly the spec's digests, so the two sides may mix either."""
+    import torch
+
+    from kvlink.integrations.vllm_layout import detect
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"split": (2, 6, 4, 2, 8), "joined": (6, 2, 4, 2, 8), "mla": (6, 4, 16),
+              "packed": (6, 2, 4, 16), "packed-mla": (6, 1, 4, 16)}
+    caches: dict[str, Any] = {}
+    for i in range(3):
+        if kind == "pair":
+            caches[f"l{i}"] = (torch.randn(6, 4, 2, 8, generator=g),
+                               torch.randn(6, 4, 2, 8, generator=g))
+        else:
+            caches[f"l{i}"] = torch.randn(*shapes[kind], generator=g)
+    found = detect(caches, total_kv_heads=2, tp_size=1, tp_rank=0,
+                   use_mla=kind in ("mla", "packed-mla"))
+    assert found.kind == kind and found.planes is not None
+    ids = np.array([0, 3, 5])
+    assert np.array_equal(digest(spec_planes(found.spec), ids),
+                          digest(tensor_planes(found.planes), ids))
+
+
+@pytest.mark.parametrize("level", ["off", "full"])
+def test_connector_fails_a_corrupted_pull(level: str) -> None:
+    """Through the vLLM connector's worker side (PullWorker, vLLM-shaped packed caches, the
+    digests over vLLM's own tensors): a byte flipped in the prefill's block after its hold
+    (injected) is a failed receive with integrity on, a silent wrong load with it off."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_vllm_e2e import _packed, _remote_r1, _Steps
+
+    from kvlink.demo.run import free_port_range
+    from kvlink.integrations.vllm_common import RecvReq, SendReq, Settings, StepPlan
+    from kvlink.integrations.vllm_layout import detect
+    from kvlink.integrations.vllm_worker import PullWorker
+
+    port = free_port_range(1)
+    extra = {"side_channel_port": port, "integrity": level}
+    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    prod = PullWorker(Settings.from_config("P", "kv_producer", extra), 0, 1)
+    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra), 0, 1)
+    try:
+        for w, caches in ((prod, src), (cons, dst)):
+            found = detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
+                           tp_size=1, tp_rank=0, use_mla=False)
+            assert found.planes is not None
+            w.register(found.spec, tensor_planes(found.planes))
+        steps = _Steps(prod, cons)
+        prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
+        src[1][3, 1, 2, 5] += 1.0  # injected: the prefill's block 3 changes after the hold
+        cons.start(StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 64)]))
+        res = steps.recv()
+        assert res.finished_recving == {"d1"}  # vLLM's contract: failed ones are finished too
+        if level == "off":
+            assert not res.failed_recving
+        else:
+            assert "integrity: KV of r1 differs" in res.failed_recving["d1"], res
+            assert "local block 0 (remote 3), layer 1" in res.failed_recving["d1"]
+    finally:
+        prod.close()
+        cons.close()

@@ -203,7 +203,8 @@ def main() -> None:
     servers = [
         Server("prefill", server_command(
             model, args.prefill_port, kv_transfer_config(
-                "kv_producer", args.side_port, transport=args.transport, buffer_device=buffer),
+                "kv_producer", args.side_port, transport=args.transport, buffer_device=buffer,
+                extra={"mode": args.mode}),  # advertised to the decode as transfer_mode
             block_size=args.block_size, dtype=args.dtype, extra_args=extra),
             args.prefill_port, logs / "prefill.log", env_p),
         Server("decode", server_command(
@@ -233,6 +234,9 @@ def main() -> None:
                       f" kvlink_recv_bytes={counter(text, 'kvlink_recv_bytes'):.0f}"
                       f" kvlink_recv_pushed_requests="
                       f"{counter(text, 'kvlink_recv_pushed_requests'):.0f}", flush=True)
+                if args.mode == "push" and counter(text, "kvlink_recv_pushed_requests") < 4:
+                    print("push mode, but the decode was not pushed into", flush=True)
+                    ok = False
                 if not ok:
                     sys.exit(1)
             return

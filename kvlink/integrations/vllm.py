@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import logging
 import uuid
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -34,10 +37,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvlink.errors import ConfigError
-from kvlink.integrations.vllm_common import Settings, StepPlan
+from kvlink.integrations.vllm_common import Settings, StepPlan, kv_groups_refusal
 from kvlink.integrations.vllm_layout import detect
 from kvlink.integrations.vllm_sched import PullScheduler
 from kvlink.integrations.vllm_worker import PullWorker
+from kvlink.integrity import tensor_planes
+
+try:  # the hybrid KV cache manager (HMA) talks only to connectors that declare SupportsHMA
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    _HMA_BASES: tuple[type, ...] = (SupportsHMA,)
+except ImportError:  # pragma: no cover - older vLLM
+    _HMA_BASES = ()
+
+try:  # workers' handshake metadata, gathered into the scheduler's connector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata as _HandshakeMetadataBase,
+    )
+except ImportError:  # pragma: no cover - older vLLM
+    _HandshakeMetadataBase = object  # type: ignore[assignment,misc]
+
+try:  # a KV cache group's kind ("full_attention", "sliding_window", "mamba", ...)
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind as _spec_kind
+except ImportError:  # pragma: no cover - older vLLM
+    _spec_kind = None  # type: ignore[assignment]
 
 try:  # vLLM >= 0.32: completions and receive failures reported together
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -53,8 +75,16 @@ except ImportError:  # pragma: no cover - older vLLM
     KVConnectorStats = None  # type: ignore[assignment,misc]
     KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
 
+try:  # vLLM >= 0.32 names physical orders by RFC 42082 (LBHNC = the old HND)
+    from vllm.v1.kv_cache_layout import KVCacheLayout as _KVCacheLayout  # noqa: F401
+    _HAS_LAYOUTS = True
+except ImportError:  # pragma: no cover - older vLLM
+    _HAS_LAYOUTS = False
+
 if TYPE_CHECKING:
     import torch
+
+    from kvlink.worker import KVWorker
 
 log = logging.getLogger("kvlink.vllm")
 
@@ -97,7 +127,86 @@ COUNTERS = {
     "push_sent_requests": "Requests a prefill worker WROTE into a decode rank (mode push).",
     "push_failed_requests": "Pushes whose WRITE failed on a prefill worker (decode told).",
     "pushes_refused": "Push requests refused (request not held any more, or blocks not held).",
+    "reads_not_intact": "READs reported after their lease ended under them (the reader was "
+                        "told, its request failed: the blocks may have been reused).",
+    "reports_failed": "Side-channel reports nobody waits for (releases, read reports, written "
+                      "notes) that could not be delivered (per rank; each is logged).",
+    "integrity_checked_blocks": "Blocks whose landed KV matched the prefill's digests "
+                                "(integrity sample/full, decode workers).",
+    "integrity_failures": "Receives failed because the landed KV differed from the prefill's "
+                          "digests, or came without them (integrity on; each is logged).",
 }
+
+#: Per-transfer series kept per transport (stats ``data["transfers"][name][key]``), each
+#: exported as the histogram ``kvlink_<key>{transport=name}``: (documentation, buckets).
+#: NixlConnector's ``vllm:nixl_*`` equivalents are in docs/vllm.md.
+XFER_HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
+    "xfer_seconds": (
+        "Duration of one transfer at the transport, post to completion (NIXL telemetry "
+        "xferDuration with the nixl transport's telemetry option, as "
+        "vllm:nixl_xfer_time_seconds), on the rank that posted it.",
+        [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+         5.0]),
+    "xfer_post_seconds": (
+        "Host time inside the transport's post call of one transfer (planned extents in, "
+        "handle out), on the rank that posted it.",
+        [1e-5, 2.5e-5, 5e-5, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+         0.05, 0.1, 0.5, 1.0]),
+    "xfer_bytes": (
+        "Bytes moved by one transfer.",
+        [float(2 ** (10 + i)) for i in range(1, 25, 2)]),  # 2 KiB to 8 GiB, as NixlConnector
+    "xfer_descriptors": (
+        "Extents (descriptors) posted in one transfer, after kvlink's coalescing.",
+        [1, 2, 5, 10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]),
+}
+
+
+def _no_transfers() -> dict[str, Any]:
+    """One transport's per-interval transfer data: a list per histogram, failures counted."""
+    out: dict[str, Any] = {key: [] for key in XFER_HISTOGRAMS}
+    out["failed"] = 0
+    return out
+
+
+def _reduce_transport(name: str, col: Mapping[str, Any]) -> dict[str, int | float]:
+    """NixlConnector's log line for one transport: count, avg/p90 transfer and post time,
+    MB per transfer, throughput (bytes over the summed transfer times), descriptors."""
+    p = f"{name}_"
+    xfer = np.asarray(col.get("xfer_seconds") or (), dtype=np.float64)
+    out: dict[str, int | float] = {f"{p}transfers": int(xfer.size)}
+    if col.get("failed"):
+        out[f"{p}failed_transfers"] = int(col["failed"])
+    if not xfer.size:
+        return out
+    post = np.asarray(col.get("xfer_post_seconds") or (), dtype=np.float64)
+    mb = np.asarray(col.get("xfer_bytes") or (), dtype=np.float64) / 2**20
+    descs = np.asarray(col.get("xfer_descriptors") or (), dtype=np.float64)
+    out[f"{p}avg_xfer_ms"] = round(1e3 * float(xfer.mean()), 3)
+    out[f"{p}p90_xfer_ms"] = round(1e3 * float(np.percentile(xfer, 90)), 3)
+    if post.size:
+        out[f"{p}avg_post_ms"] = round(1e3 * float(post.mean()), 3)
+        out[f"{p}p90_post_ms"] = round(1e3 * float(np.percentile(post, 90)), 3)
+    if mb.size:
+        out[f"{p}avg_mb"] = round(float(mb.mean()), 3)
+        busy = float(xfer.sum())
+        if busy > 0:
+            out[f"{p}mb_per_s"] = round(float(mb.sum()) / busy, 3)
+    if descs.size:
+        out[f"{p}avg_descriptors"] = round(float(descs.mean()), 1)
+    return out
+
+
+class _Deltas:
+    """The core worker's since-start totals as per-interval counts (what vLLM's stats carry)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def take(self, totals: Mapping[str, int]) -> dict[str, int]:
+        out = {k: v - self._seen.get(k, 0) for k, v in totals.items()
+               if v > self._seen.get(k, 0)}
+        self._seen.update(totals)
+        return out
 
 
 class KVLinkConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -107,22 +216,60 @@ class KVLinkConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
+@dataclasses.dataclass
+class KVLinkHandshakeMetadata(_HandshakeMetadataBase):  # type: ignore[misc,valid-type]
+    """Worker -> scheduler, once at startup (vLLM's handshake metadata): the rank's core
+    worker incarnation, which the scheduler hands decodes as the registration generation."""
+
+    tp_rank: int
+    incarnation: int
+
+
 def _ktc_get(ktc: Any, key: str, default: Any = None) -> Any:
     return getattr(ktc, key, default)
 
 
-class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """Pull- or push-mode KV connector over kvlink's transports (``tcp`` works everywhere)."""
+def _refuse_unsupported_parallelism(par: Any) -> None:
+    """Pipeline and context parallelism are refused at startup: kvlink's handshake has no
+    stage or shard identity, so one stage's (shard's) layers would get another's KV."""
+    for key, what in (("pipeline_parallel_size", "pipeline parallelism"),
+                      ("decode_context_parallel_size", "decode context parallelism"),
+                      ("prefill_context_parallel_size", "prefill context parallelism")):
+        n = getattr(par, key, 1)
+        n = int(n) if isinstance(n, int) and not isinstance(n, bool) else 1
+        if n > 1:
+            raise ConfigError(f"kvlink does not support {what} yet: {key}={n} (use 1)")
+
+
+def _group_kind(spec: Any) -> str:
+    if _spec_kind is not None:
+        kind = _spec_kind(spec)
+        return str(getattr(kind, "value", kind))
+    return type(spec).__name__  # pragma: no cover - older vLLM
+
+
+def _check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Refuse, at startup, a model whose KV cache kvlink cannot move (see
+    :func:`kv_groups_refusal`): kvlink moves group 0's block ids in every layer it registers."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return  # no config handed over (older vLLM): one group, as vLLM then has no HMA
+    why = kv_groups_refusal([_group_kind(g.kv_cache_spec) for g in groups])
+    if why:
+        raise ConfigError(why)
+
+
+class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
+    """Pull- or push-mode KV connector over kvlink's transports (``tcp`` works everywhere).
+
+    Declares vLLM's ``SupportsHMA`` (where it exists): with the hybrid KV cache manager on, a
+    model of one full-attention group is served as before, and any other is refused at
+    startup naming its groups' kinds and what to do (:func:`kv_groups_refusal`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
-        par = vllm_config.parallel_config
-        pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
-        if pp > 1:
-            # A stage's ports and geometry would match another stage's: its layers would get
-            # the other stage's KV. Until layer identity is in the handshake, refuse.
-            raise ConfigError(f"kvlink does not support pipeline parallelism yet: "
-                              f"pipeline_parallel_size={pp} (use 1)")
+        _refuse_unsupported_parallelism(vllm_config.parallel_config)
+        _check_kv_cache_groups(kv_cache_config)
         init: Any = super().__init__
         if "kv_cache_config" in _INIT_PARAMS:
             init(vllm_config, role, kv_cache_config)
@@ -173,6 +320,25 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of :meth:`request_finished` on a ``SupportsHMA``
+        connector: one block list per KV cache group. A model of more groups was refused at
+        startup; should one get here anyway, nothing is held (a request is never half
+        moved)."""
+        groups = [list(g) for g in block_ids]
+        if any(groups[1:]):
+            log.error("request %s has blocks in %d KV cache groups; kvlink moves one: freeing "
+                      "them now, no kv_transfer_params", request.request_id, len(groups))
+            return False, None
+        return self._s().request_finished(request, groups[0] if groups else [])
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """The workers' incarnations (their :meth:`get_handshake_metadata`), gathered by vLLM
+        at startup: what the prefill's params name as the registration generation."""
+        self._s().set_incarnations({int(rank): int(m.incarnation) for rank, m in
+                                    metadata.items() if isinstance(m, KVLinkHandshakeMetadata)})
+
     def update_connector_output(self, connector_output: Any) -> None:
         self._s().update_output(getattr(connector_output, "finished_recving", None),
                                 getattr(connector_output, "failed_recving", None),
@@ -181,9 +347,30 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_finished_count(self) -> int | None:
         return None
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Whether a request preempted while its hand-off may still be pending must drop its
+        in-flight output (vLLM's default: the producer role). Any instance that holds
+        do_remote_decode requests for readers hands KV off, whatever its role."""
+        return self.settings.serves
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks; its default is yes): kvlink registers the KV cache once per
+        process, and a wake-up would remap it under readers' handshakes."""
+        return False
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None  # any layout: kvlink reads it from the tensors' strides
+        """Head-major pages, so that a head slice (heterogeneous TP) is one extent per page.
+
+        kvlink reads whatever layout it gets from the strides; this is only a preference
+        (vLLM drops it, with a warning, where a backend cannot use it). MLA has one head.
+        """
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "LBHNC" if _HAS_LAYOUTS else "HND"  # vLLM < 0.32 names the same order HND
 
     # ================================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -198,10 +385,21 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
                              f"multiple of the KV cache page of {kernel} tokens")
         self._worker = PullWorker(self.settings, tp_rank, self._tp_size, self._dp_rank,
                                   self._block_size // kernel)
-        self._worker.register(found.spec)
+        # integrity digests vLLM's own tensors, not kvlink's description of them
+        planes = (tensor_planes(found.planes)
+                  if found.planes is not None and self.settings.integrity != "off" else None)
+        self._worker.register(found.spec, planes)
         log.info("kvlink rank %d: KV cache %s; %.1f MiB in %d region(s)", tp_rank,
                  found.description, sum(r.nbytes for r in found.spec.regions) / 2**20,
                  len(found.spec.regions))
+
+    def get_handshake_metadata(self) -> Any:
+        """This rank's incarnation, for the scheduler (see :class:`KVLinkHandshakeMetadata`);
+        None before :meth:`register_kv_caches`."""
+        kv = self._worker.worker if self._worker is not None else None
+        if kv is None or _HandshakeMetadataBase is object:
+            return None
+        return KVLinkHandshakeMetadata(tp_rank=kv.config.tp_rank, incarnation=kv.incarnation)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -263,27 +461,48 @@ class KVLinkConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> Any:
         if KVConnectorStats is None:
             return None
-        xfer: list[float] = []
+        transfers: dict[str, dict[str, Any]] = {}
         if self._worker is not None:
             counters, durations = self._worker.take_stats()
-            xfer = self._take_xfer_seconds()
+            kv = self._worker.worker
+            if kv is not None:
+                transfers = self._take_transfers(kv)
+                counters.update(self._totals.take({
+                    "reports_failed": kv.reports_failed,
+                    "reads_not_intact": kv.leases.stats.reads_not_intact,
+                    "integrity_checked_blocks": kv.integrity.checked_blocks,
+                    "integrity_failures": kv.integrity.failures}))
         elif self._sched is not None:
             counters, durations = self._sched.take_counters(), []
         else:
             return None
-        if not counters and not durations and not xfer:
+        if not counters and not durations and not transfers:
             return None
         return KVLinkStats(data={"counters": counters, "recv_seconds": durations,
-                                 "xfer_seconds": xfer})
+                                 "transfers": transfers})
 
-    def _take_xfer_seconds(self) -> list[float]:
-        """Transport post-to-completion seconds of the transfers this rank posted since the
-        last call (``KVWorker.xfer_seconds``; same step thread as the polls that fill it)."""
-        kv = self._worker.worker if self._worker is not None else None
-        if kv is None or not kv.xfer_seconds:
-            return []
-        out = list(kv.xfer_seconds.values())
-        kv.xfer_seconds.clear()
+    @functools.cached_property
+    def _totals(self) -> _Deltas:
+        """Per-interval counts of the core worker's since-start totals (made on first use)."""
+        return _Deltas()
+
+    @staticmethod
+    def _take_transfers(kv: KVWorker) -> dict[str, dict[str, Any]]:
+        """The transfers this rank posted that ended since the last call
+        (``KVWorker.take_transfers``; same step thread as the polls that fill it), by
+        transport: finished ones as one list per histogram, failed ones counted."""
+        out: dict[str, dict[str, Any]] = {}
+        for t in kv.take_transfers():
+            col = out.get(t.transport)
+            if col is None:
+                col = out[t.transport] = _no_transfers()
+            if t.ok:
+                col["xfer_seconds"].append(t.xfer_seconds)
+                col["xfer_post_seconds"].append(t.post_seconds)
+                col["xfer_bytes"].append(t.nbytes)
+                col["xfer_descriptors"].append(t.descriptors)
+            else:
+                col["failed"] += 1
         return out
 
     @classmethod
@@ -305,17 +524,20 @@ if KVConnectorStats is not None:
     @dataclasses.dataclass
     class KVLinkStats(KVConnectorStats):  # type: ignore[misc,valid-type]
         """``{"counters": {name: number}, "recv_seconds": [pull durations, read intent to last
-        byte], "xfer_seconds": [transport post to completion, per transfer posted]}``."""
+        byte], "transfers": {transport: {"xfer_seconds" | "xfer_post_seconds" | "xfer_bytes" |
+        "xfer_descriptors": [one per finished transfer posted], "failed": count}}}`` — plain
+        dicts and lists, as vLLM serializes them from the workers to the frontend. Transfers
+        are kept per transport because a worker picks one per peer."""
 
         def __post_init__(self) -> None:
             if not self.data:
                 self.reset()
             self.data.setdefault("counters", {})
             self.data.setdefault("recv_seconds", [])
-            self.data.setdefault("xfer_seconds", [])
+            self.data.setdefault("transfers", {})
 
         def reset(self) -> None:
-            self.data = {"counters": {}, "recv_seconds": [], "xfer_seconds": []}
+            self.data = {"counters": {}, "recv_seconds": [], "transfers": {}}
 
         def aggregate(self, other: Any) -> Any:
             od = getattr(other, "data", None) or {}
@@ -323,7 +545,11 @@ if KVConnectorStats is not None:
             for k, v in (od.get("counters") or {}).items():
                 mine[k] = mine.get(k, 0) + v
             self.data["recv_seconds"].extend(od.get("recv_seconds") or [])
-            self.data["xfer_seconds"].extend(od.get("xfer_seconds") or [])
+            for name, col in (od.get("transfers") or {}).items():
+                acc = self.data["transfers"].setdefault(name, _no_transfers())
+                for key in XFER_HISTOGRAMS:
+                    acc[key].extend(col.get(key) or [])
+                acc["failed"] += col.get("failed", 0)
             return self
 
         def reduce(self) -> dict[str, int | float]:
@@ -331,21 +557,27 @@ if KVConnectorStats is not None:
             secs = self.data["recv_seconds"]
             if secs:
                 out["avg_recv_ms"] = round(1e3 * sum(secs) / len(secs), 3)
-            xfer = self.data["xfer_seconds"]
-            if xfer:
+            transfers = self.data["transfers"]
+            xfer = [s for col in transfers.values() for s in col.get("xfer_seconds") or ()]
+            if xfer:  # over every transport (the key of kvlink before per-transport stats)
                 out["avg_xfer_ms"] = round(1e3 * sum(xfer) / len(xfer), 3)
+            for name in sorted(transfers):
+                out.update(_reduce_transport(name, transfers[name]))
             return out
 
         def is_empty(self) -> bool:
             return (not any(self.data["counters"].values()) and not self.data["recv_seconds"]
-                    and not self.data["xfer_seconds"])
+                    and not any(col.get("failed") or col.get("xfer_seconds")
+                                for col in self.data["transfers"].values()))
 
 
 if KVConnectorPromMetrics is not None:
 
     class KVLinkPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
-        """Prometheus counters ``kvlink_<name>_total``, histograms ``kvlink_recv_seconds`` and
-        ``kvlink_xfer_seconds``."""
+        """Prometheus counters ``kvlink_<name>_total`` (:data:`COUNTERS`), the histogram
+        ``kvlink_recv_seconds``, and per transfer, with a ``transport`` label (a worker picks
+        the transport per peer): the histograms :data:`XFER_HISTOGRAMS` and the counter
+        ``kvlink_xfer_failed_total`` — NixlConnector's ``vllm:nixl_*`` set for any transport."""
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                      per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -362,15 +594,24 @@ if KVConnectorPromMetrics is not None:
                 documentation="Duration of one request's pull, read intent to last byte.",
                 buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
                 labelnames=labelnames))
-            self._xfer_seconds = self._per_engine(histogram(
-                name="kvlink_xfer_seconds",
-                documentation="Duration of one transfer at the transport, post to completion "
-                              "(NIXL telemetry xferDuration with the nixl transport's "
-                              "telemetry option, as vllm:nixl_xfer_time_seconds), on the "
-                              "rank that posted it.",
-                buckets=[0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                         0.5, 1.0, 2.5, 5.0],
-                labelnames=labelnames))
+            by_transport = [*labelnames, "transport"]
+            self._xfer = {key: histogram(name=f"kvlink_{key}", documentation=doc,
+                                         buckets=buckets, labelnames=by_transport)
+                          for key, (doc, buckets) in XFER_HISTOGRAMS.items()}
+            self._xfer_failed = self._counter_cls(
+                name="kvlink_xfer_failed",
+                documentation="Transfers the transport reported FAILED (refused ones "
+                              "included), on the rank that posted them.",
+                labelnames=by_transport)
+            # (metric, engine, transport) -> labelled child: labels() is not free per sample
+            self._children: dict[tuple[str, int, str], Any] = {}
+
+        def _child(self, key: str, metric: Any, engine_idx: int, transport: str) -> Any:
+            child = self._children.get((key, engine_idx, transport))
+            if child is None:
+                child = metric.labels(*self.per_engine_labelvalues[engine_idx], transport)
+                self._children[(key, engine_idx, transport)] = child
+            return child
 
         def _per_engine(self, metric: Any) -> dict[int, Any]:
             return {idx: metric.labels(*values)
@@ -383,5 +624,13 @@ if KVConnectorPromMetrics is not None:
                     per_engine[engine_idx].inc(value)
             for s in transfer_stats_data.get("recv_seconds") or ():
                 self._recv_seconds[engine_idx].observe(s)
-            for s in transfer_stats_data.get("xfer_seconds") or ():
-                self._xfer_seconds[engine_idx].observe(s)
+            for name, col in (transfer_stats_data.get("transfers") or {}).items():
+                for key, metric in self._xfer.items():
+                    values = col.get(key)
+                    if values:
+                        child = self._child(key, metric, engine_idx, name)
+                        for v in values:
+                            child.observe(v)
+                if col.get("failed"):
+                    self._child("failed", self._xfer_failed, engine_idx,
+                                name).inc(col["failed"])

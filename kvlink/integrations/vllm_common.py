@@ -8,15 +8,18 @@ requests to release without reading. It crosses a process boundary, so it is pla
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from kvlink import options
 from kvlink.errors import ConfigError
+from kvlink.integrity import Level
 
 DEFAULT_SIDE_PORT = 5600
 DEFAULT_LEASE_SECONDS = 120.0
@@ -26,10 +29,28 @@ MODES = ("pull", "push")
 MODE_PARAM = "kvlink_mode"
 #: kv_transfer_params key: the prefill's hold generation, so the decode READs without asking
 GENERATION_PARAM = "kvlink_generation"
+#: vLLM >= 0.32's NixlConnector key (seconds on the prefill scheduler's ``time.perf_counter``):
+#: the lease deadline of the blocks; the decode does not start a READ after it
+EXPIRY_PARAM = "remote_blocks_expiry_time"
+#: kvlink key: the prefill scheduler's ``time.perf_counter`` when it wrote the params, the
+#: reference :data:`EXPIRY_PARAM` is relative to (clocks of two hosts are not comparable:
+#: the decode rebases ``expiry - clock`` onto its own clock, as 0.33's workers rebase the
+#: scheduler's deadlines with ``NixlConnectorMetadata.scheduler_clock``)
+CLOCK_PARAM = "kvlink_clock"
+#: vLLM 0.33's NixlConnector key: which registration of the prefill's KV cache the block ids
+#: belong to; a decode whose handshake is of another one handshakes again. kvlink's is the
+#: prefill ranks' incarnation (:func:`registration_generation`)
+REGISTRATION_PARAM = "remote_registration_generation"
+#: kvlink key: the incarnation of each prefill TP rank (the registration, per rank)
+INCARNATIONS_PARAM = "kvlink_incarnations"
+#: vLLM >= 0.32's NixlConnector key: "pull" (the decode READs) or "push" (the prefill WRITEs)
+TRANSFER_MODE_PARAM = "transfer_mode"
 
-#: kv_transfer_params keys vLLM's NixlConnector uses (same names, same meaning).
+#: kv_transfer_params keys vLLM's NixlConnector (0.32 and 0.33) uses, same names, same meaning.
 PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
-              "remote_host", "remote_port", "remote_request_id", "tp_size")
+              "remote_host", "remote_port", "remote_request_id", "tp_size", "dcp_size",
+              "pp_size", "remote_num_tokens", EXPIRY_PARAM, REGISTRATION_PARAM,
+              TRANSFER_MODE_PARAM)
 
 
 def _env_int(*names: str) -> int | None:
@@ -67,6 +88,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     mode: str = "pull"
     push_timeout: float = DEFAULT_PUSH_TIMEOUT
     grants: bool = True  # least privilege on the data plane (WorkerConfig.grants)
+    integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
 
 
 #: other connectors' keys kvlink takes with the same meaning: key -> (connector, transport,
@@ -182,7 +204,8 @@ class Settings:
     ``read_intent_timeout``, ``idle_yield_ms``, ``secret`` (side channel HMAC; else env
     ``KVLINK_SECRET``), ``allow_insecure``, ``mode`` ("pull" or "push": how a consumer gets the
     KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
-    push) and ``grants`` (least privilege on the data plane, default true). NixlConnector's
+    push), ``grants`` (least privilege on the data plane, default true) and ``integrity``
+    ("off", "sample", "full": end-to-end KV digests, pull mode). NixlConnector's
     ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
     ``device_name`` become the nixl / mooncake transport's options.
     """
@@ -205,6 +228,7 @@ class Settings:
     mode: str = "pull"  # consumer: "pull" (READ from the prefill) or "push" (prefill WRITEs)
     push_timeout: float = DEFAULT_PUSH_TIMEOUT  # consumer: blocks reserved for a push at most
     grants: bool = True  # WorkerConfig.grants: serve a peer only what was granted to it
+    integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
 
     @property
     def serves(self) -> bool:
@@ -228,6 +252,11 @@ class Settings:
             port = _env_int("KVLINK_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT")
         if x.mode not in MODES:
             raise ConfigError(f"{_WHERE}.mode must be one of {list(MODES)}, got {x.mode!r}")
+        Level.parse(x.integrity, f"{_WHERE}.integrity")
+        if x.integrity != "off" and x.mode == "push" and kv_role != "kv_producer":
+            raise ConfigError(f"{_WHERE}.integrity {x.integrity!r} covers pulls only (a push's "
+                              "'written' carries no digest yet): use mode 'pull', or "
+                              "integrity 'off'")
         assert isinstance(x.transport, list)
         s = cls(
             engine_id=engine_id, producer=kv_role in ("kv_producer", "kv_both"),
@@ -240,7 +269,7 @@ class Settings:
             pin_seconds=x.read_pin_seconds, handshake_timeout=x.handshake_timeout,
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
-            push_timeout=x.push_timeout, grants=x.grants,
+            push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
         )
         for key, value in (("kv_lease_duration", s.lease_seconds),
                            ("push_timeout", s.push_timeout),
@@ -267,6 +296,7 @@ class Settings:
             "read_intent_timeout": self.intent_timeout, "idle_yield_ms": self.idle_yield_s * 1e3,
             "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
             "push_timeout": self.push_timeout, "grants": self.grants,
+            "integrity": self.integrity,
         }
 
     def rank_port(self, dp_rank: int, tp_size: int) -> int:
@@ -295,6 +325,20 @@ class Remote:
     block_ids: tuple[int, ...]
     block_size: int = 0  # the remote scheduler's block size in tokens (0: same as ours)
     generation: int = 0  # the prefill's hold (GENERATION_PARAM): READ at once, validate after
+    #: REGISTRATION_PARAM (0: not given); for a one-rank prefill it is that rank's incarnation
+    registration: int = 0
+    incarnations: tuple[int, ...] = ()  # INCARNATIONS_PARAM, one per prefill TP rank
+    expiry: float | None = None  # EXPIRY_PARAM, on the prefill scheduler's perf_counter
+    clock: float | None = None  # CLOCK_PARAM: that clock when the params were written
+
+    def incarnation_of(self, rank: int) -> int | None:
+        """The incarnation the params say ``rank`` of the prefill had when it held the
+        request (None: they do not say)."""
+        if len(self.incarnations) == self.tp_size:
+            return self.incarnations[rank] or None
+        if self.tp_size == 1 and self.registration:
+            return self.registration  # one rank: the registration is its incarnation
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +348,14 @@ class RecvReq:
     local_block_ids: tuple[int, ...]
     num_tokens: int
     push: bool = False  # the prefill WRITEs into local_block_ids (else we READ them)
+    #: seconds left until the prefill's lease deadline (EXPIRY_PARAM), as the scheduler saw it
+    #: when it planned the receive (None: not known). The worker rebases it onto its clock on
+    #: arrival, which only lengthens it: never refuses a READ the lease still covers. A local,
+    #: time-dependent hint, not part of what the receive is (compare=False)
+    expires_in: float | None = dataclasses.field(default=None, compare=False)
+    #: why the scheduler refuses this receive ("": it does not): the workers report it failed
+    #: without moving anything, so vLLM recomputes or fails it (kv_load_failure_policy)
+    refused: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +398,84 @@ def _generation(raw: Any) -> int:
     return 0
 
 
+def _seconds(raw: Any) -> float | None:
+    """A finite number of seconds off the params, or None (not given, or not a number: the
+    deadline is then not enforced, as 0.33's NixlConnector reads a missing one)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    value = float(raw)
+    return value if math.isfinite(value) else None
+
+
+def _incarnations(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        return ()
+    out = tuple(_generation(x) for x in raw)
+    return out if all(out) else ()
+
+
+def registration_generation(incarnations: Sequence[int]) -> int:
+    """:data:`REGISTRATION_PARAM` for a prefill whose TP ranks have these incarnations (by
+    rank): the incarnation itself for one rank, else a 63-bit digest of them; 0 if unknown.
+    It changes exactly when a rank restarts (kvlink registers its KV cache once per process,
+    and refuses vLLM's sleep mode, which would register it again)."""
+    if not incarnations:
+        return 0
+    if len(incarnations) == 1:
+        return int(incarnations[0])
+    raw = b"".join(int(x).to_bytes(8, "little") for x in incarnations)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1 or 1
+
+
+def size_refusal(params: Mapping[str, Any]) -> str:
+    """Why a receive with these params is refused for its parallel layout ("": it is not):
+    kvlink moves the KV of one pipeline stage and of whole (not context-sharded) sequences."""
+    for key, what in (("pp_size", "pipeline stages"), ("dcp_size", "decode context shards")):
+        raw = params.get(key, 1)
+        if raw is None or (isinstance(raw, int) and not isinstance(raw, bool) and raw == 1):
+            continue
+        return (f"kv_transfer_params {key}={raw!r}: kvlink moves the KV of one prefill without "
+                f"{what} ({key} must be 1)")
+    return ""
+
+
+#: KV cache group kinds (vLLM's ``KVCacheSpecKind`` values) whose blocks kvlink moves: every
+#: layer's page of a block id holds the same tokens, and a finished request keeps all of them
+MOVED_KINDS = ("full_attention", "mla_attention")
+_WINDOWED = ("sliding_window", "sliding_window_mla", "chunked_local_attention")
+
+
+def kv_groups_refusal(kinds: Sequence[str]) -> str:
+    """Why kvlink cannot move a model whose KV cache groups are of these kinds ("": it can).
+
+    kvlink moves one block table: the block ids of group 0, in every registered layer. A
+    second group (vLLM's hybrid KV cache manager gives each attention type its own, with its
+    own block ids over the same memory) would have group 0's ids written into its layers'
+    pages; a windowed group's table drops the blocks it no longer attends to, and Mamba state
+    is no KV at all. So one group of a kind in :data:`MOVED_KINDS`, or a refusal that says
+    what to do."""
+    kinds = [str(k) for k in kinds]
+    if len(kinds) == 1 and kinds[0] in MOVED_KINDS:
+        return ""
+    what = (f"kvlink moves one full-attention KV cache group; this model's KV cache has "
+            f"{len(kinds)} group(s): {', '.join(kinds) or 'none'}")
+    if any(k.startswith("mamba") for k in kinds):
+        todo = ("kvlink does not move Mamba (SSM) state: serve this model with a connector "
+                "that does (NixlConnector moves hybrid Mamba models)")
+    elif any(k in _WINDOWED for k in kinds) and any(k in MOVED_KINDS for k in kinds):
+        todo = ("start vLLM with --disable-hybrid-kv-cache-manager: every attention layer then "
+                "shares one full-attention group (sliding-window layers keep the whole prompt), "
+                "which kvlink moves")
+    elif kinds and all(k in MOVED_KINDS for k in kinds):
+        todo = ("several full-attention groups (block ids per group) are not supported yet; "
+                "start vLLM with --disable-hybrid-kv-cache-manager to have one")
+    else:
+        todo = (f"kvlink cannot move {', '.join(sorted(set(kinds) - set(MOVED_KINDS)))} "
+                "caches (a windowed block table drops the blocks the model no longer attends "
+                "to)")
+    return f"{what}: {todo}"
+
+
 def parse_remote(params: Mapping[str, Any]) -> Remote | None:
     """The remote prefill named by a request's kv_transfer_params, or None if incomplete."""
     try:
@@ -357,6 +487,10 @@ def parse_remote(params: Mapping[str, Any]) -> Remote | None:
         return Remote(engine_id=str(engine), request_id=str(req), host=str(host),
                       port=int(port), tp_size=int(params.get("tp_size") or 1), block_ids=ids,
                       block_size=int(params.get("kvlink_block_size") or 0),
-                      generation=_generation(params.get(GENERATION_PARAM)))
+                      generation=_generation(params.get(GENERATION_PARAM)),
+                      registration=_generation(params.get(REGISTRATION_PARAM)),
+                      incarnations=_incarnations(params.get(INCARNATIONS_PARAM)),
+                      expiry=_seconds(params.get(EXPIRY_PARAM)),
+                      clock=_seconds(params.get(CLOCK_PARAM)))
     except (TypeError, ValueError):
         return None

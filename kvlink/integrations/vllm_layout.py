@@ -36,6 +36,23 @@ class DetectedLayout:
     spec: KVCacheSpec
     kind: str  # "split", "joined", "pair", "mla", "packed", "packed-mla", "packed-head"
     description: str
+    #: vLLM's own tensors as logical ``[layer][plane] (blocks, heads, tokens, dim)`` views, for
+    #: integrity digests that do not trust ``spec`` (kvlink.integrity.tensor_planes); None:
+    #: digest through the spec (the per-head planes of a heads-apart layout)
+    planes: list[list[Any]] | None = None
+
+
+def _logical(kind: str, t: Any) -> list[Any]:
+    """One layer's planes as (blocks, heads, tokens, dim) views of vLLM's tensor."""
+    if kind == "pair":
+        return [x.permute(0, 2, 1, 3) for x in t]
+    if kind == "split":
+        return [t[kv].permute(0, 2, 1, 3) for kv in range(2)]
+    if kind == "joined":
+        return [t[:, kv].permute(0, 2, 1, 3) for kv in range(2)]
+    if kind in ("mla", "packed-mla"):
+        return [t[:, None] if t.dim() == 3 else t]
+    return [t]  # packed: (B, H, N, C) already
 
 
 def _unique_layers(kv_caches: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -94,7 +111,7 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
             kind = "split" if int(first.shape[0]) == 2 else "joined"
         desc = (f"{kind} {tuple(first[0].shape if kind == 'pair' else first.shape)} "
                 f"{spec.layout.value}")
-        return DetectedLayout(spec, kind, desc)
+        return DetectedLayout(spec, kind, desc, [_logical(kind, t) for _, t in layers])
     if first.dim() != 4:
         raise LayoutError(f"{layers[0][0]}: cannot describe a KV cache tensor of shape "
                           f"{tuple(first.shape)}")
@@ -113,12 +130,14 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
                                   f"{h} heads in {tuple(first.shape)}")
             spec = KVCacheSpec.from_tensors([t[:, 0] for _, t in layers], mla=True,
                                             tp_size=tp_size, tp_rank=tp_rank)
-            return DetectedLayout(spec, "packed-mla", f"MLA (B={b}, 1, N={n}, L={c})")
+            return DetectedLayout(spec, "packed-mla", f"MLA (B={b}, 1, N={n}, L={c})",
+                                  [[t] for _, t in layers])
         spec = KVCacheSpec.from_tensors([t for _, t in layers], kv_packed=True,
                                         total_kv_heads=total_kv_heads, tp_size=tp_size,
                                         tp_rank=tp_rank)
         return DetectedLayout(spec, "packed", f"K|V packed (B={b}, H={h}, N={n}, C={c}) "
-                              f"{spec.layout.value} pages; any TP pair")
+                              f"{spec.layout.value} pages; any TP pair",
+                              [[t] for _, t in layers])
     views = [v for name, t in layers for v in _head_planes(t, name)]
     spec = KVCacheSpec.from_tensors(views, mla=True, tp_size=tp_size, tp_rank=tp_rank)
     desc = (f"packed-head (B={b}, H={h}, N={n}, C={c}), heads apart inside a block: "

@@ -3,25 +3,40 @@
 Never touches memory. Requests and block lists are vLLM's objects, read duck-typed (this module
 does not import vLLM). The lease itself lives with the worker that receives the readers'
 notifications (see ``vllm_worker``); the scheduler only delays the free and says for how long.
+
+Per-request flags decide, not ``kv_role`` (as NixlConnector): ``do_remote_prefill`` is loaded
+on any instance, ``do_remote_decode`` is held on any instance that runs a side channel for its
+readers (producers, ``kv_both`` and push-mode consumers: :attr:`Settings.serves`). The role
+only sets that default, and a flag served against its role is logged once.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from kvlink import localkey, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.integrations.vllm_common import (
+    CLOCK_PARAM,
+    EXPIRY_PARAM,
     GENERATION_PARAM,
+    INCARNATIONS_PARAM,
     MODE_PARAM,
     MODES,
+    REGISTRATION_PARAM,
+    TRANSFER_MODE_PARAM,
     RecvReq,
+    Remote,
     SendReq,
     Settings,
     StepPlan,
     parse_remote,
+    registration_generation,
+    size_refusal,
 )
 from kvlink.scheduler import new_generation
 from kvlink.sidechannel import secret_from_env
@@ -38,6 +53,14 @@ def _prompt_len(request: Any) -> int:
     return int(getattr(request, "num_prompt_tokens", 0))
 
 
+def _unhashed_block_ids(blocks: Any) -> tuple[int, ...]:
+    """The request's blocks not hit in the local prefix cache (group 0: kvlink refuses models
+    with more groups at startup)."""
+    if hasattr(blocks, "get_unhashed_block_ids"):
+        return tuple(blocks.get_unhashed_block_ids())
+    return tuple(blocks.get_block_ids()[0])
+
+
 class PullScheduler:
     def __init__(self, settings: Settings, tp_size: int, block_size: int,
                  dp_rank: int = 0) -> None:
@@ -48,31 +71,63 @@ class PullScheduler:
         self._plan = StepPlan()
         self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (tokens, blocks)
         self.counters: dict[str, float] = {}
-        # producer: holds go to our own workers the moment the blocks are kept (wire.Hold)
+        # decode: when a request's params were first seen here (perf_counter), the point the
+        # prefill's remaining lease is counted from (see _expires_in)
+        self._seen: dict[str, float] = {}
+        # prefill: our workers' incarnations by TP rank (vLLM's handshake metadata)
+        self._incarnations: dict[int, int] = {}
+        self._warned: set[str] = set()
+        # serving: holds go to our own workers the moment the blocks are kept (wire.Hold)
         secret = secret_from_env(settings.secret)
-        self._chan = Channels(secret) if settings.producer else None
+        self._chan = Channels(secret) if settings.serves else None
         # holds are signed: a hold names the generation that lets a reader in (kvlink.grants)
-        self._key = localkey.engine_key(settings.engine_id, secret) if settings.producer else b""
+        self._key = localkey.engine_key(settings.engine_id, secret) if settings.serves else b""
         self._sent: list[Pending] = []
 
     def _count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
 
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def set_incarnations(self, incarnations: Mapping[int, int]) -> None:
+        """Our workers' incarnations by TP rank (from vLLM's handshake metadata): what the
+        params' registration generation names, so that a decode holding an older handshake
+        handshakes again."""
+        self._incarnations = {int(r): int(i) for r, i in incarnations.items() if int(i) > 0}
+
+    def _registration(self) -> tuple[int, list[int] | None]:
+        """(REGISTRATION_PARAM, INCARNATIONS_PARAM) of this prefill: (0, None) until every TP
+        rank's incarnation is known."""
+        incs = [self._incarnations.get(r, 0) for r in range(self.tp_size)]
+        if not all(incs):
+            return 0, None
+        return registration_generation(incs), incs
+
     # ------------------------------------------------------------------ decode side
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = getattr(request, "kv_transfer_params", None)
-        if not self.s.consumer or not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
             return 0, False
         if parse_remote(params) is None:
             return 0, False
+        self._seen.setdefault(request.request_id, time.perf_counter())
+        if not self.s.consumer:
+            self._warn_once("prefill-on-producer", "request %s asks to load its KV "
+                            "(do_remote_prefill) from a remote prefill on this kv_producer "
+                            "instance: loading it, as NixlConnector does (logged once)",
+                            request.request_id)
         count = _prompt_len(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = getattr(request, "kv_transfer_params", None)
-        if not self.s.consumer or not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        seen = self._seen.pop(request.request_id, None)
         remote = parse_remote(params)
         if remote is None:
             log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
@@ -82,27 +137,51 @@ class PullScheduler:
             # Full local prefix hit: nothing to read, but the prefill holds blocks for us.
             self._plan.release.append(remote)
             return
-        if hasattr(blocks, "get_unhashed_block_ids"):
-            local = tuple(blocks.get_unhashed_block_ids())
-        else:
-            local = tuple(blocks.get_block_ids()[0])
+        local = _unhashed_block_ids(blocks)
+        expires_in = self._expires_in(request.request_id, remote, params, seen)
+        refused = size_refusal(params)
+        if not refused and expires_in is not None and expires_in <= 0:
+            refused = (f"{EXPIRY_PARAM} passed {-expires_in:.3f}s before the READ could "
+                       "start (the prefill's lease of the blocks is over): not started")
         push = self._push(request.request_id, params)
         self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens,
-                                       push))
+                                       push, expires_in=expires_in, refused=refused))
         self._loading[request.request_id] = (num_external_tokens, local)
 
+    def _expires_in(self, req_id: str, remote: Remote, params: Mapping[str, Any],
+                    seen: float | None) -> float | None:
+        """Seconds left of the prefill's lease, on our clock: ``expiry - clock`` (both on the
+        prefill's clock) counted from when the params were first seen here, which is later
+        than when they were written, so it never ends before the prefill's lease does. None
+        when the params carry no deadline, or one that cannot be related to our clock (no
+        ``kvlink_clock``: NixlConnector relates it by a clock sample in its handshake, which
+        kvlink's handshake has not; its validate-after-read still guards the bytes)."""
+        if remote.expiry is None:
+            return None
+        if remote.clock is None:
+            self._warn_once("expiry-no-clock", "request %s: %s=%r without %s: the deadline "
+                            "cannot be related to this host's clock and is not enforced "
+                            "(logged once)", req_id, EXPIRY_PARAM, params.get(EXPIRY_PARAM),
+                            CLOCK_PARAM)
+            return None
+        now = time.perf_counter()
+        return (seen if seen is not None else now) + (remote.expiry - remote.clock) - now
+
     def _push(self, req_id: str, params: dict[str, Any]) -> bool:
-        """Pull or push for this request: the ``mode`` setting, unless the request's params
-        name one (``kvlink_mode``). Push needs this consumer's side channel, which only runs
-        with ``mode: push``; a request asking for push without it is pulled."""
-        wanted = params.get(MODE_PARAM) or self.s.mode
+        """Pull or push for this request: what its params name (``kvlink_mode``, else the
+        prefill's ``transfer_mode``), else the ``mode`` setting. Push needs this instance's side
+        channel, which a consumer runs only with ``mode: push``; without it, it is pulled."""
+        wanted = params.get(MODE_PARAM) or params.get(TRANSFER_MODE_PARAM) or self.s.mode
         if wanted not in MODES:
-            log.warning("request %s: %s=%r is not one of %s; using %s", req_id, MODE_PARAM,
-                        wanted, list(MODES), self.s.mode)
+            self._warn_once("mode-invalid", "request %s: %s=%r / %s=%r is not one of %s; "
+                            "using %s (logged once)", req_id, MODE_PARAM,
+                            params.get(MODE_PARAM), TRANSFER_MODE_PARAM,
+                            params.get(TRANSFER_MODE_PARAM), list(MODES), self.s.mode)
             wanted = self.s.mode
         if wanted == "push" and not self.s.serves:
-            log.warning("request %s asks for push but this consumer runs in pull mode (no side "
-                        "channel for the prefill to write through); pulling", req_id)
+            self._warn_once("push-unserved", "request %s asks for push but this instance runs "
+                            "no side channel for the prefill to write through (mode pull); "
+                            "pulling (logged once)", req_id)
             return False
         return bool(wanted == "push")
 
@@ -110,20 +189,23 @@ class PullScheduler:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any]
                                                                             | None]:
         params = getattr(request, "kv_transfer_params", None)
+        self._seen.pop(request.request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: release the prefill's lease.
             params["do_remote_prefill"] = False
             remote = parse_remote(params)
-            if remote is not None and self.s.consumer:
+            if remote is not None:
                 self._plan.release.append(remote)
             return False, None
-        if not params.get("do_remote_decode") or not self.s.producer:
+        if not params.get("do_remote_decode"):
             return False, None
         status = getattr(getattr(request, "status", None), "name", "")
         if status not in _FINISHED_OK or not block_ids:
             return False, None  # aborted, or nothing computed: free now
+        if not self._may_serve(request.request_id):
+            return False, None
         ids = tuple(int(b) for b in block_ids)
         # minted here, where the blocks are kept from now on: the decode READs them at once
         # and the worker's hold (next step) validates it after the READ
@@ -131,7 +213,30 @@ class PullScheduler:
         self._plan.send.append(SendReq(request.request_id, ids, generation))
         self._hold_now(request.request_id, ids, generation)
         self._count("held_requests")
-        return True, {
+        return True, self._params(request, ids, generation)
+
+    def _may_serve(self, req_id: str) -> bool:
+        """A request asking for ``do_remote_decode`` is held on any instance whose workers
+        serve readers (a side channel), whatever its kv_role."""
+        if not self.s.serves:
+            self._warn_once("decode-unserved", "request %s asks for do_remote_decode but this "
+                            "kv_consumer instance (mode pull) runs no side channel for readers: "
+                            "its blocks are freed now and no kv_transfer_params are returned; "
+                            "use kv_role kv_both (or mode push) to serve prefills too (logged "
+                            "once)", req_id)
+            return False
+        if not self.s.producer:
+            self._warn_once("decode-on-consumer", "request %s asks for do_remote_decode on this "
+                            "kv_consumer instance: holding its blocks for a reader, as "
+                            "NixlConnector does (logged once)", req_id)
+        return True
+
+    def _params(self, request: Any, ids: tuple[int, ...], generation: int) -> dict[str, Any]:
+        """The kv_transfer_params a decode needs: vLLM 0.33's NixlConnector keys with their
+        meaning, plus kvlink's (block size, hold generation, clock, per-rank incarnations)."""
+        now = time.perf_counter()
+        registration, incarnations = self._registration()
+        out: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(ids)],
@@ -140,10 +245,20 @@ class PullScheduler:
             "remote_host": self.s.public_host,
             "remote_port": self.side_port,
             "tp_size": self.tp_size,
+            "dcp_size": 1,
+            "pp_size": 1,
             "remote_num_tokens": int(getattr(request, "num_computed_tokens", 0)),
+            # the worker's lease starts at its hold, after this: the deadline is conservative
+            EXPIRY_PARAM: now + self.s.lease_seconds,
+            REGISTRATION_PARAM: registration,
+            TRANSFER_MODE_PARAM: self.s.mode,
             "kvlink_block_size": self.block_size,
             GENERATION_PARAM: generation,
+            CLOCK_PARAM: now,
         }
+        if incarnations is not None:
+            out[INCARNATIONS_PARAM] = incarnations
+        return out
 
     def _hold_now(self, req_id: str, ids: tuple[int, ...], generation: int) -> None:
         """Tell every local worker rank to hold now (the step's plan carries the same hold, for

@@ -16,12 +16,22 @@ Consumer (decode) rank: ``KVWorker.read`` (pull) or ``KVWorker.expect_push`` (pu
 request in the step's plan; reports finished or failed requests. A failed one is recomputed or
 failed by vLLM's ``kv_load_failure_policy``; finished always means the producer confirmed the
 bytes (pull) or every prefill rank wrote them (push).
+
+Before a READ is started it is checked against what the params say (vLLM 0.33's
+NixlConnector keys): not after the prefill's lease deadline (``remote_blocks_expiry_time``,
+rebased onto this clock), and only over a handshake with the prefill incarnation that held the
+request (``remote_registration_generation`` / ``kvlink_incarnations``): a cached handshake of
+another one is dropped and made again (``PeerTable.forget_stale``, as the core does for a
+"stale" answer); a fresh handshake that still answers another one means the prefill
+restarted since, and the receive fails naming both values.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import time
 
 import numpy as np
@@ -31,7 +41,9 @@ from kvlink import wire
 from kvlink.errors import ConfigError, KVLinkError
 from kvlink.headmap import map_heads
 from kvlink.integrations.vllm_common import RecvReq, Remote, Settings, StepPlan
+from kvlink.integrity import Planes
 from kvlink.layout import KVCacheSpec
+from kvlink.peers import Peer
 from kvlink.transport import Op
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
@@ -51,6 +63,25 @@ class _Recv:
     req: RecvReq
     local: npt.NDArray[np.int64]
     t0: float
+    ranks: frozenset[int] = frozenset()  # the prefill ranks it reads from
+
+
+@dataclasses.dataclass
+class _Gate:
+    """A pull whose READ waits until its handshakes are known to be with the prefill
+    incarnation the params name, and that is never started after the lease deadline."""
+
+    req: RecvReq
+    local: npt.NDArray[np.int64]
+    remote_ids: npt.NDArray[np.int64]
+    ranks: tuple[int, ...]
+    deadline: float  # time.monotonic(); inf: none known
+    #: the handshake of each rank, asked for once (PeerTable.get would retry a failed one)
+    futs: dict[int, cf.Future[Peer]] = dataclasses.field(default_factory=dict)
+    redone: set[int] = dataclasses.field(default_factory=set)  # ranks handshaken again
+
+
+_WAIT = "wait"  # a gate's handshakes are not settled yet
 
 
 @dataclasses.dataclass
@@ -88,6 +119,11 @@ class PullWorker:
         self._idle = False  # the current step runs no forward pass (see start)
         self._port = settings.rank_port(dp_rank, tp_size)
         self._refused_seen = 0
+        self._gates: list[_Gate] = []
+        self._told = False  # releases queued in the core: they leave with its next poll
+        # (engine, host, rank port) -> incarnations proven gone: a newer handshake at that
+        # address answered another one (params naming them fail at once)
+        self._gone: dict[tuple[str, str, int], set[int]] = {}
 
     def _count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -104,12 +140,17 @@ class PullWorker:
             secret=self.s.secret, allow_insecure=self.s.allow_insecure,
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
             intent_timeout=self.s.intent_timeout, grants=self.s.grants,
-            serve_pushes=self.s.producer)  # whichever mode a decode asks in: drained each step
+            integrity=self.s.integrity,
+            # any instance that serves readers serves pushes (a kv_consumer in push mode may
+            # hold a do_remote_decode request too), whichever mode a decode asks in
+            serve_pushes=self.s.serves)
 
-    def register(self, spec: KVCacheSpec) -> None:
+    def register(self, spec: KVCacheSpec, planes: Planes | None = None) -> None:
+        """``planes``: vLLM's own tensors as logical views, what integrity digests (so a
+        wrong description of the cache is caught too); None: through ``spec``."""
         self.worker = KVWorker(self.worker_config())
         self.worker.hold_hook = self._hold_now
-        self.worker.register(spec)
+        self.worker.register(spec, planes)
         self.spec = self.worker.spec
         if self.s.consumer and self.s.mode == "push" and not any(
                 Op.WRITE in t.capabilities.ops for t in self.worker.transports.values()):
@@ -192,7 +233,11 @@ class PullWorker:
     # ------------------------------------------------------------------ consumer
     def _start_recv(self, r: RecvReq) -> None:
         spec = self._spec()
-        if r.remote.request_id in self._remote_to_local:
+        if r.refused:  # the scheduler's verdict (parallel layout, lease over): move nothing
+            self._give_up(r, r.refused)
+            return
+        if r.remote.request_id in self._remote_to_local or any(
+                g.req.remote.request_id == r.remote.request_id for g in self._gates):
             self._fail(r, f"remote request {r.remote.request_id} is already being read by "
                        "another request")
             return
@@ -213,19 +258,124 @@ class PullWorker:
                        f"vs remote {r.remote.block_size} tokens (pages of {spec.block_size})")
             return
         try:
-            map_heads(self.tp_size, self.tp_rank, r.remote.tp_size, spec.total_kv_heads,
-                      spec.mla)
+            reads = map_heads(self.tp_size, self.tp_rank, r.remote.tp_size,
+                              spec.total_kv_heads, spec.mla)
+        except KVLinkError as exc:
+            self._fail(r, str(exc))
+            return
+        ranks = tuple(sorted({h.remote_rank for h in reads}))
+        # rebased onto our clock on arrival: later than the scheduler saw it, never earlier
+        deadline = (math.inf if r.expires_in is None
+                    else time.monotonic() + r.expires_in)
+        if r.push or (deadline == math.inf and not r.remote.registration
+                      and not r.remote.incarnations):
+            self._begin(r, local, remote_ids, ranks, deadline)
+        else:  # checked against the params before its READ (see _gate_verdict)
+            self._gates.append(_Gate(r, local, remote_ids, ranks, deadline))
+            self._open_gates()
+
+    def _begin(self, r: RecvReq, local: npt.NDArray[np.int64],
+               remote_ids: npt.NDArray[np.int64], ranks: tuple[int, ...],
+               deadline: float) -> None:
+        """Hand the receive to the core: the READ is posted inside ``read`` (cached peers), a
+        push is asked for with at most the lease's remaining time to live."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self._give_up(r, self._expired(r, -left))
+            return
+        try:
             if r.push:  # the PushRequest goes out on the worker's thread: this never blocks
+                # the prefill never WRITEs after the push's time to live: not after its lease
                 self._w().expect_push(r.remote.request_id, _engine(r.remote), local,
-                                      timeout=self.s.push_timeout)
+                                      timeout=min(self.s.push_timeout, left))
             else:
                 self._w().read(r.remote.request_id, _engine(r.remote), local, remote_ids,
                                generation=r.remote.generation or None)
         except KVLinkError as exc:
             self._fail(r, str(exc))
             return
-        self._recv[r.req_id] = _Recv(r, local, time.perf_counter())
+        self._recv[r.req_id] = _Recv(r, local, time.perf_counter(), frozenset(ranks))
         self._remote_to_local[r.remote.request_id] = r.req_id
+
+    @staticmethod
+    def _expired(r: RecvReq, late: float) -> str:
+        return (f"remote_blocks_expiry_time of {r.remote.engine_id}'s request "
+                f"{r.remote.request_id} passed {late:.3f}s before the READ could start (the "
+                "prefill's lease of the blocks is over): not started")
+
+    # ------------------------------------------------------------------ consumer: gates
+    def _open_gates(self) -> None:
+        """Start the READs whose handshakes are settled and match the params; fail those past
+        their deadline or of a prefill incarnation that is gone."""
+        for gate in list(self._gates):
+            verdict = self._gate_verdict(gate)
+            if verdict == _WAIT:
+                continue
+            self._gates.remove(gate)
+            if verdict:
+                self._give_up(gate.req, verdict)
+            else:
+                self._begin(gate.req, gate.local, gate.remote_ids, gate.ranks, gate.deadline)
+
+    def _gate_verdict(self, gate: _Gate) -> str:
+        """Empty (go), :data:`_WAIT`, or why the receive fails."""
+        late = time.monotonic() - gate.deadline
+        if late >= 0:
+            return self._expired(gate.req, late)
+        remote = _engine(gate.req.remote)
+        for rank in gate.ranks:
+            fut = gate.futs.get(rank)
+            if fut is None:  # starts the handshake if none is cached
+                fut = gate.futs[rank] = self._w().peers.get(remote, rank)
+            if not fut.done():
+                return _WAIT
+            exc = fut.exception()
+            if exc is not None:
+                return f"handshake with {remote.engine_id} rank {rank} failed: {exc}"
+            verdict = self._check_incarnation(gate, rank, fut)
+            if verdict:
+                return verdict
+        return ""
+
+    def _check_incarnation(self, gate: _Gate, rank: int, fut: cf.Future[Peer]) -> str:
+        """Empty if the handshake with ``rank`` is with the incarnation the params name (or
+        they name none); :data:`_WAIT` after dropping a cached handshake of another one (once,
+        and only while no receive of ours runs over it); else why the receive fails."""
+        want = gate.req.remote.incarnation_of(rank)
+        have = fut.result().incarnation
+        if want is None or not have or want == have:
+            return ""
+        remote = _engine(gate.req.remote)
+        key = (remote.engine_id, remote.host, remote.port + rank)
+        gone = self._gone.setdefault(key, set())
+        if rank not in gate.redone and want not in gone:
+            if any(rec.req.remote.engine_id == remote.engine_id and rank in rec.ranks
+                   and rec.req.remote.host == remote.host and rec.req.remote.port == remote.port
+                   for rec in self._recv.values()):
+                return _WAIT  # never tear a handshake down under our own READs
+            log.info("%s rank %d: the params of %s name incarnation %d, our handshake is with "
+                     "%d: handshaking again", remote.engine_id, rank, gate.req.req_id, want, have)
+            self._w().peers.forget_stale(remote, rank, fut)
+            gate.futs[rank] = self._w().peers.get(remote, rank)
+            gate.redone.add(rank)
+            return _WAIT
+        gone.add(want)
+        return (f"the kv_transfer_params name {remote.engine_id} rank {rank}'s registration "
+                f"(remote_registration_generation / kvlink_incarnations) {want}, but it "
+                f"answers the handshake as incarnation {have}: the prefill restarted since it "
+                f"held request {gate.req.remote.request_id}, whose blocks are gone")
+
+    def _give_up(self, req: RecvReq, reason: str) -> None:
+        """Fail a receive before anything moved, and release the prefill's hold on it now
+        (as a failed pull does) rather than at its lease's end."""
+        self._fail(req, reason)
+        try:
+            self._w().release(req.remote.request_id, _engine(req.remote),
+                              generation=req.remote.generation or None)
+            self._told = True
+        except KVLinkError as exc:
+            log.info("could not release %s at %s: %s", req.remote.request_id,
+                     req.remote.engine_id, exc)
 
     def _fail(self, req: RecvReq, reason: str) -> None:
         log.warning("loading KV of request %s failed: %s", req.req_id, reason)
@@ -238,6 +388,7 @@ class PullWorker:
         pulls, awaited pushes and its own WRITEs in flight at once)."""
         w = self._w()
         before = w.finished_bytes
+        self._told = False  # the core's poll sends what is queued
         done, failed = w.poll()
         for key in self._writes & (done | set(failed)):
             self._writes.discard(key)
@@ -279,14 +430,16 @@ class PullWorker:
         if idle and self.s.idle_yield_s > 0 and self.pending():
             self._yield(self.s.idle_yield_s)
         self._hold(plan)
-        if self.s.producer:
+        if self.s.serves:
             self._serve_pushes()  # a push that waited for this step's hold starts now
+        self._open_gates()  # handshakes that settled since the last step
         for r in plan.recv:
             self._start_recv(r)
         for remote in plan.release:
             self._w().release(remote.request_id, _engine(remote),
                               generation=remote.generation or None)
-        if self._recv or self._writes:
+            self._told = True
+        if self._recv or self._writes or self._told:
             self._poll()
 
     def results(self) -> Results:
@@ -294,11 +447,12 @@ class PullWorker:
         out = Results()
         if self.worker is None:
             return out
-        if self.s.producer:
+        if self.s.serves:  # any instance whose workers serve readers holds (not the role)
             self._serve_pushes()
             self._collect_released()
             out.finished_sending, self._done_sending = self._done_sending, set()
-        if self._recv or self._writes:
+        self._open_gates()
+        if self._recv or self._writes or self._told:
             self._poll()
             if self._idle and self.s.idle_yield_s > 0 and self._recv:
                 # a READ posted this step often lands within a millisecond: report it with
@@ -313,7 +467,8 @@ class PullWorker:
     def pending(self) -> int:
         w = self.worker
         held = w.leases.stats.held if w is not None else 0
-        return len(self._recv) + len(self._writes) + len(self._push_waiting) + held
+        return (len(self._recv) + len(self._writes) + len(self._push_waiting) + held
+                + len(self._gates))
 
     def _yield(self, seconds: float) -> None:
         """An idle step's yield: up to ``seconds`` with the GIL released, polling at least every
@@ -322,6 +477,7 @@ class PullWorker:
         deadline = time.perf_counter() + seconds
         while (left := deadline - time.perf_counter()) > 0:
             self._w().wait(min(left, 0.0002))
+            self._open_gates()
             if self._recv or self._writes:
                 self._poll()
             if self._finished or self._failed:

@@ -1,0 +1,168 @@
+"""What KV integrity costs a request end to end, through the public API, levels interleaved.
+
+    .venv/bin/python bench/integrity_overhead.py                       # CPU, tcp
+    python bench/integrity_overhead.py --device cuda                   # GPU, cuda_ipc
+
+The two processes of bench/e2e_request.py (producer holds, consumer ``read`` -> ``poll``,
+vLLM FlashAttention-shaped bf16 caches, shuffled decode block ids, the caller sleeping 0.2 ms
+between polls), both workers registered with ``integrity="full"`` and switched to
+``off`` / ``sample`` / ``full`` request by request (``Checker.level``), so the three levels
+share one run, one machine state and one warm connection; every request verified element by
+element afterwards (untimed). Timed: ``read()`` to the ``poll()`` that reports the request
+finished — which, with integrity on, includes the consumer's digest of what landed and the
+comparison. The producer's digest at ``hold()`` (the prefill's cost, paid once per request
+before any reader can start) is timed separately in this process on the same geometry
+(``hold_digest_s``). Overhead = (level - off) / off of the median. Goals (issue 24): GPU 70B
+TP8 request ``full`` ≤ 10 %, ``sample`` ≤ 2 %; CPU ``sample`` ≤ 2 %, ``full`` reported.
+Writes bench/results/integrity_overhead_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_request as e2e
+from _common import write_result
+
+LEVELS = ("off", "sample", "full")
+
+
+def hold_digest_seconds(cons: Any, level: str, reps: int) -> float:
+    """Median time of the producer-side digest of one request at ``level`` (same geometry)."""
+    from kvlink.integrity import Level, checked, digest
+
+    spec, torch = cons.w.spec, cons.torch
+    planes = cons.w.integrity.planes
+    ids = np.arange(cons.case.blocks, dtype=np.int64)
+    times = []
+    for _ in range(reps):
+        e2e._sync(cons.device)
+        t0 = time.perf_counter()
+        keep = checked(Level(level), "bench", ids)
+        keep[-1] = True
+        digest(planes, ids[keep])
+        e2e._sync(cons.device)
+        times.append(time.perf_counter() - t0)
+    del spec, torch
+    return statistics.median(times)
+
+
+def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
+    cons = e2e.Consumer(args, name, prod)
+    try:
+        samples: dict[str, list[float]] = {lv: [] for lv in LEVELS}
+        phases: dict[str, list[dict[str, float]]] = {lv: [] for lv in LEVELS}
+        checks: dict[str, list[float]] = {lv: [] for lv in LEVELS}
+        cons.one_round("warmup", 1, False, {}, count_it=False)
+        for r in range(args.requests):
+            for level in LEVELS[r % 3:] + LEVELS[:r % 3]:  # rotate the order per round
+                cons.w.integrity.level = type(cons.w.integrity.level)(level)
+                prod.ask(("integrity", level), "integrity")
+                held = cons._hold(level, 1)
+                lids = cons._local_ids(1)
+                exps = [cons._expected(no, rids) for _, no, rids, _ in held]
+                cons._sentinel(lids)
+                c0 = cons.w.integrity.check_seconds
+                samples[level].append(cons.kvlink(held, lids, False, None))
+                checks[level].append(cons.w.integrity.check_seconds - c0)
+                ph = cons.w.phases.pop(held[0][0], None)
+                if ph is not None:
+                    phases[level].append(dataclasses.asdict(ph))
+                for li, exp in zip(lids, exps):
+                    cons._check(level, li, exp)
+        med = {lv: statistics.median(v) for lv, v in samples.items()}
+        c = cons.case
+        nbytes = c.layers * 2 * c.blocks * c.page_elems * 2
+        out = {
+            "bytes": nbytes, "requests_per_level": args.requests,
+            "median_s": med,
+            "p90_s": {lv: float(np.percentile(v, 90)) for lv, v in samples.items()},
+            "overhead_vs_off": {lv: (med[lv] - med["off"]) / med["off"] for lv in LEVELS},
+            "hold_digest_s": {lv: hold_digest_seconds(cons, lv, 5) for lv in ("sample", "full")},
+            "checked_blocks": cons.w.integrity.checked_blocks,
+            "integrity_failures": cons.w.integrity.failures,
+            "mismatches": dict(cons.mismatches), "samples_s": samples,
+            "consumer_check_median_s": {lv: statistics.median(v) for lv, v in checks.items()},
+            "phases_median_s": {lv: {k: statistics.median(p[k] for p in ps) for k in ps[0]}
+                                for lv, ps in phases.items() if ps},
+        }
+        for lv, ph in out["phases_median_s"].items():
+            print(f"  phases {lv}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ph.items())
+                  + f"; of which the consumer's check "
+                  f"{out['consumer_check_median_s'][lv] * 1e3:.3f} ms")
+        print(f"{name}: " + ", ".join(f"{lv} {med[lv] * 1e3:.3f} ms" for lv in LEVELS)
+              + " | overhead " + ", ".join(f"{lv} {out['overhead_vs_off'][lv] * 100:+.1f}%"
+                                           for lv in ("sample", "full"))
+              + " | hold digest " + ", ".join(f"{lv} {s * 1e3:.3f} ms"
+                                              for lv, s in out["hold_digest_s"].items()),
+              flush=True)
+        return out
+    finally:
+        cons.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--cases", default=None,
+                    help="default cpu: 1gib,70b-tp8; cuda: 70b-tp8,8b-tp1")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per level (default cuda 30, cpu 6)")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.transport = "cuda_ipc" if args.device == "cuda" else "tcp"
+    args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
+    args.options, args.inflight, args.integrity = {}, 1, "full"
+    args.requests = args.requests or (30 if args.device == "cuda" else 6)
+    names = (args.cases or ("70b-tp8,8b-tp1" if args.device == "cuda" else "1gib,70b-tp8")
+             ).split(",")
+    if args.device == "cuda":
+        torch = e2e._torch()
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device visible")
+        torch.cuda.set_device(args.gpu)
+    prod = e2e.Producer(args.device_name, args.transport, args.options, args.timeout,
+                        integrity="full")
+    cases: dict[str, Any] = {}
+    try:
+        for n in names:
+            cases[n] = run_case(args, n, prod)
+    finally:
+        prod.stop()
+    bad = sum(sum(c["mismatches"].values()) + c["integrity_failures"] for c in cases.values())
+    goals: dict[str, bool | None] = {"gpu 70b full <= 10%": None, "gpu 70b sample <= 2%": None,
+                                     "cpu 1 GiB sample <= 2%": None}
+    if "70b-tp8" in cases:
+        ov = cases["70b-tp8"]["overhead_vs_off"]
+        if args.device == "cuda":
+            goals["gpu 70b full <= 10%"] = ov["full"] <= 0.10
+            goals["gpu 70b sample <= 2%"] = ov["sample"] <= 0.02
+    if "1gib" in cases and args.device == "cpu":
+        goals["cpu 1 GiB sample <= 2%"] = cases["1gib"]["overhead_vs_off"]["sample"] <= 0.02
+    print("goals:", goals)
+    write_result(f"integrity_overhead_{args.device}", {
+        "device": args.device, "transport": args.transport,
+        "device_name": e2e._gpu_name(args) if args.device == "cuda" else "cpu",
+        "kvlink_commit": e2e._git_commit(), "poll": "sleep 0.2 ms between polls",
+        "levels": "interleaved request by request (Checker.level switched on both sides)",
+        "goals": goals, "total_bad": bad, "cases": cases,
+    }, args.out or f"bench/results/integrity_overhead_{args.device}.json")
+    if bad:
+        sys.exit(f"FAILED: {bad} mismatches or integrity failures")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The integrity digest on the GPU: one kernel launch for every (block, layer, plane, head).
+
+Computes exactly what :func:`kvlink.integrity.digest` computes on the host — per head, the sum
+modulo 2**64 of each 8-byte word times an odd weight fixed by its (token, word) position — but
+reads every plane through a table of (pointer, block stride, head stride, token stride), so a
+request's 80 layers cost one launch instead of a few per plane. One thread block per digest;
+its threads stride over the head's words and add up in shared memory (addition modulo 2**64 is
+associative, so the order does not matter). The weights are recomputed from their position with
+the same splitmix64 finaliser as the host's. Compiled by NVRTC through torch at first use;
+``None`` from :func:`load` (logged once) falls back to torch ops per plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger("kvlink.integrity")
+
+SOURCE = r"""
+typedef unsigned long long u64;
+typedef long long i64;
+
+__device__ __forceinline__ u64 kv_mix(u64 x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// table: [planes][4] = (ptr, block stride, head stride, token stride), bytes
+// params: (blocks, planes, heads, first head, tokens, words per token)
+extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
+                                     const i64* params) {
+  const i64 nb = params[0], np = params[1], nh = params[2], h0 = params[3];
+  const i64 tokens = params[4], words = params[5];
+  const i64 item = blockIdx.x;  // (block, plane, head), head fastest
+  const i64 h = item % nh;
+  const i64 p = (item / nh) % np;
+  const i64 b = item / (nh * np);
+  if (b >= nb) return;
+  const i64* row = table + 4 * p;
+  const char* page = (const char*)row[0] + ids[b] * row[1] + (h0 + h) * row[2];
+  const i64 total = tokens * words;
+  u64 acc = 0;
+  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
+    const i64 t = i / words, w = i - t * words;
+    const u64 x = *(const u64*)(page + t * row[3] + 8 * w);
+    const u64 weight = kv_mix((u64)(i + 1) * 0x9E3779B97F4A7C15ull) | 1ull;
+    acc += x * weight;
+  }
+  __shared__ u64 part[128];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[item] = part[0];
+}
+"""
+
+THREADS = 128
+_kernels: dict[int, Any] = {}
+_failed: set[int] = set()
+_lock = threading.Lock()
+
+
+def load(device: Any) -> Any | None:
+    """The compiled kernel for ``device`` (a torch.device), or None where NVRTC can't."""
+    import torch
+
+    idx = int(device.index or 0)
+    with _lock:
+        if idx in _kernels:
+            return _kernels[idx]
+        if idx in _failed:
+            return None
+        try:
+            with torch.cuda.device(device):
+                fn = torch.cuda._compile_kernel(SOURCE, "kv_digest")
+        except Exception as exc:  # no NVRTC, an old torch
+            _failed.add(idx)
+            log.warning("integrity digest kernel unavailable (%s: %s); using torch ops",
+                        type(exc).__name__, exc)
+            return None
+        _kernels[idx] = fn
+        return fn
+
+
+class Table:
+    """The planes' (pointer, block stride, head stride, token stride) rows on the device, built
+    once per set of views (a request's digest then costs one small upload and one launch).
+
+    Measured on one H200 (bench/results/integrity_overhead_cuda.json): this launch path costs
+    about 0.25 ms of host time per digest (torch's compiled-kernel call and small uploads),
+    more than the kernel itself; launching through the driver with pinned staging is the next
+    step (docs/integrity.md)."""
+
+    def __init__(self, views: list[Any]) -> None:
+        import torch
+
+        first = views[0]
+        self.device = first.device
+        self.planes = len(views)
+        self.tokens, self.head_bytes = int(first.shape[2]), int(first.shape[3])
+        rows = []
+        ok = self.head_bytes % 8 == 0
+        for v in views:
+            ptr = int(v.data_ptr())
+            sb, sh, sn, sc = (int(s) for s in v.stride())
+            ok = ok and sc == 1 and tuple(v.shape[2:]) == (self.tokens, self.head_bytes)
+            ok = ok and (ptr | sh | sn | sb) % 8 == 0
+            rows.append((ptr, sb, sh, sn))
+        self.fn = load(self.device) if ok else None
+        self.rows = torch.tensor(rows, dtype=torch.int64).to(self.device) if ok else None
+
+    def digest(self, ids: Any, h0: int, h1: int) -> Any | None:
+        """``[blocks, planes, heads]`` int64 digests on the device, launched on the caller's
+        current stream (after what it holds); None where the kernel can't take the views."""
+        import torch
+
+        if self.fn is None or self.rows is None:
+            return None
+        nb, heads = int(ids.shape[0]), h1 - h0
+        params = torch.tensor([nb, self.planes, heads, h0, self.tokens, self.head_bytes // 8],
+                              dtype=torch.int64).to(self.device, non_blocking=True)
+        out = torch.empty(nb * self.planes * heads, dtype=torch.int64, device=self.device)
+        self.fn(grid=(nb * self.planes * heads, 1, 1), block=(THREADS, 1, 1),
+                args=[self.rows, ids, out, params])
+        return out.view(nb, self.planes, heads)
