@@ -57,8 +57,8 @@ def checked(level: Level, req_id: str, remote_ids: npt.ArrayLike) -> npt.NDArray
     """Which positions of a request's (remote) block ids are checked at ``level``.
 
     Deterministic in what both sides know (the producer's request id and its block ids), so
-    the producer digests exactly what the consumer will check. ``sample`` keeps at least one
-    block per request (the request's first in list order when none fell in the bucket)."""
+    the producer digests exactly what the consumer will check. ``sample`` always keeps the
+    last block (every reader reads the request's tail, whatever its own prefix hits)."""
     ids = np.asarray(remote_ids, dtype=np.int64)
     if level is Level.OFF or ids.size == 0:
         return np.zeros(ids.shape, dtype=bool)
@@ -68,8 +68,7 @@ def checked(level: Level, req_id: str, remote_ids: npt.ArrayLike) -> npt.NDArray
     with np.errstate(over="ignore"):
         mixed = _mix(ids.view(np.uint64) ^ salt)
     keep: npt.NDArray[np.bool_] = np.asarray(mixed % np.uint64(SAMPLE_EVERY) == 0)
-    if not keep.any():
-        keep[0] = True
+    keep[-1] = True
     return keep
 
 
@@ -335,15 +334,13 @@ class Checker:
     # ------------------------------------------------------------------ producer
     def fix(self, req_id: str, generation: int, block_ids: npt.ArrayLike) -> None:
         """The request's KV is final (it is being held): digest the blocks a reader will
-        check — the sampled ones and the last (every reader reads the tail)."""
+        check (:func:`checked`)."""
         if not self.on or self.planes is None:
             return
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        keep = checked(self.level, req_id, ids)
-        keep[-1] = True
-        sel = ids[keep]
+        sel = ids[checked(self.level, req_id, ids)]
         self._fixed[req_id] = (generation, sel, digest(self.planes, sel))
 
     def drop(self, req_id: str, generation: int) -> None:

@@ -180,7 +180,8 @@ def _reuse_after_hold(prefill: Rank) -> None:
 
 
 class _Hold:
-    """``KVWorker.hold`` that runs ``fault`` right after the hold fixed the digests."""
+    """``KVWorker.hold`` that runs ``fault`` right after the hold fixed the digests: an
+    injected fault (the real worker cannot be made to corrupt its own memory on demand)."""
 
     def __init__(self, rank: Rank, fault: Any) -> None:
         self.rank, self.fault, self.real = rank, fault, rank.w.hold
@@ -301,28 +302,16 @@ def test_connector_fails_a_corrupted_pull(level: str) -> None:
     import sys
     from pathlib import Path
 
-    import torch
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_vllm_e2e import _packed, _remote_r1, _Steps
+    from test_vllm_e2e import _pair, _remote_r1, _Steps
 
     from kvlink.demo.run import free_port_range
-    from kvlink.integrations.vllm_common import RecvReq, SendReq, Settings, StepPlan
-    from kvlink.integrations.vllm_layout import detect
-    from kvlink.integrations.vllm_worker import PullWorker
+    from kvlink.integrations.vllm_common import RecvReq, SendReq, StepPlan
 
     port = free_port_range(1)
     extra = {"side_channel_port": port, "integrity": level}
-    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
-    dst = [torch.zeros_like(t) for t in src]
-    prod = PullWorker(Settings.from_config("P", "kv_producer", extra), 0, 1)
-    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra), 0, 1)
+    prod, cons, src, _dst = _pair(extra, extra, tensors=True)
     try:
-        for w, caches in ((prod, src), (cons, dst)):
-            found = detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
-                           tp_size=1, tp_rank=0, use_mla=False)
-            assert found.planes is not None
-            w.register(found.spec, tensor_planes(found.planes))
         steps = _Steps(prod, cons)
         prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
         src[1][3, 1, 2, 5] += 1.0  # injected: the prefill's block 3 changes after the hold

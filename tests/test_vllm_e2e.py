@@ -417,15 +417,21 @@ def test_pull_and_refusal_of_expired_lease() -> None:
         cons.close()
 
 
-def _pair(extra_p: dict[str, Any], extra_c: dict[str, Any]
+def _pair(extra_p: dict[str, Any], extra_c: dict[str, Any], *, tensors: bool = False
           ) -> tuple[PullWorker, PullWorker, list[Any], list[Any]]:
+    """A producer and a consumer PullWorker over packed caches; ``tensors``: integrity digests
+    the caches' own tensors (as the connector does), not the spec's view of them."""
+    from kvlink.integrity import tensor_planes
+
     src = [_packed((0, 1, 2, 3)) for _ in range(2)]
     dst = [torch.zeros_like(t) for t in src]
     prod = PullWorker(Settings.from_config("P", "kv_producer", extra_p), 0, 1)
     cons = PullWorker(Settings.from_config("D", "kv_consumer", extra_c), 0, 1)
     for w, caches in ((prod, src), (cons, dst)):
-        w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
-                          tp_size=1, tp_rank=0, use_mla=False).spec)
+        found = detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
+                       tp_size=1, tp_rank=0, use_mla=False)
+        assert found.planes is not None
+        w.register(found.spec, tensor_planes(found.planes) if tensors else None)
     return prod, cons, src, dst
 
 
