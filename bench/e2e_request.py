@@ -355,6 +355,12 @@ class Consumer:
         self.xfer: dict[str, list[float]] = {}
         self.peer: Any = None  # the handshake's Peer, after the first request
         self.sock: dict[str, list[float]] = {"one": [], "many": []}
+        #: --profile: cProfile of the timed windows of one-at-a-time spin requests
+        self.profile: Any = None
+        if getattr(args, "profile", None):
+            import cProfile
+
+            self.profile = cProfile.Profile()
 
     # ---------------------------------------------------------------- helpers
     def _hold(self, tag: str, count: int) -> list[tuple[str, int, list[int], int]]:
@@ -417,10 +423,15 @@ class Consumer:
         last one finished."""
         w, remote = self.w, self.remote
         pending = {rid for rid, *_ in held}
+        prof = self.profile if spin and tag == "spin" else None
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         for (rid, _, rids, gen), li in zip(held, lids):
             w.read(rid, remote, li, rids, generation=gen)
         dt = self._wait_all(pending, spin, t0)
+        if prof is not None:
+            prof.disable()
         for rid, *_ in held:
             x = w.xfer_seconds.pop(rid, None)
             if x is not None and tag is not None:
@@ -620,6 +631,22 @@ class Consumer:
         r = self._events(gather, 30)
         return {**r, "bytes": self.case.nbytes * count}
 
+    def write_profile(self) -> None:
+        """--profile: the spin windows' hottest functions, to ``<profile>.<case>.txt``."""
+        if self.profile is None:
+            return
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        st = pstats.Stats(self.profile, stream=buf)
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumulative").print_stats(45)
+        path = f"{self.args.profile}.{self.name}.txt"
+        with open(path, "w") as f:
+            f.write(buf.getvalue())
+        print(f"  profile of the spin windows: {path}", flush=True)
+
     def close(self) -> None:
         self.w.close()
 
@@ -735,6 +762,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="per wait, seconds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="cProfile the spin-mode timed windows; top functions to "
+                         "PREFIX.<case>.txt (the figures then include the profiler's cost)")
     args = ap.parse_args()
     args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "tcp")
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
@@ -775,6 +805,7 @@ def main() -> None:
             cons = Consumer(args, n, prod)
             try:
                 cases[n] = cons.run()
+                cons.write_profile()
             finally:
                 cons.close()
             del cons

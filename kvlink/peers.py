@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
 from kvlink.errors import HandshakeError, KVLinkError
+from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
 from kvlink.transport import Transport
@@ -55,6 +56,9 @@ class Peer:
     tp_size: int
     endpoint: tuple[str, int]
     incarnation: int
+    #: the producer's hold board, where it is on our host (kvlink.holdboard): READs of it are
+    #: validated there; None: by asking
+    board: BoardView | None = None
 
 
 Call = Callable[[str, int, wire._Msg], wire._Msg]
@@ -168,8 +172,10 @@ class PeerTable:
                            "in the transports list")
             endpoint = (remote.host, remote.port + rank)
             self._drop_replaced(endpoint, remote.engine_id)
+            board = (BoardView.open(reply.board.name, reply.board.token)
+                     if same_host and reply.board is not None else None)
             return Peer(reply.agent_name, rspec, transport, reply.tp_size, endpoint,
-                        reply.incarnation)
+                        reply.incarnation, board)
         raise HandshakeError(f"no transport reaches {remote.engine_id} rank {rank}: "
                              + "; ".join(reasons))
 

@@ -165,6 +165,13 @@ class HandshakeRequest(_Msg, tag="hs_req", frozen=True):
         _check_rank(self.tp_rank, self.tp_size)
 
 
+class BoardMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where a same-host reader finds the producer's hold board (:mod:`kvlink.holdboard`)."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TAG_LEN, pattern=r"^[a-z0-9-]+\Z")]
+    token: Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE_BYTES)]
+
+
 class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
     engine_id: Id
     agent_name: Name
@@ -179,6 +186,8 @@ class HandshakeResponse(_Msg, tag="hs_resp", frozen=True):
     incarnation: U63 = 0
     #: where this rank takes kept-open sessions (plain TCP, see kvlink.channel); 0: none
     session_port: Port = 0
+    #: the hold board, offered only to a peer on our host (None: validate by asking)
+    board: BoardMsg | None = None
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size)

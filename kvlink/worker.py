@@ -64,6 +64,7 @@ from kvlink.errors import (
 )
 from kvlink.grants import block_extents, push_ticket, read_ticket
 from kvlink.headmap import HeadRead, map_heads, notify_targets, push_targets
+from kvlink.holdboard import HoldBoard, fingerprint
 from kvlink.hostid import host_id
 from kvlink.integrity import Checker, Level, Planes, spec_planes
 from kvlink.layout import KVCacheSpec
@@ -122,6 +123,10 @@ class WorkerConfig:
     #: with every "intact" verdict; a reader with it on fails a receive whose landed KV differs,
     #: or that came without digests (fail closed)
     integrity: str = "off"
+    #: same-host readers validate READs in shared memory instead of asking us after each one
+    #: (kvlink.holdboard): a producer publishes its holds there; a reader uses the boards
+    #: it is offered. False: every READ is validated by a round trip
+    hold_board: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -193,6 +198,7 @@ class _Part:
     reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
     refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
+    board: bool = False  # READ: validated on the producer's hold board once it is DONE
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     post_seconds: float = 0.0  # inside the transport's post call
@@ -221,6 +227,7 @@ class _Request:
     push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
     push_key: PushKey | None = None
     lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
+    fingerprint: int | None = None  # of remote_ids, for the hold board (once per request)
 
 
 @dataclasses.dataclass
@@ -264,6 +271,10 @@ class KVWorker:
         self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds,
                                   on_release=self._revoke_hold)
         self.integrity = Checker(Level(config.integrity))
+        #: producer: our holds in shared memory for same-host readers (created at register)
+        self.board: HoldBoard | None = None
+        #: reader: READs validated on a producer's hold board, without a round trip
+        self.board_validated = 0
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own
@@ -327,6 +338,8 @@ class KVWorker:
                  self.config.tp_rank, len(spec.regions),
                  sum(r.nbytes for r in spec.regions) / 2**20, list(self.transports))
         if self.config.serve:
+            if self.config.hold_board and self.board is None:
+                self.board = HoldBoard.create()
             port = self.config.side_port + self.config.tp_rank if self.config.side_port else 0
             self._server = sidechannel.SideChannelServer(
                 self.config.host, port, self._on_side_message,
@@ -433,7 +446,14 @@ class KVWorker:
             compat=ours, spec=wire.SpecMsg.of(spec), transports=self._offer(req),
             incarnation=self.incarnation,
             session_port=self._server.session_port if self._server is not None else 0,
+            board=self._board_offer(req),
         )
+
+    def _board_offer(self, req: wire.HandshakeRequest) -> wire.BoardMsg | None:
+        if self.board is None or req.host_id != host_id():
+            return None
+        offer = self.board.offer()
+        return wire.BoardMsg(name=offer.name, token=offer.token)
 
     def _stale(self, incarnation: int, what: str, req_id: str) -> wire.ErrorReply:
         return wire.ErrorReply(v=WIRE_VERSION, code="stale",
@@ -859,6 +879,7 @@ class KVWorker:
         part.plan = plan
         part.t_post = time.perf_counter()
         req.phases.plan += part.t_post - t0
+        part.board = self._on_board(req, go)
         ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
         try:
@@ -916,9 +937,33 @@ class KVWorker:
         elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
-            part.verdict = self._report_read(req, part, True)
+            if part.board and self._board_still_shows(req, part.go):
+                # still held now that the READ is over: intact (kvlink.holdboard). The report
+                # only lets the producer count us done: nobody waits for its answer
+                part.done = True
+                self.board_validated += 1
+                self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                           self._read_done(req, part, True))
+            else:
+                part.verdict = self._report_read(req, part, True)
         else:
             part.done = True
+
+    def _on_board(self, req: _Request, go: _Go) -> bool:
+        """Whether this READ will be validated on the producer's hold board: one is open and
+        no digests are wanted (they come with the producer's verdict)."""
+        board = go.peer.board if self.config.hold_board else None
+        if board is None or req.op is not Op.READ or not go.generation or self.integrity.on:
+            return False
+        if req.fingerprint is None:
+            req.fingerprint = fingerprint(req.remote_ids)
+        return True
+
+    @staticmethod
+    def _board_still_shows(req: _Request, go: _Go) -> bool:
+        board = go.peer.board
+        return (board is not None and req.fingerprint is not None
+                and board.still_holds(go.generation, req.fingerprint))
 
     @staticmethod
     def _notes_natively(req: _Request) -> bool:
@@ -1117,13 +1162,16 @@ class KVWorker:
         self._grant(ticket, Op.READ, block_ids)
         self.integrity.fix(req_id, gen, block_ids)
         try:
-            return self.leases.hold(req_id, block_ids, readers, gen)
+            held = self.leases.hold(req_id, block_ids, readers, gen)
         except ValueError:
             if self.leases.generation_of(req_id) != gen:  # not the same hold delivered twice
                 self.integrity.drop(req_id, gen)
                 for t in self._enforcing():
                     t.revoke(ticket)
             raise
+        if self.board is not None:  # after the hold exists; withdrawn as it ends
+            self.board.publish(held, block_ids)
+        return held
 
     def _enforcing(self) -> list[Transport]:
         if not self.config.grants:
@@ -1140,6 +1188,8 @@ class KVWorker:
     def _revoke_hold(self, req_id: str, generation: int) -> None:
         """A hold ended (read, expired, aborted): its READ grant with it (BlockLeases calls
         this under its lock; revoking is a dict update)."""
+        if self.board is not None:  # first: a reader's after-check must see it gone
+            self.board.withdraw(generation)
         for t in self._enforcing():
             t.revoke(read_ticket(req_id, generation))
         self.integrity.drop(req_id, generation)
@@ -1448,6 +1498,8 @@ class KVWorker:
         end = time.monotonic() + self.config.close_timeout
         if self._server is not None:
             self._server.close()
+        if self.board is not None:  # readers' after-checks fail from now: our holds end
+            self.board.close()
         self._pool.shutdown(wait=False)
         self._chan.flush()
         while self._chan.busy() and (left := end - time.monotonic()) > 0:

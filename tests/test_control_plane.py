@@ -41,7 +41,10 @@ def test_read_told_its_generation_is_posted_inside_read() -> None:
         ok, reason = outcome(decode, "r0", 10)
         assert ok, reason
         assert np.array_equal(blocks(decode, [4, 5, 6]), blocks(prefill, [2, 3, 9]))
-        assert [r.req_id for r in prefill.released()] == ["warm", "r0"]
+        gone: list[str] = []  # the reports that let the producer release need not be awaited
+        until(lambda: bool(gone.extend(r.req_id for r in prefill.released())) or len(gone) == 2,
+              5, "both holds released")
+        assert gone == ["warm", "r0"]
         phases = decode.phases.pop("r0")
         assert phases.transfer > 0 and phases.verdict > 0 and phases.wait == pytest.approx(
             0, abs=0.05)

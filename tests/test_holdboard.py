@@ -1,0 +1,218 @@
+"""The hold board (kvlink.holdboard): same-host READs validated in shared memory.
+
+Real KVWorkers over the real tcp transport on 127.0.0.1 and a real board in /dev/shm. The one
+fake is the stalled side channel of the first test (a producer whose side-channel thread does
+not get the GIL, as in a busy prefill): it blocks the handler of READ reports, which the real
+thing does not do on demand.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from test_lifecycle import blocks, make, outcome, remote, sleep_until, until
+
+from kvlink import holdboard, wire
+from kvlink.compat import WIRE_VERSION
+from kvlink.holdboard import SLOTS, BoardView, HoldBoard, fingerprint
+from kvlink.worker import KVWorker
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+
+def _warm(decode: KVWorker, prefill: KVWorker) -> None:
+    gen = prefill.hold("warm", [0])
+    decode.read("warm", remote(prefill), [0], [0], generation=gen)
+    ok, reason = outcome(decode, "warm", 10)
+    assert ok, reason
+
+
+def _stall_reports(w: KVWorker) -> threading.Event:
+    """Fault injection: ``w``'s side channel answers no READ report until the event is set."""
+    go, orig = threading.Event(), w._answer_done
+
+    def stalled(msg: wire.ReadDone) -> wire.Reply:
+        go.wait(30)
+        return orig(msg)
+
+    w._answer_done = stalled  # type: ignore[method-assign]
+    return go
+
+
+@pytest.mark.parametrize("board", [True, False], ids=["board", "no-board control"])
+def test_a_same_host_read_finishes_while_the_producers_side_channel_stalls(board: bool) -> None:
+    """The READ's verdict is read off the board: the producer's side channel is not on the
+    request's path. Control: without the board the request waits for the stalled producer
+    (before the board it always did)."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False, hold_board=board)
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("r0", [2, 3, 9])
+        go = _stall_reports(prefill)
+        try:
+            decode.read("r0", remote(prefill), [4, 5, 6], [2, 3, 9], generation=gen)
+            if board:
+                ok, reason = outcome(decode, "r0", 5)
+                assert ok, reason
+                assert np.array_equal(blocks(decode, [4, 5, 6]), blocks(prefill, [2, 3, 9]))
+                assert decode.board_validated == 2  # warm and r0
+                assert decode.phases["r0"].verdict < 0.05
+            else:
+                with pytest.raises(AssertionError, match="neither finished nor failed"):
+                    outcome(decode, "r0", 1.0)
+        finally:
+            go.set()
+        if not board:
+            ok, reason = outcome(decode, "r0", 10)
+            assert ok, reason
+            assert decode.board_validated == 0
+        # the report still reaches the producer (unawaited): it releases the hold
+        gone: list[str] = []
+        until(lambda: bool(gone.extend(r.req_id for r in prefill.released()))
+              or "r0" in gone, 5, "r0 released by its reader's report")
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_hold_that_ends_under_the_read_is_not_trusted() -> None:
+    """The board showed the hold before the post; the lease expires (withdrawn) before the
+    READ's end is seen: the after-check fails, the round trip says why, the request fails."""
+    prefill, _ = make("p", seed=1, lease_seconds=0.5, read_seconds=0.1)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
+        part = decode._requests["r0"].parts[0]
+        assert part.board and part.handle is not None  # to be validated on the board; posted
+        sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
+        assert "r0" in [r.req_id for r in prefill.released()]
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "not confirmed" in reason
+        assert decode.board_validated == 1  # the warm-up only
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
+    """A subset of the held blocks (another fingerprint) and a reader with integrity on (the
+    digests come with the producer's verdict) both finish through the round trip."""
+    prefill, _ = make("p", seed=1, integrity="full")
+    decode, _ = make("d", serve=False)
+    checked, _ = make("c", serve=False, integrity="full")
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("sub", [2, 3, 9])
+        decode.read("sub", remote(prefill), [4, 5], [3, 9], generation=gen)
+        ok, reason = outcome(decode, "sub", 10)
+        assert ok, reason
+        gen = prefill.hold("dig", [5, 6])
+        checked.read("dig", remote(prefill), [1, 2], [5, 6], generation=gen)
+        ok, reason = outcome(checked, "dig", 10)
+        assert ok, reason
+        assert checked.board_validated == 0 and checked.integrity.checked_blocks == 2
+        assert np.array_equal(blocks(checked, [1, 2]), blocks(prefill, [5, 6]))
+        assert decode.board_validated == 1  # the warm-up (all its held blocks)
+    finally:
+        for w in (prefill, decode, checked):
+            w.close()
+
+
+def test_the_board_is_offered_only_to_our_host() -> None:
+    prefill, _ = make("p", seed=1)
+    try:
+        req = wire.HandshakeRequest(v=WIRE_VERSION, engine_id="d", agent_name="a", tp_rank=0,
+                                    tp_size=1, host_id="another-host", compat="x")
+        assert prefill._board_offer(req) is None
+        from kvlink.hostid import host_id
+
+        ours = wire.HandshakeRequest(v=WIRE_VERSION, engine_id="d", agent_name="a", tp_rank=0,
+                                     tp_size=1, host_id=host_id(), compat="x")
+        offer = prefill._board_offer(ours)
+        assert offer is not None and BoardView.open(offer.name, offer.token) is not None
+    finally:
+        prefill.close()
+
+
+# ---------------------------------------------------------------------------- the board
+def test_publish_withdraw_and_the_seqlock() -> None:
+    board = HoldBoard()
+    try:
+        view = BoardView.open(board.name, board.token)
+        assert view is not None and view.alive()
+        gen, ids = (12345 << 16) | 7, [3, 1, 2]
+        fp = fingerprint(ids)
+        assert not view.holds(gen, fp)
+        assert board.publish(gen, ids)
+        assert view.holds(gen, fp) and view.still_holds(gen, fp)
+        assert not view.holds(gen, fingerprint([1, 2, 3]))  # another block list
+        assert not view.holds(gen ^ (1 << 40), fp)  # another generation, same slot
+        assert not board.publish((999 << 16) | 7, [5])  # slot taken: that hold is not shown
+        assert board.collisions == 1
+        board.withdraw((999 << 16) | 7)  # not the slot's: no effect
+        assert view.holds(gen, fp)
+        board.withdraw(gen)
+        assert not view.still_holds(gen, fp)
+        assert board.publish((999 << 16) | 7, [5])  # free again
+    finally:
+        board.close()
+    assert not view.alive()  # closed: the after-check fails whatever the words say
+    assert not os.path.exists(os.path.join("/dev/shm", board.name))
+    board.withdraw(gen)  # a late release after close is harmless
+    assert not board.publish(gen, ids)
+
+
+def _child_board(q: Any) -> None:
+    board = HoldBoard()
+    board.publish(42 << 16, [1, 2])
+    q.put((board.name, board.token))
+    signal.pause()
+
+
+def test_a_dead_producers_board_answers_nothing() -> None:
+    """SIGKILLed with its hold still shown: the words stay, the lock goes with the process,
+    so the after-check fails."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_board, args=(q,), daemon=True)
+    child.start()
+    try:
+        name, token = q.get(timeout=30)
+        view = BoardView.open(name, token)
+        assert view is not None and view.still_holds(42 << 16, fingerprint([1, 2]))
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(10)
+        assert view.holds(42 << 16, fingerprint([1, 2]))  # the dead words
+        assert not view.alive() and not view.still_holds(42 << 16, fingerprint([1, 2]))
+    finally:
+        if child.is_alive():
+            child.kill()
+        path = os.path.join("/dev/shm", name) if "name" in locals() else ""
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
+def test_offers_that_are_not_boards_are_refused(tmp_path: Any) -> None:
+    board = HoldBoard()
+    try:
+        assert BoardView.open(board.name, b"\0" * holdboard.TOKEN_BYTES) is None  # token
+        assert BoardView.open("../../etc/passwd", board.token) is None
+        assert BoardView.open("kvlink-board-" + "0" * 32, board.token) is None  # absent
+        hostile = msgspec.msgpack.encode({"name": "../x", "token": b"t"})
+        with pytest.raises(msgspec.ValidationError):  # the wire refuses such names first
+            msgspec.msgpack.decode(hostile, type=wire.BoardMsg)
+    finally:
+        board.close()
+    assert SLOTS & (SLOTS - 1) == 0
+
