@@ -61,6 +61,9 @@ class PlanPath(str, enum.Enum):
     GENERAL = "general"  # the full [layer, kv, block, piece] grid, then coalesce
 
 
+_PAIR_STEP = (1 << 32) + 1  # (local, remote) ids both one further, packed as in _run_starts
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PlanTable:
     """What planning against one peer needs that does not depend on the block ids.
@@ -142,33 +145,45 @@ class PlanTable:
             return self._plan_grid(lids, rids, alloc)
         return self._plan_segments(lids, rids, alloc)
 
-    def runs(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike) -> Runs | None:
+    def runs(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, *,
+             local_checked: bool = False) -> Runs | None:
         """The RUNS path's plan before it is expanded: (segment bases, runs), for a transport
         that computes the addresses on its device (cuda_ipc). None where the request does not
-        fit that form (another path, or a seam to merge): use :meth:`plan`."""
+        fit that form (another path, or a seam to merge): use :meth:`plan`. ``local_checked``:
+        ``local_ids`` is what ``self.local.check_block_ids`` returned (not checked again)."""
         if self.path is not PlanPath.RUNS:
             return None
-        lids, rids = self._check_ids(local_ids, remote_ids)
+        lids, rids = self._check_ids(local_ids, remote_ids, local_checked)
         n = lids.shape[0]
         if n == 0 or self._seams(lids, rids) is not None:
             return None
-        lrun, rrun, lens = self._run_starts(lids, rids)
-        return Runs(self.local_base, self.remote_base, lrun, rrun, lens, self.raw_count(n))
+        lrun, rrun, lens, longest = self._run_starts(lids, rids)
+        return Runs(self.local_base, self.remote_base, lrun, rrun, lens, self.raw_count(n),
+                    n * self.unit, longest)
 
     def _run_starts(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]
-                    ) -> tuple[U64, U64, U64]:
+                    ) -> tuple[U64, U64, U64, int]:
         """Byte offsets (local, remote) and lengths of the runs of ids consecutive on both
-        sides (RUNS path: stride == unit, so one multiply per run)."""
+        sides, and the longest run's bytes (RUNS path: stride == unit, so one multiply per
+        run). Few numpy calls: at a few hundred ids their fixed cost is the time. Both ids
+        fit 31 bits (checked), so one int64 holds the pair, and a run goes on exactly where
+        the pair steps by (1, 1)."""
         n = lids.shape[0]
-        unit = np.uint64(self.unit)
         edge = np.empty(n + 1, dtype=bool)  # a run starts at each True; edge[n] closes
         edge[0] = edge[n] = True
-        np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
-        edge[1:n] |= rids[1:] - rids[:-1] != 1
+        if max(self.local.num_blocks, self.remote.num_blocks) <= 1 << 31:
+            pair = lids << 32
+            pair |= rids
+            np.not_equal(pair[1:] - pair[:-1], _PAIR_STEP, out=edge[1:n])
+        else:  # ids past 31 bits: each side on its own
+            np.not_equal(lids[1:] - lids[:-1], 1, out=edge[1:n])
+            edge[1:n] |= rids[1:] - rids[:-1] != 1
         at = edge.nonzero()[0]
         starts = at[:-1]
-        lens = (at[1:] - starts).view(np.uint64) * unit
-        return lids.view(np.uint64)[starts] * unit, rids.view(np.uint64)[starts] * unit, lens
+        blocks = at[1:] - starts
+        unit = np.uint64(self.unit)
+        return (lids.view(np.uint64)[starts] * unit, rids.view(np.uint64)[starts] * unit,
+                blocks.view(np.uint64) * unit, int(blocks.max()) * self.unit)
 
     def plan_general(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
                      alloc: Alloc | None = None) -> Plan:
@@ -183,9 +198,12 @@ class PlanTable:
         return self.local.num_layers * self.local.num_kv * blocks * pieces
 
     # ------------------------------------------------------------------ internals
-    def _check_ids(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike
+    def _check_ids(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
+                   local_checked: bool = False
                    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        lids = self.local.check_block_ids(local_ids, "local")
+        lids = (local_ids if local_checked and isinstance(local_ids, np.ndarray)
+                and local_ids.dtype == np.int64 and local_ids.ndim == 1
+                else self.local.check_block_ids(local_ids, "local"))
         rids = self.remote.check_block_ids(remote_ids, "remote")
         if lids.shape != rids.shape:
             raise BlockIdOutOfRange(
@@ -209,7 +227,7 @@ class PlanTable:
         lens: U64 | np.uint64
         if self.path is PlanPath.RUNS:
             # stride == unit on every segment: one multiply per run, not per (segment, run)
-            lrun, rrun, lens = self._run_starts(lids, rids)
+            lrun, rrun, lens, _ = self._run_starts(lids, rids)
             lstride = rstride = None
         else:
             lrun, rrun, lens = lu, ru, unit

@@ -149,6 +149,10 @@ class Runs:
     remote_at: npt.NDArray[np.uint64]
     lens: npt.NDArray[np.uint64]  # [runs]
     raw_descriptors: int  # extent count before coalescing (the planner's count)
+    #: bytes of one segment's runs and of the longest run (-1: computed from ``lens``); the
+    #: planner knows both, and a transport's post needs them: no reduction on the post path
+    run_bytes: int = -1
+    longest: int = -1
 
     @property
     def descriptors(self) -> int:
@@ -156,7 +160,12 @@ class Runs:
 
     @property
     def nbytes(self) -> int:
-        return int(self.local_base.shape[0]) * int(self.lens.sum())
+        per = self.run_bytes if self.run_bytes >= 0 else int(self.lens.sum())
+        return int(self.local_base.shape[0]) * per
+
+    @property
+    def longest_run(self) -> int:
+        return self.longest if self.longest >= 0 else int(self.lens.max(initial=0))
 
     def expand(self, alloc: Callable[[int], Extents] | None = None) -> ExpandedRuns:
         segs, runs = self.local_base.shape[0], self.lens.shape[0]

@@ -870,7 +870,7 @@ class KVWorker:
             # restarted peer gets a new table), cached in the planner
             table = PlanTable.for_peer(self._require_spec(), go.peer.spec, part.read)
             if post_runs is not None:
-                plan = table.runs(req.local_ids, req.remote_ids)
+                plan = table.runs(req.local_ids, req.remote_ids, local_checked=True)
             if plan is None:
                 plan = table.plan(req.local_ids, req.remote_ids, transport.extents)
         except KVLinkError as exc:
@@ -879,7 +879,6 @@ class KVWorker:
         part.plan = plan
         part.t_post = time.perf_counter()
         req.phases.plan += part.t_post - t0
-        part.board = self._on_board(req, go)
         ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
         try:
@@ -894,6 +893,7 @@ class KVWorker:
             return
         part.post_seconds = time.perf_counter() - part.t_post
         req.phases.post += part.post_seconds
+        part.board = self._on_board(req, go)  # after the post: while the bytes move
         part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += part.nbytes
 

@@ -414,11 +414,12 @@ class BatchCopier:
 
     def copy_runs(self, table: npt.NDArray[np.uint64], segments: int, runs: int,
                   smap: RegionMap, dmap: RegionMap, stream: Any,
-                  after: int | None = None) -> Pending:
+                  after: int | None = None, longest: int = -1) -> Pending:
         """:meth:`copy` of segments x runs extents whose addresses the kernel computes:
         ``table`` is (source bases [segments], destination bases [segments], source offsets
         [runs], destination offsets [runs], lengths [runs]) as uint64 — a few kilobytes where
-        the extents would be hundreds. Only with :attr:`computes_addresses`."""
+        the extents would be hundreds; ``longest``: the longest length, where the caller knows
+        it (-1: found in ``table``). Only with :attr:`computes_addresses`."""
         if self._cuda is None:
             raise ConfigError("copy_runs needs the CUDA C kernel (NVRTC)")
         with self._lock:
@@ -442,7 +443,8 @@ class BatchCopier:
                 at = int(dbuf.data_ptr())
                 raw = stream.cuda_stream
                 self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
-                longest = int(table[2 * segments + 2 * runs:].max())
+                if longest < 0:
+                    longest = int(table[2 * segments + 2 * runs:].max())
                 shape = self._cuda.shape(longest, SMALL)
                 g = parts_per_extent(n, longest, self.chunk,
                                      self.min_programs * (shape[0] // shape[1]))

@@ -378,7 +378,8 @@ class CudaIpcTransport(Transport):
                                         if op is Op.READ else
                                         ((ours, self._local_map), (theirs, target.map)))
             table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
-            return copier.copy_runs(table, segments, count, smap, dmap, self._stream, after)
+            return copier.copy_runs(table, segments, count, smap, dmap, self._stream, after,
+                                    runs.longest_run)
 
         return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
 
