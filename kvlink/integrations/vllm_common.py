@@ -89,6 +89,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     push_timeout: float = DEFAULT_PUSH_TIMEOUT
     grants: bool = True  # least privilege on the data plane (WorkerConfig.grants)
     integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
+    hold_board: bool = True  # same-host READs validated in shared memory (kvlink.holdboard)
 
 
 #: other connectors' keys kvlink takes with the same meaning: key -> (connector, transport,
@@ -205,7 +206,8 @@ class Settings:
     ``KVLINK_SECRET``), ``allow_insecure``, ``mode`` ("pull" or "push": how a consumer gets the
     KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
     push), ``grants`` (least privilege on the data plane, default true) and ``integrity``
-    ("off", "sample", "full": end-to-end KV digests, pull mode). NixlConnector's
+    ("off", "sample", "full": end-to-end KV digests, pull mode), ``hold_board`` (same-host
+    READs validated in shared memory instead of a round trip, default true). NixlConnector's
     ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
     ``device_name`` become the nixl / mooncake transport's options.
     """
@@ -229,6 +231,7 @@ class Settings:
     push_timeout: float = DEFAULT_PUSH_TIMEOUT  # consumer: blocks reserved for a push at most
     grants: bool = True  # WorkerConfig.grants: serve a peer only what was granted to it
     integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
+    hold_board: bool = True  # WorkerConfig.hold_board
 
     @property
     def serves(self) -> bool:
@@ -270,6 +273,7 @@ class Settings:
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
+            hold_board=x.hold_board,
         )
         for key, value in (("kv_lease_duration", s.lease_seconds),
                            ("push_timeout", s.push_timeout),
@@ -296,7 +300,7 @@ class Settings:
             "read_intent_timeout": self.intent_timeout, "idle_yield_ms": self.idle_yield_s * 1e3,
             "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
             "push_timeout": self.push_timeout, "grants": self.grants,
-            "integrity": self.integrity,
+            "integrity": self.integrity, "hold_board": self.hold_board,
         }
 
     def rank_port(self, dp_rank: int, tp_size: int) -> int:

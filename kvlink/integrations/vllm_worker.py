@@ -140,7 +140,7 @@ class PullWorker:
             secret=self.s.secret, allow_insecure=self.s.allow_insecure,
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
             intent_timeout=self.s.intent_timeout, grants=self.s.grants,
-            integrity=self.s.integrity,
+            integrity=self.s.integrity, hold_board=self.s.hold_board,
             # any instance that serves readers serves pushes (a kv_consumer in push mode may
             # hold a do_remote_decode request too), whichever mode a decode asks in
             serve_pushes=self.s.serves)
