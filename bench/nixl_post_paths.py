@@ -2,22 +2,35 @@
 
 Run:  .venv/bin/python bench/nixl_post_paths.py [--reads 60] [--out FILE]
 
-A target process registers a KV-cache-like region (4 layer planes x 256 blocks x 32 KiB, the
-vllm_pd tiny model's LBHNC pages) and serves it; this process READs requests of 2-16 consecutive
-blocks into its own (touched) region, alternating per request between
+A target process registers a KV-cache-like region and serves it; this process READs requests
+into its own (touched) region, in two shapes (``CASES``):
 
-* ``kvlink``: ``NixlTransport.post`` (kvlink's coalesced extents, dlists prepped per request,
-  ``make_prepped_xfer``) and ``poll`` until DONE, without a NIXL notification: kvlink's worker
-  sends a READ's "done" over its side channel once the READ is DONE;
-* ``baseline``: NixlConnector's way, one descriptor per (layer, block) prepped ONCE for the
-  whole region on both sides, then ``make_prepped_xfer`` with index lists + ``transfer`` and
-  ``check_xfer_state`` until DONE;
+* ``16``: 4 layer planes x 256 blocks x 32 KiB (the vllm_pd tiny model's LBHNC pages), requests
+  of 16 blocks per plane (64 block descriptors), consecutive runs;
+* ``20480``: the 70B TP8-rank shape, 160 planes (80 layers x K, V) x 256 blocks x 4 KiB,
+  requests of 128 scattered blocks per plane (20480 block descriptors);
 
-the baseline with its notification attached, each on its own NIXL agent in this process (so the
-same UCX configuration). Reported per
-path: wall time post to DONE, time in the post call, and NIXL's telemetry ``xferDuration`` /
-``postDuration`` (what ``vllm:nixl_xfer_time_seconds`` shows); ratios kvlink / baseline. Bytes
-are verified for both paths.
+alternating per request between
+
+* ``kvlink``: ``NixlTransport.post`` of the request's extents (blocks adjacent on both sides
+  coalesced, as kvlink's planner does; descriptor lists prepped once at connect, the
+  request's indices computed with numpy, ``make_prepped_xfer``) and ``poll`` until DONE,
+  without a NIXL notification (kvlink's worker sends a READ's "done" over its side channel);
+* ``baseline``: NixlConnector's way, one descriptor per (plane, block) prepped ONCE for the
+  whole region on both sides, then ``make_prepped_xfer`` with index lists (built per request
+  from the block ids, as NixlConnector does) + ``transfer`` and ``check_xfer_state`` until DONE,
+  notification attached;
+
+each on its own NIXL agent in this process (so the same UCX configuration). Reported per path
+and case, every clock starting at the transport-level call (``post`` / ``make_prepped_xfer``):
+wall time to DONE; host time before NIXL's transfer starts (kvlink: ``xfer_timing``'s
+``pre_transfer_s``, from the post call to ``transfer()``, bounds checks and index computation
+included; baseline: ``make_prepped_xfer``) and the whole post call (baseline: +
+``transfer()``; over cma the copy runs inside ``transfer()``); NIXL's telemetry
+``xferDuration`` / ``postDuration``; ratios kvlink / baseline. What each side does before that
+call is timed on its own (``plan_s``: kvlink coalescing the request's extents and making the
+extent arrays, as its planner does; the baseline building its block id lists). Bytes are
+verified for both paths.
 """
 
 from __future__ import annotations
@@ -40,37 +53,42 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from _common import write_result  # noqa: E402
 
-LAYERS, BLOCKS, PAGE = 4, 256, 32768
+#: case -> (planes, blocks per plane, block bytes, blocks per request per plane, scattered)
+CASES = {"16": (4, 256, 32768, 16, False), "20480": (160, 256, 4096, 128, True)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reads", type=int, default=60, help="READs per path")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def coalesce(lo: np.ndarray, ro: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
+    """Merge extents adjacent on both sides (what kvlink's planner hands a transport)."""
+    brk = np.ones(lo.shape[0], dtype=bool)
+    brk[1:] = (lo[1:] != lo[:-1] + size) | (ro[1:] != ro[:-1] + size)
+    starts = np.flatnonzero(brk)
+    lens = np.diff(np.append(starts, lo.shape[0])).astype(np.uint64) * np.uint64(size)
+    return lo[starts], ro[starts], lens
 
-    from test_nixl_transport import OPTS, Peer  # the target process of the transport tests
 
+def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str, Any]:
     from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
     from kvlink_transports.nixl import NixlTransport
 
-    nbytes = LAYERS * BLOCKS * PAGE
+    planes, blocks, page, per, scattered = CASES[name]
+    nbytes = planes * blocks * page
     peer = Peer(f"peer-{uuid.uuid4().hex[:6]}", nbytes, seed=3)
     t = NixlTransport(TransportContext(agent_name=f"bench-{uuid.uuid4().hex[:6]}"),
                       {**OPTS, "telemetry": True})
-    # the baseline on its own agent in this process (the same UCX configuration), so neither
-    # path's requests share NIXL state with the other's
     tb = NixlTransport(TransportContext(agent_name=f"base-{uuid.uuid4().hex[:6]}"),
                        {**OPTS, "telemetry": True})
     buf = np.ones(nbytes, dtype=np.uint8)
     res: dict[str, list[float]] = {}
+    paths: set[str] = set()
 
     def add(key: str, v: float) -> None:
         res.setdefault(key, []).append(v)
 
-    def offsets(blocks: list[int]) -> np.ndarray:
-        return np.array([lay * BLOCKS * PAGE + b * PAGE for lay in range(LAYERS) for b in blocks],
-                        dtype=np.uint64)
+    plane_off = (np.arange(planes, dtype=np.uint64) * np.uint64(blocks * page))[:, None]
+
+    def offsets(bl: np.ndarray) -> np.ndarray:  # plane-major, the request's block order
+        return (plane_off + bl.astype(np.uint64)[None, :] * np.uint64(page)).ravel()
 
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
@@ -81,43 +99,60 @@ def main() -> None:
         # own progress thread takes (without it, READs here hung for good now and then)
         agent: Any = tb._agent
         lock = tb._lock
-        every = [(lay, b) for lay in range(LAYERS) for b in range(BLOCKS)]
-        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
-            [[buf.ctypes.data + lay * BLOCKS * PAGE + b * PAGE, PAGE, 0] for lay, b in every],
-            dtype=np.uint64), "DRAM")
-        rh = agent.prep_xfer_dlist(peer.name, np.array(
-            [[peer.addr + lay * BLOCKS * PAGE + b * PAGE, PAGE, 0] for lay, b in every],
-            dtype=np.uint64), "DRAM")
+        every = offsets(np.arange(blocks))
+        dl = np.empty((every.shape[0], 3), dtype=np.uint64)
+        dl[:, 1], dl[:, 2] = page, 0
+        dl[:, 0] = buf.ctypes.data + every
+        lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", dl.copy(), "DRAM")
+        dl[:, 0] = peer.addr + every
+        rh = agent.prep_xfer_dlist(peer.name, dl, "DRAM")
         ref = peer.reference()
         rng = np.random.default_rng(0)
-        for _ in range(args.reads):
-            n = int(rng.integers(2, 17))
-            start = int(rng.integers(0, BLOCKS - n))
-            lb = list(range(start, start + n))
-            rb = list(range(BLOCKS - start - n, BLOCKS - start))
-            # kvlink
+        plane_idx = (np.arange(planes, dtype=np.int64) * blocks)[:, None]
+        for _ in range(reads):
+            if scattered:
+                lb = np.sort(rng.choice(blocks, per, replace=False))
+                rb = rng.choice(blocks, per, replace=False)
+            else:
+                start = int(rng.integers(0, blocks - per))
+                lb = np.arange(start, start + per)
+                rb = np.arange(blocks - start - per, blocks - start)
+            lo, ro = offsets(lb), offsets(rb)
+            # kvlink (its planner's part, coalescing, timed on its own: the clock starts at
+            # the transport call, as the baseline's starts at make_prepped_xfer)
+            tp = time.perf_counter()
+            cl, cr, cn = coalesce(lo, ro, page)
+            le, re_ = make_extents(buf.ctypes.data + cl, cn), make_extents(peer.addr + cr, cn)
             t0 = time.perf_counter()
-            h = t.post(Op.READ, peer.name, make_extents(buf.ctypes.data + offsets(lb), PAGE),
-                       make_extents(peer.addr + offsets(rb), PAGE))
+            h = t.post(Op.READ, peer.name, le, re_)
             t1 = time.perf_counter()
             if t.wait(h, 30).status is not XferStatus.DONE:
                 raise TimeoutError("kvlink READ not DONE within 30 s")
             t2 = time.perf_counter()
             tel = t.xfer_telemetry(h)
+            tim = t.xfer_timing(h)
+            paths.add(str(tim["path"]))
             t.release(h)
             add("kvlink_wall_s", t2 - t0)
+            # from the post call to NIXL's transfer() starting
+            add("kvlink_host_before_transfer_s", float(tim["pre_transfer_s"]))
+            add("kvlink_plan_s", t0 - tp)
             add("kvlink_post_call_s", t1 - t0)
             add("kvlink_nixl_xfer_s", sum(e["xfer_us"] for e in tel) / 1e6)
             add("kvlink_nixl_post_s", sum(e["post_us"] for e in tel) / 1e6)
-            assert np.array_equal(buf[offsets(lb)[0]:offsets(lb)[0] + n * PAGE],
-                                  ref[offsets(rb)[0]:offsets(rb)[0] + n * PAGE])
+            add("kvlink_extents", float(cl.shape[0]))
+            got = buf.reshape(-1, page)[(lo // page).astype(np.int64)]
+            want = ref.reshape(-1, page)[(ro // page).astype(np.int64)]
+            assert np.array_equal(got, want), "kvlink READ: bytes differ"
             buf[:] = 1
-            # NixlConnector's way
-            il = np.array([lay * BLOCKS + b for lay in range(LAYERS) for b in lb], dtype=np.int32)
-            ir = np.array([lay * BLOCKS + b for lay in range(LAYERS) for b in rb], dtype=np.int32)
+            # NixlConnector's way (its block id lists timed on their own, like kvlink's plan)
+            tp = time.perf_counter()
+            il = (plane_idx + lb[None, :]).ravel().astype(np.int32)
+            ir = (plane_idx + rb[None, :]).ravel().astype(np.int32)
             t0 = time.perf_counter()
             with lock:
                 req = agent.make_prepped_xfer("READ", lh, il, rh, ir, notif_msg=b"b")
+                ta = time.perf_counter()
                 agent.transfer(req)
             t1 = time.perf_counter()
             deadline = time.monotonic() + 30
@@ -133,11 +168,13 @@ def main() -> None:
                 tl = agent.get_xfer_telemetry(req)
                 agent.release_xfer_handle(req)
             add("baseline_wall_s", t2 - t0)
+            add("baseline_host_before_transfer_s", ta - t0)
+            add("baseline_plan_s", t0 - tp)
             add("baseline_post_call_s", t1 - t0)
             add("baseline_nixl_xfer_s", tl.xferDuration / 1e6)
             add("baseline_nixl_post_s", tl.postDuration / 1e6)
-            assert np.array_equal(buf[offsets(lb)[0]:offsets(lb)[0] + n * PAGE],
-                                  ref[offsets(rb)[0]:offsets(rb)[0] + n * PAGE])
+            got = buf.reshape(-1, page)[(lo // page).astype(np.int64)]
+            assert np.array_equal(got, want), "baseline READ: bytes differ"
             buf[:] = 1
         lh.release()
         rh.release()
@@ -151,17 +188,41 @@ def main() -> None:
         res[f"{path}_done_at_post"] = [float(sum(inline) / len(inline))]
     med = {k: statistics.median(v) for k, v in res.items()}
     ratios = {f"{k}_kvlink_over_baseline": med[f"kvlink_{k}_s"] / med[f"baseline_{k}_s"]
-              for k in ("wall", "nixl_xfer")}
+              for k in ("wall", "host_before_transfer", "post_call", "nixl_xfer")}
+    # the acceptance line: kvlink's host time before NIXL's transfer starts against
+    # NixlConnector's make_prepped_xfer + transfer() call
+    ratios["host_before_transfer_kvlink_over_baseline_post_call"] = (
+        med["kvlink_host_before_transfer_s"] / med["baseline_post_call_s"])
+    print(f"case {name}: {planes} planes x {blocks} blocks x {page} B, {per} blocks per plane "
+          f"per request ({planes * per} block descriptors), kvlink path {sorted(paths)}")
     for k, v in sorted(med.items()):
-        print(f"{k:24s} {v:7.3f} (fraction)" if k.endswith("done_at_post")
-              else f"{k:24s} p50 {v * 1e3:7.3f} ms")
-    print(ratios)
-    write_result("nixl_post_paths", {
-        "description": __doc__.split("\n\n")[0],
-        "layout": {"layers": LAYERS, "blocks": BLOCKS, "page_bytes": PAGE,
-                   "blocks_per_read": "2-16"},
-        "p50_s": med, "ratios": ratios, "raw_s": res,
-    }, args.out)
+        if k.endswith("done_at_post"):
+            print(f"  {k:34s} {v:7.3f} (fraction)")
+        elif k.endswith("extents"):
+            print(f"  {k:34s} {v:7.0f}")
+        else:
+            print(f"  {k:34s} p50 {v * 1e3:7.3f} ms")
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    return {
+        "layout": {"planes": planes, "blocks": blocks, "page_bytes": page,
+                   "blocks_per_plane_per_read": per, "scattered": scattered,
+                   "block_descriptors_per_read": planes * per},
+        "kvlink_path": sorted(paths), "p50_s": med, "ratios": ratios, "raw_s": res,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reads", type=int, default=60, help="READs per path and case")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: 16,20480")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from test_nixl_transport import OPTS, Peer  # the target process of the transport tests
+
+    cases = {c: run_case(c, args.reads, OPTS, Peer) for c in args.cases.split(",")}
+    write_result("nixl_post_paths", {"description": __doc__.split("\n\n")[0],
+                                     "cases": cases}, args.out)
 
 
 if __name__ == "__main__":

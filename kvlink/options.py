@@ -49,6 +49,16 @@ class NixlOptions(_Options):
     progress_fast_interval: float = 0.00005
     timeout_s: float = 30.0
     num_threads: int = 0  # nixl_agent_config(num_threads=...)
+    #: bytes per descriptor of the lists prepped once per peer (0: 4 KiB, doubled until the
+    #: registered memory needs at most prep_max_descriptors); requests whose extents are not
+    #: multiples of it build per-request lists (slower)
+    prep_block_bytes: int = 0
+    prep_max_descriptors: int = 1 << 22
+    #: a GPU pair whose measured UCX lanes are tcp, cuda_copy or software emulation fails its
+    #: posts (reason names the fix) unless this is set
+    allow_slow_gpu: bool = False
+    #: NIXL UCX backend parameter ("peer" | "none"; None: NIXL's default, peer)
+    ucx_error_handling_mode: str | None = None
 
 
 class MooncakeOptions(_Options):

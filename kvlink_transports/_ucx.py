@@ -28,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 
 #: UCX transports that move bytes with RDMA (what a cross-host KV transfer wants).
@@ -322,16 +324,32 @@ def parse_proto_info(text: str) -> dict[str, list[str]]:
 
 
 _PROBE_CHILD = r"""
-import sys, numpy as np
+import json, os, sys, time
+import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
-role, = sys.argv[1:]
+role, mem, nbytes, iters = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+gpu = int(sys.argv[5])
+if mem == "VRAM":
+    import torch
+    torch.cuda.set_device(gpu)
+    buf = torch.full((nbytes,), 1 if role == "t" else 0, dtype=torch.uint8, device=f"cuda:{gpu}")
+    torch.cuda.synchronize()
+    addr, dev = buf.data_ptr(), gpu
+    def checksum():
+        torch.cuda.synchronize()
+        return int(buf.to(torch.int64).sum().item())
+else:
+    buf = np.full(nbytes, 1 if role == "t" else 0, np.uint8)
+    addr, dev = buf.ctypes.data, 0
+    def checksum():
+        return int(buf.sum(dtype=np.int64))
 # the target needs UCX progress (wire-up, AM-emulated RMA) while it waits: a progress thread
-a = nixl_agent("kvlink-probe-" + role, nixl_agent_config(enable_prog_thread=(role == "t")))
-buf = np.ones(1 << 20, np.uint8)
-a.register_memory(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
+a = nixl_agent("kvlink-probe-" + role + str(os.getpid()),
+               nixl_agent_config(enable_prog_thread=(role == "t")))
+a.register_memory(np.array([[addr, nbytes, dev]], dtype=np.uint64), mem)
 out = sys.stdout.buffer
 if role == "t":
-    md = a.get_agent_metadata() + buf.ctypes.data.to_bytes(8, "little")
+    md = a.get_agent_metadata() + addr.to_bytes(8, "little")
     out.write(b"KVLINK-MD " + md.hex().encode() + b"\n")
     out.flush()
     sys.stdin.buffer.read(1)
@@ -340,67 +358,285 @@ blob = bytes.fromhex(sys.stdin.read().strip())
 md, raddr = blob[:-8], int.from_bytes(blob[-8:], "little")
 peer = a.add_remote_agent(md)
 peer = peer.decode() if isinstance(peer, bytes) else peer
+res = {}
 for op in ("READ", "WRITE"):
-    h = a.initialize_xfer(op, a.get_xfer_descs([(buf.ctypes.data, buf.nbytes, 0)], "DRAM"),
-                          a.get_xfer_descs([(raddr, buf.nbytes, 0)], "DRAM"), peer)
-    s = a.transfer(h)
-    while s == "PROC":
-        s = a.check_xfer_state(h)
-    h.release()
-sys.stderr.write("KVLINK-PROBE-DONE\n")
+    best = None
+    for i in range(iters + 1):  # the first one prints UCX's protocol table: not timed
+        t0 = time.perf_counter()
+        h = a.initialize_xfer(op, a.get_xfer_descs([(addr, nbytes, dev)], mem),
+                              a.get_xfer_descs([(raddr, nbytes, dev)], mem), peer)
+        s = a.transfer(h)
+        while s == "PROC":
+            s = a.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        h.release()
+        if s != "DONE":
+            res[op] = {"error": f"NIXL state {s}"}
+            break
+        if i:
+            best = dt if best is None else min(best, dt)
+    else:
+        res[op] = {"gbps": nbytes / best / 1e9}
+    if op == "READ" and "error" not in res[op] and checksum() != nbytes:
+        res[op]["error"] = "bytes read differ from the target's"
+sys.stderr.write("KVLINK-PROBE " + json.dumps(res) + "\n")
 """
 
 
-def nixl_protocols(tls: str | None = None, timeout: float = 60.0) -> dict[str, list[str]]:
-    """Run one READ and one WRITE between two throw-away NIXL agents in two processes on this host
-    with ``UCX_PROTO_INFO=y`` and return the UCX transports that carried them, e.g.
-    ``{"read": ["cma/memory"], "write": ["cma/memory"]}``. Empty on any failure (nixl missing)."""
-    env = dict(os.environ)
+def parse_proto_rows(text: str) -> list[dict[str, str]]:
+    """Rows of ``UCX_PROTO_INFO=y`` tables of endpoints to other processes (loopback "self"
+    endpoints skipped): {"op": "read"|"write", "scope": "intra-node"|"inter-node", "range":
+    "0..8184", "protocol": "zero-copy", "config": "cma/memory"}, in the order printed."""
+    rows: list[dict[str, str]] = []
+    scope = ""
+    current: str | None = None
+    for raw in text.splitlines():
+        line = re.sub(r"^\[[^]]*\]\s*\[[^]]*\]\s*", "", raw).strip()
+        sm = _PROTO_SCOPE_RE.search(line)
+        if sm:
+            scope, current = sm.group(1), None
+            continue
+        m = _PROTO_OP_RE.search(line)
+        if m:
+            current = m.group(1) if scope != "self" else None
+            continue
+        if current is None:
+            continue
+        r = _PROTO_FULL_ROW_RE.match(line)
+        if r:
+            rows.append({"op": current, "scope": scope, "range": r.group(1).strip(),
+                         "protocol": r.group(2).strip(), "config": r.group(3).strip()})
+        elif line.startswith("+") and any(x["op"] == current for x in rows):
+            current = None
+    return rows
+
+
+_PROTO_FULL_ROW_RE = re.compile(
+    r"^\|\s*([0-9][0-9KMGTinf.]*(?:\.\.[0-9KMGTinf]+)?)\s*\|([^|]*)\|\s*([^|]+?)\s*\|"
+)
+_TL_IN_CFG_RE = re.compile(r"([A-Za-z][A-Za-z0-9_]*)/")
+
+#: UCX transports that copy between processes of one host without the network stack
+SHM_TRANSPORTS = frozenset({"cma", "knem", "xpmem", "sysv", "posix", "self"})
+
+
+def lane_transports(configs: list[str]) -> list[str]:
+    """UCX transport names in protocol configs: ["52% on tcp/lo and 48% on tcp/eth0"] ->
+    ["tcp"]; "cuda_ipc/cuda" -> "cuda_ipc"."""
+    out: list[str] = []
+    for c in configs:
+        for t in _TL_IN_CFG_RE.findall(c):
+            if t not in out:
+                out.append(t)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneVerdict:
+    """What :func:`classify_lanes` says about the lanes of one op between two memories."""
+
+    verdict: str  # "fast" | "slow" | "unknown"
+    reason: str
+    transports: tuple[str, ...] = ()
+
+
+def classify_lanes(lanes: Mapping[str, list[str]], *, vram: bool, same_host: bool,
+                   protocols: Mapping[str, list[str]] | None = None) -> LaneVerdict:
+    """Classify measured UCX lanes ({"read": [config, ...], "write": [...]}, as
+    :func:`parse_proto_info` returns them; ``protocols`` the protocol column per op, for
+    emulation) of a pair whose memory is GPU (``vram``) or host, on one host or two.
+
+    A GPU pair is fast only on cuda_ipc (same host) or an RDMA transport (GPUDirect, other
+    host); on tcp, cuda_copy (staged through host memory) or UCX's software emulation it is
+    slow. A host pair is fast on shared-memory transports (same host) or RDMA; tcp is slow."""
+    ops = {op: lane_transports(list(cfgs)) for op, cfgs in lanes.items() if cfgs}
+    if not ops:
+        return LaneVerdict("unknown", "no UCX protocol was measured")
+    used = tuple(dict.fromkeys(t for tls in ops.values() for t in tls))
+    emulated = sorted(op for op, ps in (protocols or {}).items()
+                      if any("emul" in p.lower() or p.strip().startswith("am ") for p in ps))
+    if emulated:
+        return LaneVerdict("slow", f"UCX emulates {'/'.join(emulated)} in software over active "
+                           f"messages ({', '.join(used)})", used)
+    if vram:
+        good = {"cuda_ipc"} if same_host else set(RDMA_TRANSPORTS)
+        want = "cuda_ipc" if same_host else "a GPUDirect RDMA transport (rc/dc/ud)"
+    else:
+        good = set(SHM_TRANSPORTS | RDMA_TRANSPORTS) if same_host else set(RDMA_TRANSPORTS)
+        want = "cma/shared memory" if same_host else "an RDMA transport (rc/dc/ud)"
+    bad = {op: tls for op, tls in ops.items() if not any(t in good for t in tls)}
+    if not bad:
+        return LaneVerdict("fast", f"{', '.join(used)}", used)
+    why = "; ".join(f"{op.upper()} over {'+'.join(tls)}" for op, tls in sorted(bad.items()))
+    extra = ""
+    if vram and any("cuda_copy" in tls for tls in bad.values()):
+        extra = " (cuda_copy stages GPU memory through host buffers)"
+    elif any("tcp" in tls for tls in bad.values()):
+        extra = " (the kernel's TCP stack)"
+    return LaneVerdict("slow", f"{why}{extra}, not {want}", used)
+
+
+#: UCX settings kvlink applies to the NIXL agents it creates, unless already set. Why: UCX's
+#: cuda_ipc turns GET zero-copy off when NVML reports no active NVLink (its default "auto"), and
+#: NIXL's READ of VRAM then ran at ~0.5 GB/s instead of 330-500 GB/s on one H200 (issue 22).
+KVLINK_UCX_DEFAULTS: dict[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+#: settings the doctor shows and checks
+UCX_SETTINGS = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
+                "UCX_PROTO_EMULATION_ENABLE", "UCX_MODULES", "UCX_RNDV_SCHEME",
+                "UCX_IB_GPU_DIRECT_RDMA", "UCX_MAX_RNDV_RAILS")
+
+
+def cuda_driver_present() -> bool:
+    """Whether an NVIDIA driver is loaded here (UCX's cuda transports can load)."""
+    return os.path.exists("/proc/driver/nvidia/version") or bool(
+        [d for d in _listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def apply_kvlink_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`KVLINK_UCX_DEFAULTS` in ``env`` (default ``os.environ``; must happen before
+    the UCX context is made, i.e. before the NIXL agent) where the user has not set them.
+    Returns what was set (empty when the user's own values stand)."""
+    target = os.environ if env is None else env
+    done: dict[str, str] = {}
+    if not cuda_driver_present():  # UCX would warn "unused environment variable" at each init
+        return done
+    for k, v in KVLINK_UCX_DEFAULTS.items():
+        if k not in target:
+            target[k] = v
+            done[k] = v
+    return done
+
+
+def ucx_settings(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The UCX settings that decide what carries the bytes, as this process has them."""
+    src = os.environ if env is None else env
+    return {k: src.get(k) for k in UCX_SETTINGS}
+
+
+@dataclasses.dataclass
+class NixlProbe:
+    """One measured NIXL READ+WRITE between two agents in two processes (:func:`nixl_probe`)."""
+
+    memory: str  # "DRAM" | "VRAM"
+    ok: bool
+    lanes: dict[str, list[str]]  # {"read": [config], "write": [...]}, from UCX_PROTO_INFO
+    protocols: dict[str, list[str]]  # {"read": ["zero-copy"], ...}
+    gbps: dict[str, float]  # {"read": 9.8, "write": 10.1}, best of the timed iterations
+    nbytes: int
+    error: str = ""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # what kvlink added
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def nixl_probe(memory: str = "DRAM", nbytes: int = 16 << 20, iters: int = 3,
+               tls: str | None = None, timeout: float = 60.0,
+               base_env: Mapping[str, str] | None = None, device: int = 0) -> NixlProbe:
+    """Run READ and WRITE of ``nbytes`` (one descriptor) between two throw-away NIXL agents in
+    two processes on this host, with kvlink's UCX settings (:func:`apply_kvlink_env`) and
+    ``UCX_PROTO_INFO=y`` on the initiator: the UCX lanes NIXL's own UCX chose, and the
+    bandwidth. ``memory`` "VRAM" puts both buffers on cuda:``device`` (needs torch with
+    CUDA). Never
+    raises: a failure is ``ok=False`` with ``error`` saying why."""
+    env = dict(os.environ if base_env is None else base_env)
     if tls is not None:
         env["UCX_TLS"] = tls
+    added = apply_kvlink_env(env)
     apply_safe_env(env)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    res = NixlProbe(memory, False, {}, {}, {}, nbytes, env=added)
+    if importlib.util.find_spec("nixl") is None:
+        res.error = "nixl not installed (pip install nixl)"
+        return res
+    args = [memory, str(nbytes), str(iters), str(device)]
     cmd = [sys.executable, "-c", _PROBE_CHILD]
+    import tempfile
+
+    errf = tempfile.TemporaryFile()  # noqa: SIM115 (closed at the end, on every path)
     try:
-        target = subprocess.Popen(
-            [*cmd, "t"],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        return {}
+        target = subprocess.Popen([*cmd, "t", *args], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=errf)
+    except OSError as exc:
+        errf.close()
+        res.error = f"could not start the probe: {exc}"
+        return res
     try:
         assert target.stdout is not None and target.stdin is not None
         blob = b""
+        done = threading.Event()
+        def _kill() -> None:
+            if not done.is_set():
+                target.kill()
+
+        timer = threading.Timer(timeout, _kill)
+        timer.daemon = True
+        timer.start()
         for line in target.stdout:
             if line.startswith(b"KVLINK-MD "):
-                blob = line[len(b"KVLINK-MD ") :].strip()
+                blob = line[len(b"KVLINK-MD "):].strip()
                 break
+        done.set()
+        timer.cancel()
         if not blob:
-            return {}
-        init = subprocess.run(
-            [*cmd, "i"],
-            env={**env, "UCX_PROTO_INFO": "y"},
-            input=blob,
-            capture_output=True,
-            timeout=timeout,
-            check=False,
-        )
+            target.wait(timeout=10)
+            errf.seek(0)
+            err = errf.read().decode(errors="replace")
+            res.error = "probe target failed: " + (_last_line(err) or "no output")
+            return res
+        init = subprocess.run([*cmd, "i", *args], env={**env, "UCX_PROTO_INFO": "y"},
+                              input=blob, capture_output=True, timeout=timeout, check=False)
         text = init.stdout.decode(errors="replace") + init.stderr.decode(errors="replace")
-        if "KVLINK-PROBE-DONE" not in text:
-            return {}
-        return parse_proto_info(text)
-    except (OSError, subprocess.SubprocessError):
-        return {}
+        res.lanes = parse_proto_info(text)
+        for row in parse_proto_rows(text):
+            lst = res.protocols.setdefault(row["op"], [])
+            if row["protocol"] not in lst:
+                lst.append(row["protocol"])
+        m = re.search(r"KVLINK-PROBE (\{.*\})", text)
+        if m is None:
+            res.error = f"probe initiator failed (exit {init.returncode}): " + (
+                _last_line(text) or "no output")
+            return res
+        out = json.loads(m.group(1))
+        errs = [f"{op} {v['error']}" for op, v in out.items() if "error" in v]
+        res.gbps = {op.lower(): float(v["gbps"]) for op, v in out.items() if "gbps" in v}
+        res.error = "; ".join(errs)
+        res.ok = not errs
+        return res
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
     finally:
         try:
             if target.stdin is not None:
                 target.stdin.close()
             target.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, OSError):
             target.kill()
             target.wait()
+        errf.close()
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "rror" in ln or "ERR" in ln]
+    return (errs or lines or [""])[-1][-300:]
+
+
+def nixl_protocols(tls: str | None = None, timeout: float = 60.0) -> dict[str, list[str]]:
+    """The UCX configs that carried one DRAM READ and WRITE between two throw-away NIXL agents
+    on this host (:func:`nixl_probe`), e.g. ``{"read": ["cma/memory"], "write":
+    ["cma/memory"]}``. Empty on any failure (nixl missing)."""
+    p = nixl_probe("DRAM", 1 << 20, 1, tls=tls, timeout=timeout)
+    return p.lanes if p.ok else {}
 
 
 # ------------------------------------------------------------------ UCX's TCP connections here

@@ -57,6 +57,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -106,6 +107,9 @@ _OPS = {Op.READ: "READ", Op.WRITE: "WRITE"}
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+#: verdicts on the UCX path of GPU pairs, per (same host, UCX settings): measured once per
+#: process (same host: a NIXL VRAM READ+WRITE between two probe processes), else predicted
+_gpu_verdicts: dict[tuple[Any, ...], _ucx.LaneVerdict] = {}
 
 
 def _warn_once(key: str, msg: str, *args: object) -> None:
@@ -170,6 +174,12 @@ class _Side:
         self.dev = np.array([c[1] for c in codes], dtype=np.uint64)
 
     @property
+    def one_kind(self) -> int | None:
+        """The memory code of every region when they share one (no per-extent lookup)."""
+        m = self.mem
+        return int(m[0]) if m.size and int(m.min()) == int(m.max()) else None
+
+    @property
     def has_vram(self) -> bool:
         return bool(np.any(self.mem == 1))
 
@@ -180,6 +190,142 @@ def _dlist(ext: Extents, dev: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     out[:, 1] = ext["len"]
     out[:, 2] = dev
     return out
+
+
+_BLOCK_MIN = 4096
+
+
+def _auto_block(regions: Sequence[Region], cap: int) -> int:
+    """The prepped-list block: 4 KiB, doubled until ``regions`` need at most ``cap`` of them."""
+    b = _BLOCK_MIN
+    while sum(r.nbytes // b for r in regions) > cap:
+        b *= 2
+    return b
+
+
+@dataclasses.dataclass
+class _Prep:
+    """Descriptor lists prepped ONCE for one side (ours, or a peer's) at one block size: every
+    region cut into ``block``-byte descriptors, one prepped list per memory kind (NIXL's
+    strided Nx5 form, one row per region). A request then names descriptors by index
+    (:func:`_block_indices`), so ``post`` builds no list: ``make_prepped_xfer`` with two index
+    arrays, which NIXL merges back to back."""
+
+    block: int
+    handles: dict[int, Any]  # memory code -> nixl_prepped_dlist_handle
+    start: npt.NDArray[np.uint64]  # per region (RegionTable order): its address
+    base: npt.NDArray[np.int64]  # index of its first block in its memory kind's list
+    nblocks: npt.NDArray[np.int64]  # whole blocks in it (a shorter tail is not prepped)
+    tail: npt.NDArray[np.bool_]  # it ends in such a tail
+    side: _Side | None = None  # the region table it was made from (used only with that one)
+
+    @property
+    def shift(self) -> int:
+        """log2(block) when block is a power of two, else -1."""
+        return self.block.bit_length() - 1 if self.block & (self.block - 1) == 0 else -1
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.nblocks.sum())
+
+    def release(self) -> None:
+        for h in self.handles.values():
+            try:
+                h.release()
+            except Exception as exc:
+                log.debug("nixl prepped dlist release: %s", _nixl_reason(exc))
+        self.handles = {}
+
+
+def _make_prep(agent: Any, who: str, side: _Side, block: int) -> _Prep:
+    """Prep ``side``'s regions at ``block`` (``who``: "NIXL_INIT_AGENT" or the peer's agent)."""
+    regions = side.table.regions
+    n = len(regions)
+    start = np.array([r.addr for r in regions], dtype=np.uint64)
+    nblocks = np.array([r.nbytes // block for r in regions], dtype=np.int64)
+    base = np.zeros(n, dtype=np.int64)
+    handles: dict[int, Any] = {}
+    tail = np.array([r.nbytes % block != 0 for r in regions], dtype=np.bool_)
+    prep = _Prep(block, handles, start, base, nblocks, tail, side)
+    try:
+        for mem in (0, 1):
+            sel = np.flatnonzero((side.mem == mem) & (nblocks > 0))
+            if sel.size == 0:
+                continue
+            counts = nblocks[sel]
+            base[sel] = np.cumsum(counts) - counts
+            rows = np.empty((sel.size, 5), dtype=np.uint64)
+            rows[:, 0] = start[sel]
+            rows[:, 1] = block
+            rows[:, 2] = side.dev[sel]
+            rows[:, 3] = block
+            rows[:, 4] = counts.astype(np.uint64)
+            handles[mem] = agent.prep_xfer_dlist(who, rows, _MEM_NAMES[mem])
+    except BaseException:
+        prep.release()
+        raise
+    return prep
+
+
+def _first_blocks(
+    prep: _Prep, ri: npt.NDArray[np.intp], ext: Extents
+) -> npt.NDArray[np.int64] | None:
+    """Index of the first prepped block of each extent (extent i lies in region ``ri[i]``);
+    None when one does not start and end on whole prepped blocks of its region."""
+    b = prep.block
+    one = prep.start.shape[0] == 1
+    r0 = 0 if one else int(ri[0])
+    if one or bool((ri == r0).all()):  # the common case: scalars instead of gathers
+        off = ext["addr"] - prep.start[r0]
+    else:
+        off = ext["addr"] - prep.start[ri]
+    first: npt.NDArray[np.int64]
+    if prep.shift >= 0:  # a power of two: masks and shifts (uint64 % and // are slow)
+        if ((off | ext["len"]) & np.uint64(b - 1)).any():
+            return None
+        first = (off >> np.uint64(prep.shift)).view(np.int64)
+    else:
+        if ((off | ext["len"]) % np.uint64(b)).any():
+            return None
+        first = (off // np.uint64(b)).view(np.int64)
+    if one or bool((ri == r0).all()):
+        if prep.tail[r0] and int((off + ext["len"]).max()) > int(prep.nblocks[r0]) * b:
+            return None
+        first += prep.base[r0]
+        return first
+    if (first + (ext["len"] // np.uint64(b)).view(np.int64) > prep.nblocks[ri]).any():
+        return None
+    first += prep.base[ri]
+    return first
+
+
+def _pair_indices(
+    lprep: _Prep, li: npt.NDArray[np.intp], local: Extents,
+    rprep: _Prep, ri: npt.NDArray[np.intp], remote: Extents,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
+    """Local and remote indices into the prepped lists of the blocks making up the extent
+    pairs (same block size both sides; lengths pair up, check_pairs), in order; None when an
+    extent is not made of whole prepped blocks. Vectorised: no Python loop over extents."""
+    lf = _first_blocks(lprep, li, local)
+    rf = _first_blocks(rprep, ri, remote) if lf is not None else None
+    if lf is None or rf is None:
+        return None
+    b = lprep.block
+    ln = local["len"]
+    if int(ln.min()) == b and int(ln.max()) == b:  # one block per extent
+        return lf.astype(np.int32), rf.astype(np.int32)
+    cnt = (ln // np.uint64(b)).view(np.int64)
+    ends = cnt.cumsum()
+    total = int(ends[-1])
+    if total >= 1 << 31:
+        return None
+    ends -= cnt  # each extent's first position in the index arrays
+    ar = np.arange(total, dtype=np.int32)
+    li_ = (lf - ends).astype(np.int32).repeat(cnt)
+    li_ += ar
+    ri_ = (rf - ends).astype(np.int32).repeat(cnt)
+    ri_ += ar
+    return li_, ri_
 
 
 # ----------------------------------------------------------------------------- bookkeeping
@@ -196,6 +342,9 @@ class _Peer:
     #: what a teardown shuts down
     ucx: frozenset[tuple[str, int]] = frozenset()
     torn: bool = False  # its connections were shut down once (warn once)
+    prep: _Prep | None = None  # its regions prepped once at connect (None: per-request lists)
+    #: posts to it fail with this reason (a GPU pair on a slow UCX path, see allow_slow_gpu)
+    blocked: str | None = None
 
 
 @dataclasses.dataclass
@@ -214,6 +363,9 @@ class _Xfer:
     op: str = ""
     deadline: float = math.inf  # time.monotonic() bound (timeout_s after post)
     expired: bool = False  # the deadline passed and its peer was torn down
+    t_transfer: float = 0.0  # perf_counter() as the first NIXL transfer() call began
+    t_posted: float = 0.0  # perf_counter() as post returned
+    path: str = ""  # "prepped" (lists prepped at connect), "per-request" or "direct"
 
 
 def _progress_loop(ref: weakref.ref[NixlTransport], stop: threading.Event, wake: threading.Event,
@@ -241,7 +393,27 @@ def _progress_loop(ref: weakref.ref[NixlTransport], stop: threading.Event, wake:
         del t
 
 
+def quiet_third_party_logs(verbose: int = 0) -> None:
+    """NIXL's and Mooncake's own logs: warnings only by default (NIXL's Python logger prints
+    every agent and backend creation at INFO on stdout), their INFO with ``verbose`` >= 1 and
+    DEBUG with >= 2. A value the user set in NIXL_LOG_LEVEL / MC_LOG_LEVEL is kept. Call it
+    before the first transport is made (``kvlink -v``); the transports call it with 0 when
+    kvlink's own loggers are quieter than INFO."""
+    nixl_level, mc_level = ("WARN", "WARNING") if verbose <= 0 else (
+        ("INFO", "INFO") if verbose == 1 else ("DEBUG", "INFO"))
+    os.environ.setdefault("NIXL_LOG_LEVEL", nixl_level)
+    os.environ.setdefault("MC_LOG_LEVEL", mc_level)
+    py = {"WARN": logging.WARNING, "INFO": logging.INFO, "DEBUG": logging.DEBUG}
+    lvl = py.get(os.environ["NIXL_LOG_LEVEL"].upper(), logging.WARNING)
+    logging.getLogger("nixl").setLevel(lvl)
+
+
+_ucx_env_logged = False
+
+
 def _import_nixl() -> Any:
+    if not logging.getLogger("kvlink").isEnabledFor(logging.INFO):
+        quiet_third_party_logs(0)
     try:
         from nixl import _api
     except ImportError as exc:
@@ -249,6 +421,8 @@ def _import_nixl() -> Any:
             f"the nixl transport needs the NIXL Python package ({exc}); install it with "
             f"`{PIP_HINT}`"
         ) from exc
+    if "NIXL_LOG_LEVEL" in os.environ:  # NIXL's dictConfig at import reset its logger's level
+        quiet_third_party_logs(0)
     return _api
 
 
@@ -296,16 +470,53 @@ class NixlTransport(Transport):
         self._timeout = float(opts.get("timeout_s", 30.0))
         if not self._timeout > 0:
             raise ConfigError(f"nixl option timeout_s must be > 0: {self._timeout!r}")
+        self._prep_block = int(opts.get("prep_block_bytes", 0))
+        self._prep_max = int(opts.get("prep_max_descriptors", 1 << 22))
+        if self._prep_block < 0 or self._prep_max <= 0:
+            raise ConfigError(
+                f"nixl options prep_block_bytes must be >= 0 and prep_max_descriptors > 0: "
+                f"{self._prep_block!r}, {self._prep_max!r}"
+            )
+        self._allow_slow_gpu = bool(opts.get("allow_slow_gpu", False))
+        ehm = opts.get("ucx_error_handling_mode")
+        if ehm is not None and ehm not in ("peer", "none"):
+            raise ConfigError(f"nixl option ucx_error_handling_mode must be 'peer' or 'none': "
+                              f"{ehm!r}")
+        num_threads = int(opts.get("num_threads", 0))
         cfg = api.nixl_agent_config(
             enable_prog_thread=nixl_progress,
             capture_telemetry=self._telemetry,
-            num_threads=int(opts.get("num_threads", 0)),
-            backends=self._backends,
+            num_threads=num_threads,
+            backends=[],  # made below, with their init parameters
         )
-        if "UCX" in self._backends and _ucx.apply_safe_env():
-            log.info("nixl: no RDMA devices here, set UCX_MODULES=^ib (avoids a crash at exit)")
+        #: UCX settings this transport added to the environment (the user's own are kept)
+        self.ucx_env: dict[str, str] = {}
+        if "UCX" in self._backends:
+            if _ucx.apply_safe_env():
+                log.info("nixl: no RDMA devices here, set UCX_MODULES=^ib (avoids a crash at "
+                         "exit)")
+            self.ucx_env = _ucx.apply_kvlink_env()
+            global _ucx_env_logged
+            if self.ucx_env or not _ucx_env_logged:
+                _ucx_env_logged = True
+                log.info(
+                    "nixl: UCX settings %s (%s)",
+                    {k: os.environ.get(k) for k in _ucx.KVLINK_UCX_DEFAULTS},
+                    f"set by kvlink: {sorted(self.ucx_env)}" if self.ucx_env
+                    else "kept as found",
+                )
         try:
             self._agent: Any = api.nixl_agent(ctx.agent_name, cfg)
+            plugins = set(self._agent.get_plugin_list())
+            for b in self._backends:
+                if b not in plugins:
+                    continue
+                init: dict[str, str] = {}
+                if num_threads > 0 and b in ("UCX", "OBJ", "LIBFABRIC"):
+                    init["num_threads"] = str(num_threads)
+                if b == "UCX" and ehm is not None:
+                    init["ucx_error_handling_mode"] = str(ehm)
+                self._agent.create_backend(b, init)
         except Exception as exc:
             raise TransportUnavailable(
                 f"nixl agent {ctx.agent_name!r} with backends {self._backends} failed to start: "
@@ -323,6 +534,7 @@ class NixlTransport(Transport):
         self._regions: list[Region] = []
         self._local = _Side([])
         self._reg_dlists: list[Any] = []
+        self._lpreps: dict[int, _Prep] = {}  # block size -> our regions prepped at it
         self._peers: dict[str, _Peer] = {}
         self._by_agent: dict[str, str] = {}
         # agents dropped (disconnect, reconnect, deadline, close) while requests to them were in
@@ -381,6 +593,28 @@ class NixlTransport(Transport):
                     ) from exc
             self._regions += new
             self._local = side
+            old, self._lpreps = self._lpreps, {}
+            for p in old.values():
+                p.release()
+            for block in sorted(set(old) | {self._local_block()}):
+                self._local_prep(block)
+
+    def _local_block(self) -> int:
+        return self._prep_block or _auto_block(self._regions, self._prep_max)
+
+    def _local_prep(self, block: int) -> _Prep | None:
+        """Our regions prepped at ``block`` (made once, lock held); None if NIXL refused."""
+        prep = self._lpreps.get(block)
+        if prep is None and self._regions and self._post_mode == "prepped":
+            try:
+                prep = _make_prep(self._agent, "NIXL_INIT_AGENT", self._local, block)
+            except Exception as exc:
+                _warn_once(f"lprep{block}", "nixl could not prep our %d region(s) at %d-byte "
+                           "blocks (%s): every post builds its own descriptor lists",
+                           len(self._regions), block, _nixl_reason(exc))
+                return None
+            self._lpreps[block] = prep
+        return prep
 
     def descriptor(self) -> bytes:
         with self._lock:
@@ -479,9 +713,35 @@ class NixlTransport(Transport):
                         "timeout_s cannot be torn down (docs/nixl.md 'Deadlines')",
                         peer,
                     )
-            self._peers[peer] = _Peer(peer, name, descriptor, side, desc.host, ucx)
+            entry = _Peer(peer, name, descriptor, side, desc.host, ucx)
+            entry.prep = self._prep_peer(entry)
+            if (bad := _gpu_verdicts.get(self._gpu_key(desc.host == self._host))) is not None:
+                self._judge_gpu_path(entry, bad, side.has_vram or self._local.has_vram)
+            self._peers[peer] = entry
             self._by_agent[name] = peer
         self._check_ucx_path(peer, desc.host == self._host, side.has_vram or self._local.has_vram)
+
+    def _prep_peer(self, p: _Peer) -> _Prep | None:
+        """Prep the peer's regions once, at the block our own regions are prepped at (or a
+        larger one when its memory needs it); None: posts build per-request lists."""
+        if self._post_mode != "prepped" or not p.side.table.regions:
+            return None
+        block = self._prep_block or max(
+            self._local_block(), _auto_block(p.side.table.regions, self._prep_max)
+        )
+        if self._local_prep(block) is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            prep = _make_prep(self._agent, p.agent, p.side, block)
+        except Exception as exc:
+            log.warning("nixl peer %s: could not prep its regions at %d-byte blocks (%s): its "
+                        "posts build their own descriptor lists", p.key, block, _nixl_reason(exc))
+            return None
+        log.info("nixl peer %s: prepped %d + %d descriptors of %d bytes in %.1f ms", p.key,
+                 self._lpreps[block].descriptors, prep.descriptors, block,
+                 (time.perf_counter() - t0) * 1e3)
+        return prep
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
@@ -499,6 +759,9 @@ class NixlTransport(Transport):
         self._peers.pop(p.key, None)
         if self._by_agent.get(p.agent) == p.key:
             del self._by_agent[p.agent]
+        if p.prep is not None:  # requests made from it hold their own copy of the descriptors
+            p.prep.release()
+            p.prep = None
         live = []
         for x in self._xfers.values():
             if x.peer != p.key or x.agent != p.agent:
@@ -588,6 +851,8 @@ class NixlTransport(Transport):
                 why = "the transport is closed" if self._closed else "it is not connected"
                 return self._failed_handle(peer, f"nixl: peer {peer!r}: {why}")
             ri = p.side.table.locate(remote, "remote extent")
+            if p.blocked is not None:
+                return self._failed_handle(peer, p.blocked)
             if self._zombies:
                 self._reap_zombies()
             n = int(local.shape[0])
@@ -599,36 +864,68 @@ class NixlTransport(Transport):
                 if notif is None or self._send_notif(x, p.agent, notif):
                     x.state = DONE
             else:
-                lmem, rmem = self._local.mem[li], p.side.mem[ri]
-                ldev, rdev = self._local.dev[li], p.side.dev[ri]
-                if lmem.min() == lmem.max() and rmem.min() == rmem.max():
-                    parts: list[tuple[npt.NDArray[np.bool_] | None, int, int]] = [
-                        (None, int(lmem[0]), int(rmem[0]))
-                    ]
+                parts: list[tuple[npt.NDArray[np.bool_] | None, int, int]]
+                lk, rk = self._local.one_kind, p.side.one_kind
+                if lk is not None and rk is not None:  # no per-extent lookup
+                    parts = [(None, lk, rk)]
                 else:
-                    pair = lmem.astype(np.int16) * 2 + rmem
-                    parts = [(pair == k, int(k) // 2, int(k) % 2) for k in np.unique(pair)]
-                    x.notify = notif
-                for mask, lm, rm in parts:
-                    if mask is None:
-                        ld, rd = _dlist(local, ldev), _dlist(remote, rdev)
+                    lmem, rmem = self._local.mem[li], p.side.mem[ri]
+                    if lmem.min() == lmem.max() and rmem.min() == rmem.max():
+                        parts = [(None, int(lmem[0]), int(rmem[0]))]
                     else:
-                        ld, rd = _dlist(local[mask], ldev[mask]), _dlist(remote[mask], rdev[mask])
-                    err = self._post_one(
-                        x,
-                        _OPS[op],
-                        p.agent,
-                        ld,
-                        _MEM_NAMES[lm],
-                        rd,
-                        _MEM_NAMES[rm],
-                        notif if mask is None else None,
-                    )
+                        pair = lmem.astype(np.int16) * 2 + rmem
+                        parts = [(pair == k, int(k) // 2, int(k) % 2) for k in np.unique(pair)]
+                        x.notify = notif
+                lprep = self._lpreps.get(p.prep.block) if p.prep is not None else None
+                for mask, lm, rm in parts:
+                    lx, rx = (local, remote) if mask is None else (local[mask], remote[mask])
+                    lr, rr = (li, ri) if mask is None else (li[mask], ri[mask])
+                    idx: tuple[Any, Any] | None = None
+                    if (lprep is not None and p.prep is not None
+                            and lprep.side is self._local and p.prep.side is p.side
+                            and lm in lprep.handles and rm in p.prep.handles):
+                        pair_idx = _pair_indices(lprep, lr, lx, p.prep, rr, rx)
+                        if pair_idx is not None:
+                            idx = (lprep.handles[lm], pair_idx[0]), (p.prep.handles[rm],
+                                                                     pair_idx[1])
+                        elif not x.path:
+                            _warn_once(
+                                f"unaligned{p.prep.block}", "nixl: a request's extents are not "
+                                "whole %d-byte blocks of the registered regions: it builds its "
+                                "own descriptor lists (slower; set option prep_block_bytes to "
+                                "the KV block size)", p.prep.block)
+                    msg = notif if mask is None else None
+                    if idx is not None:
+                        x.path = x.path or "prepped"
+                        err = self._post_indexed(x, _OPS[op], idx[0], idx[1], msg)
+                    else:
+                        x.path = x.path or ("direct" if self._post_mode == "direct"
+                                            else "per-request")
+                        err = self._post_one(x, _OPS[op], p.agent,
+                                             _dlist(lx, self._local.dev[lr]), _MEM_NAMES[lm],
+                                             _dlist(rx, p.side.dev[rr]), _MEM_NAMES[rm], msg)
                     if err is not None:  # parts already posted are cancelled or awaited
-                        self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err}")
+                        self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err} "
+                                   f"({x.ndesc} extents, {x.nbytes} bytes)")
                         break
-        self._account(post_seconds=time.perf_counter() - t0)
+        x.t_posted = time.perf_counter()
+        self._account(post_seconds=x.t_posted - t0)
         return handle
+
+    def xfer_timing(self, handle: int) -> dict[str, float | str]:
+        """Host time of one post: ``pre_transfer_s`` from the post call to NIXL's transfer()
+        starting (bounds checks, index computation, ``make_prepped_xfer``), ``post_call_s`` the
+        whole call (over cma the copy runs inside transfer()), and ``path``: "prepped" (lists
+        prepped at connect, no list built), "per-request" or "direct"."""
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            return {
+                "pre_transfer_s": (x.t_transfer or x.t_posted) - x.t_post,
+                "post_call_s": x.t_posted - x.t_post,
+                "path": x.path,
+            }
 
     def _failed_handle(self, peer: str, reason: str) -> int:
         """A handle that never started (lock held): FAILED at once, nothing to wait for."""
@@ -669,10 +966,25 @@ class NixlTransport(Transport):
                 )
         except Exception as exc:
             return _nixl_reason(exc)
+        return self._start(x, req)
+
+    def _post_indexed(self, x: _Xfer, op: str, local: tuple[Any, Any], remote: tuple[Any, Any],
+                      notif: bytes | None) -> str | None:
+        """One NIXL request from the lists prepped at connect, by index (lock held)."""
+        try:
+            req = self._agent.make_prepped_xfer(op, local[0], local[1], remote[0], remote[1],
+                                                notif_msg=notif or b"")
+        except Exception as exc:
+            return _nixl_reason(exc)
+        return self._start(x, req)
+
+    def _start(self, x: _Xfer, req: Any) -> str | None:
         x.reqs.append(req)
         x.done.append(False)
+        if not x.t_transfer:
+            x.t_transfer = time.perf_counter()
         try:
-            state = a.transfer(req)
+            state = self._agent.transfer(req)
         except Exception as exc:
             return _nixl_reason(exc)
         if state == "ERR":
@@ -944,6 +1256,9 @@ class NixlTransport(Transport):
                 log.warning("nixl: %d transfer(s) could not be cancelled at close; keeping the "
                             "memory registered", stuck)
                 return
+            for prep in self._lpreps.values():
+                prep.release()
+            self._lpreps = {}
             for dl in self._reg_dlists:
                 try:
                     self._agent.deregister_memory(dl)
@@ -982,6 +1297,57 @@ class NixlTransport(Transport):
         _done, pending = cf.wait(list(self._probes), timeout)
         return not pending
 
+    @staticmethod
+    def _gpu_key(same_host: bool) -> tuple[Any, ...]:
+        return (same_host, tuple(sorted((k, v or "") for k, v in _ucx.ucx_settings().items())))
+
+    def _gpu_device(self) -> int:
+        for r in self._regions:
+            mem, dev = _mem_of(r.device)
+            if mem == 1:
+                return int(dev)
+        return 0
+
+    def _gpu_verdict(self, same_host: bool) -> _ucx.LaneVerdict:
+        """What carries a GPU pair's bytes (cached per process and UCX settings)."""
+        key = self._gpu_key(same_host)
+        v = _gpu_verdicts.get(key)
+        if v is not None:
+            return v
+        if same_host:
+            pr = _ucx.nixl_probe("VRAM", 64 << 20, 2, timeout=120, device=self._gpu_device())
+            v = _ucx.classify_lanes(pr.lanes, vram=True, same_host=True,
+                                    protocols=pr.protocols)
+            if not pr.ok and v.verdict == "unknown":
+                v = _ucx.LaneVerdict("unknown", f"the NIXL VRAM probe failed: {pr.error}")
+            log.info("nixl: measured NIXL VRAM path on this host: lanes %s, GB/s %s -> %s",
+                     pr.lanes, {k: round(g, 1) for k, g in pr.gbps.items()}, v.verdict)
+        else:
+            rma = _ucx.rma_transports("inter")
+            lanes = {"read": [f"{t}/" for t in rma], "write": [f"{t}/" for t in rma]}
+            v = _ucx.classify_lanes(lanes, vram=True, same_host=False)
+            if rma:
+                v = dataclasses.replace(v, reason=f"{v.reason} (predicted by ucx_info)")
+        _gpu_verdicts[key] = v
+        return v
+
+    def _judge_gpu_path(self, p: _Peer, v: _ucx.LaneVerdict, vram: bool) -> None:
+        """A GPU pair on tcp / cuda_copy / emulation: its posts fail unless allow_slow_gpu
+        (lock held)."""
+        if not vram or v.verdict != "slow":
+            return
+        why = (f"nixl peer {p.key!r}: GPU memory would move over a slow UCX path: {v.reason}. "
+               f"Fix: UCX_TLS must allow cuda_ipc (same host) or rc/dc with GPUDirect RDMA "
+               f"(other hosts), UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, the CUDA device set before "
+               f"connect; see `kvlink doctor`. To accept it, set nixl option "
+               f"allow_slow_gpu=True")
+        if self._allow_slow_gpu:
+            _warn_once(f"slowgpu-{v.reason}", "%s (allowed: allow_slow_gpu)", why)
+            return
+        if p.blocked is None:
+            log.error("!!! %s; its transfers fail until then", why)
+        p.blocked = why
+
     def _probe_ucx_path(self, peer: str, same_host: bool, vram: bool) -> None:
         placement = "intra" if same_host else "inter"
         rma = _ucx.rma_transports(placement)
@@ -1001,6 +1367,14 @@ class NixlTransport(Transport):
                 ",".join(rma),
                 ",".join(_ucx.ucx_transports()),
             )
+        if vram:
+            v = self._gpu_verdict(same_host)
+            with self._lock:
+                p = self._peers.get(peer)
+                if p is not None:
+                    self._judge_gpu_path(p, v, True)
+            if v.verdict != "unknown":
+                return
         if vram and _ucx.gpu_staged(same_host) is True:
             _warn_once(
                 "cuda_copy",

@@ -1,0 +1,357 @@
+"""GPU check of kvlink's nixl transport: READ and WRITE VRAM -> VRAM between two processes.
+
+    python scripts/gpu_nixl_check.py [--out DIR] [--memory vram|dram] [--timeout 220]
+
+Two processes on one GPU (the target is this script with ``--role target``), each with one
+``NixlTransport`` (kvlink's UCX settings applied: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y unless set).
+Cases: ``4MiB`` (4 MiB descriptors at random distinct ids of a 1 GiB cache) and ``70b_tp8``
+(the Llama-3-70B TP8-rank request: 80 layers x K,V x 256 blocks of 4 KiB = 160 MiB, planned
+through kvlink's ``plan_transfer`` at random distinct block ids of 512-block caches). Each READ
+and WRITE is timed end to end (post -> DONE polled), as a ratio of a device copy of the same
+blocks measured in the same run, and every byte verified (sha256 of the moved blocks on both
+sides). A measured NIXL probe (``_ucx.nixl_probe``) says which UCX lanes carried VRAM.
+``--memory dram`` runs the same on host memory (no GPU needed; smaller caches), to check the
+script itself. JSON to ``--out`` (default ``$OUT`` or bench/results), as gpu_nixl_check.json.
+Every wait has a timeout; the whole run is bounded by ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+MIB = 1 << 20
+#: name -> (cache bytes, descriptor bytes, descriptors) per memory kind; 70b_tp8 is planned
+CASES = {
+    "vram": {"4MiB": (1 << 30, 4 * MIB, 128)},
+    "dram": {"4MiB": (256 * MIB, 4 * MIB, 32)},
+}
+LAYERS, CACHE_BLOCKS, REQ_BLOCKS, BLOCK_TOKENS, HEADS, DIM = 80, 512, 256, 16, 1, 128  # bf16
+
+
+class Mem:
+    """A seeded buffer on the GPU (torch) or in host memory (numpy)."""
+
+    def __init__(self, kind: str, nbytes: int, seed: int) -> None:
+        self.kind, self.nbytes, self.seed = kind, nbytes, seed
+        if kind == "vram":
+            import torch
+
+            self.t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            self.addr = int(self.t.data_ptr())
+        else:
+            self.a = np.empty(nbytes, dtype=np.uint8)
+            self.addr = int(self.a.ctypes.data)
+        self.reset()
+
+    def reset(self) -> None:
+        """Refill with the seeded bytes, in place (the registered address stays)."""
+        if self.kind == "vram":
+            import torch
+
+            g = torch.Generator(device="cuda").manual_seed(self.seed)
+            self.t.random_(0, 256, generator=g)
+            torch.cuda.synchronize()
+        else:
+            self.a[:] = np.random.default_rng(self.seed).integers(0, 256, self.nbytes,
+                                                                  dtype=np.uint8)
+
+    @property
+    def device(self) -> str:
+        return "cuda:0" if self.kind == "vram" else "cpu"
+
+    def digest(self, offsets: np.ndarray, lens: np.ndarray) -> str:
+        """sha256 of the bytes at (offset, len) pairs, in order."""
+        h = hashlib.sha256()
+        if self.kind == "vram":
+            import torch
+
+            torch.cuda.synchronize()
+            host = self.t.cpu().numpy()
+        else:
+            host = self.a
+        for o, n in zip(offsets.tolist(), lens.tolist(), strict=True):
+            h.update(host[o:o + n].tobytes())
+        return h.hexdigest()
+
+    def device_copy_seconds(self, dst: Mem, so: np.ndarray, do: np.ndarray, size: int,
+                            reps: int) -> float:
+        """Median time of copying blocks of ``size`` bytes at offsets so -> do on the device
+        (a torch gather/scatter, or numpy in host memory): the same-run baseline."""
+        if self.kind == "vram":
+            import _gpu_common
+            import torch
+
+            w = size
+            s = torch.from_numpy((so // size).astype(np.int64)).cuda()
+            d = torch.from_numpy((do // size).astype(np.int64)).cuda()
+            sv, dv = self.t.view(-1, w), dst.t.view(-1, w)
+
+            def fn() -> None:
+                dv.index_copy_(0, d, sv.index_select(0, s))
+
+            return float(_gpu_common.host_seconds(fn, reps))
+        ha: Any = self.a.reshape(-1, size)
+        hb: Any = dst.a.reshape(-1, size)
+        si, di = (so // size).astype(np.int64), (do // size).astype(np.int64)
+        ts = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            hb[di] = ha[si]
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts[1:])
+
+
+def _ctx(name: str) -> Any:
+    from kvlink.transport import TransportContext
+
+    return TransportContext(agent_name=name)
+
+
+def _seed(case: str, role: str) -> int:
+    return int(hashlib.sha256(f"{case}-{role}".encode()).hexdigest()[:8], 16)
+
+
+def _blocks(offs: np.ndarray, lens: np.ndarray, size: int) -> np.ndarray:
+    """Offsets of the ``size``-byte blocks making up extents (offs, lens), in order."""
+    cnt = (lens // size).astype(np.int64)
+    start = np.cumsum(cnt) - cnt
+    out: np.ndarray = np.repeat(offs, cnt) + (
+        np.arange(int(cnt.sum())) - np.repeat(start, cnt)) * size
+    return out
+
+
+def _sizes(kind: str) -> dict[str, int]:
+    out = {c: v[0] for c, v in CASES[kind].items()}
+    out["70b_tp8"] = LAYERS * 2 * CACHE_BLOCKS * BLOCK_TOKENS * HEADS * DIM * 2
+    return out
+
+
+# ------------------------------------------------------------------ target process
+
+
+def target(kind: str) -> None:
+    from kvlink.transport import Region
+    from kvlink_transports.nixl import NixlTransport
+
+    if kind == "vram":
+        import torch
+
+        torch.cuda.set_device(0)
+    t = NixlTransport(_ctx(f"gpucheck-t-{uuid.uuid4().hex[:6]}"), {"ucx_probe": False})
+    mems = {c: Mem(kind, n, _seed(c, "t")) for c, n in _sizes(kind).items()}
+    t.register([Region(m.addr, m.nbytes, m.device) for m in mems.values()])
+    print(json.dumps({"desc": t.descriptor().hex(),
+                      "addr": {c: m.addr for c, m in mems.items()}}), flush=True)
+    for line in sys.stdin:  # commands: one JSON per line
+        cmd = json.loads(line)
+        if cmd["op"] == "digest":
+            m = mems[cmd["case"]]
+            d = m.digest(np.array(cmd["off"], dtype=np.int64), np.array(cmd["len"], np.int64))
+            print(json.dumps({"digest": d}), flush=True)
+        elif cmd["op"] == "reset":  # back to the seeded bytes (after a WRITE)
+            mems[cmd["case"]].reset()
+            print(json.dumps({"ok": True}), flush=True)
+        elif cmd["op"] == "stop":
+            break
+    t.close()
+
+
+class Target:
+    def __init__(self, kind: str, timeout: float) -> None:
+        self.timeout = timeout
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "target",
+                                   "--memory", kind], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        self.hello = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        r, _, _ = select.select([self.p.stdout], [], [], self.timeout)
+        if not r:
+            raise TimeoutError(f"target did not answer within {self.timeout:g}s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"target exited (rc {self.p.poll()})")
+        return dict(json.loads(line))
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._line()
+
+    def stop(self) -> None:
+        try:
+            if self.p.poll() is None and self.p.stdin is not None:
+                self.p.stdin.write(json.dumps({"op": "stop"}) + "\n")
+                self.p.stdin.flush()
+            self.p.wait(timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+            self.p.wait(timeout=10)
+
+
+# ------------------------------------------------------------------ initiator
+
+
+def _plan_70b(kind: str, local: Mem, raddr: int, rng: np.random.Generator
+              ) -> tuple[Any, Any, int, dict[str, Any]]:
+    """The 70B TP8-rank request planned by kvlink: (local extents, remote extents, block
+    bytes, info). Both caches have the same geometry, so the plan is made against our own
+    spec for both sides and its remote side rebased onto the target's cache."""
+    from kvlink.layout import KVCacheSpec
+    from kvlink.plan import plan_transfer
+
+    cache: Any
+    if kind == "vram":
+        import torch
+
+        cache = local.t.view(torch.bfloat16).view(
+            LAYERS, 2, CACHE_BLOCKS, BLOCK_TOKENS, HEADS, DIM)
+    else:  # host memory: the same bytes as float16 pages
+        cache = local.a.view(np.float16).reshape(
+            LAYERS, 2, CACHE_BLOCKS, BLOCK_TOKENS, HEADS, DIM)
+    spec = KVCacheSpec.from_tensors([cache[i] for i in range(LAYERS)])
+    lids = np.sort(rng.choice(CACHE_BLOCKS, REQ_BLOCKS, replace=False))
+    rids = rng.choice(CACHE_BLOCKS, REQ_BLOCKS, replace=False)
+    plan = plan_transfer(spec, spec, lids, rids)
+    rem = plan.remote.copy()
+    rem["addr"] = rem["addr"] - np.uint64(local.addr) + np.uint64(raddr)
+    block = BLOCK_TOKENS * HEADS * DIM * 2
+    info = {"raw_descriptors": int(plan.raw_descriptors), "extents": int(plan.local.shape[0]),
+            "nbytes": int(plan.nbytes), "block_bytes": block}
+    return plan.local, rem, block, info
+
+
+def initiator(args: argparse.Namespace) -> dict[str, Any]:
+    from kvlink.transport import Op, Region, XferStatus, make_extents
+    from kvlink_transports import _ucx
+    from kvlink_transports.nixl import NixlTransport
+
+    kind = args.memory
+    res: dict[str, Any] = {"memory": kind, "cases": {}}
+    if kind == "vram":
+        import torch
+
+        torch.cuda.set_device(0)
+        res["gpu"] = torch.cuda.get_device_name(0)
+    pr = _ucx.nixl_probe("VRAM" if kind == "vram" else "DRAM", 64 * MIB, 2,
+                         timeout=min(60.0, args.timeout / 4))
+    v = _ucx.classify_lanes(pr.lanes, vram=kind == "vram", same_host=True,
+                            protocols=pr.protocols)
+    res["nixl_probe"] = {**pr.as_dict(), "verdict": v.verdict, "why": v.reason}
+    tgt = Target(kind, timeout=min(120.0, args.timeout / 2))
+    t = NixlTransport(_ctx(f"gpucheck-i-{uuid.uuid4().hex[:6]}"), {"ucx_probe": False,
+                                                                    "telemetry": True})
+    res["ucx_env_set_by_kvlink"] = t.ucx_env
+    res["ucx_settings"] = _ucx.ucx_settings()
+    try:
+        mems = {c: Mem(kind, n, _seed(c, "i")) for c, n in _sizes(kind).items()}
+        t.register([Region(m.addr, m.nbytes, m.device) for m in mems.values()])
+        t.connect("target", bytes.fromhex(tgt.hello["desc"]))
+        rng = np.random.default_rng(0)
+        for case, m in mems.items():
+            raddr = int(tgt.hello["addr"][case])
+            if case == "70b_tp8":
+                le, re_, size, info = _plan_70b(kind, m, raddr, rng)
+            else:
+                cache, size, count = CASES[kind][case]
+                lo = rng.choice(cache // size, count, replace=False).astype(np.uint64) * size
+                ro = rng.choice(cache // size, count, replace=False).astype(np.uint64) * size
+                le = make_extents(np.uint64(m.addr) + lo, size)
+                re_ = make_extents(np.uint64(raddr) + ro, size)
+                info = {"extents": count, "nbytes": count * size}
+            row: dict[str, Any] = {**info, "descriptor_bytes": size}
+            loff = (le["addr"] - np.uint64(m.addr)).astype(np.int64)
+            roff = (re_["addr"] - np.uint64(raddr)).astype(np.int64)
+            lens = le["len"].astype(np.int64)
+            nbytes = int(lens.sum())
+            # the same-run baseline: a device copy of the same blocks (local -> a scratch copy)
+            scratch = Mem(kind, m.nbytes, 99)
+            bo = _blocks(loff, lens, size)
+            dc = m.device_copy_seconds(scratch, bo, bo, size, args.reps)
+            del scratch
+            row["device_copy_gbps"] = nbytes / dc / 1e9
+            for op in (Op.READ, Op.WRITE):
+                times, err, paths = [], None, set()
+                for _ in range(args.reps):
+                    if kind == "vram":
+                        import torch
+
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    h = t.post(op, "target", le, re_)
+                    st = t.wait(h, args.op_timeout)
+                    dt = time.perf_counter() - t0
+                    paths.add(str(t.xfer_timing(h)["path"]))
+                    t.release(h)
+                    if st.status is not XferStatus.DONE:
+                        err = st.reason or f"not DONE within {args.op_timeout:g}s"
+                        break
+                    times.append(dt)
+                key = op.value.lower()
+                row[f"{key}_path"] = sorted(paths)
+                if err:
+                    row[f"{key}_error"] = err
+                    continue
+                best = min(times)
+                row[f"{key}_gbps"] = nbytes / best / 1e9
+                row[f"{key}_over_device_copy"] = (nbytes / best) / (nbytes / dc)
+                # bytes: READ put the target's blocks into ours; WRITE ours into the target's
+                mine = m.digest(loff, lens)
+                theirs = tgt.call(op="digest", case=case, off=roff.tolist(), len=lens.tolist())
+                row[f"{key}_verified"] = mine == theirs["digest"]
+                if op is Op.READ:  # back to our own bytes before the WRITE
+                    m.reset()
+                else:
+                    tgt.call(op="reset", case=case)
+            res["cases"][case] = row
+            print(case, json.dumps(row), flush=True)
+    finally:
+        t.close()
+        tgt.stop()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--memory", choices=("vram", "dram"), default="vram")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--op-timeout", type=float, default=30.0)
+    ap.add_argument("--timeout", type=float, default=220.0, help="bound on the whole run (s)")
+    ap.add_argument("--role", choices=("initiator", "target"), default="initiator",
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    signal.alarm(int(args.timeout) + (30 if args.role == "target" else 0))  # hard bound
+    if args.role == "target":
+        target(args.memory)
+        return
+    res = initiator(args)
+    out_dir = args.out or os.path.join(HERE, "..", "bench", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+    from _common import write_result
+
+    write_result("gpu_nixl_check", res, os.path.join(out_dir, "gpu_nixl_check.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`kvlink doctor`: report shape, warnings, --strict exit code (no NIXL probe: fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlink import doctor
+
+
+def test_report_text_json_and_strict(capsys: pytest.CaptureFixture[str]) -> None:
+    rep = doctor.collect(probe=False)
+    for key in ("versions", "ucx", "system", "verdicts", "warnings", "cuda"):
+        assert key in rep
+    assert isinstance(rep["warnings"], list) and all(isinstance(w, str) for w in rep["warnings"])
+    assert "UCX_TLS" in rep["ucx"]["settings"] and "UCX_NET_DEVICES" in rep["ucx"]["settings"]
+    text = doctor.render(rep)
+    assert "verdict" not in text.split("transports")[0] and "memlock" in text
+    assert doctor.run(as_json=True, probe=False) == 0
+    assert json.loads(capsys.readouterr().out)["verdicts"]["tcp"]["verdict"] == "usable"
+    code = doctor.run(strict=True, probe=False)
+    assert code == (1 if rep["warnings"] else 0)
+
+
+def test_tls_allowed_honours_ucx_tls() -> None:
+    built = ["self", "tcp", "sysv", "posix", "cma", "cuda_ipc"]
+    assert doctor.tls_allowed(built, None) == built
+    assert doctor.tls_allowed(built, "tcp,sm") == ["tcp", "sysv", "posix", "cma"]
+    assert doctor.tls_allowed(built, "^cuda") == ["self", "tcp", "sysv", "posix", "cma"]
+
+
+def test_staging_warning_can_fire() -> None:
+    """The GPU staging warning was dead (it read a key _ucx.report() never returned)."""
+    rep = doctor.collect(probe=False)
+    rep["cuda"] = {"available": True, "devices": ["fake"]}
+    rep["ucx"]["measured_same_host"] = {"VRAM": {
+        "ok": True, "verdict": "slow", "why": "READ over cuda_copy+tcp (cuda_copy stages GPU "
+        "memory through host buffers), not cuda_ipc"}}
+    ws = doctor.warnings_of(rep)
+    assert any("VRAM" in w and "cuda_copy" in w for w in ws), ws
