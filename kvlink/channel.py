@@ -223,13 +223,18 @@ class Channels:
         self.frames_sent = 0
         self.calls_sent = 0
 
-    def call(self, host: str, port: int, msg: wire.Request, timeout: float) -> Pending:
-        """Queue ``msg`` for ``host:port``; it leaves on the next :meth:`flush`."""
+    def call(self, host: str, port: int, msg: wire.Request, timeout: float,
+             quiet: bool = False) -> Pending:
+        """Queue ``msg`` for ``host:port``; it leaves on the next :meth:`flush`. ``quiet``: a
+        report that wants no answer (call id 0): its Pending settles with ``Ack`` once the
+        frame is sent, and the server answers nothing — no answer to read on the caller's
+        next poll. Sent is not delivered: a connection that breaks after the frame left
+        loses it (one still queued goes on the next connection, like any call)."""
         with self._lock:
             conn = self._conn(host, port)
             now = time.monotonic()
             pending = Pending(f"{conn.where} ({type(msg).__name__})", now, now + timeout)
-            conn.queued.append((next(self._ids), msg, pending))
+            conn.queued.append((0 if quiet else next(self._ids), msg, pending))
             return pending
 
     def flush(self) -> None:
@@ -352,9 +357,16 @@ class Channels:
                     f"{REQUEST_BYTES} B request bound"))
                 continue
             frame = body if conn.key is None else wire.encode(self._seal(conn, body))
+            quiet = []
             for cid, m, pending in chunk:
-                conn.waiting[cid] = (m, pending)
+                if cid:
+                    conn.waiting[cid] = (m, pending)
+                else:
+                    quiet.append(pending)
             self._put(conn, frame)
+            if not conn.broken:
+                for pending in quiet:  # sent: nothing comes back for it
+                    pending._settle(wire.Ack(v=WIRE_VERSION))
             self.calls_sent += len(chunk)
 
     @staticmethod

@@ -414,7 +414,10 @@ class SideChannelServer:
                 break
             body = bytes(buf[pos + FRAME.size:pos + FRAME.size + n])
             pos += FRAME.size + n
-            answer = frame(self._answer(peer, body))
+            reply = self._answer(peer, body)
+            if reply is None:  # a batch of reports that want no answer
+                continue
+            answer = frame(reply)
             if len(answer) > FRAME.size + wire.MAX_MESSAGE_BYTES:  # no client would take it
                 answer = frame(wire.ErrorReply(
                     v=wire.WIRE_VERSION, code="too_large", message=f"an answer of "
@@ -472,7 +475,7 @@ class SideChannelServer:
             peer.authed = True
             self._pending.pop(peer.ident, None)
 
-    def _answer(self, peer: _Peer, body: bytes) -> wire._Msg:
+    def _answer(self, peer: _Peer, body: bytes) -> wire._Msg | None:
         try:
             msg = wire.decode(body)
             if isinstance(msg, (wire.Hello, wire.Sealed, wire.Batch)):
@@ -495,7 +498,7 @@ class SideChannelServer:
         return self._handle(msg)
 
     def _session_frame(self, peer: _Peer, msg: wire.Hello | wire.Sealed | wire.Batch
-                       ) -> wire._Msg:
+                       ) -> wire._Msg | None:
         """A session's frame (:mod:`kvlink.channel`, :func:`request`): open its session, or
         answer every call of its batch in one :class:`wire.Replies`."""
         if isinstance(msg, wire.Hello):
@@ -525,8 +528,17 @@ class SideChannelServer:
         else:
             batch = msg
         self._authenticated(peer)
-        return wire.Replies(v=wire.WIRE_VERSION, answers=[
-            wire.Answer(c.id, self._handle(c.msg)) for c in batch.calls])
+        answers = []
+        for c in batch.calls:
+            reply = self._handle(c.msg)
+            if c.id:
+                answers.append(wire.Answer(c.id, reply))
+            elif isinstance(reply, wire.ErrorReply):  # nobody hears it: say it here
+                log.info("side channel: an unanswered %s was refused (%s): %s",
+                         type(c.msg).__name__, reply.code, reply.message)
+        if batch.calls and not answers:
+            return None  # only reports that want no answer: no frame back
+        return wire.Replies(v=wire.WIRE_VERSION, answers=answers)
 
     def _handle(self, msg: object) -> wire.Reply:
         try:

@@ -371,7 +371,9 @@ Reply = HandshakeResponse | PushState | ReadGrant | ReadVerdict | ErrorReply | A
 
 
 class Call(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
-    id: U63  # the client's, echoed in the answer: replies may come in any batch
+    #: the client's, echoed in the answer (replies may come in any batch); 0: a report that
+    #: wants no answer (the server handles it, logs a refusal, and answers nothing)
+    id: U63
     msg: Request
 
 

@@ -614,9 +614,11 @@ class KVWorker:
         call's :meth:`read`/:meth:`poll`); its answer is taken by a later :meth:`poll`."""
         return self._chan.call(host, port, msg, timeout or self.config.handshake_timeout)
 
-    def _tell(self, host: str, port: int, msg: wire.Request) -> None:
-        """Send a report nobody waits for (a release, a "written" note): a failure is logged."""
-        self._told.append(self._send(host, port, msg, min(2.0, self.config.handshake_timeout)))
+    def _tell(self, host: str, port: int, msg: wire.Request, quiet: bool = False) -> None:
+        """Send a report nobody waits for (a release, a "written" note): a failure is logged.
+        ``quiet``: not even its answer (kvlink.channel: the server answers nothing)."""
+        self._told.append(self._chan.call(host, port, msg,
+                                          min(2.0, self.config.handshake_timeout), quiet))
 
     def _log_told(self) -> None:
         if not self._told:
@@ -943,7 +945,7 @@ class KVWorker:
                 part.done = True
                 self.board_validated += 1
                 self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
-                           self._read_done(req, part, True))
+                           self._read_done(req, part, True), quiet=True)
             else:
                 part.verdict = self._report_read(req, part, True)
         else:

@@ -216,3 +216,29 @@ def test_offers_that_are_not_boards_are_refused(tmp_path: Any) -> None:
         board.close()
     assert SLOTS & (SLOTS - 1) == 0
 
+
+
+def test_the_boards_report_is_answered_by_nothing() -> None:
+    """The unawaited report leaves as a call that wants no answer: the producer counts the
+    reader done, and no answer frame comes back to be read on the reader's next poll (the
+    next answered call on that connection is the only frame that arrives)."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        conn = next(iter(decode._chan._conns.values()))
+        until(lambda: bool(decode.poll()) and False or not conn.waiting, 5, "warm-up answered")
+        before = conn.answered
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [4, 5], [2, 3], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert ok and decode.board_validated == 2, reason
+        until(lambda: "r0" in [r.req_id for r in prefill.released()], 5, "r0 released")
+        probe = decode._chan.call("127.0.0.1", prefill.side_port, wire.ReadDone(
+            v=WIRE_VERSION, engine_id="d", req_id="nobody", tp_rank=0, tp_size=1), 5)
+        decode._chan.flush()
+        until(lambda: decode.poll() is None or probe.done(), 5, "the probe answered")
+        assert conn.answered == before + 1  # the probe's answer alone
+    finally:
+        prefill.close()
+        decode.close()
