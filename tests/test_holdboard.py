@@ -227,7 +227,7 @@ def test_the_boards_report_is_answered_by_nothing() -> None:
     try:
         _warm(decode, prefill)
         conn = next(iter(decode._chan._conns.values()))
-        until(lambda: bool(decode.poll()) and False or not conn.waiting, 5, "warm-up answered")
+        until(lambda: decode.poll() is None or not conn.waiting, 5, "warm-up answered")
         before = conn.answered
         gen = prefill.hold("r0", [2, 3])
         decode.read("r0", remote(prefill), [4, 5], [2, 3], generation=gen)
