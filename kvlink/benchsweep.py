@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import multiprocessing as mp
+import os
+import queue
 import shutil
 import socket
 import statistics
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlink.demo.proc import child_main, exit_reason
 from kvlink.hostid import host_id
 from kvlink.transport import (
     Op,
@@ -126,13 +130,39 @@ def rdma_baseline() -> str:
             "server and `ib_write_bw -d DEV -s SIZE SERVER_IP` on the client")
 
 
+def _first_message(q: Any, proc: Any, timeout: float) -> Any:
+    """The server's first message; its death or failure ends the wait at once, saying why."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = q.get(timeout=0.1)
+        except queue.Empty:
+            if proc.exitcode is not None:
+                try:
+                    msg = q.get(timeout=0.1)
+                except queue.Empty:
+                    raise RuntimeError(f"bench server {exit_reason(proc.exitcode)} before "
+                                       "it was ready") from None
+            elif time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"bench server not ready within {timeout:.0f}s") from None
+            else:
+                continue
+        if isinstance(msg, tuple) and msg[:1] == ("failed",):
+            proc.join(10)
+            raise RuntimeError(f"bench server failed at start-up: {msg[2]}")
+        return msg
+
+
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     names = [n for n in cfg.transports if n in registered_transports()]
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_server, args=(q, stop, names, cfg.total, cfg.memory))
+    proc = ctx.Process(target=child_main, args=(
+        _server, logging.getLogger().getEffectiveLevel(), os.getpid(), q, 0,
+        q, stop, names, cfg.total, cfg.memory), name="kvlink-bench-server")
     proc.start()
-    descs = q.get(timeout=300)
+    descs = _first_message(q, proc, 300.0)
     _keep, laddr, device = _buffer(cfg.total, cfg.memory, 0)
     clients: dict[str, Any] = {}
     skipped = {n: "not registered" for n in cfg.transports if n not in names}
@@ -249,33 +279,26 @@ def plot(result: dict[str, Any], path: str) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="kvlink bench")
-    ap.add_argument("--transports", default="tcp,nixl")
-    ap.add_argument("--ops", default="read,write")
-    ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
-    ap.add_argument("--total-mib", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--memory", choices=["dram", "vram"], default="dram")
-    ap.add_argument("--json", default="bench/results/bandwidth.json")
-    ap.add_argument("--png", default="bench/results/bandwidth.png")
-    args = ap.parse_args(argv)
-    cfg = SweepConfig(sizes=[int(s) for s in args.sizes.split(",")],
-                      transports=args.transports.split(","), ops=args.ops.split(","),
-                      total=args.total_mib * MiB, reps=args.reps, memory=args.memory)
+def run_and_write(cfg: SweepConfig, json_path: str, png_path: str, command: str) -> int:
+    """Run the sweep, print the table, write the JSON (and the PNG where matplotlib is)."""
     result = run_sweep(cfg)
     print(table(result))
     for name, why in result["skipped_transports"].items():
         print(f"skipped {name}: {why}")
     print(f"ib_write_bw: {result['rdma_baseline']}")
-    result.update({"command": " ".join(["kvlink bench", *(argv or sys.argv[1:])]),
+    result.update({"command": command,
                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                    "machine": {"platform": sys.platform, "cpus": mp.cpu_count(),
                                "host": socket.gethostname()}})
-    with open(args.json, "w") as f:
+    with open(json_path, "w") as f:
         json.dump(result, f, indent=2)
-    why = plot(result, args.png)
-    print(f"wrote {args.json}" + (f", {args.png}" if why is None else f" (no PNG: {why})"))
+    why = plot(result, png_path)
+    print(f"wrote {json_path}" + (f", {png_path}" if why is None else f" (no PNG: {why})"))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvlink bench`` with these arguments (the options live in :mod:`kvlink.cli`)."""
+    from kvlink.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

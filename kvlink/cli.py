@@ -1,201 +1,583 @@
-"""The ``kvlink`` command: demo, serve, pull, doctor."""
+"""The ``kvlink`` command: demo, serve, pull, bench, probe, doctor (docs/cli.md).
+
+Every value is checked here, in the parent, before a process is spawned: a bad one ends the
+command with one line, ``kvlink: error: ...`` naming it, and exit code 2. ``-v``/``-q`` are
+taken anywhere on the line (before or after the command) and reach the child processes.
+"""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import importlib
 import json
 import logging
+import os
+import re
 import sys
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
+import click
+
+from kvlink import __version__
 from kvlink.errors import KVLinkError
 
-
-def _geometry_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("geometry (default: Llama-3-8B-like)")
-    g.add_argument("--layers", type=int, default=32)
-    g.add_argument("--kv-heads", type=int, default=8, help="total KV heads across TP ranks")
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    g.add_argument("--layout", choices=["NHD", "HND"], default="NHD")
-    g.add_argument("--mla", action="store_true", help="one latent per token (head-dim = latent)")
-    r = p.add_argument_group("requests and placement")
-    r.add_argument("--requests", type=int, default=8)
-    r.add_argument("--tokens", type=int, default=1024, help="tokens per request")
-    r.add_argument("--prefill-tp", type=int, default=1)
-    r.add_argument("--decode-tp", type=int, default=1)
-    r.add_argument("--transport", default="tcp", help="any registered transport")
-    r.add_argument("--mode", choices=["pull", "push"], default="pull",
-                   help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)")
-    r.add_argument("--integrity", choices=["off", "sample", "full"], default="off",
-                   help="check the KV that landed against the prefill's digests (pull mode): "
-                        "sample = about 1 block in 32 per request, full = every block")
-    r.add_argument("--cache-gib", type=float, default=1.0, help="KV cache per instance")
-    r.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
-    r.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    r.add_argument("--no-progress", action="store_true")
+F = TypeVar("F", bound=Callable[..., Any])
+_VERBOSITY = "kvlink.verbosity"
+MAX_TP = 4096  # kvlink.wire.MAX_TP (not imported here: keeps --help fast)
+#: a transport's library, imported in the parent to tell "not installed" before spawning
+_TRANSPORT_NEEDS = {"nixl": "nixl._api", "mooncake": "mooncake.engine", "cuda_ipc": "torch"}
+_CONTEXT = {"help_option_names": ["-h", "--help"], "show_default": True,
+            "max_content_width": 100}
 
 
-def _plan(args: argparse.Namespace, port: int) -> Any:
-    from kvlink.demo.data import Geometry
-    from kvlink.demo.roles import DemoPlan
+# ----------------------------------------------------------------------------- verbosity
+def _count(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    if value:
+        meta = ctx.find_root().meta
+        meta[_VERBOSITY] = meta.get(_VERBOSITY, 0) + (value if param.name == "verbose"
+                                                      else -value)
+
+
+def _verbosity(f: F) -> F:
+    """-v/-q on the group and on every command: accepted before or after the command name."""
+    f = click.option("-q", "--quiet", count=True, expose_value=False, callback=_count,
+                     help="Less log output: -q errors only, -qq nothing below critical.")(f)
+    f = click.option("-v", "--verbose", count=True, expose_value=False, callback=_count,
+                     help="More log output: -v info, -vv debug (child processes too).")(f)
+    return f
+
+
+def log_level(ctx: click.Context | None = None) -> int:
+    ctx = ctx or click.get_current_context()
+    v = int(ctx.find_root().meta.get(_VERBOSITY, 0))
+    return min(logging.CRITICAL, max(logging.DEBUG, logging.WARNING - 10 * v))
+
+
+def _setup_logging() -> None:
+    from kvlink.demo.proc import setup_logging
+
+    setup_logging(log_level())
+
+
+# ----------------------------------------------------------------------------- values
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``4K``, ``4KiB``, ``1M``, ``64MB`` -> bytes (K, M, G, T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number with K, M, G: 4K, 1M)")
+    return int(m.group(1)) * _UNIT[m.group(2).lower()]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """A comma-separated list of sizes, each at least 1 byte."""
+    out = []
+    for part in text.split(","):
+        n = parse_size(part)
+        if n < 1:
+            raise ValueError(f"{part.strip()!r} is not a positive size")
+        out.append(n)
+    return out
+
+
+def _bad(option: str, value: object, why: str) -> click.UsageError:
+    """A bad value found after parsing: the one line names the option and the value."""
+    return click.UsageError(f"{option} {value}: {why}")
+
+
+def _port_range(option: str, port: int, n: int, allow_zero: bool) -> None:
+    if allow_zero and port == 0:
+        return
+    if not 1 <= port <= 65535 - (n - 1):
+        top = 65535 - (n - 1)
+        raise _bad(option, port, f"must be 1..{top}" + (" or 0 (pick free ports)" if allow_zero
+                                                         else "")
+                   + (f" (rank r uses {option[2:]} + r, {n} ranks)" if n > 1 else ""))
+
+
+def transport_problem(name: str) -> str | None:
+    """Why ``name`` cannot be used on this machine (not registered, its library missing), or
+    None. Imports the transport's library: the children would, a moment later."""
     from kvlink.transport import load_transport
 
-    load_transport(args.transport)  # unknown names fail here, listing the registered ones
-    if args.integrity != "off" and args.mode == "push":
-        raise SystemExit("kvlink: error: --integrity covers pull mode only (a push's "
-                         "'written' carries no digest yet)")
-    geo = Geometry(layers=args.layers, kv_heads=1 if args.mla else args.kv_heads,
-                   head_dim=args.head_dim, block_size=args.block_size, layout=args.layout,
-                   mla=args.mla)
+    try:
+        load_transport(name)
+    except KVLinkError as exc:
+        return str(exc)
+    mod = _TRANSPORT_NEEDS.get(name)
+    if mod is None:
+        return None
+    try:
+        importlib.import_module(mod)
+    except Exception as exc:  # ImportError, or a library that fails to load (OSError)
+        return (f"transport {name!r} needs the {mod.split('.')[0]} package, which failed to "
+                f"import ({type(exc).__name__}: {exc}); README's transport table names it")
+    if name == "cuda_ipc":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "transport 'cuda_ipc' needs a CUDA device; torch sees none"
+    return None
+
+
+def _writable_file(option: str, path: str | None) -> None:
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise _bad(option, path, f"directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise _bad(option, path, f"directory {parent} is not writable")
+
+
+# ----------------------------------------------------------------------------- demo options
+def _opt(*decls: str, **kw: Any) -> Callable[[F], F]:
+    return click.option(*decls, **kw)
+
+
+_POS_INT = click.IntRange(min=1)
+_POS_FLOAT = click.FloatRange(min=0, min_open=True)
+_TP = click.IntRange(1, MAX_TP)
+
+
+def _geometry(f: F) -> F:
+    """Geometry, requests and placement options shared by demo, serve and pull."""
+    opts = [
+        _opt("--layers", type=_POS_INT, default=32, help="Transformer layers (KV caches)."),
+        _opt("--kv-heads", type=_POS_INT, default=8, help="KV heads in total, over all TP ranks."),
+        _opt("--head-dim", type=_POS_INT, default=128,
+             help="Elements per head (with --mla: the latent width), bf16."),
+        _opt("--block-size", type=_POS_INT, default=16, help="Tokens per KV block."),
+        _opt("--layout", type=click.Choice(["NHD", "HND"]), default="NHD",
+             help="Block layout: tokens before heads (NHD) or heads before tokens (HND)."),
+        _opt("--mla", is_flag=True, help="One latent per token (MLA); --kv-heads is ignored."),
+        _opt("--requests", type=_POS_INT, default=8, help="Requests to move."),
+        _opt("--tokens", type=_POS_INT, default=1024, help="Tokens per request."),
+        _opt("--prefill-tp", type=_TP, default=1,
+             help="Prefill TP ranks (processes); must divide --kv-heads or be a multiple."),
+        _opt("--decode-tp", type=_TP, default=1,
+             help="Decode TP ranks (processes); must divide --kv-heads or be a multiple."),
+        _opt("--transport", default="tcp", metavar="NAME",
+             help="A registered transport: tcp, nixl, mooncake, cuda_ipc, or a plugin."),
+        _opt("--mode", type=click.Choice(["pull", "push"]), default="pull",
+             help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)."),
+        _opt("--integrity", type=click.Choice(["off", "sample", "full"]), default="off",
+             help="Check the KV that landed against the prefill's digests (pull mode): "
+                  "sample = about 1 block in 32 per request, full = every block."),
+        _opt("--cache-gib", type=_POS_FLOAT, default=1.0,
+             help="KV cache per instance, GiB (split over its ranks)."),
+        _opt("--timeout", type=_POS_FLOAT, default=60.0, help="Seconds per request."),
+        _opt("--handshake-timeout", type=_POS_FLOAT, default=10.0,
+             help="Seconds to reach a peer before giving up on it."),
+        _opt("--json", "json_path", metavar="PATH", default=None,
+             help="Also write the results as JSON to PATH."),
+        _opt("--no-progress", is_flag=True, help="No progress bar on stderr."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@dataclasses.dataclass
+class _Args:
+    """The parsed options of demo/serve/pull, as the plan wants them."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    layout: str
+    mla: bool
+    requests: int
+    tokens: int
+    prefill_tp: int
+    decode_tp: int
+    transport: str
+    mode: str
+    integrity: str
+    cache_gib: float
+    timeout: float
+    handshake_timeout: float
+    json_path: str | None
+    no_progress: bool
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+
+
+def _args(kw: dict[str, Any]) -> _Args:
+    names = {f.name for f in dataclasses.fields(_Args)}
+    return _Args(**{k: v for k, v in kw.items() if k in names})
+
+
+def _check(a: _Args) -> None:
+    """Every value of demo/serve/pull, before anything is spawned."""
+    from kvlink.errors import IncompatibleSpecError
+    from kvlink.headmap import check_tp
+
+    if not a.mla:
+        for opt, tp in (("--prefill-tp", a.prefill_tp), ("--decode-tp", a.decode_tp)):
+            try:
+                check_tp(a.kv_heads, tp, opt[2:])
+            except IncompatibleSpecError:
+                raise click.UsageError(
+                    f"{opt} {tp} and --kv-heads {a.kv_heads}: {a.kv_heads} KV heads cannot be "
+                    f"split over {tp} ranks (one must divide the other)") from None
+    if a.integrity != "off" and a.mode == "push":
+        raise click.UsageError(f"--integrity {a.integrity} with --mode push: integrity "
+                                 "covers pull mode only (a push's 'written' carries no digest)")
+    if a.cache_gib * (1 << 30) < 1:
+        raise _bad("--cache-gib", a.cache_gib, "less than a byte")
+    _writable_file("--json", a.json_path)
+    why = transport_problem(a.transport)
+    if why is not None:
+        raise click.UsageError(f"--transport {a.transport}: {why}")
+
+
+def _plan(a: _Args, port: int) -> Any:
+    from kvlink.demo.data import Geometry
+    from kvlink.demo.roles import DemoPlan
+
+    geo = Geometry(layers=a.layers, kv_heads=1 if a.mla else a.kv_heads, head_dim=a.head_dim,
+                   block_size=a.block_size, layout=a.layout, mla=a.mla)
     return DemoPlan(
-        geo=geo, requests=args.requests, tokens=args.tokens, prefill_tp=args.prefill_tp,
-        decode_tp=args.decode_tp, transport=args.transport, host=args.host,
-        advertise_host=getattr(args, "advertise_host", None), port=port,
-        cache_bytes=int(args.cache_gib * (1 << 30)), timeout=args.timeout, mode=args.mode,
-        integrity=args.integrity,
+        geo=geo, requests=a.requests, tokens=a.tokens, prefill_tp=a.prefill_tp,
+        decode_tp=a.decode_tp, transport=a.transport, host=a.host,
+        advertise_host=a.advertise_host, port=port, cache_bytes=int(a.cache_gib * (1 << 30)),
+        timeout=a.timeout, mode=a.mode, integrity=a.integrity,
+        handshake_timeout=a.handshake_timeout,
     )
 
 
 def _report(result: dict[str, Any], json_path: str | None) -> int:
+    """Print only figures that were collected: a rank that did not report is said so."""
+    n, got = result["decode_tp"], result.get("decode_reported", result["decode_tp"])
+    missing = "not collected (no decode rank reported)" if got == 0 else None
+    part = f" ({got} of {n} decode ranks reported)" if 0 < got < n else ""
     rows = [
         ("transport", result["transport"]),
         ("tp (prefill -> decode)", f"{result['prefill_tp']} -> {result['decode_tp']}"),
         ("requests", f"{result['requests']} x {result['tokens']} tokens"),
-        ("bytes", f"{result['bytes']:,} ({result['bytes'] / 2**20:.1f} MiB)"),
-        ("descriptors before coalescing", f"{result['raw_descriptors']:,}"),
-        ("descriptors after coalescing", f"{result['descriptors']:,}"),
-        ("seconds", f"{result['seconds']:.3f}"),
-        ("GB/s", f"{result['gbps']:.2f}"),
-        ("verified", "yes, every byte" if result["verified"] else "NO"),
     ]
-    if result.get("integrity", "off") != "off":
-        rows.append(("integrity", f"{result['integrity']}: "
-                                  f"{result['integrity_checked_blocks']:,} blocks' digests match"))
+    if missing:
+        rows.append(("bytes, descriptors, seconds", missing))
+    else:
+        rows += [
+            ("requests verified", f"{result.get('requests_verified', 0)} of "
+                                  f"{result['requests'] * n}"
+                                  + (f" ({result['requests']} x {n} decode ranks)" if n > 1
+                                     else "") + part),
+            ("bytes", f"{result['bytes']:,} ({result['bytes'] / 2**20:.1f} MiB){part}"),
+        ]
+        desc_from = "prefill" if result.get("mode") == "push" else "decode"
+        if desc_from == "prefill" and result.get("prefill_reported", 0) == 0:
+            rows.append(("descriptors", "not collected (no prefill rank reported)"))
+        else:
+            rows += [("descriptors before coalescing", f"{result['raw_descriptors']:,}"),
+                     ("descriptors after coalescing", f"{result['descriptors']:,}")]
+        rows += [("seconds", f"{result['seconds']:.3f}"), ("GB/s", f"{result['gbps']:.2f}")]
+        if result.get("integrity", "off") != "off":
+            rows.append(("integrity", f"{result['integrity']}: "
+                                      f"{result['integrity_checked_blocks']:,} blocks' digests "
+                                      "match"))
+    rows.append(("verified", "yes, every byte" if result["verified"] else "NO"))
     if "leaks" in result:
-        rows.append(("prefill blocks still held", str(result["leaks"])))
+        leaks = result["leaks"]
+        rows.append(("prefill blocks still held", str(leaks) if leaks is not None else
+                     f"not collected ({result.get('prefill_reported', 0)} of "
+                     f"{result['prefill_tp']} prefill ranks reported)"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k:<{width}}  {v}" for k, v in rows))
-    for req, reason in sorted(result.get("failed", {}).items()):
-        print(f"  FAILED {req}: {reason}")
+    for name, reason in sorted(result.get("rank_failures", {}).items()):
+        print(f"  FAILED {name}: {reason}")
+    by_reason: dict[str, list[str]] = {}
+    for req in sorted(result.get("failed", {}), key=_req_key):
+        by_reason.setdefault(result["failed"][req], []).append(req)
+    for reason, reqs in list(by_reason.items())[:10]:
+        names = ", ".join(reqs[:3]) + (f" and {len(reqs) - 3} more" if len(reqs) > 3 else "")
+        print(f"  FAILED {names}: {reason}")
+    if len(by_reason) > 10:
+        print(f"  ... and {len(by_reason) - 10} more reasons (--json has every request)")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0 if result["verified"] else 1
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def _req_key(req: str) -> tuple[int, str]:
+    num = req.removeprefix("req-")
+    return (int(num), req) if num.isdecimal() else (1 << 62, req)
+
+
+# ----------------------------------------------------------------------------- commands
+@click.group(context_settings=_CONTEXT, no_args_is_help=True)
+@click.version_option(__version__, "-V", "--version", prog_name="kvlink",
+                      message="%(prog)s %(version)s")
+@_verbosity
+def cli() -> None:
+    """KV-cache transfer between prefill and decode instances.
+
+    Options -v/-q work before or after the command: kvlink -v demo, kvlink demo -v.
+    Sizes take K, M, G (powers of 1024): 4K, 1M, 64M. docs/cli.md has examples.
+    """
+
+
+@cli.command(context_settings=_CONTEXT)
+@_geometry
+@_opt("--host", default="127.0.0.1", help="Address every rank binds (side channel, data).")
+@_opt("--port", type=int, default=0,
+      help="Prefill side-channel base port: rank r listens on PORT + r (0: pick free ports).")
+@_verbosity
+def demo(port: int, **kw: Any) -> int:
+    """Prefill and decode ranks as processes on this machine, every byte verified.
+
+    The prefill fills its KV cache with data derived from (layer, K|V, block, token, head);
+    the decode pulls (or is pushed) every request into a fragmented cache and checks it.
+    Exit code 0: every byte verified; 1: a failure (printed); 2: a bad value.
+    """
+    a = _args(kw)
+    _check(a)
+    _port_range("--port", port, a.prefill_tp, allow_zero=True)
+    _setup_logging()
     from kvlink.demo.run import free_port_range, run_demo
 
-    port = args.port or free_port_range(args.prefill_tp, args.host)
-    return _report(run_demo(_plan(args, port), not args.no_progress), args.json)
+    base = port or free_port_range(a.prefill_tp, a.host)
+    return _report(run_demo(_plan(a, base), not a.no_progress), a.json_path)
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops serving like Ctrl-C: the ranks are stopped too
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until every request was read (or Ctrl-C / SIGTERM). Exits 1 when a rank died
-    (an exception, a signal) or had to be killed: its traceback is above, in its log."""
+@cli.command(context_settings=_CONTEXT)
+@_geometry
+@_opt("--host", default="127.0.0.1", help="Bind address (0.0.0.0 for other hosts).")
+@_opt("--advertise-host", default=None, help="Address peers dial (default: --host).")
+@_opt("--port", type=int, default=5600,
+      help="Side-channel base port: rank r listens on PORT + r.")
+@_verbosity
+def serve(port: int, **kw: Any) -> int:
+    """The prefill half: fill a KV cache and serve it until every request was read.
+
+    Stops on Ctrl-C or SIGTERM; its ranks die with it even on SIGKILL (Linux). Exit code 1
+    when a rank died (an exception, a signal) or had to be killed.
+    """
     import signal
 
+    a = _args(kw)
+    _check(a)
+    _port_range("--port", port, a.prefill_tp, allow_zero=False)
+    _setup_logging()
     from kvlink.demo.run import Serving
 
     signal.signal(signal.SIGTERM, _interrupt)
-    serving = Serving(_plan(args, args.port))
+    plan = _plan(a, port)
+    serving = Serving(plan)
     try:
         serving.wait_ready(timeout=300)
-        print(f"serving {args.prefill_tp} prefill rank(s) on {args.host}:{args.port}"
-              f"..{args.port + args.prefill_tp - 1}; waiting for readers (Ctrl-C stops)",
-              flush=True)
-        stats = serving.wait_served(timeout=args.timeout * max(1, args.requests) + 600)
+        print(f"serving {a.prefill_tp} prefill rank(s) on {a.host}:{port}"
+              f"..{port + a.prefill_tp - 1}; waiting for readers (Ctrl-C stops)", flush=True)
+        stats = serving.wait_served(timeout=a.timeout * max(1, a.requests) + 600)
         print(json.dumps({"prefill_leases": stats}))
     except KeyboardInterrupt:
         pass
     finally:
         serving.close()
     dead = serving.failures()
+    reasons = {serving.procs[r].name: why for r, why in serving.reasons.items()}
     for name, code in sorted(dead.items()):
-        print(f"kvlink: error: {name} exited with code {code}", file=sys.stderr)
+        why = f" ({reasons[name]})" if name in reasons else ""
+        print(f"kvlink: error: {name} exited with code {code}{why}", file=sys.stderr)
     return 1 if dead else 0
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
-    import dataclasses
+@cli.command(context_settings=_CONTEXT)
+@_geometry
+@_opt("--host", default="127.0.0.1", help="Local bind address.")
+@_opt("--remote-host", default="127.0.0.1", help="Host of the `kvlink serve` to pull from.")
+@_opt("--remote-port", type=int, default=5600, help="Its side-channel base port.")
+@_verbosity
+def pull(remote_host: str, remote_port: int, **kw: Any) -> int:
+    """The decode half: pull every request from a `kvlink serve` and verify it.
 
+    Use the same geometry options as the serve (a mismatch fails at the handshake, naming
+    both values). A prefill that cannot be reached is given up on once, after
+    --handshake-timeout seconds.
+    """
+    a = _args(kw)
+    _check(a)
+    _port_range("--remote-port", remote_port, a.prefill_tp, allow_zero=False)
+    _setup_logging()
     from kvlink.demo.run import run_pull
 
-    plan = dataclasses.replace(_plan(args, args.remote_port), advertise_host=args.remote_host)
-    return _report(run_pull(plan, not args.no_progress), args.json)
+    plan = dataclasses.replace(_plan(a, remote_port), advertise_host=remote_host)
+    return _report(run_pull(plan, not a.no_progress), a.json_path)
 
 
-def cmd_doctor(args: argparse.Namespace) -> int:
+@cli.command(context_settings=_CONTEXT)
+@_opt("--json", "json_path", metavar="PATH", default=None, help="Also write the report here.")
+@_verbosity
+def doctor(json_path: str | None) -> int:
+    """What this machine can do: RDMA, CUDA IPC, UCX, NIXL, and silent slowdowns."""
+    _writable_file("--json", json_path)
+    _setup_logging()
     from kvlink.doctor import run_doctor
 
-    return run_doctor(json_out=args.json)
+    return run_doctor(json_out=json_path)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from kvlink.benchsweep import main as bench_main
+def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        return parse_sizes(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value}: {exc}") from None
 
-    return bench_main(args.rest)
+
+def _names(allowed: tuple[str, ...] | None) -> Callable[[click.Context, click.Parameter, str],
+                                                       list[str]]:
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> list[str]:
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        if not names:
+            raise click.BadParameter(f"{value!r}: name at least one")
+        for n in names:
+            if allowed is not None and n not in allowed:
+                raise click.BadParameter(f"{n!r} is not one of {', '.join(allowed)}")
+        return names
+    return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvlink", description="KV-cache transfer between "
-                                 "prefill and decode instances")
-    ap.add_argument("-v", "--verbose", action="count", default=0)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="prefill + decode processes on this machine, bytes verified")
-    _geometry_args(d)
-    d.add_argument("--host", default="127.0.0.1")
-    d.add_argument("--port", type=int, default=0, help="side channel base port (0: pick free)")
-    d.set_defaults(func=cmd_demo)
-    s = sub.add_parser("serve", help="the prefill half: fill a KV cache and serve it")
-    _geometry_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for other hosts)")
-    s.add_argument("--advertise-host", default=None, help="address peers dial (default --host)")
-    s.add_argument("--port", type=int, default=5600, help="side channel base port")
-    s.set_defaults(func=cmd_serve)
-    p = sub.add_parser("pull", help="the decode half: pull from a `kvlink serve` and verify")
-    _geometry_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="local bind address")
-    p.add_argument("--remote-host", default="127.0.0.1")
-    p.add_argument("--remote-port", type=int, default=5600)
-    p.set_defaults(func=cmd_pull)
-    b = sub.add_parser("bench", help="bandwidth sweep vs ucx_perftest/memcpy (see --help)",
-                       add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
-    sub.add_parser("probe", help="achieved bandwidth of a decode server from its /metrics",
-                   add_help=False)
-    doc = sub.add_parser("doctor", help="what this machine can do: RDMA, CUDA IPC, UCX, NIXL")
-    doc.add_argument("--json", metavar="PATH")
-    doc.set_defaults(func=cmd_doctor)
-    return ap
+def _default_sizes() -> str:
+    return "4K,16K,64K,256K,1M,4M,16M,64M"
+
+
+@cli.command(context_settings=_CONTEXT)
+@_opt("--transports", default="tcp,nixl", callback=_names(None),
+      help="Comma-separated transports to measure (a registered one whose library is "
+           "missing is skipped, saying why).")
+@_opt("--ops", default="read,write", callback=_names(("read", "write")),
+      help="Comma-separated operations: read, write.")
+@_opt("--sizes", default=_default_sizes(), callback=_sizes,
+      help="Comma-separated block (extent) sizes, bytes; K, M, G = KiB, MiB, GiB.")
+@_opt("--total-mib", type=_POS_INT, default=256,
+      help="Bytes moved per point, MiB (also the buffer size; each size must fit).")
+@_opt("--reps", type=_POS_INT, default=3, help="Repetitions per point (the median is kept).")
+@_opt("--memory", type=click.Choice(["dram", "vram"]), default="dram",
+      help="Buffers in host memory, or on cuda:0 (needs torch and a GPU).")
+@_opt("--out", type=click.Path(file_okay=False), default=".",
+      help="Directory for the JSON and PNG (created if missing).")
+@_opt("--json", "json_name", default="bandwidth.json",
+      help="JSON file name, in --out unless absolute.")
+@_opt("--png", "png_name", default="bandwidth.png",
+      help="PNG plot file name, in --out unless absolute (needs matplotlib).")
+@_verbosity
+def bench(transports: list[str], ops: list[str], sizes: list[int], total_mib: int, reps: int,
+          memory: str, out: str, json_name: str, png_name: str) -> int:
+    """Bandwidth vs block size per transport, beside same-run baselines.
+
+    Baselines: ucx_perftest put/get between two processes on 127.0.0.1, memcpy of the same
+    bytes (device copy for --memory vram); ib_write_bw only where an RDMA device exists.
+    Writes the table to stdout, JSON and PNG to --out (default: the current directory).
+    """
+    from kvlink.transport import registered_transports
+
+    known = registered_transports()
+    for n in transports:
+        if n not in known:
+            raise click.UsageError(f"--transports {n}: unknown transport; registered: "
+                                     f"{', '.join(known) or 'none'}")
+    total = total_mib << 20
+    for s in sizes:
+        if s > total:
+            raise click.UsageError(f"--sizes {s}: larger than --total-mib {total_mib} "
+                                     f"({total:,} bytes)")
+    if memory == "vram":
+        try:
+            import torch
+        except ImportError as exc:
+            raise click.UsageError(f"--memory vram: needs torch ({exc})") from None
+        if not torch.cuda.is_available():
+            raise click.UsageError("--memory vram: no CUDA device (torch.cuda.is_available() "
+                                     "is False)")
+    out_dir = Path(out)
+    json_path, png_path = out_dir / json_name, out_dir / png_name
+    try:
+        for p in (json_path, png_path):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(p.parent, os.W_OK):
+                raise click.UsageError(f"--out {out}: {p.parent} is not writable")
+    except OSError as exc:
+        raise click.UsageError(f"--out {out}: {exc}") from None
+    _setup_logging()
+    from kvlink.benchsweep import SweepConfig, run_and_write
+
+    cfg = SweepConfig(sizes=sizes, transports=transports, ops=ops, total=total, reps=reps,
+                      memory=memory)
+    try:
+        return run_and_write(cfg, str(json_path), str(png_path), " ".join(["kvlink", *_ARGV]))
+    except RuntimeError as exc:  # a transfer failed, the server died: said in one line
+        raise click.ClickException(str(exc)) from None
+
+
+@cli.command(context_settings=_CONTEXT)
+@click.argument("url")
+@_opt("--interval", type=click.FloatRange(min=0), default=0.0,
+      help="Seconds: scrape twice this far apart and report that window only (0: totals).")
+@_opt("--nic-gbit", type=_POS_FLOAT, default=400.0, help="NIC line rate, Gb/s.")
+@_opt("--baseline", default="bandwidth.json", metavar="PATH",
+      help="A `kvlink bench` JSON measured on this machine.")
+@_opt("--timeout", type=_POS_FLOAT, default=10.0, help="Seconds per scrape.")
+@_verbosity
+def probe(url: str, interval: float, nic_gbit: float, baseline: str, timeout: float) -> int:
+    """Achieved KV bandwidth of a running decode server, from its Prometheus /metrics.
+
+    URL: the server's metrics endpoint, e.g. http://host:8000/metrics.
+    """
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise click.UsageError(f"URL {url}: not an http:// or https:// address")
+    _setup_logging()
+    from kvlink.probe import ProbeError, run
+
+    try:
+        return run(url, interval=interval, nic_gbit=nic_gbit, baseline=baseline,
+                   timeout=timeout)
+    except ProbeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------- entry point
+def _fail(message: str) -> None:
+    print(f"kvlink: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+_ARGV: list[str] = []  # this command line, for the records (bench JSON)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser: every option passes through untouched
-        from kvlink.benchsweep import main as bench_main
-
-        logging.basicConfig(level=logging.WARNING)
-        return bench_main(argv[1:])
-    if argv[:1] == ["probe"]:
-        from kvlink.probe import main as probe_main
-
-        return probe_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING - 10 * min(args.verbose, 2),
-        format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
-    try:
-        return int(args.func(args))
-    except KVLinkError as exc:
-        print(f"kvlink: error: {exc}", file=sys.stderr)
+    args = list(sys.argv[1:] if argv is None else argv)
+    _ARGV[:] = args
+    if not args:  # `kvlink` alone: its help, as a usage error
+        with click.Context(cli, info_name="kvlink") as ctx:
+            click.echo(cli.get_help(ctx), err=True)
         return 2
+    try:
+        rv = cli.main(args=args, prog_name="kvlink", standalone_mode=False)
+    except click.UsageError as exc:
+        _fail(exc.format_message())
+        return 2
+    except click.ClickException as exc:
+        _fail(exc.format_message())
+        return exc.exit_code
+    except click.Abort:
+        print("kvlink: interrupted", file=sys.stderr)
+        return 130
+    except KVLinkError as exc:
+        _fail(str(exc))
+        return 1
+    return int(rv or 0)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ theoretical rate and a baseline measured on this machine (``kvlink bench`` JSON)
 
 from __future__ import annotations
 
-import argparse
+import http.client
 import json
 import re
 import time
@@ -62,27 +62,44 @@ def baseline_gbps(path: str) -> tuple[float, str] | None:
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvlink probe", description=__doc__)
-    ap.add_argument("url", help="the decode server's metrics URL, e.g. http://host:8000/metrics")
-    ap.add_argument("--interval", type=float, default=0.0, help="scrape twice, this far apart")
-    ap.add_argument("--nic-gbit", type=float, default=400.0, help="NIC line rate, Gb/s")
-    ap.add_argument("--baseline", default="bench/results/bandwidth.json")
-    args = ap.parse_args(argv)
-    first = scrape(args.url) if args.interval > 0 else None
+class ProbeError(Exception):
+    """The metrics could not be read: one line saying which URL and why."""
+
+
+def _scrape(url: str, timeout: float) -> dict[str, float]:
+    try:
+        return scrape(url, timeout)
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # URLError is an OSError
+        why = getattr(exc, "reason", None) or exc
+        raise ProbeError(f"cannot read {url}: {why}") from None
+
+
+def run(url: str, interval: float = 0.0, nic_gbit: float = 400.0,
+        baseline: str = "bandwidth.json", timeout: float = 10.0) -> int:
+    """Print the achieved bandwidth (over ``interval`` seconds if > 0, else the totals)."""
+    first = _scrape(url, timeout) if interval > 0 else None
     if first is not None:
-        time.sleep(args.interval)  # the measurement window itself
-    res = achieved(first, scrape(args.url))
-    nic = args.nic_gbit / 8
+        time.sleep(interval)  # the measurement window itself
+    res = achieved(first, _scrape(url, timeout))
+    nic = nic_gbit / 8
     print(f"pulls {res['pulls']:.0f}, {res['bytes'] / 2**20:.1f} MiB in "
           f"{res['transfer_seconds']:.3f} s of transfer time")
     print(f"achieved   {res['gbps']:8.2f} GB/s")
-    print(f"NIC        {nic:8.2f} GB/s ({args.nic_gbit:.0f} Gb/s line rate) -> "
+    print(f"NIC        {nic:8.2f} GB/s ({nic_gbit:.0f} Gb/s line rate) -> "
           f"{100 * res['gbps'] / nic:.0f} %")
-    base = baseline_gbps(args.baseline)
+    base = baseline_gbps(baseline)
     if base is None:
-        print(f"baseline   none ({args.baseline} missing: run `kvlink bench`)")
+        print(f"baseline   none ({baseline} missing: run `kvlink bench`)")
     else:
-        print(f"baseline   {base[0]:8.2f} GB/s ({base[1]}, {args.baseline}) -> "
+        print(f"baseline   {base[0]:8.2f} GB/s ({base[1]}, {baseline}) -> "
               f"{100 * res['gbps'] / base[0]:.0f} %")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvlink probe`` with these arguments (the options live in :mod:`kvlink.cli`)."""
+    import sys
+
+    from kvlink.cli import main as cli_main
+
+    return cli_main(["probe", *(sys.argv[1:] if argv is None else argv)])

@@ -45,6 +45,8 @@ class DemoPlan:
     mode: str = "pull"  # "push": decode asks, prefill batch-WRITEs (Mooncake style)
     decode_port: int = 0  # push mode: decode side channel base port
     integrity: str = "off"  # WorkerConfig.integrity of both sides (pull mode)
+    #: WorkerConfig.handshake_timeout of both sides: how long to try reaching a peer
+    handshake_timeout: float = 10.0
     #: the holds' generations derive from it, as the block ids derive from the request index
     #: (both standing in for what a router passes along in kv_transfer_params)
     run_id: int = dataclasses.field(default_factory=new_generation)
@@ -86,7 +88,7 @@ def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
         engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
         host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port,
         lease_seconds=plan.lease_seconds, serve_pushes=plan.mode == "push",
-        integrity=plan.integrity))
+        integrity=plan.integrity, handshake_timeout=plan.handshake_timeout))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     if plan.mode == "push":
@@ -181,7 +183,8 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
     push = plan.mode == "push"
     worker = KVWorker(WorkerConfig(engine_id="decode", tp_rank=rank, tp_size=tp,
                                    transports=[plan.transport], host=plan.host, serve=push,
-                                   side_port=plan.decode_port, integrity=plan.integrity))
+                                   side_port=plan.decode_port, integrity=plan.integrity,
+                                   handshake_timeout=plan.handshake_timeout))
     spec = data.spec_of(geo, layers, tp, rank)
     worker.register(spec)
     remote = RemoteEngine("prefill", plan.advertise_host or plan.host, plan.port, plan.prefill_tp)
@@ -229,6 +232,11 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
             for _ in set(wave) - set(done_ids):
                 progress.step(out["bytes"] / max(busy, 1e-9))
             if waiting:
+                break
+            if not done_ids:  # the whole wave failed: the peer is gone; give up on it once
+                for i in range(nxt, plan.requests):
+                    out["failed"][f"req-{i}"] = ("not tried: gave up on the prefill after "
+                                                 "every request of a wave failed")
                 break
         out["raw_descriptors"], out["descriptors"] = worker.descriptor_counts()
         out["integrity_checked_blocks"] = worker.integrity.checked_blocks

@@ -1,0 +1,80 @@
+"""What every child process of the demo, ``serve``, ``pull`` and ``bench`` does first.
+
+* It dies with its parent: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux, so a parent killed
+  by any signal (SIGKILL included) takes its ranks with it and their ports are free at once.
+* It logs at the parent's level, in the parent's format (the level is passed, not inherited:
+  children are spawned, not forked).
+* A start-up failure is reported to the parent over its queue as
+  ``("failed", rank, "ExcType: message")`` before the child exits, so the parent can end at
+  once and say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from kvlink.errors import KVLinkError
+
+LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
+_PR_SET_PDEATHSIG = 1
+log = logging.getLogger("kvlink.demo")
+
+
+def setup_logging(level: int) -> None:
+    """The one logging set-up of the CLI and its children (stderr, :data:`LOG_FORMAT`)."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, force=True)
+
+
+def die_with_parent(parent_pid: int | None) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies; exit now if the parent is
+    already gone (it died between fork and here). False where the platform cannot do it."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+    return armed
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception: ``Type: message``."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def exit_reason(code: int | None) -> str:
+    """``exited with code 1`` / ``killed by SIGKILL`` for a process's exit code."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def child_main(target: Callable[..., None], level: int, parent_pid: int, report: Any,
+               rank: int, *args: Any) -> None:
+    """Entry point of a spawned child: the set-up above, then ``target(*args)``."""
+    die_with_parent(parent_pid)
+    setup_logging(level)
+    try:
+        target(*args)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            report.put(("failed", rank, describe(exc)))
+        if isinstance(exc, (KVLinkError, OSError, MemoryError)):  # expected: a busy port, a
+            log.debug("failed", exc_info=True)  # bad peer, no memory: the parent says it
+            sys.exit(1)
+        log.exception("failed")  # a bug: its traceback
+        sys.exit(1)

@@ -1,0 +1,367 @@
+"""The ``kvlink`` command line, run as a real process (issue 25).
+
+Every bad value ends the command within 5 s with one line, ``kvlink: error: ...``, naming it;
+a child that dies ends its parent's wait at once, saying why; ``kvlink serve``'s ranks die
+with it; ``kvlink pull`` gives up on a dead prefill after one handshake timeout. Nothing here
+sleeps to synchronise: every wait polls a condition (an exit, a line, a free port) against a
+deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvlink.demo.run import free_port_range
+
+KVLINK = [sys.executable, "-m", "kvlink.cli"]
+SMALL = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64"]
+FAST = 5.0  # seconds: every bad value, every dead child, every killed parent
+
+
+def kvlink(*args: str, timeout: float = FAST, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([*KVLINK, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd)
+    return proc, time.monotonic() - t0
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvlink: error: "), lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    return lines[0]
+
+
+def _hide(tmp: Path, package: str) -> dict[str, str]:
+    """An environment where ``import <package>`` fails, as on a machine without it."""
+    d = tmp / f"hide-{package}"
+    (d / package).mkdir(parents=True)
+    (d / package / "__init__.py").write_text(
+        f"raise ImportError({f'No module named {package} (hidden by the test)'!r})\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(d), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+BAD_VALUES = [
+    (["demo", "--tokens", "0"], ["--tokens", "0"]),
+    (["demo", "--block-size", "0"], ["--block-size", "0"]),
+    (["demo", "--layers", "0"], ["--layers", "0"]),
+    (["demo", "--prefill-tp", "3"], ["--prefill-tp 3", "--kv-heads 8"]),
+    (["demo", "--decode-tp", "3", "--kv-heads", "4"], ["--decode-tp 3", "--kv-heads 4"]),
+    (["demo", "--requests", "0"], ["--requests", "0"]),
+    (["demo", "--cache-gib", "0"], ["--cache-gib", "0"]),
+    (["demo", "--cache-gib", "-1"], ["--cache-gib", "-1"]),
+    (["demo", "--timeout", "0"], ["--timeout", "0"]),
+    (["demo", "--handshake-timeout", "0"], ["--handshake-timeout", "0"]),
+    (["demo", "--port", "70000"], ["--port 70000"]),
+    (["demo", "--transport", "warp"], ["--transport warp", "unknown transport 'warp'", "tcp"]),
+    (["demo", "--integrity", "full", "--mode", "push"], ["--integrity full", "--mode push"]),
+    (["demo", "--json", "/nonexistent-dir/r.json"], ["--json", "/nonexistent-dir"]),
+    (["serve", "--port", "0"], ["--port 0"]),
+    (["serve", "--port", "65535", "--prefill-tp", "2"], ["--port 65535", "2 ranks"]),
+    (["pull", "--remote-port", "70000"], ["--remote-port 70000"]),
+    (["pull", "--tokens", "0"], ["--tokens", "0"]),
+    (["bench", "--sizes", "4X"], ["--sizes", "4X"]),
+    (["bench", "--sizes", "0"], ["--sizes", "0"]),
+    (["bench", "--sizes", "1G", "--total-mib", "1"], ["--sizes 1073741824", "--total-mib 1"]),
+    (["bench", "--ops", "copy"], ["--ops", "copy"]),
+    (["bench", "--transports", "foo"], ["--transports foo", "tcp"]),
+    (["bench", "--reps", "0"], ["--reps", "0"]),
+    (["probe", "not-a-url"], ["not-a-url"]),
+    (["demo", "--no-such-option"], ["--no-such-option"]),
+]
+
+
+@pytest.mark.parametrize("args,named", BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_bad_value_is_one_line_exit_2(args: list[str], named: list[str]) -> None:
+    proc, took = kvlink(*args)
+    line = one_error_line(proc)
+    assert proc.returncode == 2, (proc.returncode, line)
+    for text in named:
+        assert text in line, (text, line)
+    assert took < FAST
+    assert not proc.stdout  # nothing ran
+
+
+def test_transport_library_missing_is_named_before_spawning(tmp_path: Path) -> None:
+    """The real .venv has nixl: here it is hidden, as on a machine without it."""
+    proc, _ = kvlink("demo", "--transport", "nixl", env=_hide(tmp_path, "nixl"))
+    line = one_error_line(proc)
+    assert proc.returncode == 2
+    assert "--transport nixl" in line and "hidden by the test" in line, line
+
+
+def test_vram_without_a_gpu_is_refused(tmp_path: Path) -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a CUDA device")
+    except ImportError:
+        pass
+    proc, _ = kvlink("bench", "--memory", "vram", env=_hide(tmp_path, "torch"))
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "--memory vram" in line, line
+    proc, _ = kvlink("bench", "--memory", "vram")  # with torch (CPU build): no device
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "--memory vram" in line, line
+
+
+def test_probe_refused_url_is_one_line() -> None:
+    port = free_port_range(1)  # nothing listens there
+    url = f"http://127.0.0.1:{port}/metrics"
+    proc, took = kvlink("probe", url)
+    line = one_error_line(proc)
+    assert proc.returncode != 0 and url in line and "refused" in line.lower(), line
+    assert took < FAST
+
+
+def test_version_and_help() -> None:
+    proc, _ = kvlink("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == "kvlink 0.1.0", proc.stdout
+    proc, _ = kvlink("demo", "--help")
+    assert proc.returncode == 0
+    for text in ("--tokens", "Tokens per request", "default: 1024", "GiB", "-v, --verbose"):
+        assert text in proc.stdout, text
+    proc, _ = kvlink()
+    assert proc.returncode == 2 and "demo" in proc.stderr
+
+
+def test_verbosity_anywhere_reaches_the_ranks() -> None:
+    """-vv after the command: the decode and prefill ranks (spawned) log at DEBUG/INFO in
+    the parent's format; -q before it: not even their warnings."""
+    proc, _ = kvlink("demo", *SMALL, "--requests", "2", "--no-progress", "-vv", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " kvlink-decode-0 kvlink.worker INFO " in proc.stderr, proc.stderr[-2000:]
+    assert " kvlink-prefill-0 kvlink." in proc.stderr, proc.stderr[-2000:]
+    port = free_port_range(1)
+    quiet, _ = kvlink("-q", "pull", *SMALL, "--remote-port", str(port), "--no-progress",
+                      "--handshake-timeout", "0.5", timeout=60)
+    loud, _ = kvlink("pull", *SMALL, "--remote-port", str(port), "--no-progress",
+                     "--handshake-timeout", "0.5", timeout=60)
+    assert quiet.returncode == loud.returncode == 1
+    assert "kvlink-decode-0 kvlink.worker WARNING" in loud.stderr, loud.stderr
+    assert "WARNING" not in quiet.stderr, quiet.stderr
+
+
+# ------------------------------------------------------------------- children that die
+def test_rank_failing_at_startup_ends_demo_with_its_reason() -> None:
+    """A real cause: the prefill's side-channel port is taken. The demo ends at once, in one
+    line naming the rank, the port and why (before: a traceback, then 'not ready within
+    300s')."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc, took = kvlink("demo", *SMALL, "--port", str(port), "--no-progress")
+    line = one_error_line(proc)
+    assert proc.returncode == 1
+    assert "kvlink-prefill-0 failed at start-up" in line and f":{port}" in line, line
+    assert "in use" in line, line
+    assert took < FAST
+
+
+def _children(pid: int) -> list[int]:
+    """Spawned children of ``pid`` (multiprocessing's ``spawn_main``), oldest first."""
+    out = []
+    for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and b"spawn_main" in cmd:
+            out.append((int(stat[19]), p))  # field 22: start time
+    return [p for _, p in sorted(out)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_decode_rank_killed_at_startup_ends_demo_at_once() -> None:
+    """The decode rank is SIGKILLed as soon as it exists (while it allocates its cache). The
+    demo ends within 5 s, naming it and the signal."""
+    proc = subprocess.Popen([*KVLINK, "demo", "--requests", "4", "--cache-gib", "0.5",
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids := _children(proc.pid)) < 2:  # prefill first, then the decode
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the decode rank never started"
+        os.kill(kids[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert proc.returncode == 1, out + err
+        assert "FAILED kvlink-decode-0: killed by SIGKILL" in out, out + err
+        assert re.search(r"verified +NO", out), out
+        assert took < FAST, took
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_bench_server_dying_at_startup_ends_bench_at_once(tmp_path: Path) -> None:
+    """A real cause: the server cannot allocate its buffer (95 TiB). Before: the bench waited
+    300 s on the server's queue."""
+    proc, took = kvlink("bench", "--transports", "tcp", "--sizes", "4K",
+                        "--total-mib", "100000000", "--out", str(tmp_path), timeout=30)
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "bench server failed at start-up" in line, line
+    assert "MemoryError" in line
+    assert took < FAST
+
+
+# ------------------------------------------------------------------- serve and pull
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.fixture
+def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """``kvlink serve`` with 2 prefill ranks, ready; its own session, so the test can clean
+    up whatever is left whatever the outcome."""
+    port = free_port_range(2)
+    proc = subprocess.Popen([*KVLINK, "serve", *SMALL, "--prefill-tp", "2",
+                             "--port", str(port), "--cache-gib", "0.01"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout=120), "kvlink serve not ready within 120 s"
+        line = proc.stdout.readline()
+        assert line.startswith("serving 2 prefill rank(s)"), (line, proc.stderr.read())
+        assert not _port_free(port) and not _port_free(port + 1)
+        yield proc, port
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        proc.stdout.close()
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_serve_ranks_die_with_their_parent(serve: tuple[subprocess.Popen[str], int],
+                                           sig: signal.Signals) -> None:
+    """Only the parent is signalled (not its group): its ranks go too, and both ports are
+    free within 5 s."""
+    proc, port = serve
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2
+    os.kill(proc.pid, sig)
+    t0 = time.monotonic()
+    deadline = t0 + FAST
+    while not (_port_free(port) and _port_free(port + 1)
+               and not any(_alive(r) for r in ranks)):
+        assert time.monotonic() < deadline, (
+            f"after SIG{sig.name[3:]}: ports {port}, {port + 1} free: "
+            f"{_port_free(port)}, {_port_free(port + 1)}; ranks alive: "
+            f"{[r for r in ranks if _alive(r)]}")
+        time.sleep(0.02)  # polling interval (the condition is what we wait on)
+    proc.wait(timeout=FAST)
+
+
+def test_pull_from_dead_prefill_gives_up_after_one_handshake_timeout() -> None:
+    """24 requests in waves of 6 (a 0.1 MiB cache); nothing listens. Before: every wave
+    waited out its own handshake timeout (4 x 10 s)."""
+    port = free_port_range(1)
+    hs = 2.0
+    proc, took = kvlink("pull", *SMALL, "--requests", "24", "--cache-gib", "0.0001",
+                        "--remote-port", str(port), "--handshake-timeout", str(hs),
+                        "--no-progress", "-q", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"127.0.0.1:{port} within {hs}s" in proc.stdout, proc.stdout
+    assert "not tried: gave up on the prefill" in proc.stdout, proc.stdout
+    assert took < hs + 3.0, took  # one handshake timeout, plus interpreter and rank start-up
+
+
+# ------------------------------------------------------------------- the report
+def _result(**kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "verified": False, "transport": "tcp", "mode": "pull", "requests": 2, "tokens": 64,
+        "bytes": 0, "seconds": 0.0, "gbps": 0.0, "raw_descriptors": 0, "descriptors": 0,
+        "prefill_tp": 1, "decode_tp": 2, "decode_reported": 0, "requests_verified": 0,
+        "integrity": "off", "integrity_checked_blocks": 0, "failed": {},
+        "rank_failures": {"kvlink-decode-0": "killed by SIGKILL"},
+        "leaks": None, "prefill_reported": 0}
+    base.update(kw)
+    return base
+
+
+def test_report_prints_only_collected_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlink.cli import _report
+
+    assert _report(_result(), None) == 1
+    out = capsys.readouterr().out
+    assert "not collected (no decode rank reported)" in out
+    assert re.search(r"prefill blocks still held +not collected \(0 of 1 prefill ranks", out)
+    assert "GB/s" not in out and "descriptors after" not in out
+    assert "FAILED kvlink-decode-0: killed by SIGKILL" in out
+    _report(_result(decode_reported=1, bytes=4096, seconds=1.0, requests_verified=2,
+                    leaks=0, prefill_reported=1), None)
+    out = capsys.readouterr().out
+    assert "(1 of 2 decode ranks reported)" in out and re.search(r"still held +0\n", out)
+
+
+# ------------------------------------------------------------------- bench output
+def test_bench_writes_to_cwd_or_out_only(tmp_path: Path) -> None:
+    """Sizes with units; the files land in the current directory (or --out), never in the
+    source tree."""
+    repo = Path(__file__).resolve().parents[1]
+    before = {p: p.stat().st_mtime_ns for p in (repo / "bench" / "results").glob("*")}
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    args = ["bench", "--transports", "tcp", "--ops", "read", "--sizes", "4K,8K",
+            "--total-mib", "1", "--reps", "1"]
+    proc, _ = kvlink(*args, cwd=cwd, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((cwd / "bandwidth.json").read_text())
+    assert [p["block_bytes"] for p in doc["points"]] == [4096, 8192]
+    out = tmp_path / "elsewhere" / "deeper"
+    proc, _ = kvlink(*args, "--out", str(out), "--json", "b.json", cwd=cwd, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (out / "b.json").is_file()
+    after = {p: p.stat().st_mtime_ns for p in (repo / "bench" / "results").glob("*")}
+    assert after == before
+
+
+def test_demo_runs_without_torch(tmp_path: Path) -> None:
+    """The core and `kvlink demo` over tcp need no torch (it is the `torch` extra)."""
+    proc, _ = kvlink("demo", *SMALL, "--requests", "2", "--no-progress",
+                     env=_hide(tmp_path, "torch"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "yes, every byte" in proc.stdout
