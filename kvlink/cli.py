@@ -419,15 +419,23 @@ def pull(remote_host: str, remote_port: int, **kw: Any) -> int:
 
 
 @cli.command(context_settings=_CONTEXT)
-@_opt("--json", "json_path", metavar="PATH", default=None, help="Also write the report here.")
+@_opt("--json", "json_path", metavar="PATH", default=None,
+      help="Also write the report as JSON here ('-': print JSON instead of the text).")
+@click.option("--strict", is_flag=True, help="Exit 1 when any warning was raised.")
+@click.option("--no-probe", is_flag=True,
+              help="Skip the measured NIXL READ/WRITE between two processes (a few seconds).")
 @_verbosity
-def doctor(json_path: str | None) -> int:
-    """What this machine can do: RDMA, CUDA IPC, UCX, NIXL, and silent slowdowns."""
-    _writable_file("--json", json_path)
+def doctor(json_path: str | None, strict: bool, no_probe: bool) -> int:
+    """What carries the bytes here, and how to fix it: versions, UCX settings and the lanes a
+    measured NIXL probe used, a verdict per transport, RDMA/CUDA IPC/system checks."""
+    if json_path != "-":
+        _writable_file("--json", json_path)
     _setup_logging()
-    from kvlink.doctor import run_doctor
+    from kvlink.doctor import run, run_doctor
 
-    return run_doctor(json_out=json_path)
+    if json_path == "-":
+        return run(as_json=True, strict=strict, probe=not no_probe)
+    return run_doctor(json_out=json_path, strict=strict, probe=not no_probe)
 
 
 def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:

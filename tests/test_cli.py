@@ -365,3 +365,14 @@ def test_demo_runs_without_torch(tmp_path: Path) -> None:
                      env=_hide(tmp_path, "torch"), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "yes, every byte" in proc.stdout
+
+
+def test_doctor_strict_exits_on_warnings_and_prints_json() -> None:
+    """``--json -`` prints the report as JSON; ``--strict`` exits 1 exactly when it holds a
+    warning (before, doctor exited 0 always)."""
+    proc, _ = kvlink("doctor", "--no-probe", "--json", "-", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    strict, _ = kvlink("doctor", "--no-probe", "--strict", timeout=60)
+    assert strict.returncode == (1 if rep["warnings"] else 0), strict.stdout[-2000:]
+    assert "warnings" in strict.stdout
