@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -762,6 +763,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="per wait, seconds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an option of the transport (VALUE as JSON, e.g. coalesce_runs=false); "
+                         "repeatable")
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="cProfile the spin-mode timed windows; top functions to "
                          "PREFIX.<case>.txt (the figures then include the profiler's cost)")
@@ -769,6 +773,14 @@ def main() -> None:
     args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "tcp")
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options = {"ucx_probe": False} if args.transport == "nixl" else {}
+    for kv in args.transport_option:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            ap.error(f"--transport-option {kv!r}: expected KEY=VALUE")
+        try:
+            args.options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args.options[key] = value
     names = (args.cases.split(",") if args.cases else
              GPU_CASES if args.device == "cuda" else CPU_CASES)
     for n in names:
@@ -834,7 +846,7 @@ def main() -> None:
                       "decode": "shuffled runs of 1-8 consecutive blocks (seeded), disjoint "
                                 "between requests in flight"},
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
-        "inflight": args.inflight,
+        "inflight": args.inflight, "transport_options": args.options,
         "timed_window": "KVWorker.read() call to the poll() that reports the request finished "
                         "(fill before, verification after, both untimed)",
         "ratios": "ratio_device_copy_over_kvlink / ratio_gather_over_kvlink: baseline time / "

@@ -82,6 +82,9 @@ class CudaIpcOptions(_Options):
     piece_extents: int = 4096
     kernel: Literal["auto", "cuda", "triton"] = "auto"
     stream_order: bool = True
+    #: plan a request as runs of consecutive blocks (True) or one extent per block (False: no
+    #: run finding on the host; the kernel copies the blocks as they come)
+    coalesce_runs: bool = True
 
 
 #: transport name -> its option schema

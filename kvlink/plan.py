@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 from collections.abc import Callable
 
@@ -62,6 +63,14 @@ class PlanPath(str, enum.Enum):
 
 
 _PAIR_STEP = (1 << 32) + 1  # (local, remote) ids both one further, packed as in _run_starts
+
+
+@functools.lru_cache(maxsize=64)
+def _units(n: int, unit: int) -> U64:
+    """``n`` lengths of ``unit`` bytes (read-only, shared: requests repeat their sizes)."""
+    out = np.full(n, unit, dtype=np.uint64)
+    out.setflags(write=False)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -146,15 +155,22 @@ class PlanTable:
         return self._plan_segments(lids, rids, alloc)
 
     def runs(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, *,
-             local_checked: bool = False) -> Runs | None:
+             local_checked: bool = False, coalesce: bool = True) -> Runs | None:
         """The RUNS path's plan before it is expanded: (segment bases, runs), for a transport
         that computes the addresses on its device (cuda_ipc). None where the request does not
         fit that form (another path, or a seam to merge): use :meth:`plan`. ``local_checked``:
-        ``local_ids`` is what ``self.local.check_block_ids`` returned (not checked again)."""
+        ``local_ids`` is what ``self.local.check_block_ids`` returned (not checked again).
+        ``coalesce=False``: one run per block (no run finding on the host: two multiplies, for
+        a device that copies many small extents as fast as few large ones)."""
         if self.path is not PlanPath.RUNS:
             return None
         lids, rids = self._check_ids(local_ids, remote_ids, local_checked)
         n = lids.shape[0]
+        if n and not coalesce:  # (seams need no merging: each block is its own extent)
+            unit = np.uint64(self.unit)
+            return Runs(self.local_base, self.remote_base, lids.view(np.uint64) * unit,
+                        rids.view(np.uint64) * unit, _units(n, self.unit), self.raw_count(n),
+                        n * self.unit, self.unit)
         if n == 0 or self._seams(lids, rids) is not None:
             return None
         lrun, rrun, lens, longest = self._run_starts(lids, rids)

@@ -872,7 +872,8 @@ class KVWorker:
             # restarted peer gets a new table), cached in the planner
             table = PlanTable.for_peer(self._require_spec(), go.peer.spec, part.read)
             if post_runs is not None:
-                plan = table.runs(req.local_ids, req.remote_ids, local_checked=True)
+                plan = table.runs(req.local_ids, req.remote_ids, local_checked=True,
+                                  coalesce=getattr(transport, "coalesce_runs", True))
             if plan is None:
                 plan = table.plan(req.local_ids, req.remote_ids, transport.extents)
         except KVLinkError as exc:

@@ -263,6 +263,28 @@ def test_runs_expand_to_the_plan() -> None:
     assert got >= 50, got
 
 
+def test_block_runs_move_the_pieces_of_the_plan() -> None:
+    """``runs(coalesce=False)``: one extent per (segment, block), seams included; cut into
+    unit pieces it moves exactly the pieces of the plan (and the longest run is one unit)."""
+    rng = np.random.default_rng(11)
+    got = 0
+    for _ in range(600):
+        c = random_case(rng)
+        table = PlanTable.build(c.local, c.remote, c.read)
+        runs = table.runs(c.lids, c.rids, coalesce=False)
+        if runs is None:
+            assert table.path is not PlanPath.RUNS or not c.lids.size
+            continue
+        got += 1
+        plan, flat = table.plan(c.lids, c.rids), runs.expand()
+        assert flat.local.shape[0] == table.segments * c.lids.size
+        assert runs.longest_run == table.unit and runs.nbytes == plan.nbytes
+        want, piece = loop_pieces(c)
+        assert sorted(unit_pieces(flat, piece)) == sorted(want)
+        assert runs.raw_descriptors == plan.raw_descriptors
+    assert got >= 50, got
+
+
 def test_plan_transfer_is_the_table() -> None:
     rng = np.random.default_rng(99)
     for _ in range(200):
