@@ -315,6 +315,13 @@ def fold(d: U64) -> U64:
         return np.asarray((d * w).sum(axis=(1, 2), dtype=np.uint64)).reshape(k, 1, 1, heads)
 
 
+def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> tuple[list[int], bytes, bool]:
+    folded = d.nbytes > MAX_DIGEST_BYTES
+    if folded:
+        d = fold(d)
+    return ids.tolist(), d.astype("<u8").tobytes(), folded
+
+
 class Checker:
     """One worker's integrity state: digests fixed at hold (producer) and the check of what
     landed (consumer). Digests are computed on the caller's thread, like the transfer work."""
@@ -354,10 +361,26 @@ class Checker:
         if got is None or got[0] != generation:
             return [], b"", False
         _, ids, d = got
-        folded = d.nbytes > MAX_DIGEST_BYTES
-        if folded:
-            d = fold(d)
-        return ids.tolist(), d.astype("<u8").tobytes(), folded
+        return _wire_form(ids, d)
+
+    def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
+                 lease: tuple[str, int] | None = None) -> tuple[list[int], bytes, bool]:
+        """(decode block ids, digests, folded) for a push's "written" note: the digests the
+        hold fixed (``lease``: (held request, generation)), else taken now over ``src_ids``
+        (the caller's blocks are final: it pushes them); the ids are the ones they land in."""
+        if not self.on or self.planes is None:
+            return [], b"", False
+        src = np.asarray(src_ids, dtype=np.int64)
+        dst = np.asarray(dst_ids, dtype=np.int64)
+        got = self._fixed.get(lease[0]) if lease is not None else None
+        if got is not None and lease is not None and got[0] == lease[1]:
+            _, ids, d = got
+            where = {int(s): i for i, s in enumerate(src.tolist())}
+            keep = [j for j, b in enumerate(ids.tolist()) if int(b) in where]
+            sel = dst[[where[int(ids[j])] for j in keep]]
+            return _wire_form(sel, d[keep])
+        pick = checked(self.level, req_id, dst)
+        return _wire_form(dst[pick], digest(self.planes, src[pick]))
 
     # ------------------------------------------------------------------ consumer
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],

@@ -205,6 +205,11 @@ class Notification(_Msg, tag="notify", frozen=True):
     ok: bool = True
     detail: Text = ""  # why not ok (human-readable only; nothing is parsed out of it)
     push_id: U63 = 0  # the PushRequest this answers (a stale push's note is ignored)
+    #: integrity (kvlink.integrity): digests of the blocks written, by the *decode's* block
+    #: ids; empty where the prefill keeps none (integrity off there)
+    digest_ids: BlockIds = msgspec.field(default_factory=list)
+    digests: Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)] = b""
+    folded: bool = False
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size)

@@ -228,6 +228,8 @@ class _Request:
     push_key: PushKey | None = None
     lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
     fingerprint: int | None = None  # of remote_ids, for the hold board (once per request)
+    #: a push with integrity on: (decode block ids, digests, folded) for its "written" note
+    digests: tuple[list[int], bytes, bool] | None = None
 
 
 @dataclasses.dataclass
@@ -236,6 +238,7 @@ class _Awaiting:
 
     remote: RemoteEngine
     wait: PushWait
+    local_ids: npt.NDArray[np.int64]  # the blocks reserved for it (checked at "written")
     asked: list[Pending] = dataclasses.field(default_factory=list)
     cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
 
@@ -655,7 +658,8 @@ class KVWorker:
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
                remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
                push: wire.PushRequest | None = None, key: PushKey | None = None,
-               generation: int | None = None, lease: tuple[str, int] | None = None) -> None:
+               generation: int | None = None, lease: tuple[str, int] | None = None,
+               digests: tuple[list[int], bytes, bool] | None = None) -> None:
         spec = self._require_spec()
         wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
@@ -673,7 +677,8 @@ class KVWorker:
         req = _Request(req_id, op, remote, lids, rids,
                        [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
                        time.perf_counter(), generation=generation, push=push, push_key=key,
-                       lease=lease)  # set before the first post: it decides how "written" goes
+                       lease=lease, digests=digests)  # set before the first post: they
+        # decide how "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread
         self._chan.flush()
@@ -975,7 +980,7 @@ class KVWorker:
         part is DONE (a note after one part would claim bytes still moving)."""
         part = req.parts[0]
         return (req.op is Op.WRITE and len(req.parts) == 1 and req.lease is None
-                and part.go is not None
+                and req.digests is None and part.go is not None
                 and part.go.peer.transport.capabilities.native_notifications)
 
     def _take_verdict(self, req: _Request, part: _Part) -> None:
@@ -1116,11 +1121,13 @@ class KVWorker:
 
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
         push = req.push
+        ids, blob, folded = req.digests if ok and req.digests is not None else ([], b"", False)
         return wire.Notification(
             v=WIRE_VERSION, engine_id=self.config.engine_id,
             req_id=push.req_id if push is not None else req.req_id,
             tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="write", ok=ok,
-            detail=detail[:500], push_id=push.push_id if push is not None else 0)
+            detail=detail[:500], push_id=push.push_id if push is not None else 0,
+            digest_ids=ids, digests=blob, folded=folded)
 
     def _notify_written(self, req: _Request, ok: bool, detail: str = "") -> None:
         """A push that ended: say so to the decode rank (over the side channel)."""
@@ -1247,9 +1254,6 @@ class KVWorker:
         (every rank answered the cancel, or its transport fenced the prefill off), so the
         caller may reuse the blocks the moment it is reported.
         """
-        if self.integrity.on:  # a push's "written" carries no digest yet: fail closed
-            raise ConfigError(f"integrity {self.integrity.level.value} covers pulls only "
-                              "(READs); a push cannot be checked yet: pull, or integrity off")
         spec = self._require_spec()
         if self._server is None:
             raise ConfigError("push mode needs a side channel server on the decode side "
@@ -1273,7 +1277,7 @@ class KVWorker:
             incarnation=self.incarnation)
         self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
-        self._awaiting[req_id] = _Awaiting(remote, wait, [
+        self._awaiting[req_id] = _Awaiting(remote, wait, lids, [
             self._send(remote.host, remote.port + rank, msg, ask) for rank in sorted(ranks)])
         self._chan.flush()
 
@@ -1311,12 +1315,36 @@ class KVWorker:
                 continue
             if aw.wait.ranks[note.tp_rank] is not Rank.ASKED:
                 continue
-            if note.ok:
+            why = self._check_pushed(aw, note) if note.ok else None
+            if note.ok and why is None:
                 aw.wait.ranks[note.tp_rank] = Rank.WRITTEN
+            elif note.ok:  # written (quiescent), but not what the prefill digested
+                aw.wait.ranks[note.tp_rank] = Rank.SETTLED
+                aw.wait.fail(why or "")
             else:  # quiescent by the sender's contract, not (completely) written
                 aw.wait.ranks[note.tp_rank] = Rank.SETTLED
                 aw.wait.fail(f"{note.engine_id} rank {note.tp_rank} did not write: "
                              f"{note.detail or 'no reason given'}")
+
+    def _check_pushed(self, aw: _Awaiting, note: wire.Notification) -> str | None:
+        """With integrity on: None when the heads this prefill rank wrote digest like the
+        prefill's; else the reason (kvlink.integrity), which fails the push."""
+        if not self.integrity.on:
+            return None
+        spec = self._require_spec()
+        read = next((r for r in map_heads(self.config.tp_size, self.config.tp_rank,
+                                          aw.remote.tp_size, spec.total_kv_heads, spec.mla)
+                     if r.remote_rank == note.tp_rank), None)
+        if read is None:
+            return f"integrity: rank {note.tp_rank} wrote heads we did not ask of it"
+        why = self.integrity.check(aw.wait.req_id, aw.local_ids, aw.local_ids,
+                                   (read.local_start, read.remote_start, read.count),
+                                   note.digest_ids, note.digests, note.folded,
+                                   spec.num_layers, spec.num_kv)
+        if why is not None:
+            log.warning("push of %s from %s rank %d: %s", aw.wait.req_id, note.engine_id,
+                        note.tp_rank, why)
+        return why
 
     def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
         if not self._awaiting:
@@ -1465,8 +1493,13 @@ class KVWorker:
                 # the lease is the request's from the start: _step may post at once (a
                 # cached peer), and a WRITE posted without it would carry a native "written"
                 # (sent before the lease check) besides the side-channel one _report sends
+                held = None if lease is None else (lease, generation)
+                # integrity: the digests go with "written" (fixed at the hold, or now: the
+                # blocks are final, they are being pushed)
+                digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held)
+                           if self.integrity.on else None)
                 self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
-                            lease=None if lease is None else (lease, generation))
+                            lease=held, digests=digests)
             except KVLinkError:
                 with self._lock:
                     self._push_slots.finish(key, False)

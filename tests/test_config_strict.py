@@ -239,5 +239,4 @@ def test_integrity_is_checked_naming_its_key() -> None:
     assert _s({"integrity": "sample"}).integrity == "sample"
     with pytest.raises(ConfigError, match=r"integrity must be one of .*got 'ful'"):
         _s({"integrity": "ful"})
-    with pytest.raises(ConfigError, match="integrity 'full' covers pulls only"):
-        _s({"integrity": "full", "mode": "push"}, "kv_consumer")
+    assert _s({"integrity": "full", "mode": "push"}, "kv_consumer").integrity == "full"

@@ -157,11 +157,78 @@ def test_consumer_with_integrity_fails_closed_without_digests() -> None:
         closed(prefill, decode)
 
 
-def test_push_with_integrity_is_refused_clearly() -> None:
-    prefill, decode = pair("full")
+def push(prefill: Rank, decode: Rank, req: str = "r1", lease: bool = True,
+         before: Any = None, landed: Any = None) -> tuple[bool, str]:
+    """Push mode: the decode asks, the prefill WRITEs its HELD blocks (under the hold's lease
+    when ``lease``) into LOCAL; ``before(prefill)`` runs after the hold, before the push;
+    ``landed(decode)`` runs when the WRITE has landed, before the decode checks it."""
+    if lease:
+        prefill.w.hold(req, HELD)
+    if landed is not None:
+        orig = decode.w._check_pushed
+
+        def check(aw: Any, note: Any) -> Any:
+            landed(decode)
+            return orig(aw, note)
+
+        decode.w._check_pushed = check  # type: ignore[method-assign]
+    decode.w.expect_push(req, prefill.remote(), LOCAL, timeout=20)
+    if before is not None:
+        before(prefill)
+    pushed = False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not pushed:
+            for msg in prefill.w.push_requests():
+                prefill.w.push(msg, HELD, lease=req if lease else None)
+                pushed = True
+        prefill.w.poll()
+        done, failed = decode.w.poll()
+        if req in done:
+            return True, ""
+        if req in failed:
+            return False, failed[req]
+        time.sleep(0.001)
+    raise AssertionError(f"push of {req} neither finished nor failed within 20 s")
+
+
+@pytest.mark.parametrize("lease", [True, False], ids=["held", "unheld"])
+def test_clean_push_passes_and_checks(lease: bool) -> None:
+    """A push's "written" carries the prefill's digests (the hold's, or taken at the push)
+    by the decode's block ids; the decode checks what landed before the push finishes."""
+    prefill = Rank("p", integrity="full", serve_pushes=True)
+    decode = Rank("d", fill=False, integrity="full")
     try:
-        with pytest.raises(ConfigError, match="covers pulls only"):
-            decode.w.expect_push("r1", prefill.remote(), LOCAL)
+        assert push(prefill, decode, lease=lease) == (True, "")
+        assert np.array_equal(decode.block(LOCAL), prefill.block(HELD))
+        assert decode.w.integrity.checked_blocks == 4 and decode.w.integrity.failures == 0
+    finally:
+        closed(prefill, decode)
+
+
+def _flip_landed(decode: Rank) -> None:
+    """Injected fault: one byte of landed block 5, layer 1, K plane, flipped in flight."""
+    np.asarray(decode.layers[1])[0, 5, 2, 0, 3] ^= 1
+
+
+@pytest.mark.parametrize("level", ["full", "off"], ids=["full", "off control"])
+@pytest.mark.parametrize("fault", ["flipped after the hold", "corrupted landing"])
+def test_push_faults_fail_the_receive(level: str, fault: str) -> None:
+    """A byte flipped in the prefill's held block after the digest was fixed, or in the
+    decode's landed block before it is checked (both injected): the push fails naming the
+    block; with integrity off the same push finishes with the wrong bytes (the control)."""
+    prefill = Rank("p", integrity=level, serve_pushes=True)
+    decode = Rank("d", fill=False, integrity=level)
+    try:
+        if fault == "flipped after the hold":
+            ok, why = push(prefill, decode, before=_flip_after_hold)
+        else:
+            ok, why = push(prefill, decode, landed=_flip_landed)
+        if level == "off":
+            assert ok, why  # silently wrong: what integrity is for
+            return
+        assert not ok and "differs from the producer's" in why, why
+        assert "local block" in why and decode.w.integrity.failures == 1
     finally:
         closed(prefill, decode)
 

@@ -206,7 +206,7 @@ class Settings:
     ``KVLINK_SECRET``), ``allow_insecure``, ``mode`` ("pull" or "push": how a consumer gets the
     KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
     push), ``grants`` (least privilege on the data plane, default true) and ``integrity``
-    ("off", "sample", "full": end-to-end KV digests, pull mode), ``hold_board`` (same-host
+    ("off", "sample", "full": end-to-end KV digests, pull and push), ``hold_board`` (same-host
     READs validated in shared memory instead of a round trip, default true). NixlConnector's
     ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
     ``device_name`` become the nixl / mooncake transport's options.
@@ -256,10 +256,6 @@ class Settings:
         if x.mode not in MODES:
             raise ConfigError(f"{_WHERE}.mode must be one of {list(MODES)}, got {x.mode!r}")
         Level.parse(x.integrity, f"{_WHERE}.integrity")
-        if x.integrity != "off" and x.mode == "push" and kv_role != "kv_producer":
-            raise ConfigError(f"{_WHERE}.integrity {x.integrity!r} covers pulls only (a push's "
-                              "'written' carries no digest yet): use mode 'pull', or "
-                              "integrity 'off'")
         assert isinstance(x.transport, list)
         s = cls(
             engine_id=engine_id, producer=kv_role in ("kv_producer", "kv_both"),
