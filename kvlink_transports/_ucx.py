@@ -288,38 +288,18 @@ def apply_safe_env(env: dict[str, str] | None = None) -> str | None:
 
 _PROTO_OP_RE = re.compile(r"remote memory (read|write) by ucp_(?:get|put)")
 _PROTO_SCOPE_RE = re.compile(r"\s(self|intra-node|inter-node) cfg#\d+")
-_PROTO_ROW_RE = re.compile(
-    r"^\|\s*[0-9][0-9KMGTinf.]*(?:\.\.[0-9KMGTinf]+)?\s*\|[^|]*\|\s*([^|]+?)\s*\|"
-)
 
 
 def parse_proto_info(text: str) -> dict[str, list[str]]:
     """Parse ``UCX_PROTO_INFO=y`` tables of endpoints to other processes (loopback "self"
     endpoints are skipped): {"read": [config, ...], "write": [...]}, config as UCX prints it,
-    e.g. "cma/memory" or "52% on tcp/lo and 48% on tcp/eth0"."""
+    e.g. "cma/memory" or "52% on tcp/lo and 48% on tcp/eth0" (:func:`parse_proto_rows`'
+    configs per op, each once, in order)."""
     out: dict[str, list[str]] = {}
-    scope = ""
-    current: str | None = None
-    for raw in text.splitlines():
-        line = re.sub(r"^\[[^]]*\]\s*\[[^]]*\]\s*", "", raw).strip()
-        sm = _PROTO_SCOPE_RE.search(line)
-        if sm:
-            scope, current = sm.group(1), None
-            continue
-        m = _PROTO_OP_RE.search(line)
-        if m:
-            current = m.group(1) if scope != "self" else None
-            continue
-        if current is None:
-            continue
-        r = _PROTO_ROW_RE.match(line)
-        if r:
-            cfg = r.group(1).strip()
-            lst = out.setdefault(current, [])
-            if cfg not in lst:
-                lst.append(cfg)
-        elif line.startswith("+") and out.get(current):
-            current = None
+    for row in parse_proto_rows(text):
+        lst = out.setdefault(row["op"], [])
+        if row["config"] not in lst:
+            lst.append(row["config"])
     return out
 
 
