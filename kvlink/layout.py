@@ -122,6 +122,15 @@ class KVCacheSpec:
                 f"({self.page_bytes} B): pages would overlap"
             )
 
+    def layers(self, start: int, stop: int) -> KVCacheSpec:
+        """The same cache restricted to layers ``[start, stop)`` (a layer-wise push plans one
+        range at a time); the regions stay whole (they are what is registered)."""
+        if not 0 <= start < stop <= self.num_layers:
+            raise LayoutError(f"layer range [{start}, {stop}) outside [0, {self.num_layers})")
+        return dataclasses.replace(self, num_layers=stop - start,
+                                   plane_base=self.plane_base[start:stop],
+                                   block_stride=self.block_stride[start:stop])
+
     # ------------------------------------------------------------------ derived geometry
     @property
     def num_kv(self) -> int:

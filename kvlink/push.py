@@ -53,6 +53,7 @@ _ANSWER = {Slot.QUEUED: "cancelled", Slot.STARTING: "cancelled", Slot.CANCELLED:
 class _Slot:
     state: Slot
     deadline: float
+    stop: bool = False  # cancelled while a layer was in flight: no further layer is posted
 
 
 class PushSlots:
@@ -91,6 +92,8 @@ class PushSlots:
             return "cancelled"
         if slot.state in (Slot.QUEUED, Slot.STARTING):
             slot.state = Slot.CANCELLED
+        elif slot.state is Slot.POSTED:  # what is in flight lands or fails; nothing more goes
+            slot.stop = True
         return _ANSWER[slot.state]
 
     def start(self, msg: wire.PushRequest, now: float) -> PushKey:
@@ -118,6 +121,8 @@ class PushSlots:
         slot = self._slots.get(key)
         if slot is None or slot.state is Slot.CANCELLED:
             return "cancelled by the decode before it was posted"
+        if slot.stop:
+            return "cancelled by the decode after an earlier layer was posted"
         if slot.state is Slot.STARTING and now > slot.deadline:
             slot.state = Slot.CANCELLED
             return "past its deadline before it was posted"
@@ -125,6 +130,21 @@ class PushSlots:
             return f"not postable ({slot.state.value})"
         slot.state = Slot.POSTED
         return None
+
+    def resume(self, key: PushKey) -> None:
+        """A layer-wise push's next layers: raises TransferCancelled unless the push is still
+        being written (started, not cancelled, not finished)."""
+        slot = self._slots.get(key)
+        if slot is None or slot.stop or slot.state not in (Slot.STARTING, Slot.POSTED):
+            state = "unknown" if slot is None else (
+                "cancelled" if slot.stop else slot.state.value)
+            raise TransferCancelled(f"push of {key[2]} to {key[0]} rank {key[1]}: no more "
+                                    f"layers are written ({state})")
+
+    def stopped(self, key: PushKey) -> bool:
+        """The decode cancelled this push (queued, starting or in flight)."""
+        slot = self._slots.get(key)
+        return slot is None or slot.stop or slot.state is Slot.CANCELLED
 
     def still_queued(self, key: PushKey, now: float) -> bool:
         """A queued push may still be taken: not cancelled and within its time to live (one

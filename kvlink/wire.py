@@ -210,9 +210,15 @@ class Notification(_Msg, tag="notify", frozen=True):
     digest_ids: BlockIds = msgspec.field(default_factory=list)
     digests: Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)] = b""
     folded: bool = False
+    #: ``kind="layers"``: a layer-wise push's layers [layer_from, layer_to) have landed (the
+    #: request is written only once its "write" note comes)
+    layer_from: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)] = 0
+    layer_to: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)] = 0
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size)
+        if self.layer_from > self.layer_to:
+            raise ValueError(f"layer_from {self.layer_from} > layer_to {self.layer_to}")
 
 
 class PushRequest(_Msg, tag="push", frozen=True):

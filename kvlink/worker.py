@@ -59,6 +59,7 @@ from kvlink.compat import WIRE_VERSION, compat_hash
 from kvlink.errors import (
     ConfigError,
     KVLinkError,
+    TransferCancelled,
     TransferRefused,
     TransportUnavailable,
 )
@@ -230,6 +231,25 @@ class _Request:
     fingerprint: int | None = None  # of remote_ids, for the hold board (once per request)
     #: a push with integrity on: (decode block ids, digests, folded) for its "written" note
     digests: tuple[list[int], bytes, bool] | None = None
+    #: one layer range of a layer-wise push: [from, to), and the push's id (see _Layered)
+    layers: tuple[int, int] | None = None
+    layered: str | None = None
+
+
+@dataclasses.dataclass
+class _Layered:
+    """Prefill side of one layer-wise push (:meth:`KVWorker.push` with ``layers``): each call
+    posts one range as its own WRITE; the decode hears of each range once it landed, and of
+    the push ("written", or why not) once every range is DONE, or once it failed and nothing
+    of it is in flight."""
+
+    msg: wire.PushRequest
+    key: PushKey
+    layers: int  # the cache's: the push is written when [0, layers) is
+    lease: tuple[str, int] | None  # (held request, generation): validated once at the end
+    next_layer: int = 0
+    inflight: set[str] = dataclasses.field(default_factory=set)  # its ranges' request ids
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -240,6 +260,8 @@ class _Awaiting:
     wait: PushWait
     local_ids: npt.NDArray[np.int64]  # the blocks reserved for it (checked at "written")
     asked: list[Pending] = dataclasses.field(default_factory=list)
+    #: layer-wise pushes: per prefill rank, the layer ranges that have landed
+    layers: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
 
 
@@ -278,6 +300,11 @@ class KVWorker:
         self.board: HoldBoard | None = None
         #: reader: READs validated on a producer's hold board, without a round trip
         self.board_validated = 0
+        #: prefill: layer-wise pushes being written, by the id push() returned; and why the
+        #: ended ones ended (a late range of one is refused naming it)
+        self._layered: dict[str, _Layered] = {}
+        self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own
@@ -659,7 +686,8 @@ class KVWorker:
                remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
                push: wire.PushRequest | None = None, key: PushKey | None = None,
                generation: int | None = None, lease: tuple[str, int] | None = None,
-               digests: tuple[list[int], bytes, bool] | None = None) -> None:
+               digests: tuple[list[int], bytes, bool] | None = None,
+               layers: tuple[int, int] | None = None, layered: str | None = None) -> None:
         spec = self._require_spec()
         wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
@@ -677,8 +705,9 @@ class KVWorker:
         req = _Request(req_id, op, remote, lids, rids,
                        [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
                        time.perf_counter(), generation=generation, push=push, push_key=key,
-                       lease=lease, digests=digests)  # set before the first post: they
-        # decide how "written" goes
+                       lease=lease, digests=digests, layers=layers,
+                       layered=layered)  # set before the first post: they decide how
+        # "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread
         self._chan.flush()
@@ -695,6 +724,8 @@ class KVWorker:
         self._chan.pump()
         self._log_told()
         self._poll_pushed(finished, failed)
+        if self._layered:
+            self._poll_layered(finished, failed)
         threads = False
         for req in list(self._requests.values()):
             if self._step(req):
@@ -725,6 +756,9 @@ class KVWorker:
 
     def _report(self, req: _Request, finished: set[str], failed: dict[str, str]) -> None:
         del self._requests[req.req_id]
+        if req.layered is not None:
+            self._report_layers(req, finished, failed)
+            return
         errors = [p.error for p in req.parts if p.error]
         if req.op is Op.READ:  # replicas holding our heads that we did not read: a producer
             # takes a release only with the hold's generation (the one we read under, where
@@ -875,7 +909,10 @@ class KVWorker:
         try:
             # built at the peer's first request (a handshake's spec is a new object: a
             # restarted peer gets a new table), cached in the planner
-            table = PlanTable.for_peer(self._require_spec(), go.peer.spec, part.read)
+            ours, theirs = self._require_spec(), go.peer.spec
+            if req.layers is not None:  # one range of a layer-wise push
+                ours, theirs = self._slice(ours, *req.layers), self._slice(theirs, *req.layers)
+            table = PlanTable.for_peer(ours, theirs, part.read)
             if post_runs is not None:
                 plan = table.runs(req.local_ids, req.remote_ids, local_checked=True,
                                   coalesce=getattr(transport, "coalesce_runs", True))
@@ -980,7 +1017,7 @@ class KVWorker:
         part is DONE (a note after one part would claim bytes still moving)."""
         part = req.parts[0]
         return (req.op is Op.WRITE and len(req.parts) == 1 and req.lease is None
-                and req.digests is None and part.go is not None
+                and req.digests is None and req.layered is None and part.go is not None
                 and part.go.peer.transport.capabilities.native_notifications)
 
     def _take_verdict(self, req: _Request, part: _Part) -> None:
@@ -1306,7 +1343,8 @@ class KVWorker:
                     log.warning("dropped a bad notification from %s: %s", peer, exc)
         for note in notes:
             aw = self._awaiting.get(note.req_id)
-            if (aw is None or note.kind != "write" or note.engine_id != aw.remote.engine_id
+            if (aw is None or note.kind not in ("write", "layers")
+                    or note.engine_id != aw.remote.engine_id
                     or note.push_id != aw.wait.push_id or note.tp_rank not in aw.wait.ranks):
                 self.refusals["written"] += 1
                 log.info("refused a 'written' notification for push %s (id %d) from %s/%d:"
@@ -1314,6 +1352,9 @@ class KVWorker:
                             note.engine_id, note.tp_rank)
                 continue
             if aw.wait.ranks[note.tp_rank] is not Rank.ASKED:
+                continue
+            if note.kind == "layers":  # landed (that range's WRITE is DONE); not written yet
+                aw.layers.setdefault(note.tp_rank, []).append((note.layer_from, note.layer_to))
                 continue
             why = self._check_pushed(aw, note) if note.ok else None
             if note.ok and why is None:
@@ -1325,6 +1366,25 @@ class KVWorker:
                 aw.wait.ranks[note.tp_rank] = Rank.SETTLED
                 aw.wait.fail(f"{note.engine_id} rank {note.tp_rank} did not write: "
                              f"{note.detail or 'no reason given'}")
+
+    def layers_landed(self, req_id: str) -> int:
+        """Decode side, a push in progress: how many leading layers have landed from every
+        prefill rank asked (a layer-wise push reports each range as it lands; a whole push
+        reports nothing before it is written). The request is loaded only once :meth:`poll`
+        reports it finished; 0 for a request not awaited here."""
+        self._take_written()
+        aw = self._awaiting.get(req_id)
+        if aw is None:
+            return 0
+        landed = []
+        for rank in aw.wait.ranks:
+            upto = 0
+            for start, stop in sorted(aw.layers.get(rank, ())):
+                if start > upto:
+                    break
+                upto = max(upto, stop)
+            landed.append(upto)
+        return min(landed, default=0)
 
     def _check_pushed(self, aw: _Awaiting, note: wire.Notification) -> str | None:
         """With integrity on: None when the heads this prefill rank wrote digest like the
@@ -1465,7 +1525,7 @@ class KVWorker:
         return out
 
     def push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
-             lease: str | None = None) -> str:
+             lease: str | None = None, layers: tuple[int, int] | None = None) -> str:
         """Prefill side: WRITE ``local_ids`` into the decode rank's blocks; returns the id that
         :meth:`poll` reports. Raises TransferCancelled if the push was cancelled or is past its
         deadline (it must not be written any more).
@@ -1473,7 +1533,17 @@ class KVWorker:
         ``lease``: the held request the blocks belong to. The WRITE then runs under its lease
         like a READ (validate after write): a lease that ended under it fails the push, and the
         decode is told only after that check (never through the transport's own notification),
-        and the writer counts as one of the request's readers."""
+        and the writer counts as one of the request's readers.
+
+        ``layers``: a layer-wise push (stream the KV behind the prefill's own compute): this
+        call WRITEs layers ``[start, stop)`` only, posted now — ordered after the caller's
+        current CUDA stream, so call it once those layers' attention is enqueued. Call again
+        with the next range (in order, from 0, ``local_ids`` and ``lease`` as in the first
+        call) until every layer is pushed; the decode learns of each range once it landed
+        (:meth:`layers_landed`) and of the push once all are written. Raises
+        TransferCancelled once the decode cancelled it or a range failed."""
+        if layers is not None:
+            return self._push_layers(msg, local_ids, lease, layers)
         spec = self._require_spec()
         writer = f"{msg.engine_id}/{msg.tp_rank}"
         generation = 0
@@ -1510,6 +1580,137 @@ class KVWorker:
                                         self.expected_readers(msg.tp_size))
             raise
         return rid
+
+    def _push_layers(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
+                     lease: str | None, layers: tuple[int, int]) -> str:
+        spec = self._require_spec()
+        start, stop = (int(x) for x in layers)
+        if not 0 <= start < stop <= spec.num_layers:
+            raise ConfigError(f"push of {msg.req_id}: layers [{start}, {stop}) outside "
+                              f"[0, {spec.num_layers})")
+        if self.integrity.on:
+            raise ConfigError(f"push of {msg.req_id}: integrity {self.integrity.level.value} "
+                              "does not cover layer-wise pushes yet: push whole requests, or "
+                              "integrity off")
+        rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+        ended = self._layered_ended.get(rid)
+        if ended is not None:
+            raise TransferCancelled(f"push of {msg.req_id}: it ended ({ended}); no more layers")
+        lay = self._layered.get(rid)
+        writer = f"{msg.engine_id}/{msg.tp_rank}"
+        if lay is None:
+            if start != 0:
+                raise ConfigError(f"push of {msg.req_id}: a layer-wise push starts at layer 0, "
+                                  f"got [{start}, {stop})")
+            generation = 0
+            if lease is not None:
+                got = self.leases.begin_read(lease, writer, local_ids)
+                if not isinstance(got, Grant):
+                    raise TransferRefused(f"push of {lease} to {writer}: {got.reason}")
+                generation = got.generation
+            try:
+                with self._lock:
+                    key = self._push_slots.start(msg, time.monotonic())
+            except KVLinkError:
+                if lease is not None:
+                    self.leases.finish_read(lease, writer, generation, False,
+                                            self.expected_readers(msg.tp_size))
+                raise
+            lay = _Layered(msg, key, spec.num_layers,
+                           None if lease is None else (lease, generation))
+            self._layered[rid] = lay
+        else:
+            if start != lay.next_layer:
+                raise ConfigError(f"push of {msg.req_id}: layers come in order; the next is "
+                                  f"{lay.next_layer}, got [{start}, {stop})")
+            if lay.error is not None:
+                raise TransferCancelled(f"push of {msg.req_id}: {lay.error}")
+            with self._lock:
+                self._push_slots.resume(lay.key)
+        sub = f"{rid}@{start}-{stop}"
+        remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
+        reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
+                             msg.tp_rank, spec.total_kv_heads, spec.mla)
+        try:
+            self._start(sub, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, lay.key,
+                        layers=(start, stop), layered=rid)
+        except KVLinkError as exc:  # nothing of this range was posted
+            lay.error = lay.error or f"layers [{start}, {stop}) not posted: {exc}"
+            raise
+        lay.inflight.add(sub)
+        lay.next_layer = stop
+        return rid
+
+    def _slice(self, spec: KVCacheSpec, start: int, stop: int) -> KVCacheSpec:
+        """``spec.layers(start, stop)``, the same object each time (the planner's tables are
+        cached by spec identity); kept with the spec it came from, so an id is never reused."""
+        key = (id(spec), start, stop)
+        got = self._slices.get(key)
+        if got is None or got[0] is not spec:
+            if len(self._slices) > 4096:
+                self._slices.clear()
+            got = self._slices[key] = (spec, spec.layers(start, stop))
+        return got[1]
+
+    def _report_layers(self, req: _Request, finished: set[str], failed: dict[str, str]
+                       ) -> None:
+        """One range of a layer-wise push ended (every part quiescent)."""
+        assert req.layered is not None and req.layers is not None and req.push is not None
+        lay = self._layered.get(req.layered)
+        if lay is None:
+            return
+        lay.inflight.discard(req.req_id)
+        errors = [p.error for p in req.parts if p.error]
+        if errors:
+            lay.error = lay.error or (f"layers [{req.layers[0]}, {req.layers[1]}): "
+                                      + "; ".join(errors))
+        else:
+            self.finished_bytes += req.nbytes
+            self._tell(req.push.host, req.push.port + req.push.tp_rank, wire.Notification(
+                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.push.req_id,
+                tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="layers",
+                push_id=req.push.push_id, layer_from=req.layers[0], layer_to=req.layers[1]))
+        self._finish_layered(req.layered, finished, failed)
+
+    def _poll_layered(self, finished: set[str], failed: dict[str, str]) -> None:
+        """Layer-wise pushes the decode cancelled between two ranges: end them."""
+        for rid, lay in list(self._layered.items()):
+            with self._lock:
+                stopped = self._push_slots.stopped(lay.key)
+            if stopped and lay.error is None:
+                lay.error = f"cancelled by the decode after layer {lay.next_layer}"
+            if lay.error is not None:
+                self._finish_layered(rid, finished, failed)
+
+    def _finish_layered(self, rid: str, finished: set[str], failed: dict[str, str]) -> None:
+        """The push is over once nothing of it is in flight and every layer is written, or one
+        failed: the lease check, the slot, the decode's "written" (or why not), the report."""
+        lay = self._layered[rid]
+        if lay.inflight or (lay.error is None and lay.next_layer < lay.layers):
+            return
+        del self._layered[rid]
+        msg, why = lay.msg, lay.error
+        if lay.lease is not None:
+            intact = self.leases.finish_read(lay.lease[0], f"{msg.engine_id}/{msg.tp_rank}",
+                                             lay.lease[1], why is None,
+                                             self.expected_readers(msg.tp_size))
+            if why is None and not intact:
+                why = (f"the lease of {lay.lease[0]} ended under the WRITE: the written "
+                       "bytes are not trusted")
+        with self._lock:
+            self._push_slots.finish(lay.key, why is None)
+        self._layered_ended[rid] = why or "written"
+        while len(self._layered_ended) > _NOTES_KEPT:
+            self._layered_ended.popitem(last=False)
+        self._tell(msg.host, msg.port + msg.tp_rank, wire.Notification(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=msg.req_id,
+            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="write",
+            ok=why is None, detail=(why or "")[:500], push_id=msg.push_id))
+        if why is None:
+            finished.add(rid)
+        else:
+            failed[rid] = why
+            log.warning("layer-wise push %s failed: %s", rid, why)
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:
         """Prefill side: tell a decode rank its push will not come, so it fails the request
