@@ -29,7 +29,10 @@ done and releases.
 Memory order: 8-byte aligned loads and stores are single accesses on the hosts CUDA runs on
 (x86-64, arm64); the producer stores the fingerprint before the generation and clears the
 generation first; the reader loads the generation before the fingerprint, after it saw its
-READ complete.
+READ complete (a driver call) and the producer's lock (a syscall). Where the hardware may
+reorder the two stores of a publish (arm64), a reader can only see a generation with a stale
+fingerprint — a mismatch, so it asks. A withdrawal precedes the blocks' reuse by the lease
+table's lock release and the caller's own work, so it is seen first.
 """
 
 from __future__ import annotations
