@@ -1,0 +1,119 @@
+"""The import layering of docs/design.md, checked over the source (ast, nothing imported).
+
+Every module of ``kvlink`` and ``kvlink_transports`` has a layer; a module may import only
+modules of its own layer or below, and the core never imports a plugin — except the edges in
+:data:`EXCEPTIONS`, each with the reason it is still there (the layering issue removes them).
+A new module must be given a layer here, so where it sits is a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: layer of each module, bottom (0) to top; a package's ``__init__`` is the package's name
+LAYERS: dict[str, int] = {
+    # 0: leaves — errors, facts about the host, state machines without I/O
+    "kvlink": 0, "kvlink.errors": 0, "kvlink.hostid": 0, "kvlink.sockets": 0,
+    "kvlink.holdboard": 0, "kvlink.scheduler": 0, "kvlink.options": 0, "kvlink.localkey": 0,
+    "kvlink.cuda_ipc": 0, "kvlink.integrity_cuda": 0,
+    # 1: the transport contract's types (regions, extents, runs)
+    "kvlink.transport": 1,
+    # 2: the model: what bytes go where
+    "kvlink.headmap": 2, "kvlink.layout": 2, "kvlink.compat": 2,
+    # 3: planning, the wire, capabilities, raw host memory
+    "kvlink.plan": 3, "kvlink.wire": 3, "kvlink.grants": 3, "kvlink.hostmem": 3,
+    # 4: what the wire carries about ownership and integrity; the side channel
+    "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
+    # 5: sessions and peers
+    "kvlink.channel": 5, "kvlink.peers": 5,
+    # 6: shared data movers
+    "kvlink.staging": 6,
+    # 7: plugins (the transport contract's implementations and their machinery)
+    "kvlink_transports": 7, "kvlink_transports._cudamove": 7,
+    "kvlink_transports._gpukernels": 7, "kvlink_transports._gpucopy": 7,
+    "kvlink_transports._ucx": 7, "kvlink_transports.tcp": 7, "kvlink_transports.nixl": 7,
+    "kvlink_transports.mooncake": 7, "kvlink_transports.cuda_ipc": 7,
+    # 8: the control plane's engine (reaches plugins only through the registry)
+    "kvlink.worker": 8,
+    # 9: integrations
+    "kvlink.integrations": 9, "kvlink.integrations.vllm_common": 9,
+    "kvlink.integrations.vllm_layout": 9, "kvlink.integrations.vllm_sched": 9,
+    "kvlink.integrations.vllm_worker": 9, "kvlink.integrations.vllm": 9,
+    # 10: tools users run, and the all-reduce (its own subsystem on top of the leaves)
+    "kvlink.demo": 10, "kvlink.demo.data": 10, "kvlink.demo.proc": 10,
+    "kvlink.demo.progress": 10, "kvlink.demo.roles": 10, "kvlink.demo.run": 10,
+    "kvlink.demo.chaos": 10, "kvlink.cli": 10, "kvlink.doctor": 10, "kvlink.probe": 10,
+    "kvlink.benchsweep": 10,
+    "kvlink.allreduce": 10, "kvlink.allreduce._dist": 10, "kvlink.allreduce.config": 10,
+    "kvlink.allreduce.custom": 10, "kvlink.allreduce.dispatch": 10,
+    "kvlink.allreduce.exceptions": 10, "kvlink.allreduce.ipc_buffers": 10,
+    "kvlink.allreduce.kernels": 10, "kvlink.allreduce.shm": 10, "kvlink.allreduce.spin": 10,
+    "kvlink.allreduce.symm": 10,
+}
+PLUGINS = 7
+
+#: (importer, imported) -> why the edge is still there
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("kvlink.staging", "kvlink_transports._gpucopy"):
+        "host staging copies device memory with cuda_ipc's batched copier; the copier belongs "
+        "in shared GPU machinery below both",
+}
+#: plugin modules tools may reach directly (their probes), until the contract exposes them
+TOOL_PROBES = {"kvlink_transports._ucx"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in ("kvlink", "kvlink_transports"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """The package modules ``path`` imports (``from a import b`` counts ``a.b`` where that is
+    a module, else ``a``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                     else node.module for a in node.names]
+        found.update(n for n in names if n in known)
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(set(_modules()) - set(LAYERS))
+    assert not missing, f"give these modules a layer in tests/test_layers.py: {missing}"
+
+
+def test_imports_point_down_and_the_core_imports_no_plugin() -> None:
+    mods = _modules()
+    known = set(mods)
+    bad = []
+    for name, path in sorted(mods.items()):
+        for dep in sorted(_imports(path, known) - {name}):
+            if (name, dep) in EXCEPTIONS or dep not in LAYERS or name not in LAYERS:
+                continue
+            if LAYERS[dep] > LAYERS[name]:
+                bad.append(f"{name} (layer {LAYERS[name]}) imports {dep} (layer {LAYERS[dep]})")
+            elif (LAYERS[dep] == PLUGINS and LAYERS[name] not in (PLUGINS,)
+                  and not (LAYERS[name] == 10 and dep in TOOL_PROBES)
+                  and name != "kvlink_transports"):
+                bad.append(f"{name} imports the plugin module {dep} (through the registry only)")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_listed_exceptions_still_exist() -> None:
+    """An exception that is gone must leave the list (so the list stays the truth)."""
+    mods = _modules()
+    known = set(mods)
+    stale = [edge for edge in EXCEPTIONS if edge[1] not in _imports(mods[edge[0]], known)]
+    assert not stale, f"remove from EXCEPTIONS: {stale}"
