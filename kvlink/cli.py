@@ -125,6 +125,58 @@ def transport_problem(name: str) -> str | None:
     return None
 
 
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,4}))?$")
+#: the transports a CUDA cache tries, in this order, per peer (the first that reaches the pair
+#: of memories is used): CUDA IPC on one host, then NIXL, then tcp (staged through host memory)
+CUDA_TRANSPORTS = ("cuda_ipc", "nixl", "tcp")
+
+
+def device_problem(device: str) -> tuple[str, str | None]:
+    """``device`` normalised (``cuda`` -> ``cuda:0``), and why it cannot be used here (torch
+    missing or CPU-only, no CUDA device, no device N), or None."""
+    m = _DEVICE.match(device.strip())
+    if not m or (m.group(1) == "cpu" and m.group(2)):
+        return device, "not a device: cpu, cuda or cuda:N"
+    if m.group(1) == "cpu":
+        return "cpu", None
+    idx = int(m.group(2) or 0)
+    norm = f"cuda:{idx}"
+    try:
+        import torch
+    except Exception as exc:  # ImportError, or a broken install (OSError loading libs)
+        return norm, (f"needs torch with CUDA, and torch failed to import "
+                      f"({type(exc).__name__}: {' '.join(str(exc).split())})")
+    ver = getattr(torch, "__version__", "?")
+    cuda_ver = getattr(torch.version, "cuda", None)
+    if cuda_ver is None and getattr(torch.version, "hip", None) is None:
+        return norm, (f"this torch ({ver}) is a CPU-only build (torch.version.cuda is None); "
+                      "install a CUDA build of torch")
+    if not torch.cuda.is_available():
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return norm, (f"torch {ver} (CUDA {cuda_ver}) sees no CUDA device "
+                      "(torch.cuda.is_available() is False"
+                      + (f"; CUDA_VISIBLE_DEVICES={vis!r}" if vis is not None else "") + ")")
+    count = int(torch.cuda.device_count())
+    if idx >= count:
+        have = "cuda:0" if count == 1 else f"cuda:0..cuda:{count - 1}"
+        return norm, (f"no device {idx}: torch sees {count} CUDA device"
+                      + ("s" if count != 1 else "") + (f" ({have})" if count else ""))
+    return norm, None
+
+
+def memory_problem(name: str, kinds: set[str]) -> str | None:
+    """Why transport ``name`` cannot move memory of these kinds ("cpu", "cuda"), or None."""
+    from kvlink.transport import load_transport
+
+    have = load_transport(name).capabilities.memory_kinds
+    missing = sorted(kinds - set(have))
+    if missing:
+        return (f"transport {name!r} cannot move {'/'.join(missing)} memory (it moves "
+                f"{', '.join(sorted(have))} memory)"
+                + ("; --device cuda puts the caches on a GPU" if "cpu" in missing else ""))
+    return None
+
+
 def _writable_file(option: str, path: str | None) -> None:
     if path is None:
         return
@@ -162,12 +214,18 @@ def _geometry(f: F) -> F:
              help="Prefill TP ranks (processes); must divide --kv-heads or be a multiple."),
         _opt("--decode-tp", type=_TP, default=1,
              help="Decode TP ranks (processes); must divide --kv-heads or be a multiple."),
-        _opt("--transport", default="tcp", metavar="NAME",
-             help="A registered transport: tcp, nixl, mooncake, cuda_ipc, or a plugin."),
+        _opt("--transport", default=None, metavar="NAME[,NAME...]",
+             show_default="tcp; with --device cuda: " + ",".join(CUDA_TRANSPORTS),
+             help="A registered transport (tcp, nixl, mooncake, cuda_ipc, or a plugin), or a "
+                  "comma-separated list tried in order per peer. The default list on CUDA "
+                  "skips those whose library is missing."),
+        _opt("--device", default="cpu", metavar="cpu|cuda[:N]",
+             help="Where the KV cache lives: host memory, or torch tensors on GPU N (data "
+                  "filled and verified there). demo: both prefill and decode."),
         _opt("--mode", type=click.Choice(["pull", "push"]), default="pull",
              help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)."),
         _opt("--integrity", type=click.Choice(["off", "sample", "full"]), default="off",
-             help="Check the KV that landed against the prefill's digests (pull mode): "
+             help="Check the KV that landed against the prefill's digests (pull and push): "
                   "sample = about 1 block in 32 per request, full = every block."),
         _opt("--cache-gib", type=_POS_FLOAT, default=1.0,
              help="KV cache per instance, GiB (split over its ranks)."),
@@ -197,7 +255,8 @@ class _Args:
     tokens: int
     prefill_tp: int
     decode_tp: int
-    transport: str
+    transport: str | None
+    device: str
     mode: str
     integrity: str
     cache_gib: float
@@ -207,6 +266,7 @@ class _Args:
     no_progress: bool
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    decode_device: str | None = None
 
 
 def _args(kw: dict[str, Any]) -> _Args:
@@ -227,15 +287,50 @@ def _check(a: _Args) -> None:
                 raise click.UsageError(
                     f"{opt} {tp} and --kv-heads {a.kv_heads}: {a.kv_heads} KV heads cannot be "
                     f"split over {tp} ranks (one must divide the other)") from None
-    if a.integrity != "off" and a.mode == "push":
-        raise click.UsageError(f"--integrity {a.integrity} with --mode push: integrity "
-                                 "covers pull mode only (a push's 'written' carries no digest)")
     if a.cache_gib * (1 << 30) < 1:
         raise _bad("--cache-gib", a.cache_gib, "less than a byte")
     _writable_file("--json", a.json_path)
-    why = transport_problem(a.transport)
-    if why is not None:
-        raise click.UsageError(f"--transport {a.transport}: {why}")
+    for opt in ("--device", "--decode-device"):
+        value = getattr(a, opt[2:].replace("-", "_"))
+        if value is None:
+            continue
+        norm, why = device_problem(value)
+        if why is not None:
+            raise _bad(opt, value, why)
+        setattr(a, opt[2:].replace("-", "_"), norm)
+    a.transport = _transports(a)
+
+
+def _transports(a: _Args) -> str:
+    """The transport list, checked: an explicit one must be usable as given; the default one
+    (tcp; on CUDA cuda_ipc, nixl, tcp) keeps what is usable here, in order."""
+    kinds = {d.split(":")[0] for d in (a.device, a.decode_device or a.device)}
+    explicit = a.transport is not None
+    if a.transport is not None:
+        names = [n.strip() for n in a.transport.split(",") if n.strip()]
+        if not names:
+            raise _bad("--transport", repr(a.transport), "name at least one transport")
+    else:
+        names = list(CUDA_TRANSPORTS) if "cuda" in kinds else ["tcp"]
+    usable, skipped = [], []
+    for n in names:
+        try:  # the memory kinds first: cuda_ipc on a CPU cache is wrong on any machine
+            why = memory_problem(n, kinds)
+        except KVLinkError:  # unknown, or its library is missing: said next
+            why = None
+        why = why or transport_problem(n)
+        if why is None:
+            usable.append(n)
+        elif explicit:
+            raise click.UsageError(f"--transport {n}: {why}")
+        else:
+            skipped.append(f"{n}: {why}")
+    if not usable:
+        raise _bad("--device", a.device, "no transport of the default list is usable: "
+                   + "; ".join(skipped))
+    for why in skipped:
+        logging.getLogger("kvlink.cli").info("default transport skipped: %s", why)
+    return ",".join(usable)
 
 
 def _plan(a: _Args, port: int) -> Any:
@@ -246,10 +341,10 @@ def _plan(a: _Args, port: int) -> Any:
                    block_size=a.block_size, layout=a.layout, mla=a.mla)
     return DemoPlan(
         geo=geo, requests=a.requests, tokens=a.tokens, prefill_tp=a.prefill_tp,
-        decode_tp=a.decode_tp, transport=a.transport, host=a.host,
+        decode_tp=a.decode_tp, transport=a.transport or "tcp", host=a.host,
         advertise_host=a.advertise_host, port=port, cache_bytes=int(a.cache_gib * (1 << 30)),
         timeout=a.timeout, mode=a.mode, integrity=a.integrity,
-        handshake_timeout=a.handshake_timeout,
+        handshake_timeout=a.handshake_timeout, device=a.device, decode_device=a.decode_device,
     )
 
 
@@ -258,8 +353,13 @@ def _report(result: dict[str, Any], json_path: str | None) -> int:
     n, got = result["decode_tp"], result.get("decode_reported", result["decode_tp"])
     missing = "not collected (no decode rank reported)" if got == 0 else None
     part = f" ({got} of {n} decode ranks reported)" if 0 < got < n else ""
+    tried = result.get("transports") or [result["transport"]]
+    used = result["transport"]
     rows = [
-        ("transport", result["transport"]),
+        ("transport", used + (f" (tried in order: {', '.join(tried)})" if len(tried) > 1
+                              else "")),
+        ("device (prefill -> decode)", f"{result.get('device', 'cpu')} -> "
+                                       f"{result.get('decode_device', 'cpu')}"),
         ("tp (prefill -> decode)", f"{result['prefill_tp']} -> {result['decode_tp']}"),
         ("requests", f"{result['requests']} x {result['tokens']} tokens"),
     ]
@@ -331,12 +431,15 @@ def cli() -> None:
 @_opt("--host", default="127.0.0.1", help="Address every rank binds (side channel, data).")
 @_opt("--port", type=int, default=0,
       help="Prefill side-channel base port: rank r listens on PORT + r (0: pick free ports).")
+@_opt("--decode-device", default=None, metavar="cpu|cuda[:N]",
+      help="Where the decode's KV cache lives (default: --device).")
 @_verbosity
 def demo(port: int, **kw: Any) -> int:
     """Prefill and decode ranks as processes on this machine, every byte verified.
 
     The prefill fills its KV cache with data derived from (layer, K|V, block, token, head);
     the decode pulls (or is pushed) every request into a fragmented cache and checks it.
+    With --device cuda the caches are torch tensors on the GPU, filled and verified there.
     Exit code 0: every byte verified; 1: a failure (printed); 2: a bad value.
     """
     a = _args(kw)
@@ -372,13 +475,18 @@ def serve(port: int, **kw: Any) -> int:
     _check(a)
     _port_range("--port", port, a.prefill_tp, allow_zero=False)
     _setup_logging()
+    from kvlink.demo.progress import Display
     from kvlink.demo.run import Serving
 
     signal.signal(signal.SIGTERM, _interrupt)
     plan = _plan(a, port)
-    serving = Serving(plan)
+    display = Display(not a.no_progress)
+    serving = Serving(plan, display)
     try:
-        serving.wait_ready(timeout=300)
+        try:
+            serving.wait_ready(timeout=300)
+        finally:
+            display.close("prefill ranks ready")
         print(f"serving {a.prefill_tp} prefill rank(s) on {a.host}:{port}"
               f"..{port + a.prefill_tp - 1}; waiting for readers (Ctrl-C stops)", flush=True)
         stats = serving.wait_served(timeout=a.timeout * max(1, a.requests) + 600)
@@ -414,8 +522,11 @@ def pull(remote_host: str, remote_port: int, **kw: Any) -> int:
     _setup_logging()
     from kvlink.demo.run import run_pull
 
-    plan = dataclasses.replace(_plan(a, remote_port), advertise_host=remote_host)
-    return _report(run_pull(plan, not a.no_progress), a.json_path)
+    plan = dataclasses.replace(_plan(a, remote_port), advertise_host=remote_host,
+                               decode_device=a.device)
+    result = run_pull(plan, not a.no_progress)
+    result["device"] = "remote"  # the serve's: not known here
+    return _report(result, a.json_path)
 
 
 @cli.command(context_settings=_CONTEXT)

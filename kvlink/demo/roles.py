@@ -19,7 +19,6 @@ import numpy.typing as npt
 
 from kvlink import wire
 from kvlink.demo import data
-from kvlink.demo.progress import Progress
 from kvlink.errors import KVLinkError, TransferRefused
 from kvlink.headmap import push_targets
 from kvlink.scheduler import new_generation
@@ -35,6 +34,8 @@ class DemoPlan:
     tokens: int = 1024
     prefill_tp: int = 1
     decode_tp: int = 1
+    #: a transport, or a comma-separated list the worker tries in order per peer (the first
+    #: that reaches the pair of memories is used)
     transport: str = "tcp"
     host: str = "127.0.0.1"
     advertise_host: str | None = None
@@ -50,6 +51,18 @@ class DemoPlan:
     #: the holds' generations derive from it, as the block ids derive from the request index
     #: (both standing in for what a router passes along in kv_transfer_params)
     run_id: int = dataclasses.field(default_factory=new_generation)
+    #: where the prefill's KV cache lives: "cpu" (numpy) or "cuda:N" (a torch tensor there)
+    device: str = "cpu"
+    #: where the decode's lives (None: ``device``)
+    decode_device: str | None = None
+
+    @property
+    def transports(self) -> list[str]:
+        return [t.strip() for t in self.transport.split(",") if t.strip()]
+
+    def device_of(self, side: str) -> str:
+        return self.device if side == "prefill" or self.decode_device is None \
+            else self.decode_device
 
     @property
     def blocks_per_request(self) -> int:
@@ -77,20 +90,52 @@ class DemoPlan:
         return ids + (i % self.slots(self.decode_tp)) * n
 
 
+def use_device(device: str) -> None:
+    """Make ``device`` ("cuda:N") this process's current CUDA device; nothing for "cpu"."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def used_transports(worker: KVWorker) -> list[str]:
+    """The transports that moved bytes of this worker (posted by it: the reader's side)."""
+    return [n for n, st in worker.stats().items() if st.transfers or st.bytes]
+
+
+def _allocate(plan: DemoPlan, side: str, tp: int, rank: int, nblocks: int,
+              say: Any) -> tuple[Any, list[Any]]:
+    device = plan.device_of(side)
+    use_device(device)
+    size = nblocks * plan.geo.block_bytes(tp) / 2**20
+    say(f"allocating the KV cache ({size:,.1f} MiB on {device})")
+    return data.allocate(plan.geo, nblocks, tp, rank, device)
+
+
+def _register(worker: KVWorker, spec: Any, plan: DemoPlan, say: Any) -> None:
+    say(f"registering the cache with {', '.join(plan.transports)}")
+    worker.register(spec)
+
+
 def serve_rank(plan: DemoPlan, rank: int, ready: Any, stop: Any) -> None:
     """A prefill rank: fill, register, answer handshakes, free blocks as readers finish."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     geo, tp = plan.geo, plan.prefill_tp
+
+    def say(text: str) -> None:
+        ready.put(("phase", rank, text))
+
     nblocks = plan.slots(tp) * plan.blocks_per_request
-    _buf, layers = data.allocate(geo, nblocks, tp, rank)
+    _buf, layers = _allocate(plan, "prefill", tp, rank, nblocks, say)
+    say("filling the KV cache with test data")
     data.fill(geo, layers, tp, rank)
     worker = KVWorker(WorkerConfig(
-        engine_id="prefill", tp_rank=rank, tp_size=tp, transports=[plan.transport],
+        engine_id="prefill", tp_rank=rank, tp_size=tp, transports=plan.transports,
         host=plan.host, advertise_host=plan.advertise_host, side_port=plan.port,
         lease_seconds=plan.lease_seconds, serve_pushes=plan.mode == "push",
         integrity=plan.integrity, handshake_timeout=plan.handshake_timeout))
     spec = data.spec_of(geo, layers, tp, rank)
-    worker.register(spec)
+    _register(worker, spec, plan, say)
     if plan.mode == "push":
         _serve_push(plan, rank, worker, ready, stop)
         return
@@ -156,7 +201,8 @@ def _serve_push(plan: DemoPlan, rank: int, worker: KVWorker, ready: Any, stop: A
     spec = worker._require_spec()
     targets = sum(bool(push_targets(plan.prefill_tp, rank, plan.decode_tp, d, spec.total_kv_heads,
                                     spec.mla)) for d in range(plan.decode_tp))
-    stats = {"pushed": 0, "push_failed": 0, "push_refused": 0, "held_blocks": 0}
+    stats: dict[str, Any] = {"pushed": 0, "push_failed": 0, "push_refused": 0,
+                             "held_blocks": 0}
     ready.put(("ready", rank, worker.side_port))
     try:
         while (not stop.is_set()
@@ -169,26 +215,55 @@ def _serve_push(plan: DemoPlan, rank: int, worker: KVWorker, ready: Any, stop: A
             if not done and not failed:
                 time.sleep(0.0005)
         stats["raw_descriptors"], stats["descriptors"] = worker.descriptor_counts()
+        stats["transports_used"] = used_transports(worker)
     finally:
         ready.put(("served", rank, stats))
         worker.close()
 
 
-def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> None:
-    """A decode rank: pull every request, verify every byte, report numbers."""
+class _Landed:
+    """A decode rank's "landed" events for the parent's progress bar: its totals, at most 20
+    a second (and at the end of every wave)."""
+
+    def __init__(self, results: Any, rank: int, enabled: bool) -> None:
+        self.results, self.rank, self.enabled = results, rank, enabled
+        self.done, self.last = 0, 0.0
+
+    def __call__(self, done: int, nbytes: int, seconds: float, force: bool = False) -> None:
+        self.done += done
+        now = time.monotonic()
+        if self.enabled and (force or now - self.last >= 0.05):
+            self.last = now
+            self.results.put(("landed", self.rank, self.done, nbytes, seconds))
+
+
+def pull_rank(plan: DemoPlan, rank: int, results: Any, report_progress: bool = True) -> None:
+    """A decode rank: pull every request, verify every byte, report numbers.
+
+    ``report_progress``: also put its phases and landed requests on ``results`` (tuples
+    ``("phase", rank, text)``, ``("landed", rank, requests, bytes, seconds)``) for the
+    parent's display; the final report is a dict."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     geo, tp = plan.geo, plan.decode_tp
+
+    def say(text: str) -> None:
+        if report_progress:
+            results.put(("phase", rank, text))
+
     slots = plan.slots(tp)
-    _buf, layers = data.allocate(geo, slots * plan.blocks_per_request, tp, rank)
+    _buf, layers = _allocate(plan, "decode", tp, rank, slots * plan.blocks_per_request, say)
     push = plan.mode == "push"
     worker = KVWorker(WorkerConfig(engine_id="decode", tp_rank=rank, tp_size=tp,
-                                   transports=[plan.transport], host=plan.host, serve=push,
+                                   transports=plan.transports, host=plan.host, serve=push,
                                    side_port=plan.decode_port, integrity=plan.integrity,
                                    handshake_timeout=plan.handshake_timeout))
     spec = data.spec_of(geo, layers, tp, rank)
-    worker.register(spec)
+    _register(worker, spec, plan, say)
     remote = RemoteEngine("prefill", plan.advertise_host or plan.host, plan.port, plan.prefill_tp)
-    progress = Progress(plan.requests, enabled=show_progress)
+    say(f"handshake with the prefill at {remote.host}:{remote.port}"
+        + (f"..{remote.port + plan.prefill_tp - 1}" if plan.prefill_tp > 1 else "")
+        + (", then its pushes" if push else ", then READs"))
+    landed = _Landed(results, rank, report_progress)
     out: dict[str, Any] = {"rank": rank, "requests": 0, "bytes": 0, "raw_descriptors": 0,
                            "descriptors": 0, "mismatches": 0, "failed": {}}
     nxt, busy = 0, 0.0
@@ -217,20 +292,24 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
                 if push:
                     out["bytes"] += len(done) * plan.blocks_per_request * spec.block_bytes
                 waiting -= done | set(failed)
+                if done:  # the bar advances as requests land (verification comes after)
+                    landed(len(done), out["bytes"] + worker.finished_bytes - before,
+                           busy + time.perf_counter() - t0)
                 if waiting and not done and not failed:
                     time.sleep(0.0002)
             busy += time.perf_counter() - t0
             out["bytes"] += worker.finished_bytes - before
+            landed(0, out["bytes"], busy, force=True)
             for req_id in waiting:
                 out["failed"][req_id] = f"not finished within {plan.timeout:.0f}s per request"
+            if done_ids:
+                say(f"verifying every byte of {len(done_ids)} request(s) on "
+                    f"{plan.device_of('decode')}")
             for req_id in done_ids:
                 i = wave[req_id]
                 out["mismatches"] += data.verify(geo, layers, tp, rank, plan.decode_blocks(i),
                                                  plan.prefill_blocks(i))
                 out["requests"] += 1
-                progress.step(out["bytes"] / max(busy, 1e-9))
-            for _ in set(wave) - set(done_ids):
-                progress.step(out["bytes"] / max(busy, 1e-9))
             if waiting:
                 break
             if not done_ids:  # the whole wave failed: the peer is gone; give up on it once
@@ -240,8 +319,8 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, show_progress: bool) -> N
                 break
         out["raw_descriptors"], out["descriptors"] = worker.descriptor_counts()
         out["integrity_checked_blocks"] = worker.integrity.checked_blocks
+        out["transports_used"] = used_transports(worker)
     finally:
-        progress.close()
         worker.close()
     out["seconds"] = busy
     results.put(out)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlink.demo.proc import child_main, exit_reason
+from kvlink.demo.progress import Display
 from kvlink.demo.roles import DemoPlan, pull_rank, serve_rank
 from kvlink.errors import KVLinkError
 
@@ -72,12 +73,13 @@ class Serving:
     that are ready, those that reported their lease accounting ("served"), and those that
     failed (their own reason, or how they exited)."""
 
-    def __init__(self, plan: DemoPlan) -> None:
+    def __init__(self, plan: DemoPlan, display: Display | None = None) -> None:
         self.plan = plan
+        self.display = display or Display(enabled=False)
         self.events: Any = _mp.Queue()
         self.stop = _mp.Event()
         self.ready: set[int] = set()
-        self.served: dict[int, dict[str, int]] = {}
+        self.served: dict[int, dict[str, Any]] = {}
         self.reasons: dict[int, str] = {}  # a rank's own account of why it failed
         self.procs = [
             _mp.Process(target=child_main, args=(serve_rank, _level(), os.getpid(), self.events,
@@ -85,6 +87,9 @@ class Serving:
                         name=f"kvlink-prefill-{r}")
             for r in range(plan.prefill_tp)
         ]
+        n = plan.prefill_tp
+        self.display.phase(f"starting {n} prefill rank{'s' if n > 1 else ''} "
+                           f"({plan.device}, {plan.transport})")
         for p in self.procs:
             p.start()
 
@@ -98,7 +103,9 @@ class Serving:
                 return
             timeout = 0.0
             kind, rank, detail = ev
-            if kind == "ready":
+            if kind == "phase":
+                self.display.rank_phase("prefill", rank, self.plan.prefill_tp, detail)
+            elif kind == "ready":
                 self.ready.add(rank)
             elif kind == "served":
                 self.served[rank] = detail
@@ -136,7 +143,7 @@ class Serving:
                 raise KVLinkError(f"prefill ranks not ready within {timeout:.0f}s "
                                   f"(ready: {sorted(self.ready) or 'none'})")
 
-    def wait_served(self, timeout: float) -> dict[int, dict[str, int]]:
+    def wait_served(self, timeout: float) -> dict[int, dict[str, Any]]:
         """Lease accounting of each prefill rank once all readers are done (or timeout, or
         every rank that has not reported is dead: see :meth:`failures`)."""
         deadline = time.monotonic() + timeout
@@ -179,21 +186,39 @@ def _stop(procs: list[Any], grace: float = 3.0) -> None:
             p.join(timeout=10)
 
 
-def run_pull(plan: DemoPlan, show_progress: bool = True,
+def run_pull(plan: DemoPlan, show_progress: bool | Display = True,
              watch: Callable[[], dict[str, str]] | None = None) -> dict[str, Any]:
     """Decode ranks in child processes: each pulls every request and verifies it.
 
     Ends as soon as every rank reported, or at once when a rank fails or dies (the others
     are stopped), or when ``watch`` (the prefill side, in ``kvlink demo``) names a dead rank.
-    The result's ``rank_failures`` says who failed and why."""
+    The result's ``rank_failures`` says who failed and why. ``show_progress``: a
+    :class:`Display` to report to (left open), or whether to show one on stderr."""
+    own = not isinstance(show_progress, Display)
+    display = Display(bool(show_progress), total=plan.requests * plan.decode_tp) if own \
+        else show_progress
+    assert isinstance(display, Display)
+    try:
+        result = _run_pull(plan, display, watch)
+    finally:
+        if own:
+            display.close()
+    return result
+
+
+def _run_pull(plan: DemoPlan, display: Display,
+              watch: Callable[[], dict[str, str]] | None) -> dict[str, Any]:
     results: Any = _mp.Queue()
     procs = [
         _mp.Process(target=child_main,
                     args=(pull_rank, _level(), os.getpid(), results, r, plan, r, results,
-                          show_progress and r == 0),
+                          display.enabled),
                     name=f"kvlink-decode-{r}")
         for r in range(plan.decode_tp)
     ]
+    n = plan.decode_tp
+    display.phase(f"starting {n} decode rank{'s' if n > 1 else ''} "
+                  f"({plan.device_of('decode')}, {plan.transport})")
     for p in procs:
         p.start()
     ranks: dict[int, dict[str, Any]] = {}
@@ -208,6 +233,10 @@ def run_pull(plan: DemoPlan, show_progress: bool = True,
             timeout = 0.0
             if isinstance(msg, dict):
                 ranks[int(msg["rank"])] = msg
+            elif msg[0] == "phase":
+                display.rank_phase("decode", msg[1], n, msg[2])
+            elif msg[0] == "landed":
+                display.landed(*msg[1:])
             else:
                 failures[procs[msg[1]].name] = msg[2]
 
@@ -243,10 +272,14 @@ def summarize(plan: DemoPlan, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(r["bytes"] for r in ranks)
     seconds = max((r["seconds"] for r in ranks), default=0.0)
     failed = {k: v for r in ranks for k, v in r["failed"].items()}
+    used = sorted({t for r in ranks for t in r.get("transports_used", [])},
+                  key=lambda t: plan.transports.index(t) if t in plan.transports else 99)
     verified = (len(ranks) == plan.decode_tp and not failed
                 and all(r["mismatches"] == 0 and r["requests"] == plan.requests for r in ranks))
     return {
-        "verified": verified, "transport": plan.transport, "mode": plan.mode,
+        "verified": verified, "transport": ",".join(used) or plan.transport,
+        "transports": plan.transports, "device": plan.device,
+        "decode_device": plan.device_of("decode"), "mode": plan.mode,
         "requests": plan.requests, "tokens": plan.tokens, "bytes": total,
         "seconds": seconds, "gbps": total / seconds / 1e9 if seconds else 0.0,
         "raw_descriptors": sum(r["raw_descriptors"] for r in ranks),
@@ -267,16 +300,21 @@ def run_demo(plan: DemoPlan, show_progress: bool = True,
     reason in ``rank_failures``). ``leaks`` is None when a prefill rank did not report."""
     if plan.mode == "push" and not plan.decode_port:
         plan = dataclasses.replace(plan, decode_port=free_port_range(plan.decode_tp, plan.host))
-    serving = Serving(plan)
+    display = Display(show_progress, total=plan.requests * plan.decode_tp)
     try:
-        serving.wait_ready(timeout=startup_timeout)
-        result = run_pull(plan, show_progress, watch=serving.dead)
-        if not result["verified"]:
-            serving.stop.set()  # nothing more will be read: the ranks report what they hold
-        # returns as soon as every rank reported; the bound only matters on a loaded machine
-        leases = serving.wait_served(timeout=120 if result["verified"] else 10)
+        serving = Serving(plan, display)
+        try:
+            serving.wait_ready(timeout=startup_timeout)
+            result = run_pull(plan, display, watch=serving.dead)
+            if not result["verified"]:
+                serving.stop.set()  # nothing more will be read: the ranks report what they hold
+            display.phase("collecting the prefill ranks' lease accounting")
+            # returns as soon as every rank reported; the bound only matters on a loaded machine
+            leases = serving.wait_served(timeout=120 if result["verified"] else 10)
+        finally:
+            serving.close()
     finally:
-        serving.close()
+        display.close()
     result["rank_failures"].update(serving.dead())
     result["prefill_leases"] = leases
     result["prefill_failures"] = serving.failures()  # a rank that died verifies nothing
@@ -284,6 +322,9 @@ def run_demo(plan: DemoPlan, show_progress: bool = True,
     result["prefill_reported"] = len(leases)
     result["leaks"] = sum(s.get("held_blocks", 0) for s in leases.values()) if complete else None
     if plan.mode == "push":  # the prefill side planned and posted the writes
+        used = {t for s in leases.values() for t in s.get("transports_used", [])}
+        if used:
+            result["transport"] = ",".join(t for t in plan.transports if t in used)
         result["raw_descriptors"] = sum(s.get("raw_descriptors", 0) for s in leases.values())
         result["descriptors"] = sum(s.get("descriptors", 0) for s in leases.values())
         result["verified"] = result["verified"] and all(
