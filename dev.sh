@@ -5,7 +5,7 @@
 #   ./dev.sh test [pytest args]        the whole test suite (what CI runs)
 #   ./dev.sh kvlink ...                any kvlink command inside the venv
 #   ./dev.sh setup                     the full set-up (what `test` installs) without running
-# `demo` installs only the core (numpy, msgspec, click); `test` (and `kvlink`, `setup`) the rest
+# `demo` installs only the core (numpy, msgspec, click, rich); `test` (and `kvlink`, `setup`) the rest
 # (torch, the engines, the test tools) on top, once.
 set -euo pipefail
 HERE=$PWD  # demo and kvlink run here: their output files (--json, bench's) land where you are
@@ -18,14 +18,14 @@ pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v '^WARNING: Loc
 
 want() { cat pyproject.toml dev.sh | sha256sum | cut -c1-16; }
 
-# What `kvlink demo` needs: the package and its core dependencies (numpy, msgspec, click).
+# What `kvlink demo` needs: the package and its core dependencies (numpy, msgspec, click, rich).
 # No torch, no engines, no apt-get. Skipped when the full set-up (a superset) is current.
 setup_core() {
   local w; w=$(want)
   for stamp in "$VENV/.kvlink-setup" "$VENV/.kvlink-core"; do
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$w" ]]; then return; fi
   done
-  echo "kvlink: setting up $VENV for the demo (numpy, msgspec, click)" >&2
+  echo "kvlink: setting up $VENV for the demo (numpy, msgspec, click, rich)" >&2
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   pipq -e .
   "$VENV/bin/python" -c "import kvlink.cli, kvlink.demo.run, kvlink_transports.tcp" \
