@@ -78,9 +78,13 @@ class Server:
                  env: dict[str, str] | None = None) -> None:
         self.name, self.port, self.log = name, port, log
         self._log: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        # TORCH_COMPILE_DISABLE: vLLM's vocab-parallel embedding is torch.compile'd at module
+        # level and compiles with inductor at a TP > 1 CPU rank's first forwards, whatever
+        # --enforce-eager says, holding that worker's GIL for seconds (docs/vllm.md, "Known
+        # problems"); the example runs eager anyway. An explicit setting wins.
+        base = {"TORCH_COMPILE_DISABLE": "1", **os.environ}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+                                     env={**base, **(env or {})}, start_new_session=True)
 
     @property
     def url(self) -> str:
