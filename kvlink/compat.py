@@ -16,8 +16,10 @@ import msgspec
 from kvlink.errors import IncompatibleSpecError
 from kvlink.headmap import check_tp
 
-WIRE_VERSION = 3  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
+WIRE_VERSION = 4  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
 #                  3: kept-open sessions, batches, READs validated without an intent
+#                  4: the hold board (HandshakeResponse.board), calls that want no answer
+#                     (Call.id 0), push digests and layer ranges on Notification
 
 
 def compat_hash(geometry: dict[str, Any]) -> str:
