@@ -266,6 +266,11 @@ class _Awaiting:
     cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
 
 
+def _push_rid(msg: wire.PushRequest) -> str:
+    """The id :meth:`KVWorker.poll` reports a push under (one per decode rank and attempt)."""
+    return f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+
+
 class KVWorker:
     """One TP rank's transfer engine; usable without vLLM."""
 
@@ -1548,9 +1553,36 @@ class KVWorker:
         if layers is not None:
             return self._push_layers(msg, local_ids, lease, layers)
         spec = self._require_spec()
-        writer = f"{msg.engine_id}/{msg.tp_rank}"
+        key, generation = self._begin_push(msg, local_ids, lease)
+        rid = _push_rid(msg)
+        try:
+            remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
+            reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
+                                 msg.tp_rank, spec.total_kv_heads, spec.mla)
+            # the lease is the request's from the start: _step may post at once (a cached
+            # peer), and a WRITE posted without it would carry a native "written" (sent before
+            # the lease check) besides the side-channel one _report sends
+            held = None if lease is None else (lease, generation)
+            # integrity: the digests go with "written" (fixed at the hold, or now: the blocks
+            # are final, they are being pushed)
+            digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held)
+                       if self.integrity.on else None)
+            self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
+                        lease=held, digests=digests)
+        except KVLinkError:
+            with self._lock:
+                self._push_slots.finish(key, False)
+            self._unread_push(msg, lease, generation)
+            raise
+        return rid
+
+    def _begin_push(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
+                    lease: str | None) -> tuple[PushKey, int]:
+        """Take a push: under ``lease``, the writer's read of the held blocks (its
+        generation), then the push's slot; undone if the slot cannot be taken."""
         generation = 0
         if lease is not None:
+            writer = f"{msg.engine_id}/{msg.tp_rank}"
             got = self.leases.begin_read(lease, writer, local_ids)
             if not isinstance(got, Grant):
                 raise TransferRefused(f"push of {lease} to {writer}: {got.reason}")
@@ -1558,31 +1590,16 @@ class KVWorker:
         try:
             with self._lock:
                 key = self._push_slots.start(msg, time.monotonic())
-            remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
-            rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
-            try:
-                reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
-                                     msg.tp_rank, spec.total_kv_heads, spec.mla)
-                # the lease is the request's from the start: _step may post at once (a
-                # cached peer), and a WRITE posted without it would carry a native "written"
-                # (sent before the lease check) besides the side-channel one _report sends
-                held = None if lease is None else (lease, generation)
-                # integrity: the digests go with "written" (fixed at the hold, or now: the
-                # blocks are final, they are being pushed)
-                digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held)
-                           if self.integrity.on else None)
-                self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
-                            lease=held, digests=digests)
-            except KVLinkError:
-                with self._lock:
-                    self._push_slots.finish(key, False)
-                raise
         except KVLinkError:
-            if lease is not None:
-                self.leases.finish_read(lease, writer, generation, False,
-                                        self.expected_readers(msg.tp_size))
+            self._unread_push(msg, lease, generation)
             raise
-        return rid
+        return key, generation
+
+    def _unread_push(self, msg: wire.PushRequest, lease: str | None, generation: int) -> None:
+        """A push that will not be written gives its writer's read of the hold back."""
+        if lease is not None:
+            self.leases.finish_read(lease, f"{msg.engine_id}/{msg.tp_rank}", generation, False,
+                                    self.expected_readers(msg.tp_size))
 
     def _push_layers(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
                      lease: str | None, layers: tuple[int, int]) -> str:
@@ -1595,30 +1612,16 @@ class KVWorker:
             raise ConfigError(f"push of {msg.req_id}: integrity {self.integrity.level.value} "
                               "does not cover layer-wise pushes yet: push whole requests, or "
                               "integrity off")
-        rid = f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+        rid = _push_rid(msg)
         ended = self._layered_ended.get(rid)
         if ended is not None:
             raise TransferCancelled(f"push of {msg.req_id}: it ended ({ended}); no more layers")
         lay = self._layered.get(rid)
-        writer = f"{msg.engine_id}/{msg.tp_rank}"
         if lay is None:
             if start != 0:
                 raise ConfigError(f"push of {msg.req_id}: a layer-wise push starts at layer 0, "
                                   f"got [{start}, {stop})")
-            generation = 0
-            if lease is not None:
-                got = self.leases.begin_read(lease, writer, local_ids)
-                if not isinstance(got, Grant):
-                    raise TransferRefused(f"push of {lease} to {writer}: {got.reason}")
-                generation = got.generation
-            try:
-                with self._lock:
-                    key = self._push_slots.start(msg, time.monotonic())
-            except KVLinkError:
-                if lease is not None:
-                    self.leases.finish_read(lease, writer, generation, False,
-                                            self.expected_readers(msg.tp_size))
-                raise
+            key, generation = self._begin_push(msg, local_ids, lease)
             lay = _Layered(msg, key, spec.num_layers,
                            None if lease is None else (lease, generation))
             self._layered[rid] = lay
