@@ -1156,9 +1156,12 @@ class TcpTransport(Transport):
             if op is Op.WRITE:  # its payload follows; the stream cannot be resynced
                 raise _PeerGone("refused WRITE payload")
         elif op is Op.WRITE:
+            # the answer first: a note seen before it lets the owner finish and close while
+            # the writer still waits for it, so a WRITE whose bytes landed would turn FAILED
+            # there (and its "written" go out as failed); sent, the answer survives a close
+            _send_hdr(conn, _Hdr(_VERSION, "A"))
             if hdr.notify is not None:
                 self._notifs.append((hdr.agent, hdr.notify))
-            _send_hdr(conn, _Hdr(_VERSION, "A"))
 
     def _refusal(self, op: Op, ticket: bytes, ext: Extents) -> str | None:
         """Why a peer's ``op`` on ``ext`` under ``ticket`` is not served (None: it is)."""

@@ -9,10 +9,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+import kvlink_transports.tcp as tcp_mod
+from kvlink import wire
 from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
 from kvlink.demo.run import Serving, free_port_range, run_demo
@@ -388,3 +391,60 @@ def test_read_of_expired_lease_is_refused_and_touches_nothing(
     finally:
         w.close()
         serving.close()
+
+
+def test_a_decode_closing_as_soon_as_it_is_written_does_not_fail_the_push(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The WRITE's native note reached the decode before the owner's answer reached the
+    prefill: a decode that finished on the note and closed at once made the prefill's WRITE
+    FAILED ("connection closed by peer") although every byte had landed (seen in CI as
+    test_demo_push_mode_verified[2-4]). The owner now answers before the note is visible.
+    Injected, and said so: every answer "A" leaves 50 ms late (a busy owner thread), which
+    makes the window the real race needs on demand."""
+    real = tcp_mod._send_hdr
+
+    def late_answer(sock: Any, hdr: Any) -> None:
+        if hdr.op == "A":
+            time.sleep(0.05)
+        real(sock, hdr)
+
+    monkeypatch.setattr(tcp_mod, "_send_hdr", late_answer)
+    for i in range(3):
+        w, prefill = _push_pair()
+        ended: dict[str, str] = {}
+        done: set[str] = set()
+
+        def step(prefill: KVWorker = prefill, done: set[str] = done,
+                 ended: dict[str, str] = ended) -> None:
+            d, f = prefill.poll()
+            done.update(d)
+            ended.update(f)
+
+        try:
+            w.expect_push(f"r{i}", RemoteEngine("prefill", "127.0.0.1", prefill.side_port),
+                          [0, 1], timeout=10)
+            deadline = time.monotonic() + 10
+            msgs: list[wire.PushRequest] = []
+            while not msgs:
+                assert time.monotonic() < deadline, "no push request arrived"
+                msgs = prefill.push_requests()
+                time.sleep(0.001)
+            rid = prefill.push(msgs[0], [2, 3])
+            deadline = time.monotonic() + 10
+            while True:  # the prefill's poll drives its WRITE; the decode's sees the note
+                assert time.monotonic() < deadline, "the push did not finish on the decode"
+                step()
+                d, f = w.poll()
+                assert f"r{i}" not in f, f
+                if f"r{i}" in d:
+                    break
+                time.sleep(0.001)
+        finally:
+            w.close()  # at once, as the demo's decode does once every request is in
+        deadline = time.monotonic() + 10
+        while rid not in done and rid not in ended:
+            assert time.monotonic() < deadline, "the prefill's push did not end"
+            step()
+            time.sleep(0.001)
+        prefill.close()
+        assert rid in done, f"iteration {i}: {ended.get(rid)}"
