@@ -1167,12 +1167,18 @@ class KVWorker:
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
         push = req.push
         ids, blob, folded = req.digests if ok and req.digests is not None else ([], b"", False)
-        return wire.Notification(
-            v=WIRE_VERSION, engine_id=self.config.engine_id,
-            req_id=push.req_id if push is not None else req.req_id,
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="write", ok=ok,
-            detail=detail[:500], push_id=push.push_id if push is not None else 0,
-            digest_ids=ids, digests=blob, folded=folded)
+        return self._note(push.req_id if push is not None else req.req_id,
+                          push.push_id if push is not None else 0, ok=ok, detail=detail,
+                          digest_ids=ids, digests=blob, folded=folded)
+
+    def _note(self, req_id: str, push_id: int, kind: str = "write", ok: bool = True,
+              detail: str = "", **fields: Any) -> wire.Notification:
+        """A push's note from this rank to the decode ("write": written or why not;
+        "layers": a range of a layer-wise push landed)."""
+        return wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                 req_id=req_id, tp_rank=self.config.tp_rank,
+                                 tp_size=self.config.tp_size, kind=kind, ok=ok,
+                                 detail=detail[:500], push_id=push_id, **fields)
 
     def _notify_written(self, req: _Request, ok: bool, detail: str = "") -> None:
         """A push that ended: say so to the decode rank (over the side channel)."""
@@ -1672,10 +1678,9 @@ class KVWorker:
                                       + "; ".join(errors))
         else:
             self.finished_bytes += req.nbytes
-            self._tell(req.push.host, req.push.port + req.push.tp_rank, wire.Notification(
-                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.push.req_id,
-                tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="layers",
-                push_id=req.push.push_id, layer_from=req.layers[0], layer_to=req.layers[1]))
+            self._tell(req.push.host, req.push.port + req.push.tp_rank, self._note(
+                req.push.req_id, req.push.push_id, "layers", layer_from=req.layers[0],
+                layer_to=req.layers[1]))
         self._finish_layered(req.layered, finished, failed)
 
     def _poll_layered(self, finished: set[str], failed: dict[str, str]) -> None:
@@ -1708,10 +1713,8 @@ class KVWorker:
         self._layered_ended[rid] = why or "written"
         while len(self._layered_ended) > _NOTES_KEPT:
             self._layered_ended.popitem(last=False)
-        self._tell(msg.host, msg.port + msg.tp_rank, wire.Notification(
-            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=msg.req_id,
-            tp_rank=self.config.tp_rank, tp_size=self.config.tp_size, kind="write",
-            ok=why is None, detail=(why or "")[:500], push_id=msg.push_id))
+        self._tell(msg.host, msg.port + msg.tp_rank,
+                   self._note(msg.req_id, msg.push_id, ok=why is None, detail=why or ""))
         if why is None:
             finished.add(rid)
         else:
@@ -1724,11 +1727,8 @@ class KVWorker:
         with self._lock:
             self._push_slots.cancel(push_key(msg.engine_id, msg.tp_rank, msg.req_id,
                                              msg.push_id))
-        note = wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
-                                 req_id=msg.req_id, tp_rank=self.config.tp_rank,
-                                 tp_size=self.config.tp_size, kind="write", ok=False,
-                                 detail=reason[:500], push_id=msg.push_id)
-        self._tell(msg.host, msg.port + msg.tp_rank, note)
+        self._tell(msg.host, msg.port + msg.tp_rank,
+                   self._note(msg.req_id, msg.push_id, ok=False, detail=reason))
         self._chan.flush()
 
     # ------------------------------------------------------------------ the rest

@@ -8,6 +8,8 @@ every side-channel message opened its own socket (plus a challenge round trip wi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,19 +111,20 @@ def test_read_without_an_intent_of_blocks_not_held_fails() -> None:
         decode.close()
 
 
-def test_generation_minted_before_the_hold_validates_once_held() -> None:
-    """vLLM's case: the scheduler mints the generation where it keeps the blocks, the decode
-    READs before the prefill worker's next step holds them. The owner refuses that READ (no
-    grant yet: nothing moved), the reader asks, is told "not held yet", READs again, and is
-    validated once the hold (same generation) arrives."""
+def _read_before_the_hold(gen: int, until_asked: Callable[[KVWorker, KVWorker], bool],
+                          stall: float = 0.0, **decode_cfg: Any) -> None:
+    """vLLM's order: the decode READs under a generation minted before the prefill holds; once
+    ``until_asked`` (the READ refused, its question sent), the decode's step stalls ``stall``
+    seconds, the prefill holds, and the READ must finish with the prefill's bytes."""
     prefill, _ = make("p", seed=1)
-    decode, _ = make("d", serve=False)
+    decode, _ = make("d", serve=False, **decode_cfg)
     try:
         _warm(decode, prefill)
-        gen = 123456789
         decode.read("r0", remote(prefill), [7], [4], generation=gen)
-        until(lambda: decode.poll() is None or prefill.stats()["tcp"].refused >= 2, 10,
-              "the early READ refused by the owner, and again")
+        until(lambda: decode.poll() is None or until_asked(decode, prefill), 10,
+              "the early READ refused and asked about")
+        if stall:
+            sleep_until(time.monotonic() + stall)  # the reader's step stalls: under test
         prefill.hold("r0", [4], generation=gen)
         ok, reason = outcome(decode, "r0", 10)
         assert ok, reason
@@ -129,6 +132,14 @@ def test_generation_minted_before_the_hold_validates_once_held() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_generation_minted_before_the_hold_validates_once_held() -> None:
+    """vLLM's case: the scheduler mints the generation where it keeps the blocks, the decode
+    READs before the prefill worker's next step holds them. The owner refuses that READ (no
+    grant yet: nothing moved), the reader asks, is told "not held yet", READs again, and is
+    validated once the hold (same generation) arrives."""
+    _read_before_the_hold(123456789, lambda d, p: p.stats()["tcp"].refused >= 2)
 
 
 def test_a_reader_starved_past_the_intent_timeout_keeps_an_answer_that_came_in_time() -> None:
@@ -136,23 +147,9 @@ def test_a_reader_starved_past_the_intent_timeout_keeps_an_answer_that_came_in_t
     longer than intent_timeout (a compile holding its GIL: the caller's poll stalls) before
     reading it. The question was asked in time, so it asks again and finishes once held.
     Before: judged by when the answer was read, the READ failed and was recomputed."""
-    prefill, _ = make("p", seed=1)
-    decode, _ = make("d", serve=False, intent_timeout=0.5)
-    try:
-        _warm(decode, prefill)
-        gen = 987654321
-        decode.read("r0", remote(prefill), [7], [4], generation=gen)
-        part = decode._requests["r0"].parts[0]
-        until(lambda: decode.poll() is None or part.verdict is not None, 10,
-              "the refused READ's question sent")
-        sleep_until(time.monotonic() + 0.8)  # the reader's step stalls past intent_timeout
-        prefill.hold("r0", [4], generation=gen)
-        ok, reason = outcome(decode, "r0", 10)
-        assert ok, reason
-        assert np.array_equal(blocks(decode, [7]), blocks(prefill, [4]))
-    finally:
-        prefill.close()
-        decode.close()
+    _read_before_the_hold(987654321,
+                          lambda d, p: d._requests["r0"].parts[0].verdict is not None,
+                          stall=0.8, intent_timeout=0.5)
 
 
 def test_one_session_carries_every_message_with_a_secret() -> None:

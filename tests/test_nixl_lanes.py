@@ -53,6 +53,8 @@ def test_parse_proto_rows_keeps_the_protocol() -> None:
 
 
 def test_apply_kvlink_env_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # faked: whether an NVIDIA driver is loaded (this CPU machine has none; the GPU machine
+    # runs the real path in scripts/gpu_nixl_check.py)
     monkeypatch.setattr(_ucx, "cuda_driver_present", lambda: True)
     env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
     assert _ucx.apply_kvlink_env(env) == {} and env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
@@ -88,6 +90,8 @@ def test_gpu_pair_forced_onto_tcp_is_reported_not_silent(
     from kvlink.transport import Op, XferStatus, make_extents
     from kvlink_transports import nixl as knixl
 
+    # faked: the VRAM probe's result (no GPU here): lanes forced to tcp, the fault under test;
+    # the real probe runs on the GPU machine (scripts/gpu_nixl_check.py)
     probe = _ucx.NixlProbe("VRAM", True, TCP, {"read": ["zero-copy"]}, {"read": 0.5}, 1 << 20)
     monkeypatch.setattr(_ucx, "nixl_probe", lambda *a, **k: probe)
     monkeypatch.setattr(knixl, "_gpu_verdicts", {})

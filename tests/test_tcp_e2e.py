@@ -271,9 +271,13 @@ def _push_pair() -> tuple[KVWorker, KVWorker]:
     8 blocks each; the prefill's steps are the test's to drive."""
     geo = small_plan().geo
     w = KVWorker(WorkerConfig(engine_id="decode", serve=True))
-    w.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
     prefill = KVWorker(WorkerConfig(engine_id="prefill", serve_pushes=True))
-    prefill.register(data.spec_of(geo, data.allocate(geo, 8, 1, 0)[1], 1, 0))
+    for worker in (w, prefill):
+        # the memory must outlive the worker: registered bytes are written by the transport
+        # (a buffer freed right after register was written after free: heap corruption)
+        buf, layers = data.allocate(geo, 8, 1, 0)
+        worker.register(data.spec_of(geo, layers, 1, 0))
+        worker._keep = (buf, layers)  # type: ignore[attr-defined]
     return w, prefill
 
 
