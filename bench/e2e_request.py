@@ -76,6 +76,7 @@ CASES = {
     "70b-tp8": Case(layers=80, heads=1, blocks=256, cpu_requests=12),  # 160 MiB / 4096 tokens
     "8b-tp1": Case(layers=32, heads=8, blocks=256, cpu_requests=4),  # 512 MiB / 4096 tokens
     "1gib": Case(layers=32, heads=8, blocks=512, cpu_requests=2),  # 1 GiB / 8192 tokens
+    "4mib": Case(layers=32, heads=8, blocks=2, cpu_requests=50),  # 8b-tp1 geometry, 32 tokens
 }
 CPU_CASES = ["16-blocks", "70b-tp8"]
 GPU_CASES = ["70b-tp8", "8b-tp1", "16-blocks"]

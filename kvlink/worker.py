@@ -727,6 +727,8 @@ class KVWorker:
         are reported, and every message this produced leaves in one frame per peer."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
+        if self._server is not None:  # what peers told us, taken now (not after a GIL switch)
+            self._server.serve_ready()
         self._chan.pump()
         self._log_told()
         self._poll_pushed(finished, failed)
@@ -741,6 +743,9 @@ class KVWorker:
                     p.handle is not None and p.go is not None
                     and p.go.peer.transport.capabilities.python_threads for p in req.parts)
         self._chan.flush()
+        if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
+            # may be served by a transport's own threads too
+            threads = any(t.capabilities.python_threads for t in self.transports.values())
         if threads:  # let a transport's own threads move our bytes (see Capabilities)
             time.sleep(0)
         return finished, failed
