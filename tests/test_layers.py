@@ -31,11 +31,24 @@ LAYERS: dict[str, int] = {
     "kvlink.channel": 5, "kvlink.peers": 5,
     # 6: shared data movers
     "kvlink.staging": 6,
-    # 7: plugins (the transport contract's implementations and their machinery)
+    # 7: plugins (the transport contract's implementations and their machinery); the order
+    # inside a plugin package is PACKAGES'
     "kvlink_transports": 7, "kvlink_transports._cudamove": 7,
     "kvlink_transports._gpukernels": 7, "kvlink_transports._gpucopy": 7,
-    "kvlink_transports._ucx": 7, "kvlink_transports.tcp": 7, "kvlink_transports.nixl": 7,
-    "kvlink_transports.mooncake": 7, "kvlink_transports.cuda_ipc": 7,
+    "kvlink_transports.cuda_ipc": 7,
+    "kvlink_transports._ucx": 7, "kvlink_transports._ucx.info": 7,
+    "kvlink_transports._ucx.env": 7, "kvlink_transports._ucx.measure": 7,
+    "kvlink_transports._ucx.connections": 7, "kvlink_transports._ucx.__main__": 7,
+    "kvlink_transports.tcp": 7, "kvlink_transports.tcp.wire": 7,
+    "kvlink_transports.tcp.memory": 7, "kvlink_transports.tcp.client": 7,
+    "kvlink_transports.tcp.server": 7, "kvlink_transports.tcp.transport": 7,
+    "kvlink_transports.nixl": 7, "kvlink_transports.nixl.agent": 7,
+    "kvlink_transports.nixl.memory": 7, "kvlink_transports.nixl.wire": 7,
+    "kvlink_transports.nixl.records": 7, "kvlink_transports.nixl.progress": 7,
+    "kvlink_transports.nixl.requests": 7, "kvlink_transports.nixl.transfers": 7,
+    "kvlink_transports.nixl.lanes": 7, "kvlink_transports.nixl.transport": 7,
+    "kvlink_transports.mooncake": 7, "kvlink_transports.mooncake.wire": 7,
+    "kvlink_transports.mooncake.peer": 7, "kvlink_transports.mooncake.transport": 7,
     # 8: the control plane's engine (reaches plugins only through the registry)
     "kvlink.worker": 8,
     # 9: integrations
@@ -54,6 +67,17 @@ LAYERS: dict[str, int] = {
     "kvlink.allreduce.symm": 10,
 }
 PLUGINS = 7
+
+#: a plugin split into a package: its modules, bottom to top. One may import only those before
+#: it; the face (``__init__``) stands above all of them unless placed in the list. A module
+#: outside the package imports only its face, so the split stays the package's own business.
+PACKAGES: dict[str, tuple[str, ...]] = {
+    "kvlink_transports._ucx": ("info", "env", "measure", "connections", "__init__", "__main__"),
+    "kvlink_transports.nixl": ("agent", "memory", "wire", "records", "progress", "requests",
+                               "transfers", "lanes", "transport"),
+    "kvlink_transports.tcp": ("wire", "memory", "client", "server", "transport"),
+    "kvlink_transports.mooncake": ("wire", "peer", "transport"),
+}
 
 #: (importer, imported) -> why the edge is still there
 EXCEPTIONS: dict[tuple[str, str], str] = {
@@ -117,3 +141,36 @@ def test_the_listed_exceptions_still_exist() -> None:
     known = set(mods)
     stale = [edge for edge in EXCEPTIONS if edge[1] not in _imports(mods[edge[0]], known)]
     assert not stale, f"remove from EXCEPTIONS: {stale}"
+
+
+def _package_order(pkg: str) -> list[str]:
+    order = list(PACKAGES[pkg])
+    if "__init__" not in order:
+        order.append("__init__")
+    return [pkg if m == "__init__" else f"{pkg}.{m}" for m in order]
+
+
+def test_every_package_module_has_a_place() -> None:
+    mods = set(_modules())
+    for pkg in PACKAGES:
+        inner = {m for m in mods if m == pkg or m.startswith(pkg + ".")}
+        placed = set(_package_order(pkg))
+        assert inner == placed, f"{pkg}: order these in PACKAGES: {sorted(inner ^ placed)}"
+
+
+def test_plugin_packages_import_down_and_through_their_face() -> None:
+    mods = _modules()
+    known = set(mods)
+    bad = []
+    for pkg in PACKAGES:
+        order = _package_order(pkg)
+        for name, path in sorted(mods.items()):
+            deps = {d for d in _imports(path, known) - {name}
+                    if d.startswith(pkg + ".")}
+            if name in order:
+                bad += [f"{name} imports {d}, above it in PACKAGES" for d in sorted(deps)
+                        if d in order and order.index(d) > order.index(name)]
+            else:
+                bad += [f"{name} imports {d}: only the face {pkg} (from outside)"
+                        for d in sorted(deps)]
+    assert not bad, "\n".join(bad)

@@ -55,12 +55,12 @@ def test_parse_proto_rows_keeps_the_protocol() -> None:
 def test_apply_kvlink_env_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     # faked: whether an NVIDIA driver is loaded (this CPU machine has none; the GPU machine
     # runs the real path in scripts/gpu_nixl_check.py)
-    monkeypatch.setattr(_ucx, "cuda_driver_present", lambda: True)
+    monkeypatch.setattr("kvlink_transports._ucx.env.cuda_driver_present", lambda: True)
     env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
     assert _ucx.apply_kvlink_env(env) == {} and env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
     env = {}
     assert _ucx.apply_kvlink_env(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
-    monkeypatch.setattr(_ucx, "cuda_driver_present", lambda: False)
+    monkeypatch.setattr("kvlink_transports._ucx.env.cuda_driver_present", lambda: False)
     assert _ucx.apply_kvlink_env({}) == {}  # no driver: UCX would warn "unused variable"
 
 
@@ -88,14 +88,15 @@ def test_gpu_pair_forced_onto_tcp_is_reported_not_silent(
     the measured lanes forced to tcp: an error naming the lanes and the fix, and every post
     to that peer FAILED, unless allow_slow_gpu."""
     from kvlink.transport import Op, XferStatus, make_extents
-    from kvlink_transports import nixl as knixl
+    from kvlink_transports.nixl import agent as nixl_agent
+    from kvlink_transports.nixl import lanes as nixl_lanes
 
     # faked: the VRAM probe's result (no GPU here): lanes forced to tcp, the fault under test;
     # the real probe runs on the GPU machine (scripts/gpu_nixl_check.py)
     probe = _ucx.NixlProbe("VRAM", True, TCP, {"read": ["zero-copy"]}, {"read": 0.5}, 1 << 20)
     monkeypatch.setattr(_ucx, "nixl_probe", lambda *a, **k: probe)
-    monkeypatch.setattr(knixl, "_gpu_verdicts", {})
-    knixl._warned.clear()
+    monkeypatch.setattr(nixl_lanes, "_gpu_verdicts", {})
+    nixl_agent._warned.clear()
     a, b, bufs = _pair({"allow_slow_gpu": allow})
     try:
         with caplog.at_level("INFO", logger="kvlink.nixl"):

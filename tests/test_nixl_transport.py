@@ -542,7 +542,7 @@ def test_cross_host_tcp_warns_once(caplog: pytest.LogCaptureFixture) -> None:
 
     if _ucx.ucx_info_path() is None:
         pytest.skip("ucx_info not found (pip install --no-deps libucx-cu12)")
-    knixl._warned.clear()
+    knixl.agent._warned.clear()
     mk = [
         knixl.NixlTransport(
             TransportContext(agent_name=f"h{i}-{uuid.uuid4().hex[:6]}", host_id=f"host-{i}")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kvlink_transports.tcp as tcp_mod
+import kvlink_transports.tcp.server as tcp_server  # the owner's side: sends the answers
 from kvlink import wire
 from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
@@ -405,14 +405,14 @@ def test_a_decode_closing_as_soon_as_it_is_written_does_not_fail_the_push(
     test_demo_push_mode_verified[2-4]). The owner now answers before the note is visible.
     Injected, and said so: every answer "A" leaves 50 ms late (a busy owner thread), which
     makes the window the real race needs on demand."""
-    real = tcp_mod._send_hdr
+    real = tcp_server._send_hdr
 
     def late_answer(sock: Any, hdr: Any) -> None:
         if hdr.op == "A":
             time.sleep(0.05)
         real(sock, hdr)
 
-    monkeypatch.setattr(tcp_mod, "_send_hdr", late_answer)
+    monkeypatch.setattr(tcp_server, "_send_hdr", late_answer)
     for i in range(3):
         w, prefill = _push_pair()
         ended: dict[str, str] = {}

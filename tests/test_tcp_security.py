@@ -31,8 +31,8 @@ from test_transport_contract import wait_until as until
 
 from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
 from kvlink.wire import decode_versioned
-from kvlink_transports import tcp
 from kvlink_transports.tcp import TcpTransport
+from kvlink_transports.tcp import wire as tcp  # the tcp wire: headers and framing
 
 MiB = 1 << 20
 SIZE = 4 * MiB  # the owner's registered memory

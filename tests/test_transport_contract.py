@@ -356,7 +356,7 @@ def _split_peer(a: Node, b: Node) -> None:
     t: Any = a.t
     side = t._peers[b.name].side
     assert len(side.mem) == 1
-    from kvlink_transports.nixl import _Side
+    from kvlink_transports.nixl.memory import _Side
 
     half = SIZE // 2
     base = b.buf.ctypes.data

@@ -15,11 +15,7 @@ peer ("TCP lane queue-full rejection"), so each peer keeps at most ``max_infligh
 entries in flight (default 1024, or ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when set) and
 submits the next sub-batch as earlier ones complete.
 
-**Completion.** The engine's Python API has no non-blocking batch status:
-``get_batch_transfer_status`` spins (GIL released) until the batch completes, fails or times
-out, and ``transfer_check_status`` only looks at entry 0. So every peer gets one thread that
-submits its sub-batches and waits on the oldest one; :meth:`poll` only reads the state that
-thread recorded and never blocks.
+**Completion.** One thread per peer waits on the engine: :mod:`kvlink_transports.mooncake.peer`.
 
 **Failures.** A failed sub-batch is probed (``send_probe``): a peer that does not answer fails
 every transfer queued for it at once; otherwise the sub-batch is resubmitted (re-writing the same
@@ -56,8 +52,6 @@ lines stay out of the log).
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import itertools
 import logging
 import math
@@ -67,13 +61,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvlink.errors import (
     ConfigError,
-    TransferError,
     TransportUnavailable,
     WireError,
 )
@@ -92,7 +84,15 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
-from kvlink.wire import decode_versioned
+from kvlink_transports.mooncake.peer import _Peer, _Xfer
+from kvlink_transports.mooncake.wire import (
+    _PROTOCOLS,
+    _VERSION,
+    _decode_descriptor,
+    _Descriptor,
+    _enc,
+    _location,
+)
 
 log = logging.getLogger("kvlink.mooncake")
 
@@ -101,55 +101,7 @@ PIP_HINT = (
     " pip install mooncake-transfer-engine on a GPU host; it needs libibverbs1:"
     " apt-get install libibverbs1"
 )
-_VERSION = 1
-_MAX_DESCRIPTOR = 64 << 20
-_MAX_REGIONS = 1 << 16
-_PROTOCOLS = ("tcp", "rdma")
 _CLOSE_WAIT = 1.5  # seconds close() waits for the peer threads before giving up on them
-
-
-# ----------------------------------------------------------------------------- wire format
-
-
-class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    v: int
-    agent: str
-    session: str  # engine session id: host:rpc_port
-    protocol: str
-    regions: list[tuple[int, int, str]]
-
-
-_enc = msgspec.msgpack.Encoder()
-
-
-def _decode_descriptor(buf: bytes) -> _Descriptor:
-    desc = decode_versioned(buf, _Descriptor, _VERSION, "mooncake descriptor", _MAX_DESCRIPTOR)
-    host, _, port = desc.session.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise WireError(f"mooncake descriptor session {desc.session!r} is not host:port")
-    if desc.protocol not in _PROTOCOLS:
-        raise WireError(
-            f"mooncake descriptor protocol {desc.protocol!r} is not one of {_PROTOCOLS}"
-        )
-    if len(desc.regions) > _MAX_REGIONS:
-        raise WireError(
-            f"mooncake descriptor offers {len(desc.regions)} regions (max {_MAX_REGIONS})"
-        )
-    for addr, nbytes, device in desc.regions:
-        if not (0 < addr < 1 << 64 and 0 < nbytes < 1 << 64 and addr + nbytes < 1 << 64):
-            raise WireError(f"mooncake descriptor region [{addr:#x}, +{nbytes}) is invalid")
-        _location(device, "cpu", WireError)
-    return desc
-
-
-def _location(device: str, cpu_location: str, exc: type[Exception] = ConfigError) -> str:
-    """Region.device -> register_memory location: cpu -> the ``location`` option, cuda:N."""
-    kind, _, idx = device.partition(":")
-    if kind == "cpu" and not idx:
-        return cpu_location
-    if kind == "cuda" and (not idx or idx.isdigit()):
-        return f"cuda:{int(idx or 0)}"
-    raise exc(f"region device {device!r} is not 'cpu' or 'cuda:N'")
 
 
 def _import_engine(quiet: bool) -> Any:
@@ -178,216 +130,6 @@ def split_bounds(lengths: npt.NDArray[np.uint64], max_entries: int, max_bytes: i
         cuts.append(j)
         i = j
     return cuts
-
-
-# ----------------------------------------------------------------------------- bookkeeping
-
-
-@dataclasses.dataclass(eq=False)
-class _Xfer:
-    op: Op
-    peer: _Peer | None  # None: failed at post, never queued
-    local: Extents
-    remote: Extents
-    nbytes: int
-    t_post: float
-    queued: int = 0  # sub-batches not yet handed to the engine
-    inflight: int = 0  # sub-batches handed to the engine and not yet returned
-    done_subs: int = 0  # sub-batches completed
-    failure: str | None = None
-    state: XferState = PENDING
-
-
-@dataclasses.dataclass(eq=False)
-class _Sub:
-    xfer: _Xfer
-    lo: int
-    hi: int
-    attempts: int = 0
-    not_before: float = 0.0
-
-    @property
-    def n(self) -> int:
-        return self.hi - self.lo
-
-
-class _Peer:
-    """One peer: its offered regions, its sub-batch queue and the thread that drives them."""
-
-    def __init__(self, owner: MooncakeTransport, name: str, desc: _Descriptor) -> None:
-        self.owner, self.name, self.desc = owner, name, desc
-        self.session = desc.session
-        self.table = RegionTable([Region(a, n, d) for a, n, d in desc.regions])
-        self.cv = threading.Condition(owner._lock)
-        self.queue: collections.deque[_Sub] = collections.deque()
-        self.window: collections.deque[tuple[int, _Sub]] = collections.deque()
-        self.window_entries = 0
-        self.xfers: set[_Xfer] = set()
-        self.call_since: float | None = None  # start of the engine call in progress
-        self.closed = False
-        self.thread = threading.Thread(
-            target=self._run, name=f"kvlink-mooncake-{name}", daemon=True
-        )
-        self.thread.start()
-
-    def where(self) -> str:
-        return f"peer {self.name} ({self.session})"
-
-    # -- called with the lock held
-    def enqueue(self, xfer: _Xfer, cuts: list[int]) -> None:
-        if self.closed:
-            raise TransferError(f"mooncake: {self.where()} is disconnected")
-        self.xfers.add(xfer)
-        for lo, hi in itertools.pairwise(cuts):
-            self.queue.append(_Sub(xfer, lo, hi))
-        xfer.queued = len(cuts) - 1
-        self.cv.notify()
-
-    def fail_all(self, reason: str, now: bool = False) -> None:
-        """Fail every pending transfer of this peer: each reports FAILED once its sub-batches
-        in the engine have returned. ``now`` skips that wait; only for a dead peer thread (a
-        kvlink bug), after which nothing would ever see those sub-batches return."""
-        for x in list(self.xfers):
-            if x.failure is None:
-                x.failure = reason
-            self.owner._settle(x, force=now)
-        self.cv.notify()
-
-    # -- the thread
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # never leave handles PENDING behind a dead thread
-            log.exception("mooncake: thread of %s died", self.where())
-            with self.cv:
-                self.call_since = None
-                self.closed = True
-                self.fail_all(f"mooncake: thread of {self.where()} died: {exc!r}", now=True)
-
-    def _loop(self) -> None:
-        owner, engine = self.owner, self.owner._engine
-        cap = owner.max_inflight
-        while True:
-            sub: _Sub | None = None
-            with self.cv:
-                while True:
-                    self._drop_dead()
-                    now = time.monotonic()
-                    if self.queue and (
-                        not self.window or self.window_entries + self.queue[0].n <= cap
-                    ):
-                        head = self.queue[0]
-                        if head.not_before <= now:
-                            sub = self.queue.popleft()
-                            sub.xfer.queued -= 1
-                            sub.xfer.inflight += 1
-                            break
-                        if not self.window:
-                            self.cv.wait(head.not_before - now)
-                            continue
-                    if self.window:
-                        break  # wait for the oldest sub-batch outside the lock
-                    if self.closed:
-                        return
-                    self.cv.wait()
-                self.call_since = now
-            if sub is not None:
-                x = sub.xfer
-                bid, why = owner._submit(
-                    x.op, self.session, x.local[sub.lo : sub.hi], x.remote[sub.lo : sub.hi]
-                )
-                if bid:
-                    with self.cv:
-                        self.call_since = None
-                        self.window.append((bid, sub))
-                        self.window_entries += sub.n
-                    continue
-                self._failed(sub, why)
-                continue
-            bid, sub = self.window[0]  # only this thread adds to or takes from the window
-            try:
-                rc = int(engine.get_batch_transfer_status([bid]))
-            except Exception as exc:  # the binding raising is a failed batch, not a dead thread
-                rc, why = -1, repr(exc)
-            else:
-                why = f"engine status {rc}"
-            with self.cv:
-                self.window.popleft()
-                self.window_entries -= sub.n
-                if rc == 0:
-                    self.call_since = None
-                    sub.xfer.inflight -= 1
-                    sub.xfer.done_subs += 1
-                    owner._settle(sub.xfer)
-                    continue
-            self._failed(sub, why)
-
-    def _drop_dead(self) -> None:
-        while self.queue and (
-            self.queue[0].xfer.failure is not None or self.queue[0].xfer.state is not PENDING
-        ):
-            sub = self.queue.popleft()
-            sub.xfer.queued -= 1
-            self.owner._settle(sub.xfer)
-
-    def _failed(self, sub: _Sub, why: str) -> None:
-        """A sub-batch failed (``call_since`` still set): retry it, or fail its transfer."""
-        owner, x = self.owner, sub.xfer
-        what = (
-            f"{x.op.value} sub-batch of {sub.n} entries (extents {sub.lo}..{sub.hi - 1} of "
-            f"{x.local.shape[0]})"
-        )
-        alive = not self.closed and sub.attempts < owner.max_retries and x.failure is None
-        probe = 0
-        if alive:
-            try:
-                probe = int(owner._engine.send_probe(self.session))
-            except Exception as exc:
-                probe, why = -1, f"{why}; probe raised {exc!r}"
-        with self.cv:
-            self.call_since = None
-            x.inflight -= 1
-            if x.failure is not None or x.state is not PENDING:
-                owner._settle(x)
-            elif probe != 0:
-                log.warning(
-                    "mooncake: %s: %s failed (%s) and the peer does not answer "
-                    "(probe %d); failing its %d transfer(s)",
-                    self.where(),
-                    what,
-                    why,
-                    probe,
-                    len(self.xfers),
-                )
-                self.fail_all(
-                    f"mooncake: {self.where()} does not answer (probe {probe}) "
-                    f"after a failed {what}: {why}"
-                )
-            elif not alive:
-                tries = sub.attempts + 1
-                x.failure = (
-                    f"mooncake: {what} to {self.where()} failed {tries} time(s); "
-                    f"last: {why}" + ("" if not self.closed else "; disconnected")
-                )
-                owner._settle(x)
-            else:
-                sub.attempts += 1
-                delay = owner.retry_backoff * 2 ** (sub.attempts - 1)
-                log.info(
-                    "mooncake: %s: %s failed (%s); retry %d/%d in %.3fs",
-                    self.where(),
-                    what,
-                    why,
-                    sub.attempts,
-                    owner.max_retries,
-                    delay,
-                )
-                sub.not_before = time.monotonic() + delay
-                self.queue.appendleft(sub)
-                x.queued += 1
-
-
-# ----------------------------------------------------------------------------- the transport
 
 
 def _opt_int(opts: Mapping[str, Any], key: str, default: int, lo: int) -> int:

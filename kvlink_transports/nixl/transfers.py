@@ -1,0 +1,266 @@
+"""Posting a nixl transfer and polling it: extents to NIXL requests, states, timing, telemetry.
+
+Each :meth:`_Transfers.post` turns the extent arrays into Nx3 ``(addr, len, devId)`` numpy
+arrays (no Python loop over extents), prepares a local and a remote descriptor list with
+``prep_xfer_dlist``, makes ONE transfer of all descriptors with ``make_prepped_xfer`` (NIXL merges
+back-to-back descriptors there, so a run of adjacent blocks costs one UCX operation) and releases
+the two lists right away (the request keeps its own copy). ``options["post_mode"] = "direct"``
+uses ``initialize_xfer`` instead, which does not merge; measured on CPU DRAM it is several times
+slower for many small descriptors (see docs/nixl.md). The notification rides on the transfer
+(NIXL sends it after the last byte); a transfer whose extents mix DRAM and VRAM is split into one
+NIXL request per memory pair and the notification is sent once all of them are done.
+
+Separate from how requests end (:mod:`kvlink_transports.nixl.requests`, which this builds on)
+because this is the fast path, measured per call (``xfer_timing``): what it costs is the index
+arithmetic of :mod:`kvlink_transports.nixl.memory` and NIXL's own calls, nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.errors import TransferError
+from kvlink.transport import DONE, Extents, Op, XferState, XferStatus, check_pairs
+from kvlink_transports.nixl.agent import _nixl_reason, _warn_once
+from kvlink_transports.nixl.memory import (
+    _MEM_NAMES,
+    _dlist,
+    _memory_pairs,
+    _pair_indices,
+    _Prep,
+    _Side,
+)
+from kvlink_transports.nixl.records import _Xfer
+from kvlink_transports.nixl.requests import _Requests
+
+log = logging.getLogger("kvlink.nixl")
+
+_OPS = {Op.READ: "READ", Op.WRITE: "WRITE"}
+
+
+class _Transfers(_Requests):
+    """post, poll, release and what they report, as methods of the transport."""
+
+    _closed: bool
+    _post_mode: str  # "prepped" | "direct"
+    _telemetry: bool
+    _local: _Side  # our registered regions
+    _lpreps: dict[int, _Prep]  # block size -> our regions prepped at it
+    _ids: itertools.count[int]
+
+    def post(
+        self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
+        *, ticket: bytes = b"",  # not checked by the owner here (docs/security.md)
+    ) -> int:
+        t0 = time.perf_counter()
+        check_pairs(local, remote)
+        notif = bytes(notify) if notify else None
+        with self._lock:
+            li = self._local.table.locate(local, "local extent")
+            p = self._peers.get(peer)
+            if self._closed or p is None:
+                why = "the transport is closed" if self._closed else "it is not connected"
+                return self._failed_handle(peer, f"nixl: peer {peer!r}: {why}")
+            ri = p.side.table.locate(remote, "remote extent")
+            if p.blocked is not None:
+                return self._failed_handle(peer, p.blocked)
+            if self._zombies:
+                self._reap_zombies()
+            n = int(local.shape[0])
+            x = _Xfer(p.key, p.agent, [], [], int(local["len"].sum()) if n else 0, n, t0,
+                      op=_OPS[op], deadline=time.monotonic() + self._timeout)
+            handle = next(self._ids)
+            self._xfers[handle] = x
+            if n == 0:  # nothing moves; DONE unless its notification cannot be sent
+                if notif is None or self._send_notif(x, p.agent, notif):
+                    x.state = DONE
+            else:
+                parts = _memory_pairs(self._local, li, p.side, ri)
+                if parts[0][0] is not None:  # split: poll sends the notification at the end
+                    x.notify = notif
+                lprep = self._lpreps.get(p.prep.block) if p.prep is not None else None
+                for mask, lm, rm in parts:
+                    lx, rx = (local, remote) if mask is None else (local[mask], remote[mask])
+                    lr, rr = (li, ri) if mask is None else (li[mask], ri[mask])
+                    idx: tuple[Any, Any] | None = None
+                    if (lprep is not None and p.prep is not None
+                            and lprep.side is self._local and p.prep.side is p.side
+                            and lm in lprep.handles and rm in p.prep.handles):
+                        pair_idx = _pair_indices(lprep, lr, lx, p.prep, rr, rx)
+                        if pair_idx is not None:
+                            idx = (lprep.handles[lm], pair_idx[0]), (p.prep.handles[rm],
+                                                                     pair_idx[1])
+                        elif not x.path:
+                            _warn_once(
+                                f"unaligned{p.prep.block}", "nixl: a request's extents are not "
+                                "whole %d-byte blocks of the registered regions: it builds its "
+                                "own descriptor lists (slower; set option prep_block_bytes to "
+                                "the KV block size)", p.prep.block)
+                    msg = notif if mask is None else None
+                    if idx is not None:
+                        x.path = x.path or "prepped"
+                        err = self._post_indexed(x, _OPS[op], idx[0], idx[1], msg)
+                    else:
+                        x.path = x.path or ("direct" if self._post_mode == "direct"
+                                            else "per-request")
+                        err = self._post_one(x, _OPS[op], p.agent,
+                                             _dlist(lx, self._local.dev[lr]), _MEM_NAMES[lm],
+                                             _dlist(rx, p.side.dev[rr]), _MEM_NAMES[rm], msg)
+                    if err is not None:  # parts already posted are cancelled or awaited
+                        self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err} "
+                                   f"({x.ndesc} extents, {x.nbytes} bytes)")
+                        break
+        x.t_posted = time.perf_counter()
+        self._account(post_seconds=x.t_posted - t0)
+        return handle
+
+    def xfer_timing(self, handle: int) -> dict[str, float | str]:
+        """Host time of one post: ``pre_transfer_s`` from the post call to NIXL's transfer()
+        starting (bounds checks, index computation, ``make_prepped_xfer``), ``post_call_s`` the
+        whole call (over cma the copy runs inside transfer()), and ``path``: "prepped" (lists
+        prepped at connect, no list built), "per-request" or "direct"."""
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            return {
+                "pre_transfer_s": (x.t_transfer or x.t_posted) - x.t_post,
+                "post_call_s": x.t_posted - x.t_post,
+                "path": x.path,
+            }
+
+    def _failed_handle(self, peer: str, reason: str) -> int:
+        """A handle that never started (lock held): FAILED at once, nothing to wait for."""
+        handle = next(self._ids)
+        x = _Xfer(peer, "", [], [], 0, 0, time.perf_counter())
+        self._xfers[handle] = x
+        self._fail(x, reason)
+        return handle
+
+    def _post_one(
+        self,
+        x: _Xfer,
+        op: str,
+        agent: str,
+        ld: npt.NDArray[np.uint64],
+        lmem: str,
+        rd: npt.NDArray[np.uint64],
+        rmem: str,
+        notif: bytes | None,
+    ) -> str | None:
+        a = self._agent
+        msg = notif or b""
+        try:
+            if self._post_mode == "prepped":
+                lh = a.prep_xfer_dlist("NIXL_INIT_AGENT", ld, lmem)
+                try:
+                    rh = a.prep_xfer_dlist(agent, rd, rmem)
+                    try:
+                        idx = np.arange(ld.shape[0], dtype=np.int32)
+                        req = a.make_prepped_xfer(op, lh, idx, rh, idx, notif_msg=msg)
+                    finally:
+                        rh.release()
+                finally:
+                    lh.release()
+            else:
+                req = a.initialize_xfer(
+                    op, a.get_xfer_descs(ld, lmem), a.get_xfer_descs(rd, rmem), agent, notif_msg=msg
+                )
+        except Exception as exc:
+            return _nixl_reason(exc)
+        return self._start(x, req)
+
+    def _post_indexed(self, x: _Xfer, op: str, local: tuple[Any, Any], remote: tuple[Any, Any],
+                      notif: bytes | None) -> str | None:
+        """One NIXL request from the lists prepped at connect, by index (lock held)."""
+        try:
+            req = self._agent.make_prepped_xfer(op, local[0], local[1], remote[0], remote[1],
+                                                notif_msg=notif or b"")
+        except Exception as exc:
+            return _nixl_reason(exc)
+        return self._start(x, req)
+
+    def _start(self, x: _Xfer, req: Any) -> str | None:
+        x.reqs.append(req)
+        x.done.append(False)
+        if not x.t_transfer:
+            x.t_transfer = time.perf_counter()
+        try:
+            state = self._agent.transfer(req)
+        except Exception as exc:
+            return _nixl_reason(exc)
+        if state == "ERR":
+            return "NIXL returned ERR"
+        return None
+
+    def poll(self, handle: int) -> XferState:
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            if x.state.status is not XferStatus.PENDING:
+                return x.state
+            pending = self._check_reqs(x)
+            if pending and not x.expired and time.monotonic() >= x.deadline:
+                self._expire(x)  # may report it FAILED already
+                if x.state.status is not XferStatus.PENDING:
+                    return x.state
+                pending = self._check_reqs(x)
+            if x.failure is not None:
+                if not pending:
+                    self._failed(x)
+                return x.state
+            if pending:
+                return x.state
+            if x.notify is not None and not self._send_notif(x, x.agent, x.notify):
+                return x.state
+            x.state = DONE
+            if self._telemetry:
+                for req in x.reqs:
+                    try:
+                        x.telemetry.append(self._agent.get_xfer_telemetry(req))
+                    except Exception as exc:
+                        log.debug("nixl telemetry: %s", _nixl_reason(exc))
+        self._account(
+            transfers=1,
+            bytes=x.nbytes,
+            descriptors=x.ndesc,
+            xfer_seconds=time.perf_counter() - x.t_post,
+        )
+        return DONE
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            x = self._xfers.pop(handle, None)
+            if x is not None:
+                self._release_reqs(x)
+            if self._zombies:
+                self._reap_zombies()
+            if self._draining:
+                self._settle_draining()
+
+    def xfer_telemetry(self, handle: int) -> list[dict[str, float]]:
+        """NIXL telemetry of a DONE transfer (needs ``options["telemetry"]``), one dict per NIXL
+        request: start_us, post_us, xfer_us, bytes, descriptors (after NIXL's merging)."""
+        with self._lock:
+            x = self._xfers.get(handle)
+            if x is None:
+                raise TransferError(f"nixl: unknown or released handle {handle}")
+            out = []
+            for t in x.telemetry:
+                out.append(
+                    {
+                        "start_us": float(getattr(t, "startTime", 0)),
+                        "post_us": float(getattr(t, "postDuration", 0)),
+                        "xfer_us": float(getattr(t, "xferDuration", 0)),
+                        "bytes": float(getattr(t, "totalBytes", 0)),
+                        "descriptors": float(getattr(t, "descCount", 0)),
+                    }
+                )
+            return out

@@ -1,0 +1,248 @@
+"""The initiator's side of tcp: one connection and one thread per peer, running its transfers.
+
+Each peer gets one connection (opened on first use, with the hello that carries the peer's
+memory key) and one thread that runs that peer's queued transfers in order: a READ or WRITE
+goes as one request per ``_MAX_EXTENTS`` extents, its notification with the last. A
+transfer is marked FAILED only after its socket call has returned, so FAILED is quiescent on
+this side; a broken connection fails everything queued for the peer. Separate from the
+transport because it is the peer's thread, not the caller's: it reaches the transport only
+through :class:`_Owner`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvlink.errors import KVLinkError, TransportUnavailable, WireError
+from kvlink.transport import (
+    DONE,
+    PENDING,
+    Extents,
+    Op,
+    Region,
+    RegionTable,
+    TransportContext,
+    XferState,
+    XferStatus,
+)
+from kvlink.wire import extents_to_bytes
+from kvlink_transports.tcp.wire import (
+    _MAX_EXTENTS,
+    _VERSION,
+    _Descriptor,
+    _Hdr,
+    _PeerGone,
+    _recv_hdr,
+    _send_hdr,
+    _tune,
+    _why,
+)
+
+log = logging.getLogger("kvlink.tcp")
+
+@dataclasses.dataclass
+class _Xfer:
+    op: Op
+    local: Extents
+    remote: Extents
+    notify: bytes | None
+    nbytes: int
+    t_post: float
+    state: XferState = PENDING
+    # staged device memory: the caller's current stream at post (staging.Copier.mark), waited
+    # on by the staging stream before this transfer's first gather or scatter
+    mark: Any = None
+    ticket: bytes = b""  # the grant its owner checks (contract rule 8)
+
+
+
+class _Owner(Protocol):
+    """What a peer's thread needs of its transport."""
+
+    @property
+    def ctx(self) -> TransportContext: ...
+
+    @property
+    def timeout(self) -> float: ...
+
+    def _finish(self, xfer: _Xfer, state: XferState) -> None: ...
+
+    def _order_after_post(self, xfer: _Xfer) -> None: ...
+
+    def _send_ext(
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+    ) -> None: ...
+
+    def _recv_ext(
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+    ) -> None: ...
+
+
+class _Peer:
+    """One connection to a peer and the thread that runs its transfers in order."""
+
+    def __init__(self, owner: _Owner, name: str, desc: _Descriptor) -> None:
+        self.owner, self.name, self.desc = owner, name, desc
+        self.remote_table = RegionTable([Region(a, n, d) for a, n, d in desc.regions])
+        self.queue: collections.deque[tuple[int, _Xfer] | tuple[None, bytes]] = collections.deque()
+        self.cv = threading.Condition()
+        self.closed = False
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: tuple[int, _Xfer] | tuple[None, bytes]) -> None:
+        with self.cv:
+            if self.closed:
+                raise TransportUnavailable(f"peer {self.name} is disconnected")
+            self.queue.append(item)
+            self.cv.notify()
+
+    def close(self, reason: str) -> None:
+        """Fail what is queued and break the connection; the transfer in progress (if any)
+        turns FAILED on this peer's thread once its socket call has returned (quiescent)."""
+        with self.cv:
+            self.closed = True
+            sock = self.sock
+            self.cv.notify()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._fail_queued(reason)
+
+    def _fail_queued(self, reason: str) -> None:
+        with self.cv:
+            items, self.queue = list(self.queue), collections.deque()
+        for handle, xfer in items:
+            if handle is not None and isinstance(xfer, _Xfer):
+                self.owner._finish(xfer, XferState(XferStatus.FAILED, reason))
+
+    def _connect(self) -> socket.socket:
+        if self.sock is None:
+            try:
+                sock = socket.create_connection(
+                    (self.desc.host, self.desc.port), timeout=self.owner.timeout
+                )
+            except OSError as exc:
+                raise _PeerGone(
+                    f"cannot connect to {self.desc.host}:{self.desc.port}: {exc}"
+                ) from exc
+            with self.cv:  # close() shuts down what it sees here: never open behind its back
+                if self.closed:
+                    sock.close()
+                    raise _PeerGone("disconnected")
+                self.sock = sock
+            _tune(sock)
+            _send_hdr(
+                sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token)
+            )
+        return self.sock
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.closed:
+                    self.cv.wait()
+                if self.closed:
+                    break
+                handle, item = self.queue.popleft()
+            try:
+                sock = self._connect()
+                if handle is None:
+                    assert isinstance(item, bytes)
+                    _send_hdr(
+                        sock, _Hdr(_VERSION, "N", agent=self.owner.ctx.agent_name, notify=item)
+                    )
+                else:
+                    assert isinstance(item, _Xfer)
+                    self._transfer(sock, item)
+            except (OSError, _PeerGone, KVLinkError) as exc:
+                where = f"{self.desc.host}:{self.desc.port}"
+                reason = f"peer {self.name} ({where}): {_why(exc, self.owner.timeout)}"
+                if isinstance(item, _Xfer):
+                    self.owner._finish(item, XferState(XferStatus.FAILED, reason))
+                log.warning("tcp: %s; failing %d queued transfer(s)", reason, len(self.queue))
+                self._fail_queued(reason)
+                if self.sock is not None:
+                    self.sock.close()
+                    self.sock = None
+        if self.sock is not None:
+            self.sock.close()
+        self._fail_queued(f"peer {self.name} disconnected")
+
+    def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
+        """Run ``xfer`` as one R/W request per ``_MAX_EXTENTS`` extents (the owner's bound);
+        its notification goes with the last."""
+        owner = self.owner
+        owner._order_after_post(xfer)  # before this transfer's first gather or scatter
+        count = xfer.remote.shape[0]
+        for k in range(0, max(count, 1), _MAX_EXTENTS):
+            last = k + _MAX_EXTENTS >= count
+            if not self._request(sock, xfer, slice(k, k + _MAX_EXTENTS), last):
+                return
+        owner._finish(xfer, DONE)
+
+    def _request(self, sock: socket.socket, xfer: _Xfer, part: slice, last: bool) -> bool:
+        """One request of ``xfer``; False when the owner refused it (``xfer`` FAILED)."""
+        owner = self.owner
+        local, remote = xfer.local[part], xfer.remote[part]
+        hdr = _Hdr(
+            _VERSION,
+            "R" if xfer.op is Op.READ else "W",
+            agent=owner.ctx.agent_name,
+            extents=memoryview(extents_to_bytes(remote)),
+            notify=xfer.notify if xfer.op is Op.WRITE and last else None,
+            ticket=xfer.ticket,
+        )
+        _send_hdr(sock, hdr)
+        if xfer.op is Op.WRITE:
+            try:
+                owner._send_ext(sock, local)
+            except OSError:
+                # an owner that refuses a WRITE answers E and closes: say why, if it did
+                reply = self._answer_after_break(sock)
+                if reply is None or reply.op != "E":
+                    raise
+                self._refused(xfer, reply, reconnect=True)
+                return False
+        reply = _recv_hdr(sock)
+        if reply.op == "E":
+            self._refused(xfer, reply, reconnect=xfer.op is Op.WRITE)
+            return False
+        if reply.op != "A":
+            raise WireError(f"unexpected reply {reply.op!r}")
+        if xfer.op is Op.READ:
+            owner._recv_ext(sock, local)
+            if xfer.notify is not None and last:
+                _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
+        return True
+
+    def _refused(self, xfer: _Xfer, reply: _Hdr, reconnect: bool) -> None:
+        self.owner._finish(
+            xfer, XferState(XferStatus.FAILED, f"peer {self.name} refused: {reply.reason}",
+                            refused=True)
+        )
+        if reconnect:  # the owner closed this connection (a WRITE's payload cannot be skipped)
+            self._drop_sock()
+
+    @staticmethod
+    def _answer_after_break(sock: socket.socket) -> _Hdr | None:
+        try:
+            sock.settimeout(1.0)
+            return _recv_hdr(sock)
+        except (OSError, _PeerGone, KVLinkError):
+            return None
+
+    def _drop_sock(self) -> None:
+        with self.cv:
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()

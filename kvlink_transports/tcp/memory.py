@@ -1,0 +1,171 @@
+"""Our registered memory, and moving bytes between it and a socket, direct or staged.
+
+Host memory moves straight between registered memory and the socket: ``sendmsg`` over
+memoryviews (the kernel gathers, no user-space copy) and ``recvmsg_into`` (the kernel
+scatters), ``_IOV`` buffers a call. Device memory (or, for tests, host memory with option
+``stage_host_memory``) moves through a bounded pool of pinned host buffers
+(:mod:`kvlink.staging`). Every extent is bounds-checked against the registered regions before
+a byte moves, ``_CHECK`` extents a numpy pass. Separate because both sides use it, the
+initiator for its local extents and the owner for the extents a peer asks for, and because it
+is the one place that touches our memory.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from kvlink import hostmem, staging
+from kvlink.errors import ExtentOutOfBounds, TransportUnavailable
+from kvlink.transport import Extents, Region, RegionTable, Transport
+from kvlink_transports.tcp.wire import _PeerGone
+
+_IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
+_CHECK = 1 << 16  # extents per numpy pass of a check: its temporaries are O(this), not O(request)
+
+
+class _Memory:
+    """Registered regions as memoryviews, so an extent becomes a slice (no per-extent ctypes)."""
+
+    def __init__(self, regions: Sequence[Region]) -> None:
+        self.table = RegionTable(regions)
+        self.views = [hostmem.view(r.addr, r.nbytes) for r in self.table.regions]
+
+    def batches(self, ext: Extents, what: str) -> Iterator[list[memoryview]]:
+        """Bounds-check all of ``ext`` now (raising before any byte moves), then give its
+        slices ``_IOV`` at a time as they are consumed: O(batch) Python objects and O(_CHECK)
+        numpy temporaries, not one memoryview per extent for the whole request."""
+        for k in range(0, ext.shape[0], _CHECK):
+            self.table.locate(ext[k : k + _CHECK], what if not k else f"{what} {k}+")
+        return self._batches(ext)
+
+    def _batches(self, ext: Extents) -> Iterator[list[memoryview]]:
+        starts, views = self.table.starts, self.views
+        for k in range(0, ext.shape[0], _CHECK):
+            chunk = ext[k : k + _CHECK]
+            idx = self.table.locate(chunk)
+            for j in range(0, chunk.shape[0], _IOV):
+                part, at = chunk[j : j + _IOV], idx[j : j + _IOV]
+                off = (part["addr"] - starts[at]).tolist()
+                yield [views[i][o : o + n]
+                       for i, o, n in zip(at.tolist(), off, part["len"].tolist())]
+
+
+def _send_views(
+    sock: socket.socket, batches: Iterable[list[memoryview]],
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Send ``batches``; ``stop`` (checked before every socket call) ends it early."""
+    for batch in batches:
+        while batch:
+            if stop is not None and stop():
+                raise _PeerGone("access revoked mid-transfer")
+            sent = sock.sendmsg(batch)
+            while batch and sent >= len(batch[0]):
+                sent -= len(batch[0])
+                batch.pop(0)
+            if batch and sent:
+                batch[0] = batch[0][sent:]
+
+
+def _recv_views(
+    sock: socket.socket, batches: Iterable[list[memoryview]],
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Receive straight into ``batches``; ``stop`` (checked before every socket call) ends it
+    early, so a revoked connection writes no more of our memory than one call's worth."""
+    for batch in batches:
+        while batch:
+            if stop is not None and stop():
+                raise _PeerGone("access revoked mid-transfer")
+            got = sock.recvmsg_into(batch)[0] if len(batch) > 1 else sock.recv_into(batch[0])
+            if got == 0:
+                raise _PeerGone("connection closed by peer mid-transfer")
+            while batch and got >= len(batch[0]):
+                got -= len(batch[0])
+                batch.pop(0)
+            if batch and got:
+                batch[0] = batch[0][got:]
+
+
+class _LocalMemory(Transport):
+    """Registration and the byte movers, as methods of the transport."""
+
+    timeout: float  # timeout_s: a staged copy waits at most this long
+    _memory: _Memory
+    _regions: tuple[Region, ...]
+    _copier: staging.Copier | None  # set once staging is on
+    _pool: staging.PinnedPool | None
+    _chunk: int  # bytes of one staging buffer
+
+    def register(self, regions: Sequence[Region]) -> None:
+        devices = {r.device for r in regions if r.memory_kind != "cpu"}
+        if len(devices) > 1 or any(not d.startswith("cuda") for d in devices):
+            raise TransportUnavailable(f"tcp stages one CUDA device at most; got {sorted(devices)}")
+        if devices:
+            self._enable_staging(int(devices.pop().split(":")[1]))
+        elif self.options.get("stage_host_memory"):
+            # host memory through the staging pipeline: how CI exercises it without a GPU
+            self._enable_staging(None)
+        self._regions = self._regions + tuple(regions)
+        self._memory = _Memory(self._regions)
+
+    def _enable_staging(self, device: int | None) -> None:
+        """VRAM (or, for tests, host memory) moves through a bounded pool of host buffers."""
+        if self._copier is not None:
+            return
+        chunk = int(self.options.get("staging_chunk", 4 << 20))
+        count = int(self.options.get("staging_buffers", 8))
+        if device is None:
+            self._copier = staging.HostCopier()
+        else:
+            try:
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise TransportUnavailable("tcp cannot stage CUDA memory: no CUDA device")
+            except ImportError as exc:
+                raise TransportUnavailable(f"tcp staging needs torch: {exc}") from exc
+            self._copier = staging.CudaCopier(device, chunk)
+        self._pool = staging.PinnedPool(count, chunk, pin=device is not None)
+        self._chunk = chunk
+
+    def _is_staged(self, ext: Extents, what: str = "extent") -> bool:
+        """Bounds-check ``ext`` against registered memory; True if it moves through staging."""
+        table, kinds = self._memory.table, set[str]()
+        for k in range(0, ext.shape[0], _CHECK):
+            idx = table.locate(ext[k : k + _CHECK], what if not k else f"{what} {k}+")
+            kinds.update(table.regions[int(i)].memory_kind for i in np.unique(idx))
+        if not kinds:
+            return False
+        if len(kinds) > 1:
+            raise ExtentOutOfBounds(f"one transfer mixes memory kinds {sorted(kinds)}")
+        device = kinds.pop() != "cpu"
+        return self._copier is not None and (device or bool(self.options.get("stage_host_memory")))
+
+    def _send_ext(
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+    ) -> None:
+        if self._is_staged(ext):
+            assert self._copier is not None and self._pool is not None
+
+            def send(mv: memoryview) -> None:
+                if stop is not None and stop():
+                    raise _PeerGone("access revoked mid-transfer")
+                sock.sendall(mv)
+
+            staging.send_staged(send, ext, self._copier, self._pool, self._chunk, self.timeout)
+        else:
+            _send_views(sock, self._memory.batches(ext, "extent"), stop)
+
+    def _recv_ext(
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+    ) -> None:
+        if self._is_staged(ext):
+            assert self._copier is not None and self._pool is not None
+            staging.recv_staged(lambda mv: _recv_views(sock, [[mv]], stop), ext, self._copier,
+                                self._pool, self._chunk, self.timeout)
+        else:
+            _recv_views(sock, self._memory.batches(ext, "extent"), stop)

@@ -1,0 +1,428 @@
+"""The owner's side of tcp: accepting connections, their hellos, and serving peers' requests.
+
+Bounds, because anyone on the network can open the port before the key is checked:
+
+- Not-yet-authenticated connections take no thread: the accept thread reads their hello
+  (the first header) non-blocking, at most ``_MAX_HELLO`` bytes — the length prefix is checked
+  before anything is allocated — within ``hello_timeout_s`` (5 s) of the accept. Beyond
+  ``max_unauthenticated`` (64) pending hellos the oldest is dropped, so a flood of idle
+  connections cannot lock a legitimate peer out; beyond ``max_connections`` (1024) in all a new
+  connection is closed at once. Only a hello with the right key gets a serving thread.
+- After authentication an idle connection may stay open (a kept-open peer), but a header once
+  started must arrive whole within ``timeout_s``; it may announce at most ``_MAX_HEADER`` bytes
+  (checked before allocating; a header over ``_GROW`` is buffered as its bytes arrive, not at
+  its announced size) and ``_MAX_EXTENTS`` extents (a longer transfer is sent as several
+  requests). A request's memoryviews are made ``_IOV`` at a time as its bytes move, so its
+  Python objects are O(batch), not O(extents) (one per extent cost ~1.1 GB for 4M extents).
+
+Every request is checked by the side that owns the memory before a byte is read or written:
+in bounds, and under ``require_grants`` inside a window :meth:`TcpTransport.grant` made for its
+ticket (:meth:`_Server._refusal`); a refusal is answered ``E``. Separate from the transport
+because it runs on threads of its own (one accept thread, one serving thread per
+authenticated connection) against the transport's state, whose methods call none of this.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import hmac
+import itertools
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Any
+
+from kvlink.errors import ExtentOutOfBounds, KVLinkError, WireError
+from kvlink.grants import Grants
+from kvlink.sockets import shutdown
+from kvlink.transport import Extents, Op
+from kvlink.wire import extents_from_bytes
+from kvlink_transports.tcp.memory import _CHECK, _LocalMemory
+from kvlink_transports.tcp.wire import (
+    _LEN,
+    _MAX_EXTENTS,
+    _MAX_HEADER,
+    _MAX_HELLO,
+    _MAX_REASON,
+    _VERSION,
+    _decode_hdr,
+    _Hdr,
+    _PeerGone,
+    _recv_exact,
+    _send_hdr,
+    _tune,
+)
+
+log = logging.getLogger("kvlink.tcp")
+
+_ACCEPT_PAUSE = 0.1  # seconds the accept thread stops accepting when out of descriptors
+# seconds revoke() lets a request under the ticket stop on its own before its connection is
+# shut down. Not shorter: a thread whose last sendall just handed the bytes to the kernel may
+# be descheduled that long on a loaded machine (50 ms cut live connections on 2 busy cores,
+# failing the *next* READ on them); what the grace bounds is a hung peer's socket, not
+# correctness (a READ the hold ended under is refused at its verdict anyway)
+_CUT_GRACE = 1.0
+
+
+class _Throttle:
+    """At most one log line per ``every`` seconds per kind; those in between are counted and
+    reported with the next one (a flood of hostile connections must not flood the log)."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def __call__(self, level: int, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return
+            if len(self._next) > 4096:  # kinds name agents: bounded too
+                self._next.clear()
+                self._skipped.clear()
+            self._next[kind] = now + self.every
+            skipped = self._skipped.pop(kind, 0)
+        if skipped:
+            msg += f" (and {skipped} more like it in the last {self.every:.0f}s)"
+        log.log(level, msg, *args)
+
+
+@dataclasses.dataclass(eq=False)
+class _Inbound:
+    """One accepted connection and the thread serving it."""
+
+    conn: socket.socket
+    thread: threading.Thread
+    agent: str | None = None  # set once its handshake header checked out
+    revoked: bool = False  # fence(): stop before the next socket call
+    serving: bytes | None = None  # the ticket of the request being served (under _lock)
+    cut: bool = False  # revoke() of ``serving``: stop before the next socket call
+
+
+@dataclasses.dataclass(eq=False)
+class _Hello:
+    """A connection whose hello (first header) the accept thread is still reading."""
+
+    conn: socket.socket
+    addr: Any
+    deadline: float
+    buf: bytearray = dataclasses.field(default_factory=bytearray)
+    need: int = _LEN.size  # bytes of the part being read (the length prefix, then the body)
+    body: bool = False  # the prefix was read; ``need`` is the body's length
+
+
+class _Server(_LocalMemory):
+    """The accept thread and the serving threads, as methods of the transport."""
+
+    hello_timeout: float  # hello_timeout_s
+    max_unauthenticated: int
+    max_connections: int
+    _closed: bool
+    _listener: socket.socket
+    _wake_r: socket.socket  # close() and revoke() wake the accept thread through it
+    _token: bytes  # the memory key
+    _grants: Grants
+    _throttle: _Throttle
+    _lock: threading.Lock
+    _quiet: threading.Condition  # on _lock: an inbound request ended (revoke)
+    _inbound: dict[socket.socket, _Inbound]  # authenticated connections
+    _pending: int  # connections whose hello is being read (the accept thread's)
+    _cuts: list[tuple[float, bytes, list[_Inbound]]]  # revoke(): due, ticket, busy
+    _revoked: set[str]  # agents fenced off until connect() names them again
+    _notifs: collections.deque[tuple[str, bytes]]
+
+    def _run_cuts(self, now: float) -> float | None:
+        """Shut down the connections still serving a revoked ticket at their grace's end (the
+        accept thread's); returns when the next cut is due."""
+        with self._lock:
+            due = [c for c in self._cuts if c[0] <= now]
+            self._cuts = [c for c in self._cuts if c[0] > now]
+            stuck = [c for _, ticket, busy in due for c in busy if c.serving == ticket]
+            nxt = min((c[0] for c in self._cuts), default=None)
+        for c in stuck:
+            log.info("tcp: shutting down agent %s's connection: still inside a socket call "
+                     "under a revoked grant %.2fs after", c.agent, _CUT_GRACE)
+            shutdown(c.conn)
+        return nxt
+
+    def _accept(self) -> None:
+        """Accept connections and read their hellos, all on this one thread (a connection gets
+        a serving thread of its own only once its memory key checked out)."""
+        sel = selectors.DefaultSelector()
+        pending: dict[socket.socket, _Hello] = {}  # in accept order, so in deadline order
+        paused_until: float | None = None  # out of descriptors: accepting again at
+        try:
+            sel.register(self._listener, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while not self._closed:
+                now = time.monotonic()
+                due = [h.deadline for h in itertools.islice(pending.values(), 1)]
+                if paused_until is not None:
+                    due.append(paused_until)
+                cut = self._run_cuts(now)
+                if cut is not None:
+                    due.append(cut)
+                for key, _ in sel.select(max(min(due) - now, 0.0) if due else None):
+                    if key.fileobj is self._listener:
+                        if not self._accept_ready(sel, pending):
+                            sel.unregister(self._listener)
+                            paused_until = time.monotonic() + _ACCEPT_PAUSE
+                    elif key.fileobj is self._wake_r:
+                        self._drain_wake()
+                    elif key.fileobj in pending:
+                        try:
+                            self._hello_step(sel, pending, key.data)
+                        except Exception:  # a bug: drop this connection, keep accepting
+                            log.exception("tcp: reading a hello from %s failed", key.data.addr)
+                            self._drop_hello(sel, pending, key.data, "hello-bug", "see above")
+                now = time.monotonic()
+                while pending:
+                    first = next(iter(pending.values()))
+                    if first.deadline > now:
+                        break
+                    self._drop_hello(sel, pending, first, "slow-hello",
+                                     f"no complete hello within {self.hello_timeout:.1f}s")
+                if paused_until is not None and now >= paused_until and not self._closed:
+                    sel.register(self._listener, selectors.EVENT_READ)
+                    paused_until = None
+        except Exception:  # a bug must not end accepting silently
+            if not self._closed:
+                log.exception("tcp: the accept thread failed; the port no longer accepts")
+        finally:
+            for h in pending.values():
+                h.conn.close()
+            with self._lock:
+                self._pending = 0
+            sel.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def _accept_ready(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello]
+                      ) -> bool:
+        """Accept every connection the listener has; False when out of descriptors."""
+        while not self._closed:
+            try:
+                conn, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if self._closed:
+                    return True
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._throttle(logging.WARNING, "accept", "tcp: cannot accept (%s); "
+                                   "pausing %.1fs", exc, _ACCEPT_PAUSE)
+                    return False
+                raise
+            with self._lock:
+                total = len(self._inbound) + len(pending)
+            if total >= self.max_connections:
+                conn.close()
+                self._throttle(logging.WARNING, "max-connections", "tcp: refused a connection "
+                               "from %s: %d open (max_connections)", addr, total)
+                continue
+            if len(pending) >= self.max_unauthenticated:  # the oldest goes, not the newcomer
+                self._drop_hello(sel, pending, next(iter(pending.values())), "evicted",
+                                 f"{len(pending)} connections without a hello yet "
+                                 f"(max_unauthenticated); dropped the oldest")
+            try:
+                conn.setblocking(False)
+                h = _Hello(conn, addr, time.monotonic() + self.hello_timeout)
+                sel.register(conn, selectors.EVENT_READ, h)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pending[conn] = h
+            with self._lock:
+                self._pending = len(pending)
+        return True
+
+    def _drop_hello(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello],
+                    h: _Hello, kind: str, why: str, level: int = logging.WARNING) -> None:
+        pending.pop(h.conn, None)
+        with self._lock:
+            self._pending = len(pending)
+        try:
+            sel.unregister(h.conn)
+        except (KeyError, ValueError):
+            pass
+        h.conn.close()
+        self._throttle(level, kind, "tcp: closed connection from %s before authentication: %s",
+                       h.addr, why)
+
+    def _hello_step(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello],
+                    h: _Hello) -> None:
+        """Read what has arrived of ``h``'s hello, never past it (its first request follows),
+        and never more than ``_MAX_HELLO``: the announced length is checked first."""
+        while True:
+            try:
+                chunk = h.conn.recv(h.need - len(h.buf))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._drop_hello(sel, pending, h, "hello-lost", f"connection lost ({exc})",
+                                 logging.INFO)
+                return
+            if not chunk:
+                self._drop_hello(sel, pending, h, "hello-eof", "closed by peer", logging.INFO)
+                return
+            h.buf += chunk
+            if len(h.buf) < h.need:
+                continue
+            if h.body:
+                self._admit(sel, pending, h)
+                return
+            (n,) = _LEN.unpack(h.buf)
+            if not 0 < n <= _MAX_HELLO:
+                self._drop_hello(sel, pending, h, "hello-size", f"a hello of {n} B announced "
+                                 f"(at most {_MAX_HELLO} B before authentication)")
+                return
+            h.need, h.buf, h.body = n, bytearray(), True
+
+    def _admit(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello],
+               h: _Hello) -> None:
+        """A whole hello arrived: its memory key lets the connection have a serving thread."""
+        pending.pop(h.conn, None)
+        with self._lock:
+            self._pending = len(pending)
+        sel.unregister(h.conn)
+        conn, addr = h.conn, h.addr
+        try:
+            hello: _Hdr | None = _decode_hdr(h.buf)
+        except WireError:
+            hello = None
+        if hello is None or hello.op != "H" or not hmac.compare_digest(hello.token, self._token):
+            conn.close()
+            self._throttle(logging.WARNING, "bad-key", "tcp: connection from %s presented no "
+                           "valid memory key; closed", addr)
+            return
+        with self._lock:  # fence() reads agent and revoked set under the same lock
+            if self._closed or hello.agent in self._revoked:
+                conn.close()
+                self._throttle(logging.WARNING, f"fenced {hello.agent[:64]}", "tcp: refused "
+                               "agent %r from %s: access revoked (fenced)", hello.agent, addr)
+                return
+            try:
+                conn.setblocking(True)
+                _tune(conn)
+            except OSError:
+                conn.close()
+                return
+            inb = _Inbound(conn, threading.Thread(
+                target=self._serve, args=(conn, addr), name="kvlink-tcp-serve", daemon=True
+            ), agent=hello.agent)
+            self._inbound[conn] = inb  # before the thread starts: _serve finds it here
+            inb.thread.start()
+
+    def _recv_request(self, conn: socket.socket) -> _Hdr:
+        """The next request header. Its first byte may take any time (an idle peer keeps its
+        connection open); from there the whole header must arrive within ``timeout_s``, and
+        announce at most ``_MAX_HEADER`` bytes. Its payload then moves under ``timeout_s`` per
+        socket call."""
+        conn.settimeout(None)
+        head = bytearray(_LEN.size)
+        if conn.recv_into(head, 1) == 0:
+            raise _PeerGone("connection closed by peer")
+        deadline = time.monotonic() + self.timeout
+        head[1:] = _recv_exact(conn, _LEN.size - 1, deadline)
+        (n,) = _LEN.unpack(head)
+        if n > _MAX_HEADER:
+            conn.settimeout(self.timeout)
+            _send_hdr(conn, _Hdr(_VERSION, "E", reason=f"header of {n} B exceeds {_MAX_HEADER} "
+                                 f"B (at most {_MAX_EXTENTS} extents a request)"))
+            raise WireError(f"tcp header of {n} B exceeds {_MAX_HEADER} B")
+        body = _recv_exact(conn, n, deadline)
+        conn.settimeout(self.timeout)
+        return _decode_hdr(body)
+
+    def _serve(self, conn: socket.socket, addr: Any) -> None:
+        inb = self._inbound[conn]
+        try:
+            while True:
+                hdr = self._recv_request(conn)
+                if inb.revoked:
+                    raise _PeerGone(f"agent {inb.agent} was fenced")
+                if hdr.op == "N":
+                    if hdr.notify is not None:
+                        self._notifs.append((hdr.agent, hdr.notify))
+                    continue
+                if hdr.op not in ("R", "W"):
+                    raise WireError(f"unknown op {hdr.op!r}")
+                self._serve_request(inb, addr, hdr)
+        except (OSError, _PeerGone, KVLinkError) as exc:
+            if not isinstance(exc, _PeerGone) or "closed by peer" not in str(exc):
+                log.info("tcp: connection from %s (agent %s) ended: %s", addr, inb.agent, exc)
+        except Exception:  # a bug: end this connection, keep serving the others
+            log.exception("tcp: serving agent %s (%s) failed", inb.agent, addr)
+        finally:
+            with self._quiet:
+                self._inbound.pop(conn, None)
+                inb.serving = None
+                self._quiet.notify_all()
+            conn.close()
+
+    def _serve_request(self, inb: _Inbound, addr: Any, hdr: _Hdr) -> None:
+        """One R or W: refused unless in bounds and (``require_grants``) granted."""
+        conn, op = inb.conn, Op.READ if hdr.op == "R" else Op.WRITE
+        ext = extents_from_bytes(hdr.extents, _MAX_EXTENTS)
+        with self._lock:  # before the grant check, so revoke() sees it or the check fails
+            inb.serving, inb.cut = hdr.ticket, False
+        try:
+            why = self._refusal(op, hdr.ticket, ext)
+            if why is None:
+
+                def stop() -> bool:
+                    return inb.revoked or inb.cut
+
+                if op is Op.READ:
+                    _send_hdr(conn, _Hdr(_VERSION, "A"))
+                    self._send_ext(conn, ext, stop)
+                else:
+                    self._recv_ext(conn, ext, stop)
+        finally:
+            # done with our memory before any answer goes out: a peer (or the owner, seeing
+            # the notification) that revokes once it has the answer finds nothing to wait for
+            with self._quiet:
+                inb.serving = None
+                self._quiet.notify_all()
+        if why is not None:
+            self._account(refused=1)
+            self._throttle(logging.WARNING, f"refused {str(inb.agent)[:64]}",
+                           "tcp: refused %s of %d extent(s) from agent %s (%s): %s",
+                           op.value.upper(), ext.shape[0], inb.agent, addr, why)
+            _send_hdr(conn, _Hdr(_VERSION, "E", reason=why[:_MAX_REASON]))
+            if op is Op.WRITE:  # its payload follows; the stream cannot be resynced
+                raise _PeerGone("refused WRITE payload")
+        elif op is Op.WRITE:
+            # the answer first: a note seen before it lets the owner finish and close while
+            # the writer still waits for it, so a WRITE whose bytes landed would turn FAILED
+            # there (and its "written" go out as failed); sent, the answer survives a close
+            _send_hdr(conn, _Hdr(_VERSION, "A"))
+            if hdr.notify is not None:
+                self._notifs.append((hdr.agent, hdr.notify))
+
+    def _refusal(self, op: Op, ticket: bytes, ext: Extents) -> str | None:
+        """Why a peer's ``op`` on ``ext`` under ``ticket`` is not served (None: it is)."""
+        if self.ctx.require_grants:
+            for k in range(0, max(ext.shape[0], 1), _CHECK):
+                why = self._grants.check(ticket, op, ext[k : k + _CHECK])
+                if why is not None:
+                    return why
+        try:
+            self._is_staged(ext, "requested extent")  # bounds and memory-kind check
+        except ExtentOutOfBounds as exc:
+            return str(exc)
+        return None
