@@ -105,22 +105,21 @@ def _sync(device: str) -> None:
 
 
 # --------------------------------------------------------------------------- the decode
-def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, small: bool) -> None:
+def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int]) -> None:
     try:
-        _decode(cmd_q, rep_q, device, transport, small)
+        _decode(cmd_q, rep_q, device, transport, geo)
     except BaseException as exc:
         rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
-def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, small: bool) -> None:
+def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int]) -> None:
     import torch
 
     from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
     if device.startswith("cuda"):
         torch.cuda.set_device(int(device.split(":")[1]))
-    geo = _geometry(small)
     m = Model(geo, geo["blocks"] + 8, device, compute=False)
     w = KVWorker(WorkerConfig(engine_id="lw-d", transports=[transport]))
     w.register(m.spec())
@@ -160,9 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     device = args.device_name
     geo = _geometry(args.small)
+    if args.layers:
+        geo["layers"] = args.layers
     ctx = mp.get_context("spawn")
     cmd_q, rep_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=decode, args=(cmd_q, rep_q, device, args.transport, args.small),
+    proc = ctx.Process(target=decode, args=(cmd_q, rep_q, device, args.transport, geo),
                        daemon=True)
     proc.start()
 
@@ -190,8 +191,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids_dev = ids.to(device)
     ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
         if device.startswith("cuda") else None
-    out: dict[str, dict[str, list[float]]] = {k: {"forward": [], "exposed": [], "bad": []}
-                                             for k in ("none", "whole", "layered")}
+    out: dict[str, dict[str, list[float]]] = {
+        k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": []}
+        for k in ("none", "whole", "layered")}
+    host: dict[str, float] = {}
     req_no = 0
 
     def forward(push_layer: Any) -> tuple[float, float]:
@@ -202,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for li in range(geo["layers"]):
             m.layer(li, req_no, ids_dev)
             push_layer(li)
+        host["enqueued"] = time.perf_counter() - t0  # the host's loop (the GPU may lag it)
         if ev is not None:
             ev[1].record()
             ev[1].synchronize()
@@ -215,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 secs, _ = forward(lambda li: None)
                 if i >= args.warmup:
                     out[mode]["forward"].append(secs)
+                    out[mode]["enqueued"].append(host["enqueued"])
                 continue
             req = f"r{req_no}"
             cmd_q.put(("push", req, w.side_port, req_no))
@@ -240,8 +245,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             secs, t_end = forward(push_layer)
             if mode == "whole":
                 w.push(msg, ids.numpy(), lease=req)
+            t_prefill = 0.0  # when the prefill saw its push finished (every range DONE)
             while True:  # drive our side until the decode says it is done
-                w.poll()
+                if not t_prefill and any(f.endswith(f"/{req}") for f in w.poll()[0]):
+                    t_prefill = time.perf_counter()
                 try:
                     got = rep_q.get_nowait()
                 except queue.Empty:
@@ -261,6 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if i >= args.warmup:
                 out[mode]["forward"].append(secs)
                 out[mode]["exposed"].append(t_done - t_end)
+                out[mode]["enqueued"].append(host["enqueued"])
+                out[mode]["prefill_done"].append((t_prefill or t_done) - t_end)
                 out[mode]["bad"].append(bad)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
@@ -294,6 +303,8 @@ def main() -> None:
     ap.add_argument("--transport", default=None, help="default: cuda_ipc on cuda, tcp on cpu")
     ap.add_argument("--small", action="store_true", help="a small geometry (CPU smoke run)")
     ap.add_argument("--group", type=int, default=1, help="layers per layer-wise push")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="layers of the model (default: the geometry's, 80; 8 with --small)")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -313,7 +324,10 @@ def main() -> None:
     m = res["medians_s"]
     for mode in ("none", "whole", "layered"):
         print(f"{mode:8s} forward {m[mode]['forward'] * 1e3:9.3f} ms   exposed "
-              + (f"{m[mode]['exposed'] * 1e3:9.3f} ms" if "exposed" in m[mode] else "        -"))
+              + (f"{m[mode]['exposed'] * 1e3:9.3f} ms (prefill saw it done after "
+                 f"{m[mode]['prefill_done'] * 1e3:.3f} ms)" if "exposed" in m[mode] else
+                 "        -")
+              + f"   host loop {m[mode]['enqueued'] * 1e3:.3f} ms")
     print(f"one layer's share of the whole push {res['one_layer_share_of_whole_push_s'] * 1e3:.3f}"
           f" ms; layered exposed / one layer {res['exposed_layered_over_one_layer']:.2f}; "
           f"forward slowed {100 * res['forward_slowdown_layered']:.1f} % (whole: "

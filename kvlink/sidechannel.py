@@ -176,6 +176,9 @@ class _Peer:
         return f"connection {self.ident} from {self.where}"
 
 
+_HANDOFF = 0.005  # seconds serve_ready waits for the server's thread to finish its round
+
+
 class SideChannelServer:
     """Answers requests on ``host:port`` with ``handler(msg)`` from one daemon thread.
 
@@ -251,8 +254,15 @@ class SideChannelServer:
         every ``sys.getswitchinterval()`` (5 ms), so each message to it waited up to 5 ms (a
         layer-wise push of 80 layers: 80 such waits). A caller that serves its own inbox in
         its poll takes the messages at once. Call it with no lock held that the handler takes.
+
+        If the server's thread is serving right now, this waits for it (at most
+        ``_HANDOFF`` seconds) rather than returning: that thread, holding the serving lock,
+        needs the GIL back after each socket call, which a caller that returned at once and
+        went on polling would give it only every switch interval — a race the server's
+        thread sometimes won, and then a layer-wise push took 20-270 ms instead of 1.5 (one
+        H200). Waiting on the lock releases the GIL, so the server's thread finishes at once.
         """
-        if self._stop.is_set() or not self._serving.acquire(blocking=False):
+        if self._stop.is_set() or not self._serving.acquire(timeout=_HANDOFF):
             return 0
         try:
             ready = self._sel.select(0)
