@@ -251,6 +251,9 @@ class _Layered:
     next_layer: int = 0
     inflight: set[str] = dataclasses.field(default_factory=set)  # its ranges' request ids
     error: str | None = None
+    #: ranges DONE since the last poll, told the decode at the poll's end, merged (an 80-layer
+    #: push that lands while the caller waits on its forward is one note, not 80)
+    landed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -742,6 +745,8 @@ class KVWorker:
                 threads = threads or any(
                     p.handle is not None and p.go is not None
                     and p.go.peer.transport.capabilities.python_threads for p in req.parts)
+        if self._layered:
+            self._tell_landed()
         self._chan.flush()
         if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
             # may be served by a transport's own threads too
@@ -1683,10 +1688,27 @@ class KVWorker:
                                       + "; ".join(errors))
         else:
             self.finished_bytes += req.nbytes
-            self._tell(req.push.host, req.push.port + req.push.tp_rank, self._note(
-                req.push.req_id, req.push.push_id, "layers", layer_from=req.layers[0],
-                layer_to=req.layers[1]))
+            lay.landed.append(req.layers)
         self._finish_layered(req.layered, finished, failed)
+
+    def _tell_landed(self) -> None:
+        """Tell each decode the layer ranges of its push that landed in this poll, merged
+        into as few notes as they allow. (A push that finished in this poll was told
+        "written" instead, which says all of it landed.)"""
+        for lay in self._layered.values():
+            if not lay.landed:
+                continue
+            merged: list[list[int]] = []
+            for start, stop in sorted(lay.landed):
+                if merged and start <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], stop)
+                else:
+                    merged.append([start, stop])
+            lay.landed.clear()
+            msg = lay.msg
+            for start, stop in merged:
+                self._tell(msg.host, msg.port + msg.tp_rank, self._note(
+                    msg.req_id, msg.push_id, "layers", layer_from=start, layer_to=stop))
 
     def _poll_layered(self, finished: set[str], failed: dict[str, str]) -> None:
         """Layer-wise pushes the decode cancelled between two ranges: end them."""

@@ -146,3 +146,34 @@ def test_whole_push_reports_no_layers_before_it_is_written() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_ranges_that_landed_by_one_poll_are_told_in_one_note() -> None:
+    """A forward enqueues its layers faster than the device runs them, so a prefill that polls
+    after its forward finds every range DONE at once: one merged "layers" note then, not one
+    per range (80 for a 70B model; each one a message the decode must take). The transport's
+    handles are polled directly first, so both ranges are DONE before the worker's poll."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0", layers=(0, 1))  # (the handshake, then posted)
+        landed(prefill, decode, 1)
+        for i in (1, 2):  # a cached peer: posted in the call
+            prefill.push(msg, HELD, lease="r0", layers=(i, i + 1))
+        handles = [(p.go.peer.transport, p.handle) for r in prefill._requests.values()
+                   for p in r.parts if p.handle is not None and p.go is not None]
+        assert len(handles) == 2
+        until(lambda: all(t.poll(h).status.value != "pending" for t, h in handles), 10,
+              "both WRITEs DONE")
+        sent = prefill._chan.calls_sent
+        prefill.poll()
+        assert prefill._chan.calls_sent - sent == 1  # one note: layers [1, 3)
+        until(lambda: decode.layers_landed("r0") == 3, 10, "layers [0, 3) landed")
+        prefill.push(msg, HELD, lease="r0", layers=(3, 4))
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        for i in range(4):
+            assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
+    finally:
+        prefill.close()
+        decode.close()
