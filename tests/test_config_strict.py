@@ -213,7 +213,8 @@ FULL: dict[str, Any] = {
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
     "integrity": "off",
-    "hold_board": False,
+    "hold_board": False, "layerwise": True, "layerwise_min_tokens": 256,
+    "layerwise_wait_ms": 20.0,
 }
 
 

@@ -10,6 +10,8 @@ Load it with::
 
 ``"mode": "push"`` in ``kv_connector_extra_config`` of the decode makes the prefill WRITE each
 request into the decode's blocks (Mooncake style) instead of the decode READing them.
+``"layerwise": true`` on the prefill streams a request the router keyed (``kvlink_push_key``,
+decode asked first) layer by layer during its forward (``save_kv_layer``); docs/layerwise.md.
 
 ``kv_transfer_params`` carry NixlConnector's keys with NixlConnector's meaning, so proxies and
 routers written for it (vLLM's toy proxy included) work unchanged. This is the only kvlink
@@ -38,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvlink.errors import ConfigError
 from kvlink.integrations.vllm_common import Settings, StepPlan, kv_groups_refusal
-from kvlink.integrations.vllm_layout import detect
+from kvlink.integrations.vllm_layout import detect, layer_ranges
 from kvlink.integrations.vllm_sched import PullScheduler
 from kvlink.integrations.vllm_worker import PullWorker
 from kvlink.integrity import tensor_planes
@@ -55,6 +57,13 @@ try:  # workers' handshake metadata, gathered into the scheduler's connector
     )
 except ImportError:  # pragma: no cover - older vLLM
     _HandshakeMetadataBase = object  # type: ignore[assignment,misc]
+
+try:  # workers' per-step metadata for the scheduler (vLLM >= 0.32)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorWorkerMetadata as _WorkerMetadataBase,
+    )
+except ImportError:  # pragma: no cover - older vLLM
+    _WorkerMetadataBase = None  # type: ignore[assignment,misc]
 
 try:  # a KV cache group's kind ("full_attention", "sliding_window", "mamba", ...)
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind as _spec_kind
@@ -135,6 +144,14 @@ COUNTERS = {
                                 "(integrity sample/full, decode workers).",
     "integrity_failures": "Receives failed because the landed KV differed from the prefill's "
                           "digests, or came without them (integrity on; each is logged).",
+    "push_layer_ranges": "Layer ranges a prefill worker posted as their own WRITE during the "
+                         "forward (layer-wise pushes, docs/layerwise.md).",
+    "push_layerwise_requests": "Pushes a prefill worker streamed layer by layer, every range "
+                               "posted (per decode rank).",
+    "push_layerwise_fallbacks": "Layer-wise candidates whose decode's block ids were not there "
+                                "when their forward started: pushed whole after it.",
+    "layerwise_late_requests": "Layer-wise candidates the prefill scheduler stopped waiting for "
+                               "(layerwise_wait_ms passed without their decode's block ids).",
 }
 
 #: Per-transfer series kept per transport (stats ``data["transfers"][name][key]``), each
@@ -214,6 +231,22 @@ class KVLinkConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+if _WorkerMetadataBase is not None:
+
+    class KVLinkWorkerMetadata(_WorkerMetadataBase):  # type: ignore[misc,valid-type]
+        """Worker -> scheduler, per step: push keys whose decode's push request waits at a
+        worker rank (``{key: [ranks]}``), so a layer-wise candidate waiting for its decode's
+        block ids is scheduled the step after they came (docs/layerwise.md)."""
+
+        def __init__(self, keys: dict[str, list[int]]) -> None:
+            self.keys = keys
+
+        def aggregate(self, other: Any) -> Any:
+            for key, ranks in (getattr(other, "keys", None) or {}).items():
+                self.keys[key] = sorted(set(self.keys.get(key, ())) | set(ranks))
+            return self
 
 
 @dataclasses.dataclass
@@ -314,7 +347,20 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         self._s().after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return KVLinkConnectorMetadata(self._s().build_plan())
+        sched = self._s()
+        if self.settings.serves:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            sched.plan_layerwise(scheduled, self._block_ids_of if self.settings.layerwise
+                                 else None)
+        return KVLinkConnectorMetadata(sched.build_plan())
+
+    def _block_ids_of(self, req_id: str) -> tuple[int, ...]:
+        """A request's blocks (group 0) as the scheduler's cache manager has them now: the
+        whole prompt's at its last prefill chunk (vLLM binds the manager at startup)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:
+            return ()
+        return tuple(manager.get_block_ids(req_id)[0])
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -340,6 +386,10 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                                     metadata.items() if isinstance(m, KVLinkHandshakeMetadata)})
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        keys = getattr(meta, "keys", None)
+        if keys:
+            self._s().arrived(keys)
         self._s().update_output(getattr(connector_output, "finished_recving", None),
                                 getattr(connector_output, "failed_recving", None),
                                 getattr(connector_output, "invalid_block_ids", None))
@@ -389,6 +439,7 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         planes = (tensor_planes(found.planes)
                   if found.planes is not None and self.settings.integrity != "off" else None)
         self._worker.register(found.spec, planes)
+        self._worker.set_layer_names(layer_ranges(kv_caches, found.spec.num_layers))
         log.info("kvlink rank %d: KV cache %s; %.1f MiB in %d region(s)", tp_rank,
                  found.description, sum(r.nbytes for r in found.spec.regions) / 2**20,
                  len(found.spec.regions))
@@ -407,29 +458,53 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             idle = getattr(forward_context, "attn_metadata", None) is None
             self._worker.start(meta.plan, idle)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Before the forward: a prefill rank opens this step's layer-wise streams (holds the
+        candidates whose decode's block ids are here; see ``PullWorker.begin_forward``)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVLinkConnectorMetadata):
+            self._worker.begin_forward(connector_metadata.plan)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Whole requests are loaded (pulled or pushed) before they are scheduled: nothing to
-        wait for."""
+        """Nothing to wait for, layer-wise pushes included: a receive is async (vLLM runs the
+        request only after it is reported finished, and a push is reported finished only once
+        every layer from every prefill rank is written), so no forward ever reads a layer
+        that has not landed, and the decode's other requests never wait on a transfer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Nothing is saved per layer: with vLLM's sequential proxy flow the decode asks only
-        after the prefill finished, so even a push starts from the finished, held blocks."""
+        """Prefill, forward thread, right after ``layer_name``'s attention wrote its KV: post
+        that layer's WRITE for each layer-wise stream of this step (non-blocking; on CUDA
+        ordered after the current stream by the core). Without streams: returns at once."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing to save (see :meth:`save_kv_layer`)."""
+        """End of the forward: post any layer the forward did not report and poll once. Never
+        waits for a transfer: the blocks stay held (vLLM delays their free) until every WRITE
+        is done, and are reported sent only after vLLM finished the request."""
+        if self._worker is not None:
+            self._worker.finish_forward()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Nothing to do: receives finish before their request runs, and prefill blocks are
         held only after their request finished, so preemption never frees a block in
         transfer."""
 
-    def _collect(self) -> Any:
-        return self._worker.results() if self._worker is not None else None
+    def _collect(self, finished_req_ids: set[str] | None = None) -> Any:
+        return (self._worker.results(set(finished_req_ids or ()))
+                if self._worker is not None else None)
+
+    def build_connector_worker_meta(self) -> Any:
+        """Push keys waiting here, for the scheduler's layer-wise wait (None: none)."""
+        if self._worker is None or _WorkerMetadataBase is None:
+            return None
+        keys = self._worker.arrived_keys()
+        return KVLinkWorkerMetadata(keys) if keys else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
-        res = self._collect()
+        res = self._collect(finished_req_ids)
         if res is None:
             return None, None
         self._results = res
@@ -437,7 +512,7 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
 
     if _HAS_TRANSFER_RESULTS:
         def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-            res = self._collect()
+            res = self._collect(finished_req_ids)
             if res is None:
                 return KVConnectorTransferResults()
             return KVConnectorTransferResults(finished_sending=res.finished_sending,

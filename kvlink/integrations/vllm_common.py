@@ -46,6 +46,18 @@ INCARNATIONS_PARAM = "kvlink_incarnations"
 #: vLLM >= 0.32's NixlConnector key: "pull" (the decode READs) or "push" (the prefill WRITEs)
 TRANSFER_MODE_PARAM = "transfer_mode"
 
+#: kvlink key (layer-wise flow, docs/layerwise.md): the id a router minted for one request and
+#: gave both sides: the prefill gets it in its kv_transfer_params, the decode as
+#: ``remote_request_id`` (with no ``remote_block_ids``: the prefill WRITEs into the decode's
+#: blocks as its forward reaches each layer, so the decode must ask before the prefill computes)
+PUSH_KEY_PARAM = "kvlink_push_key"
+#: default of ``layerwise_min_tokens``: below it a request is pushed whole after its prefill
+#: (see docs/layerwise.md for the measurement behind it)
+DEFAULT_LAYERWISE_MIN_TOKENS = 512
+#: default of ``layerwise_wait_ms``: how long a prefill keeps a keyed request waiting for its
+#: decode's block ids before it computes it anyway (then pushed whole)
+DEFAULT_LAYERWISE_WAIT_MS = 50.0
+
 #: kv_transfer_params keys vLLM's NixlConnector (0.32 and 0.33) uses, same names, same meaning.
 PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
               "remote_host", "remote_port", "remote_request_id", "tp_size", "dcp_size",
@@ -90,6 +102,9 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     grants: bool = True  # least privilege on the data plane (WorkerConfig.grants)
     integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
     hold_board: bool = True  # same-host READs validated in shared memory (kvlink.holdboard)
+    layerwise: bool = False  # prefill: stream keyed requests layer by layer (docs/layerwise.md)
+    layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
+    layerwise_wait_ms: float = DEFAULT_LAYERWISE_WAIT_MS
 
 
 #: other connectors' keys kvlink takes with the same meaning: key -> (connector, transport,
@@ -207,8 +222,12 @@ class Settings:
     KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
     push), ``grants`` (least privilege on the data plane, default true) and ``integrity``
     ("off", "sample", "full": end-to-end KV digests, pull and push), ``hold_board`` (same-host
-    READs validated in shared memory instead of a round trip, default true). NixlConnector's
-    ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
+    READs validated in shared memory instead of a round trip, default true), ``layerwise``
+    (prefill: push requests that carry a router's ``kvlink_push_key`` layer by layer during
+    their forward, default false; docs/layerwise.md), ``layerwise_min_tokens`` (prompts shorter
+    than this are pushed whole after the forward) and ``layerwise_wait_ms`` (how long a keyed
+    request waits for its decode's block ids before it is computed and pushed whole).
+    NixlConnector's ``backends`` / ``num_threads`` and MooncakeConnector's ``mooncake_protocol`` /
     ``device_name`` become the nixl / mooncake transport's options.
     """
 
@@ -232,6 +251,9 @@ class Settings:
     grants: bool = True  # WorkerConfig.grants: serve a peer only what was granted to it
     integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
     hold_board: bool = True  # WorkerConfig.hold_board
+    layerwise: bool = False  # prefill: layer-wise pushes of keyed requests
+    layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
+    layerwise_wait_s: float = DEFAULT_LAYERWISE_WAIT_MS / 1e3
 
     @property
     def serves(self) -> bool:
@@ -269,8 +291,21 @@ class Settings:
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
-            hold_board=x.hold_board,
+            hold_board=x.hold_board, layerwise=x.layerwise,
+            layerwise_min_tokens=x.layerwise_min_tokens,
+            layerwise_wait_s=x.layerwise_wait_ms / 1e3,
         )
+        if s.layerwise and not s.producer:
+            raise ConfigError(f"{_WHERE}.layerwise is a prefill setting (kv_role kv_producer or "
+                              f"kv_both); a decode takes layer-wise pushes in mode push")
+        if s.layerwise and s.integrity != "off":
+            raise ConfigError(f"{_WHERE}.layerwise with integrity {s.integrity!r}: kvlink's "
+                              "digests do not cover layer-wise pushes yet (integrity off, or "
+                              "layerwise false)")
+        if x.layerwise_min_tokens < 0:
+            raise ConfigError(f"layerwise_min_tokens must be >= 0, got {x.layerwise_min_tokens}")
+        if not x.layerwise_wait_ms >= 0:
+            raise ConfigError(f"layerwise_wait_ms must be >= 0, got {x.layerwise_wait_ms}")
         for key, value in (("kv_lease_duration", s.lease_seconds),
                            ("push_timeout", s.push_timeout),
                            ("read_pin_seconds", s.pin_seconds),
@@ -287,7 +322,7 @@ class Settings:
     def to_config(self) -> dict[str, Any]:
         """The ``kv_connector_extra_config`` that reads back (:meth:`from_config`) as these
         settings, every key explicit."""
-        return {
+        out = {
             "transport": list(self.transports),
             "transport_options": {k: dict(v) for k, v in self.transport_options.items()},
             "side_channel_host": self.host, "side_channel_port": self.side_port,
@@ -297,7 +332,10 @@ class Settings:
             "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
             "push_timeout": self.push_timeout, "grants": self.grants,
             "integrity": self.integrity, "hold_board": self.hold_board,
+            "layerwise": self.layerwise, "layerwise_min_tokens": self.layerwise_min_tokens,
+            "layerwise_wait_ms": self.layerwise_wait_s * 1e3,
         }
+        return out
 
     def rank_port(self, dp_rank: int, tp_size: int) -> int:
         """Base side-channel port of this DP rank's TP group (TP rank r adds r)."""
@@ -365,11 +403,33 @@ class SendReq:
     generation: int = 0  # minted where the blocks were kept (request_finished); 0: the worker's
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerReq:
+    """Prefill, layer-wise flow: a keyed request whose (last) prefill chunk runs this step.
+
+    The worker streams it layer by layer if its decode's push request is there when the
+    forward starts (it holds ``block_ids`` under ``generation`` then, the generation the
+    scheduler's hold at request_finished uses too); else it is pushed whole after the forward.
+    """
+
+    req_id: str
+    key: str  # PUSH_KEY_PARAM: the req_id of the decode's push request
+    block_ids: tuple[int, ...]  # the request's (scheduler) blocks, the whole prompt
+    generation: int
+
+
 @dataclasses.dataclass
 class StepPlan:
     recv: list[RecvReq] = dataclasses.field(default_factory=list)
     send: list[SendReq] = dataclasses.field(default_factory=list)
     release: list[Remote] = dataclasses.field(default_factory=list)  # notify without reading
+    #: prefill, layer-wise flow: candidates of this step's forward (see LayerReq)
+    layerwise: list[LayerReq] = dataclasses.field(default_factory=list)
+    #: prefill: PUSH_KEY_PARAM -> our request id, for push requests named by the key
+    keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: prefill: layer-wise candidates that finished otherwise (aborted, stopped early): a
+    #: worker that held them early releases them; either way they are reported sent
+    aborted: list[str] = dataclasses.field(default_factory=list)
 
 
 def flat_block_ids(raw: Any) -> tuple[int, ...] | None:

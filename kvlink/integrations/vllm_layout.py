@@ -143,3 +143,23 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
     desc = (f"packed-head (B={b}, H={h}, N={n}, C={c}), heads apart inside a block: "
             f"{spec.num_layers} whole-page planes, equal TP only")
     return DetectedLayout(spec, "packed-head", desc)
+
+
+def layer_ranges(kv_caches: Mapping[str, Any], num_layers: int) -> dict[str, tuple[int, int]]:
+    """vLLM layer name -> the kvlink layers ``[start, stop)`` of its KV cache tensor in the
+    spec :func:`detect` made of the same caches (a heads-apart layout has several per vLLM
+    layer; a name sharing another's tensor, cross-layer KV sharing, gets that one's). What a
+    layer-wise push posts once vLLM says the layer's attention ran (``save_kv_layer``)."""
+    unique = _unique_layers(kv_caches)
+    if not unique or num_layers % len(unique):
+        raise LayoutError(f"{num_layers} kvlink layers do not split over {len(unique)} vLLM "
+                          "KV cache tensors")
+    per = num_layers // len(unique)
+
+    def key(t: Any) -> tuple[int, tuple[int, ...]]:
+        first = t[0] if isinstance(t, (tuple, list)) else t
+        return int(first.data_ptr()), tuple(first.shape)
+
+    index = {key(t): i for i, (_, t) in enumerate(unique)}
+    return {name: (index[key(t)] * per, index[key(t)] * per + per)
+            for name, t in kv_caches.items()}

@@ -12,9 +12,10 @@ only sets that default, and a flag served against its role is logged once.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from kvlink import localkey, wire
@@ -27,8 +28,10 @@ from kvlink.integrations.vllm_common import (
     INCARNATIONS_PARAM,
     MODE_PARAM,
     MODES,
+    PUSH_KEY_PARAM,
     REGISTRATION_PARAM,
     TRANSFER_MODE_PARAM,
+    LayerReq,
     RecvReq,
     Remote,
     SendReq,
@@ -83,6 +86,14 @@ class PullScheduler:
         # holds are signed: a hold names the generation that lets a reader in (kvlink.grants)
         self._key = localkey.engine_key(settings.engine_id, secret) if settings.serves else b""
         self._sent: list[Pending] = []
+        # prefill, layer-wise flow: keyed requests seen (req id -> (key, request)), when each
+        # was first asked about (the wait for its decode's ids starts then), the keys whose
+        # push request some worker rank reported (key -> ranks), and the candidates handed to
+        # the workers with the generation minted for them
+        self._keyed: dict[str, tuple[str, Any]] = {}
+        self._asked: dict[str, float] = {}
+        self._arrived: collections.OrderedDict[str, set[int]] = collections.OrderedDict()
+        self._streamed: dict[str, int] = {}
 
     def _count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -107,8 +118,11 @@ class PullScheduler:
         return registration_generation(incs), incs
 
     # ------------------------------------------------------------------ decode side
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                               ) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None)
+        if params and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+            return (None, False) if self._wait_for_decode(request, params) else (0, False)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if parse_remote(params) is None:
@@ -121,6 +135,82 @@ class PullScheduler:
                             request.request_id)
         count = _prompt_len(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    # ------------------------------------------------------------------ prefill: layer-wise
+    def _layerwise_candidate(self, request: Any, params: Mapping[str, Any]) -> str:
+        """The request's push key if it is to be streamed layer by layer ("": not): keyed by
+        the router, layer-wise on, a prompt of at least ``layerwise_min_tokens``, and one
+        output token (the proxy's prefill request), so that its blocks stay what the forward
+        wrote until the push ends (a running request could be preempted under it)."""
+        key = params.get(PUSH_KEY_PARAM)
+        if not isinstance(key, str) or not key:
+            return ""
+        self._keyed.setdefault(request.request_id, (key, request))
+        if not self.s.layerwise or _prompt_len(request) < self.s.layerwise_min_tokens:
+            return ""
+        if getattr(request, "max_tokens", 1) != 1:
+            self._warn_once("layerwise-max-tokens", "request %s has a push key but max_tokens="
+                            "%r (not 1): pushed whole after it finishes (logged once)",
+                            request.request_id, getattr(request, "max_tokens", None))
+            return ""
+        return key
+
+    def _wait_for_decode(self, request: Any, params: Mapping[str, Any]) -> bool:
+        """Whether a layer-wise candidate waits (vLLM asks again next step) for its decode's
+        block ids: until every worker rank reported the decode's push request, at most
+        ``layerwise_wait_ms`` from the first time vLLM asked. Past it, it is computed and
+        pushed whole once finished (counted ``layerwise_late_requests``)."""
+        key = self._layerwise_candidate(request, params)
+        if not key or len(self._arrived.get(key, ())) >= self.tp_size:
+            return False
+        now = time.monotonic()
+        first = self._asked.setdefault(request.request_id, now)
+        if first < 0:  # decided already: it waits no more
+            return False
+        if now - first < self.s.layerwise_wait_s:
+            return True
+        self._asked[request.request_id] = -1.0
+        self._count("layerwise_late_requests")
+        log.info("request %s: its decode's block ids did not come within %.0f ms: pushed whole "
+                 "after its prefill", request.request_id, 1e3 * self.s.layerwise_wait_s)
+        return False
+
+    def arrived(self, keys: Mapping[str, Collection[int]]) -> None:
+        """Worker ranks that hold a decode's push request, by key (the workers' per-step
+        metadata): a candidate waiting for them is scheduled on its next step."""
+        for key, ranks in keys.items():
+            got = self._arrived.get(key)
+            if got is None:
+                got = self._arrived[key] = set()
+                while len(self._arrived) > 4096:  # keys of requests never sent here
+                    self._arrived.popitem(last=False)
+            got.update(int(r) for r in ranks)
+
+    def plan_layerwise(self, scheduled: Mapping[str, int],
+                       block_ids_of: Callable[[str], tuple[int, ...]] | None) -> None:
+        """Prefill: the layer-wise candidates whose prompt's last token is computed in this
+        step go to the workers with their blocks and a generation, before the forward; every
+        keyed request's key goes once, for its decode's push request to find it."""
+        for req_id, (key, request) in list(self._keyed.items()):
+            n = scheduled.get(req_id)
+            if n is None:
+                continue
+            self._plan.keys[key] = req_id
+            if req_id in self._streamed or block_ids_of is None:
+                continue
+            params = getattr(request, "kv_transfer_params", None) or {}
+            if not self._layerwise_candidate(request, params):
+                continue
+            if int(getattr(request, "num_computed_tokens", 0)) + n < _prompt_len(request):
+                continue  # an earlier chunk: streamed at its last one
+            ids = tuple(int(b) for b in block_ids_of(req_id))
+            if not ids:
+                continue
+            generation = new_generation()
+            self._streamed[req_id] = generation
+            self._plan.layerwise.append(LayerReq(req_id, key, ids, generation))
+            self._arrived.pop(key, None)
+            self._asked.pop(req_id, None)
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = getattr(request, "kv_transfer_params", None)
@@ -190,6 +280,16 @@ class PullScheduler:
                                                                             | None]:
         params = getattr(request, "kv_transfer_params", None)
         self._seen.pop(request.request_id, None)
+        self._keyed.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
+        streamed = self._streamed.pop(request.request_id, None)
+        status = getattr(getattr(request, "status", None), "name", "")
+        if streamed is not None and (status not in _FINISHED_OK or not block_ids
+                                     or not params or not params.get("do_remote_decode")):
+            # a worker may have held it at its forward and be writing from its blocks: they
+            # are freed once the workers say so (finished sending), never under a WRITE
+            self._plan.aborted.append(request.request_id)
+            return True, None
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -201,15 +301,15 @@ class PullScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        status = getattr(getattr(request, "status", None), "name", "")
         if status not in _FINISHED_OK or not block_ids:
             return False, None  # aborted, or nothing computed: free now
         if not self._may_serve(request.request_id):
             return False, None
         ids = tuple(int(b) for b in block_ids)
         # minted here, where the blocks are kept from now on: the decode READs them at once
-        # and the worker's hold (next step) validates it after the READ
-        generation = new_generation()
+        # and the worker's hold (next step) validates it after the READ. A layer-wise
+        # candidate's was minted at its forward, where a worker may have held it already
+        generation = streamed if streamed is not None else new_generation()
         self._plan.send.append(SendReq(request.request_id, ids, generation))
         self._hold_now(request.request_id, ids, generation)
         self._count("held_requests")

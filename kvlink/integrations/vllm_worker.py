@@ -28,6 +28,7 @@ restarted since, and the receive fails naming both values.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import logging
@@ -38,9 +39,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import wire
-from kvlink.errors import ConfigError, KVLinkError
+from kvlink.errors import ConfigError, KVLinkError, TransferCancelled
 from kvlink.headmap import map_heads
-from kvlink.integrations.vllm_common import RecvReq, Remote, Settings, StepPlan
+from kvlink.integrations.vllm_common import LayerReq, RecvReq, Remote, Settings, StepPlan
 from kvlink.integrity import Planes
 from kvlink.layout import KVCacheSpec
 from kvlink.peers import Peer
@@ -85,6 +86,20 @@ _WAIT = "wait"  # a gate's handshakes are not settled yet
 
 
 @dataclasses.dataclass
+class _Stream:
+    """Prefill, one decode rank's layer-wise push of a request in this step's forward."""
+
+    msg: wire.PushRequest
+    req_id: str  # ours (the lease)
+    local: npt.NDArray[np.int64]  # our kernel blocks it writes from (the prompt's tail)
+    seen: set[int] = dataclasses.field(default_factory=set)  # kvlink layers the forward wrote
+    next_layer: int = 0  # the first layer not posted yet
+    ranges: int = 0  # WRITEs posted
+    rid: str | None = None  # what KVWorker.push returned (after its first range)
+    error: str | None = None  # no more ranges: it failed (the core tells the decode)
+
+
+@dataclasses.dataclass
 class Results:
     finished_sending: set[str] = dataclasses.field(default_factory=set)
     finished_recving: set[str] = dataclasses.field(default_factory=set)
@@ -124,6 +139,17 @@ class PullWorker:
         # (engine, host, rank port) -> incarnations proven gone: a newer handshake at that
         # address answered another one (params naming them fail at once)
         self._gone: dict[tuple[str, str, int], set[int]] = {}
+        # prefill, layer-wise flow (docs/layerwise.md): push key -> our request id (kept past
+        # the release, bounded: a late push request is then refused naming why); the vLLM
+        # layer name -> its kvlink layers; this forward's streams; requests held before they
+        # finished (their release is reported only once the scheduler finished them too:
+        # vLLM frees the blocks of a request it is told "finished sending")
+        self._alias: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._layer_of: dict[str, tuple[int, int]] = {}
+        self._streams: list[_Stream] = []
+        self._early: set[str] = set()
+        self._early_released: set[str] = set()
+        self._finished_here: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def _count(self, key: str, n: float = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -170,7 +196,14 @@ class PullWorker:
     # ------------------------------------------------------------------ producer
     def _hold(self, plan: StepPlan) -> None:
         for r in plan.send:
+            self._mark_finished(r.req_id)
             self._take_hold(r.req_id, r.block_ids, r.generation)
+        for rid in plan.aborted:  # a layer-wise candidate that did not finish normally
+            self._mark_finished(rid)
+            if self._w().leases.is_held(rid):
+                self._w().abort(rid)  # its streams fail "not intact"; released, then reported
+            elif rid not in self._early and rid not in self._early_released:
+                self._done_sending.add(rid)  # never held here: nothing to wait for
 
     def _hold_now(self, msg: wire.Hold) -> None:
         """The scheduler's hold, sent the moment it kept the blocks (side channel thread):
@@ -191,21 +224,26 @@ class PullWorker:
 
     def _collect_released(self) -> None:
         for r in self._w().released():
-            self._done_sending.add(r.req_id)
+            if r.req_id in self._early:
+                self._early.discard(r.req_id)
+                self._early_released.add(r.req_id)
+            else:
+                self._done_sending.add(r.req_id)
             self._count("send_expired_requests" if r.why == "expired" else
                         "send_aborted_requests" if r.why == "aborted" else "send_done_requests")
 
     def _serve_pushes(self) -> None:
         """WRITE the push requests whose request is held; park those that came too early."""
         w = self._w()
+        self._take_push_requests()
         now = time.monotonic()
-        todo = [(m, now + self.s.intent_timeout) for m in w.push_requests()]
-        todo, self._push_waiting = self._push_waiting + todo, []
+        todo, self._push_waiting = self._push_waiting, []
         for msg, deadline in todo:
-            held = w.leases.held_blocks(msg.req_id)
+            rid = self._alias.get(msg.req_id, msg.req_id)
+            held = w.leases.held_blocks(rid)
             why: str | None = None
             if held is None:
-                gone = w.leases.released_why(msg.req_id)
+                gone = w.leases.released_why(rid)
                 if gone is None and now < deadline:
                     self._push_waiting.append((msg, deadline))
                     continue
@@ -220,7 +258,7 @@ class PullWorker:
                 # sent), so they match our last len(block_ids) blocks, as a pull reads them
                 try:
                     self._writes.add(w.push(msg, held[len(held) - len(msg.block_ids):],
-                                            lease=msg.req_id))
+                                            lease=rid))
                     continue
                 except KVLinkError as exc:
                     why = str(exc)
@@ -229,6 +267,142 @@ class PullWorker:
             log.warning("refused a push of %s to %s/%d: %s", msg.req_id, msg.engine_id,
                         msg.tp_rank, why)
             w.refuse_push(msg, why)
+
+    def _take_push_requests(self) -> None:
+        """Decode ranks' push requests, parked until their request is held. In the layer-wise
+        flow they come before the prefill even computed it: they wait up to their own time to
+        live (the decode's push_timeout), not just ``read_intent_timeout``."""
+        now = time.monotonic()
+        for m in self._w().push_requests():
+            wait = self.s.intent_timeout
+            if self.s.layerwise:
+                wait = max(wait, m.ttl_ms / 1e3)
+            self._push_waiting.append((m, now + wait))
+
+    # ------------------------------------------------------------------ producer: layer-wise
+    def set_layer_names(self, ranges: dict[str, tuple[int, int]]) -> None:
+        """vLLM layer name -> the kvlink layers ``[start, stop)`` its KV cache tensor is."""
+        self._layer_of = dict(ranges)
+
+    def arrived_keys(self) -> dict[str, list[int]]:
+        """Push keys whose decode's push request waits here (for the scheduler's wait, in the
+        workers' per-step metadata)."""
+        if not self.s.layerwise or self.worker is None:
+            return {}
+        self._take_push_requests()
+        return {m.req_id: [self.tp_rank] for m, _ in self._push_waiting}
+
+    def begin_forward(self, plan: StepPlan) -> None:
+        """Before this step's forward (vLLM binds the plan): for each layer-wise candidate
+        whose decode's push request is here, hold its blocks now (under the generation the
+        scheduler will hold it with at request_finished) and open one stream per decode rank;
+        the others are pushed whole from the hold after the forward. Never blocks."""
+        self._streams = []
+        if self.worker is None:
+            return
+        for key, rid in plan.keys.items():
+            self._alias[key] = rid
+            while len(self._alias) > 8192:
+                self._alias.popitem(last=False)
+        if not plan.layerwise:
+            return
+        self._take_push_requests()
+        for lr in plan.layerwise:
+            self._open_streams(lr)
+
+    def _open_streams(self, lr: LayerReq) -> None:
+        w = self._w()
+        mine = [(m, d) for m, d in self._push_waiting if m.req_id == lr.key]
+        if not mine:
+            self._count("push_layerwise_fallbacks")
+            log.debug("request %s: no decode block ids at its forward: pushed whole after it",
+                      lr.req_id)
+            return
+        held = expand_blocks(lr.block_ids, self.block_ratio)
+        try:
+            w.hold(lr.req_id, held, generation=lr.generation)
+        except ValueError as exc:  # held already (a request prefilled twice?): not streamed
+            log.warning("request %s: not streamed layer by layer: %s", lr.req_id, exc)
+            return
+        self._early.add(lr.req_id)
+        self._push_waiting = [(m, d) for m, d in self._push_waiting if m.req_id != lr.key]
+        for msg, _ in mine:
+            if not 0 < len(msg.block_ids) <= len(held):
+                why = (f"{len(msg.block_ids)} blocks asked for but {len(held)} are held for "
+                       f"{lr.req_id}")
+                self._count("pushes_refused")
+                log.warning("refused a push of %s to %s/%d: %s", lr.req_id, msg.engine_id,
+                            msg.tp_rank, why)
+                w.refuse_push(msg, why)
+                continue
+            # the decode's blocks hold the prompt's tail, as in a whole push
+            self._streams.append(_Stream(msg, lr.req_id, held[len(held) - len(msg.block_ids):]))
+
+    def save_layer(self, layer_name: str) -> None:
+        """After ``layer_name``'s attention wrote its KV (vLLM's forward thread): post the
+        layers that are now complete, in order, as one WRITE per stream. Never blocks: a post
+        is queued with the transport (ordered after the current CUDA stream by the core)."""
+        if not self._streams:
+            return
+        span = self._layer_of.get(layer_name)
+        if span is None:
+            return  # not a layer kvlink registered (the rest is pushed by finish_forward)
+        for st in self._streams:
+            if st.error is None:
+                st.seen.update(range(*span))
+                stop = st.next_layer
+                while stop in st.seen:
+                    stop += 1
+                if stop > st.next_layer:
+                    self._post_range(st, stop)
+
+    def _post_range(self, st: _Stream, stop: int) -> None:
+        w = self._w()
+        try:
+            st.rid = w.push(st.msg, st.local, lease=st.req_id, layers=(st.next_layer, stop))
+        except KVLinkError as exc:
+            st.error = str(exc)
+            self._count("push_failed_requests" if st.rid is not None else "pushes_refused")
+            log.warning("layer-wise push of %s to %s/%d stopped at layer %d: %s", st.req_id,
+                        st.msg.engine_id, st.msg.tp_rank, st.next_layer, exc)
+            if st.rid is None and not isinstance(exc, TransferCancelled):
+                w.refuse_push(st.msg, st.error)  # nothing posted: the decode is told now
+            return
+        st.next_layer = stop
+        st.ranges += 1
+        self._count("push_layer_ranges")
+
+    def finish_forward(self) -> None:
+        """After the forward (wait_for_save): every layer is written, so post what the forward
+        did not report (a layer whose save vLLM skipped), then poll once so the ranges that
+        landed are told to the decode. Never waits for a transfer."""
+        if not self._streams:
+            return
+        num_layers = self._spec().num_layers
+        for st in self._streams:
+            if st.error is None and st.next_layer < num_layers:
+                self._post_range(st, num_layers)
+            if st.rid is not None:
+                self._writes.add(st.rid)
+                if st.error is None:
+                    self._count("push_layerwise_requests")
+        self._streams = []
+        self._poll()
+
+    def _report_early(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> None:
+        """Requests held at their forward are reported sent only once the scheduler finished
+        them too (they were in a plan's send or aborted list, or vLLM says so)."""
+        for rid in finished_req_ids:
+            self._mark_finished(rid)
+        for rid in list(self._early_released):
+            if rid in self._finished_here:
+                self._early_released.discard(rid)
+                self._done_sending.add(rid)
+
+    def _mark_finished(self, rid: str) -> None:
+        self._finished_here[rid] = None
+        while len(self._finished_here) > 8192:
+            self._finished_here.popitem(last=False)
 
     # ------------------------------------------------------------------ consumer
     def _start_recv(self, r: RecvReq) -> None:
@@ -243,6 +417,12 @@ class PullWorker:
             return
         local = expand_blocks(r.local_block_ids, self.block_ratio)
         n = len(r.local_block_ids)
+        if r.push and not r.remote.block_ids:
+            # the layer-wise flow: we ask before the prefill computed, so its block ids are
+            # not known here (and not needed: it WRITEs from its own blocks into ours)
+            self._begin(r, local, local, (), math.inf if r.expires_in is None
+                        else time.monotonic() + r.expires_in)
+            return
         if n > len(r.remote.block_ids):
             self._fail(r, f"{n} local blocks but the prefill offers only "
                        f"{len(r.remote.block_ids)}")
@@ -442,14 +622,16 @@ class PullWorker:
         if self._recv or self._writes or self._told:
             self._poll()
 
-    def results(self) -> Results:
-        """What finished since the last call (from get_finished / get_transfer_results)."""
+    def results(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> Results:
+        """What finished since the last call (from get_finished / get_transfer_results);
+        ``finished_req_ids``: the requests vLLM says finished (its argument to those)."""
         out = Results()
         if self.worker is None:
             return out
         if self.s.serves:  # any instance whose workers serve readers holds (not the role)
             self._serve_pushes()
             self._collect_released()
+            self._report_early(finished_req_ids)
             out.finished_sending, self._done_sending = self._done_sending, set()
         self._open_gates()
         if self._recv or self._writes or self._told:
@@ -468,7 +650,7 @@ class PullWorker:
         w = self.worker
         held = w.leases.stats.held if w is not None else 0
         return (len(self._recv) + len(self._writes) + len(self._push_waiting) + held
-                + len(self._gates))
+                + len(self._gates) + len(self._early_released))
 
     def _yield(self, seconds: float) -> None:
         """An idle step's yield: up to ``seconds`` with the GIL released, polling at least every
