@@ -82,6 +82,10 @@ BAD_VALUES = [
     (["bench", "--ops", "copy"], ["--ops", "copy"]),
     (["bench", "--transports", "foo"], ["--transports foo", "tcp"]),
     (["bench", "--reps", "0"], ["--reps", "0"]),
+    (["bench", "--server", "--bind", "0.0.0.0"], ["--bind 0.0.0.0", "non-loopback", "--secret",
+                                                  "KVLINK_SECRET", "--insecure"]),
+    (["bench", "--insecure"], ["--insecure", "only with --server"]),
+    (["bench", "--secret", "x"], ["--secret", "only with --server or HOST"]),
     (["probe", "not-a-url"], ["not-a-url"]),
     (["demo", "--no-such-option"], ["--no-such-option"]),
 ]
@@ -222,6 +226,15 @@ def test_decode_rank_killed_at_startup_ends_demo_at_once() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_bench_records_mask_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line goes into the JSON and the server's ready message: never a secret."""
+    from kvlink import cli
+
+    monkeypatch.setattr(cli, "_ARGV", ["bench", "h", "--secret", "s1", "--secret=s2", "--port",
+                                       "1"])
+    assert cli._bench_command() == "kvlink bench h --secret *** --secret=*** --port 1"
 
 
 def test_bench_server_dying_at_startup_ends_bench_at_once(tmp_path: Path) -> None:

@@ -440,9 +440,15 @@ def test_layerwise_push_equals_single_instance(lw_pair: Pair) -> None:
     for n, a, b in zip(LENGTHS, single, disagg):
         assert a == b, f"prompt of {n} tokens: single {a} != layer-wise {b}"
     assert short_single == short_disagg
-    p1, d1 = c.counters("P", *PREFILL_METRICS), c.counters("D", *DECODE_METRICS)
-    dp = {k: p1[k] - p0[k] for k in p1}
-    dd = {k: d1[k] - d0[k] for k in d1}
+    # the prefill counts a push sent once its engine reports it (its next step): wait for it
+    deadline = time.monotonic() + 60
+    while True:
+        p1, d1 = c.counters("P", *PREFILL_METRICS), c.counters("D", *DECODE_METRICS)
+        dp = {k: p1[k] - p0[k] for k in p1}
+        dd = {k: d1[k] - d0[k] for k in d1}
+        if dp["kvlink_push_sent_requests"] >= len(prompts) + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # scraping /metrics again: polling a condition, not a sync
     # the layer-wise path, one WRITE per layer, for every prompt above the threshold; the
     # short one pushed whole after its prefill
     assert dp["kvlink_push_layerwise_requests"] == len(prompts), (dp, c.diagnose())
