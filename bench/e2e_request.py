@@ -34,298 +34,44 @@ Writes bench/results/e2e_request_<device>_<transport>.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import multiprocessing as mp
-import os
-import queue
 import statistics
 import sys
 import time
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from _common import write_result
-
-BS, DIM = 16, 128  # tokens per block, head dim
-POLL_SLEEP = 0.0002
-MiB = 1 << 20
-ALONE = "transport-alone-baseline"  # the standing hold the transport-alone baseline reads under
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    layers: int
-    heads: int  # KV heads this rank holds
-    blocks: int  # blocks per request
-    cpu_requests: int  # default request count on CPU (GPU: 50)
-
-    @property
-    def page_elems(self) -> int:
-        return BS * self.heads * DIM
-
-    @property
-    def nbytes(self) -> int:
-        return self.layers * 2 * self.blocks * self.page_elems * 2
-
-
-CASES = {
-    "16-blocks": Case(layers=80, heads=1, blocks=16, cpu_requests=50),  # 70b-tp8 geometry
-    "70b-tp8": Case(layers=80, heads=1, blocks=256, cpu_requests=12),  # 160 MiB / 4096 tokens
-    "8b-tp1": Case(layers=32, heads=8, blocks=256, cpu_requests=4),  # 512 MiB / 4096 tokens
-    "1gib": Case(layers=32, heads=8, blocks=512, cpu_requests=2),  # 1 GiB / 8192 tokens
-    "4mib": Case(layers=32, heads=8, blocks=2, cpu_requests=50),  # 8b-tp1 geometry, 32 tokens
-}
-CPU_CASES = ["16-blocks", "70b-tp8"]
-GPU_CASES = ["70b-tp8", "8b-tp1", "16-blocks"]
-
-GOALS_TEXT = {
-    "cuda": ["70b-tp8 one at a time: median post->done <= 0.2 ms and >= 0.45x device copy",
-             "70b-tp8 inflight8: >= 0.7x device copy", "8b-tp1 one at a time: >= 0.8x device copy",
-             "spin median within 1.2x of sleep median"],
-    "cpu": ["70b-tp8 over tcp: kvlink adds <= 10% to the transport alone",
-            "16-blocks over tcp: post->done <= 2x a plain-socket round trip of the same bytes"],
-}
-
-
-# --------------------------------------------------------------------------- shared
-def _torch() -> Any:
-    import torch
-
-    return torch
-
-
-class Cache:
-    """One bf16 tensor (layers, K|V, blocks, tokens, heads, dim); per-layer views are vLLM's
-    FlashAttention shape ``(2, blocks, 16, heads, 128)``."""
-
-    def __init__(self, case: Case, nblocks: int, device: str) -> None:
-        torch = _torch()
-        self.case, self.nblocks, self.device = case, nblocks, device
-        # zeros: every page is touched now, no first-touch page faults inside a timed window
-        self.t = torch.zeros((case.layers, 2, nblocks, BS, case.heads, DIM),
-                             dtype=torch.bfloat16, device=device)
-        self.i16 = self.t.view(torch.int16)
-        self.layers = [self.t[i] for i in range(case.layers)]
-
-    def spec(self) -> Any:
-        from kvlink.layout import KVCacheSpec
-
-        return KVCacheSpec.from_tensors(self.layers, total_kv_heads=self.case.heads,
-                                        dtype="bfloat16")
-
-
-def pattern(case: Case, req_no: int, layer: int, blocks: Any, device: str) -> Any:
-    """int16 (2, n, page) contents of prefill ``blocks`` of ``layer`` for request ``req_no``:
-    unique per (request, layer, K|V, block), varying along the page, never negative (the
-    sentinel is -1). Pure int64 arithmetic without overflow: the same on CPU and GPU."""
-    torch = _torch()
-    kv = torch.arange(2, dtype=torch.int64, device=device)[:, None, None]
-    b = blocks.to(device=device, dtype=torch.int64)[None, :, None]
-    key = (((req_no * 1009 + layer) * 2 + kv) * 1000003 + b * 7919) & 0x7FFFFFFF
-    e = torch.arange(case.page_elems, dtype=torch.int64, device=device)[None, None, :]
-    return (((key * 2654435761 + e * 40503) >> 7) & 0x7FFF).to(torch.int16)
-
-
-def _jsonable(v: Any) -> Any:
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {k: _jsonable(x) for k, x in dataclasses.asdict(v).items()}
-    if isinstance(v, Mapping):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple, set)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, (np.integer, np.floating)):
-        return v.item()
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return v
-    return repr(v)
-
-
-def worker_stats(w: Any) -> dict[str, Any]:
-    """What the worker says about itself: transport counters, descriptor counts, and per-phase
-    timings if this KVWorker version has them (looked up by name, never required)."""
-    out: dict[str, Any] = {"transport_stats": _jsonable(w.stats()),
-                           "descriptor_counts_raw_coalesced": list(w.descriptor_counts())}
-    for name in ("phase_stats", "phases", "phase_seconds", "phase", "timings", "stats_phases"):
-        v = getattr(w, name, None)
-        if v is None:
-            continue
-        try:
-            out[name] = _jsonable(v() if callable(v) else v)
-        except Exception as exc:  # an attribute mid-change by its author: record why
-            out[name] = f"unreadable: {type(exc).__name__}: {exc}"
-    return out
-
-
-def phase_medians(w: Any, case: str) -> dict[str, dict[str, float]]:
-    """Per mode, the median of each of the worker's per-request phases (``KVWorker.phases``:
-    request id -> phase -> seconds, where this KVWorker version keeps them); {} if none."""
-    ph = getattr(w, "phases", None)
-    if not isinstance(ph, Mapping):
-        return {}
-    by_mode: dict[str, dict[str, list[float]]] = {}
-    for rid, p in ph.items():
-        d = _jsonable(p)
-        if not isinstance(d, dict):
-            continue
-        tag = str(rid)[len(case) + 1:].rsplit("-", 1)[0]  # ids are <case>-<mode>-<n>
-        for k, v in d.items():
-            if isinstance(v, (int, float)):
-                by_mode.setdefault(tag, {}).setdefault(k, []).append(float(v))
-    return {tag: {k: statistics.median(v) for k, v in ks.items()}
-            for tag, ks in by_mode.items()}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        _torch().cuda.synchronize()
-
-
-# --------------------------------------------------------------------------- producer
-def producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
-             options: dict[str, Any], idle_timeout: float, integrity: str = "off") -> None:
-    """The prefill process: a cache per case, fills and holds what the consumer asks for."""
-    try:
-        _producer(cmd_q, rep_q, device, transport, options, idle_timeout, integrity)
-    except BaseException as exc:
-        rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise
-
-
-def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
-              options: dict[str, Any], idle_timeout: float, integrity: str = "off") -> None:
-    from kvlink.worker import KVWorker, WorkerConfig
-
-    torch = _torch()
-    if device.startswith("cuda"):
-        torch.cuda.set_device(int(device.split(":")[1]))
-    parent = mp.parent_process()
-    w: Any = None
-    cache: Cache | None = None
-    last = time.monotonic()
-    try:
-        while True:
-            if parent is not None and not parent.is_alive():
-                return  # the consumer died: do not linger
-            if time.monotonic() - last > idle_timeout:
-                return
-            try:
-                cmd = cmd_q.get(timeout=0.005)
-            except queue.Empty:
-                if w is not None:
-                    w.released()  # serves lease ends and expiries
-                continue
-            last = time.monotonic()
-            if cmd[0] == "stop":
-                return
-            if cmd[0] == "integrity":  # bench/integrity_overhead.py: the level of next holds
-                from kvlink.integrity import Level
-
-                assert w is not None
-                w.integrity.level = Level(cmd[1])
-                rep_q.put(("integrity", cmd[1]))
-            if cmd[0] == "case":
-                _, name, nblocks = cmd
-                if w is not None:
-                    w.close()
-                case = CASES[name]
-                cache = None
-                if device.startswith("cuda"):  # a fresh allocation for the next case's export
-                    torch.cuda.empty_cache()
-                cache = Cache(case, nblocks, device)
-                _sync(device)
-                w = KVWorker(WorkerConfig(engine_id=f"e2e-p-{name}", transports=[transport],
-                                          transport_options={transport: dict(options)},
-                                          lease_seconds=24 * 3600.0, integrity=integrity))
-                w.register(cache.spec())
-                # the transport-alone baseline reads under a standing hold of the whole cache
-                # (a least-privilege owner serves no READ without one: kvlink.grants)
-                alone = w.hold(ALONE, np.arange(nblocks, dtype=np.int64))
-                rep_q.put(("ready", (w.side_port, alone)))
-            elif cmd[0] == "hold":
-                assert cache is not None and w is not None
-                held = []
-                n = cache.case.blocks
-                for req_id, req_no, slot in cmd[1]:
-                    s0 = slot * n
-                    ids = torch.arange(s0, s0 + n, dtype=torch.int64)
-                    for li in range(cache.case.layers):
-                        cache.i16[li, :, s0:s0 + n] = pattern(
-                            cache.case, req_no, li, ids, device).view(2, n, BS, cache.case.heads,
-                                                                       DIM)
-                    _sync(device)  # blocks are offered only once their contents are final
-                    gen = w.hold(req_id, np.arange(s0, s0 + n, dtype=np.int64))
-                    held.append((req_id, list(range(s0, s0 + n)), int(gen)))
-                rep_q.put(("held", held))
-            elif cmd[0] == "stats":
-                rep_q.put(("stats", worker_stats(w) if w is not None else {}))
-    finally:
-        if w is not None:
-            w.close()
-
-
-class Producer:
-    """The consumer's handle on the producer process: every wait bounded, death noticed."""
-
-    def __init__(self, device: str, transport: str, options: dict[str, Any],
-                 timeout: float, integrity: str = "off") -> None:
-        ctx = mp.get_context("spawn")
-        self.cmd_q, self.rep_q = ctx.Queue(), ctx.Queue()
-        self.timeout = timeout
-        self.proc = ctx.Process(target=producer, daemon=True,
-                                args=(self.cmd_q, self.rep_q, device, transport, options,
-                                      max(600.0, 4 * timeout), integrity))
-        self.proc.start()
-
-    def ask(self, cmd: tuple[Any, ...], want: str, timeout: float | None = None) -> Any:
-        self.cmd_q.put(cmd)
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while time.monotonic() < deadline:
-            try:
-                kind, *rest = self.rep_q.get(timeout=0.5)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError(f"producer died (exit code {self.proc.exitcode})"
-                                       ) from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"producer failed: {rest[0]}")
-            if kind == want:
-                return rest[0] if len(rest) == 1 else rest
-        raise TimeoutError(f"producer did not answer {cmd[0]!r} within "
-                           f"{timeout or self.timeout:.0f} s")
-
-    def stop(self) -> None:
-        try:
-            self.cmd_q.put(("stop",))
-        except (OSError, ValueError):
-            pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
-# --------------------------------------------------------------------------- consumer
-def run_shuffled(rng: np.random.Generator, nblocks: int) -> np.ndarray:
-    """All of [0, nblocks) as runs of 1-8 consecutive ids, the runs in random order."""
-    runs, pos = [], 0
-    while pos < nblocks:
-        n = int(rng.integers(1, 9))
-        runs.append(np.arange(pos, min(pos + n, nblocks), dtype=np.int64))
-        pos += n
-    order = rng.permutation(len(runs))
-    return np.concatenate([runs[i] for i in order])
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    a = np.asarray(xs)
-    return {"median_s": float(np.median(a)), "p10_s": float(np.percentile(a, 10)),
-            "p90_s": float(np.percentile(a, 90)), "n": len(xs)}
+from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them through this module)
+    ALONE,
+    BS,
+    CASES,
+    CPU_CASES,
+    DIM,
+    GPU_CASES,
+    POLL_SLEEP,
+    Cache,
+    Case,
+    MiB,
+    Producer,
+    _stats,
+    _sync,
+    _torch,
+    pattern,
+    phase_medians,
+    run_shuffled,
+    worker_stats,
+)
+from e2e_report import (
+    GOALS_TEXT,
+    _git_commit,
+    _gpu_name,
+    _loadavg,
+    _sleep_measured,
+    goals,
+    print_table,
+)
 
 
 class Consumer:
@@ -653,96 +399,6 @@ class Consumer:
         self.w.close()
 
 
-# --------------------------------------------------------------------------- report
-def goals(device: str, transport: str, cases: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-
-    def add(text: str, value: float | None, ok: bool | None) -> None:
-        out.append({"goal": text, "value": value, "met": ok})
-
-    def mode(case: str, m: str) -> dict[str, Any] | None:
-        r: dict[str, Any] | None = cases.get(case, {}).get("modes", {}).get(m)
-        return r
-
-    for m in ("sleep", "spin"):
-        if device == "cuda":
-            r = mode("70b-tp8", m)
-            if r:
-                med = r["kvlink"]["median_s"]
-                add(f"70b-tp8 {m}: median post->done <= 0.2 ms", med * 1e3, med <= 0.2e-3)
-                x = r.get("ratio_device_copy_over_kvlink")
-                add(f"70b-tp8 {m}: >= 0.45x device copy", x, None if x is None else x >= 0.45)
-            r = mode("8b-tp1", m)
-            if r and "ratio_device_copy_over_kvlink" in r:
-                x = r["ratio_device_copy_over_kvlink"]
-                add(f"8b-tp1 {m}: >= 0.8x device copy", x, x >= 0.8)
-        elif transport == "tcp":
-            r = mode("70b-tp8", m)
-            if r:
-                x = r["ratio_kvlink_over_transport_alone"]
-                add(f"70b-tp8 {m}: kvlink / transport alone <= 1.10", x, x <= 1.10)
-            r = mode("16-blocks", m)
-            if r and "ratio_kvlink_over_plain_socket" in r:
-                x = r["ratio_kvlink_over_plain_socket"]
-                add(f"16-blocks {m}: kvlink / plain socket <= 2.0", x, x <= 2.0)
-    if device == "cuda":
-        r = mode("70b-tp8", "inflight8")
-        if r and "ratio_device_copy_over_kvlink" in r:
-            x = r["ratio_device_copy_over_kvlink"]
-            add("70b-tp8 inflight8: >= 0.7x device copy", x, x >= 0.7)
-        for name, cr in cases.items():
-            s, p = cr["modes"].get("sleep"), cr["modes"].get("spin")
-            if s and p:
-                x = p["kvlink"]["median_s"] / s["kvlink"]["median_s"]
-                add(f"{name}: spin median / sleep median <= 1.2", x, x <= 1.2)
-    return out
-
-
-def print_table(device: str, cases: dict[str, Any]) -> None:
-    cols = ["case", "mode", "MiB", "median ms", "p10 ms", "p90 ms", "GB/s", "alone ms",
-            "k/alone"]
-    cols += ["copy ms", "copy/k", "gather/k"] if device == "cuda" else ["socket ms", "k/socket"]
-    cols += ["verified", "mismatch"]
-    rows = []
-    for name, cr in cases.items():
-        for mode, r in cr["modes"].items():
-            k, b = r["kvlink"], r["baselines"]
-            row = [name, mode, f"{r['bytes'] / MiB:.0f}", f"{k['median_s'] * 1e3:.3f}",
-                   f"{k['p10_s'] * 1e3:.3f}", f"{k['p90_s'] * 1e3:.3f}",
-                   f"{r['kvlink_gbps']:.2f}", f"{r['transport_alone']['median_s'] * 1e3:.3f}",
-                   f"{r['ratio_kvlink_over_transport_alone']:.2f}"]
-            if device == "cuda":
-                row += [f"{b['device_copy']['median_s'] * 1e3:.3f}",
-                        f"{r['ratio_device_copy_over_kvlink']:.2f}",
-                        f"{r['ratio_gather_over_kvlink']:.2f}"]
-            else:
-                row += [f"{b['plain_socket']['median_s'] * 1e3:.3f}",
-                        f"{r['ratio_kvlink_over_plain_socket']:.2f}"]
-            row += [f"{r['verified']}+{r['transport_alone_verified']}",
-                    str(r["mismatches"] + r["transport_alone_mismatches"])]
-            rows.append(row)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    print("  ".join(c.rjust(wd) for c, wd in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(x.rjust(wd) for x, wd in zip(r, widths)))
-    print("k = kvlink post->done (read() to the poll that reports it finished); alone = the "
-          "same extents through the worker's transport directly;")
-    ph = [(n, m, r["worker_phases_median_s"]) for n, cr in cases.items()
-          for m, r in cr["modes"].items() if "worker_phases_median_s" in r]
-    if ph:
-        keys = list(ph[0][2])
-        print("worker phases (KVWorker.phases, median ms per request): case mode "
-              + " ".join(keys))
-        for n, m, p in ph:
-            print(f"  {n} {m} " + " ".join(f"{k}={p.get(k, float('nan')) * 1e3:.3f}"
-                                          for k in keys))
-    if device == "cuda":
-        print("copy/k = device copy time / kvlink time (fraction of the copy's speed); "
-              "copy and gather timed by CUDA events")
-    else:
-        print("k/socket = kvlink time / plain-socket time of the same bytes")
-
-
 # --------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -862,49 +518,6 @@ def main() -> None:
         print(f"FAILED: {bad} elements did not match what the producer wrote")
         sys.exit(1)
 
-
-def _loadavg() -> list[float] | None:
-    """The machine's load (others' processes skew a 2-core machine's figures)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _git_commit() -> str | None:
-    """The checkout measured: HEAD, and "+dirty" when kvlink/ has uncommitted changes
-    (``KVLINK_COMMIT`` names it instead, for a tree exported without its git metadata)."""
-    import subprocess
-
-    if os.environ.get("KVLINK_COMMIT"):
-        return os.environ["KVLINK_COMMIT"]
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "kvlink",
-                                "kvlink_transports"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
-
-def _sleep_measured() -> float:
-    """How long ``time.sleep(POLL_SLEEP)`` really sleeps here: the sleep mode's poll grain."""
-    ts = []
-    for _ in range(200):
-        a = time.perf_counter()
-        time.sleep(POLL_SLEEP)
-        ts.append(time.perf_counter() - a)
-    return statistics.median(ts)
-
-
-def _gpu_name(args: argparse.Namespace) -> str:
-    torch = _torch()
-    return f"{torch.cuda.get_device_name(args.gpu)} (torch {torch.__version__}, " \
-           f"cuda {torch.version.cuda})"
 
 
 if __name__ == "__main__":
