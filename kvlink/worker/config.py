@@ -1,0 +1,68 @@
+"""A worker's options (:class:`WorkerConfig`), checked when it is made.
+
+Separate because it is what a caller writes before anything runs, and what every other module
+of the worker reads: it depends on nothing of the worker's, so a newcomer can read the options
+without reading the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvlink import wire
+from kvlink.errors import ConfigError
+from kvlink.integrity import Level
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    engine_id: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    transports: list[str] = dataclasses.field(default_factory=lambda: ["tcp"])
+    transport_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    host: str = "127.0.0.1"  # bind address of side channel and data plane
+    advertise_host: str | None = None
+    side_port: int = 0  # base port; rank r listens on side_port + r (0: ephemeral)
+    handshake_timeout: float = 10.0
+    serve: bool = True  # run a side channel server (producers, and consumers in push mode)
+    secret: str | None = None  # shared side-channel secret (default: env KVLINK_SECRET)
+    allow_insecure: bool = False  # bind an unauthenticated side channel on a non-loopback host
+    lease_seconds: float = 120.0  # producer: how long a held request waits for its readers
+    read_seconds: float = 30.0  # producer: a granted READ extends its lease this far (a hint)
+    intent_timeout: float = 10.0  # reader: how long to retry a request not held (yet)
+    close_timeout: float = 2.0  # close() returns within this, cancelling what it cannot send
+    #: least privilege on the data plane (docs/security.md): a transport that can enforce it
+    #: serves a peer's transfer only inside what this worker granted for it — a reader the
+    #: blocks of a hold it was told the generation of, READ only; a pushing prefill the
+    #: blocks reserved for that push, WRITE only, until the push ends. False: any peer that
+    #: passed the handshake may touch all registered memory
+    grants: bool = True
+    #: prefill in push mode: take decodes' push requests (push_requests()); False: refuse them
+    #: ("this rank serves pulls"), so nothing queues on a rank that never takes them
+    serve_pushes: bool = False
+    #: end-to-end KV integrity (kvlink.integrity, docs/integrity.md): "off", "sample" (about
+    #: one block in 32 of every request, and its last) or "full". A producer sends its digests
+    #: with every "intact" verdict; a reader with it on fails a receive whose landed KV differs,
+    #: or that came without digests (fail closed)
+    integrity: str = "off"
+    #: same-host readers validate READs in shared memory instead of asking us after each one
+    #: (kvlink.holdboard): a producer publishes its holds there; a reader uses the boards
+    #: it is offered. False: every READ is validated by a round trip
+    hold_board: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+        if self.tp_size > wire.MAX_TP:
+            raise ConfigError(f"tp_size {self.tp_size} exceeds {wire.MAX_TP}")
+        wire.check_id(self.engine_id, "engine_id")
+        if not self.transports:
+            raise ConfigError("transports must name at least one transport")
+        Level.parse(self.integrity, "integrity")
+        for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
+                    "close_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)!r}")
+

@@ -1,0 +1,287 @@
+"""Push mode, decode side: ask the prefill ranks to WRITE into our blocks, and await them.
+
+:meth:`_DecodePush.expect_push` reserves the blocks (a WRITE grant over exactly them, where a
+transport enforces it) and sends a ``PushRequest`` to each prefill rank holding heads of ours;
+each rank's "written" note (:meth:`_DecodePush._answer_note`, checked against the push we
+asked of it, and with integrity on against its digests) settles it; a layer-wise push reports
+each range as it lands (:meth:`_DecodePush.layers_landed`). A push that fails or times out is
+cancelled, and its blocks are freed only once no byte of it can still land: every rank
+answered the cancel, or its grant was revoked, or its transport fenced the prefill off
+(:meth:`_DecodePush._settle_cancels`); else they stay reserved (:meth:`_DecodePush.quarantined`).
+Separate because this is the consumer's half of push ownership (:mod:`kvlink.push`), and
+independent of the prefill's half (:mod:`kvlink.worker.prefill_push`): a rank may do either.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import time
+
+import numpy.typing as npt
+
+from kvlink import wire
+from kvlink.channel import Pending
+from kvlink.compat import WIRE_VERSION
+from kvlink.errors import ConfigError, KVLinkError
+from kvlink.grants import push_ticket
+from kvlink.headmap import map_heads
+from kvlink.peers import RemoteEngine
+from kvlink.push import PushWait, Rank
+from kvlink.transport import Op
+from kvlink.worker.records import _NOTES_KEPT, _Awaiting
+from kvlink.worker.requests import _Requests
+
+log = logging.getLogger("kvlink.worker")
+
+
+class _DecodePush(_Requests):
+    """Pushes awaited, as methods of the worker."""
+
+    _awaiting: dict[str, _Awaiting]  # by request id
+    _side_notifs: list[wire.Notification]  # notes taken by the side channel, for poll()
+
+    def _answer_note(self, msg: wire.Notification) -> wire.Reply:
+        """A prefill rank's note for a push (on the side channel's thread): kept for
+        :meth:`poll` only if that push is awaited here."""
+        from kvlink.headmap import check_tp
+
+        spec = self._require_spec()
+        try:  # the sender's TP must split our heads (it wrote them)
+            if not spec.mla:
+                check_tp(spec.total_kv_heads, msg.tp_size, "tp_size")
+        except KVLinkError as exc:
+            return wire.ErrorReply(v=WIRE_VERSION, code="incompatible",
+                                   message=f"Notification: {exc}")
+        # only a note for a push we await is kept (the rest would be dropped by poll(),
+        # or never taken at all by a rank that awaits none): a flood costs nothing here
+        aw = self._awaiting.get(msg.req_id)  # a plain dict read: safe off-thread
+        if aw is None or msg.push_id != aw.wait.push_id:
+            self.refusals["written"] += 1
+            return wire.ErrorReply(v=WIRE_VERSION, code="unknown",
+                                   message=f"no push of {msg.req_id!r} (id {msg.push_id}) "
+                                   "is awaited here")
+        with self._lock:
+            if len(self._side_notifs) >= _NOTES_KEPT:  # nobody awaits them: bounded
+                return wire.ErrorReply(v=WIRE_VERSION, code="busy",
+                                       message="too many unread notifications")
+            self._side_notifs.append(msg)
+        return wire.Ack(v=WIRE_VERSION)
+
+    def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
+                    timeout: float = 60.0) -> None:
+        """Decode side: ask the prefill ranks to WRITE this request into ``local_ids``.
+
+        Finished once every prefill rank signalled "written". After ``timeout`` (or a refusal)
+        the push is cancelled; it is reported failed only once no byte of it can still land
+        (every rank answered the cancel, or its transport fenced the prefill off), so the
+        caller may reuse the blocks the moment it is reported.
+        """
+        spec = self._require_spec()
+        if self._server is None:
+            raise ConfigError("push mode needs a side channel server on the decode side "
+                              "(serve=True): the prefill handshakes back to write")
+        wire.check_id(req_id, "request id")
+        if req_id in self._awaiting:
+            raise ConfigError(f"request {req_id!r} is already awaiting a push")
+        if not timeout > 0:
+            raise ConfigError(f"push timeout must be positive, got {timeout!r}")
+        lids = spec.check_block_ids(local_ids, "local")
+        ranks = {r.remote_rank for r in map_heads(self.config.tp_size, self.config.tp_rank,
+                                                  remote.tp_size, spec.total_kv_heads, spec.mla)}
+        wait = PushWait(req_id, secrets.randbits(62) + 1, time.monotonic() + timeout,
+                        dict.fromkeys(sorted(ranks), Rank.ASKED))
+        msg = wire.PushRequest(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, agent_name=self.agent_name,
+            req_id=req_id, tp_rank=self.config.tp_rank, tp_size=self.config.tp_size,
+            host=self._public_host(), port=self.side_port - self.config.tp_rank,
+            block_ids=lids.tolist(), push_id=wait.push_id,
+            ttl_ms=min(max(1, int(timeout * 1e3)), wire.MAX_TTL_MS),
+            incarnation=self.incarnation)
+        self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
+        ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
+        self._awaiting[req_id] = _Awaiting(remote, wait, lids, [
+            self._send(remote.host, remote.port + rank, msg, ask) for rank in sorted(ranks)])
+        self._chan.flush()
+
+    def _public_host(self) -> str:
+        """Where peers dial this rank back: a wildcard bind address is no address to dial."""
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if self.config.host in ("0.0.0.0", "::", ""):
+            return socket.getfqdn()
+        return self.config.host
+
+    def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> Pending:
+        return self._send(remote.host, remote.port + rank, wire.PushCancel(
+            v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
+            tp_rank=self.config.tp_rank, push_id=wait.push_id),
+            min(2.0, self.config.handshake_timeout))
+
+    def _take_written(self) -> None:
+        with self._lock:
+            notes, self._side_notifs = self._side_notifs, []
+        for t in self.transports.values():
+            for peer, raw in t.notifications():
+                try:
+                    notes.append(wire.decode(raw, wire.Notification))
+                except KVLinkError as exc:
+                    log.warning("dropped a bad notification from %s: %s", peer, exc)
+        for note in notes:
+            aw = self._awaiting.get(note.req_id)
+            if (aw is None or note.kind not in ("write", "layers")
+                    or note.engine_id != aw.remote.engine_id
+                    or note.push_id != aw.wait.push_id or note.tp_rank not in aw.wait.ranks):
+                self.refusals["written"] += 1
+                log.info("refused a 'written' notification for push %s (id %d) from %s/%d:"
+                            " no such push was asked of that rank", note.req_id, note.push_id,
+                            note.engine_id, note.tp_rank)
+                continue
+            if aw.wait.ranks[note.tp_rank] is not Rank.ASKED:
+                continue
+            if note.kind == "layers":  # landed (that range's WRITE is DONE); not written yet
+                aw.layers.setdefault(note.tp_rank, []).append((note.layer_from, note.layer_to))
+                continue
+            why = self._check_pushed(aw, note) if note.ok else None
+            if note.ok and why is None:
+                aw.wait.ranks[note.tp_rank] = Rank.WRITTEN
+            elif note.ok:  # written (quiescent), but not what the prefill digested
+                aw.wait.ranks[note.tp_rank] = Rank.SETTLED
+                aw.wait.fail(why or "")
+            else:  # quiescent by the sender's contract, not (completely) written
+                aw.wait.ranks[note.tp_rank] = Rank.SETTLED
+                aw.wait.fail(f"{note.engine_id} rank {note.tp_rank} did not write: "
+                             f"{note.detail or 'no reason given'}")
+
+    def layers_landed(self, req_id: str) -> int:
+        """Decode side, a push in progress: how many leading layers have landed from every
+        prefill rank asked (a layer-wise push reports each range as it lands; a whole push
+        reports nothing before it is written). The request is loaded only once :meth:`poll`
+        reports it finished; 0 for a request not awaited here."""
+        self._take_written()
+        aw = self._awaiting.get(req_id)
+        if aw is None:
+            return 0
+        landed = []
+        for rank in aw.wait.ranks:
+            upto = 0
+            for start, stop in sorted(aw.layers.get(rank, ())):
+                if start > upto:
+                    break
+                upto = max(upto, stop)
+            landed.append(upto)
+        return min(landed, default=0)
+
+    def _check_pushed(self, aw: _Awaiting, note: wire.Notification) -> str | None:
+        """With integrity on: None when the heads this prefill rank wrote digest like the
+        prefill's; else the reason (kvlink.integrity), which fails the push."""
+        if not self.integrity.on:
+            return None
+        spec = self._require_spec()
+        read = next((r for r in map_heads(self.config.tp_size, self.config.tp_rank,
+                                          aw.remote.tp_size, spec.total_kv_heads, spec.mla)
+                     if r.remote_rank == note.tp_rank), None)
+        if read is None:
+            return f"integrity: rank {note.tp_rank} wrote heads we did not ask of it"
+        why = self.integrity.check(aw.wait.req_id, aw.local_ids, aw.local_ids,
+                                   (read.local_start, read.remote_start, read.count),
+                                   note.digest_ids, note.digests, note.folded,
+                                   spec.num_layers, spec.num_kv)
+        if why is not None:
+            log.warning("push of %s from %s rank %d: %s", aw.wait.req_id, note.engine_id,
+                        note.tp_rank, why)
+        return why
+
+    def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
+        if not self._awaiting:
+            return
+        self._take_written()
+        now = time.monotonic()
+        for req_id, aw in list(self._awaiting.items()):
+            wait = aw.wait
+            for asked in [a for a in aw.asked if a.done()]:
+                aw.asked.remove(asked)
+                if asked.exception() is not None:
+                    wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
+                              f"{aw.remote.engine_id} failed: {asked.exception()}")
+            if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
+                if not wait.cancelling:
+                    wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "
+                              "not push within the timeout")
+                    wait.cancelling = True
+                    log.warning("push of %s: %s; cancelling", req_id, wait.error)
+                self._settle_cancels(aw, now)
+            outcome = wait.outcome()
+            if outcome is None:
+                continue
+            del self._awaiting[req_id]
+            self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
+            self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
+            if outcome:
+                finished.add(req_id)
+            else:
+                failed[req_id] = wait.error or "push failed"
+                log.warning("push of %s failed: %s", req_id, failed[req_id])
+
+    def _settle_cancels(self, aw: _Awaiting, now: float) -> None:
+        """Cancel the ranks that may still write; settle each on its answer, or by fencing it
+        off when it cannot answer. A rank nothing can settle keeps the blocks (quarantine)."""
+        wait = aw.wait
+        for rank in wait.unsettled():
+            fut = aw.cancels.get(rank)
+            if fut is None:
+                if now >= wait.next_cancel:
+                    aw.cancels[rank] = self._cancel_push(aw.remote, rank, wait)
+                continue
+            if not fut.done():
+                continue
+            del aw.cancels[rank]
+            exc = fut.exception()
+            reply = fut.result() if exc is None else None
+            if isinstance(reply, wire.PushState):
+                if reply.state == "done":
+                    wait.ranks[rank] = Rank.WRITTEN
+                elif reply.state in ("cancelled", "failed"):
+                    wait.ranks[rank] = Rank.SETTLED
+                else:  # in flight: its "written" note follows once it is quiescent
+                    wait.next_cancel = now + self.config.handshake_timeout
+                continue
+            if self._revoke_push(wait, 2.0):
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s); its grant "
+                            "is revoked and quiescent", wait.req_id, aw.remote.engine_id, rank,
+                            exc)
+                wait.ranks[rank] = Rank.SETTLED
+            elif self._fence(aw.remote.engine_id, rank):
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s); fenced off",
+                            wait.req_id, aw.remote.engine_id, rank, exc)
+                wait.ranks[rank] = Rank.SETTLED
+            else:
+                log.warning("push of %s: %s rank %d cannot answer its cancel (%s) and no "
+                            "transport can fence it off; its blocks stay reserved",
+                            wait.req_id, aw.remote.engine_id, rank, exc)
+                wait.next_cancel = now + 1.0
+
+    def _revoke_push(self, wait: PushWait, timeout: float) -> bool:
+        """End a push's WRITE grant; True when every transport guarantees that no byte of it
+        can land any more (only transports that enforce grants can: else fence the peer)."""
+        ticket = push_ticket(wait.req_id, wait.push_id)
+        enforcing = self._enforcing()
+        quiet = [t.revoke(ticket, timeout) for t in enforcing]
+        return bool(enforcing) and len(enforcing) == len(self.transports) and all(quiet)
+
+    def _fence(self, engine_id: str, rank: int) -> bool:
+        """Revoke every agent of ``engine_id``'s ``rank`` that handshook with us on every
+        transport; True when they all guarantee no more bytes."""
+        with self._lock:
+            agents = set(self._handshook.get((engine_id, rank), ()))
+        ok = True
+        for agent in agents:
+            for t in self.transports.values():
+                fence = getattr(t, "fence", None)
+                ok = ok and fence is not None and bool(fence(agent, 2.0))
+        return ok
+
+    def quarantined(self) -> int:
+        """Pushes past their timeout whose blocks stay reserved (bytes may still land)."""
+        return sum(aw.wait.cancelling for aw in self._awaiting.values())

@@ -1,0 +1,270 @@
+"""The worker itself (:class:`KVWorker`): its state, setup, the poll loop, close.
+
+:class:`KVWorker` is one object with one lock and one set of state, made of the jobs in this
+package stacked bottom to top, each a mixin in its own module that declares the attributes it
+uses (``__init__`` here sets them all): :mod:`~kvlink.worker.peering` (the side channel both
+ways), :mod:`~kvlink.worker.holds` (producer side of a pull), :mod:`~kvlink.worker.parts`
+(one part of a transfer, handshake to verdict), :mod:`~kvlink.worker.requests` (a request
+begun and reported), then the two sides of push mode, :mod:`~kvlink.worker.decode_push` and
+:mod:`~kvlink.worker.prefill_push`. This module keeps what touches all of them: registering
+the cache and starting the side channel server, dispatching what peers send to the job that
+answers it, :meth:`KVWorker.poll`, and :meth:`KVWorker.close`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvlink import sidechannel, wire
+from kvlink.channel import Channels, Pending
+from kvlink.compat import WIRE_VERSION
+from kvlink.errors import KVLinkError, TransportUnavailable
+from kvlink.holdboard import HoldBoard
+from kvlink.hostid import host_id
+from kvlink.integrity import Checker, Level, Planes, spec_planes
+from kvlink.layout import KVCacheSpec
+from kvlink.peers import PeerTable
+from kvlink.push import PushSlots
+from kvlink.scheduler import BlockLeases
+from kvlink.transport import Transport, TransportContext, TransportStats, create_transport
+from kvlink.worker.config import WorkerConfig
+from kvlink.worker.decode_push import _DecodePush
+from kvlink.worker.prefill_push import _PrefillPush
+from kvlink.worker.records import (
+    _TRANSFERS_KEPT,
+    Phases,
+    Transfer,
+    _Awaiting,
+    _Layered,
+    _Request,
+)
+
+log = logging.getLogger("kvlink.worker")
+
+
+class KVWorker(_PrefillPush, _DecodePush):
+    """One TP rank's transfer engine; usable without vLLM."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.spec: KVCacheSpec | None = None
+        self.agent_name = f"{config.engine_id}/{config.tp_rank}/{os.getpid()}-{time.time_ns()}"
+        #: random per worker: a peer that sees it change knows we restarted
+        self.incarnation = secrets.randbits(62) + 1
+        self.transports: dict[str, Transport] = {}
+        self._server: sidechannel.SideChannelServer | None = None
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # what the side channel thread shares with the caller's
+        self._side_notifs: list[wire.Notification] = []
+        self._push_inbox: list[wire.PushRequest] = []
+        self._push_slots = PushSlots()
+        # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
+        self._handshook: dict[tuple[str, int], set[str]] = {}
+        self._awaiting: dict[str, _Awaiting] = {}
+        self._abort = threading.Event()
+        self._calls: set[cf.Future[Any]] = set()
+        self.peers = PeerTable(config.engine_id, self.agent_name, config.tp_rank,
+                               config.tp_size, self._require_spec, self.transports, self._call,
+                               lambda fn, remote, rank: self._submit(self._pool, fn, remote,
+                                                                     rank))
+        self._pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvlink-hs",
+                                           initializer=self._thread_init)
+        #: producer side: the requests held for readers (see the module docstring)
+        self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds,
+                                  on_release=self._revoke_hold)
+        self.integrity = Checker(Level(config.integrity))
+        #: producer: our holds in shared memory for same-host readers (created at register)
+        self.board: HoldBoard | None = None
+        #: reader: READs validated on a producer's hold board, without a round trip
+        self.board_validated = 0
+        #: prefill: layer-wise pushes being written, by the id push() returned; and why the
+        #: ended ones ended (a late range of one is refused naming it)
+        self._layered: dict[str, _Layered] = {}
+        self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
+        self._secret = sidechannel.secret_from_env(config.secret)
+        #: messages refused because they did not come from the transfer's peer (a release
+        #: without the hold's generation, a note for another push, a hold not from our own
+        #: scheduler), by kind; the data plane's own refusals are in stats()[name].refused
+        self.refusals: collections.Counter[str] = collections.Counter()
+        self._engine_key: bytes | None = None  # for our scheduler's holds (kvlink.localkey)
+        # every per-request message (intents, reports, notes, cancels) goes through kept-open
+        # connections, driven from the caller's thread (see kvlink.channel)
+        self._chan = Channels(self._secret)
+        self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
+        self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
+        self.finished_bytes = 0
+        self.raw_descriptors = 0  # before coalescing, over finished requests
+        self.descriptors = 0
+        #: finished request id -> transport-level seconds, post to completion (the slowest
+        #: part): the transport's own timing where it has one (NIXL telemetry ``xferDuration``,
+        #: with the nixl option ``telemetry``), else post() call to DONE seen by poll().
+        #: Excludes handshake, read intents and the step loop. Callers pop what they read.
+        self.xfer_seconds: dict[str, float] = {}
+        #: finished request id -> where its time went (:class:`Phases`). Callers pop them.
+        self.phases: dict[str, Phases] = {}
+        #: every transfer posted that ended, in order (:class:`Transfer`), for per-transport
+        #: metrics; :meth:`take_transfers` drains it. Bounded: the oldest drop if nobody does
+        self.transfers: collections.deque[Transfer] = collections.deque(maxlen=_TRANSFERS_KEPT)
+        #: reports nobody waits for (releases, read reports, "written" notes) that could not
+        #: be delivered, since start (each is logged)
+        self.reports_failed = 0
+        #: takes ``wire.Hold`` messages of our own engine's scheduler (the vLLM connector sets
+        #: it); called on the side channel's thread. None: they are refused
+        self.hold_hook: Callable[[wire.Hold], None] | None = None
+
+    # ------------------------------------------------------------------ setup
+    def register(self, spec: KVCacheSpec, planes: Planes | None = None) -> None:
+        """Register the cache with every configured transport that can take it; start serving.
+
+        ``planes``: the framework's own logical views of the cache (``integrity.tensor_planes``)
+        for integrity digests; default: views of the memory as ``spec`` describes it."""
+        if spec.tp_size != self.config.tp_size or spec.tp_rank != self.config.tp_rank:
+            spec = dataclasses.replace(spec, tp_size=self.config.tp_size,
+                                       tp_rank=self.config.tp_rank)
+        self.spec = spec
+        if self.integrity.on:
+            self.integrity.planes = planes if planes is not None else spec_planes(spec)
+        ctx = TransportContext(agent_name=self.agent_name, host=self.config.host,
+                               advertise_host=self.config.advertise_host, host_id=host_id(),
+                               require_grants=self.config.grants)
+        reasons = []
+        for name in self.config.transports:
+            try:
+                t = create_transport(name, ctx, self.config.transport_options.get(name))
+                t.register(spec.regions)
+            except KVLinkError as exc:
+                reasons.append(f"{name}: {exc}")
+                log.info("transport %s unavailable: %s", name, exc)
+                continue
+            self.transports[name] = t
+        if not self.transports:
+            raise TransportUnavailable("no configured transport can serve this cache: "
+                                       + "; ".join(reasons))
+        log.info("rank %d registered %d region(s), %.1f MiB, transports %s",
+                 self.config.tp_rank, len(spec.regions),
+                 sum(r.nbytes for r in spec.regions) / 2**20, list(self.transports))
+        if self.config.serve:
+            if self.config.hold_board and self.board is None:
+                self.board = HoldBoard.create()
+            port = self.config.side_port + self.config.tp_rank if self.config.side_port else 0
+            self._server = sidechannel.SideChannelServer(
+                self.config.host, port, self._on_side_message,
+                name=f"kvlink-side-{self.config.tp_rank}", secret=self._secret,
+                allow_insecure=self.config.allow_insecure)
+            log.info("rank %d side channel on %s:%d", self.config.tp_rank, self.config.host,
+                     self._server.port)
+
+    def _thread_init(self) -> None:
+        # UCX (and CUDA IPC) need a CUDA context on the thread that connects.
+        if self.spec is not None and self.spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(int(self.spec.device.split(":")[1]))
+
+    # ------------------------------------------------------------------ side channel server
+    def _on_side_message(self, msg: object) -> wire.Reply:
+        if isinstance(msg, wire.HandshakeRequest):
+            return self._answer_handshake(msg)
+        if isinstance(msg, wire.ReadIntent):
+            return self._answer_intent(msg)
+        if isinstance(msg, wire.ReadDone):
+            return self._answer_done(msg)
+        if isinstance(msg, wire.Notification):
+            return self._answer_note(msg)
+        if isinstance(msg, wire.PushRequest):
+            return self._answer_push(msg)
+        if isinstance(msg, wire.Hold):
+            return self._answer_hold(msg)
+        if isinstance(msg, wire.PushCancel):
+            return self._answer_cancel(msg)
+        return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
+                               message=f"{type(msg).__name__} not handled here")
+
+    def poll(self) -> tuple[set[str], dict[str, str]]:
+        """Advance every request; returns (finished ids, {failed id: reason}) since last call.
+
+        A request is reported only when nothing of it can still move: finished (READ: the
+        producer confirmed the lease intact) or failed (every part quiescent). Everything
+        runs here, on the caller's thread: answers that arrived are taken, DONE transfers
+        are reported, and every message this produced leaves in one frame per peer."""
+        finished: set[str] = set()
+        failed: dict[str, str] = {}
+        if self._server is not None:  # what peers told us, taken now (not after a GIL switch)
+            self._server.serve_ready()
+        self._chan.pump()
+        self._log_told()
+        self._poll_pushed(finished, failed)
+        if self._layered:
+            self._poll_layered(finished, failed)
+        threads = False
+        for req in list(self._requests.values()):
+            if self._step(req):
+                self._report(req, finished, failed)
+            else:
+                threads = threads or any(
+                    p.handle is not None and p.go is not None
+                    and p.go.peer.transport.capabilities.python_threads for p in req.parts)
+        if self._layered:
+            self._tell_landed()
+        self._chan.flush()
+        if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
+            # may be served by a transport's own threads too
+            threads = any(t.capabilities.python_threads for t in self.transports.values())
+        if threads:  # let a transport's own threads move our bytes (see Capabilities)
+            time.sleep(0)
+        return finished, failed
+
+    def wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, waking early when a side-channel answer arrives
+        (with the GIL released). For a caller with nothing else to do between polls."""
+        self._chan.wait(timeout)
+
+    def take_transfers(self) -> list[Transfer]:
+        """The transfers that ended since the last call (:attr:`transfers`), oldest first.
+        Call it on the thread that polls (the deque is filled there)."""
+        out = list(self.transfers)
+        self.transfers.clear()
+        return out
+
+    def descriptor_counts(self) -> tuple[int, int]:
+        """(before, after) coalescing, summed over finished requests."""
+        return self.raw_descriptors, self.descriptors
+
+    def pending(self) -> int:
+        return len(self._requests) + len(self._awaiting)
+
+    # ------------------------------------------------------------------ the rest
+    def stats(self) -> Mapping[str, TransportStats]:
+        return {n: t.stats for n, t in self.transports.items()}
+
+    def close(self) -> None:
+        """Stop serving, give queued reports until ``close_timeout``, cancel the rest, close
+        the transports. Returns within about ``close_timeout`` whatever the peers do."""
+        end = time.monotonic() + self.config.close_timeout
+        if self._server is not None:
+            self._server.close()
+        if self.board is not None:  # readers' after-checks fail from now: our holds end
+            self.board.close()
+        self._pool.shutdown(wait=False)
+        self._chan.flush()
+        while self._chan.busy() and (left := end - time.monotonic()) > 0:
+            self._chan.wait(min(left, 0.05))  # queued reports get until close_timeout
+        self._chan.close()
+        with self._lock:
+            calls = list(self._calls)
+        cf.wait(calls, timeout=max(0.0, end - time.monotonic()))
+        self._abort.set()  # running handshakes give up within 50 ms
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for t in self.transports.values():
+            t.close()
+        self.transports.clear()

@@ -1,0 +1,408 @@
+"""One part of a request, from handshake to verdict: the per-part steps of every transfer.
+
+A request has a part per remote rank it moves heads to or from (:class:`records._Part`); each
+:meth:`KVWorker.poll` advances every part one step (:meth:`_Parts._advance`): wait for the
+peer's handshake (and, for a READ without a generation, the producer's grant), plan and post
+(:meth:`_Parts._post`), poll the transport (:meth:`_Parts._progress`), then validate after
+read — on the producer's hold board where it is offered, else by its verdict
+(:meth:`_Parts._take_verdict`), with the integrity check of what landed. A READ refused before
+any byte moved, or one whose producer restarted, is asked about and posted again. A WRITE's
+"written" note is built here too, since how it goes (on the WRITE itself or over the side
+channel) decides what is posted. Separate because this is the hot path of every transfer,
+READ or WRITE, pull or push, and it knows nothing of how a request begins or is reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from kvlink import wire
+from kvlink.channel import Pending
+from kvlink.compat import WIRE_VERSION
+from kvlink.errors import KVLinkError
+from kvlink.grants import push_ticket, read_ticket
+from kvlink.holdboard import fingerprint
+from kvlink.layout import KVCacheSpec
+from kvlink.plan import Plan, PlanTable
+from kvlink.push import PushSlots
+from kvlink.scheduler import Refusal
+from kvlink.transport import Op, Runs, XferStatus
+from kvlink.worker.holds import _Holds
+from kvlink.worker.records import Transfer, _Go, _Part, _Request
+
+log = logging.getLogger("kvlink.worker")
+
+
+class _Parts(_Holds):
+    """The steps of one part, as methods of the worker (the caller's thread)."""
+
+    _push_slots: PushSlots  # who may still post a push (kvlink.push)
+    #: every transfer posted that ended, in order (see KVWorker.transfers)
+    transfers: collections.deque[Transfer]
+    board_validated: int  # reader: READs validated on a producer's hold board
+    _slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]]
+
+    def _advance(self, req: _Request, part: _Part) -> None:
+        if part.settled:
+            return
+        if part.reask:  # the producer did not hold it yet when our report came: again
+            if time.monotonic() >= part.retry_at:
+                part.reask, part.retry_at = False, 0.0
+                part.verdict = self._report_read(req, part, True)
+        elif part.verdict is not None:
+            self._take_verdict(req, part)
+        elif part.handle is not None:
+            self._progress(req, part)
+        elif part.go is None:
+            self._get_go(req, part)
+            if part.go is not None:
+                self._post(req, part)
+
+    def _get_go(self, req: _Request, part: _Part) -> None:
+        """The peer's handshake, then (READ without a generation) the producer's grant."""
+        if part.retry_at:
+            if time.monotonic() < part.retry_at:
+                return
+            part.retry_at = 0.0
+        if not part.peer.done():
+            return
+        unreachable = part.peer.exception()
+        where = f"{req.remote.engine_id} rank {part.read.remote_rank}"
+        if unreachable is not None:  # or incompatible: nothing was granted or posted
+            part.error = f"{where}: {unreachable}"
+            return
+        peer = part.peer.result()
+        if req.op is not Op.READ:
+            part.go = _Go(peer)
+        elif req.generation is not None:
+            part.go = _Go(peer, req.generation)
+        elif part.intent is None:
+            part.intent = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                     wire.ReadIntent(v=WIRE_VERSION,
+                                                     engine_id=self.config.engine_id,
+                                                     req_id=req.req_id,
+                                                     tp_rank=self.config.tp_rank,
+                                                     incarnation=peer.incarnation,
+                                                     block_ids=req.remote_ids.tolist()))
+        elif part.intent.done():
+            intent, part.intent = part.intent, None
+            try:
+                reply = intent.result()
+            except KVLinkError as exc:
+                if not self._again(req, part, exc, intent.asked):
+                    part.error = f"{where}: refused the READ of {req.req_id}: {exc}"
+                return
+            if not isinstance(reply, wire.ReadGrant):
+                part.error = (f"{where} answered {type(reply).__name__} to a read intent; "
+                              "refusing to read unverified blocks")
+                return
+            part.go = _Go(peer, reply.generation, intent.asked + reply.expires_in)
+        if part.go is not None:
+            req.phases.wait = max(req.phases.wait, time.perf_counter() - req.t_start)
+
+    def _again(self, req: _Request, part: _Part, exc: KVLinkError, asked: float) -> bool:
+        """Whether a refusal is worth asking again: "not held yet" (the producer holds on its
+        next step) to a question asked (``asked``, monotonic) within ``intent_timeout`` of the
+        request's start, or "stale" (it restarted: handshake again). Judged by when the
+        question left, not when its answer is read: a reader starved for seconds (a compile
+        holding its GIL) must not give up on an answer that came in time."""
+        code = getattr(exc, "code", "")
+        if code == "stale" and part.restarts < 2:
+            part.restarts += 1
+            log.warning("%s rank %d restarted since our handshake; handshaking again",
+                        req.remote.engine_id, part.read.remote_rank)
+            self.peers.forget_stale(req.remote, part.read.remote_rank, part.peer)
+            part.peer = self._peer(req.remote, part.read.remote_rank)
+            return True
+        if code == "not_yet" and asked - req.t_mono < self.config.intent_timeout:
+            part.asks += 1
+            # a READ told its generation is done and only waits for the hold (vLLM: the
+            # prefill worker's next step): ask often, it is one small frame; an intent backs off
+            wait = 0.002 if req.generation is not None else min(0.005 * 2 ** part.asks, 0.2)
+            part.retry_at = time.monotonic() + wait
+            return True
+        return False
+
+    def _post(self, req: _Request, part: _Part) -> None:
+        go = part.go
+        assert go is not None
+        if time.monotonic() >= go.deadline:
+            self._part_failed(req, part, "the producer's lease deadline passed before the READ "
+                              "could start (not posted)")
+            return
+        if req.push_key is not None:
+            with self._lock:
+                why = self._push_slots.may_post(req.push_key, time.monotonic())
+            if why is not None:
+                self._part_failed(req, part, f"push of {req.req_id} not posted: {why}")
+                return
+        t0 = time.perf_counter()
+        transport = go.peer.transport
+        note = None
+        if self._notes_natively(req):
+            note = wire.encode(self._written(req, True))  # ordered after the written bytes
+        # a transport that computes addresses on its device takes the factored plan
+        post_runs = getattr(transport, "post_runs", None) if note is None else None
+        plan: Plan | Runs | None = None
+        try:
+            # built at the peer's first request (a handshake's spec is a new object: a
+            # restarted peer gets a new table), cached in the planner
+            ours, theirs = self._require_spec(), go.peer.spec
+            if req.layers is not None:  # one range of a layer-wise push
+                ours, theirs = self._slice(ours, *req.layers), self._slice(theirs, *req.layers)
+            table = PlanTable.for_peer(ours, theirs, part.read)
+            if post_runs is not None:
+                plan = table.runs(req.local_ids, req.remote_ids, local_checked=True,
+                                  coalesce=getattr(transport, "coalesce_runs", True))
+            if plan is None:
+                plan = table.plan(req.local_ids, req.remote_ids, transport.extents)
+        except KVLinkError as exc:
+            self._part_failed(req, part, str(exc))
+            return
+        part.plan = plan
+        part.t_post = time.perf_counter()
+        req.phases.plan += part.t_post - t0
+        ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
+                  else read_ticket(req.req_id, go.generation) if go.generation else b"")
+        try:
+            if isinstance(plan, Runs):
+                assert post_runs is not None
+                part.handle = post_runs(req.op, go.peer.agent, plan, ticket=ticket)
+            else:
+                part.handle = transport.post(req.op, go.peer.agent, plan.local, plan.remote,
+                                             note, ticket=ticket)
+        except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
+            self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
+            return
+        part.post_seconds = time.perf_counter() - part.t_post
+        req.phases.post += part.post_seconds
+        part.board = self._on_board(req, go)  # after the post: while the bytes move
+        part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
+        req.nbytes += part.nbytes
+
+    def _progress(self, req: _Request, part: _Part) -> None:
+        assert part.go is not None and part.handle is not None
+        transport = part.go.peer.transport
+        state = transport.poll(part.handle)
+        if state.status is XferStatus.PENDING:
+            return
+        part.t_done = time.perf_counter()
+        req.phases.transfer = max(req.phases.transfer, part.t_done - part.t_post)
+        part.xfer_seconds = self._transport_seconds(part)
+        self.transfers.append(Transfer(
+            transport.name, part.post_seconds, part.nbytes,
+            part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
+            state.status is XferStatus.DONE))
+        transport.release(part.handle)
+        part.handle = None
+        reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
+        if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
+                and part.t_post - req.t_start < self.config.intent_timeout):
+            # nothing moved: the producer had not held it yet (we were told the generation
+            # first), or no longer does. Ask which (an intent answers with the generation)
+            part.failure, part.refused = reason, True
+            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                      wire.ReadIntent(v=WIRE_VERSION,
+                                                      engine_id=self.config.engine_id,
+                                                      req_id=req.req_id,
+                                                      tp_rank=self.config.tp_rank,
+                                                      incarnation=part.go.peer.incarnation,
+                                                      block_ids=req.remote_ids.tolist()))
+        elif state.status is XferStatus.FAILED and req.generation is not None and (
+                part.restarts < 2):
+            # quiescent by contract. Nothing asked the producer before this READ, so it may
+            # have restarted since our handshake: its answer to the release says ("stale":
+            # READ again after a new handshake); a dead one fails it within the report timeout
+            part.failure = reason
+            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                                      self._read_done(req, part, False),
+                                      min(2.0, self.config.handshake_timeout))
+        elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
+            self._part_failed(req, part, reason)
+        elif req.op is Op.READ and part.go.generation:
+            if part.board and self._board_still_shows(req, part.go):
+                # still held now that the READ is over: intact (kvlink.holdboard). The report
+                # only lets the producer count us done: nobody waits for its answer
+                part.done = True
+                self.board_validated += 1
+                self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                           self._read_done(req, part, True), quiet=True)
+            else:
+                part.verdict = self._report_read(req, part, True)
+        else:
+            part.done = True
+
+    def _on_board(self, req: _Request, go: _Go) -> bool:
+        """Whether this READ will be validated on the producer's hold board: one is open and
+        no digests are wanted (they come with the producer's verdict)."""
+        board = go.peer.board if self.config.hold_board else None
+        if board is None or req.op is not Op.READ or not go.generation or self.integrity.on:
+            return False
+        if req.fingerprint is None:
+            req.fingerprint = fingerprint(req.remote_ids)
+        return True
+
+    @staticmethod
+    def _board_still_shows(req: _Request, go: _Go) -> bool:
+        board = go.peer.board
+        return (board is not None and req.fingerprint is not None
+                and board.still_holds(go.generation, req.fingerprint))
+
+    @staticmethod
+    def _notes_natively(req: _Request) -> bool:
+        """A WRITE's "written" rides on the WRITE itself only when it is one transfer through
+        a transport with native notifications; else it goes over the side channel once every
+        part is DONE (a note after one part would claim bytes still moving)."""
+        part = req.parts[0]
+        return (req.op is Op.WRITE and len(req.parts) == 1 and req.lease is None
+                and req.digests is None and req.layered is None and part.go is not None
+                and part.go.peer.transport.capabilities.native_notifications)
+
+    def _take_verdict(self, req: _Request, part: _Part) -> None:
+        assert part.verdict is not None
+        if not part.verdict.done():
+            return
+        pending, part.verdict = part.verdict, None
+        if part.refused:
+            self._take_requery(req, part, pending)
+            return
+        try:
+            reply = pending.result()
+        except KVLinkError as exc:
+            if part.failure is not None and getattr(exc, "code", "") != "stale":
+                part.error = part.failure  # the producer did not restart: the READ failed
+                return
+            part.failure = None
+            if req.generation is not None and self._again(req, part, exc, pending.asked):
+                if getattr(exc, "code", "") == "not_yet":  # held on its next step: ask again
+                    part.reask = True
+                else:  # restarted under the READ: READ again after the new handshake
+                    self._read_again(req, part)
+                return
+            reply, why = None, f"no verdict ({exc})"
+        if part.failure is not None:  # released by that report: the READ failed
+            part.error = part.failure
+            return
+        if isinstance(reply, wire.ReadVerdict) and reply.intact:
+            self._check_landed(req, part, reply)
+            return
+        if isinstance(reply, wire.ReadVerdict):
+            why = reply.reason
+        elif reply is not None:
+            why = f"answered {type(reply).__name__}"
+        part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
+                      f"confirmed, its bytes are not trusted: {why}")
+
+    def _check_landed(self, req: _Request, part: _Part, verdict: wire.ReadVerdict) -> None:
+        """An intact READ: with integrity on, its bytes count only if they digest like the
+        producer's (the heads this part read; kvlink.integrity)."""
+        spec = self._require_spec()
+        r = part.read
+        why = self.integrity.check(req.req_id, req.local_ids, req.remote_ids,
+                                   (r.local_start, r.remote_start, r.count),
+                                   verdict.digest_ids, verdict.digests, verdict.folded,
+                                   spec.num_layers, spec.num_kv)
+        if why is None:
+            part.done = True
+            return
+        log.warning("request %s from %s rank %d: %s", req.req_id, req.remote.engine_id,
+                    r.remote_rank, why)
+        part.error = why
+
+    def _take_requery(self, req: _Request, part: _Part, pending: Pending) -> None:
+        """The owner refused our READ before any byte moved, and we asked whether it holds
+        the request: under our generation → READ again (it held after we posted: we were told
+        the generation first); not yet → READ again shortly; restarted → after a handshake;
+        anything else → the hold is gone, fail."""
+        failure, part.refused = part.failure or "refused", False
+        part.failure = None
+        try:
+            reply = pending.result()
+        except KVLinkError as exc:
+            if self._again(req, part, exc, pending.asked):
+                self._read_again(req, part)
+            elif getattr(exc, "code", "") == Refusal.BLOCKS.value:  # held, but not those:
+                self._part_failed(req, part, f"{failure}; {exc}")  # release it now
+            else:
+                part.error = f"{failure}; and asked: {exc}"
+            return
+        assert part.go is not None
+        if isinstance(reply, wire.ReadGrant) and reply.generation == part.go.generation:
+            self._read_again(req, part)
+        else:
+            part.error = f"{failure}: the hold it was told ended before its READ"
+
+    @staticmethod
+    def _read_again(req: _Request, part: _Part) -> None:
+        req.nbytes -= part.nbytes
+        part.go, part.plan, part.nbytes = None, None, 0
+
+    def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
+        """A part ends without bytes: for a READ with a generation, release the producer now."""
+        part.error = reason
+        if part.handle is not None:
+            return  # still moving: report once the transport says FAILED (quiescent)
+        if req.op is Op.READ and part.go is not None and part.go.generation:
+            self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                       self._read_done(req, part, False))
+
+    def _read_done(self, req: _Request, part: _Part, ok: bool) -> wire.ReadDone:
+        assert part.go is not None
+        return wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                             req_id=req.req_id, tp_rank=self.config.tp_rank,
+                             tp_size=self.config.tp_size, incarnation=part.go.peer.incarnation,
+                             generation=part.go.generation, ok=ok,
+                             block_ids=(req.remote_ids.tolist()
+                                        if req.generation is not None else None))
+
+    def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
+        return self._send(req.remote.host, req.remote.port + part.read.remote_rank,
+                          self._read_done(req, part, ok))
+
+    @staticmethod
+    def _transport_seconds(part: _Part) -> float:
+        """Post to completion of one finished part: the transport's own timing if it keeps one
+        (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
+        ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE."""
+        transport = part.go.peer.transport if part.go is not None else None
+        telemetry = getattr(transport, "xfer_telemetry", None)
+        if telemetry is not None and part.handle is not None:
+            try:
+                entries = telemetry(part.handle)
+            except KVLinkError:
+                entries = []
+            us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
+            if us > 0:
+                return us / 1e6
+        return time.perf_counter() - part.t_post
+
+    # ------------------------------------------------------------------ a WRITE's notes
+    def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
+        push = req.push
+        ids, blob, folded = req.digests if ok and req.digests is not None else ([], b"", False)
+        return self._note(push.req_id if push is not None else req.req_id,
+                          push.push_id if push is not None else 0, ok=ok, detail=detail,
+                          digest_ids=ids, digests=blob, folded=folded)
+
+    def _note(self, req_id: str, push_id: int, kind: str = "write", ok: bool = True,
+              detail: str = "", **fields: Any) -> wire.Notification:
+        """A push's note from this rank to the decode ("write": written or why not;
+        "layers": a range of a layer-wise push landed)."""
+        return wire.Notification(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                                 req_id=req_id, tp_rank=self.config.tp_rank,
+                                 tp_size=self.config.tp_size, kind=kind, ok=ok,
+                                 detail=detail[:500], push_id=push_id, **fields)
+
+    def _slice(self, spec: KVCacheSpec, start: int, stop: int) -> KVCacheSpec:
+        """``spec.layers(start, stop)``, the same object each time (the planner's tables are
+        cached by spec identity); kept with the spec it came from, so an id is never reused."""
+        key = (id(spec), start, stop)
+        got = self._slices.get(key)
+        if got is None or got[0] is not spec:
+            if len(self._slices) > 4096:
+                self._slices.clear()
+            got = self._slices[key] = (spec, spec.layers(start, stop))
+        return got[1]

@@ -1,0 +1,162 @@
+"""What the worker keeps per request, per part and per push: plain records, no behaviour.
+
+A request (:class:`_Request`) is one :meth:`KVWorker.read`/:meth:`KVWorker.write` or one push;
+it has a part (:class:`_Part`) per remote rank it moves heads to or from, each allowed to post
+by a :class:`_Go`. A layer-wise push being written is a :class:`_Layered` (prefill side), a
+push being awaited an :class:`_Awaiting` (decode side). :class:`Phases` and :class:`Transfer`
+are what callers read back. Separate so that every job's module can name them without
+importing another job, and so the state is readable in one place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import time
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink import wire
+from kvlink.channel import Pending
+from kvlink.headmap import HeadRead
+from kvlink.peers import Peer, RemoteEngine
+from kvlink.plan import Plan
+from kvlink.push import PushKey, PushWait
+from kvlink.transport import Op, Runs
+
+_XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
+_NOTES_KEPT = 65536  # "written" notifications waiting for poll()
+_TRANSFERS_KEPT = 65536  # ended transfers KVWorker.transfers keeps until a caller takes them
+
+
+@dataclasses.dataclass(frozen=True)
+class _Go:
+    """A part may be posted: the peer, and the generation its READ is validated against (with
+    the local deadline of an intent's grant; a READ told its generation has none)."""
+
+    peer: Peer
+    generation: int = 0
+    deadline: float = float("inf")
+
+
+@dataclasses.dataclass
+class Phases:
+    """Where one finished request's time went, in seconds (see :attr:`KVWorker.phases`):
+    ``wait`` handshake or read intent before the first post, ``plan`` block planning, ``post``
+    the transports' post calls, ``transfer`` post to the last part's DONE, ``verdict`` DONE to
+    the producer's answer (pull) — all on the caller's thread, measured by its clock."""
+
+    wait: float = 0.0
+    plan: float = 0.0
+    post: float = 0.0
+    transfer: float = 0.0
+    verdict: float = 0.0
+
+
+class Transfer(NamedTuple):
+    """One transfer this rank posted, once the transport said DONE or FAILED (see
+    :attr:`KVWorker.transfers`): a plain tuple, so recording it costs one append on the poll
+    path. A request has one per part it posted (more with heterogeneous TP, or a READ posted
+    again after a refusal)."""
+
+    transport: str  # the transport this peer was reached over (chosen per peer)
+    post_seconds: float  # host time inside the transport's post call
+    nbytes: int
+    descriptors: int  # extents posted (after kvlink's coalescing)
+    xfer_seconds: float  # post to completion (see KVWorker.xfer_seconds for the clock)
+    ok: bool  # DONE; False: FAILED (refused ones included), nothing more can land
+
+
+@dataclasses.dataclass
+class _Part:
+    read: HeadRead
+    peer: cf.Future[Peer]
+    intent: Pending | None = None  # READ without a generation: the grant, asked
+    handle: int | None = None
+    go: _Go | None = None
+    done: bool = False
+    error: str | None = None
+    plan: Plan | Runs | None = None
+    verdict: Pending | None = None  # READ: the producer's answer to ReadDone
+    asks: int = 0  # "not held yet" answers so far
+    retry_at: float = 0.0  # when to ask again after "not held yet"
+    restarts: int = 0  # "stale" answers: the producer restarted, handshake again
+    reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
+    refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
+    failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
+    board: bool = False  # READ: validated on the producer's hold board once it is DONE
+    nbytes: int = 0  # bytes this part's post moves
+    t_post: float = 0.0
+    post_seconds: float = 0.0  # inside the transport's post call
+    t_done: float = 0.0
+    xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing of this part is moving or awaited any more."""
+        return self.done or (self.error is not None and self.handle is None
+                             and self.verdict is None)
+
+
+@dataclasses.dataclass
+class _Request:
+    req_id: str
+    op: Op
+    remote: RemoteEngine
+    local_ids: npt.NDArray[np.int64]
+    remote_ids: npt.NDArray[np.int64]
+    parts: list[_Part]
+    t_start: float
+    generation: int | None = None  # READ: the hold's, passed with the block ids (no intent)
+    t_mono: float = dataclasses.field(default_factory=time.monotonic)  # start, monotonic
+    nbytes: int = 0
+    phases: Phases = dataclasses.field(default_factory=Phases)
+    push: wire.PushRequest | None = None  # prefill side of a push: the decode's request
+    push_key: PushKey | None = None
+    lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
+    fingerprint: int | None = None  # of remote_ids, for the hold board (once per request)
+    #: a push with integrity on: (decode block ids, digests, folded) for its "written" note
+    digests: tuple[list[int], bytes, bool] | None = None
+    #: one layer range of a layer-wise push: [from, to), and the push's id (see _Layered)
+    layers: tuple[int, int] | None = None
+    layered: str | None = None
+
+
+@dataclasses.dataclass
+class _Layered:
+    """Prefill side of one layer-wise push (:meth:`KVWorker.push` with ``layers``): each call
+    posts one range as its own WRITE; the decode hears of each range once it landed, and of
+    the push ("written", or why not) once every range is DONE, or once it failed and nothing
+    of it is in flight."""
+
+    msg: wire.PushRequest
+    key: PushKey
+    layers: int  # the cache's: the push is written when [0, layers) is
+    lease: tuple[str, int] | None  # (held request, generation): validated once at the end
+    next_layer: int = 0
+    inflight: set[str] = dataclasses.field(default_factory=set)  # its ranges' request ids
+    error: str | None = None
+    #: ranges DONE since the last poll, told the decode at the poll's end, merged (an 80-layer
+    #: push that lands while the caller waits on its forward is one note, not 80)
+    landed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Awaiting:
+    """Push mode, decode side: the request's remote and its ownership state."""
+
+    remote: RemoteEngine
+    wait: PushWait
+    local_ids: npt.NDArray[np.int64]  # the blocks reserved for it (checked at "written")
+    asked: list[Pending] = dataclasses.field(default_factory=list)
+    #: layer-wise pushes: per prefill rank, the layer ranges that have landed
+    layers: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
+
+
+def _push_rid(msg: wire.PushRequest) -> str:
+    """The id :meth:`KVWorker.poll` reports a push under (one per decode rank and attempt)."""
+    return f"push:{msg.engine_id}/{msg.tp_rank}/{msg.push_id}/{msg.req_id}"
+
