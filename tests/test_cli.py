@@ -230,7 +230,7 @@ def test_decode_rank_killed_at_startup_ends_demo_at_once() -> None:
 
 def test_bench_records_mask_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """The command line goes into the JSON and the server's ready message: never a secret."""
-    from kvlink import cli
+    from kvlink.cli import bandwidth as cli
 
     monkeypatch.setattr(cli, "_ARGV", ["bench", "h", "--secret", "s1", "--secret=s2", "--port",
                                        "1"])
@@ -478,7 +478,7 @@ def test_device_n_missing_or_no_device_is_named(tmp_path: Path) -> None:
 def test_default_transport_list_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the default list is cuda_ipc, nixl, tcp, keeping those usable here, in order;
     on the CPU it is tcp."""
-    import kvlink.cli as cli
+    import kvlink.cli.transfer as cli
 
     def args(**kw: Any) -> Any:
         base = dict(layers=1, kv_heads=1, head_dim=1, block_size=1, layout="NHD", mla=False,

@@ -1,59 +1,18 @@
-"""The side channel: handshakes and notifications over plain TCP, bounded before authentication.
-
-Each producer (and, in push mode, each consumer) runs one :class:`SideChannelServer`: one
-thread, one listening TCP port, every connection read non-blocking from one ``selectors`` loop.
-Every frame is a 4-byte little-endian length (:data:`FRAME`) and one :mod:`kvlink.wire`
-message; each frame is answered by one frame, in order. The same port serves one-shot calls
-(:func:`request`: connect, one exchange, close — handshakes) and the kept-open connections of
-:mod:`kvlink.channel` (one per peer, every per-request message). The server's thread is the one
-that answers: a frame wakes it out of ``epoll`` with the GIL released, no I/O-thread hops. The
-handler runs on that thread, one message at a time, for every peer: it must not block.
-
-Who may connect: the handshake hands out what is needed to reach registered memory, so with a
-shared secret (config or ``KVLINK_SECRET``) a connection authenticates before anything but a
-handshake-sized frame is read: ``Hello`` (client nonce) -> ``Welcome`` (server nonce), a key
-derived from both, then :class:`wire.Sealed` frames, HMAC-SHA256 over a counter that only grows
-(replayed and reordered frames are refused). A lone :class:`wire.Signed` message (single-use
-server nonce from a ``Challenge``) is taken too. Without a secret the server binds loopback
-only, unless told explicitly that the network is trusted (then it warns).
-
-Bounds, with and without a secret (issue 20, item 4): a frame's body is read as it arrives —
-never allocated at its announced length — and a length over the connection's bound is answered
-by an ``ErrorReply`` (code ``too_large``) naming the bound, then the connection is closed (the
-stream cannot resync). With a secret the bound is :data:`PREAUTH_BYTES` until the connection
-authenticated (its first valid ``Sealed`` or ``Signed`` frame), :data:`REQUEST_BYTES` after;
-without one, :data:`REQUEST_BYTES` from the first frame (and the connection counts as
-authenticated at its first message). A frame started must be complete within
-``frame_timeout``; a connection must authenticate within ``auth_timeout`` of its accept;
-authenticated connections may idle. At most ``max_pending`` connections wait to authenticate —
-one more closes the oldest of them, so idle sockets cannot lock a legitimate peer out — and at
-most ``max_connections`` in all (beyond: the oldest unauthenticated one is closed, or, with
-none, the new one refused). So before authentication the server holds at most ``max_pending``
-x 64 KiB of frames (4 MiB); an authenticated peer may hold 4 MiB per connection. Closes and
-refusals are logged, at most one line a second of each kind.
-
-Why no ZMQ any more: ZMQ's ``MAXMSGSIZE`` bounds each frame of a multipart message, not the
-message, and no libzmq option bounds a whole one — 24 frames of 15 MiB were buffered (360 MiB,
-three peers 1.2 GB) inside libzmq before any of our code, secret or not, saw a byte.
-"""
+"""The side channel's server: :class:`SideChannelServer`, one thread running a ``selectors``
+loop over one listening port and every connection, plus :meth:`~SideChannelServer.serve_ready`
+for a caller that serves its own inbox from its poll. It enforces the bounds, deadlines,
+connection caps and eviction that :mod:`kvlink.sidechannel` specifies."""
 
 from __future__ import annotations
 
 import collections
-import errno
-import hashlib
 import hmac
-import ipaddress
 import logging
-import os
 import secrets
-import select
 import selectors
 import socket
-import struct
 import threading
 import time
-import typing
 from collections.abc import Callable
 
 from kvlink import wire
@@ -61,93 +20,28 @@ from kvlink.errors import (
     AuthError,
     ConfigError,
     IncompatibleSpecError,
-    KVLinkError,
-    PeerUnreachable,
     SideChannelError,
     WireError,
+)
+from kvlink.sidechannel.auth import _mac, _Nonces, is_loopback, seal_mac, session_key
+from kvlink.sidechannel.framing import (
+    _SCRATCH,
+    FRAME,
+    PREAUTH_BYTES,
+    REQUEST_BYTES,
+    frame,
+    shutdown_write,
 )
 
 log = logging.getLogger("kvlink.sidechannel")
 
-SESSION_LABEL = b"kvlink-session-v1"
-FRAME = struct.Struct("<I")  # a frame's length prefix
-#: a frame's bound until its connection authenticated (Hello, Challenge, Signed handshakes)
-PREAUTH_BYTES = 64 << 10
-#: a request frame's bound after (a Batch of many calls; replies may be wire.MAX_MESSAGE_BYTES)
-REQUEST_BYTES = 8 << 20  # a call with wire.MAX_BLOCK_IDS block ids encodes to about 5 MiB
 MAX_CONNECTIONS = 1024  # connections one server holds at most
 MAX_PENDING = 64  # of them, not yet authenticated
 AUTH_TIMEOUT = 10.0  # s from accept to authenticated
 FRAME_TIMEOUT = 10.0  # s from a frame's first byte to its last
 _DRAIN = 1.0  # s a refused connection is read (and dropped) after its error reply, then closed
 _SWEEP = 0.1  # s between deadline checks
-_STEP = 0.05  # s: request() looks at its cancel event at least this often
-_RETRY = 0.05  # s between request()'s connection attempts to a port nobody listens on
-_SCRATCH = 256 << 10  # bytes one recv takes at most
 Handler = Callable[[object], "wire.Reply"]
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def secret_from_env(explicit: bytes | str | None = None) -> bytes | None:
-    """The shared secret: explicit config wins, then ``KVLINK_SECRET``; None when neither."""
-    value = explicit if explicit is not None else os.environ.get("KVLINK_SECRET")
-    if value is None or value == "":
-        return None
-    return value.encode() if isinstance(value, str) else value
-
-
-def _mac(secret: bytes, nonce: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, nonce + body, hashlib.sha256).digest()
-
-
-def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """The key of one kept-open connection: both sides' nonces in it, so neither picks it."""
-    return hmac.new(secret, SESSION_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
-
-
-def seal_mac(key: bytes, counter: int, body: bytes) -> bytes:
-    return hmac.new(key, counter.to_bytes(8, "little") + body, hashlib.sha256).digest()
-
-
-def seal(key: bytes, counter: int, batch: wire.Batch | bytes) -> wire.Sealed:
-    """``batch`` (or its encoding) under a session key, as frame number ``counter``."""
-    body = batch if isinstance(batch, bytes) else wire.encode(batch)
-    return wire.Sealed(v=wire.WIRE_VERSION, counter=counter, mac=seal_mac(key, counter, body),
-                       body=body)
-
-
-def frame(msg: wire._Msg) -> bytes:
-    """``msg`` as one length-prefixed frame."""
-    body = wire.encode(msg)
-    return FRAME.pack(len(body)) + body
-
-
-class _Nonces:
-    """Outstanding single-use nonces with an expiry (bounded, so a flood cannot grow memory)."""
-
-    def __init__(self, ttl: float = 30.0, limit: int = 4096) -> None:
-        self.ttl = ttl
-        self._issued: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._limit = limit
-
-    def issue(self) -> bytes:
-        nonce = secrets.token_bytes(16)
-        self._issued[nonce] = time.monotonic() + self.ttl
-        while len(self._issued) > self._limit:
-            self._issued.popitem(last=False)
-        return nonce
-
-    def redeem(self, nonce: bytes) -> bool:
-        deadline = self._issued.pop(nonce, None)
-        return deadline is not None and time.monotonic() <= deadline
 
 
 class _Peer:
@@ -184,7 +78,7 @@ class SideChannelServer:
 
     ``port=0`` binds an ephemeral port (see :attr:`port`). Handler exceptions become
     ErrorReply answers; the server itself never dies on a bad message. The keyword limits
-    are the module's bounds (see the module docstring); tests shorten them.
+    are the package's bounds (see :mod:`kvlink.sidechannel`); tests shorten them.
     """
 
     def __init__(self, host: str, port: int, handler: Handler, name: str = "kvlink-side",
@@ -376,7 +270,7 @@ class SideChannelServer:
         self._drop(oldest)
 
     def _sweep(self, now: float) -> None:
-        """Close connections past a deadline (see the module docstring)."""
+        """Close connections past a deadline (see :mod:`kvlink.sidechannel`)."""
         if not self._listening:
             self._sel.register(self._listener, selectors.EVENT_READ, None)
             self._listening = True
@@ -619,195 +513,3 @@ class SideChannelServer:
             if self._thread.is_alive():
                 log.warning("side channel %s: its handler did not return within 2 s of close",
                             self._name)
-
-
-def shutdown_write(sock: socket.socket) -> None:
-    """End our half of the stream (what was sent still arrives), keep reading."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-
-
-# ---------------------------------------------------------------------- one-shot calls
-class _Call:
-    """One blocking connection of :func:`request`: every wait in steps of at most 50 ms, so
-    ``cancel`` is seen within that, and nothing past ``timeout``."""
-
-    def __init__(self, host: str, port: int, what: str, timeout: float,
-                 cancel: threading.Event | None) -> None:
-        self.host, self.port, self.what = host, port, what
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-        self.cancel = cancel
-        self.why = ""  # the last connection attempt's failure
-        self.sock: socket.socket | None = None
-
-    def _left(self) -> float:
-        if self.cancel is not None and self.cancel.is_set():
-            raise PeerUnreachable(f"call to side channel {self.host}:{self.port} cancelled "
-                                  f"(closing; {self.what} not answered)")
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise PeerUnreachable(
-                f"no answer from side channel {self.host}:{self.port} within "
-                f"{self.timeout:.1f}s (to {self.what}" + (f"; {self.why})" if self.why else ")"))
-        return left
-
-    def _pause(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while (left := min(self._left(), end - time.monotonic())) > 0:
-            if self.cancel is not None:
-                self.cancel.wait(min(left, _STEP))
-            else:
-                time.sleep(left)
-
-    def _ready(self, sock: socket.socket, event: int) -> bool:
-        poller = select.poll()
-        poller.register(sock, event)
-        step = min(self._left(), _STEP) if self.cancel is not None else self._left()
-        return bool(poller.poll(max(1, int(step * 1000 + 0.999))))
-
-    def connect(self) -> socket.socket:
-        """Connected, or PeerUnreachable at the deadline: a refused connection is tried again
-        (a peer starting up binds a moment later), as ZMQ did."""
-        try:
-            info = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise PeerUnreachable(f"side channel {self.host}:{self.port}: {exc}") from exc
-        family, kind, proto, _, addr = info[0]
-        while True:
-            self._left()
-            sock = socket.socket(family, kind, proto)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setblocking(False)
-            err = sock.connect_ex(addr)
-            try:
-                while err == errno.EINPROGRESS and not self._ready(sock, select.POLLOUT):
-                    pass
-            except BaseException:
-                sock.close()
-                raise
-            if err == errno.EINPROGRESS:
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err == 0:
-                self.sock = sock
-                return sock
-            sock.close()
-            self.why = f"connect: {os.strerror(err)}"
-            self._pause(_RETRY)
-
-    def send(self, data: bytes) -> None:
-        assert self.sock is not None
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[self.sock.send(view):]
-            except (BlockingIOError, InterruptedError):
-                self._ready(self.sock, select.POLLOUT)
-            except OSError as exc:
-                raise PeerUnreachable(f"side channel {self.host}:{self.port} closed the "
-                                      f"connection ({exc}; {self.what} not answered)") from exc
-
-    def _recv(self, n: int) -> bytes:
-        assert self.sock is not None
-        while True:
-            try:
-                got = self.sock.recv(n)
-            except (BlockingIOError, InterruptedError):
-                self._ready(self.sock, select.POLLIN)
-                continue
-            except OSError as exc:
-                raise PeerUnreachable(f"side channel {self.host}:{self.port} closed the "
-                                      f"connection ({exc}; {self.what} not answered)") from exc
-            if not got:
-                raise PeerUnreachable(f"side channel {self.host}:{self.port} closed the "
-                                      f"connection ({self.what} not answered)")
-            return got
-
-    def reply(self) -> wire._Msg:
-        """One answer frame, read as it arrives (never allocated at its announced length)."""
-        buf = bytearray()
-        while len(buf) < FRAME.size:
-            buf += self._recv(FRAME.size - len(buf))
-        (n,) = FRAME.unpack(buf)
-        if n > wire.MAX_MESSAGE_BYTES:
-            raise WireError(f"{self.host}:{self.port} announced an answer of {n} B (bound "
-                            f"{wire.MAX_MESSAGE_BYTES} B)")
-        body = bytearray()
-        while len(body) < n:
-            body += self._recv(min(n - len(body), _SCRATCH))
-        return wire.decode(bytes(body))  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-
-
-_REQUESTS = typing.get_args(wire.Request)
-
-
-def _raise_error(where: str, reply: wire._Msg) -> None:
-    if isinstance(reply, wire.ErrorReply):
-        cls: type[KVLinkError] = {"incompatible": IncompatibleSpecError,
-                                  "auth": AuthError}.get(reply.code, SideChannelError)
-        err = cls(f"{where} answered {reply.code}: {reply.message}")
-        err.code = reply.code
-        raise err
-
-
-def request(host: str, port: int, msg: wire._Msg, timeout: float,
-            secret: bytes | None = None, cancel: threading.Event | None = None) -> wire._Msg:
-    """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise).
-
-    A fresh connection per call (so a call that timed out can never receive a stale reply
-    meant for it later), closed after. With a secret, a session first: ``Hello`` ->
-    ``Welcome``, then ``msg`` as the one call of one :class:`wire.Sealed` batch — two round
-    trips, and ``msg`` may be as large as a kept-open session's frames (:data:`REQUEST_BYTES`).
-    Only handshakes go this way, never the data path (:mod:`kvlink.channel`). ``cancel``: when
-    set, the call gives up within 50 ms (a closing worker must not wait out a dead peer's
-    timeout). An ``ErrorReply`` answer raises, with the peer's code in the exception's
-    ``code``: AuthError (``auth``), IncompatibleSpecError (``incompatible``), else
-    SideChannelError.
-    """
-    where = f"{host}:{port}"
-    if secret is not None and not isinstance(msg, _REQUESTS):
-        raise TypeError(f"{type(msg).__name__} is not a request (wire.Request)")
-    call = _Call(host, port, type(msg).__name__, timeout, cancel)
-    try:
-        call.connect()
-        if secret is None:
-            call.send(frame(msg))
-            reply = call.reply()
-        else:
-            nonce = secrets.token_bytes(16)
-            call.send(frame(wire.Hello(v=wire.WIRE_VERSION, nonce=nonce)))
-            welcome = call.reply()
-            _raise_error(where, welcome)
-            if not isinstance(welcome, wire.Welcome) or not welcome.nonce:
-                raise AuthError(f"{where} did not open an authenticated session (does it have "
-                                "a secret?)")
-            key = session_key(secret, nonce, welcome.nonce)
-            body = wire.encode(wire.Batch(v=wire.WIRE_VERSION, calls=[wire.Call(1, msg)]))  # type: ignore[arg-type]
-            frames = [seal(key, 1, body)]
-            if len(body) + 256 > PREAUTH_BYTES:  # prove the key first, in a frame it reads
-                frames = [seal(key, 1, wire.Batch(v=wire.WIRE_VERSION, calls=[])),
-                          seal(key, 2, body)]
-            call.send(b"".join(frame(f) for f in frames))
-            for _ in frames:
-                reply = call.reply()
-                _raise_error(where, reply)
-            if not isinstance(reply, wire.Replies) or [a.id for a in reply.answers] != [1]:
-                raise SideChannelError(f"{where} answered a {type(reply).__name__} to a "
-                                       "session's call")
-            reply = reply.answers[0].msg
-    finally:
-        call.close()
-    _raise_error(where, reply)
-    return reply
-
-
-def _exchange(host: str, port: int, msg: wire._Msg, timeout: float,
-              cancel: threading.Event | None = None) -> wire._Msg:
-    """``msg`` as it is, on a fresh connection: one frame out, one back (no session)."""
-    return request(host, port, msg, timeout, None, cancel)
