@@ -4,7 +4,7 @@ Each built-in transport's options are a msgspec Struct below (names, types and d
 transport reads them). :func:`check_options` validates a transport's option mapping: an unknown
 key fails with a :class:`~kvlink.errors.ConfigError` naming the transport, the key and the
 closest known key; a value of the wrong type names the key and the value. Transports call it in
-their constructor, and ``Settings.from_config`` (kvlink.integrations.vllm_common) calls it for
+their constructor, and ``Settings.from_config`` (kvlink.integrations.vllm.config) calls it for
 every ``transport_options`` entry, so a typo fails at startup instead of being ignored.
 
 A transport without a schema here (a third-party plugin) gets its options unchecked.

@@ -7,7 +7,8 @@ works; Triton stays as the fallback and as the reference that CI runs under Trit
 interpreter. Why a second language: on an H200 the same copy written in CUDA C ran faster on
 every cuda_ipc acceptance shape (1 GiB in 4 MiB extents 525 us against 554 us for the best
 Triton launch settings and 564 as Triton shipped, 20480 x 8 KiB 95 against 99 / 102 us; the
-device copy of the same bytes 504-508 and 83-94 us): ``scripts/gpu_cuda_copy_probe.py --quick``,
+device copy of the same bytes 504-508 and 83-94 us): ``scripts/gpu_cuda_copy_probe.py --quick``
+(at 168f41c, since removed),
 bench/results/gpu_cuda_copy_probe_random.json. Plain loads and stores beat streaming cache hints
 there for 4 MiB extents at random places, and reading extent records from device memory beat
 reading them from pinned host memory (each program's first load waits a PCIe round trip) wherever a

@@ -42,7 +42,8 @@ PIECE = 8192  # extents per launch: the GPU works on one while the host writes t
 FIRST = 4096  # extents of the first launch
 SMALL = 64 << 10  # extents up to this size go several to a program
 # (rows per program, int64 words per load/store step, warps), tuned on an H200
-# (scripts/gpu_copy_probe.py): small extents several to a program, long ones in big steps
+# (scripts/gpu_copy_probe.py at 168f41c, since removed): small extents several to a program,
+# long ones in big steps
 _SMALL_SHAPE = (4, 1024, 4)
 _LARGE_SHAPE = (1, 8192, 16)
 _I32 = 1 << 31

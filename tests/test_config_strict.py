@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvlink.errors import ConfigError
-from kvlink.integrations.vllm_common import Settings
+from kvlink.integrations.vllm.config import Settings
 from kvlink.transport import TransportContext, create_transport
 
 
@@ -59,7 +59,7 @@ def test_grants_reaches_settings() -> None:
 
 
 def test_grants_reaches_worker_config() -> None:
-    from kvlink.integrations import vllm_worker
+    from kvlink.integrations.vllm import worker as vllm_worker
 
     assert vllm_worker.PullWorker(_s({"grants": False}), 0, 1).worker_config().grants is False
     assert vllm_worker.PullWorker(_s({}), 0, 1).worker_config().grants is True

@@ -188,7 +188,7 @@ def test_copy_kernel_in_the_triton_interpreter() -> None:
     Triton's interpreter on CPU tensors (random lengths, alignments, pieces, rows per program,
     programs per extent; a refused extent fails the post and is not copied)."""
     pytest.importorskip("triton", reason="triton is not installed here (CPU CI): the same "
-                        "kernel is checked on the GPU by scripts/gpu_copy_probe.py and "
+                        "kernel is checked on the GPU by scripts/gpu_kernel_check.py and "
                         "scripts/gpu_cuda_ipc_check.py")
     import os
     import subprocess

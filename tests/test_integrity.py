@@ -341,7 +341,7 @@ def test_vllm_tensor_views_digest_like_the_spec(kind: str) -> None:
     description they give exactly the spec's digests, so the two sides may mix either."""
     import torch
 
-    from kvlink.integrations.vllm_layout import detect
+    from kvlink.integrations.vllm.layout import detect
 
     g = torch.Generator().manual_seed(3)
     shapes = {"split": (2, 6, 4, 2, 8), "joined": (6, 2, 4, 2, 8), "mla": (6, 4, 16),
@@ -373,7 +373,7 @@ def test_connector_fails_a_corrupted_pull(level: str) -> None:
     from test_vllm_e2e import _pair, _remote_r1, _Steps
 
     from kvlink.demo.run import free_port_range
-    from kvlink.integrations.vllm_common import RecvReq, SendReq, StepPlan
+    from kvlink.integrations.vllm.metadata import RecvReq, SendReq, StepPlan
 
     port = free_port_range(1)
     extra = {"side_channel_port": port, "integrity": level}

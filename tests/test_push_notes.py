@@ -113,7 +113,7 @@ def test_connector_push_mode_counts_no_refused_note() -> None:
     from test_vllm_e2e import _pair, _remote_r1, _Steps
 
     from kvlink.demo.run import free_port_range
-    from kvlink.integrations.vllm_common import RecvReq, SendReq, StepPlan
+    from kvlink.integrations.vllm.metadata import RecvReq, SendReq, StepPlan
 
     port, dport = free_port_range(1), free_port_range(1)
     prod, cons, src, dst = _pair({"side_channel_port": port},

@@ -43,16 +43,16 @@ from tinymodel import build_tiny_llama  # noqa: E402
 
 from kvlink.demo.run import free_port_range  # noqa: E402
 from kvlink.errors import ConfigError  # noqa: E402
-from kvlink.integrations.vllm_common import (  # noqa: E402
+from kvlink.integrations.vllm.config import Settings  # noqa: E402
+from kvlink.integrations.vllm.layout import detect  # noqa: E402
+from kvlink.integrations.vllm.metadata import (  # noqa: E402
     RecvReq,
     SendReq,
-    Settings,
     StepPlan,
     parse_remote,
 )
-from kvlink.integrations.vllm_layout import detect  # noqa: E402
-from kvlink.integrations.vllm_sched import PullScheduler  # noqa: E402
-from kvlink.integrations.vllm_worker import PullWorker  # noqa: E402
+from kvlink.integrations.vllm.scheduler import PullScheduler  # noqa: E402
+from kvlink.integrations.vllm.worker import PullWorker  # noqa: E402
 from kvlink.layout import Layout  # noqa: E402
 
 try:

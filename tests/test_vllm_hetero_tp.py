@@ -174,8 +174,9 @@ def test_connector_ranks_across_tp_sizes(ptp: int, dtp: int, mode: str) -> None:
     from test_vllm_e2e import _remote_r1
 
     from kvlink.headmap import rank_heads
-    from kvlink.integrations.vllm_common import RecvReq, SendReq, Settings, StepPlan
-    from kvlink.integrations.vllm_worker import PullWorker
+    from kvlink.integrations.vllm.config import Settings
+    from kvlink.integrations.vllm.metadata import RecvReq, SendReq, StepPlan
+    from kvlink.integrations.vllm.worker import PullWorker
 
     total = 2
     kv = torch.randint(-2**15, 2**15, (LAYERS, BLOCKS, total, BLOCK_SIZE, 2 * HEAD_SIZE),

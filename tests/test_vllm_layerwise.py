@@ -44,17 +44,17 @@ from tinymodel import build_tiny_llama  # noqa: E402
 
 from kvlink.demo.run import free_port_range  # noqa: E402
 from kvlink.errors import ConfigError  # noqa: E402
-from kvlink.integrations.vllm_common import (  # noqa: E402
+from kvlink.integrations.vllm.config import Settings  # noqa: E402
+from kvlink.integrations.vllm.layout import detect, layer_ranges  # noqa: E402
+from kvlink.integrations.vllm.metadata import (  # noqa: E402
     LayerReq,
     RecvReq,
     SendReq,
-    Settings,
     StepPlan,
     parse_remote,
 )
-from kvlink.integrations.vllm_layout import detect, layer_ranges  # noqa: E402
-from kvlink.integrations.vllm_sched import PullScheduler  # noqa: E402
-from kvlink.integrations.vllm_worker import PullWorker, Results  # noqa: E402
+from kvlink.integrations.vllm.scheduler import PullScheduler  # noqa: E402
+from kvlink.integrations.vllm.worker import PullWorker, Results  # noqa: E402
 
 BLOCK = 32
 MAX_TOKENS = 8

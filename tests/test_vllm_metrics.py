@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_vllm_e2e import VLLM_MISSING, _packed, _remote_r1
 
 from kvlink.demo.run import free_port_range
-from kvlink.integrations.vllm_common import RecvReq, SendReq, StepPlan
+from kvlink.integrations.vllm.metadata import RecvReq, SendReq, StepPlan
 
 if VLLM_MISSING:
     pytest.skip(VLLM_MISSING, allow_module_level=True)

@@ -68,16 +68,16 @@ from kvlink.integrations.vllm import (  # noqa: E402
     KVLinkConnectorMetadata,
     KVLinkHandshakeMetadata,
 )
-from kvlink.integrations.vllm_common import (  # noqa: E402
+from kvlink.integrations.vllm.config import Settings  # noqa: E402
+from kvlink.integrations.vllm.layout import detect  # noqa: E402
+from kvlink.integrations.vllm.metadata import (  # noqa: E402
     RecvReq,
     SendReq,
-    Settings,
     StepPlan,
     parse_remote,
     registration_generation,
 )
-from kvlink.integrations.vllm_layout import detect  # noqa: E402
-from kvlink.integrations.vllm_worker import PullWorker, Results  # noqa: E402
+from kvlink.integrations.vllm.worker import PullWorker, Results  # noqa: E402
 
 BLOCK = 16
 EOS = 2  # the tiny Llama's eos_token_id

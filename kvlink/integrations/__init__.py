@@ -1,2 +1,3 @@
-"""Engine integrations. ``kvlink.integrations.vllm`` is the only module that imports vLLM;
-the ``vllm_*`` helpers beside it hold its logic without importing vLLM, so they stay testable."""
+"""Engine integrations. ``kvlink.integrations.vllm`` is the vLLM connector, a package whose
+``connector`` and ``metrics`` are the only modules that import vLLM; the others hold its logic
+without importing vLLM, so they stay testable."""

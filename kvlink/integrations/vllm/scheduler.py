@@ -2,7 +2,7 @@
 
 Never touches memory. Requests and block lists are vLLM's objects, read duck-typed (this module
 does not import vLLM). The lease itself lives with the worker that receives the readers'
-notifications (see ``vllm_worker``); the scheduler only delays the free and says for how long.
+notifications (see ``worker``); the scheduler only delays the free and says for how long.
 
 Per-request flags decide, not ``kv_role`` (as NixlConnector): ``do_remote_prefill`` is loaded
 on any instance, ``do_remote_decode`` is held on any instance that runs a side channel for its
@@ -21,13 +21,13 @@ from typing import Any
 from kvlink import localkey, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
-from kvlink.integrations.vllm_common import (
+from kvlink.integrations.vllm.config import MODES, Settings
+from kvlink.integrations.vllm.metadata import (
     CLOCK_PARAM,
     EXPIRY_PARAM,
     GENERATION_PARAM,
     INCARNATIONS_PARAM,
     MODE_PARAM,
-    MODES,
     PUSH_KEY_PARAM,
     REGISTRATION_PARAM,
     TRANSFER_MODE_PARAM,
@@ -35,7 +35,6 @@ from kvlink.integrations.vllm_common import (
     RecvReq,
     Remote,
     SendReq,
-    Settings,
     StepPlan,
     parse_remote,
     registration_generation,

@@ -1,4 +1,5 @@
-"""vLLM's per-layer KV cache tensors → :class:`KVCacheSpec` (no vLLM import here).
+"""vLLM's per-layer KV cache tensors → :class:`KVCacheSpec`, its block ids → kernel pages (no
+vLLM import here).
 
 What ``register_kv_caches`` receives depends on the vLLM version and attention backend:
 
@@ -26,6 +27,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvlink.errors import LayoutError
 from kvlink.layout import KVCacheSpec
@@ -163,3 +167,11 @@ def layer_ranges(kv_caches: Mapping[str, Any], num_layers: int) -> dict[str, tup
     index = {key(t): i for i, (_, t) in enumerate(unique)}
     return {name: (index[key(t)] * per, index[key(t)] * per + per)
             for name, t in kv_caches.items()}
+
+
+def expand_blocks(ids: tuple[int, ...] | list[int], ratio: int) -> npt.NDArray[np.int64]:
+    """Scheduler block ids -> kernel block ids (vLLM may split a block into ``ratio`` pages)."""
+    a = np.asarray(ids, dtype=np.int64)
+    if ratio == 1:
+        return a
+    return (a[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)

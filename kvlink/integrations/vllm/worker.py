@@ -10,7 +10,8 @@ reports "finished sending" when the core releases it (every reader done, lease e
 aborted). Push requests are served from the held blocks (``KVWorker.push(..., lease=...)``:
 the WRITE runs under the lease like a READ); one that arrives before the hold (the proxy got the
 prefill's answer before this worker's next step) waits up to ``read_intent_timeout``; a refused
-one is told to the decode, which fails the request at once.
+one is told to the decode, which fails the request at once. The layer-wise flow's streams
+(held and written during the forward) are :class:`~.layerwise.LayerwisePushes`'.
 
 Consumer (decode) rank: ``KVWorker.read`` (pull) or ``KVWorker.expect_push`` (push) for each
 request in the step's plan; reports finished or failed requests. A failed one is recomputed or
@@ -39,9 +40,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import wire
-from kvlink.errors import ConfigError, KVLinkError, TransferCancelled
+from kvlink.errors import ConfigError, KVLinkError
 from kvlink.headmap import map_heads
-from kvlink.integrations.vllm_common import LayerReq, RecvReq, Remote, Settings, StepPlan
+from kvlink.integrations.vllm.config import Settings
+from kvlink.integrations.vllm.layerwise import LayerwisePushes
+from kvlink.integrations.vllm.layout import expand_blocks
+from kvlink.integrations.vllm.metadata import RecvReq, Remote, StepPlan
 from kvlink.integrity import Planes
 from kvlink.layout import KVCacheSpec
 from kvlink.peers import Peer
@@ -49,14 +53,6 @@ from kvlink.transport import Op
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 log = logging.getLogger("kvlink.vllm")
-
-
-def expand_blocks(ids: tuple[int, ...] | list[int], ratio: int) -> npt.NDArray[np.int64]:
-    """Scheduler block ids -> kernel block ids (vLLM may split a block into ``ratio`` pages)."""
-    a = np.asarray(ids, dtype=np.int64)
-    if ratio == 1:
-        return a
-    return (a[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)
 
 
 @dataclasses.dataclass
@@ -86,20 +82,6 @@ _WAIT = "wait"  # a gate's handshakes are not settled yet
 
 
 @dataclasses.dataclass
-class _Stream:
-    """Prefill, one decode rank's layer-wise push of a request in this step's forward."""
-
-    msg: wire.PushRequest
-    req_id: str  # ours (the lease)
-    local: npt.NDArray[np.int64]  # our kernel blocks it writes from (the prompt's tail)
-    seen: set[int] = dataclasses.field(default_factory=set)  # kvlink layers the forward wrote
-    next_layer: int = 0  # the first layer not posted yet
-    ranges: int = 0  # WRITEs posted
-    rid: str | None = None  # what KVWorker.push returned (after its first range)
-    error: str | None = None  # no more ranges: it failed (the core tells the decode)
-
-
-@dataclasses.dataclass
 class Results:
     finished_sending: set[str] = dataclasses.field(default_factory=set)
     finished_recving: set[str] = dataclasses.field(default_factory=set)
@@ -111,7 +93,7 @@ def _engine(remote: Remote) -> RemoteEngine:
     return RemoteEngine(remote.engine_id, remote.host, remote.port, remote.tp_size)
 
 
-class PullWorker:
+class PullWorker(LayerwisePushes):
     def __init__(self, settings: Settings, tp_rank: int, tp_size: int, dp_rank: int = 0,
                  block_ratio: int = 1) -> None:
         self.s = settings
@@ -146,7 +128,7 @@ class PullWorker:
         # vLLM frees the blocks of a request it is told "finished sending")
         self._alias: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._layer_of: dict[str, tuple[int, int]] = {}
-        self._streams: list[_Stream] = []
+        self._streams = []  # this forward's (LayerwisePushes)
         self._early: set[str] = set()
         self._early_released: set[str] = set()
         self._finished_here: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -278,131 +260,6 @@ class PullWorker:
             if self.s.layerwise:
                 wait = max(wait, m.ttl_ms / 1e3)
             self._push_waiting.append((m, now + wait))
-
-    # ------------------------------------------------------------------ producer: layer-wise
-    def set_layer_names(self, ranges: dict[str, tuple[int, int]]) -> None:
-        """vLLM layer name -> the kvlink layers ``[start, stop)`` its KV cache tensor is."""
-        self._layer_of = dict(ranges)
-
-    def arrived_keys(self) -> dict[str, list[int]]:
-        """Push keys whose decode's push request waits here (for the scheduler's wait, in the
-        workers' per-step metadata)."""
-        if not self.s.layerwise or self.worker is None:
-            return {}
-        self._take_push_requests()
-        return {m.req_id: [self.tp_rank] for m, _ in self._push_waiting}
-
-    def begin_forward(self, plan: StepPlan) -> None:
-        """Before this step's forward (vLLM binds the plan): for each layer-wise candidate
-        whose decode's push request is here, hold its blocks now (under the generation the
-        scheduler will hold it with at request_finished) and open one stream per decode rank;
-        the others are pushed whole from the hold after the forward. Never blocks."""
-        self._streams = []
-        if self.worker is None:
-            return
-        for key, rid in plan.keys.items():
-            self._alias[key] = rid
-            while len(self._alias) > 8192:
-                self._alias.popitem(last=False)
-        if not plan.layerwise:
-            return
-        self._take_push_requests()
-        for lr in plan.layerwise:
-            self._open_streams(lr)
-
-    def _open_streams(self, lr: LayerReq) -> None:
-        w = self._w()
-        mine = [(m, d) for m, d in self._push_waiting if m.req_id == lr.key]
-        if not mine:
-            self._count("push_layerwise_fallbacks")
-            log.debug("request %s: no decode block ids at its forward: pushed whole after it",
-                      lr.req_id)
-            return
-        held = expand_blocks(lr.block_ids, self.block_ratio)
-        try:
-            w.hold(lr.req_id, held, generation=lr.generation)
-        except ValueError as exc:  # held already (a request prefilled twice?): not streamed
-            log.warning("request %s: not streamed layer by layer: %s", lr.req_id, exc)
-            return
-        self._early.add(lr.req_id)
-        self._push_waiting = [(m, d) for m, d in self._push_waiting if m.req_id != lr.key]
-        for msg, _ in mine:
-            if not 0 < len(msg.block_ids) <= len(held):
-                why = (f"{len(msg.block_ids)} blocks asked for but {len(held)} are held for "
-                       f"{lr.req_id}")
-                self._count("pushes_refused")
-                log.warning("refused a push of %s to %s/%d: %s", lr.req_id, msg.engine_id,
-                            msg.tp_rank, why)
-                w.refuse_push(msg, why)
-                continue
-            # the decode's blocks hold the prompt's tail, as in a whole push
-            self._streams.append(_Stream(msg, lr.req_id, held[len(held) - len(msg.block_ids):]))
-
-    def save_layer(self, layer_name: str) -> None:
-        """After ``layer_name``'s attention wrote its KV (vLLM's forward thread): post the
-        layers that are now complete, in order, as one WRITE per stream. Never blocks: a post
-        is queued with the transport (ordered after the current CUDA stream by the core)."""
-        if not self._streams:
-            return
-        span = self._layer_of.get(layer_name)
-        if span is None:
-            return  # not a layer kvlink registered (the rest is pushed by finish_forward)
-        for st in self._streams:
-            if st.error is None:
-                st.seen.update(range(*span))
-                stop = st.next_layer
-                while stop in st.seen:
-                    stop += 1
-                if stop > st.next_layer:
-                    self._post_range(st, stop)
-
-    def _post_range(self, st: _Stream, stop: int) -> None:
-        w = self._w()
-        try:
-            st.rid = w.push(st.msg, st.local, lease=st.req_id, layers=(st.next_layer, stop))
-        except KVLinkError as exc:
-            st.error = str(exc)
-            self._count("push_failed_requests" if st.rid is not None else "pushes_refused")
-            log.warning("layer-wise push of %s to %s/%d stopped at layer %d: %s", st.req_id,
-                        st.msg.engine_id, st.msg.tp_rank, st.next_layer, exc)
-            if st.rid is None and not isinstance(exc, TransferCancelled):
-                w.refuse_push(st.msg, st.error)  # nothing posted: the decode is told now
-            return
-        st.next_layer = stop
-        st.ranges += 1
-        self._count("push_layer_ranges")
-
-    def finish_forward(self) -> None:
-        """After the forward (wait_for_save): every layer is written, so post what the forward
-        did not report (a layer whose save vLLM skipped), then poll once so the ranges that
-        landed are told to the decode. Never waits for a transfer."""
-        if not self._streams:
-            return
-        num_layers = self._spec().num_layers
-        for st in self._streams:
-            if st.error is None and st.next_layer < num_layers:
-                self._post_range(st, num_layers)
-            if st.rid is not None:
-                self._writes.add(st.rid)
-                if st.error is None:
-                    self._count("push_layerwise_requests")
-        self._streams = []
-        self._poll()
-
-    def _report_early(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> None:
-        """Requests held at their forward are reported sent only once the scheduler finished
-        them too (they were in a plan's send or aborted list, or vLLM says so)."""
-        for rid in finished_req_ids:
-            self._mark_finished(rid)
-        for rid in list(self._early_released):
-            if rid in self._finished_here:
-                self._early_released.discard(rid)
-                self._done_sending.add(rid)
-
-    def _mark_finished(self, rid: str) -> None:
-        self._finished_here[rid] = None
-        while len(self._finished_here) > 8192:
-            self._finished_here.popitem(last=False)
 
     # ------------------------------------------------------------------ consumer
     def _start_recv(self, r: RecvReq) -> None:
