@@ -1,7 +1,7 @@
 """The hold board: a producer's live holds in shared memory, so a same-host reader validates
 its READ without asking.
 
-Validate-after-read (:mod:`kvlink.scheduler`) makes a READ's bytes count only once the producer
+Validate-after-read (:mod:`kvlink.leases`) makes a READ's bytes count only once the producer
 confirms the hold was intact for the whole READ: a round trip through the producer's side
 channel thread after every READ. On one H200 that round trip was 0.5 ms of a 1.3 ms request
 (160 MiB that copy in 0.09 ms), and in a serving prefill it waits for the GIL of a process busy
@@ -82,7 +82,7 @@ class Offer:
 
 class HoldBoard:
     """The producer's side: one board per worker process, published and withdrawn under
-    :class:`~kvlink.scheduler.BlockLeases`' lock."""
+    :class:`~kvlink.leases.BlockLeases`' lock."""
 
     def __init__(self) -> None:
         self.name = f"kvlink-board-{secrets.token_hex(16)}"

@@ -275,13 +275,14 @@ class HostCopier(Copier):
 
 
 class CudaCopier(Copier):
-    """GPU extents <-> pinned host: one batched gather/scatter (_gpucopy) into a device scratch
-    buffer plus one bulk async copy per chunk, all on a side stream; completion by CUDA event."""
+    """GPU extents <-> pinned host: one batched gather/scatter (kvlink.gpu.copy) into a device
+    scratch buffer plus one bulk async copy per chunk, all on a side stream; completion by CUDA
+    event."""
 
     def __init__(self, device: int, chunk: int, scratch: int = 2) -> None:
         import torch
 
-        from kvlink_transports._gpucopy import BatchCopier, RegionMap
+        from kvlink.gpu.copy import BatchCopier, RegionMap
 
         self.torch = torch
         self.device = torch.device("cuda", device)

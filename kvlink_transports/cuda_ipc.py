@@ -3,7 +3,7 @@
 Each side exports IPC handles of its registered VRAM regions; the descriptor carrying them is put
 into a handshake answer only for a peer whose host id (kernel boot + IPC namespace, exchanged in
 the handshake) equals ours — never on assumption. The peer opens the handles once per connect;
-READ and WRITE are both copies between mapped pointers, enqueued by _gpucopy.BatchCopier on a
+READ and WRITE are both copies between mapped pointers, enqueued by kvlink.gpu.copy.BatchCopier on a
 side stream: the extent records go to pinned memory, the device checks them against the
 registered regions of both sides and translates the peer's addresses into our mappings, then one
 kernel copies them; completion is a CUDA event that poll() queries. The host does no per-extent
@@ -13,7 +13,7 @@ Stream order (the manners of CUDA libraries). A post's copy starts only after th
 enqueued on the caller's current stream of our device (``torch.cuda.current_stream``) when post
 was called: for a READ the kernels still writing or reading the destination blocks, for a WRITE
 the kernels still writing the source. Where that stream has work pending, an event is recorded
-on it and the side stream waits on it (_cudamove.StreamOrder, driver calls): no host sync, so
+on it and the side stream waits on it (kvlink.gpu.move.StreamOrder, driver calls): no host sync, so
 post never blocks on the model. For KVWorker the post happens in poll(): the stream that counts
 is the current stream of the thread calling poll() then. The model's stream in turn is
 never made to wait: poll() reports DONE once the copy has finished, and
@@ -90,7 +90,7 @@ _VERSION = 1
 class _Export(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     addr: int  # exporter's pointer
     nbytes: int
-    handle: bytes  # kvlink.cuda_ipc.IpcHandle.to_bytes()
+    handle: bytes  # kvlink.gpu.ipc.IpcHandle.to_bytes()
 
 
 class _Descriptor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -109,8 +109,8 @@ class _Peer:
 
     name: str
     table: RegionTable  # the peer's own addresses
-    map: Any  # _gpucopy.RegionMap: the peer's regions -> our mappings of them
-    handles: list[Any]  # kvlink.cuda_ipc.IpcHandle, one mapper reference each
+    map: Any  # kvlink.gpu.copy.RegionMap: the peer's regions -> our mappings of them
+    handles: list[Any]  # kvlink.gpu.ipc.IpcHandle, one mapper reference each
     live: set[_Xfer] = dataclasses.field(default_factory=set)  # posts not yet settled
     gone: str = ""  # why it was disconnected; mappings closed once ``live`` is empty
     unmapped: bool = False
@@ -118,7 +118,7 @@ class _Peer:
 
 @dataclasses.dataclass(eq=False)
 class _Xfer:
-    pending: Any  # _gpucopy.Pending, None for a post that failed before anything was enqueued
+    pending: Any  # kvlink.gpu.copy.Pending; None: the post failed before enqueueing
     nbytes: int
     t_post: float
     local: Extents | None  # None for a post of runs (see ``runs``)
@@ -182,7 +182,7 @@ class CudaIpcTransport(Transport):
         self._local_map: Any = None
 
     def register(self, regions: Sequence[Region]) -> None:
-        from kvlink import cuda_ipc
+        from kvlink.gpu import ipc
 
         devices = {r.device for r in regions}
         if any(not d.startswith("cuda") for d in devices) or len(devices) != 1:
@@ -192,9 +192,9 @@ class CudaIpcTransport(Transport):
         self._device = _device_index(devices.pop())
         torch = self._torch
         torch.cuda.set_device(self._device)
-        self._mapper = cuda_ipc.IpcMapper(self._device)
+        self._mapper = ipc.IpcMapper(self._device)
         self._stream = torch.cuda.Stream(self._device)
-        from kvlink_transports._gpucopy import BatchCopier
+        from kvlink.gpu.copy import BatchCopier
 
         self._copier = BatchCopier(torch.device("cuda", self._device), chunk=self.chunk,
                                    piece=self.piece, kernel=self.kernel)
@@ -203,10 +203,10 @@ class CudaIpcTransport(Transport):
         for r in regions:  # a region may span several allocations: one handle per allocation
             start, end = r.addr, r.addr + r.nbytes
             while start < end:
-                base, size = cuda_ipc.allocation_range(start)
+                base, size = ipc.allocation_range(start)
                 piece = min(end, base + size) - start
                 try:
-                    h = cuda_ipc.export_pointer(start, piece, self._device)
+                    h = ipc.export_pointer(start, piece, self._device)
                 except KVLinkError as exc:
                     raise TransportUnavailable(
                         f"cuda_ipc cannot export 0x{start:x}: {exc}"
@@ -216,7 +216,7 @@ class CudaIpcTransport(Transport):
         self._regions += tuple(regions)
         self._exports += exports
         self._table = RegionTable(self._regions)
-        from kvlink_transports._gpucopy import RegionMap
+        from kvlink.gpu.copy import RegionMap
 
         t = self._table
         self._local_map = RegionMap(t.starts, t.ends, np.zeros_like(t.starts),
@@ -244,7 +244,7 @@ class CudaIpcTransport(Transport):
         return None
 
     def connect(self, peer: str, descriptor: bytes) -> None:
-        from kvlink import cuda_ipc
+        from kvlink.gpu import ipc
 
         desc = self._decode(descriptor)
         why = self.unreachable_reason(descriptor, desc.host_id == self.ctx.host_id)
@@ -255,14 +255,14 @@ class CudaIpcTransport(Transport):
         handles, mapped = [], []
         try:
             for e in desc.exports:
-                h = cuda_ipc.IpcHandle.from_bytes(e.handle)
+                h = ipc.IpcHandle.from_bytes(e.handle)
                 mapped.append(self._mapper.open(h))
                 handles.append(h)
         except KVLinkError as exc:
             for h in handles:
                 self._mapper.close(h)
             raise TransportUnavailable(f"cuda_ipc cannot map {peer}'s memory: {exc}") from exc
-        from kvlink_transports._gpucopy import RegionMap
+        from kvlink.gpu.copy import RegionMap
 
         table = RegionTable([Region(e.addr, e.nbytes, "cuda") for e in desc.exports])
         order = {e.addr: m for e, m in zip(desc.exports, mapped)}

@@ -35,8 +35,8 @@ def one_case(cp: Any, rng: np.random.Generator, src: Any, dst: Any, pinned: bool
     """None if the copy matched the reference, else what went wrong."""
     import torch
 
+    from kvlink.gpu.copy import RegionMap
     from kvlink.transport import make_extents
-    from kvlink_transports._gpucopy import RegionMap
 
     kind = rng.integers(3)
     n = int(rng.integers(1, 300 if kind else 40))
@@ -94,7 +94,7 @@ def one_case(cp: Any, rng: np.random.Generator, src: Any, dst: Any, pinned: bool
 def main() -> None:
     import torch
 
-    from kvlink_transports._gpucopy import BatchCopier
+    from kvlink.gpu.copy import BatchCopier
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))

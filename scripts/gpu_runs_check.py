@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvlink.gpu.copy import BatchCopier, RegionMap
 from kvlink.transport import Runs
-from kvlink_transports._gpucopy import BatchCopier, RegionMap
 
 SEGS, NB, UNIT, N = 160, 600, 4096, 256
 

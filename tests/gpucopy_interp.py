@@ -1,4 +1,4 @@
-"""The batched-copy kernel (kvlink_transports._gpukernels.move) under Triton's interpreter.
+"""The batched-copy kernel (kvlink.gpu.kernels.move) under Triton's interpreter.
 
 Run by tests/test_cuda_ipc.py in a subprocess with TRITON_INTERPRET=1 (the variable must be set
 before Triton compiles anything). Source extents live in one buffer, destinations in another
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from kvlink_transports import _gpukernels
+from kvlink.gpu import kernels
 
 SPACE = 1 << 16
 SEQ = 7
@@ -47,7 +47,7 @@ def run(lens: list[int], src_align: int, dst_align: int, parts: int, rows: int, 
     status = torch.zeros(1, dtype=torch.int64)
     for p0 in range(0, n, piece):
         k = min(n, p0 + piece) - p0
-        _gpukernels.move[(-(-k // rows), parts)](
+        kernels.move[(-(-k // rows), parts)](
             sr.data_ptr() + 16 * p0, dr.data_ptr() + 16 * p0, k, smap.data_ptr(), 1,
             dmap.data_ptr(), 1, status.data_ptr(), SEQ, parts, E=rows, BLOCK=16)
     want = torch.zeros(SPACE, dtype=torch.uint8)

@@ -2,7 +2,7 @@
 
 * the Triton kernels and flag protocol, with several "ranks" inside one process on separate
   streams (no IPC involved: pointers are plain device pointers);
-* CUDA IPC export/open across two processes on one device (kvlink.cuda_ipc);
+* CUDA IPC export/open across two processes on one device (kvlink.gpu.ipc);
 * the dispatcher's one log line and world-size-1 behaviour;
 * the full multi-process check script (2 ranks on cuda:0, eager and CUDA-graph replay).
 
@@ -31,7 +31,6 @@ try:
 except ImportError as exc:  # pragma: no cover - GPU host without Triton
     pytest.skip(f"no Triton on this CUDA host: {exc}", allow_module_level=True)
 
-from kvlink import cuda_ipc
 from kvlink.allreduce import kernels
 from kvlink.allreduce.config import FLAG_BLOCKS
 from kvlink.allreduce.ipc_buffers import (
@@ -39,6 +38,7 @@ from kvlink.allreduce.ipc_buffers import (
     DATA_OFFSET,
     END_FLAGS_OFFSET,
 )
+from kvlink.gpu import ipc
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda", 0)
@@ -117,7 +117,7 @@ def test_kernels_in_one_process(world: int, dtype: torch.dtype) -> None:
 def _export_child(queue: Any, done: Any) -> None:
     torch.cuda.set_device(0)
     t = torch.arange(1024, dtype=torch.float32, device="cuda")
-    queue.put(cuda_ipc.export_tensor(t[256:]).to_bytes())
+    queue.put(ipc.export_tensor(t[256:]).to_bytes())
     done.wait(60)
     queue.put(float(t[256:].sum()))  # the parent wrote into our memory
 
@@ -129,10 +129,10 @@ def test_cuda_ipc_roundtrip_across_processes() -> None:
     child = ctx.Process(target=_export_child, args=(queue, done))
     child.start()
     try:
-        handle = cuda_ipc.IpcHandle.from_bytes(queue.get(timeout=120))
+        handle = ipc.IpcHandle.from_bytes(queue.get(timeout=120))
         assert handle.nbytes == 768 * 4 and handle.offset % 4 == 0
-        mapper = cuda_ipc.IpcMapper(0)
-        peer = cuda_ipc.open_tensor(mapper, handle).view(torch.float32)
+        mapper = ipc.IpcMapper(0)
+        peer = ipc.open_tensor(mapper, handle).view(torch.float32)
         expect = torch.arange(256, 1024, dtype=torch.float32, device="cuda")
         assert torch.equal(peer, expect)
         peer.fill_(2.0)
@@ -141,8 +141,8 @@ def test_cuda_ipc_roundtrip_across_processes() -> None:
         done.set()
         assert queue.get(timeout=60) == 2.0 * 768
         mapper.close_all()
-        with pytest.raises(cuda_ipc.CudaIpcError):
-            mapper.open(cuda_ipc.export_tensor(expect))  # own handle: refused clearly
+        with pytest.raises(ipc.CudaIpcError):
+            mapper.open(ipc.export_tensor(expect))  # own handle: refused clearly
     finally:
         done.set()
         child.join(30)

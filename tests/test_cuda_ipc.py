@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.demo import data
+from kvlink.gpu import copy as gpucopy
 from kvlink.hostid import host_id
 from kvlink.transport import Capabilities, Op, register_transport
 from kvlink.worker import KVWorker, WorkerConfig
-from kvlink_transports import _gpucopy
 from kvlink_transports.tcp import TcpTransport
 
 
@@ -95,7 +95,7 @@ def test_fallback_when_cuda_ipc_cannot_serve(caplog: pytest.LogCaptureFixture) -
 @given(st.integers(1, 100_000), st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 20_000),
        st.integers(1, 20_000))
 def test_piece_cuts_cover_every_extent_once(n: int, rows: int, first: int, piece: int) -> None:
-    cuts = _gpucopy.piece_cuts(n, rows, first, piece)
+    cuts = gpucopy.piece_cuts(n, rows, first, piece)
     assert cuts[-1] == n and all(a < b for a, b in zip([0, *cuts], cuts))
     assert all(c % rows == 0 for c in cuts[:-1]), "a program's rows straddle two launches"
     assert cuts[0] <= max(first, rows) + rows or cuts[0] == n  # the GPU starts early
@@ -106,8 +106,8 @@ def test_piece_cuts_cover_every_extent_once(n: int, rows: int, first: int, piece
 @given(st.integers(1, 50_000), st.integers(16, 1 << 30))
 def test_launch_shape_fills_the_gpu_and_bounds_program_work(n: int, first_len: int) -> None:
     small, large = (4, 1024, 4), (1, 8192, 16)
-    (rows, _, _), g = _gpucopy.launch_shape(n, first_len, 256 << 10, 528, small, large)
-    assert rows == (4 if first_len <= _gpucopy.SMALL else 1)
+    (rows, _, _), g = gpucopy.launch_shape(n, first_len, 256 << 10, 528, small, large)
+    assert rows == (4 if first_len <= gpucopy.SMALL else 1)
     assert 1 <= g <= 65535
     programs = -(-n // rows) * g
     # enough programs to fill the GPU, unless the extents are too short to split further
@@ -120,7 +120,7 @@ def test_launch_shape_fills_the_gpu_and_bounds_program_work(n: int, first_len: i
        st.integers(1, 20_000))
 def test_cuda_parts_fill_the_gpu_and_bound_part_size(n: int, first_len: int, chunk: int,
                                                      min_parts: int) -> None:
-    g = _gpucopy.parts_per_extent(n, first_len, chunk, min_parts)
+    g = gpucopy.parts_per_extent(n, first_len, chunk, min_parts)
     assert g >= 1
     assert -(-first_len // g) <= chunk  # parts of at most chunk bytes
     # enough parts to fill the GPU, unless parts would drop under 16 KiB
@@ -135,21 +135,21 @@ def test_copy_kernel_choice_is_checked_and_falls_back_without_nvrtc(
     import torch
 
     from kvlink.errors import ConfigError
+    from kvlink.gpu import move
     from kvlink.transport import TransportContext
-    from kvlink_transports import _cudamove
     from kvlink_transports.cuda_ipc import CudaIpcTransport
 
     with pytest.raises(ConfigError, match="'ptx'"):
         CudaIpcTransport(TransportContext(agent_name="k"), {"kernel": "ptx"})
     with pytest.raises(ConfigError, match="'ptx'"):
-        _gpucopy.BatchCopier("cuda:0", kernel="ptx")
+        gpucopy.BatchCopier("cuda:0", kernel="ptx")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible, so the CUDA C kernel builds and there is no "
                     "fallback to see; CI (no CUDA) runs this check")
-    _cudamove.load._warned = False  # type: ignore[attr-defined]
+    move.load._warned = False  # type: ignore[attr-defined]
     with caplog.at_level(logging.WARNING, logger="kvlink.cuda_ipc"):
-        assert _cudamove.load(torch.device("cuda", 0)) is None
-        assert _cudamove.load(torch.device("cuda", 0)) is None
+        assert move.load(torch.device("cuda", 0)) is None
+        assert move.load(torch.device("cuda", 0)) is None
     warned = [r for r in caplog.records if "CUDA C copy kernel unavailable" in r.getMessage()]
     assert len(warned) == 1
 
@@ -165,22 +165,22 @@ def test_pinned_records_are_recognised_only_where_the_kernel_may_read_them() -> 
 
     from kvlink.transport import EXTENT_DTYPE
 
-    known = len(_gpucopy._HOST_EXTENTS)
-    ext = _gpucopy.adopt_host_extents(np.zeros(16 * 12, np.uint8), 10)  # bytes stand in for
+    known = len(gpucopy._HOST_EXTENTS)
+    ext = gpucopy.adopt_host_extents(np.zeros(16 * 12, np.uint8), 10)  # bytes stand in for
     assert ext.shape == (10,) and ext.dtype == EXTENT_DTYPE           # pinned ones here
     at = int(ext.ctypes.data)
-    assert _gpucopy._pinned_address(ext) == at
-    assert _gpucopy._pinned_address(ext[3:7]) == at + 3 * 16
-    assert _gpucopy._pinned_address(ext[::2]) == 0
-    assert _gpucopy._pinned_address(ext.copy()) == 0
-    assert _gpucopy._pinned_address(np.empty(10, EXTENT_DTYPE)) == 0
+    assert gpucopy._pinned_address(ext) == at
+    assert gpucopy._pinned_address(ext[3:7]) == at + 3 * 16
+    assert gpucopy._pinned_address(ext[::2]) == 0
+    assert gpucopy._pinned_address(ext.copy()) == 0
+    assert gpucopy._pinned_address(np.empty(10, EXTENT_DTYPE)) == 0
     view = ext[2:]
     del ext
     gc.collect()
-    assert _gpucopy._pinned_address(view) == at + 2 * 16  # the view keeps the memory alive
+    assert gpucopy._pinned_address(view) == at + 2 * 16  # the view keeps the memory alive
     del view
     gc.collect()
-    assert len(_gpucopy._HOST_EXTENTS) == known and at not in _gpucopy._HOST_ADDRESS.values()
+    assert len(gpucopy._HOST_EXTENTS) == known and at not in gpucopy._HOST_ADDRESS.values()
 
 
 def test_copy_kernel_in_the_triton_interpreter() -> None:
@@ -240,7 +240,7 @@ class _FakeEvent:
 
 
 class _FakeCopy:
-    """What _gpucopy.Pending offers the transport."""
+    """What kvlink.gpu.copy.Pending offers the transport."""
 
     def __init__(self, args: tuple[object, ...], after: object) -> None:
         self.args, self.after = args, after
@@ -277,7 +277,7 @@ class _FakeCopier:
 
 
 class _FakeMapper:
-    """Counts references per (pid, handle bytes) like cuda_ipc.IpcMapper; unmaps at zero."""
+    """Counts references per (pid, handle bytes) like kvlink.gpu.ipc.IpcMapper; unmaps at zero."""
 
     def __init__(self) -> None:
         self.refs: dict[tuple[int, bytes], int] = {}
@@ -321,14 +321,14 @@ def _fake_transport(monkeypatch: pytest.MonkeyPatch, **options: object) -> Any:
     t._mapper = _FakeMapper()
     t._table = RegionTable([Region(0x1000, 1 << 20, "cuda:0")])
     t._local_map = "local-map"
-    monkeypatch.setattr(_gpucopy, "RegionMap", _FakeMap)
+    monkeypatch.setattr(gpucopy, "RegionMap", _FakeMap)
     return t
 
 
 def _desc(pid: int, handle: bytes = b"h" * 64) -> bytes:
     import msgspec
 
-    from kvlink.cuda_ipc import IpcHandle
+    from kvlink.gpu.ipc import IpcHandle
     from kvlink_transports import cuda_ipc as mod
 
     h = IpcHandle(handle, 0, 1 << 20, pid, 0)
@@ -568,7 +568,7 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
 
     from kvlink.transport import make_extents
 
-    cp: Any = object.__new__(_gpucopy.BatchCopier)
+    cp: Any = object.__new__(gpucopy.BatchCopier)
     cp.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_FakeEvent))
     order: list[object] = []
     cp._lock, cp._events = threading.Lock(), []
@@ -598,12 +598,12 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
 
 
 def test_stream_order_waits_only_for_pending_work() -> None:
-    """_cudamove.StreamOrder through a fake driver: an idle stream (query 0) enqueues nothing;
+    """kvlink.gpu.move.StreamOrder through a fake driver: an idle stream (query 0) enqueues nothing;
     a busy one (CUDA_ERROR_NOT_READY) gets one event, recorded on it and waited on by the copy's
     stream, reused afterwards; driver errors raise (the post then fails, nothing enqueued)."""
     import types
 
-    from kvlink_transports import _cudamove
+    from kvlink.gpu import move
 
     calls: list[tuple[object, ...]] = []
     query = {"rc": 0}
@@ -614,7 +614,7 @@ def test_stream_order_waits_only_for_pending_work() -> None:
             return int(rc() if callable(rc) else rc)
         return call
 
-    so: Any = object.__new__(_cudamove.StreamOrder)
+    so: Any = object.__new__(move.StreamOrder)
     so._event = None
     so._lib = types.SimpleNamespace(cuStreamQuery=fn("query", lambda: query["rc"]),
                                     cuEventCreate=fn("create"), cuEventRecord=fn("record"),
@@ -638,7 +638,7 @@ def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.Mon
     import ctypes
     import types
 
-    from kvlink import cuda_ipc
+    from kvlink.gpu import ipc
 
     opened: list[bytes] = []
     closed: list[int] = []
@@ -649,13 +649,13 @@ def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.Mon
         return 0
 
     drv = types.SimpleNamespace(cuIpcOpenMemHandle=open_handle, check=lambda rc, what: None)
-    monkeypatch.setattr(cuda_ipc, "driver", lambda: drv)
-    monkeypatch.setattr(cuda_ipc, "ensure_context", lambda device: None)
-    monkeypatch.setattr(cuda_ipc, "_close_base", lambda base, device: closed.append(base))
-    m = cuda_ipc.IpcMapper(0)
-    a1 = cuda_ipc.IpcHandle(b"x" * 64, 16, 64, 100, 0)
-    a2 = cuda_ipc.IpcHandle(b"x" * 64, 32, 64, 100, 0)  # same allocation, another pointer
-    b = cuda_ipc.IpcHandle(b"x" * 64, 16, 64, 200, 0)  # another exporter
+    monkeypatch.setattr(ipc, "driver", lambda: drv)
+    monkeypatch.setattr(ipc, "ensure_context", lambda device: None)
+    monkeypatch.setattr(ipc, "_close_base", lambda base, device: closed.append(base))
+    m = ipc.IpcMapper(0)
+    a1 = ipc.IpcHandle(b"x" * 64, 16, 64, 100, 0)
+    a2 = ipc.IpcHandle(b"x" * 64, 32, 64, 100, 0)  # same allocation, another pointer
+    b = ipc.IpcHandle(b"x" * 64, 16, 64, 200, 0)  # another exporter
     assert m.open(a1) == 0x5000 + 16 and m.open(a2) == 0x5000 + 32
     assert m.open(b) == 0xA000 + 16
     assert len(opened) == 2 and m.refs(a1) == 2 and m.refs(b) == 1

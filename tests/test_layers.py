@@ -17,14 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: dict[str, int] = {
     # 0: leaves — errors, facts about the host, state machines without I/O
     "kvlink": 0, "kvlink.errors": 0, "kvlink.hostid": 0, "kvlink.sockets": 0,
-    "kvlink.holdboard": 0, "kvlink.scheduler": 0, "kvlink.options": 0, "kvlink.localkey": 0,
-    "kvlink.cuda_ipc": 0, "kvlink.integrity_cuda": 0,
+    "kvlink.holdboard": 0, "kvlink.leases": 0, "kvlink.options": 0, "kvlink.localkey": 0,
+    "kvlink.integrity_cuda": 0,
     # 1: the transport contract's types (regions, extents, runs)
     "kvlink.transport": 1,
     # 2: the model: what bytes go where
     "kvlink.headmap": 2, "kvlink.layout": 2, "kvlink.compat": 2,
-    # 3: planning, the wire, capabilities, raw host memory
+    # 3: planning, the wire, capabilities, raw host memory; the shared GPU machinery over the
+    # contract's extents (CUDA IPC handles, the batched device copy and its kernels), used by the
+    # cuda_ipc plugin, host staging and the all-reduce
     "kvlink.plan": 3, "kvlink.wire": 3, "kvlink.grants": 3, "kvlink.hostmem": 3,
+    "kvlink.gpu": 3, "kvlink.gpu.ipc": 3, "kvlink.gpu.move": 3, "kvlink.gpu.kernels": 3,
+    "kvlink.gpu.copy": 3,
     # 4: what the wire carries about ownership and integrity; the side channel
     "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
     "kvlink.sidechannel.framing": 4, "kvlink.sidechannel.auth": 4,
@@ -35,9 +39,7 @@ LAYERS: dict[str, int] = {
     "kvlink.staging": 6,
     # 7: plugins (the transport contract's implementations and their machinery); the order
     # inside a plugin package is PACKAGES'
-    "kvlink_transports": 7, "kvlink_transports._cudamove": 7,
-    "kvlink_transports._gpukernels": 7, "kvlink_transports._gpucopy": 7,
-    "kvlink_transports.cuda_ipc": 7,
+    "kvlink_transports": 7, "kvlink_transports.cuda_ipc": 7,
     "kvlink_transports._ucx": 7, "kvlink_transports._ucx.info": 7,
     "kvlink_transports._ucx.env": 7, "kvlink_transports._ucx.measure": 7,
     "kvlink_transports._ucx.connections": 7, "kvlink_transports._ucx.__main__": 7,
@@ -97,11 +99,7 @@ PACKAGES: dict[str, tuple[str, ...]] = {
 }
 
 #: (importer, imported) -> why the edge is still there
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("kvlink.staging", "kvlink_transports._gpucopy"):
-        "host staging copies device memory with cuda_ipc's batched copier; the copier belongs "
-        "in shared GPU machinery below both",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: plugin modules tools may reach directly (their probes), until the contract exposes them
 TOOL_PROBES = {"kvlink_transports._ucx"}
 

@@ -20,7 +20,7 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import AuthError, KVLinkError
 from kvlink.grants import read_ticket
 from kvlink.hostid import host_id
-from kvlink.scheduler import BlockLeases
+from kvlink.leases import BlockLeases
 from kvlink.transport import Op, TransportContext, XferStatus, create_transport, make_extents
 from kvlink.worker import KVWorker
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlink.scheduler import BlockLeases, Grant, Refused
+from kvlink.leases import BlockLeases, Grant, Refused
 
 
 class Clock:

@@ -27,16 +27,19 @@ Buffer layout (bytes)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from kvlink import cuda_ipc
 from kvlink.allreduce._dist import agree, all_gather_obj
 from kvlink.allreduce.config import FLAG_BLOCKS, MAX_WORLD
 from kvlink.errors import AllReduceError
+from kvlink.gpu import ipc
+from kvlink.gpu.ipc import CudaIpcError
 
 log = logging.getLogger("kvlink.allreduce")
 
@@ -45,6 +48,16 @@ END_FLAGS_OFFSET = FLAGS_BYTES
 COUNTERS_OFFSET = 2 * FLAGS_BYTES
 DATA_OFFSET = 16384
 assert COUNTERS_OFFSET + FLAG_BLOCKS * 4 <= DATA_OFFSET
+
+
+@contextlib.contextmanager
+def _as_allreduce_error() -> Iterator[None]:
+    """A CUDA IPC failure leaves the all-reduce as an ``AllReduceError`` (same message, the
+    ``CudaIpcError`` as its cause): what the all-reduce's callers catch."""
+    try:
+        yield
+    except CudaIpcError as exc:
+        raise AllReduceError(str(exc)) from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +86,7 @@ class IpcBuffers:
         self.device = device
         self.capacity = capacity
         self.total = DATA_OFFSET + 2 * capacity
-        self.mapper = cuda_ipc.IpcMapper(device)
+        self.mapper = ipc.IpcMapper(device)
         self._own_ptr = 0
         self._closed = False
         dev = torch.device("cuda", device)
@@ -81,13 +94,13 @@ class IpcBuffers:
         problem = ""
         record = b""
         try:
-            cuda_ipc.ensure_context(device)
-            self._own_ptr = cuda_ipc.mem_alloc(self.total)
-            self.own = cuda_ipc.tensor_from_pointer(self._own_ptr, self.total, device)
+            ipc.ensure_context(device)
+            self._own_ptr = ipc.mem_alloc(self.total)
+            self.own = ipc.tensor_from_pointer(self._own_ptr, self.total, device)
             self.own[:DATA_OFFSET].zero_()
             torch.cuda.synchronize(dev)
-            record = cuda_ipc.export_pointer(self._own_ptr, self.total, device).to_bytes()
-        except (AllReduceError, RuntimeError) as exc:
+            record = ipc.export_pointer(self._own_ptr, self.total, device).to_bytes()
+        except (AllReduceError, CudaIpcError, RuntimeError) as exc:
             problem = f"buffer allocation/export failed: {exc}"
         verdict = agree(not problem, problem, group)
         if verdict is not None:
@@ -101,8 +114,8 @@ class IpcBuffers:
                 if peer == rank:
                     bases.append(self._own_ptr)
                 else:
-                    bases.append(self.mapper.open(cuda_ipc.IpcHandle.from_bytes(rec)))
-        except AllReduceError as exc:
+                    bases.append(self.mapper.open(ipc.IpcHandle.from_bytes(rec)))
+        except (AllReduceError, CudaIpcError) as exc:
             problem = f"opening a peer's IPC buffer failed: {exc}"
         verdict = agree(not problem, problem, group)
         if verdict is not None:
@@ -122,7 +135,7 @@ class IpcBuffers:
         self.graph_table = torch.zeros((max_graph_slots, world), dtype=torch.int64, device=dev)
         self._graph_inputs: list[_GraphInput] = []
         self._registered = 0
-        self._graph_handles: list[cuda_ipc.IpcHandle] = []
+        self._graph_handles: list[ipc.IpcHandle] = []
         torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -161,9 +174,9 @@ class IpcBuffers:
                     mine.append(None)
                 else:
                     mine.append(
-                        cuda_ipc.export_pointer(item.ptr, item.nbytes, self.device).to_bytes()
+                        ipc.export_pointer(item.ptr, item.nbytes, self.device).to_bytes()
                     )
-        except AllReduceError as exc:
+        except (AllReduceError, CudaIpcError) as exc:
             problem = f"cannot export a captured input: {exc}"
         everyone = all_gather_obj((problem, mine), group)
         for peer, (peer_problem, peer_rows) in enumerate(everyone):
@@ -176,20 +189,21 @@ class IpcBuffers:
                     f"registration: {counts} (every rank must capture the same sequence)"
                 )
         rows: list[list[int]] = []
-        for k, item in enumerate(new):
-            row: list[int] = []
-            for peer in range(self.world):
-                if peer == self.rank:
-                    row.append(self.staging_addrs[peer] if item.staged else item.ptr)
-                    continue
-                rec = everyone[peer][1][k]
-                if rec is None:
-                    row.append(self.staging_addrs[peer])
-                else:
-                    handle = cuda_ipc.IpcHandle.from_bytes(rec)
-                    row.append(self.mapper.open(handle))
-                    self._graph_handles.append(handle)
-            rows.append(row)
+        with _as_allreduce_error():
+            for k, item in enumerate(new):
+                row: list[int] = []
+                for peer in range(self.world):
+                    if peer == self.rank:
+                        row.append(self.staging_addrs[peer] if item.staged else item.ptr)
+                        continue
+                    rec = everyone[peer][1][k]
+                    if rec is None:
+                        row.append(self.staging_addrs[peer])
+                    else:
+                        handle = ipc.IpcHandle.from_bytes(rec)
+                        row.append(self.mapper.open(handle))
+                        self._graph_handles.append(handle)
+                rows.append(row)
         if rows:
             lo = self._registered
             host = torch.tensor(rows, dtype=torch.int64)
@@ -204,12 +218,13 @@ class IpcBuffers:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.mapper.close_all()
-        finally:
-            if self._own_ptr:
-                self.__dict__.pop("own", None)
-                self.__dict__.pop("counters", None)
-                self.__dict__.pop("staging", None)
-                cuda_ipc.mem_free(self._own_ptr)
-                self._own_ptr = 0
+        with _as_allreduce_error():
+            try:
+                self.mapper.close_all()
+            finally:
+                if self._own_ptr:
+                    self.__dict__.pop("own", None)
+                    self.__dict__.pop("counters", None)
+                    self.__dict__.pop("staging", None)
+                    ipc.mem_free(self._own_ptr)
+                    self._own_ptr = 0

@@ -21,7 +21,7 @@ from kvlink import wire
 from kvlink.demo import data
 from kvlink.errors import KVLinkError, TransferRefused
 from kvlink.headmap import push_targets
-from kvlink.scheduler import new_generation
+from kvlink.leases import new_generation
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
 log = logging.getLogger("kvlink.demo")

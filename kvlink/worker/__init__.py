@@ -10,7 +10,7 @@ loop starves nothing the request waits for.
 Block ownership (the invariant: a block is reused only when no peer can still touch it):
 
 - **Pull, validate after read.** A producer holds a request's blocks in :attr:`KVWorker.leases`
-  (:class:`kvlink.scheduler.BlockLeases`). A reader told the hold's generation (with the block
+  (:class:`kvlink.leases.BlockLeases`). A reader told the hold's generation (with the block
   ids, as a router passes them) posts its READ at once and reports ``ReadDone`` (generation,
   block ids) after: intact only if that generation still holds those blocks, which — the
   generation minted before any reader knew it — means held for the whole READ. Otherwise the

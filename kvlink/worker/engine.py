@@ -32,9 +32,9 @@ from kvlink.holdboard import HoldBoard
 from kvlink.hostid import host_id
 from kvlink.integrity import Checker, Level, Planes, spec_planes
 from kvlink.layout import KVCacheSpec
+from kvlink.leases import BlockLeases
 from kvlink.peers import PeerTable
 from kvlink.push import PushSlots
-from kvlink.scheduler import BlockLeases
 from kvlink.transport import Transport, TransportContext, TransportStats, create_transport
 from kvlink.worker.config import WorkerConfig
 from kvlink.worker.decode_push import _DecodePush

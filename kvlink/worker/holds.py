@@ -1,6 +1,6 @@
 """Producer side of a pull: holds under leases, grants over them, answers to their readers.
 
-:meth:`_Holds.hold` puts a request's blocks under a lease (:class:`kvlink.scheduler.BlockLeases`)
+:meth:`_Holds.hold` puts a request's blocks under a lease (:class:`kvlink.leases.BlockLeases`)
 with a fresh generation, grants READ over exactly those blocks where a transport enforces it
 (:mod:`kvlink.grants`), fixes the integrity digests and publishes the hold on the hold board;
 the lease's end (read, expired, aborted) withdraws all of that again (:meth:`_Holds._revoke_hold`).
@@ -23,7 +23,7 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.grants import block_extents, read_ticket
 from kvlink.headmap import notify_targets
 from kvlink.integrity import Checker
-from kvlink.scheduler import BlockLeases, Grant, Refusal, Refused, Released, new_generation
+from kvlink.leases import BlockLeases, Grant, Refusal, Refused, Released, new_generation
 from kvlink.transport import Op, Transport
 from kvlink.worker.peering import _Peering
 

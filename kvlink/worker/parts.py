@@ -26,9 +26,9 @@ from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.holdboard import fingerprint
 from kvlink.layout import KVCacheSpec
+from kvlink.leases import Refusal
 from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushSlots
-from kvlink.scheduler import Refusal
 from kvlink.transport import Op, Runs, XferStatus
 from kvlink.worker.holds import _Holds
 from kvlink.worker.records import Transfer, _Go, _Part, _Request

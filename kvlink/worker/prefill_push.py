@@ -24,9 +24,9 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError, KVLinkError, TransferCancelled, TransferRefused
 from kvlink.headmap import push_targets
+from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey, push_key
-from kvlink.scheduler import Grant
 from kvlink.transport import Op
 from kvlink.worker.records import _NOTES_KEPT, _Layered, _push_rid, _Request
 from kvlink.worker.requests import _Requests

@@ -40,7 +40,7 @@ from kvlink.integrations.vllm.metadata import (
     registration_generation,
     size_refusal,
 )
-from kvlink.scheduler import new_generation
+from kvlink.leases import new_generation
 from kvlink.sidechannel import secret_from_env
 
 log = logging.getLogger("kvlink.vllm")

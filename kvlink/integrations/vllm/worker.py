@@ -3,7 +3,7 @@
 No vLLM import; never decides policy (the scheduler's plan says which requests to hold, pull or
 have pushed), and owns no block-ownership rules of its own: holds, read grants, validate after
 read, push cancel and ack all live in :class:`kvlink.worker.KVWorker` and
-:class:`kvlink.scheduler.BlockLeases` (see their docstrings). What is left here is vLLM's side:
+:class:`kvlink.leases.BlockLeases` (see their docstrings). What is left here is vLLM's side:
 
 Producer (prefill) rank: holds each finished request's (kernel) blocks with ``KVWorker.hold``,
 reports "finished sending" when the core releases it (every reader done, lease expired,

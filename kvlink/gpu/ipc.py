@@ -6,7 +6,8 @@ name and location vary by wheel), and it alone answers "which allocation contain
 allocation: we export ``(handle of the allocation, offset of the pointer in it)``.
 
 Used by the TP all-reduce (``kvlink.allreduce``) for its shared buffers and for CUDA-graph input
-registration, and meant for a same-host ``cuda_ipc`` KV transport. Rules that callers must know:
+registration, and by the same-host ``cuda_ipc`` KV transport (``kvlink_transports.cuda_ipc``) for
+the peers' KV caches. Rules that callers must know:
 
 * A handle cannot be opened in the process that exported it (CUDA refuses); use the pointer.
   Processes on the *same* device can open each other's handles.
@@ -27,14 +28,17 @@ import struct
 import threading
 from typing import Any
 
-from kvlink.errors import AllReduceError
+from kvlink.errors import KVLinkError
 
 IPC_HANDLE_BYTES = 64
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 
 
-class CudaIpcError(AllReduceError):
-    """A CUDA driver call for IPC failed (names the call, the error and the pointer)."""
+class CudaIpcError(KVLinkError):
+    """A CUDA driver call for IPC failed (names the call, the error and the pointer).
+
+    Not an ``AllReduceError``: the all-reduce and the ``cuda_ipc`` transport both use this
+    module, and each turns the failure into its own error where it must."""
 
 
 class _IpcMemHandle(ctypes.Structure):

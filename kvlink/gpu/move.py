@@ -1,6 +1,6 @@
 """The batched device copy's kernel in CUDA C, compiled at first use by NVRTC (through torch).
 
-It does what the Triton kernel (_gpukernels.move) does — read extent records, check each
+It does what the Triton kernel (kvlink.gpu.kernels.move) does — read extent records, check each
 extent against the registered regions of its side and the pairing of lengths, translate
 addresses through the region maps, copy — and is that kernel's replacement wherever NVRTC
 works; Triton stays as the fallback and as the reference that CI runs under Triton's
@@ -113,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
 """
 
 #: (threads a block, threads per extent part, 16-byte vectors in flight per thread), from the
-#: probe's sweep: small extents (<= _gpucopy.SMALL) four parts to a 256-thread block, long ones
+#: probe's sweep: small extents (<= copy.SMALL) four parts to a 256-thread block, long ones
 #: one 64 KiB part to a 1024-thread block
 SMALL_SHAPE = (256, 64, 4)
 LARGE_SHAPE = (1024, 1024, 2)
@@ -169,7 +169,7 @@ class CudaMove:
 
     def launch(self, shape: tuple[int, int, int], parts: int, args: tuple[int, ...],
                stream: int, runs: bool = False) -> None:
-        """kv_move over ``parts`` extent parts; args as _gpukernels.move takes them (``runs``:
+        """kv_move over ``parts`` extent parts; args as kernels.move takes them (``runs``:
         kv_move_runs, args (table, segments, runs, maps..., status, seq, parts per extent))."""
         t, tp, _ = shape
         self._vals[:] = list(args)

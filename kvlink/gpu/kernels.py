@@ -1,4 +1,4 @@
-"""Triton kernel of the batched device copy (imported only where Triton is; see _gpucopy).
+"""Triton kernel of the batched device copy (imported only where Triton is; see kvlink.gpu.copy).
 
 One launch per piece of a request. Program (r, g) owns extent rows [r*E, r*E + E) and part g
 of G of each of them. It reads the caller's extent records straight from pinned host memory

@@ -3,15 +3,15 @@
 A request is thousands of small extents (a 4k-token Llama-70B request is 20480 blocks of 8 KiB);
 one ``cudaMemcpyAsync`` each would spend more time launching than copying, and any per-extent
 numpy work on the host shows up directly in the request's latency. So the host does as little as
-possible: one kernel (_gpukernels.move) reads the extent records from pinned host memory, checks
+possible: one kernel (kernels.move) reads the extent records from pinned host memory, checks
 and translates them, and moves the bytes. Records the caller built in pinned memory
 (``host_extents``: the planner writes a request's extents there) are read in place, so a post is
 one launch whatever its size. Records in pageable memory are first copied into a pinned buffer,
 in pieces, so the GPU starts on the first piece while the host is still copying the next. Where a
 program moves long extents (tens of kilobytes each), the records are first copied to the device
 (a few kilobytes: one record per long extent), since a program's first load from host memory
-waits a PCIe round trip. The kernel is CUDA C compiled by NVRTC (_cudamove) where that works,
-else the Triton one (_gpukernels). An
+waits a PCIe round trip. The kernel is CUDA C compiled by NVRTC (kvlink.gpu.move) where that works,
+else the Triton one (kvlink.gpu.kernels). An
 invalid extent fails the post and is never touched, though other extents of the post may already
 have been copied (a FAILED transfer leaves its destination undefined, as one cut short by a dead
 peer does).
@@ -34,10 +34,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
+from kvlink.gpu import move
 from kvlink.transport import Extents
-from kvlink_transports import _cudamove
 
-CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: _cudamove.CHUNK)
+CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: move.CHUNK)
 PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
 FIRST = 4096  # extents of the first launch
 SMALL = 64 << 10  # extents up to this size go several to a program
@@ -97,9 +97,9 @@ class _Kernel:
             return
         import torch
 
-        from kvlink_transports import _gpukernels
+        from kvlink.gpu import kernels
 
-        fn = getattr(_gpukernels, self.name)
+        fn = getattr(kernels, self.name)
         names = fn.arg_names[len(args):]  # the constexprs, last in the signature
         with torch.cuda.stream(stream):
             compiled = fn[grid](*args, **dict(zip(names, consts)), num_warps=warps)
@@ -271,12 +271,12 @@ class BatchCopier:
         self.device = torch.device(device)
         self._cuda = None
         if kernel == "cuda":
-            self._cuda = _cudamove.CudaMove(self.device)
+            self._cuda = move.CudaMove(self.device)
         elif kernel == "auto":
-            self._cuda = _cudamove.load(self.device)
+            self._cuda = move.load(self.device)
         self.kernel = "cuda" if self._cuda is not None else "triton"
         if chunk is None:
-            chunk = _cudamove.CHUNK if self._cuda is not None else CHUNK
+            chunk = move.CHUNK if self._cuda is not None else CHUNK
         self.chunk = max(4096, int(chunk))
         self.piece = max(1, int(piece))
         self.first = max(1, int(first))
@@ -298,7 +298,7 @@ class BatchCopier:
         self._onboard: dict[int, list[Any]] = collections.defaultdict(list)  # device records
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
-        self._order: _cudamove.StreamOrder | None = None  # copies after a caller's stream
+        self._order: move.StreamOrder | None = None  # copies after a caller's stream
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -398,7 +398,7 @@ class BatchCopier:
                 # the caller's pending work on `after` first: a wait on the device, no host
                 # sync, skipped where `after` has nothing pending
                 if self._order is None:
-                    self._order = _cudamove.StreamOrder()
+                    self._order = move.StreamOrder()
                 self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []  # our buffers the launches read, for the error path
             try:
@@ -426,7 +426,7 @@ class BatchCopier:
         with self._lock:
             if after is not None and after != stream.cuda_stream:
                 if self._order is None:
-                    self._order = _cudamove.StreamOrder()
+                    self._order = move.StreamOrder()
                 self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []
             try:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-log = logging.getLogger("kvlink.scheduler")
+log = logging.getLogger("kvlink.scheduler")  # the module's old name: log settings keep working
 
 _REMEMBERED = 100_000  # released request ids kept to tell "released" from "not held yet"
 
