@@ -94,12 +94,3 @@ def run(url: str, interval: float = 0.0, nic_gbit: float = 400.0,
         print(f"baseline   {base[0]:8.2f} GB/s ({base[1]}, {baseline}) -> "
               f"{100 * res['gbps'] / base[0]:.0f} %")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``kvlink probe`` with these arguments (the options live in :mod:`kvlink.cli`)."""
-    import sys
-
-    from kvlink.cli import main as cli_main
-
-    return cli_main(["probe", *(sys.argv[1:] if argv is None else argv)])

@@ -10,7 +10,8 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client absent")
 
-from kvlink.probe import achieved, main, parse_metrics, scrape  # noqa: E402
+from kvlink.cli import main  # noqa: E402
+from kvlink.probe import achieved, parse_metrics, scrape  # noqa: E402
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def test_probe_reads_kvlink_series(server: tuple[str, object, object],
     secs.labels("0").observe(0.5)  # type: ignore[attr-defined]
     window = achieved(before, scrape(url))
     assert window["gbps"] == pytest.approx(2.0) and window["pulls"] == 1
-    assert main([url, "--nic-gbit", "400", "--baseline", "/nonexistent.json"]) == 0
+    assert main(["probe", url, "--nic-gbit", "400", "--baseline", "/nonexistent.json"]) == 0
     out = capsys.readouterr().out
     assert "achieved" in out and "NIC" in out and "missing" in out
 

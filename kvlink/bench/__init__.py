@@ -40,8 +40,6 @@ table, the JSON and the PNG: :mod:`kvlink.bench.report`.
 
 from __future__ import annotations
 
-import sys
-
 from kvlink.bench.client import SIZES, BenchPeer, SweepConfig, run_sweep
 from kvlink.bench.facts import MiB, machine, versions
 from kvlink.bench.report import COLUMNS, plot, run_and_write, table
@@ -49,12 +47,5 @@ from kvlink.bench.server import check_bind, local_server, run_server, serve
 from kvlink.bench.wire import DEFAULT_PORT, PROTOCOL
 
 __all__ = ["COLUMNS", "DEFAULT_PORT", "PROTOCOL", "SIZES", "BenchPeer", "MiB", "SweepConfig",
-           "check_bind", "local_server", "machine", "main", "plot", "run_and_write",
+           "check_bind", "local_server", "machine", "plot", "run_and_write",
            "run_server", "run_sweep", "serve", "table", "versions"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``kvlink bench`` with these arguments (the options live in :mod:`kvlink.cli`)."""
-    from kvlink.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
