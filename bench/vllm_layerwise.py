@@ -25,7 +25,6 @@ bench/results/vllm_layerwise_cpu.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -38,15 +37,9 @@ from _common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples" / "vllm_pd"))
 
-
-def _launch() -> Any:
-    spec = importlib.util.spec_from_file_location("kvlink_pd_launch",
-                                                  ROOT / "examples" / "vllm_pd" / "launch.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import launch as pd  # noqa: E402  (examples/vllm_pd/launch.py, as bench/vllm_pd.py takes it)
 
 
 def main() -> None:
@@ -63,7 +56,6 @@ def main() -> None:
 
     from kvlink.demo.run import free_port_range
 
-    pd = _launch()
     work = Path(tempfile.mkdtemp(prefix="kvlink-lw-bench-"))
     model = str(build_tiny_llama(work / "model", layers=args.layers, hidden=args.hidden,
                                  heads=8, kv_heads=4))

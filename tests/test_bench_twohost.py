@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from procgroup import kill_group
 
 from kvlink.bench import wire
 from kvlink.errors import WireError, WireVersionError
@@ -105,14 +106,7 @@ def _serving(*args: str, env: dict[str, str] | None = None,
         assert not _port_free(port)
         yield proc, port, out
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        for f in (proc.stdout, proc.stderr):
-            if f is not None:
-                f.close()
+        kill_group(proc)
 
 
 @pytest.fixture

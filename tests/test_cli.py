@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 import pytest
+from procgroup import kill_group
 
 from kvlink.demo.run import free_port_range
 
@@ -277,14 +278,7 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
         assert not _port_free(port) and not _port_free(port + 1)
         yield proc, port
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        proc.stdout.close()
-        assert proc.stderr is not None
-        proc.stderr.close()
+        kill_group(proc)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
