@@ -104,8 +104,10 @@ def main() -> None:
             "kvlink_layerwise_late_requests")}
         times: dict[str, list[float]] = {f: [] for f in ("single", "pull", "push", "layerwise")}
         mismatches = 0
+        flows = list(times)
         for i in range(args.requests):  # a fresh prompt each: no prefix-cache hit anywhere
-            for k, flow in enumerate(times):
+            for k in range(len(flows)):  # the order rotates: each flow follows each other one
+                flow = flows[(i + k) % len(flows)]  # (what one leaves running costs the next)
                 times[flow].append(ttft(urls[flow], prompt(4 * i + k))[0])
         for i in range(min(4, args.requests)):  # correctness: one prompt through every flow
             want = ttft(urls["single"], prompt(50_000 + i))[1]
