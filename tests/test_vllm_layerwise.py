@@ -283,7 +283,7 @@ def test_scheduler_stops_waiting_and_an_aborted_candidate_is_held_back() -> None
     try:
         req = _keyed("r1", 100)
         assert s.num_new_matched_tokens(req, 0) == (None, False)
-        time.sleep(0.06)
+        time.sleep(0.06)  # the behaviour under test: layerwise_wait_ms (50) runs out, in real time
         assert s.num_new_matched_tokens(req, 0) == (0, False)  # no more waiting
         assert s.num_new_matched_tokens(req, 0) == (0, False)
         assert s.take_counters() == {"layerwise_late_requests": 1}
@@ -490,8 +490,8 @@ def test_layerwise_push_equals_single_instance(lw_pair: Pair) -> None:
     out: dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.update(
         pd.pd_proxy.post_json(c.url("D"), "/v1/completions", dec)))
-    t.start()
-    time.sleep(0.2)  # decode first
+    t.start()  # decode first; if the prefill's request overtakes it, the prefill's scheduler
+    # waits for the decode's ids (layerwise_wait_ms 10 s here): no sleep needed for the order
     pd.pd_proxy.post_json(c.url("P"), "/v1/completions", pre)
     t.join(120)
     wrong = out["choices"][0]["token_ids"]
