@@ -146,7 +146,7 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                                    for li in range(geo["layers"])])
                 got = m.i16[:, :, lids.to(device)]
                 bad = int((got != exp).sum().item())
-                rep_q.put(("done", req, t_done, bad))
+                rep_q.put(("done", req, t_done, bad, w.board_landed))
                 break
     w.close()
 
@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": []}
         for k in ("none", "whole", "layered")}
     host: dict[str, float] = {}
+    board_landed: dict[str, int] = {}  # the decode's count after each mode's last request
     req_no = 0
 
     def forward(push_layer: Any) -> tuple[float, float]:
@@ -258,7 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad = got
+            _, _, t_done, bad, on_board = got
+            board_landed[mode] = on_board
             for _ in range(100):
                 w.poll()
                 if not w.pending():
@@ -289,6 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "forward_slowdown_whole": med["whole"]["forward"] / base - 1,
         "exposed_layered_over_whole": med["layered"]["exposed"] / med["whole"]["exposed"],
         "mismatches": int(sum(sum(d["bad"]) for d in out.values())),
+        # pushes the decode saw end on its landing board (kvlink.landing), not by note:
+        # cumulative, as it stood after each mode's last request
+        "decode_board_landed": board_landed,
         "goals": {"exposed <= 1.5x one layer's transfer":
                   med["layered"]["exposed"] / per_layer <= 1.5,
                   "forward slowed <= 5 %": med["layered"]["forward"] / base - 1 <= 0.05},

@@ -212,6 +212,8 @@ class BoardView:
 
     def holds(self, generation: int, fp: int) -> bool:
         """Whether ``generation`` is shown held over the blocks fingerprinted ``fp``."""
+        if self._fd < 0:
+            return False
         slot = self._slots[generation & (SLOTS - 1)]
         return int(slot[0]) == generation and int(slot[1]) == fp
 
@@ -226,6 +228,18 @@ class BoardView:
             return False
         fcntl.flock(self._fd, fcntl.LOCK_UN)  # we got it: nobody holds it any more
         return False
+
+    def close(self) -> None:
+        """Drop the mapping and the descriptor (after-checks fail from here on)."""
+        if self._fd < 0:
+            return
+        self._slots = np.zeros((0, 2), dtype=np.uint64)
+        try:
+            self._map.close()
+        except BufferError:  # a view still exported: the mapping goes with the object
+            pass
+        os.close(self._fd)
+        self._fd = -1
 
     def still_holds(self, generation: int, fp: int) -> bool:
         """The after-check: the producer is alive and the hold is still shown. Alive first: a

@@ -221,6 +221,16 @@ class Notification(_Msg, tag="notify", frozen=True):
             raise ValueError(f"layer_from {self.layer_from} > layer_to {self.layer_to}")
 
 
+class LandingMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where a same-host prefill signals that a push landed (:mod:`kvlink.landing`): the
+    decode's landing board, and the slot it took for this push and prefill rank."""
+
+    name: Annotated[str, msgspec.Meta(max_length=MAX_TAG_LEN, pattern=r"^[a-z0-9-]+\Z")]
+    token: Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE_BYTES)]
+    slot: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    host_id: Name  # the decode's host: a prefill elsewhere ignores the offer
+
+
 class PushRequest(_Msg, tag="push", frozen=True):
     """Push mode: a decode rank asks the prefill to WRITE a request's blocks into its own.
 
@@ -239,6 +249,8 @@ class PushRequest(_Msg, tag="push", frozen=True):
     push_id: U63 = 0
     ttl_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_TTL_MS)] = 0  # 0: no time to live
     incarnation: U63 = 0  # the decode's: a prefill with older handshake state re-handshakes
+    #: the decode's landing board slot for this rank's push (None: it ends by note only)
+    landing: LandingMsg | None = None
 
     def __post_init__(self) -> None:
         _check_rank(self.tp_rank, self.tp_size)

@@ -81,6 +81,8 @@ from kvlink.wire import decode_versioned
 if TYPE_CHECKING:
     import torch
 
+    from kvlink.landing import Signal
+
 log = logging.getLogger("kvlink.cuda_ipc")
 #: copy kernels: CUDA C where NVRTC builds it, else Triton ("auto"), or one of them forced
 KERNELS = ("auto", "cuda", "triton")
@@ -180,6 +182,7 @@ class CudaIpcTransport(Transport):
         self._stream: Any = None
         self._copier: Any = None
         self._local_map: Any = None
+        self._host_maps: dict[int, int] = {}  # landing boards registered: host base -> device
 
     def register(self, regions: Sequence[Region]) -> None:
         from kvlink.gpu import ipc
@@ -349,29 +352,61 @@ class CudaIpcTransport(Transport):
                     log.warning("cuda_ipc: closing a mapping of %s failed: %s", p.name, exc)
 
     # ------------------------------------------------------------ transfers
+    @property
+    def signals(self) -> bool:
+        """Whether posts take a landing ``signal`` (kvlink.landing): the CUDA C kernel runs it
+        on the device after the copy (not the Triton fallback)."""
+        return self._copier is not None and bool(self._copier.computes_addresses)
+
+    def _device_signal(self, signal: Signal | None) -> tuple[int, int, int] | None:
+        """``signal`` as the copier takes it: its board registered with CUDA on first use (a
+        board that cannot be is left to the push's note: None)."""
+        if signal is None or not self.signals:
+            return None
+        base, nbytes = signal.region
+        dev = self._host_maps.get(base)
+        if dev is None:
+            from kvlink.gpu import ipc
+
+            try:
+                dev = ipc.host_register(base, nbytes)
+            except KVLinkError as exc:
+                log.warning("cuda_ipc: landing board not mapped (%s): pushes end by note", exc)
+                dev = 0
+            self._host_maps[base] = dev
+        return (dev + signal.offset, signal.expect, signal.value) if dev else None
+
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
         *, ticket: bytes = b"",  # not checked by the owner here (docs/security.md)
+        signal: Signal | None = None,
     ) -> int:
         """Enqueue the copy after the caller's current stream (see the module docstring);
-        never raises for peer or runtime conditions: such a post polls FAILED."""
+        never raises for peer or runtime conditions: such a post polls FAILED. ``signal``
+        (with :attr:`signals`): moved on the device once the copy has landed, unless the copy
+        refused an extent; nothing is signalled for a post that fails before its copy."""
+        sig = self._device_signal(signal)
+
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             if op is Op.READ:
                 return copier.copy(remote, target.map, local, self._local_map, self._stream,
-                                   after)
-            return copier.copy(local, self._local_map, remote, target.map, self._stream, after)
+                                   after, sig)
+            return copier.copy(local, self._local_map, remote, target.map, self._stream, after,
+                               sig)
 
         return self._post(peer, copy, local, remote, None, int(local["len"].sum()),
                           int(local.shape[0]))
 
-    def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"") -> int:
+    def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"",
+                  signal: Signal | None = None) -> int:
         """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post`
         of ``runs.expand()`` without expanding it — the kernel computes each extent's
         addresses from the segment bases and runs, so the host writes a few kilobytes instead
         of segments x runs records. Same contract as post (stream order, never raises)."""
         if self._copier is None or not self._copier.computes_addresses:
             plan = runs.expand(self.extents)
-            return self.post(op, peer, plan.local, plan.remote)
+            return self.post(op, peer, plan.local, plan.remote, signal=signal)
+        sig = self._device_signal(signal)
         ours, theirs = (runs.local_base, runs.local_at), (runs.remote_base, runs.remote_at)
         segments, count = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
 
@@ -381,7 +416,7 @@ class CudaIpcTransport(Transport):
                                         ((ours, self._local_map), (theirs, target.map)))
             table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
             return copier.copy_runs(table, segments, count, smap, dmap, self._stream, after,
-                                    runs.longest_run)
+                                    runs.longest_run, sig)
 
         return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
 
@@ -531,3 +566,13 @@ class CudaIpcTransport(Transport):
         if left:
             log.warning("cuda_ipc: closed with %d peer(s) still mapped under copies in flight",
                         left)
+        elif self._host_maps:  # no copy (nor its signal) can touch a board any more
+            from kvlink.gpu import ipc
+
+            for base, dev in self._host_maps.items():
+                if dev:
+                    try:
+                        ipc.host_unregister(base)
+                    except KVLinkError as exc:
+                        log.warning("cuda_ipc: unregistering a landing board: %s", exc)
+            self._host_maps.clear()

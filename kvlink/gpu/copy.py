@@ -299,6 +299,7 @@ class BatchCopier:
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
         self._order: move.StreamOrder | None = None  # copies after a caller's stream
+        self._signal: tuple[int, int, int] | None = None  # the post being enqueued's
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -382,13 +383,16 @@ class BatchCopier:
         return ext
 
     def copy(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
-             stream: Any, after: int | None = None) -> Pending:
+             stream: Any, after: int | None = None,
+             signal: tuple[int, int, int] | None = None) -> Pending:
         """Copy src[i] -> dst[i] for every i on ``stream``, after the work enqueued so far on
         the stream whose raw handle is ``after`` (``torch.cuda.current_stream().cuda_stream``;
         None: no such wait). Extents are checked on the device against their
         maps and translated through them; a refused one shows as ``failed()``, as does a launch
         the driver refused (``error``). Pinned records (``host_extents``) must stay unchanged
-        until the copy is done."""
+        until the copy is done. ``signal``: ``(flag, expect, value)``, a landing flag's device
+        address (kvlink.landing) moved from ``expect`` to ``value`` after the copy unless it
+        refused an extent — only with :attr:`computes_addresses`."""
         if src.shape != dst.shape:
             raise ExtentOutOfBounds(
                 f"source and destination extent counts differ: {src.shape[0]} vs {dst.shape[0]}"
@@ -401,6 +405,7 @@ class BatchCopier:
                     self._order = move.StreamOrder()
                 self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []  # our buffers the launches read, for the error path
+            self._signal = signal
             try:
                 return self._copy_locked(src, smap, dst, dmap, stream, held)
             except (RuntimeError, OSError) as exc:  # a CUDA error: what was enqueued may run
@@ -415,12 +420,14 @@ class BatchCopier:
 
     def copy_runs(self, table: npt.NDArray[np.uint64], segments: int, runs: int,
                   smap: RegionMap, dmap: RegionMap, stream: Any,
-                  after: int | None = None, longest: int = -1) -> Pending:
+                  after: int | None = None, longest: int = -1,
+                  signal: tuple[int, int, int] | None = None) -> Pending:
         """:meth:`copy` of segments x runs extents whose addresses the kernel computes:
         ``table`` is (source bases [segments], destination bases [segments], source offsets
         [runs], destination offsets [runs], lengths [runs]) as uint64 — a few kilobytes where
         the extents would be hundreds; ``longest``: the longest length, where the caller knows
-        it (-1: found in ``table``). Only with :attr:`computes_addresses`."""
+        it (-1: found in ``table``); ``signal`` as :meth:`copy` takes it. Only with
+        :attr:`computes_addresses`."""
         if self._cuda is None:
             raise ConfigError("copy_runs needs the CUDA C kernel (NVRTC)")
         with self._lock:
@@ -429,6 +436,7 @@ class BatchCopier:
                     self._order = move.StreamOrder()
                 self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []
+            self._signal = signal
             try:
                 n = segments * runs
                 if n == 0:
@@ -539,7 +547,12 @@ class BatchCopier:
 
     def _enqueue(self, stream: Any, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> Pending:
-        """Completion event after the launches; finished posts hand back their buffers."""
+        """The post's signal (if any, and only after launches that were all enqueued), then the
+        completion event — after the signal, so that the status word it reads is not handed
+        back before it ran; finished posts hand back their buffers."""
+        signal, self._signal = self._signal, None
+        if signal is not None and buf is not None and not error and self._cuda is not None:
+            self._cuda.signal(buf.ptr, seq, *signal, stream.cuda_stream)
         while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
             self._finish_locked(self._inflight.popleft())
         new_event = self.torch.cuda.Event

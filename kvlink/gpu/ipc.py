@@ -90,6 +90,13 @@ class _Driver:
             [p(_CUdeviceptr), _IpcMemHandle, ctypes.c_uint],
         )
         self.cuIpcCloseMemHandle = bind(("cuIpcCloseMemHandle",), [_CUdeviceptr])
+        self.cuMemHostRegister = bind(("cuMemHostRegister_v2", "cuMemHostRegister"),
+                                      [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
+        self.cuMemHostUnregister = bind(("cuMemHostUnregister",), [ctypes.c_void_p])
+        self.cuMemHostGetDevicePointer = bind(
+            ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+            [p(_CUdeviceptr), ctypes.c_void_p, ctypes.c_uint],
+        )
         self.check(self.cuInit(0), "cuInit")
 
     def error_string(self, code: int) -> str:
@@ -161,6 +168,30 @@ def allocation_range(ptr: int) -> tuple[int, int]:
         f"cuMemGetAddressRange(0x{ptr:x})",
     )
     return int(base.value), int(size.value)
+
+
+_HOST_REGISTER_PORTABLE = 0x1
+_HOST_REGISTER_DEVICEMAP = 0x2
+
+
+def host_register(addr: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``addr`` (a shared mapping: kvlink.landing) for
+    every context, mapped into the device's address space; returns the device pointer."""
+    drv = driver()
+    drv.check(drv.cuMemHostRegister(addr, nbytes,
+                                    _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP),
+              f"cuMemHostRegister(0x{addr:x}, {nbytes})")
+    dev = _CUdeviceptr()
+    rc = drv.cuMemHostGetDevicePointer(ctypes.byref(dev), addr, 0)
+    if rc:
+        drv.cuMemHostUnregister(addr)
+        drv.check(rc, f"cuMemHostGetDevicePointer(0x{addr:x})")
+    return int(dev.value)
+
+
+def host_unregister(addr: int) -> None:
+    drv = driver()
+    drv.check(drv.cuMemHostUnregister(addr), f"cuMemHostUnregister(0x{addr:x})")
 
 
 _WIRE = struct.Struct(f"<{IPC_HANDLE_BYTES}sQQqq")

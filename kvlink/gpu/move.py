@@ -110,6 +110,18 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
   kv_part(t[seg] + t[2 * S + r], len, t[S + seg] + t[2 * S + R + r], len, smap, ns, dmap, nd,
           status, seq, G, g, lane);
 }
+
+// After a copy, on its stream: move a landing flag (kvlink.landing) from `expect` to `value`
+// unless that copy refused an extent (its status word then holds its sequence number). One
+// thread; the flag is host memory mapped into the device (its writer is this stream alone).
+extern "C" __global__ void kv_signal(const i64* status, i64 seq, unsigned long long* flag,
+                                     unsigned long long expect, unsigned long long value) {
+  volatile unsigned long long* f = flag;
+  if (*(volatile const i64*)status == seq || *f != expect) return;
+  __threadfence_system();  // the copy's bytes before the flag, for whoever reads it
+  *f = value;
+  __threadfence_system();
+}
 """
 
 #: (threads a block, threads per extent part, 16-byte vectors in flight per thread), from the
@@ -162,6 +174,7 @@ class CudaMove:
         self._vals = (ctypes.c_longlong * _NARGS)()
         base = ctypes.addressof(self._vals)
         self._ptrs = (ctypes.c_void_p * _NARGS)(*[base + 8 * i for i in range(_NARGS)])
+        self._signal_fn: Any = None  # compiled at the first signal
 
     @staticmethod
     def shape(first_len: int, small: int) -> tuple[int, int, int]:
@@ -180,11 +193,27 @@ class CudaMove:
             raise RuntimeError(f"cuLaunchKernel({'kv_move_runs' if runs else 'kv_move'}) "
                                f"failed with CUDA error {rc}")
 
+    def signal(self, status: int, seq: int, flag: int, expect: int, value: int,
+               stream: int) -> None:
+        """kv_signal after the work on ``stream`` so far (see the kernel)."""
+        if self._signal_fn is None:
+            self._signal_fn = _compile(self.device, SMALL_SHAPE, "kv_signal").func
+        self._vals[:5] = [status, seq, _signed(flag), _signed(expect), _signed(value)]
+        rc = self._lib.cuLaunchKernel(self._signal_fn, 1, 1, 1, 1, 1, 1, 0, stream,
+                                      self._ptrs, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel(kv_signal) failed with CUDA error {rc}")
+
     def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Copy ``nbytes`` of pinned host memory to the device, in stream order."""
         rc = self._lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream)
         if rc:
             raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUDA error {rc}")
+
+
+def _signed(v: int) -> int:
+    """A 64-bit word as the c_longlong slots take it."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY

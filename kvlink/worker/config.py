@@ -51,6 +51,10 @@ class WorkerConfig:
     #: (kvlink.holdboard): a producer publishes its holds there; a reader uses the boards
     #: it is offered. False: every READ is validated by a round trip
     hold_board: bool = True
+    #: same-host pushes end without a message (kvlink.landing): a decode offers a slot of its
+    #: landing board per push; a prefill's transport that can moves its flag once the bytes
+    #: landed. False: every push ends by the prefill's "written" note
+    landing_board: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

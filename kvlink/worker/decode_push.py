@@ -14,11 +14,13 @@ independent of the prefill's half (:mod:`kvlink.worker.prefill_push`): a rank ma
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import socket
 import time
 
+import msgspec
 import numpy.typing as npt
 
 from kvlink import wire
@@ -27,6 +29,9 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError, KVLinkError
 from kvlink.grants import push_ticket
 from kvlink.headmap import map_heads
+from kvlink.holdboard import BoardView
+from kvlink.hostid import host_id
+from kvlink.landing import Hold, LandingBoard, tag_of
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushWait, Rank
 from kvlink.transport import Op
@@ -41,6 +46,10 @@ class _DecodePush(_Requests):
 
     _awaiting: dict[str, _Awaiting]  # by request id
     _side_notifs: list[wire.Notification]  # notes taken by the side channel, for poll()
+    landing: LandingBoard | None  # our landing board (kvlink.landing)
+    board_landed: int  # push ranks counted written from it
+    _ended_pushes: collections.OrderedDict[tuple[str, int], None]
+    _hold_views: dict[str, BoardView | None]
 
     def _answer_note(self, msg: wire.Notification) -> wire.Reply:
         """A prefill rank's note for a push (on the side channel's thread): kept for
@@ -57,6 +66,8 @@ class _DecodePush(_Requests):
         # only a note for a push we await is kept (the rest would be dropped by poll(),
         # or never taken at all by a rank that awaits none): a flood costs nothing here
         aw = self._awaiting.get(msg.req_id)  # a plain dict read: safe off-thread
+        if aw is None and (msg.req_id, msg.push_id) in self._ended_pushes:
+            return wire.Ack(v=WIRE_VERSION)  # ended on the landing board before its note
         if aw is None or msg.push_id != aw.wait.push_id:
             self.refusals["written"] += 1
             return wire.ErrorReply(v=WIRE_VERSION, code="unknown",
@@ -101,9 +112,56 @@ class _DecodePush(_Requests):
             incarnation=self.incarnation)
         self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
-        self._awaiting[req_id] = _Awaiting(remote, wait, lids, [
-            self._send(remote.host, remote.port + rank, msg, ask) for rank in sorted(ranks)])
+        aw = _Awaiting(remote, wait, lids)
+        for rank in sorted(ranks):
+            aw.asked.append(self._send(remote.host, remote.port + rank,
+                                       self._with_landing(msg, aw, rank), ask))
+        self._awaiting[req_id] = aw
         self._chan.flush()
+
+    def _with_landing(self, msg: wire.PushRequest, aw: _Awaiting, rank: int
+                      ) -> wire.PushRequest:
+        """``msg`` for one prefill rank, with a slot of our landing board where we have one
+        (kvlink.landing; not with integrity on: the digests come with the note)."""
+        slot = (self.landing.take() if self.landing is not None and not self.integrity.on
+                else None)
+        if slot is None:
+            return msg
+        aw.landing[rank] = slot
+        assert self.landing is not None
+        offer = self.landing.offer()
+        return msgspec.structs.replace(msg, landing=wire.LandingMsg(
+            name=offer.name, token=offer.token, slot=slot, host_id=host_id()))
+
+    def _landed_on_board(self, aw: _Awaiting) -> None:
+        """Ranks whose WRITEs say on our landing board that every layer landed, from a hold
+        its prefill still shows held (so held for all of them): written, without the note."""
+        board = self.landing
+        if board is None or not aw.landing:
+            return
+        tag, layers = tag_of(aw.wait.push_id), self._require_spec().num_layers
+        for rank, slot in aw.landing.items():
+            if aw.wait.ranks.get(rank) is not Rank.ASKED or board.landed(slot, tag) != layers:
+                continue
+            hold = board.hold(slot, tag)
+            if hold is None or (hold.generation and not self._hold_shown(hold)):
+                continue  # its note says
+            aw.wait.ranks[rank] = Rank.WRITTEN
+            self.board_landed += 1
+
+    def _hold_shown(self, hold: Hold) -> bool:
+        """Whether a prefill's hold board still shows ``hold`` (boards opened once)."""
+        if hold.board is None:
+            return False
+        name = hold.board.name
+        if name not in self._hold_views:
+            while len(self._hold_views) >= 256:
+                old = self._hold_views.pop(next(iter(self._hold_views)))
+                if old is not None:
+                    old.close()
+            self._hold_views[name] = BoardView.open(name, hold.board.token)
+        view = self._hold_views[name]
+        return view is not None and view.still_holds(hold.generation, hold.fingerprint)
 
     def _public_host(self) -> str:
         """Where peers dial this rank back: a wildcard bind address is no address to dial."""
@@ -130,6 +188,8 @@ class _DecodePush(_Requests):
                     log.warning("dropped a bad notification from %s: %s", peer, exc)
         for note in notes:
             aw = self._awaiting.get(note.req_id)
+            if aw is None and (note.req_id, note.push_id) in self._ended_pushes:
+                continue  # ended on the landing board before its note came
             if (aw is None or note.kind not in ("write", "layers")
                     or note.engine_id != aw.remote.engine_id
                     or note.push_id != aw.wait.push_id or note.tp_rank not in aw.wait.ranks):
@@ -164,12 +224,16 @@ class _DecodePush(_Requests):
         if aw is None:
             return 0
         landed = []
+        tag = tag_of(aw.wait.push_id)
         for rank in aw.wait.ranks:
             upto = 0
             for start, stop in sorted(aw.layers.get(rank, ())):
                 if start > upto:
                     break
                 upto = max(upto, stop)
+            slot = aw.landing.get(rank)
+            if slot is not None and self.landing is not None:  # its flag, where it signals
+                upto = max(upto, self.landing.landed(slot, tag))
             landed.append(upto)
         return min(landed, default=0)
 
@@ -205,6 +269,7 @@ class _DecodePush(_Requests):
                 if asked.exception() is not None:
                     wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
                               f"{aw.remote.engine_id} failed: {asked.exception()}")
+            self._landed_on_board(aw)
             if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
                 if not wait.cancelling:
                     wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "
@@ -216,6 +281,7 @@ class _DecodePush(_Requests):
             if outcome is None:
                 continue
             del self._awaiting[req_id]
+            self._end_landing(aw)
             self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
             self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
             if outcome:
@@ -223,6 +289,18 @@ class _DecodePush(_Requests):
             else:
                 failed[req_id] = wait.error or "push failed"
                 log.warning("push of %s failed: %s", req_id, failed[req_id])
+
+    def _end_landing(self, aw: _Awaiting) -> None:
+        """The push ended, every rank settled (nothing of it can land): its slots go back,
+        and notes still on their way for it are taken quietly."""
+        if not aw.landing:
+            return
+        if self.landing is not None:
+            for slot in aw.landing.values():
+                self.landing.give(slot)
+        self._ended_pushes[(aw.wait.req_id, aw.wait.push_id)] = None
+        while len(self._ended_pushes) > _NOTES_KEPT:
+            self._ended_pushes.popitem(last=False)
 
     def _settle_cancels(self, aw: _Awaiting, now: float) -> None:
         """Cancel the ranks that may still write; settle each on its answer, or by fencing it

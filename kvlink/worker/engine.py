@@ -28,9 +28,10 @@ from kvlink import sidechannel, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError, TransportUnavailable
-from kvlink.holdboard import HoldBoard
+from kvlink.holdboard import BoardView, HoldBoard
 from kvlink.hostid import host_id
 from kvlink.integrity import Checker, Level, Planes, spec_planes
+from kvlink.landing import LandingBoard, LandingView
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import BlockLeases
 from kvlink.peers import PeerTable
@@ -86,6 +87,16 @@ class KVWorker(_PrefillPush, _DecodePush):
         self.board: HoldBoard | None = None
         #: reader: READs validated on a producer's hold board, without a round trip
         self.board_validated = 0
+        #: decode: our awaited pushes' slots for same-host prefills (created at register);
+        #: push ranks counted written from it, without their note (kvlink.landing)
+        self.landing: LandingBoard | None = None
+        self.board_landed = 0
+        self._ended_pushes: collections.OrderedDict[tuple[str, int], None] = (
+            collections.OrderedDict())  # ended on the board: their late notes are welcome
+        self._hold_views: dict[str, BoardView | None] = {}  # prefills' boards, by name
+        #: prefill: decodes' landing boards by name (kvlink.worker.prefill_push)
+        self._landing_views: dict[str, LandingView | None] = {}
+        self._landing_closed: list[LandingView] = []
         #: prefill: layer-wise pushes being written, by the id push() returned; and why the
         #: ended ones ended (a late range of one is refused naming it)
         self._layered: dict[str, _Layered] = {}
@@ -156,6 +167,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         if self.config.serve:
             if self.config.hold_board and self.board is None:
                 self.board = HoldBoard.create()
+            if self.config.landing_board and self.landing is None:
+                self.landing = LandingBoard.create()
             port = self.config.side_port + self.config.tp_rank if self.config.side_port else 0
             self._server = sidechannel.SideChannelServer(
                 self.config.host, port, self._on_side_message,
@@ -268,3 +281,15 @@ class KVWorker(_PrefillPush, _DecodePush):
         for t in self.transports.values():
             t.close()
         self.transports.clear()
+        # after the transports: none of their signals can reach a landing board any more
+        for view in [*self._landing_views.values(), *self._landing_closed]:
+            if view is not None:
+                view.close()
+        self._landing_views.clear()
+        self._landing_closed.clear()
+        if self.landing is not None:
+            self.landing.close()
+        for hv in self._hold_views.values():
+            if hv is not None:
+                hv.close()
+        self._hold_views.clear()

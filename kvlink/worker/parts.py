@@ -25,11 +25,12 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.holdboard import fingerprint
+from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
 from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushSlots
-from kvlink.transport import Op, Runs, XferStatus
+from kvlink.transport import Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
 from kvlink.worker.records import Transfer, _Go, _Part, _Request
 
@@ -167,13 +168,15 @@ class _Parts(_Holds):
         req.phases.plan += part.t_post - t0
         ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
+        signal = self._signal(req, transport)
+        extra = {} if signal is None else {"signal": signal}
         try:
             if isinstance(plan, Runs):
                 assert post_runs is not None
-                part.handle = post_runs(req.op, go.peer.agent, plan, ticket=ticket)
+                part.handle = post_runs(req.op, go.peer.agent, plan, ticket=ticket, **extra)
             else:
                 part.handle = transport.post(req.op, go.peer.agent, plan.local, plan.remote,
-                                             note, ticket=ticket)
+                                             note, ticket=ticket, **extra)
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
@@ -182,6 +185,17 @@ class _Parts(_Holds):
         part.board = self._on_board(req, go)  # after the post: while the bytes move
         part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += part.nbytes
+
+    def _signal(self, req: _Request, transport: Transport) -> Signal | None:
+        """The landing signal a push's WRITE is posted with (kvlink.landing): only where the
+        request is one part (the flag then follows every byte of it) on a transport that
+        signals; the push's "written" note still follows, for every other case."""
+        if req.landing is None or len(req.parts) != 1 or not getattr(transport, "signals",
+                                                                       False):
+            return None
+        view, slot, tag = req.landing
+        start, stop = req.layers or (0, self._require_spec().num_layers)
+        return view.signal(slot, tag, start, stop)
 
     def _progress(self, req: _Request, part: _Part) -> None:
         assert part.go is not None and part.handle is not None

@@ -24,6 +24,9 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError, KVLinkError, TransferCancelled, TransferRefused
 from kvlink.headmap import push_targets
+from kvlink.holdboard import fingerprint
+from kvlink.hostid import host_id
+from kvlink.landing import Hold, LandingView, tag_of
 from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey, push_key
@@ -42,6 +45,9 @@ class _PrefillPush(_Requests):
     #: ended (a late range of one is refused naming it)
     _layered: dict[str, _Layered]
     _layered_ended: collections.OrderedDict[str, str]
+    #: decodes' landing boards by name (None: offered, not openable), and those evicted
+    _landing_views: dict[str, LandingView | None]
+    _landing_closed: list[LandingView]
 
     def _answer_push(self, msg: wire.PushRequest) -> wire.Reply:
         """Queue a push request for :meth:`push_requests`, or refuse it now: a TP that cannot
@@ -154,7 +160,8 @@ class _PrefillPush(_Requests):
             digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held)
                        if self.integrity.on else None)
             self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
-                        lease=held, digests=digests)
+                        lease=held, digests=digests,
+                        landing=None if digests is not None else self._landing_of(msg, held))
         except KVLinkError:
             with self._lock:
                 self._push_slots.finish(key, False)
@@ -210,6 +217,7 @@ class _PrefillPush(_Requests):
             key, generation = self._begin_push(msg, local_ids, lease)
             lay = _Layered(msg, key, spec.num_layers,
                            None if lease is None else (lease, generation))
+            lay.landing = self._landing_of(msg, lay.lease)
             self._layered[rid] = lay
         else:
             if start != lay.next_layer:
@@ -225,13 +233,52 @@ class _PrefillPush(_Requests):
                              msg.tp_rank, spec.total_kv_heads, spec.mla)
         try:
             self._start(sub, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, lay.key,
-                        layers=(start, stop), layered=rid)
+                        layers=(start, stop), layered=rid, landing=lay.landing)
         except KVLinkError as exc:  # nothing of this range was posted
             lay.error = lay.error or f"layers [{start}, {stop}) not posted: {exc}"
             raise
         lay.inflight.add(sub)
         lay.next_layer = stop
         return rid
+
+    def _landing_of(self, msg: wire.PushRequest, held: tuple[str, int] | None
+                    ) -> tuple[LandingView, int, int] | None:
+        """Where this push's WRITEs signal that they landed (kvlink.landing), with the hold
+        they write from written into the decode's slot now, before any of them: None where
+        the decode offered no slot, is on another host, or could not check the hold (we have
+        no hold board) — the push then ends by its note alone."""
+        offer = msg.landing
+        if offer is None or not self.config.landing_board or offer.host_id != host_id():
+            return None
+        if held is not None and self.board is None:
+            return None
+        view = self._landing_view(offer.name, offer.token)
+        if view is None:
+            return None
+        hold = Hold(0, 0, None)
+        if held is not None:
+            assert self.board is not None
+            blocks = self.leases.held_blocks(held[0])
+            if blocks is None:
+                return None
+            hold = Hold(held[1], fingerprint(blocks), self.board.offer())
+        tag = tag_of(msg.push_id)
+        try:
+            view.start(offer.slot, tag, hold)
+        except ValueError as exc:
+            log.info("push of %s: landing slot refused (%s): it ends by note", msg.req_id, exc)
+            return None
+        return view, offer.slot, tag
+
+    def _landing_view(self, name: str, token: bytes) -> LandingView | None:
+        """Decodes' landing boards, opened once (a board that cannot be is remembered too)."""
+        if name not in self._landing_views:
+            while len(self._landing_views) >= 256:  # decodes come and go: the oldest goes
+                old = self._landing_views.pop(next(iter(self._landing_views)))
+                if old is not None:
+                    self._landing_closed.append(old)  # closed with the transports
+            self._landing_views[name] = LandingView.open(name, token)
+        return self._landing_views[name]
 
     def _report_layers(self, req: _Request, finished: set[str], failed: dict[str, str]
                        ) -> None:

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
+from kvlink.landing import LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
 from kvlink.push import PushKey, PushWait
@@ -122,6 +123,9 @@ class _Request:
     #: one layer range of a layer-wise push: [from, to), and the push's id (see _Layered)
     layers: tuple[int, int] | None = None
     layered: str | None = None
+    #: a push to a same-host decode's landing board (kvlink.landing): (board, slot, tag); its
+    #: WRITE is posted with a signal where it is one part on a transport that signals
+    landing: tuple[LandingView, int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -141,6 +145,7 @@ class _Layered:
     #: ranges DONE since the last poll, told the decode at the poll's end, merged (an 80-layer
     #: push that lands while the caller waits on its forward is one note, not 80)
     landed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    landing: tuple[LandingView, int, int] | None = None  # as _Request.landing, every range
 
 
 @dataclasses.dataclass
@@ -154,6 +159,9 @@ class _Awaiting:
     #: layer-wise pushes: per prefill rank, the layer ranges that have landed
     layers: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     cancels: dict[int, Pending] = dataclasses.field(default_factory=dict)
+    #: our landing board's slot per prefill rank asked (kvlink.landing): a rank whose flag
+    #: shows every layer, from a hold still shown, counts as written without its note
+    landing: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def _push_rid(msg: wire.PushRequest) -> str:

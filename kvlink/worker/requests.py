@@ -24,6 +24,7 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError
 from kvlink.headmap import HeadRead, map_heads, notify_targets
+from kvlink.landing import LandingView
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
 from kvlink.transport import Op
@@ -71,7 +72,8 @@ class _Requests(_Parts):
                push: wire.PushRequest | None = None, key: PushKey | None = None,
                generation: int | None = None, lease: tuple[str, int] | None = None,
                digests: tuple[list[int], bytes, bool] | None = None,
-               layers: tuple[int, int] | None = None, layered: str | None = None) -> None:
+               layers: tuple[int, int] | None = None, layered: str | None = None,
+               landing: tuple[LandingView, int, int] | None = None) -> None:
         spec = self._require_spec()
         wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
@@ -89,8 +91,8 @@ class _Requests(_Parts):
         req = _Request(req_id, op, remote, lids, rids,
                        [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
                        time.perf_counter(), generation=generation, push=push, push_key=key,
-                       lease=lease, digests=digests, layers=layers,
-                       layered=layered)  # set before the first post: they decide how
+                       lease=lease, digests=digests, layers=layers, layered=layered,
+                       landing=landing)  # set before the first post: they decide how
         # "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread

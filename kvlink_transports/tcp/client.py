@@ -59,6 +59,7 @@ class _Xfer:
     # on by the staging stream before this transfer's first gather or scatter
     mark: Any = None
     ticket: bytes = b""  # the grant its owner checks (contract rule 8)
+    signal: Any = None  # kvlink.landing.Signal: applied once the owner acknowledged the bytes
 
 
 

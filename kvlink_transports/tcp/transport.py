@@ -54,7 +54,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,6 +76,9 @@ from kvlink_transports.tcp.client import _Peer, _Xfer
 from kvlink_transports.tcp.memory import _Memory
 from kvlink_transports.tcp.server import _CUT_GRACE, _Server, _Throttle
 from kvlink_transports.tcp.wire import _VERSION, _Descriptor, _enc
+
+if TYPE_CHECKING:
+    from kvlink.landing import Signal
 
 log = logging.getLogger("kvlink.tcp")
 
@@ -169,9 +172,13 @@ class TcpTransport(_Server):
         if old is not None:
             old.close(f"peer {peer} disconnected")
 
+    #: posts take a landing ``signal`` (kvlink.landing), applied on the peer's thread once the
+    #: owner acknowledged the transfer's last bytes (before it is DONE)
+    signals = True
+
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
-        *, ticket: bytes = b"",
+        *, ticket: bytes = b"", signal: Signal | None = None,
     ) -> int:
         t0 = time.perf_counter()
         check_pairs(local, remote)
@@ -185,6 +192,7 @@ class TcpTransport(_Server):
             int(local["len"].sum()),
             t0,
             ticket=bytes(ticket),
+            signal=signal,
         )
         with self._lock:
             target = self._peers.get(peer)
@@ -361,6 +369,8 @@ class TcpTransport(_Server):
         if xfer.state.status is not XferStatus.PENDING:
             return
         if state.status is XferStatus.DONE:
+            if xfer.signal is not None:  # the bytes are there: say so before DONE is seen
+                xfer.signal.apply()
             self._account(
                 transfers=1, bytes=xfer.nbytes, xfer_seconds=time.perf_counter() - xfer.t_post
             )

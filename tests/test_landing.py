@@ -1,0 +1,165 @@
+"""The landing board (kvlink.landing): a same-host push ends on the decode without the
+prefill's "written" note — its transport moves the decode's flag once the bytes landed, and
+the decode checks the prefill's hold on its hold board — and never on a flag it cannot trust.
+
+Real KVWorkers over the real tcp transport (which signals from its peer thread once the owner
+acknowledged the bytes), side channel and shared-memory boards on this host; no fake. The
+end-to-end tests failed on the code before (a decode waited for the prefill's note, which
+only the prefill's poll sends: it timed out).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_layerwise import HELD, LOCAL, asked, landed, layer, rank
+from test_lifecycle import outcome, remote, until
+
+from kvlink import landing
+from kvlink.holdboard import Offer
+from kvlink.worker import KVWorker
+
+
+def _wait_written(prefill: KVWorker) -> None:
+    """The prefill's posted WRITEs DONE on its transport (polled directly: the worker's own
+    poll would send the note this test does without)."""
+    handles = [(p.go.peer.transport, p.handle) for r in prefill._requests.values()
+               for p in r.parts if p.handle is not None and p.go is not None]
+    assert handles, "nothing posted"
+    until(lambda: all(t.poll(h).status.value != "pending" for t, h in handles), 10,
+          "the WRITEs DONE")
+
+
+def _finish_silently(decode: KVWorker, req: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """The decode's poll alone, the prefill not polled at all (no note can come)."""
+    return outcome(decode, req, timeout)
+
+
+def test_a_layer_wise_push_ends_on_the_board_without_the_note() -> None:
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        assert msg.landing is not None  # the decode offered its board
+        prefill.push(msg, HELD, lease="r0", layers=(0, 1))  # the handshake, then posted
+        landed(prefill, decode, 1)
+        prefill.push(msg, HELD, lease="r0", layers=(1, 4))  # a cached peer: posted now
+        ok, reason = _finish_silently(decode, "r0")
+        assert ok, reason
+        assert decode.board_landed == 1
+        for i in range(4):
+            assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
+        # the prefill's note comes after the decode ended the push: taken, not refused
+        until(lambda: prefill.poll() is None or prefill.pending() == 0, 10, "the push ended")
+        until(lambda: decode.poll() is None or not decode._chan.busy(), 5, "notes taken")
+        assert decode.refusals["written"] == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_whole_push_ends_on_the_board_without_the_note() -> None:
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0")
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        prefill.hold("r1", HELD)
+        decode.expect_push("r1", remote(prefill), LOCAL, timeout=20)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg1,) = prefill.push_requests()
+        before = decode.board_landed
+        prefill.push(msg1, HELD, lease="r1")  # the peer is cached: posted in the call
+        ok, reason = _finish_silently(decode, "r1")
+        assert ok, reason
+        assert decode.board_landed == before + 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_hold_that_ended_under_the_push_is_not_trusted_from_the_board() -> None:
+    """The bytes land and the flag moves, but the prefill's hold ended (aborted: its blocks
+    may be reused) before the decode looked: the board is not enough, the prefill's note
+    decides — and it says the lease ended under the WRITE."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        prefill.push(msg, HELD, lease="r0", layers=(1, 4))
+        _wait_written(prefill)
+        prefill.abort("r0")
+        done, _ = decode.poll()
+        assert "r0" not in done and decode.board_landed == 0
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert not ok and "ended under the WRITE" in reason, reason
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_without_the_board_the_push_still_ends_by_note() -> None:
+    prefill, decode = rank("p", 1), rank("d", 2, landing_board=False)
+    try:
+        msg = asked(prefill, decode)
+        assert msg.landing is None
+        prefill.push(msg, HELD, lease="r0")
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        assert decode.board_landed == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# ---------------------------------------------------------------------------- the board itself
+@pytest.fixture
+def board() -> landing.LandingBoard:
+    b = landing.LandingBoard.create()
+    if b is None:
+        print("\nskipping: no /dev/shm here for a landing board")
+        pytest.skip("no /dev/shm here for a landing board")
+    yield b
+    b.close()
+
+
+def test_a_range_that_never_moved_stops_the_chain(board: landing.LandingBoard) -> None:
+    """Layers [1, 2) failed at its post (no signal): the signal of [2, 4) finds the flag at
+    1, not 2, and leaves it — no later range can claim the layers of one that did not land."""
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    slot, tag = board.take(), landing.tag_of(12345)
+    assert slot is not None
+    view.start(slot, tag, landing.Hold(0, 0, None))
+    assert view.signal(slot, tag, 0, 1).apply()
+    assert not view.signal(slot, tag, 2, 4).apply()
+    assert board.landed(slot, tag) == 1
+    view.close()
+
+
+def test_slots_carry_their_push_only(board: landing.LandingBoard) -> None:
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    slot = board.take()
+    assert slot is not None
+    tag, other = landing.tag_of(7), landing.tag_of(8)
+    assert board.hold(slot, tag) is None and board.landed(slot, tag) == 0  # cleared
+    hold = landing.Hold(99, 1234, Offer("kvlink-board-" + "ab" * 16, b"t" * 16))
+    view.start(slot, tag, hold)
+    assert board.hold(slot, tag) == hold
+    assert board.hold(slot, other) is None  # another push's tag: not ours
+    assert view.signal(slot, tag, 0, 3).apply()
+    assert board.landed(slot, tag) == 3 and board.landed(slot, other) == 0
+    view._slots[slot, 0] = np.uint64(landing.POISON | landing.value(tag, 3))  # the device's
+    assert board.landed(slot, tag) == 0  # a copy refused an extent: never landed
+    board.give(slot)
+    again = board.take()
+    assert again == slot and board.hold(again, tag) is None  # cleared for the next push
+    view.close()
+
+
+def test_a_board_is_opened_only_with_its_token(board: landing.LandingBoard) -> None:
+    assert landing.LandingView.open(board.name, b"x" * 16) is None
+    assert landing.LandingView.open("kvlink-landing-../../etc", board.token) is None
+    assert landing.LandingView.open(board.name.replace("landing", "board"), board.token) is None
