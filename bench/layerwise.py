@@ -134,8 +134,11 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         _sync(device)
         w.expect_push(req, RemoteEngine("lw-p", "127.0.0.1", port), lids.numpy(), timeout=60)
         rep_q.put(("asked", req))
+        polls: list[float] = []
         while True:
+            t0 = time.perf_counter()
             done, failed = w.poll()
+            polls.append(time.perf_counter() - t0)
             if req in failed:
                 rep_q.put(("error", f"push of {req} failed: {failed[req]}"))
                 break
@@ -146,7 +149,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                                    for li in range(geo["layers"])])
                 got = m.i16[:, :, lids.to(device)]
                 bad = int((got != exp).sum().item())
-                rep_q.put(("done", req, t_done, bad, w.board_landed))
+                rep_q.put(("done", req, t_done, bad, w.board_landed,
+                           statistics.median(polls)))
                 break
     w.close()
 
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
         if device.startswith("cuda") else None
     out: dict[str, dict[str, list[float]]] = {
-        k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": []}
+        k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": [],
+            "decode_poll": []}  # decode_poll: the median time of one decode poll() call
         for k in ("none", "whole", "layered")}
     host: dict[str, float] = {}
     board_landed: dict[str, int] = {}  # the decode's count after each mode's last request
@@ -259,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad, on_board = got
+            _, _, t_done, bad, on_board, poll_s = got
             board_landed[mode] = on_board
             for _ in range(100):
                 w.poll()
@@ -273,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[mode]["enqueued"].append(host["enqueued"])
                 out[mode]["prefill_done"].append((t_prefill or t_done) - t_end)
                 out[mode]["bad"].append(bad)
+                out[mode]["decode_poll"].append(poll_s)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
     cmd_q.put(("stop",))
@@ -332,7 +338,9 @@ def main() -> None:
               + (f"{m[mode]['exposed'] * 1e3:9.3f} ms (prefill saw it done after "
                  f"{m[mode]['prefill_done'] * 1e3:.3f} ms)" if "exposed" in m[mode] else
                  "        -")
-              + f"   host loop {m[mode]['enqueued'] * 1e3:.3f} ms")
+              + f"   host loop {m[mode]['enqueued'] * 1e3:.3f} ms"
+              + (f"   decode poll {m[mode]['decode_poll'] * 1e6:.1f} us"
+                 if "decode_poll" in m[mode] else ""))
     print(f"one layer's share of the whole push {res['one_layer_share_of_whole_push_s'] * 1e3:.3f}"
           f" ms; layered exposed / one layer {res['exposed_layered_over_one_layer']:.2f}; "
           f"forward slowed {100 * res['forward_slowdown_layered']:.1f} % (whole: "
