@@ -135,7 +135,10 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         w.expect_push(req, RemoteEngine("lw-p", "127.0.0.1", port), lids.numpy(), timeout=60)
         rep_q.put(("asked", req))
         polls: list[float] = []
+        t_flag = 0.0  # when every layer first showed landed (the board, or notes)
         while True:
+            if not t_flag and w.layers_landed(req) == geo["layers"]:
+                t_flag = time.perf_counter()
             t0 = time.perf_counter()
             done, failed = w.poll()
             polls.append(time.perf_counter() - t0)
@@ -150,7 +153,7 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                 got = m.i16[:, :, lids.to(device)]
                 bad = int((got != exp).sum().item())
                 rep_q.put(("done", req, t_done, bad, w.board_landed,
-                           statistics.median(polls)))
+                           statistics.median(polls), t_flag or t_done))
                 break
     w.close()
 
@@ -197,7 +200,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.startswith("cuda") else None
     out: dict[str, dict[str, list[float]]] = {
         k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": [],
-            "decode_poll": []}  # decode_poll: the median time of one decode poll() call
+            "decode_poll": [], "landed_seen": []}
+        # decode_poll: the median time of one decode poll() call; landed_seen: forward end ->
+        # the decode's layers_landed() first showing every layer (its flags or notes)
         for k in ("none", "whole", "layered")}
     host: dict[str, float] = {}
     board_landed: dict[str, int] = {}  # the decode's count after each mode's last request
@@ -264,7 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad, on_board, poll_s = got
+            _, _, t_done, bad, on_board, poll_s, t_flag = got
             board_landed[mode] = on_board
             for _ in range(100):
                 w.poll()
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[mode]["prefill_done"].append((t_prefill or t_done) - t_end)
                 out[mode]["bad"].append(bad)
                 out[mode]["decode_poll"].append(poll_s)
+                out[mode]["landed_seen"].append(t_flag - t_end)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
     cmd_q.put(("stop",))
@@ -339,7 +345,8 @@ def main() -> None:
                  f"{m[mode]['prefill_done'] * 1e3:.3f} ms)" if "exposed" in m[mode] else
                  "        -")
               + f"   host loop {m[mode]['enqueued'] * 1e3:.3f} ms"
-              + (f"   decode poll {m[mode]['decode_poll'] * 1e6:.1f} us"
+              + (f"   decode poll {m[mode]['decode_poll'] * 1e6:.1f} us, every layer seen "
+                 f"landed after {m[mode]['landed_seen'] * 1e3:.3f} ms"
                  if "decode_poll" in m[mode] else ""))
     print(f"one layer's share of the whole push {res['one_layer_share_of_whole_push_s'] * 1e3:.3f}"
           f" ms; layered exposed / one layer {res['exposed_layered_over_one_layer']:.2f}; "

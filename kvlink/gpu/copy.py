@@ -431,10 +431,6 @@ class BatchCopier:
         if self._cuda is None:
             raise ConfigError("copy_runs needs the CUDA C kernel (NVRTC)")
         with self._lock:
-            if after is not None and after != stream.cuda_stream:
-                if self._order is None:
-                    self._order = move.StreamOrder()
-                self._order.wait(stream.cuda_stream, after)
             held: list[Any] = []
             self._signal = signal
             try:
@@ -457,6 +453,13 @@ class BatchCopier:
                 shape = self._cuda.shape(longest, SMALL)
                 g = parts_per_extent(n, longest, self.chunk,
                                      self.min_programs * (shape[0] // shape[1]))
+                if after is not None and after != raw:
+                    # after the upload, which touches only our buffer: the table is on the
+                    # device by the time the caller's work ends (a layer-wise push's last
+                    # range is then one launch behind the forward, not an upload and one)
+                    if self._order is None:
+                        self._order = move.StreamOrder()
+                    self._order.wait(raw, after)
                 self._cuda.launch(shape, n * g, (at, segments, runs, smap.ptr, smap.count,
                                                  dmap.ptr, dmap.count, buf.ptr, seq, g),
                                   raw, runs=True)
