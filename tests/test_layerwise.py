@@ -42,8 +42,11 @@ def asked(prefill: KVWorker, decode: KVWorker, timeout: float = 20.0) -> object:
 
 
 def landed(prefill: KVWorker, decode: KVWorker, want: int) -> None:
-    """Step both sides (the prefill's poll sees a range DONE and tells the decode)."""
-    until(lambda: prefill.poll() is None or decode.layers_landed("r0") >= want, 10,
+    """Step both sides until the decode sees ``want`` layers landed (from the prefill's
+    note, or sooner from its landing board: kvlink.landing) and the prefill has reported
+    every range posted so far."""
+    until(lambda: prefill.poll() is None or (decode.layers_landed("r0") >= want
+                                             and not prefill._requests), 10,
           f"{want} layers landed")
 
 
