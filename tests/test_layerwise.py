@@ -71,8 +71,11 @@ def test_layers_land_one_range_at_a_time_and_the_request_only_at_the_end() -> No
         for i in range(4):
             assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
         gone: list[str] = []
-        until(lambda: bool(gone.extend(r.req_id for r in prefill.released())) or "r0" in gone,
-              5, "the hold released by its last writer")
+        # (the decode may have finished on its landing board before the prefill's poll saw
+        # the push DONE: the prefill releases at its own poll)
+        until(lambda: prefill.poll() is None or bool(gone.extend(
+            r.req_id for r in prefill.released())) or "r0" in gone, 5,
+            "the hold released by its last writer")
     finally:
         prefill.close()
         decode.close()

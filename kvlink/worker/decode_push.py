@@ -278,17 +278,33 @@ class _DecodePush(_Requests):
                     log.warning("push of %s: %s; cancelling", req_id, wait.error)
                 self._settle_cancels(aw, now)
             outcome = wait.outcome()
-            if outcome is None:
-                continue
-            del self._awaiting[req_id]
-            self._end_landing(aw)
-            self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
-            self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
-            if outcome:
-                finished.add(req_id)
-            else:
-                failed[req_id] = wait.error or "push failed"
-                log.warning("push of %s failed: %s", req_id, failed[req_id])
+            if outcome is not None:
+                self._end_push(req_id, aw, outcome, finished, failed)
+
+    def _poll_landed(self, finished: set[str]) -> None:
+        """The pushes our landing board says are written: first thing in a poll, before the
+        inbox is served (which may wait for the side channel's thread, and is only needed
+        for what ends by note)."""
+        if self.landing is None:
+            return
+        for req_id, aw in list(self._awaiting.items()):
+            if aw.landing and aw.wait.error is None:
+                self._landed_on_board(aw)
+                if aw.wait.outcome():
+                    self._end_push(req_id, aw, True, finished, {})
+
+    def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
+                  failed: dict[str, str]) -> None:
+        wait = aw.wait
+        del self._awaiting[req_id]
+        self._end_landing(aw)
+        self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
+        self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
+        if outcome:
+            finished.add(req_id)
+        else:
+            failed[req_id] = wait.error or "push failed"
+            log.warning("push of %s failed: %s", req_id, failed[req_id])
 
     def _end_landing(self, aw: _Awaiting) -> None:
         """The push ended, every rank settled (nothing of it can land): its slots go back,

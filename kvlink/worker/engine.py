@@ -212,6 +212,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         are reported, and every message this produced leaves in one frame per peer."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
+        if self._awaiting:  # pushes written on our landing board need no message
+            self._poll_landed(finished)
         if self._server is not None:  # what peers told us, taken now (not after a GIL switch)
             self._server.serve_ready()
         self._chan.pump()
