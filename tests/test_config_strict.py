@@ -213,15 +213,15 @@ FULL: dict[str, Any] = {
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
     "integrity": "off",
-    "hold_board": False, "layerwise": True, "layerwise_min_tokens": 256,
-    "layerwise_wait_ms": 20.0,
+    "hold_board": False, "landing_board": False, "layerwise": True,
+    "layerwise_min_tokens": 256, "layerwise_wait_ms": 20.0,
 }
 
 
 def test_full_config_round_trips() -> None:
     s = Settings.from_config("E", "kv_both", FULL)
     assert s.transports == ("nixl", "tcp") and s.mode == "push" and s.grants is False
-    assert s.hold_board is False
+    assert s.hold_board is False and s.landing_board is False
     assert s.lease_seconds == 45.0 and s.idle_yield_s == 0.005 and s.side_port == 5700
     assert s.transport_options["tcp"] == {"timeout_s": 8.0, "staging_buffers": 4}
     again = s.to_config()

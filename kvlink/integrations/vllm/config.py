@@ -65,6 +65,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     grants: bool = True  # least privilege on the data plane (WorkerConfig.grants)
     integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
     hold_board: bool = True  # same-host READs validated in shared memory (kvlink.holdboard)
+    landing_board: bool = True  # same-host pushes end without a message (kvlink.landing)
     layerwise: bool = False  # prefill: stream keyed requests layer by layer (docs/layerwise.md)
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_ms: float = DEFAULT_LAYERWISE_WAIT_MS
@@ -185,7 +186,9 @@ class Settings:
     KV; see docs/vllm.md), ``push_timeout`` (seconds a consumer keeps blocks reserved for a
     push), ``grants`` (least privilege on the data plane, default true) and ``integrity``
     ("off", "sample", "full": end-to-end KV digests, pull and push), ``hold_board`` (same-host
-    READs validated in shared memory instead of a round trip, default true), ``layerwise``
+    READs validated in shared memory instead of a round trip, default true), ``landing_board``
+    (same-host pushes end when the prefill's transport signals the decode's board, without the
+    prefill's note, default true), ``layerwise``
     (prefill: push requests that carry a router's ``kvlink_push_key`` layer by layer during
     their forward, default false; docs/layerwise.md), ``layerwise_min_tokens`` (prompts shorter
     than this are pushed whole after the forward) and ``layerwise_wait_ms`` (how long a keyed
@@ -214,6 +217,7 @@ class Settings:
     grants: bool = True  # WorkerConfig.grants: serve a peer only what was granted to it
     integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
     hold_board: bool = True  # WorkerConfig.hold_board
+    landing_board: bool = True  # WorkerConfig.landing_board
     layerwise: bool = False  # prefill: layer-wise pushes of keyed requests
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_s: float = DEFAULT_LAYERWISE_WAIT_MS / 1e3
@@ -254,7 +258,7 @@ class Settings:
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
-            hold_board=x.hold_board, layerwise=x.layerwise,
+            hold_board=x.hold_board, landing_board=x.landing_board, layerwise=x.layerwise,
             layerwise_min_tokens=x.layerwise_min_tokens,
             layerwise_wait_s=x.layerwise_wait_ms / 1e3,
         )
@@ -295,6 +299,7 @@ class Settings:
             "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
             "push_timeout": self.push_timeout, "grants": self.grants,
             "integrity": self.integrity, "hold_board": self.hold_board,
+            "landing_board": self.landing_board,
             "layerwise": self.layerwise, "layerwise_min_tokens": self.layerwise_min_tokens,
             "layerwise_wait_ms": self.layerwise_wait_s * 1e3,
         }
