@@ -123,6 +123,16 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
     m = Model(geo, geo["blocks"] + 8, device, compute=False)
     w = KVWorker(WorkerConfig(engine_id="lw-d", transports=[transport]))
     w.register(m.spec())
+    misses = [0, 0]  # hold checks that failed / were made (a flag at every layer, then this)
+    shown = w._hold_shown
+
+    def counted(hold: Any) -> bool:
+        ok = shown(hold)
+        misses[0] += not ok
+        misses[1] += 1
+        return ok
+
+    w._hold_shown = counted  # type: ignore[method-assign]
     rep_q.put(("ready", w.side_port))
     while True:
         cmd = cmd_q.get()
@@ -135,6 +145,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         w.expect_push(req, RemoteEngine("lw-p", "127.0.0.1", port), lids.numpy(), timeout=60)
         rep_q.put(("asked", req))
         polls: list[float] = []
+        misses[:] = [0, 0]
+        after_flag = 0  # polls from every layer seen landed to the one that finished it
         t_flag = 0.0  # when every layer first showed landed (the board, or notes)
         while True:
             if not t_flag and w.layers_landed(req) == geo["layers"]:
@@ -142,6 +154,7 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
             t0 = time.perf_counter()
             done, failed = w.poll()
             polls.append(time.perf_counter() - t0)
+            after_flag += bool(t_flag)
             if req in failed:
                 rep_q.put(("error", f"push of {req} failed: {failed[req]}"))
                 break
@@ -153,7 +166,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                 got = m.i16[:, :, lids.to(device)]
                 bad = int((got != exp).sum().item())
                 rep_q.put(("done", req, t_done, bad, w.board_landed,
-                           statistics.median(polls), t_flag or t_done))
+                           statistics.median(polls), t_flag or t_done,
+                           (after_flag, misses[0], misses[1], max(polls))))
                 break
     w.close()
 
@@ -200,7 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if device.startswith("cuda") else None
     out: dict[str, dict[str, list[float]]] = {
         k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": [],
-            "decode_poll": [], "landed_seen": []}
+            "decode_poll": [], "landed_seen": [], "polls_after_landed": [],
+            "hold_checks_failed": [], "hold_checks": [], "slowest_poll": []}
         # decode_poll: the median time of one decode poll() call; landed_seen: forward end ->
         # the decode's layers_landed() first showing every layer (its flags or notes)
         for k in ("none", "whole", "layered")}
@@ -269,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad, on_board, poll_s, t_flag = got
+            _, _, t_done, bad, on_board, poll_s, t_flag, (after, miss, checks, worst) = got
             board_landed[mode] = on_board
             for _ in range(100):
                 w.poll()
@@ -285,6 +300,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[mode]["bad"].append(bad)
                 out[mode]["decode_poll"].append(poll_s)
                 out[mode]["landed_seen"].append(t_flag - t_end)
+                out[mode]["polls_after_landed"].append(after)
+                out[mode]["hold_checks_failed"].append(miss)
+                out[mode]["hold_checks"].append(checks)
+                out[mode]["slowest_poll"].append(worst)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
     cmd_q.put(("stop",))

@@ -214,8 +214,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
-        if self._server is not None:  # what peers told us, taken now (not after a GIL switch)
-            self._server.serve_ready()
+        if self._server is not None:  # what peers told us, taken now (not after a GIL switch),
+            # unless that means waiting for the server's thread with a finished push in hand
+            self._server.serve_ready(wait=not finished)
         self._chan.pump()
         self._log_told()
         self._poll_pushed(finished, failed)
