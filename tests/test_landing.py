@@ -57,6 +57,26 @@ def test_a_layer_wise_push_ends_on_the_board_without_the_note() -> None:
         decode.close()
 
 
+def test_ranges_signalled_on_the_board_are_told_by_no_note() -> None:
+    """The decode reads what landed off its board (layers_landed), so the prefill sends no
+    "layers" notes for a push whose every range signalled: its side channel stays quiet while
+    the push ends (on one H200 a note arriving then held the decode's completing poll 0.1 ms)."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        sent = prefill._chan.calls_sent
+        for i in (1, 2):
+            prefill.push(msg, HELD, lease="r0", layers=(i, i + 1))
+        landed(prefill, decode, 3)
+        assert prefill._chan.calls_sent == sent  # no "layers" note
+        assert decode.layers_landed("r0") == 3
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_a_whole_push_ends_on_the_board_without_the_note() -> None:
     prefill, decode = rank("p", 1), rank("d", 2)
     try:

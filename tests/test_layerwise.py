@@ -158,8 +158,9 @@ def test_ranges_that_landed_by_one_poll_are_told_in_one_note() -> None:
     """A forward enqueues its layers faster than the device runs them, so a prefill that polls
     after its forward finds every range DONE at once: one merged "layers" note then, not one
     per range (80 for a 70B model; each one a message the decode must take). The transport's
-    handles are polled directly first, so both ranges are DONE before the worker's poll."""
-    prefill, decode = rank("p", 1), rank("d", 2)
+    handles are polled directly first, so both ranges are DONE before the worker's poll. (A
+    decode without a landing board: with one, no note at all — tests/test_landing.py.)"""
+    prefill, decode = rank("p", 1), rank("d", 2, landing_board=False)
     try:
         msg = asked(prefill, decode)
         prefill.push(msg, HELD, lease="r0", layers=(0, 1))  # (the handshake, then posted)

@@ -169,6 +169,7 @@ class _Parts(_Holds):
         ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
         signal = self._signal(req, transport)
+        req.signalled = signal is not None
         extra = {} if signal is None else {"signal": signal}
         try:
             if isinstance(plan, Runs):

@@ -288,6 +288,7 @@ class _PrefillPush(_Requests):
         if lay is None:
             return
         lay.inflight.discard(req.req_id)
+        lay.signalled = lay.signalled and req.signalled
         errors = [p.error for p in req.parts if p.error]
         if errors:
             lay.error = lay.error or (f"layers [{req.layers[0]}, {req.layers[1]}): "
@@ -299,11 +300,12 @@ class _PrefillPush(_Requests):
 
     def _tell_landed(self) -> None:
         """Tell each decode the layer ranges of its push that landed in this poll, merged
-        into as few notes as they allow. (A push that finished in this poll was told
-        "written" instead, which says all of it landed.)"""
+        into as few notes as they allow — unless every range so far signalled the decode's
+        landing board, which says the same without a message. (A push that finished in this
+        poll was told "written" instead, which says all of it landed.)"""
         for lay in self._layered.values():
-            if not lay.landed:
-                continue
+            if not lay.landed or (lay.landing is not None and lay.signalled):
+                continue  # (its flags say it on the decode's landing board)
             merged: list[list[int]] = []
             for start, stop in sorted(lay.landed):
                 if merged and start <= merged[-1][1]:

@@ -126,6 +126,7 @@ class _Request:
     #: a push to a same-host decode's landing board (kvlink.landing): (board, slot, tag); its
     #: WRITE is posted with a signal where it is one part on a transport that signals
     landing: tuple[LandingView, int, int] | None = None
+    signalled: bool = False  # its WRITE was posted with that signal
 
 
 @dataclasses.dataclass
@@ -146,6 +147,9 @@ class _Layered:
     #: push that lands while the caller waits on its forward is one note, not 80)
     landed: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     landing: tuple[LandingView, int, int] | None = None  # as _Request.landing, every range
+    #: every range so far was posted with its signal: the decode reads what landed on its
+    #: board, so no "layers" note is sent (its side channel stays quiet as the push ends)
+    signalled: bool = True
 
 
 @dataclasses.dataclass
