@@ -133,6 +133,16 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         return ok
 
     w._hold_shown = counted  # type: ignore[method-assign]
+    landed_s = [0.0]  # the last _poll_landed call's duration (the one that ends a push)
+    poll_landed = w._poll_landed
+
+    def timed(finished: set[str]) -> None:
+        t0 = time.perf_counter()
+        poll_landed(finished)
+        if finished:
+            landed_s[0] = time.perf_counter() - t0
+
+    w._poll_landed = timed  # type: ignore[method-assign]
     rep_q.put(("ready", w.side_port))
     while True:
         cmd = cmd_q.get()
@@ -167,7 +177,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                 bad = int((got != exp).sum().item())
                 rep_q.put(("done", req, t_done, bad, w.board_landed,
                            statistics.median(polls), t_flag or t_done,
-                           (after_flag, misses[0], misses[1], max(polls))))
+                           (after_flag, misses[0], misses[1], max(polls), polls[-1],
+                            landed_s[0])))
                 break
     w.close()
 
@@ -215,7 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, dict[str, list[float]]] = {
         k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": [],
             "decode_poll": [], "landed_seen": [], "polls_after_landed": [],
-            "hold_checks_failed": [], "hold_checks": [], "slowest_poll": []}
+            "hold_checks_failed": [], "hold_checks": [], "slowest_poll": [], "done_poll": [],
+            "done_poll_landed_part": []}
         # decode_poll: the median time of one decode poll() call; landed_seen: forward end ->
         # the decode's layers_landed() first showing every layer (its flags or notes)
         for k in ("none", "whole", "layered")}
@@ -284,7 +296,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad, on_board, poll_s, t_flag, (after, miss, checks, worst) = got
+            _, _, t_done, bad, on_board, poll_s, t_flag, (after, miss, checks, worst, last,
+                                                          landed_poll) = got
             board_landed[mode] = on_board
             for _ in range(100):
                 w.poll()
@@ -304,6 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[mode]["hold_checks_failed"].append(miss)
                 out[mode]["hold_checks"].append(checks)
                 out[mode]["slowest_poll"].append(worst)
+                out[mode]["done_poll"].append(last)  # the poll that reported it finished
+                out[mode]["done_poll_landed_part"].append(landed_poll)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
     cmd_q.put(("stop",))

@@ -139,7 +139,7 @@ class SideChannelServer:
                 "authenticated": sum(p.authed for p in peers)}
 
     # ------------------------------------------------------------------ the loop
-    def serve_ready(self, wait: bool = True) -> int:
+    def serve_ready(self) -> int:
         """Serve, on the calling thread and without waiting, whatever has arrived; returns how
         many events were served (0 also when the server's thread is serving right now).
 
@@ -155,9 +155,8 @@ class SideChannelServer:
         went on polling would give it only every switch interval — a race the server's
         thread sometimes won, and then a layer-wise push took 20-270 ms instead of 1.5 (one
         H200). Waiting on the lock releases the GIL, so the server's thread finishes at once.
-        ``wait=False``: no such wait (a caller with results in hand returns them first).
         """
-        if self._stop.is_set() or not self._serving.acquire(timeout=_HANDOFF if wait else 0):
+        if self._stop.is_set() or not self._serving.acquire(timeout=_HANDOFF):
             return 0
         try:
             ready = self._sel.select(0)

@@ -112,7 +112,7 @@ class _DecodePush(_Requests):
             incarnation=self.incarnation)
         self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
-        aw = _Awaiting(remote, wait, lids)
+        aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id))
         for rank in sorted(ranks):
             aw.asked.append(self._send(remote.host, remote.port + rank,
                                        self._with_landing(msg, aw, rank), ask))
@@ -139,12 +139,21 @@ class _DecodePush(_Requests):
         board = self.landing
         if board is None or not aw.landing:
             return
-        tag, layers = tag_of(aw.wait.push_id), self._require_spec().num_layers
+        tag, layers = aw.tag, self._require_spec().num_layers
         for rank, slot in aw.landing.items():
-            if aw.wait.ranks.get(rank) is not Rank.ASKED or board.landed(slot, tag) != layers:
+            if aw.wait.ranks.get(rank) is not Rank.ASKED:
                 continue
-            hold = board.hold(slot, tag)
-            if hold is None or (hold.generation and not self._hold_shown(hold)):
+            hold = aw.holds.get(rank)
+            if hold is None:  # written at the push's start: read (and its board opened) at
+                hold = board.hold(slot, tag)  # the first poll that sees it, not at the end
+                if hold is None:
+                    continue
+                aw.holds[rank] = hold
+                if hold.generation:
+                    self._hold_shown(hold)
+            if board.landed(slot, tag) != layers:
+                continue
+            if hold.generation and not self._hold_shown(hold):
                 continue  # its note says
             aw.wait.ranks[rank] = Rank.WRITTEN
             self.board_landed += 1
@@ -161,7 +170,12 @@ class _DecodePush(_Requests):
                     old.close()
             self._hold_views[name] = BoardView.open(name, hold.board.token)
         view = self._hold_views[name]
-        return view is not None and view.still_holds(hold.generation, hold.fingerprint)
+        # Not the producer's liveness (BoardView.still_holds, a flock: a syscall that hands the
+        # GIL to whichever thread wants it, 0.1 ms and more on the poll that ends the push):
+        # the flag moved, so the prefill was alive when its last WRITE landed (a dead
+        # process's queued copies and signals never run), and a hold it withdrew before dying
+        # is not shown — a board left by a dead prefill shows only holds intact until then
+        return view is not None and view.holds(hold.generation, hold.fingerprint)
 
     def _public_host(self) -> str:
         """Where peers dial this rank back: a wildcard bind address is no address to dial."""

@@ -214,9 +214,10 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
-        if self._server is not None:  # what peers told us, taken now (not after a GIL switch),
-            # unless that means waiting for the server's thread with a finished push in hand
-            self._server.serve_ready(wait=not finished)
+        if self._server is not None and not finished:  # what peers told us, taken now (not
+            # after a GIL switch) — unless a push just finished: its report goes first (a
+            # select hands the GIL to the server's thread), the server's thread serves them
+            self._server.serve_ready()
         self._chan.pump()
         self._log_told()
         self._poll_pushed(finished, failed)

@@ -21,7 +21,7 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
-from kvlink.landing import LandingView
+from kvlink.landing import Hold, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
 from kvlink.push import PushKey, PushWait
@@ -166,6 +166,8 @@ class _Awaiting:
     #: our landing board's slot per prefill rank asked (kvlink.landing): a rank whose flag
     #: shows every layer, from a hold still shown, counts as written without its note
     landing: dict[int, int] = dataclasses.field(default_factory=dict)
+    tag: int = 0  # the push's tag on that board (kvlink.landing.tag_of)
+    holds: dict[int, Hold] = dataclasses.field(default_factory=dict)  # what each rank wrote
 
 
 def _push_rid(msg: wire.PushRequest) -> str:
