@@ -28,7 +28,7 @@ from kvlink.channel import Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError, KVLinkError
 from kvlink.grants import push_ticket
-from kvlink.headmap import map_heads
+from kvlink.headmap import map_heads, notify_targets
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
 from kvlink.landing import Hold, LandingBoard, tag_of
@@ -112,7 +112,10 @@ class _DecodePush(_Requests):
             incarnation=self.incarnation)
         self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
-        aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id))
+        aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id),
+                       others=notify_targets(self.config.tp_size, self.config.tp_rank,
+                                             remote.tp_size, spec.total_kv_heads,
+                                             spec.mla) - ranks)
         for rank in sorted(ranks):
             aw.asked.append(self._send(remote.host, remote.port + rank,
                                        self._with_landing(msg, aw, rank), ask))
@@ -313,7 +316,8 @@ class _DecodePush(_Requests):
         del self._awaiting[req_id]
         self._end_landing(aw)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
-        self.release(req_id, aw.remote, set(wait.ranks))  # replicas that did not write
+        if aw.others:  # replicas holding our heads that did not write
+            self.release(req_id, aw.remote, set(wait.ranks))
         if outcome:
             finished.add(req_id)
         else:
@@ -373,8 +377,10 @@ class _DecodePush(_Requests):
     def _revoke_push(self, wait: PushWait, timeout: float) -> bool:
         """End a push's WRITE grant; True when every transport guarantees that no byte of it
         can land any more (only transports that enforce grants can: else fence the peer)."""
-        ticket = push_ticket(wait.req_id, wait.push_id)
         enforcing = self._enforcing()
+        if not enforcing:  # (the common same-host case, cuda_ipc: on the poll that ends it)
+            return False
+        ticket = push_ticket(wait.req_id, wait.push_id)
         quiet = [t.revoke(ticket, timeout) for t in enforcing]
         return bool(enforcing) and len(enforcing) == len(self.transports) and all(quiet)
 

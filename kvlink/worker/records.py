@@ -167,6 +167,8 @@ class _Awaiting:
     #: shows every layer, from a hold still shown, counts as written without its note
     landing: dict[int, int] = dataclasses.field(default_factory=dict)
     tag: int = 0  # the push's tag on that board (kvlink.landing.tag_of)
+    #: prefill ranks holding our heads that were not asked (told "released" at the end)
+    others: frozenset[int] | set[int] = frozenset()
     holds: dict[int, Hold] = dataclasses.field(default_factory=dict)  # what each rank wrote
 
 
