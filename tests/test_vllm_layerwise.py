@@ -368,15 +368,15 @@ class Pair:
         return "\n".join(out)
 
 
-#: why the two-server run is opt-in (KVLINK_VLLM_LAYERWISE_E2E=1): in some runs (3 of 9 in
-#: CI-like load, more than one in three here) a prompt falls back to the whole push because the
-#: decode's vLLM worker starts the step that asks for its push 10.0 s after its scheduler built
-#: it (timestamps in both servers) — outside every kvlink hook (a 2 s watchdog on each never
-#: fired), with vLLM's engine waiting for that worker's answer; not yet explained (docs/
-#: layerwise.md, Known problems). Every request stays correct (pushed whole).
-LAYERWISE_OPT_IN = ("opt-in (KVLINK_VLLM_LAYERWISE_E2E=1) while an idle vLLM decode worker "
-                    "sometimes starts its step 10 s late (docs/layerwise.md, Known problems); "
-                    "the tests above run the connector's layer-wise code over real tcp")
+#: why the two-server run is opt-in (KVLINK_VLLM_LAYERWISE_E2E=1): in about one run in three
+#: on a 2-core machine a prompt falls back to the whole push because the decode's worker gets
+#: no CPU until the prefill stops waiting for it — its step that asks for the push runs late
+#: by exactly layerwise_wait_ms (10.0 s, and 3.0 s with 3 s; timestamps and stack dumps in both
+#: servers); not yet explained (docs/layerwise.md, Known problems). Every request stays correct.
+LAYERWISE_OPT_IN = ("opt-in (KVLINK_VLLM_LAYERWISE_E2E=1): on two cores the prefill's wait for "
+                    "the decode's ids sometimes starves the decode's worker until it ends "
+                    "(docs/layerwise.md, Known problems); the tests above run the connector's "
+                    "layer-wise code over real tcp")
 
 
 @pytest.fixture(scope="module")
