@@ -38,30 +38,26 @@ table's lock release and the caller's own work, so it is seen first.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import logging
 import mmap
 import os
-import re
-import secrets
-import stat
 import threading
 import weakref
 
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import shmfile
+
 log = logging.getLogger("kvlink.holdboard")
 
 SLOTS = 1 << 16  # power of two: a generation's low bits pick its slot
-_MAGIC = 0x6B766C696E6B4231  # "kvlinkB1"
 _HEADER = 64  # magic (8), slots (8), token (16), reserved
-_SIZE = _HEADER + 16 * SLOTS  # per slot: generation, fingerprint
-_DIR = "/dev/shm"
-_NAME = re.compile(r"\Akvlink-board-[0-9a-f]{32}\Z")
-TOKEN_BYTES = 16
+#: per slot: generation, fingerprint; magic "kvlinkB1"
+KIND = shmfile.Kind("kvlink-board-", 0x6B766C696E6B4231, SLOTS, _HEADER + 16 * SLOTS)
+TOKEN_BYTES = shmfile.TOKEN_BYTES
 
 
 def fingerprint(block_ids: npt.ArrayLike) -> int:
@@ -85,24 +81,11 @@ class HoldBoard:
     :class:`~kvlink.leases.BlockLeases`' lock."""
 
     def __init__(self) -> None:
-        self.name = f"kvlink-board-{secrets.token_hex(16)}"
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-        path = os.path.join(_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, _SIZE)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for as long as we live
-            self._map = mmap.mmap(fd, _SIZE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        self._fd, self._path = fd, path
-        words = np.frombuffer(self._map, dtype=np.uint64)
-        self._slots = words[_HEADER // 8:].reshape(SLOTS, 2)
-        words[1] = SLOTS
-        self._map[16:16 + TOKEN_BYTES] = self.token
-        words[0] = _MAGIC  # last: a reader that sees the magic sees the rest
+        made = shmfile.make(KIND, lambda fd: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB))
+        # (the flock is held for as long as we live: readers' liveness check)
+        self.name, self.token, self._map = made.name, made.token, made.map
+        self._fd, self._path = made.fd, made.path
+        self._slots = np.frombuffer(self._map, dtype=np.uint64)[_HEADER // 8:].reshape(SLOTS, 2)
         self._lock = threading.Lock()
         self.published = 0
         self.collisions = 0  # holds whose slot another live hold had: readers ask instead
@@ -185,29 +168,11 @@ class BoardView:
     def open(cls, offer_name: str, token: bytes) -> BoardView | None:
         """The board a handshake offered, or None (with the reason logged) when it is not
         ours to read: not on this host's /dev/shm, not a board, another token."""
-        if not _NAME.match(offer_name) or len(token) != TOKEN_BYTES:
-            log.info("hold board offer %r refused: not a board name", offer_name)
+        opened = shmfile.open_board(KIND, offer_name, token, writable=False,
+                                    what="hold board (validating by asking)")
+        if opened is None:
             return None
-        try:
-            fd = os.open(os.path.join(_DIR, offer_name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            log.info("hold board %s not opened (%s): validating by asking", offer_name, exc)
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != _SIZE:
-                raise OSError(errno.EINVAL, "not a hold board")
-            view = mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ)
-            head = np.frombuffer(view, dtype=np.uint64, count=2)
-            if (int(head[0]) != _MAGIC or int(head[1]) != SLOTS
-                    or view[16:16 + TOKEN_BYTES] != token):
-                del head
-                view.close()
-                raise OSError(errno.EINVAL, "another board (magic or token differ)")
-        except OSError as exc:
-            os.close(fd)
-            log.info("hold board %s refused (%s): validating by asking", offer_name, exc)
-            return None
+        fd, view = opened
         return cls(fd, view)
 
     def holds(self, generation: int, fp: int) -> bool:

@@ -31,31 +31,26 @@ push id) makes that a second line. Same-host only: the prefill opens the board b
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import mmap
 import os
-import re
-import secrets
-import stat
 import threading
 
 import numpy as np
 
-from kvlink.holdboard import TOKEN_BYTES, Offer
+from kvlink import holdboard, shmfile
+from kvlink.holdboard import Offer
 
 log = logging.getLogger("kvlink.landing")
 
 SLOTS = 4095  # with the header, 64 pages exactly (CUDA page-locks whole pages)
 POISON = 1 << 63  # a flag the device set when a copy refused an extent: never "landed"
 _LAYER_BITS = 16  # low bits of a flag: the layers landed; above them the push's tag
-_MAGIC = 0x6B766C696E6B4C31  # "kvlinkL1"
 _HEADER = 64  # magic (8), slots (8), token (16), reserved
 _WORDS = 8  # per slot: flag, tag, generation, fingerprint, hold board name (2), token (2)
-_SIZE = _HEADER + 8 * _WORDS * SLOTS
-_DIR = "/dev/shm"
-_NAME = re.compile(r"\Akvlink-landing-[0-9a-f]{32}\Z")
-_BOARD_PREFIX = "kvlink-board-"
+KIND = shmfile.Kind("kvlink-landing-", 0x6B766C696E6B4C31, SLOTS,  # magic "kvlinkL1"
+                    _HEADER + 8 * _WORDS * SLOTS)
+_BOARD_PREFIX = holdboard.KIND.prefix
 
 
 def tag_of(push_id: int) -> int:
@@ -105,24 +100,11 @@ class LandingBoard:
     """The decode's side: one board per worker, slots taken per awaited push and rank."""
 
     def __init__(self) -> None:
-        self.name = f"kvlink-landing-{secrets.token_hex(16)}"
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-        path = os.path.join(_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, _SIZE)
-            self._map = mmap.mmap(fd, _SIZE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        os.close(fd)  # the mapping keeps the pages; the name stays until close()
-        self._path: str | None = path
-        words = _words(self._map)
-        self._slots = words[_HEADER // 8:].reshape(SLOTS, _WORDS)
-        words[1] = SLOTS
-        self._map[16:16 + TOKEN_BYTES] = self.token
-        words[0] = _MAGIC  # last: a writer that sees the magic sees the rest
+        made = shmfile.make(KIND)
+        os.close(made.fd)  # the mapping keeps the pages; the name stays until close()
+        self.name, self.token, self._map = made.name, made.token, made.map
+        self._path: str | None = made.path
+        self._slots = _words(self._map)[_HEADER // 8:].reshape(SLOTS, _WORDS)
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
 
@@ -195,37 +177,19 @@ class LandingView:
         words = _words(view)
         self._slots = words[_HEADER // 8:].reshape(SLOTS, _WORDS)
         self.base = int(words.ctypes.data)
-        self.nbytes = _SIZE
+        self.nbytes = KIND.size
         self._lock = threading.Lock()
 
     @classmethod
     def open(cls, name: str, token: bytes) -> LandingView | None:
         """The board a push request offered, or None (logged) when it is not ours to write:
         not on this host's /dev/shm, not a board, another token."""
-        if not _NAME.match(name) or len(token) != TOKEN_BYTES:
-            log.info("landing board offer %r refused: not a board name", name)
+        opened = shmfile.open_board(KIND, name, token, writable=True,
+                                    what="landing board (its pushes end by note)")
+        if opened is None:
             return None
-        try:
-            fd = os.open(os.path.join(_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
-        except OSError as exc:
-            log.info("landing board %s not opened (%s): its pushes end by note", name, exc)
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != _SIZE:
-                raise OSError(errno.EINVAL, "not a landing board")
-            view = mmap.mmap(fd, _SIZE)
-            head = np.frombuffer(view, dtype=np.uint64, count=2)
-            if (int(head[0]) != _MAGIC or int(head[1]) != SLOTS
-                    or view[16:16 + TOKEN_BYTES] != token):
-                del head
-                view.close()
-                raise OSError(errno.EINVAL, "another board (magic or token differ)")
-        except OSError as exc:
-            log.info("landing board %s refused (%s): its pushes end by note", name, exc)
-            return None
-        finally:
-            os.close(fd)
+        fd, view = opened
+        os.close(fd)  # the mapping is what we use
         return cls(name, view)
 
     def start(self, slot: int, tag: int, hold: Hold) -> None:
