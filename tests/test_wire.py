@@ -69,7 +69,10 @@ STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
         wire.PushRequest, v=st.just(WIRE_VERSION), engine_id=text, agent_name=text,
         req_id=text, host=st.from_regex(r"[A-Za-z0-9._:%-]{1,40}", fullmatch=True), port=port,
         block_ids=st.lists(block_id, max_size=20), push_id=u63,
-        ttl_ms=st.integers(0, wire.MAX_TTL_MS), incarnation=u63),
+        ttl_ms=st.integers(0, wire.MAX_TTL_MS), incarnation=u63,
+        landing=st.none() | st.builds(
+            wire.LandingMsg, name=st.from_regex(r"[a-z0-9-]{1,40}", fullmatch=True),
+            token=st.binary(max_size=16), slot=st.integers(0, 1 << 20), host_id=text)),
     wire.ReadIntent: st.builds(wire.ReadIntent, v=st.just(WIRE_VERSION), engine_id=text,
                                req_id=text, tp_rank=st.integers(0, wire.MAX_TP - 1),
                                incarnation=u63, block_ids=st.lists(block_id, max_size=20)),
