@@ -19,7 +19,8 @@ H200 after a copy of microseconds (the layer-wise push's whole exposed time). Wi
 - the decode's poll sees the flag at ``value(tag, num_layers)`` and the prefill's hold still
   shown on its hold board (so it was held for every WRITE: validate after write, answered from
   shared memory as a same-host READ's is) and counts that rank written. Anything else — a
-  poisoned flag, another tag, no hold board, a hold no longer shown — leaves the push to the
+  flag stuck below every layer (a copy refused an extent, a range never posted), another tag,
+  no hold board, a hold no longer shown — leaves the push to the
   prefill's "written" note, as without the board.
 
 A slot is given back only when its push ended and no byte of it can still land (the push's own
@@ -44,7 +45,6 @@ from kvlink.holdboard import Offer
 log = logging.getLogger("kvlink.landing")
 
 SLOTS = 4095  # with the header, 64 pages exactly (CUDA page-locks whole pages)
-POISON = 1 << 63  # a flag the device set when a copy refused an extent: never "landed"
 _LAYER_BITS = 16  # low bits of a flag: the layers landed; above them the push's tag
 _HEADER = 64  # magic (8), slots (8), token (16), reserved
 _WORDS = 8  # per slot: flag, tag, generation, fingerprint, hold board name (2), token (2)
@@ -139,7 +139,7 @@ class LandingBoard:
     def landed(self, slot: int, tag: int) -> int:
         """Layers the flag says landed for the push tagged ``tag`` (0: none, or not ours)."""
         flag = int(self._slots[slot, 0])
-        if flag & POISON or flag >> _LAYER_BITS != tag:
+        if flag >> _LAYER_BITS != tag:
             return 0
         return flag & ((1 << _LAYER_BITS) - 1)
 
