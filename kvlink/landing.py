@@ -9,7 +9,7 @@ H200 after a copy of microseconds (the layer-wise push's whole exposed time). Wi
   name, token and the slot), cleared;
 - the prefill, at the push's start, **writes its hold** into the slot from the host: the push's
   tag, the generation and block fingerprint of the hold the push writes from, and where its
-  hold board is (:mod:`kvlink.holdboard`) — the generation 0 when it pushes without a lease;
+  hold board is (:mod:`kvlink.holdboard`) — ``NO_LEASE`` when it pushes without a lease;
 - each WRITE of the push is posted with a **signal**: once its bytes have landed, the
   transport moves the slot's flag from ``value(tag, start)`` to ``value(tag, stop)`` — a
   compare-and-set, so a range that never moved (failed at its post) stops the chain there and
@@ -63,11 +63,17 @@ def value(tag: int, layers: int) -> int:
     return (int(tag) << _LAYER_BITS) | int(layers)
 
 
+#: the generation a push without a lease writes (nothing to check): not 0, so that a slot read
+#: half-written (zeros where the hold goes, on a host that reorders stores) checks a hold that
+#: is not there and falls back to the note, never to "nothing to check"
+NO_LEASE = (1 << 64) - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Hold:
     """What the prefill wrote into a slot about the hold it pushes from."""
 
-    generation: int  # 0: pushed without a lease (nothing to check)
+    generation: int  # NO_LEASE: pushed without a lease (nothing to check)
     fingerprint: int
     board: Offer | None  # its hold board
 

@@ -177,6 +177,23 @@ def test_slots_carry_their_push_only(board: landing.LandingBoard) -> None:
     view.close()
 
 
+def test_a_half_written_slot_is_never_read_as_no_lease(board: landing.LandingBoard) -> None:
+    """A slot whose tag shows but whose hold reads as zeros (stores seen out of order) names
+    generation 0 and no hold board: a hold to check, which cannot be shown — never "pushed
+    without a lease, nothing to check" (that is NO_LEASE)."""
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    slot = board.take()
+    assert slot is not None
+    tag = landing.tag_of(9)
+    view._slots[slot, 1] = np.uint64(tag)  # an injected fault: only the tag has landed
+    hold = board.hold(slot, tag)
+    assert hold is not None and hold.generation != landing.NO_LEASE and hold.board is None
+    view.start(slot, tag, landing.Hold(landing.NO_LEASE, 0, None))
+    assert board.hold(slot, tag) == landing.Hold(landing.NO_LEASE, 0, None)
+    view.close()
+
+
 def test_a_board_is_opened_only_with_its_token(board: landing.LandingBoard) -> None:
     assert landing.LandingView.open(board.name, b"x" * 16) is None
     assert landing.LandingView.open("kvlink-landing-../../etc", board.token) is None

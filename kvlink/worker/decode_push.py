@@ -31,7 +31,7 @@ from kvlink.grants import push_ticket
 from kvlink.headmap import map_heads, notify_targets
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
-from kvlink.landing import Hold, LandingBoard, tag_of
+from kvlink.landing import NO_LEASE, Hold, LandingBoard, tag_of
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushWait, Rank
 from kvlink.transport import Op
@@ -152,11 +152,11 @@ class _DecodePush(_Requests):
                 if hold is None:
                     continue
                 aw.holds[rank] = hold
-                if hold.generation:
+                if hold.generation != NO_LEASE:
                     self._hold_shown(hold)
             if board.landed(slot, tag) != layers:
                 continue
-            if hold.generation and not self._hold_shown(hold):
+            if hold.generation != NO_LEASE and not self._hold_shown(hold):
                 continue  # its note says
             aw.wait.ranks[rank] = Rank.WRITTEN
             self.board_landed += 1

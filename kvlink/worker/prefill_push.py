@@ -26,7 +26,7 @@ from kvlink.errors import ConfigError, KVLinkError, TransferCancelled, TransferR
 from kvlink.headmap import push_targets
 from kvlink.holdboard import fingerprint
 from kvlink.hostid import host_id
-from kvlink.landing import Hold, LandingView, tag_of
+from kvlink.landing import NO_LEASE, Hold, LandingView, tag_of
 from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey, push_key
@@ -255,7 +255,7 @@ class _PrefillPush(_Requests):
         view = self._landing_view(offer.name, offer.token)
         if view is None:
             return None
-        hold = Hold(0, 0, None)
+        hold = Hold(NO_LEASE, 0, None)
         if held is not None:
             assert self.board is not None
             blocks = self.leases.held_blocks(held[0])
