@@ -386,13 +386,14 @@ class CudaIpcTransport(Transport):
         (with :attr:`signals`): moved on the device once the copy has landed, unless the copy
         refused an extent; nothing is signalled for a post that fails before its copy."""
         sig = self._device_signal(signal)
+        extra = {} if sig is None else {"signal": sig}
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             if op is Op.READ:
                 return copier.copy(remote, target.map, local, self._local_map, self._stream,
-                                   after, sig)
+                                   after, **extra)
             return copier.copy(local, self._local_map, remote, target.map, self._stream, after,
-                               sig)
+                               **extra)
 
         return self._post(peer, copy, local, remote, None, int(local["len"].sum()),
                           int(local.shape[0]))
@@ -407,6 +408,7 @@ class CudaIpcTransport(Transport):
             plan = runs.expand(self.extents)
             return self.post(op, peer, plan.local, plan.remote, signal=signal)
         sig = self._device_signal(signal)
+        extra = {} if sig is None else {"signal": sig}
         ours, theirs = (runs.local_base, runs.local_at), (runs.remote_base, runs.remote_at)
         segments, count = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
 
@@ -416,7 +418,7 @@ class CudaIpcTransport(Transport):
                                         ((ours, self._local_map), (theirs, target.map)))
             table = np.concatenate([src[0], dst[0], src[1], dst[1], runs.lens])
             return copier.copy_runs(table, segments, count, smap, dmap, self._stream, after,
-                                    runs.longest_run, sig)
+                                    runs.longest_run, **extra)
 
         return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
 

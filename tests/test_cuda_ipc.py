@@ -267,7 +267,7 @@ class _FakeCopier:
         self.raise_next: Exception | None = None
 
     def copy(self, src: object, smap: object, dst: object, dmap: object, stream: object,
-             after: object = None) -> _FakeCopy:
+             after: object = None, signal: object = None) -> _FakeCopy:
         if self.raise_next is not None:
             exc, self.raise_next = self.raise_next, None
             raise exc
