@@ -18,6 +18,7 @@ scheduler's wait for the decode's ids, and the proxy's bodies.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -368,28 +369,28 @@ class Pair:
         return "\n".join(out)
 
 
-#: why the two-server run is opt-in (KVLINK_VLLM_LAYERWISE_E2E=1): in about one run in three
-#: on a 2-core machine a prompt falls back to the whole push because the decode's worker gets
-#: no CPU until the prefill stops waiting for it — its step that asks for the push runs late
-#: by exactly layerwise_wait_ms (10.0 s, and 3.0 s with 3 s; timestamps and stack dumps in both
-#: servers); not yet explained (docs/layerwise.md, Known problems). Every request stays correct.
-LAYERWISE_OPT_IN = ("opt-in (KVLINK_VLLM_LAYERWISE_E2E=1): on two cores the prefill's wait for "
-                    "the decode's ids sometimes starves the decode's worker until it ends "
-                    "(docs/layerwise.md, Known problems); the tests above run the connector's "
-                    "layer-wise code over real tcp")
+def _pinned(name: str, cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Each server on a core of its own where there are two: sharing both cores, the prefill's
+    wait for the decode's ids (vLLM re-runs its engine step while a connector says "later")
+    starved the decode's worker until the wait ended — its step asking for the push ran late by
+    exactly ``layerwise_wait_ms`` in about one run in three, and the prompt was pushed whole
+    (docs/layerwise.md, Known problems). One core each: 0 of 4 runs (was 2 of 4 the same hour)."""
+    cores = sorted(os.sched_getaffinity(0))
+    taskset = shutil.which("taskset")
+    if len(cores) < 2 or taskset is None:
+        return cmd, env
+    core = str(cores[0] if name == "P" else cores[1])
+    return [taskset, "-c", core, *cmd], {**env, "VLLM_CPU_OMP_THREADS_BIND": core}
 
 
 @pytest.fixture(scope="module")
 def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if not os.environ.get("KVLINK_VLLM_LAYERWISE_E2E"):
-        print(f"\nskipping the vLLM layer-wise two-server test: {LAYERWISE_OPT_IN}")
-        pytest.skip(LAYERWISE_OPT_IN)
     if VLLM_MISSING:
         print(f"\nskipping the vLLM layer-wise test: {VLLM_MISSING}")
         pytest.skip(VLLM_MISSING)
     work = tmp_path_factory.mktemp("vllm_layerwise")
     model = str(build_tiny_llama(work / "tiny-llama"))
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # the prefill waits up to 10 s for the decode's block ids (the decode is sent first; on
     # a busy 2-core machine its push request can take a while): the test checks the
     # layer-wise path is taken, not how often a race is won
@@ -405,8 +406,9 @@ def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             port = pd.free_port()
             kv = pd.kv_transfer_config(role, free_port_range(1), policy="recompute",
                                        extra=extra)
-            servers[name] = pd.Server(name, pd.server_command(model, port, kv, block_size=BLOCK),
-                                      port, work / f"{name}.log", env)
+            cmd, server_env = _pinned(name, pd.server_command(model, port, kv,
+                                                              block_size=BLOCK), env)
+            servers[name] = pd.Server(name, cmd, port, work / f"{name}.log", server_env)
         for s in servers.values():
             s.wait_healthy(420)
         print(f"\nvLLM layer-wise servers up in {time.monotonic() - t0:.0f}s (logs in {work})")
