@@ -140,10 +140,7 @@ class HoldBoard:
             except OSError:
                 pass
             self._slots = np.zeros((0, 2), dtype=np.uint64)
-            try:
-                self._map.close()
-            except BufferError:  # a view still exported: the mapping goes with the object
-                pass
+            shmfile.unmap(self._map)
             os.close(self._fd)  # releases the flock
             self._fd = -1
 
@@ -199,10 +196,7 @@ class BoardView:
         if self._fd < 0:
             return
         self._slots = np.zeros((0, 2), dtype=np.uint64)
-        try:
-            self._map.close()
-        except BufferError:  # a view still exported: the mapping goes with the object
-            pass
+        shmfile.unmap(self._map)
         os.close(self._fd)
         self._fd = -1
 

@@ -169,10 +169,7 @@ class LandingBoard:
                 pass
             self._path = None
             self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
-            try:
-                self._map.close()
-            except BufferError:  # a view still exported: the mapping goes with the object
-                pass
+            shmfile.unmap(self._map)
 
 
 class LandingView:
@@ -233,7 +230,4 @@ class LandingView:
 
     def close(self) -> None:
         self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
-        try:
-            self._map.close()
-        except BufferError:  # a registration or view still holds it: goes with the object
-            pass
+        shmfile.unmap(self._map)

@@ -109,3 +109,12 @@ def open_board(kind: Kind, name: str, token: bytes, writable: bool, what: str
         log.info("%s %s refused (%s)", what, name, exc)
         return None
     return fd, view
+
+
+def unmap(view: mmap.mmap) -> None:
+    """Close a board's mapping; one whose buffer a numpy view still exports goes with the last
+    reference instead (the caller has dropped its slots' view first)."""
+    try:
+        view.close()
+    except BufferError:
+        pass
