@@ -26,6 +26,13 @@ blocks, a board that cannot be opened — falls back to the round trip, never to
 The reader still reports its READ (without waiting for the answer) so the producer counts it
 done and releases.
 
+With integrity on (:mod:`kvlink.integrity`) the producer also publishes the hold's digests, in
+the board's arena (pages after the slots, handed out per hold and given back at withdrawal), so
+the reader's check of what landed needs no verdict either. The arena's bytes are written before
+the slot names them and freed only after the generation is cleared: a reader that sees the
+generation before and after copying them out copied what that hold published. A hold whose
+digests do not fit (arena full) is published without them, and its readers ask.
+
 Memory order: 8-byte aligned loads and stores are single accesses on the hosts CUDA runs on
 (x86-64, arm64); the producer stores the fingerprint before the generation and clears the
 generation first; the reader loads the generation before the fingerprint, after it saw its
@@ -55,8 +62,13 @@ log = logging.getLogger("kvlink.holdboard")
 
 SLOTS = 1 << 16  # power of two: a generation's low bits pick its slot
 _HEADER = 64  # magic (8), slots (8), token (16), reserved
-#: per slot: generation, fingerprint; magic "kvlinkB1"
-KIND = shmfile.Kind("kvlink-board-", 0x6B766C696E6B4231, SLOTS, _HEADER + 16 * SLOTS)
+_WORDS = 4  # per slot: generation, fingerprint, digests' arena offset, their length
+PAGE = 4096  # the arena's unit: a hold's digests take whole pages
+ARENA_PAGES = 1 << 14  # 64 MiB (tmpfs: only pages written take memory), e.g. 200 holds of
+#                        a 70B TP8-rank 4096-token request's full digests
+_ARENA = _HEADER + 8 * _WORDS * SLOTS  # the arena's first byte (page aligned)
+#: magic "kvlinkB2" (B1: slots without digests)
+KIND = shmfile.Kind("kvlink-board-", 0x6B766C696E6B4232, SLOTS, _ARENA + PAGE * ARENA_PAGES)
 TOKEN_BYTES = shmfile.TOKEN_BYTES
 
 
@@ -85,10 +97,14 @@ class HoldBoard:
         # (the flock is held for as long as we live: readers' liveness check)
         self.name, self.token, self._map = made.name, made.token, made.map
         self._fd, self._path = made.fd, made.path
-        self._slots = np.frombuffer(self._map, dtype=np.uint64)[_HEADER // 8:].reshape(SLOTS, 2)
+        self._slots = _slots(self._map)
+        self._used = np.zeros(ARENA_PAGES, dtype=bool)  # arena pages given to live holds
+        self._next = 0  # where the next hold's digests go if the pages there are free
+        self._pages: dict[int, tuple[int, int]] = {}  # generation -> its (first page, count)
         self._lock = threading.Lock()
         self.published = 0
         self.collisions = 0  # holds whose slot another live hold had: readers ask instead
+        self.arena_full = 0  # holds published without their digests: readers ask for them
         # a forked child must not keep our lock alive after we die (fork copies the fd)
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
@@ -105,8 +121,10 @@ class HoldBoard:
     def offer(self) -> Offer:
         return Offer(self.name, self.token)
 
-    def publish(self, generation: int, block_ids: npt.ArrayLike) -> bool:
-        """Show ``generation`` as held over ``block_ids``; False if its slot is taken."""
+    def publish(self, generation: int, block_ids: npt.ArrayLike,
+                digests: bytes = b"") -> bool:
+        """Show ``generation`` as held over ``block_ids``, with its ``digests`` (an opaque
+        blob, :func:`kvlink.integrity.pack`) where they fit; False if its slot is taken."""
         fp = np.uint64(fingerprint(block_ids))
         with self._lock:
             if self._fd < 0:
@@ -115,20 +133,43 @@ class HoldBoard:
             if int(slot[0]) != 0:
                 self.collisions += 1
                 return False
+            at = self._place(generation, digests) if digests else None
+            if digests and at is None:
+                self.arena_full += 1
+            slot[2] = np.uint64(at if at is not None else 0)
+            slot[3] = np.uint64(len(digests) if at is not None else 0)
             slot[1] = fp
-            slot[0] = np.uint64(generation)
+            slot[0] = np.uint64(generation)  # last: a reader that sees it sees the rest
             self.published += 1
             return True
 
+    def _place(self, generation: int, blob: bytes) -> int | None:
+        """Write ``blob`` into free arena pages (the next ones, else from the start); its
+        byte offset in the file, or None when no run of free pages is long enough there."""
+        need = -(-len(blob) // PAGE)
+        for first in (self._next, 0):
+            if first + need <= ARENA_PAGES and not self._used[first:first + need].any():
+                self._used[first:first + need] = True
+                self._pages[generation] = (first, need)
+                self._next = (first + need) % ARENA_PAGES
+                at = _ARENA + first * PAGE
+                self._map[at:at + len(blob)] = blob
+                return at
+        return None
+
     def withdraw(self, generation: int) -> None:
-        """``generation``'s hold ended: clear its slot (if it is ours)."""
+        """``generation``'s hold ended: clear its slot (if it is ours), then give its digests'
+        pages back (a reader's second look at the generation then fails first)."""
         with self._lock:
             if self._fd < 0:
                 return
             slot = self._slots[generation & (SLOTS - 1)]
             if int(slot[0]) == generation:
                 slot[0] = 0
-                slot[1] = 0
+                slot[1:] = 0
+            pages = self._pages.pop(generation, None)
+            if pages is not None:
+                self._used[pages[0]:pages[0] + pages[1]] = False
 
     def close(self) -> None:
         """Unlink and drop the lock: readers' after-checks fail from here on."""
@@ -139,10 +180,15 @@ class HoldBoard:
                 os.unlink(self._path)
             except OSError:
                 pass
-            self._slots = np.zeros((0, 2), dtype=np.uint64)
+            self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
             shmfile.unmap(self._map)
             os.close(self._fd)  # releases the flock
             self._fd = -1
+
+
+def _slots(view: mmap.mmap) -> npt.NDArray[np.uint64]:
+    words = np.frombuffer(view, dtype=np.uint64, count=(_ARENA // 8))
+    return words[_HEADER // 8:].reshape(SLOTS, _WORDS)
 
 
 def _forget_in_child(ref: weakref.ref[HoldBoard]) -> None:
@@ -159,7 +205,7 @@ class BoardView:
 
     def __init__(self, fd: int, view: mmap.mmap) -> None:
         self._fd, self._map = fd, view
-        self._slots = np.frombuffer(view, dtype=np.uint64)[_HEADER // 8:].reshape(SLOTS, 2)
+        self._slots = _slots(view)
 
     @classmethod
     def open(cls, offer_name: str, token: bytes) -> BoardView | None:
@@ -179,6 +225,23 @@ class BoardView:
         slot = self._slots[generation & (SLOTS - 1)]
         return int(slot[0]) == generation and int(slot[1]) == fp
 
+    def digests(self, generation: int, fp: int) -> bytes | None:
+        """The digests ``generation``'s hold published, copied out; None where it shows none
+        (or is not shown). Checked before and after the copy: the pages are given back only
+        after the generation is cleared, and a generation never comes back."""
+        if self._fd < 0:
+            return None
+        slot = self._slots[generation & (SLOTS - 1)]
+        if int(slot[0]) != generation or int(slot[1]) != fp:
+            return None
+        at, n = int(slot[2]), int(slot[3])
+        if n == 0 or at < _ARENA or at + n > KIND.size:
+            return None
+        blob = bytes(self._map[at:at + n])
+        if int(slot[0]) != generation:
+            return None
+        return blob
+
     def alive(self) -> bool:
         """Whether the producer still holds its board's lock (it is alive and has not closed
         its worker)."""
@@ -195,7 +258,7 @@ class BoardView:
         """Drop the mapping and the descriptor (after-checks fail from here on)."""
         if self._fd < 0:
             return
-        self._slots = np.zeros((0, 2), dtype=np.uint64)
+        self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
         shmfile.unmap(self._map)
         os.close(self._fd)
         self._fd = -1

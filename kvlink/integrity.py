@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError
 from kvlink.layout import KVCacheSpec, Layout
+from kvlink.transport import DigestJob
 from kvlink.wire import MAX_DIGEST_BYTES
 
 SAMPLE_EVERY = 32  # ``sample`` checks about one block in this many (at least one per request)
@@ -269,6 +270,17 @@ def _cuda_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int) -
     The planes' table is built once per planes object (a worker's, fixed at register)."""
     import torch
 
+    table = _table(planes)
+    out = table.digest(torch.from_numpy(ids).to(table.device), h0, h1)
+    if out is None:
+        return None
+    host = np.asarray(out.cpu().numpy()).view(np.uint64)
+    return host.reshape(ids.shape[0], len(planes), len(planes[0]), h1 - h0)
+
+
+def _table(planes: Planes) -> Any:
+    """The planes' integrity_cuda.Table, built once per planes object (a worker's, fixed at
+    register)."""
     from kvlink import integrity_cuda
 
     got = _TABLES.get(id(planes))
@@ -277,12 +289,7 @@ def _cuda_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int) -
             _TABLES.clear()
         got = (planes, integrity_cuda.Table([v for row in planes for v in row]))
         _TABLES[id(planes)] = got
-    table = got[1]
-    out = table.digest(torch.from_numpy(ids).to(table.device), h0, h1)
-    if out is None:
-        return None
-    host = np.asarray(out.cpu().numpy()).view(np.uint64)
-    return host.reshape(ids.shape[0], len(planes), len(planes[0]), h1 - h0)
+    return got[1]
 
 
 def _torch_plane(pages: Any, ids: npt.NDArray[np.int64], h0: int, h1: int) -> U64:
@@ -315,7 +322,29 @@ def fold(d: U64) -> U64:
         return np.asarray((d * w).sum(axis=(1, 2), dtype=np.uint64)).reshape(k, 1, 1, heads)
 
 
-def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> tuple[list[int], bytes, bool]:
+Digests = tuple[list[int], bytes, bool]  # (block ids, little-endian u64 digests, folded)
+
+
+def pack(got: Digests) -> bytes:
+    """``got`` as one blob for the hold board's arena (kvlink.holdboard): (count, folded)
+    then the block ids and the digests, little-endian 64-bit words."""
+    ids, blob, folded = got
+    head = np.array([len(ids), int(folded)], dtype="<u8").tobytes()
+    return head + np.asarray(ids, dtype="<i8").tobytes() + blob
+
+
+def unpack(raw: bytes) -> Digests | None:
+    """:func:`pack`'s inverse; None for a blob that is not one (the caller then asks)."""
+    if len(raw) < 16 or len(raw) % 8:
+        return None
+    n, folded = (int(x) for x in np.frombuffer(raw, dtype="<u8", count=2))
+    if folded > 1 or 16 + 8 * n > len(raw):
+        return None
+    ids = np.frombuffer(raw, dtype="<i8", count=n, offset=16).tolist()
+    return ids, raw[16 + 8 * n:], bool(folded)
+
+
+def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> Digests:
     folded = d.nbytes > MAX_DIGEST_BYTES
     if folded:
         d = fold(d)
@@ -333,6 +362,7 @@ class Checker:
         self.checked_blocks = 0  # consumer: blocks whose digests matched
         self.failures = 0  # consumer: receives failed on a digest mismatch
         self.check_seconds = 0.0  # consumer: time spent checking, since start (benchmarks)
+        self.fused_blocks = 0  # consumer: checked blocks the transport digested as it copied
 
     @property
     def on(self) -> bool:
@@ -355,7 +385,7 @@ class Checker:
         if got is not None and got[0] == generation:
             del self._fixed[req_id]
 
-    def for_verdict(self, req_id: str, generation: int) -> tuple[list[int], bytes, bool]:
+    def for_verdict(self, req_id: str, generation: int) -> Digests:
         """(block ids, digests, folded) to send with an "intact" verdict; empty if none."""
         got = self._fixed.get(req_id)
         if got is None or got[0] != generation:
@@ -363,8 +393,14 @@ class Checker:
         _, ids, d = got
         return _wire_form(ids, d)
 
+    def for_board(self, req_id: str, generation: int) -> bytes:
+        """The digests to publish with the hold on the hold board (:func:`pack`; empty if
+        none), so a same-host reader checks what landed without asking for a verdict."""
+        got = self.for_verdict(req_id, generation)
+        return pack(got) if got[0] else b""
+
     def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
-                 lease: tuple[str, int] | None = None) -> tuple[list[int], bytes, bool]:
+                 lease: tuple[str, int] | None = None) -> Digests:
         """(decode block ids, digests, folded) for a push's "written" note: the digests the
         hold fixed (``lease``: (held request, generation)), else taken now over ``src_ids``
         (the caller's blocks are final: it pushes them); the ids are the ones they land in."""
@@ -383,23 +419,49 @@ class Checker:
         return _wire_form(dst[pick], digest(self.planes, src[pick]))
 
     # ------------------------------------------------------------------ consumer
+    def fused_job(self, remote_ids: npt.NDArray[np.int64], digest_ids: list[int],
+                  page_bytes: int) -> DigestJob | None:
+        """What a transport that copies on the device needs to digest what it lands while it
+        copies (:class:`~kvlink.transport.DigestJob`): a row per block the producer digested
+        (``digest_ids``, from its hold board). None where the planes are not on a GPU or
+        the kernel cannot take their geometry: the check then digests after the copy."""
+        planes = self.planes
+        first = planes[0][0] if planes else None
+        if (not self.on or planes is None or first is None or isinstance(first, np.ndarray)
+                or not digest_ids):
+            return None
+        if first.device.type != "cuda":
+            return None
+        got = _table(planes).fused()
+        if got is None:
+            return None
+        mask = np.isin(remote_ids, np.asarray(digest_ids, dtype=np.int64))
+        count = int(mask.sum())
+        rows = np.where(mask, np.cumsum(mask) - 1, -1).astype(np.int64)
+        return DigestJob(got[0], got[1], len(planes) * len(planes[0]),
+                         int(first.shape[1]), page_bytes, rows, count)
+
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
               remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
-              blob: bytes, folded: bool, layers: int, planes: int) -> str | None:
+              blob: bytes, folded: bool, layers: int, planes: int,
+              landed: tuple[npt.NDArray[np.int64], U64] | None = None) -> str | None:
         """None when what landed matches the producer's digests of the heads we read; else
-        the reason (naming request, block, layer, plane and head), which fails the receive."""
+        the reason (naming request, block, layer, plane and head), which fails the receive.
+        ``landed``: (row per request position, digests) the transport took while it copied
+        (:meth:`fused_job`), instead of digesting the blocks now."""
         if not self.on:
             return None
         t0 = time.perf_counter()
         try:
             return self._check(req_id, local_ids, remote_ids, heads, digest_ids, blob, folded,
-                               layers, planes)
+                               layers, planes, landed)
         finally:
             self.check_seconds += time.perf_counter() - t0
 
     def _check(self, req_id: str, local_ids: npt.NDArray[np.int64],
                remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
-               blob: bytes, folded: bool, layers: int, planes: int) -> str | None:
+               blob: bytes, folded: bool, layers: int, planes: int,
+               landed: tuple[npt.NDArray[np.int64], U64] | None) -> str | None:
         if not digest_ids:
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
@@ -421,7 +483,13 @@ class Checker:
         j_idx = np.array([j for j, _ in pos])
         i_idx = np.array([i for _, i in pos])
         theirs = theirs_all[j_idx][..., rp:rp + count].astype(np.uint64)
-        ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
+        rows = landed[0][i_idx] if landed is not None else None
+        if landed is not None and rows is not None and (rows >= 0).all():
+            got = landed[1][rows][..., lp:lp + count]
+            ours = got.reshape(len(pos), layers, planes, count)
+            self.fused_blocks += len(pos)
+        else:
+            ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
         if folded:
             ours = fold(ours)
         bad = first_mismatch(theirs, ours)

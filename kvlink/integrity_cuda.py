@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Literal
 
 log = logging.getLogger("kvlink.integrity")
 
@@ -104,16 +104,49 @@ class Table:
         self.device = first.device
         self.planes = len(views)
         self.tokens, self.head_bytes = int(first.shape[2]), int(first.shape[3])
+        self.heads = int(first.shape[1])
+        self._fused: tuple[int, int, Any] | Literal[False] | None = None
         rows = []
         ok = self.head_bytes % 8 == 0
         for v in views:
             ptr = int(v.data_ptr())
             sb, sh, sn, sc = (int(s) for s in v.stride())
-            ok = ok and sc == 1 and tuple(v.shape[2:]) == (self.tokens, self.head_bytes)
+            ok = ok and sc == 1 and tuple(v.shape[1:]) == (self.heads, self.tokens,
+                                                           self.head_bytes)
             ok = ok and (ptr | sh | sn | sb) % 8 == 0
             rows.append((ptr, sb, sh, sn))
+        self.raw_rows = rows
         self.fn = load(self.device) if ok else None
         self.rows = torch.tensor(rows, dtype=torch.int64).to(self.device) if ok else None
+
+    def fused(self) -> tuple[int, int, Any] | None:
+        """(geometry, weights, keep-alive) device pointers for the cuda_ipc copy kernel's
+        fused digest (kvlink.gpu.move ``kv_move_digest``): the views' rows with strides in
+        32 bits and whole 16-byte vectors per head row, else None. Built once."""
+        if self._fused is None:
+            self._fused = self._build_fused() or False
+        return self._fused if self._fused is not False else None
+
+    def _build_fused(self) -> tuple[int, int, Any] | None:
+        import numpy as np
+        import torch
+
+        from kvlink.integrity import _weights
+
+        if self.rows is None or self.head_bytes % 16:
+            return None
+        heads = self.heads
+        geo = [heads, self.tokens, self.head_bytes, self.head_bytes // 8, 0, 0, 0, 0]
+        for ptr, sb, sh, sn in self.raw_rows:
+            sh = 0 if heads == 1 else sh
+            if not (0 <= sh < 1 << 31 and 0 < sn < 1 << 31) or (ptr | sh | sn | sb) % 16:
+                return None
+            geo += [ptr, sb, sh, sn]
+        weights = _weights(self.tokens, self.head_bytes // 8).view(np.int64).reshape(-1)
+        g = torch.tensor(geo, dtype=torch.int64).to(self.device)
+        w = torch.from_numpy(weights.copy()).to(self.device)
+        torch.cuda.synchronize(self.device)  # once, at the first fused READ
+        return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 
     def digest(self, ids: Any, h0: int, h1: int) -> Any | None:
         """``[blocks, planes, heads]`` int64 digests on the device, launched on the caller's

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.options import check_options
@@ -65,6 +66,7 @@ from kvlink.transport import (
     DONE,
     PENDING,
     Capabilities,
+    DigestJob,
     Extents,
     Op,
     Region,
@@ -129,6 +131,7 @@ class _Xfer:
     state: XferState = PENDING
     runs: Runs | None = None  # post_runs: expanded only to explain a refusal
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
+    digest_shape: tuple[int, int, int] = ()  # type: ignore[assignment]  # fused digests
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
@@ -398,15 +401,25 @@ class CudaIpcTransport(Transport):
         return self._post(peer, copy, local, remote, None, int(local["len"].sum()),
                           int(local.shape[0]))
 
+    #: post_runs takes ``digest`` (kvlink.transport.DigestJob): a READ of one run per block
+    #: lands its integrity digests from the copy kernel itself (see :meth:`landed_digests`)
+    fuses_digests = True
+
     def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"",
-                  signal: Signal | None = None) -> int:
+                  signal: Signal | None = None, digest: DigestJob | None = None) -> int:
         """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post`
         of ``runs.expand()`` without expanding it — the kernel computes each extent's
         addresses from the segment bases and runs, so the host writes a few kilobytes instead
-        of segments x runs records. Same contract as post (stream order, never raises)."""
+        of segments x runs records. Same contract as post (stream order, never raises).
+        ``digest``: where the READ's shape allows (:meth:`_fusable`), the copy kernel also
+        digests what it lands (``kv_move_digest``; no launch, upload or sync of its own)."""
         if self._copier is None or not self._copier.computes_addresses:
             plan = runs.expand(self.extents)
             return self.post(op, peer, plan.local, plan.remote, signal=signal)
+        pages = self._fusable(op, runs, digest) if signal is None else 0
+        if pages:
+            assert digest is not None
+            return self._post_digest(peer, runs, digest, pages)
         sig = self._device_signal(signal)
         extra = {} if sig is None else {"signal": sig}
         ours, theirs = (runs.local_base, runs.local_at), (runs.remote_base, runs.remote_at)
@@ -421,6 +434,55 @@ class CudaIpcTransport(Transport):
                                     runs.longest_run, **extra)
 
         return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
+
+    @staticmethod
+    def _fusable(op: Op, runs: Runs, digest: DigestJob | None) -> int:
+        """Pages per unit (1, or 2: K and V side by side) where ``kv_move_digest`` can take
+        this post — a READ of one whole unit per block, 16-byte aligned, as many units as the
+        digest's rows say, planes that match the segments — else 0 (the caller digests)."""
+        from kvlink.gpu.move import DIGEST_MAX
+
+        if digest is None or op is not Op.READ or digest.page_bytes <= 0:
+            return 0
+        n, segments = int(runs.lens.shape[0]), int(runs.local_base.shape[0])
+        unit = runs.longest_run
+        pages, rest = divmod(unit, digest.page_bytes)
+        if (rest or pages not in (1, 2) or unit % 16 or n != digest.rows.shape[0]
+                or runs.run_bytes != n * unit or segments * pages != digest.planes
+                or pages * digest.heads > DIGEST_MAX):
+            return 0
+        if ((runs.local_base | runs.remote_base) % np.uint64(16)).any():
+            return 0
+        return pages
+
+    def _post_digest(self, peer: str, runs: Runs, digest: DigestJob, pages: int) -> int:
+        from kvlink.gpu.copy import DigestLaunch
+
+        segments, n = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
+        unit = runs.longest_run
+        launch = DigestLaunch(digest.geometry, digest.weights, pages, digest.page_bytes,
+                              digest.count * digest.planes * digest.heads)
+
+        def copy(copier: Any, target: _Peer, after: int | None) -> Any:
+            table = np.concatenate([runs.remote_base, runs.local_base, runs.remote_at,
+                                    runs.local_at, digest.rows.view(np.uint64)])
+            return copier.copy_digest(table, segments, n, unit, target.map, self._local_map,
+                                      self._stream, after, launch)
+
+        handle = self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
+        x = self._xfers.get(handle)
+        if x is not None:
+            x.digest_shape = (digest.count, digest.planes, digest.heads)
+        return handle
+
+    def landed_digests(self, handle: int) -> npt.NDArray[np.uint64] | None:
+        """``[checked blocks, planes, heads]`` digests the copy kernel took of what this DONE
+        READ landed (a post with ``digest`` it could fuse), else None."""
+        x = self._xfers.get(handle)
+        if x is None or x.pending is None or x.state is not DONE or not x.digest_shape:
+            return None
+        got = x.pending.digests
+        return None if got is None else got.reshape(x.digest_shape)
 
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
               local: Extents | None, remote: Extents | None, runs: Runs | None, nbytes: int,

@@ -106,8 +106,8 @@ def test_a_hold_that_ends_under_the_read_is_not_trusted() -> None:
 
 
 def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
-    """A subset of the held blocks (another fingerprint) and a reader with integrity on (the
-    digests come with the producer's verdict) both finish through the round trip."""
+    """A subset of the held blocks (another fingerprint), and with integrity on a hold whose
+    digests did not fit the board's arena, both finish through the round trip."""
     prefill, _ = make("p", seed=1, integrity="full")
     decode, _ = make("d", serve=False)
     checked, _ = make("c", serve=False, integrity="full")
@@ -117,7 +117,10 @@ def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
         decode.read("sub", remote(prefill), [4, 5], [3, 9], generation=gen)
         ok, reason = outcome(decode, "sub", 10)
         assert ok, reason
+        assert prefill.board is not None
+        prefill.board._used[:] = True  # every arena page taken (a stand-in for a full one)
         gen = prefill.hold("dig", [5, 6])
+        assert prefill.board.arena_full == 1
         checked.read("dig", remote(prefill), [1, 2], [5, 6], generation=gen)
         ok, reason = outcome(checked, "dig", 10)
         assert ok, reason
@@ -126,6 +129,34 @@ def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
         assert decode.board_validated == 1  # the warm-up (all its held blocks)
     finally:
         for w in (prefill, decode, checked):
+            w.close()
+
+
+def test_with_integrity_on_a_read_is_checked_from_the_board() -> None:
+    """The hold's digests are published with it: a same-host reader with integrity on checks
+    what landed against them without a verdict round trip (old code: it always asked), and
+    a byte changed under the hold still fails the receive, named."""
+    prefill, _ = make("p", seed=1, integrity="full")
+    checked, _ = make("c", serve=False, integrity="full")
+    try:
+        _warm(checked, prefill)
+        base = checked.board_validated
+        gen = prefill.hold("dig", [5, 6])
+        checked.read("dig", remote(prefill), [1, 2], [5, 6], generation=gen)
+        ok, reason = outcome(checked, "dig", 10)
+        assert ok, reason
+        assert checked.board_validated == base + 1
+        assert checked.integrity.checked_blocks >= 2
+        assert np.array_equal(blocks(checked, [1, 2]), blocks(prefill, [5, 6]))
+        gen = prefill.hold("bad", [7, 8])
+        layers = prefill._keep[1]  # type: ignore[attr-defined]
+        np.asarray(layers[1])[0, 8].reshape(-1)[3] ^= 1  # injected: changed after the hold
+        checked.read("bad", remote(prefill), [3, 4], [7, 8], generation=gen)
+        ok, reason = outcome(checked, "bad", 10)
+        assert not ok and "integrity" in reason and "remote 8" in reason, reason
+        assert checked.board_validated == base + 2
+    finally:
+        for w in (prefill, checked):
             w.close()
 
 
@@ -171,6 +202,37 @@ def test_publish_withdraw_and_the_seqlock() -> None:
     assert not os.path.exists(os.path.join("/dev/shm", board.name))
     board.withdraw(gen)  # a late release after close is harmless
     assert not board.publish(gen, ids)
+
+
+def test_digests_ride_with_the_hold_and_their_pages_come_back() -> None:
+    """A hold's digests are readable while it is shown, gone with its withdrawal, and their
+    arena pages reused by later holds; a hold whose digests do not fit is shown without."""
+    board = HoldBoard()
+    try:
+        view = BoardView.open(board.name, board.token)
+        assert view is not None
+        blob = bytes(range(256)) * 40  # 10 KiB: three pages
+        a, b = (1 << 20) | 1, (2 << 20) | 2
+        assert board.publish(a, [1], blob) and board.publish(b, [2], blob[:100])
+        assert view.digests(a, fingerprint([1])) == blob
+        assert view.digests(b, fingerprint([2])) == blob[:100]
+        assert view.digests(a, fingerprint([2])) is None  # another block list
+        assert int(board._used.sum()) == 4
+        board.withdraw(a)
+        assert view.digests(a, fingerprint([1])) is None
+        assert int(board._used.sum()) == 1
+        big = b"x" * (holdboard.PAGE * holdboard.ARENA_PAGES)  # the whole arena: no room
+        c = (3 << 20) | 3
+        assert board.publish(c, [3], big) and board.arena_full == 1
+        assert view.holds(c, fingerprint([3])) and view.digests(c, fingerprint([3])) is None
+        board.withdraw(b)
+        board.withdraw(c)
+        assert not board._used.any()
+        d = (4 << 20) | 4  # from the start again once the next pages are short
+        assert board.publish(d, [4], big[:holdboard.PAGE * (holdboard.ARENA_PAGES - 2)])
+        assert view.digests(d, fingerprint([4])) is not None
+    finally:
+        board.close()
 
 
 def _child_board(q: Any) -> None:

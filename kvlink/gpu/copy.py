@@ -24,6 +24,7 @@ lazily: the package imports on machines without it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -125,13 +126,26 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
     return launch
 
 
+@dataclasses.dataclass(frozen=True)
+class DigestLaunch:
+    """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
+    to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one
+    page's bytes, and the digest words the kernel writes (rows x planes x heads)."""
+
+    geometry: int
+    weights: int
+    pages: int
+    page_bytes: int
+    words: int
+
+
 class Pending:
     """One enqueued copy: its completion event and the records its kernels read (pinned, and
     on the device where they were uploaded). Once seen complete, its status is kept and the
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
-    __slots__ = ("_done", "_failed", "buf", "dbuf", "error", "event", "keep", "owner", "seq",
-                 "shared")
+    __slots__ = ("_done", "_failed", "buf", "dbuf", "digest_at", "digests", "error", "event",
+                 "keep", "owner", "seq", "shared")
 
     def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> None:
@@ -140,6 +154,8 @@ class Pending:
         self.dbuf = dbuf  # device copy of the records, if uploaded
         self.error = error  # the host could not enqueue all of it (why); failed() once done
         self.shared = False  # the event was handed out: never recycled for another copy
+        self.digest_at = (0, 0)  # copy_digest: where in ``buf`` the kernel writes its digests
+        self.digests: npt.NDArray[np.uint64] | None = None  # copied out once done
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -353,6 +369,9 @@ class BatchCopier:
             p.dbuf = None
         if p.buf is not None:
             p._failed = int(p.buf.words[0]) == p.seq
+            at, count = p.digest_at
+            if count and not p._failed:
+                p.digests = p.buf.words[at:at + count].copy()
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
             p.buf = None
         p._failed = p._failed or bool(p.error)
@@ -464,6 +483,50 @@ class BatchCopier:
                                                  dmap.ptr, dmap.count, buf.ptr, seq, g),
                                   raw, runs=True)
                 return self._enqueue(stream, buf, seq, (), dbuf)
+            except (RuntimeError, OSError) as exc:
+                return self._enqueue(stream, None, 0, tuple(held),
+                                     error=f"{type(exc).__name__}: {exc}")
+
+    def copy_digest(self, table: npt.NDArray[np.uint64], segments: int, blocks: int, unit: int,
+                    smap: RegionMap, dmap: RegionMap, stream: Any, after: int | None,
+                    digest: DigestLaunch) -> Pending:
+        """:meth:`copy_runs` of one ``unit`` per (segment, block) — ``table`` is (source bases
+        [segments], destination bases [segments], source offsets [blocks], destination
+        offsets [blocks], digest rows [blocks], -1 where not checked) — with the integrity
+        digests of what lands computed by the same kernel (``kv_move_digest``): once done,
+        ``Pending.digests`` holds ``digest.words`` of them. Only with
+        :attr:`computes_addresses`."""
+        if self._cuda is None:
+            raise ConfigError("copy_digest needs the CUDA C kernel (NVRTC)")
+        with self._lock:
+            held: list[Any] = []
+            self._signal = None
+            try:
+                if segments * blocks == 0:
+                    return self._enqueue(stream, None, 0)
+                seq = next(self._seq) % (_I32 - 1) + 1
+                words = table.shape[0]
+                buf = self._take(8 + 8 * words + 8 * digest.words)
+                held.append(buf)
+                buf.words[0] = 0
+                buf.words[1:1 + words] = table
+                dbuf = self._take_onboard(8 * words, stream)
+                held.append(dbuf)
+                at = int(dbuf.data_ptr())
+                raw = stream.cuda_stream
+                self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
+                if after is not None and after != raw:
+                    if self._order is None:
+                        self._order = move.StreamOrder()
+                    self._order.wait(raw, after)
+                out = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
+                self._cuda.launch_digest(segments * blocks, (
+                    at, segments, blocks, unit, smap.ptr, smap.count, dmap.ptr, dmap.count,
+                    buf.ptr, seq, digest.geometry, digest.weights, out, digest.pages,
+                    digest.page_bytes), raw)
+                pending = self._enqueue(stream, buf, seq, (), dbuf)
+                pending.digest_at = (1 + words, digest.words)
+                return pending
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")

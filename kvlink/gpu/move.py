@@ -31,6 +31,7 @@ log = logging.getLogger("kvlink.cuda_ipc")
 
 SOURCE = r"""
 typedef long long i64;
+typedef unsigned long long u64;
 
 __device__ __forceinline__ bool kv_translate(i64 addr, i64 len, const i64* map, i64 count,
                                              i64* out) {
@@ -111,6 +112,98 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
           status, seq, G, g, lane);
 }
 
+// The copy of whole units (one per segment and block: a unit is Q pages of one block, Q = 1
+// or K and V side by side, Q = 2) with the integrity digest of what it writes, fused: the
+// bytes are in registers anyway (kvlink.integrity's digest: per (block, plane, head) the sum
+// mod 2**64 of each 8-byte word times the odd weight of its (token, word) place, in the
+// consumer's logical order). One thread block per unit. t holds, as i64, the source bases [S],
+// destination bases [S], source offsets [n], destination offsets [n] (block id x unit), and
+// per block the digest row it goes to (-1: not checked). geo: (heads, tokens, head bytes,
+// words per head row, 4 spare) then per plane (pointer, block stride, head stride, token
+// stride) of the consumer's own views, head stride 0 where there is one head; wt: the
+// weights, [tokens x words]. out: [rows][S x Q][heads] digests, in host memory mapped into
+// the device, each written once by its unit's block. A byte the views do not place in a head
+// is not digested (the producer's digest then differs: a layout disagreement fails closed).
+__device__ __forceinline__ u64 kv_word(int lo, int hi) {
+  return (u64)(unsigned)lo | ((u64)(unsigned)hi << 32);
+}
+
+extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
+    const i64* __restrict__ t, i64 S, i64 n, i64 unit,
+    const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
+    i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
+    u64* out, i64 Q, i64 page) {
+  __shared__ u64 acc[KV_DMAX];
+  const i64 seg = blockIdx.x / n, r = blockIdx.x - seg * n;
+  const i64 slot = t[2 * S + 2 * n + r];
+  i64 s = 0, d = 0;
+  if (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
+      !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d)) {
+    if (threadIdx.x == 0) *(volatile i64*)status = seq;
+    return;
+  }
+  const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
+  const bool dig = slot >= 0;  // the same for every thread of the block
+  if (dig) {
+    for (int i = threadIdx.x; i < Q * H; i += KV_T) acc[i] = 0;
+    __syncthreads();
+  }
+  const i64 lid = t[2 * S + n + r] / unit;  // our block id (destination offsets are id x unit)
+  const int4* src = reinterpret_cast<const int4*>(s);
+  int4* dst = reinterpret_cast<int4*>(d);
+  const i64 nv = unit >> 4;
+  int key = -1;
+  u64 part = 0;
+  for (i64 j = threadIdx.x; j < nv; j += KV_T) {
+    const int4 v = src[j];
+    dst[j] = v;
+    if (!dig) continue;
+    const i64 off = j << 4;
+    const int q = (int)(off / page);
+    const i64* row = geo + 8 + 4 * (seg * Q + q);
+    const i64 rel = d + off - (row[0] + lid * row[1]);
+    if (rel < 0 || rel >= ((i64)1 << 31)) continue;
+    const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
+    unsigned head, token, wb;
+    if (sh == 0) {  // one head
+      head = 0; token = ur / st; wb = ur - token * st;
+    } else if (sh >= st) {  // head-major (HND)
+      head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st; wb = r2 - token * st;
+    } else {  // token-major (NHD)
+      token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh; wb = r2 - head * sh;
+    }
+    if (head >= (unsigned)H || token >= (unsigned)N || wb + 16 > (unsigned)hb) continue;
+    const int k = q * H + (int)head;
+    const unsigned wi = token * (unsigned)W + (wb >> 3);
+    const u64 x = kv_word(v.x, v.y) * wt[wi] + kv_word(v.z, v.w) * wt[wi + 1];
+    if (k != key) {
+      if (key >= 0) atomicAdd(&acc[key], part);
+      key = k;
+      part = 0;
+    }
+    part += x;
+  }
+  if (!dig) return;
+  // lanes with one key in aligned power-of-two groups (a head's run of vectors) add up by
+  // shuffles first, so a block's last flush is a few shared atomics, not one per thread
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  const int lane = threadIdx.x & 31, cnt = __popc(peers), lead = __ffs(peers) - 1;
+  const unsigned want = (cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u)) << lead;
+  const bool aligned = (cnt & (cnt - 1)) == 0 && lead % cnt == 0 && peers == want;
+  if (__all_sync(0xffffffffu, aligned)) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const u64 other = __shfl_xor_sync(0xffffffffu, part, o);
+      if (o < cnt) part += other;
+    }
+    if (lane == lead && key >= 0) atomicAdd(&acc[key], part);
+  } else if (key >= 0) {
+    atomicAdd(&acc[key], part);
+  }
+  __syncthreads();
+  u64* row_out = out + (slot * S * Q + seg * Q) * H;
+  for (int i = threadIdx.x; i < Q * H; i += KV_T) row_out[i] = acc[i];
+}
+
 // After a copy, on its stream: move a landing flag (kvlink.landing) from `expect` to `value`
 // unless that copy refused an extent (its status word then holds its sequence number). One
 // thread; the flag is host memory mapped into the device (its writer is this stream alone).
@@ -130,8 +223,11 @@ extern "C" __global__ void kv_signal(const i64* status, i64 seq, unsigned long l
 SMALL_SHAPE = (256, 64, 4)
 LARGE_SHAPE = (1024, 1024, 2)
 CHUNK = 64 << 10  # bytes one group moves of a long extent
+DIGEST_SHAPE = (128, 128, 1)  # kv_move_digest: one block of 128 threads per unit
+DIGEST_MAX = 256  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
 _NARGS = 10
+_DIGEST_NARGS = 15
 _compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
 _compile_lock = threading.Lock()
 
@@ -154,7 +250,8 @@ def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move") ->
         fn = _compiled.get(key)
         if fn is None:
             t, tp, u = shape
-            defines = f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
+            defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
+                       f"#define KV_DMAX {DIGEST_MAX}\n")
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
@@ -175,6 +272,11 @@ class CudaMove:
         base = ctypes.addressof(self._vals)
         self._ptrs = (ctypes.c_void_p * _NARGS)(*[base + 8 * i for i in range(_NARGS)])
         self._signal_fn: Any = None  # compiled at the first signal
+        self._digest_fn: Any = None  # compiled at the first fused digest
+        self._dvals = (ctypes.c_longlong * _DIGEST_NARGS)()
+        dbase = ctypes.addressof(self._dvals)
+        self._dptrs = (ctypes.c_void_p * _DIGEST_NARGS)(
+            *[dbase + 8 * i for i in range(_DIGEST_NARGS)])
 
     @staticmethod
     def shape(first_len: int, small: int) -> tuple[int, int, int]:
@@ -192,6 +294,18 @@ class CudaMove:
         if rc:
             raise RuntimeError(f"cuLaunchKernel({'kv_move_runs' if runs else 'kv_move'}) "
                                f"failed with CUDA error {rc}")
+
+    def launch_digest(self, units: int, args: tuple[int, ...], stream: int) -> None:
+        """kv_move_digest over ``units`` (segments x blocks) units; args as the kernel takes
+        them (table, S, n, unit, maps..., status, seq, geo, weights, out, Q, page)."""
+        if self._digest_fn is None:
+            self._digest_fn = _compile(self.device, DIGEST_SHAPE, "kv_move_digest").func
+        self._dvals[:] = list(args)
+        t = DIGEST_SHAPE[0]
+        rc = self._lib.cuLaunchKernel(self._digest_fn, units, 1, 1, t, 1, 1, 0, stream,
+                                      self._dptrs, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel(kv_move_digest) failed with CUDA error {rc}")
 
     def signal(self, status: int, seq: int, flag: int, expect: int, value: int,
                stream: int) -> None:

@@ -71,7 +71,7 @@ class _Holds(_Peering):
                     t.revoke(ticket)
             raise
         if self.board is not None:  # after the hold exists; withdrawn as it ends
-            self.board.publish(held, block_ids)
+            self.board.publish(held, block_ids, self.integrity.for_board(req_id, held))
         return held
 
     def _enforcing(self) -> list[Transport]:

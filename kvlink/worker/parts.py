@@ -25,12 +25,13 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.holdboard import fingerprint
+from kvlink.integrity import Digests, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
 from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushSlots
-from kvlink.transport import Op, Runs, Transport, XferStatus
+from kvlink.transport import DigestJob, Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
 from kvlink.worker.records import Transfer, _Go, _Part, _Request
 
@@ -155,9 +156,12 @@ class _Parts(_Holds):
             if req.layers is not None:  # one range of a layer-wise push
                 ours, theirs = self._slice(ours, *req.layers), self._slice(theirs, *req.layers)
             table = PlanTable.for_peer(ours, theirs, part.read)
+            job = self._digest_job(req, part, transport, ours) if post_runs else None
             if post_runs is not None:
+                # the fused digest takes one run per block (a unit is one block's pages)
                 plan = table.runs(req.local_ids, req.remote_ids, local_checked=True,
-                                  coalesce=getattr(transport, "coalesce_runs", True))
+                                  coalesce=(job is None
+                                            and getattr(transport, "coalesce_runs", True)))
             if plan is None:
                 plan = table.plan(req.local_ids, req.remote_ids, transport.extents)
         except KVLinkError as exc:
@@ -170,7 +174,10 @@ class _Parts(_Holds):
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
         signal = self._signal(req, transport)
         req.signalled = signal is not None
-        extra = {} if signal is None else {"signal": signal}
+        extra: dict[str, Any] = {} if signal is None else {"signal": signal}
+        if job is not None and isinstance(plan, Runs):
+            extra["digest"] = job
+            part.landed = (job.rows, None)
         try:
             if isinstance(plan, Runs):
                 assert post_runs is not None
@@ -211,6 +218,9 @@ class _Parts(_Holds):
             transport.name, part.post_seconds, part.nbytes,
             part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
             state.status is XferStatus.DONE))
+        if part.landed is not None:  # the copy kernel digested what it landed
+            got = getattr(transport, "landed_digests", lambda h: None)(part.handle)
+            part.landed = (part.landed[0], got) if got is not None else None
         transport.release(part.handle)
         part.handle = None
         reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
@@ -238,23 +248,44 @@ class _Parts(_Holds):
         elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
-            if part.board and self._board_still_shows(req, part.go):
+            shown = part.board and self._board_still_shows(req, part.go)
+            digests = (part.digests or self._board_digests(req, part.go)
+                       if shown and self.integrity.on else None)
+            if shown and (digests is not None or not self.integrity.on):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
                 # only lets the producer count us done: nobody waits for its answer
-                part.done = True
                 self.board_validated += 1
                 self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
                            self._read_done(req, part, True), quiet=True)
-            else:
+                if digests is None:
+                    part.done = True
+                else:
+                    self._check_landed(req, part, digests)
+            else:  # not on the board, or its digests not there: the verdict says (and has them)
                 part.verdict = self._report_read(req, part, True)
         else:
             part.done = True
 
+    def _digest_job(self, req: _Request, part: _Part, transport: Transport,
+                    spec: KVCacheSpec) -> DigestJob | None:
+        """With integrity on, a same-host READ through a transport that digests while it
+        copies: the producer's digests from its hold board (valid once the READ is seen
+        still held after it) and the job for the copy kernel; None: digest after the copy."""
+        go = part.go
+        if (not self.integrity.on or req.op is not Op.READ or go is None
+                or not getattr(transport, "fuses_digests", False)
+                or not self._on_board(req, go)):
+            return None
+        part.digests = self._board_digests(req, go)
+        if part.digests is None:
+            return None
+        return self.integrity.fused_job(req.remote_ids, part.digests[0], spec.page_bytes)
+
     def _on_board(self, req: _Request, go: _Go) -> bool:
-        """Whether this READ will be validated on the producer's hold board: one is open and
-        no digests are wanted (they come with the producer's verdict)."""
+        """Whether this READ will be validated on the producer's hold board: one is open (with
+        integrity on, the hold's digests are there too, or the verdict brings them)."""
         board = go.peer.board if self.config.hold_board else None
-        if board is None or req.op is not Op.READ or not go.generation or self.integrity.on:
+        if board is None or req.op is not Op.READ or not go.generation:
             return False
         if req.fingerprint is None:
             req.fingerprint = fingerprint(req.remote_ids)
@@ -265,6 +296,15 @@ class _Parts(_Holds):
         board = go.peer.board
         return (board is not None and req.fingerprint is not None
                 and board.still_holds(go.generation, req.fingerprint))
+
+    @staticmethod
+    def _board_digests(req: _Request, go: _Go) -> Digests | None:
+        """The digests the producer published with the hold we just read (None: ask)."""
+        board = go.peer.board
+        if board is None or req.fingerprint is None:
+            return None
+        raw = board.digests(go.generation, req.fingerprint)
+        return unpack(raw) if raw is not None else None
 
     @staticmethod
     def _notes_natively(req: _Request) -> bool:
@@ -302,7 +342,7 @@ class _Parts(_Holds):
             part.error = part.failure
             return
         if isinstance(reply, wire.ReadVerdict) and reply.intact:
-            self._check_landed(req, part, reply)
+            self._check_landed(req, part, (reply.digest_ids, reply.digests, reply.folded))
             return
         if isinstance(reply, wire.ReadVerdict):
             why = reply.reason
@@ -311,15 +351,16 @@ class _Parts(_Holds):
         part.error = (f"{req.remote.engine_id} rank {part.read.remote_rank}: READ not "
                       f"confirmed, its bytes are not trusted: {why}")
 
-    def _check_landed(self, req: _Request, part: _Part, verdict: wire.ReadVerdict) -> None:
+    def _check_landed(self, req: _Request, part: _Part, digests: Digests) -> None:
         """An intact READ: with integrity on, its bytes count only if they digest like the
-        producer's (the heads this part read; kvlink.integrity)."""
+        producer's ``digests`` (the heads this part read; kvlink.integrity)."""
         spec = self._require_spec()
         r = part.read
+        ids, blob, folded = digests
+        landed = part.landed if part.landed is not None and part.landed[1] is not None else None
         why = self.integrity.check(req.req_id, req.local_ids, req.remote_ids,
                                    (r.local_start, r.remote_start, r.count),
-                                   verdict.digest_ids, verdict.digests, verdict.folded,
-                                   spec.num_layers, spec.num_kv)
+                                   ids, blob, folded, spec.num_layers, spec.num_kv, landed)
         if why is None:
             part.done = True
             return
@@ -354,6 +395,7 @@ class _Parts(_Holds):
     def _read_again(req: _Request, part: _Part) -> None:
         req.nbytes -= part.nbytes
         part.go, part.plan, part.nbytes = None, None, 0
+        part.digests = part.landed = None
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
         """A part ends without bytes: for a READ with a generation, release the producer now."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -88,6 +88,9 @@ class _Part:
     refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     board: bool = False  # READ: validated on the producer's hold board once it is DONE
+    #: READ with integrity on: the producer's digests (from its hold board, read at the post)
+    digests: tuple[list[int], bytes, bool] | None = None
+    landed: Any = None  # (rows, digests) the transport took of what landed (fused), or None
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     post_seconds: float = 0.0  # inside the transport's post call

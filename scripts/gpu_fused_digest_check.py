@@ -1,0 +1,212 @@
+"""GPU check of the fused copy + integrity digest (``kv_move_digest``, kvlink.gpu.move), one GPU.
+
+    python scripts/gpu_fused_digest_check.py [--out DIR]
+
+Through ``BatchCopier.copy_digest`` (what the cuda_ipc transport posts for a READ with
+integrity on), on vLLM-shaped bf16 caches of random bytes, source and destination blocks
+shuffled:
+
+1. Equal: the kernel's digests of what it landed equal :func:`kvlink.integrity.digest` of the
+   destination afterwards (the reference path, its own kernel), and the destination equals the
+   source, for FlashAttention NHD ``(2, B, N, H, D)`` with 8 heads and with 1 head (the 70B
+   TP8-rank shape), HND ``(2, B, H, N, D)``, and K and V side by side ``(B, 2, N, H, D)``
+   (two pages per unit); ``sample`` rows (unchecked blocks copied, not digested).
+2. A layout disagreement (views read NHD memory as HND): digests differ, bytes still copied.
+3. Cost: the Llama-3-70B TP8-rank 4096-token request (80 layers, 1 KV head, 256 blocks; 160
+   MiB) copied by ``copy_runs`` (one run per block, no digest) and by ``copy_digest`` with
+   every block and with the sampled blocks digested, CUDA-event timed, median of 30, and a
+   device copy of the same bytes.
+Writes gpu_fused_digest_check.json; exit 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _gpu_common import write
+
+from kvlink import integrity
+from kvlink.gpu.copy import BatchCopier, DigestLaunch, RegionMap
+from kvlink.integrity import Level, checked, tensor_planes
+
+
+def _cache(kind: str, layers: int, blocks: int, heads: int, dev: Any, seed: int
+           ) -> list[Any]:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shape = {"NHD": (2, blocks, 16, heads, 128), "HND": (2, blocks, heads, 16, 128),
+             "joined": (blocks, 2, 16, heads, 128)}[kind]
+    return [torch.randint(-2**15, 2**15, shape, dtype=torch.int16, device=dev,
+                          generator=g).view(torch.bfloat16) for _ in range(layers)]
+
+
+def _planes(kind: str, layers: list[Any], read_as: str | None = None) -> Any:
+    """The consumer's own (B, H, N, D) views; ``read_as``: how a wrong framework reads it."""
+    kind = read_as or kind
+    rows = []
+    for t in layers:
+        if kind == "NHD":
+            rows.append([t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)])
+        elif kind == "HND":
+            rows.append([t[0], t[1]])
+        else:
+            rows.append([t[:, 0].permute(0, 2, 1, 3), t[:, 1].permute(0, 2, 1, 3)])
+    return tensor_planes(rows)
+
+
+def _geometry(kind: str, layers: list[Any]) -> tuple[int, list[int], int, int]:
+    """(unit bytes, segment bases, pages per unit, page bytes) of one side's cache."""
+    page = layers[0][0, 0].numel() * 2  # one block's page of one plane
+    if kind == "joined":
+        return 2 * page, [int(x.data_ptr()) for x in layers], 2, page
+    return page, [int(x[kv].data_ptr()) for x in layers for kv in (0, 1)], 1, page
+
+
+def _region(layers: list[Any], dev: Any) -> RegionMap:
+    starts = [int(x.data_ptr()) for x in layers]
+    return RegionMap(starts, [s + x.numel() * 2 for s, x in zip(starts, layers)],
+                     [0] * len(layers), dev)
+
+
+class Case:
+    def __init__(self, kind: str, layers: int, blocks: int, heads: int, n: int, dev: Any,
+                 read_as: str | None = None) -> None:
+        self.kind, self.dev = kind, dev
+        self.src = _cache(kind, layers, blocks, heads, dev, 1)
+        self.dst = _cache(kind, layers, blocks, heads, dev, 2)
+        rng = np.random.default_rng(3)
+        self.rids = rng.permutation(blocks)[:n].astype(np.int64)
+        self.lids = rng.permutation(blocks)[:n].astype(np.int64)
+        self.unit, self.sbase, self.pages, self.page = _geometry(kind, self.src)
+        _, self.dbase, _, _ = _geometry(kind, self.dst)
+        self.smap, self.dmap = _region(self.src, dev), _region(self.dst, dev)
+        self.planes = _planes(kind, self.dst, read_as)
+        self.heads = heads
+        self.nplanes = 2 * layers
+
+    def post(self, copier: BatchCopier, stream: Any, rows: np.ndarray | None) -> Any:
+        u = np.uint64(self.unit)
+        base = np.array(self.sbase + self.dbase, dtype=np.uint64)
+        at = np.concatenate([self.rids.view(np.uint64) * u, self.lids.view(np.uint64) * u])
+        segs, n = len(self.sbase), self.rids.shape[0]
+        if rows is None:
+            table = np.concatenate([base, at, np.full(n, self.unit, dtype=np.uint64)])
+            return copier.copy_runs(table, segs, n, self.smap, self.dmap, stream, None,
+                                    self.unit)
+        fused = integrity._table(self.planes).fused()
+        assert fused is not None, "the views' geometry was not taken"
+        count = int((rows >= 0).sum())
+        launch = DigestLaunch(fused[0], fused[1], self.pages, self.page,
+                              count * self.nplanes * self.heads)
+        table = np.concatenate([base, at, rows.view(np.uint64)])
+        return copier.copy_digest(table, segs, n, self.unit, self.smap, self.dmap, stream,
+                                  None, launch)
+
+    def rows(self, level: Level) -> np.ndarray:
+        mask = checked(level, "check", self.rids)
+        return np.where(mask, np.cumsum(mask) - 1, -1).astype(np.int64)
+
+    def reference(self, rows: np.ndarray) -> np.ndarray:
+        want = integrity.digest(self.planes, self.lids[rows >= 0])
+        return want.reshape(want.shape[0], self.nplanes, self.heads)
+
+    def _blocks(self, layers: list[Any], ids: np.ndarray) -> Any:
+        idx = torch.as_tensor(ids, device=self.dev)
+        axis = 0 if self.kind == "joined" else 1
+        return torch.stack([x.index_select(axis, idx) for x in layers])
+
+
+def check_equal(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[str, Any]]:
+    out = []
+    for kind, heads, level, read_as in (("NHD", 8, Level.FULL, None),
+                                        ("NHD", 1, Level.FULL, None),
+                                        ("HND", 8, Level.FULL, None),
+                                        ("joined", 8, Level.FULL, None),
+                                        ("NHD", 8, Level.SAMPLE, None),
+                                        ("NHD", 8, Level.FULL, "HND")):
+        c = Case(kind, 4, 96, heads, 64, dev, read_as)
+        rows = c.rows(level)
+        p = c.post(copier, stream, rows)
+        p.wait()
+        got = p.digests
+        want = c.reference(rows)
+        copied = bool(torch.equal(c._blocks(c.src, c.rids), c._blocks(c.dst, c.lids)))
+        equal = got is not None and np.array_equal(got.reshape(want.shape), want)
+        row = {"layout": kind, "heads": heads, "level": level.value,
+               "views_read_as": read_as or kind, "checked_blocks": int((rows >= 0).sum()),
+               "copy_failed": p.failed(), "bytes_copied": copied, "digests_equal": equal}
+        # a layout disagreement must differ; everything else must be equal
+        row["ok"] = copied and not p.failed() and (equal != bool(read_as))
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
+    c = Case("NHD", 80, 300, 1, 256, dev)
+    full, sample = c.rows(Level.FULL), c.rows(Level.SAMPLE)
+    nbytes = 80 * 2 * 256 * c.unit
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+
+    def timed(fn: Any) -> float:
+        times = []
+        for i in range(35):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                e0.record(stream)
+                fn()
+                e1.record(stream)
+            e1.synchronize()
+            if i >= 5:
+                times.append(e0.elapsed_time(e1) * 1e3)
+        return statistics.median(times)
+
+    res = {
+        "bytes": nbytes,
+        "device_copy_us": timed(lambda: b.copy_(a)),
+        "copy_runs_us": timed(lambda: c.post(copier, stream, None)),
+        "copy_digest_full_us": timed(lambda: c.post(copier, stream, full)),
+        "copy_digest_sample_us": timed(lambda: c.post(copier, stream, sample)),
+    }
+    p = c.post(copier, stream, full)
+    p.wait()
+    res["full_digests_equal_reference"] = bool(np.array_equal(
+        p.digests.reshape(-1) if p.digests is not None else None,
+        c.reference(full).reshape(-1)))
+    res["ratio_copy_digest_full_over_copy_runs"] = (res["copy_digest_full_us"]
+                                                    / res["copy_runs_us"])
+    res["ratio_copy_digest_sample_over_copy_runs"] = (res["copy_digest_sample_us"]
+                                                      / res["copy_runs_us"])
+    print(res, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    copier = BatchCopier(dev)
+    assert copier.computes_addresses, "the CUDA C kernel did not build"
+    stream = torch.cuda.Stream(dev)
+    equal = check_equal(copier, stream, dev)
+    cost = timing(copier, stream, dev)
+    ok = all(r["ok"] for r in equal) and cost["full_digests_equal_reference"]
+    write(args.out, "gpu_fused_digest_check.json", {"equal": equal, "cost": cost, "ok": ok})
+    if not ok:
+        sys.exit("FAILED")
+
+
+if __name__ == "__main__":
+    main()
