@@ -145,6 +145,8 @@ def first_mismatch(want: U64, got: U64) -> tuple[int, int, int, int] | None:
     """(block position, layer, plane, head) of the first differing digest, or None."""
     if want.shape != got.shape:
         raise ValueError(f"digest shapes differ: {want.shape} vs {got.shape}")
+    if np.array_equal(want, got):
+        return None
     bad = np.argwhere(want != got)
     if not bad.size:
         return None
@@ -322,10 +324,13 @@ def fold(d: U64) -> U64:
         return np.asarray((d * w).sum(axis=(1, 2), dtype=np.uint64)).reshape(k, 1, 1, heads)
 
 
-Digests = tuple[list[int], bytes, bool]  # (block ids, little-endian u64 digests, folded)
+#: (block ids, little-endian u64 digests, folded): lists and bytes off the wire, views of
+#: the hold board's copy (:func:`unpack`)
+Digests = tuple[Sequence[int] | npt.NDArray[np.int64], bytes | memoryview, bool]
+WireDigests = tuple[list[int], bytes, bool]  # what a verdict or a push's note carries
 
 
-def pack(got: Digests) -> bytes:
+def pack(got: WireDigests) -> bytes:
     """``got`` as one blob for the hold board's arena (kvlink.holdboard): (count, folded)
     then the block ids and the digests, little-endian 64-bit words."""
     ids, blob, folded = got
@@ -334,17 +339,34 @@ def pack(got: Digests) -> bytes:
 
 
 def unpack(raw: bytes) -> Digests | None:
-    """:func:`pack`'s inverse; None for a blob that is not one (the caller then asks)."""
+    """:func:`pack`'s inverse, as views of ``raw`` (no copy); None for a blob that is not
+    one (the caller then asks)."""
     if len(raw) < 16 or len(raw) % 8:
         return None
     n, folded = (int(x) for x in np.frombuffer(raw, dtype="<u8", count=2))
     if folded > 1 or 16 + 8 * n > len(raw):
         return None
-    ids = np.frombuffer(raw, dtype="<i8", count=n, offset=16).tolist()
-    return ids, raw[16 + 8 * n:], bool(folded)
+    ids = np.frombuffer(raw, dtype="<i8", count=n, offset=16)
+    return ids, memoryview(raw)[16 + 8 * n:], bool(folded)
 
 
-def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> Digests:
+def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike
+          ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(positions in ``remote_ids``, positions in ``digest_ids``) of the digested blocks a
+    reader read, in digest order: a sort and a search, no Python loop per block."""
+    rid = np.asarray(remote_ids, dtype=np.int64)
+    did = np.asarray(digest_ids, dtype=np.int64)
+    if not rid.size or not did.size:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    order = np.argsort(rid, kind="stable")
+    srt = rid[order]
+    loc = np.minimum(np.searchsorted(srt, did), srt.size - 1)
+    ok = srt[loc] == did
+    return order[loc[ok]], np.flatnonzero(ok)
+
+
+def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> WireDigests:
     folded = d.nbytes > MAX_DIGEST_BYTES
     if folded:
         d = fold(d)
@@ -385,7 +407,7 @@ class Checker:
         if got is not None and got[0] == generation:
             del self._fixed[req_id]
 
-    def for_verdict(self, req_id: str, generation: int) -> Digests:
+    def for_verdict(self, req_id: str, generation: int) -> WireDigests:
         """(block ids, digests, folded) to send with an "intact" verdict; empty if none."""
         got = self._fixed.get(req_id)
         if got is None or got[0] != generation:
@@ -400,7 +422,7 @@ class Checker:
         return pack(got) if got[0] else b""
 
     def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
-                 lease: tuple[str, int] | None = None) -> Digests:
+                 lease: tuple[str, int] | None = None) -> WireDigests:
         """(decode block ids, digests, folded) for a push's "written" note: the digests the
         hold fixed (``lease``: (held request, generation)), else taken now over ``src_ids``
         (the caller's blocks are final: it pushes them); the ids are the ones they land in."""
@@ -419,8 +441,9 @@ class Checker:
         return _wire_form(dst[pick], digest(self.planes, src[pick]))
 
     # ------------------------------------------------------------------ consumer
-    def fused_job(self, remote_ids: npt.NDArray[np.int64], digest_ids: list[int],
-                  page_bytes: int) -> DigestJob | None:
+    def fused_job(self, remote_ids: npt.NDArray[np.int64],
+                  digest_ids: Sequence[int] | npt.NDArray[np.int64], page_bytes: int
+                  ) -> DigestJob | None:
         """What a transport that copies on the device needs to digest what it lands while it
         copies (:class:`~kvlink.transport.DigestJob`): a row per block the producer digested
         (``digest_ids``, from its hold board). None where the planes are not on a GPU or
@@ -428,22 +451,23 @@ class Checker:
         planes = self.planes
         first = planes[0][0] if planes else None
         if (not self.on or planes is None or first is None or isinstance(first, np.ndarray)
-                or not digest_ids):
+                or not len(digest_ids)):
             return None
         if first.device.type != "cuda":
             return None
         got = _table(planes).fused()
         if got is None:
             return None
-        mask = np.isin(remote_ids, np.asarray(digest_ids, dtype=np.int64))
-        count = int(mask.sum())
-        rows = np.where(mask, np.cumsum(mask) - 1, -1).astype(np.int64)
+        at, _ = match(remote_ids, digest_ids)
+        rows = np.full(len(remote_ids), -1, dtype=np.int64)
+        rows[at] = np.arange(at.size)
         return DigestJob(got[0], got[1], len(planes) * len(planes[0]),
-                         int(first.shape[1]), page_bytes, rows, count)
+                         int(first.shape[1]), page_bytes, rows, int(at.size))
 
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
-              remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
-              blob: bytes, folded: bool, layers: int, planes: int,
+              remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
+              digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
+              folded: bool, layers: int, planes: int,
               landed: tuple[npt.NDArray[np.int64], U64] | None = None) -> str | None:
         """None when what landed matches the producer's digests of the heads we read; else
         the reason (naming request, block, layer, plane and head), which fails the receive.
@@ -459,17 +483,17 @@ class Checker:
             self.check_seconds += time.perf_counter() - t0
 
     def _check(self, req_id: str, local_ids: npt.NDArray[np.int64],
-               remote_ids: npt.NDArray[np.int64], heads: HeadSlice, digest_ids: list[int],
-               blob: bytes, folded: bool, layers: int, planes: int,
+               remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
+               digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
+               folded: bool, layers: int, planes: int,
                landed: tuple[npt.NDArray[np.int64], U64] | None) -> str | None:
-        if not digest_ids:
+        if not len(digest_ids):
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
                     "(is integrity off there?): not trusted")
         assert self.planes is not None
-        ours_at = {int(r): i for i, r in enumerate(remote_ids.tolist())}
-        pos = [(j, ours_at[r]) for j, r in enumerate(digest_ids) if r in ours_at]
-        if not pos:
+        i_idx, j_idx = match(remote_ids, digest_ids)
+        if not i_idx.size:
             self.failures += 1
             return f"integrity: none of the producer's digested blocks of {req_id} was read"
         lp, rp, count = heads
@@ -480,25 +504,24 @@ class Checker:
         except ValueError:
             self.failures += 1
             return f"integrity: the producer's digests of {req_id} have the wrong size"
-        j_idx = np.array([j for j, _ in pos])
-        i_idx = np.array([i for _, i in pos])
-        theirs = theirs_all[j_idx][..., rp:rp + count].astype(np.uint64)
+        n = int(i_idx.size)
+        theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
         rows = landed[0][i_idx] if landed is not None else None
         if landed is not None and rows is not None and (rows >= 0).all():
             got = landed[1][rows][..., lp:lp + count]
-            ours = got.reshape(len(pos), layers, planes, count)
-            self.fused_blocks += len(pos)
+            ours = got.reshape(n, layers, planes, count)
+            self.fused_blocks += n
         else:
             ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
         if folded:
             ours = fold(ours)
         bad = first_mismatch(theirs, ours)
         if bad is None:
-            self.checked_blocks += len(pos)
+            self.checked_blocks += n
             return None
         self.failures += 1
         b, layer, kv, head = bad
         where = "layers folded" if folded else f"layer {layer}, plane {kv}"
         return (f"integrity: KV of {req_id} differs from the producer's: local block "
-                f"{int(local_ids[i_idx[b]])} (remote {digest_ids[j_idx[b]]}), {where}, "
+                f"{int(local_ids[i_idx[b]])} (remote {int(digest_ids[j_idx[b]])}), {where}, "
                 f"head {lp + head} (local)")

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
+from kvlink.integrity import Digests
 from kvlink.landing import Hold, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
@@ -89,7 +90,7 @@ class _Part:
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     board: bool = False  # READ: validated on the producer's hold board once it is DONE
     #: READ with integrity on: the producer's digests (from its hold board, read at the post)
-    digests: tuple[list[int], bytes, bool] | None = None
+    digests: Digests | None = None
     landed: Any = None  # (rows, digests) the transport took of what landed (fused), or None
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
