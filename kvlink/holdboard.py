@@ -242,6 +242,29 @@ class BoardView:
             return None
         return blob
 
+    def digest_area(self, generation: int, fp: int) -> tuple[int, int] | None:
+        """(offset in the mapping, bytes) of the digests ``generation``'s hold published, or
+        None. Bytes read there count only if :meth:`holds` still says so afterwards."""
+        if self._fd < 0:
+            return None
+        slot = self._slots[generation & (SLOTS - 1)]
+        if int(slot[0]) != generation or int(slot[1]) != fp:
+            return None
+        at, n = int(slot[2]), int(slot[3])
+        if n == 0 or at < _ARENA or at + n > KIND.size:
+            return None
+        return at, n
+
+    def read(self, at: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` of the mapping at offset ``at`` (inside the file)."""
+        return self._map[at:at + nbytes]
+
+    @property
+    def region(self) -> tuple[int, int]:
+        """(host address, bytes) of the mapping: a device that reads the digests in place
+        registers it (read-only)."""
+        return int(np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data), KIND.size
+
     def alive(self) -> bool:
         """Whether the producer still holds its board's lock (it is alive and has not closed
         its worker)."""

@@ -21,6 +21,7 @@ plane; CUDA caches with torch on the device (only the digests are copied back).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -330,24 +331,67 @@ Digests = tuple[Sequence[int] | npt.NDArray[np.int64], bytes | memoryview, bool]
 WireDigests = tuple[list[int], bytes, bool]  # what a verdict or a push's note carries
 
 
-def pack(got: WireDigests) -> bytes:
-    """``got`` as one blob for the hold board's arena (kvlink.holdboard): (count, folded)
-    then the block ids and the digests, little-endian 64-bit words."""
+_BOARD_HEAD = 4  # words: digests, folded, positions, words per digest row
+
+
+def pack(got: WireDigests, rows: npt.NDArray[np.int64]) -> bytes:
+    """``got`` as one blob for the hold board's arena (kvlink.holdboard), little-endian
+    64-bit words: (digests k, folded, positions n, words per row), then per held position the
+    row of its digest (-1: not digested), the k block ids, the k rows of digests. The rows
+    let a reader's copy kernel compare in place (:func:`board_rows`)."""
     ids, blob, folded = got
-    head = np.array([len(ids), int(folded)], dtype="<u8").tobytes()
-    return head + np.asarray(ids, dtype="<i8").tobytes() + blob
+    per = len(blob) // 8 // max(len(ids), 1)
+    head = np.array([len(ids), int(folded), rows.shape[0], per], dtype="<u8").tobytes()
+    return (head + np.asarray(rows, dtype="<i8").tobytes()
+            + np.asarray(ids, dtype="<i8").tobytes() + blob)
 
 
 def unpack(raw: bytes) -> Digests | None:
-    """:func:`pack`'s inverse, as views of ``raw`` (no copy); None for a blob that is not
-    one (the caller then asks)."""
-    if len(raw) < 16 or len(raw) % 8:
+    """:func:`pack`'s (block ids, digests, folded), as views of ``raw`` (no copy); None for a
+    blob that is not one (the caller then asks)."""
+    if len(raw) < 8 * _BOARD_HEAD or len(raw) % 8:
         return None
-    n, folded = (int(x) for x in np.frombuffer(raw, dtype="<u8", count=2))
-    if folded > 1 or 16 + 8 * n > len(raw):
+    k, folded, n, _ = (int(x) for x in np.frombuffer(raw, dtype="<u8", count=_BOARD_HEAD))
+    at = 8 * (_BOARD_HEAD + n)
+    if folded > 1 or at + 8 * k > len(raw):
         return None
-    ids = np.frombuffer(raw, dtype="<i8", count=n, offset=16)
-    return ids, memoryview(raw)[16 + 8 * n:], bool(folded)
+    ids = np.frombuffer(raw, dtype="<i8", count=k, offset=at)
+    return ids, memoryview(raw)[at + 8 * k:], bool(folded)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoardRows:
+    """Where a hold's digests lie on its producer's hold board, for a reader's copy kernel
+    to compare with what it lands (kvlink.transport.DigestJob): the row per held position,
+    and the host address and row width of the digest rows, in the reader's mapping."""
+
+    rows: npt.NDArray[np.int64]
+    count: int
+    folded: bool
+    row_words: int
+    address: int  # host address of row 0 (inside ``region``)
+    region: tuple[int, int]  # the board mapping: (host address, bytes)
+
+
+def board_rows(view: Any, generation: int, fp: int) -> BoardRows | None:
+    """The digest rows ``generation``'s hold published on ``view`` (a holdboard.BoardView),
+    read without copying the digests; None where it shows none. Valid while the hold is
+    shown: the reader's after-check (the hold still shown once its READ is done) covers the
+    kernel's reads of them too."""
+    area = view.digest_area(generation, fp)
+    if area is None:
+        return None
+    at, nbytes = area
+    head = np.frombuffer(view.read(at, 8 * _BOARD_HEAD), dtype="<u8")
+    k, folded, n, per = (int(x) for x in head)
+    start = 8 * (_BOARD_HEAD + n + k)
+    if folded > 1 or start + 8 * k * per > nbytes:
+        return None
+    rows = np.frombuffer(view.read(at + 8 * _BOARD_HEAD, 8 * n), dtype="<i8")
+    if not view.holds(generation, fp):
+        return None
+    base, size = view.region
+    return BoardRows(rows, k, bool(folded), per, base + at + start, (base, size))
 
 
 def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike
@@ -381,10 +425,11 @@ class Checker:
         self.level = level
         self.planes: Planes | None = None  # set at register (spec_planes or tensor_planes)
         self._fixed: dict[str, tuple[int, npt.NDArray[np.int64], U64]] = {}
+        self._rows: dict[str, npt.NDArray[np.int64]] = {}  # per held position: digest row
         self.checked_blocks = 0  # consumer: blocks whose digests matched
         self.failures = 0  # consumer: receives failed on a digest mismatch
         self.check_seconds = 0.0  # consumer: time spent checking, since start (benchmarks)
-        self.fused_blocks = 0  # consumer: checked blocks the transport digested as it copied
+        self.fused_blocks = 0  # consumer: checked blocks the copy kernel digested and compared
 
     @property
     def on(self) -> bool:
@@ -399,13 +444,16 @@ class Checker:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        sel = ids[checked(self.level, req_id, ids)]
+        mask = checked(self.level, req_id, ids)
+        sel = ids[mask]
         self._fixed[req_id] = (generation, sel, digest(self.planes, sel))
+        self._rows[req_id] = np.where(mask, np.cumsum(mask) - 1, -1)
 
     def drop(self, req_id: str, generation: int) -> None:
         got = self._fixed.get(req_id)
         if got is not None and got[0] == generation:
             del self._fixed[req_id]
+            self._rows.pop(req_id, None)
 
     def for_verdict(self, req_id: str, generation: int) -> WireDigests:
         """(block ids, digests, folded) to send with an "intact" verdict; empty if none."""
@@ -419,7 +467,8 @@ class Checker:
         """The digests to publish with the hold on the hold board (:func:`pack`; empty if
         none), so a same-host reader checks what landed without asking for a verdict."""
         got = self.for_verdict(req_id, generation)
-        return pack(got) if got[0] else b""
+        rows = self._rows.get(req_id)
+        return pack(got, rows) if got[0] and rows is not None else b""
 
     def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
                  lease: tuple[str, int] | None = None) -> WireDigests:
@@ -441,52 +490,45 @@ class Checker:
         return _wire_form(dst[pick], digest(self.planes, src[pick]))
 
     # ------------------------------------------------------------------ consumer
-    def fused_job(self, remote_ids: npt.NDArray[np.int64],
-                  digest_ids: Sequence[int] | npt.NDArray[np.int64], page_bytes: int
-                  ) -> DigestJob | None:
+    def fused_job(self, on_board: BoardRows, page_bytes: int) -> DigestJob | None:
         """What a transport that copies on the device needs to digest what it lands while it
-        copies (:class:`~kvlink.transport.DigestJob`): a row per block the producer digested
-        (``digest_ids``, from its hold board). None where the planes are not on a GPU or
-        the kernel cannot take their geometry: the check then digests after the copy."""
+        copies and compare it with the producer's rows on its hold board
+        (:class:`~kvlink.transport.DigestJob`). None where the planes are not on a GPU, the
+        kernel cannot take their geometry, or the rows are not ours to compare (folded, or
+        another row width): the check then digests after the copy."""
         planes = self.planes
         first = planes[0][0] if planes else None
         if (not self.on or planes is None or first is None or isinstance(first, np.ndarray)
-                or not len(digest_ids)):
+                or not on_board.count or on_board.folded):
             return None
-        if first.device.type != "cuda":
+        nplanes, heads = len(planes) * len(planes[0]), int(first.shape[1])
+        if first.device.type != "cuda" or on_board.row_words != nplanes * heads:
             return None
         got = _table(planes).fused()
         if got is None:
             return None
-        at, _ = match(remote_ids, digest_ids)
-        rows = np.full(len(remote_ids), -1, dtype=np.int64)
-        rows[at] = np.arange(at.size)
-        return DigestJob(got[0], got[1], len(planes) * len(planes[0]),
-                         int(first.shape[1]), page_bytes, rows, int(at.size))
+        return DigestJob(got[0], got[1], nplanes, heads, page_bytes, on_board.rows,
+                         on_board.count, on_board.address, on_board.region)
 
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
               remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
               digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
-              folded: bool, layers: int, planes: int,
-              landed: tuple[npt.NDArray[np.int64], U64] | None = None) -> str | None:
+              folded: bool, layers: int, planes: int) -> str | None:
         """None when what landed matches the producer's digests of the heads we read; else
-        the reason (naming request, block, layer, plane and head), which fails the receive.
-        ``landed``: (row per request position, digests) the transport took while it copied
-        (:meth:`fused_job`), instead of digesting the blocks now."""
+        the reason (naming request, block, layer, plane and head), which fails the receive."""
         if not self.on:
             return None
         t0 = time.perf_counter()
         try:
             return self._check(req_id, local_ids, remote_ids, heads, digest_ids, blob, folded,
-                               layers, planes, landed)
+                               layers, planes)
         finally:
             self.check_seconds += time.perf_counter() - t0
 
     def _check(self, req_id: str, local_ids: npt.NDArray[np.int64],
                remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
                digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
-               folded: bool, layers: int, planes: int,
-               landed: tuple[npt.NDArray[np.int64], U64] | None) -> str | None:
+               folded: bool, layers: int, planes: int) -> str | None:
         if not len(digest_ids):
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
@@ -506,13 +548,7 @@ class Checker:
             return f"integrity: the producer's digests of {req_id} have the wrong size"
         n = int(i_idx.size)
         theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
-        rows = landed[0][i_idx] if landed is not None else None
-        if landed is not None and rows is not None and (rows >= 0).all():
-            got = landed[1][rows][..., lp:lp + count]
-            ours = got.reshape(n, layers, planes, count)
-            self.fused_blocks += n
-        else:
-            ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
+        ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
         if folded:
             ours = fold(ours)
         bad = first_mismatch(theirs, ours)

@@ -190,18 +190,21 @@ class ExpandedRuns:
 @dataclasses.dataclass(frozen=True)
 class DigestJob:
     """Integrity digests (kvlink.integrity) a transport that copies on its device computes of
-    what it lands, while it copies: the optional keyword ``digest`` of ``post_runs`` where the
-    transport has ``fuses_digests``; its ``landed_digests(handle)`` then gives them once DONE
-    (None where it could not fuse them for this post: the caller digests itself). Made by the
-    consumer's integrity checker; the transport knows nothing of what the numbers mean."""
+    what it lands, while it copies, and compares with the producer's: the optional keyword
+    ``digest`` of ``post_runs`` where the transport has ``fuses_digests``; its
+    ``landed_mismatch(handle)`` then says, once DONE, whether they all matched (None where it
+    could not fuse them for this post: the caller digests itself). Made by the consumer's
+    integrity checker; the transport knows nothing of what the numbers mean."""
 
     geometry: int  # device pointer: the consumer's views (heads, tokens, ... then per plane)
     weights: int  # device pointer: the digest's weights
     planes: int  # layers x K|V planes the views hold
     heads: int  # heads per plane (rank-local)
     page_bytes: int  # one block's page of one plane
-    rows: npt.NDArray[np.int64]  # [blocks of the request] its digest row, -1: not checked
-    count: int  # rows: the checked blocks
+    rows: npt.NDArray[np.int64]  # [blocks of the request] its expected row, -1: not checked
+    count: int  # expected rows
+    expect: int  # host address of expected row 0: [count][planes][heads] little-endian u64
+    region: tuple[int, int]  # the host mapping ``expect`` lies in: (address, bytes)
 
 
 @dataclasses.dataclass(frozen=True)

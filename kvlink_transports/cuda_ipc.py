@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.options import check_options
@@ -131,7 +130,6 @@ class _Xfer:
     state: XferState = PENDING
     runs: Runs | None = None  # post_runs: expanded only to explain a refusal
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
-    digest_shape: tuple[int, int, int] = ()  # type: ignore[assignment]  # fused digests
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
@@ -366,18 +364,25 @@ class CudaIpcTransport(Transport):
         board that cannot be is left to the push's note: None)."""
         if signal is None or not self.signals:
             return None
-        base, nbytes = signal.region
+        dev = self._host_map(signal.region, False, "landing board not mapped (%s): pushes "
+                             "end by note")
+        return (dev + signal.offset, signal.expect, signal.value) if dev else None
+
+    def _host_map(self, region: tuple[int, int], read_only: bool, why: str) -> int:
+        """The device pointer of a shared host mapping (a landing board, a producer's hold
+        board), registered with CUDA on first use; 0 (``why`` logged once) where it cannot."""
+        base, nbytes = region
         dev = self._host_maps.get(base)
         if dev is None:
             from kvlink.gpu import ipc
 
             try:
-                dev = ipc.host_register(base, nbytes)
+                dev = ipc.host_register(base, nbytes, read_only)
             except KVLinkError as exc:
-                log.warning("cuda_ipc: landing board not mapped (%s): pushes end by note", exc)
+                log.warning("cuda_ipc: " + why, exc)
                 dev = 0
             self._host_maps[base] = dev
-        return (dev + signal.offset, signal.expect, signal.value) if dev else None
+        return dev
 
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
@@ -402,7 +407,7 @@ class CudaIpcTransport(Transport):
                           int(local.shape[0]))
 
     #: post_runs takes ``digest`` (kvlink.transport.DigestJob): a READ of one run per block
-    #: lands its integrity digests from the copy kernel itself (see :meth:`landed_digests`)
+    #: digests what it lands in the copy kernel itself and compares (:meth:`landed_mismatch`)
     fuses_digests = True
 
     def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"",
@@ -458,10 +463,14 @@ class CudaIpcTransport(Transport):
     def _post_digest(self, peer: str, runs: Runs, digest: DigestJob, pages: int) -> int:
         from kvlink.gpu.copy import DigestLaunch
 
+        expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
+                                "compared on the host")
+        if not expect:
+            return self.post_runs(Op.READ, peer, runs)
         segments, n = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
         unit = runs.longest_run
         launch = DigestLaunch(digest.geometry, digest.weights, pages, digest.page_bytes,
-                              digest.count * digest.planes * digest.heads)
+                              expect=expect + digest.expect - digest.region[0])
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             table = np.concatenate([runs.remote_base, runs.local_base, runs.remote_at,
@@ -469,20 +478,19 @@ class CudaIpcTransport(Transport):
             return copier.copy_digest(table, segments, n, unit, target.map, self._local_map,
                                       self._stream, after, launch)
 
-        handle = self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
-        x = self._xfers.get(handle)
-        if x is not None:
-            x.digest_shape = (digest.count, digest.planes, digest.heads)
-        return handle
+        return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
 
-    def landed_digests(self, handle: int) -> npt.NDArray[np.uint64] | None:
-        """``[checked blocks, planes, heads]`` digests the copy kernel took of what this DONE
-        READ landed (a post with ``digest`` it could fuse), else None."""
+    def landed_mismatch(self, handle: int) -> int | None:
+        """For a DONE READ posted with a ``digest`` it fused: -1 when every digest of what it
+        landed equals the producer's, else the first (row, plane, head) index that differs;
+        None where nothing was compared (the caller digests itself)."""
+        from kvlink.gpu.copy import NO_MISMATCH
+
         x = self._xfers.get(handle)
-        if x is None or x.pending is None or x.state is not DONE or not x.digest_shape:
+        if x is None or x.pending is None or x.state is not DONE:
             return None
-        got = x.pending.digests
-        return None if got is None else got.reshape(x.digest_shape)
+        got = x.pending.mismatch
+        return None if got is None else -1 if got == NO_MISMATCH else int(got)
 
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
               local: Extents | None, remote: Extents | None, runs: Runs | None, nbytes: int,

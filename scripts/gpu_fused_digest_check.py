@@ -14,8 +14,9 @@ shuffled:
 2. A layout disagreement (views read NHD memory as HND): digests differ, bytes still copied.
 3. Cost: the Llama-3-70B TP8-rank 4096-token request (80 layers, 1 KV head, 256 blocks; 160
    MiB) copied by ``copy_runs`` (one run per block, no digest) and by ``copy_digest`` with
-   every block and with the sampled blocks digested, CUDA-event timed, median of 30, and a
-   device copy of the same bytes.
+   every block and with the sampled blocks digested (written back, and compared on the device
+   with the expected digests), CUDA-event timed, median of 30, and a device copy of the same
+   bytes. The device compare must say "none differ", and name the one word changed.
 Writes gpu_fused_digest_check.json; exit 1 on any failure.
 """
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gpu_common import write
 
 from kvlink import integrity
-from kvlink.gpu.copy import BatchCopier, DigestLaunch, RegionMap
+from kvlink.gpu.copy import NO_MISMATCH, BatchCopier, DigestLaunch, RegionMap
 from kvlink.integrity import Level, checked, tensor_planes
 
 
@@ -90,10 +91,12 @@ class Case:
         _, self.dbase, _, _ = _geometry(kind, self.dst)
         self.smap, self.dmap = _region(self.src, dev), _region(self.dst, dev)
         self.planes = _planes(kind, self.dst, read_as)
+        self.src_planes = _planes(kind, self.src)  # the producer's, read right
         self.heads = int(self.planes[0][0].shape[1])  # as the consumer's views have them
         self.nplanes = 2 * layers
 
-    def post(self, copier: BatchCopier, stream: Any, rows: np.ndarray | None) -> Any:
+    def post(self, copier: BatchCopier, stream: Any, rows: np.ndarray | None,
+             expect: Any = None) -> Any:
         u = np.uint64(self.unit)
         base = np.array(self.sbase + self.dbase, dtype=np.uint64)
         at = np.concatenate([self.rids.view(np.uint64) * u, self.lids.view(np.uint64) * u])
@@ -106,7 +109,8 @@ class Case:
         assert fused is not None, "the views' geometry was not taken"
         count = int((rows >= 0).sum())
         launch = DigestLaunch(fused[0], fused[1], self.pages, self.page,
-                              count * self.nplanes * self.heads)
+                              count * self.nplanes * self.heads,
+                              0 if expect is None else int(expect.data_ptr()))
         table = np.concatenate([base, at, rows.view(np.uint64)])
         return copier.copy_digest(table, segs, n, self.unit, self.smap, self.dmap, stream,
                                   None, launch)
@@ -116,8 +120,9 @@ class Case:
         return np.where(mask, np.cumsum(mask) - 1, -1).astype(np.int64)
 
     def reference(self, rows: np.ndarray) -> np.ndarray:
-        want = integrity.digest(self.planes, self.lids[rows >= 0])
-        return want.reshape(want.shape[0], self.nplanes, self.heads)
+        """The producer's digests of the checked blocks (its own views of its source)."""
+        want = integrity.digest(self.src_planes, self.rids[rows >= 0])
+        return want.reshape(want.shape[0], self.nplanes, -1)
 
     def _blocks(self, layers: list[Any], ids: np.ndarray) -> Any:
         idx = torch.as_tensor(ids, device=self.dev)
@@ -148,6 +153,18 @@ def check_equal(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[str, An
                "copy_failed": p.failed(), "bytes_copied": copied, "digests_equal": equal}
         # a layout disagreement must differ; everything else must be equal
         row["ok"] = copied and not p.failed() and (equal != bool(read_as))
+        if not read_as:  # compared on the device: equal, then one expected word changed
+            dev_want = torch.from_numpy(want.reshape(-1).view(np.int64).copy()).to(dev)
+            p = c.post(copier, stream, rows, dev_want)
+            p.wait()
+            row["compare_equal_says_none"] = p.mismatch == NO_MISMATCH
+            flip = int(dev_want.numel() // 3)
+            dev_want[flip] ^= 1
+            p = c.post(copier, stream, rows, dev_want)
+            p.wait()
+            row["compare_names_changed_word"] = p.mismatch == flip
+            row["ok"] = (row["ok"] and row["compare_equal_says_none"]
+                         and row["compare_names_changed_word"])
         out.append(row)
         print(row, flush=True)
     return out
@@ -180,6 +197,13 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
         "copy_digest_full_us": timed(lambda: c.post(copier, stream, full)),
         "copy_digest_sample_us": timed(lambda: c.post(copier, stream, sample)),
     }
+    for name, rows in (("full", full), ("sample", sample)):
+        want = torch.from_numpy(c.reference(rows).reshape(-1).view(np.int64).copy()).to(dev)
+        res[f"copy_compare_{name}_us"] = timed(
+            lambda r=rows, w=want: c.post(copier, stream, r, w))  # type: ignore[misc]
+        p = c.post(copier, stream, rows, want)
+        p.wait()
+        res[f"compare_{name}_matched"] = p.mismatch == NO_MISMATCH
     p = c.post(copier, stream, full)
     p.wait()
     res["full_digests_equal_reference"] = bool(np.array_equal(
@@ -204,7 +228,8 @@ def main() -> None:
     stream = torch.cuda.Stream(dev)
     equal = check_equal(copier, stream, dev)
     cost = timing(copier, stream, dev)
-    ok = all(r["ok"] for r in equal) and cost["full_digests_equal_reference"]
+    ok = all(r["ok"] for r in equal) and all(v for k, v in cost.items()
+                                             if k.startswith(("full_digests", "compare_")))
     write(args.out, "gpu_fused_digest_check.json", {"equal": equal, "cost": cost, "ok": ok})
     if not ok:
         sys.exit("FAILED")

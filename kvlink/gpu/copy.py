@@ -130,13 +130,18 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 class DigestLaunch:
     """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
     to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one
-    page's bytes, and the digest words the kernel writes (rows x planes x heads)."""
+    page's bytes; ``words``: digest words to write back (rows x planes x heads; 0: none);
+    ``expect``: device pointer to the producer's rows to compare with (0: none)."""
 
     geometry: int
     weights: int
     pages: int
     page_bytes: int
-    words: int
+    words: int = 0
+    expect: int = 0
+
+
+NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
 
 
 class Pending:
@@ -145,7 +150,7 @@ class Pending:
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
     __slots__ = ("_done", "_failed", "buf", "dbuf", "digest_at", "digests", "error", "event",
-                 "keep", "owner", "seq", "shared")
+                 "keep", "mismatch", "owner", "seq", "shared")
 
     def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> None:
@@ -154,8 +159,13 @@ class Pending:
         self.dbuf = dbuf  # device copy of the records, if uploaded
         self.error = error  # the host could not enqueue all of it (why); failed() once done
         self.shared = False  # the event was handed out: never recycled for another copy
-        self.digest_at = (0, 0)  # copy_digest: where in ``buf`` the kernel writes its digests
+        #: copy_digest: where in ``buf`` the kernel writes its mismatch word (0: nowhere), and
+        #: its digests (first word, count)
+        self.digest_at = (0, 0, 0)
         self.digests: npt.NDArray[np.uint64] | None = None  # copied out once done
+        #: lowest (row, plane, head) index whose digest differed from the expected ones,
+        #: NO_MISMATCH if none did; None where nothing was compared (or the copy failed)
+        self.mismatch: int | None = None
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -369,7 +379,9 @@ class BatchCopier:
             p.dbuf = None
         if p.buf is not None:
             p._failed = int(p.buf.words[0]) == p.seq
-            at, count = p.digest_at
+            bad, at, count = p.digest_at
+            if bad and not p._failed:
+                p.mismatch = int(p.buf.words[bad])
             if count and not p._failed:
                 p.digests = p.buf.words[at:at + count].copy()
             self._pinned[p.buf.tensor.shape[0]].append(p.buf)
@@ -494,8 +506,8 @@ class BatchCopier:
         [segments], destination bases [segments], source offsets [blocks], destination
         offsets [blocks], digest rows [blocks], -1 where not checked) — with the integrity
         digests of what lands computed by the same kernel (``kv_move_digest``): once done,
-        ``Pending.digests`` holds ``digest.words`` of them. Only with
-        :attr:`computes_addresses`."""
+        ``Pending.digests`` holds ``digest.words`` of them, and ``Pending.mismatch`` says
+        whether they equal ``digest.expect``'s. Only with :attr:`computes_addresses`."""
         if self._cuda is None:
             raise ConfigError("copy_digest needs the CUDA C kernel (NVRTC)")
         with self._lock:
@@ -506,10 +518,11 @@ class BatchCopier:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
                 words = table.shape[0]
-                buf = self._take(8 + 8 * words + 8 * digest.words)
+                buf = self._take(16 + 8 * words + 8 * digest.words)
                 held.append(buf)
                 buf.words[0] = 0
                 buf.words[1:1 + words] = table
+                buf.words[1 + words] = NO_MISMATCH
                 dbuf = self._take_onboard(8 * words, stream)
                 held.append(dbuf)
                 at = int(dbuf.data_ptr())
@@ -519,13 +532,15 @@ class BatchCopier:
                     if self._order is None:
                         self._order = move.StreamOrder()
                     self._order.wait(raw, after)
-                out = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
+                bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
+                out = bad + 8 if digest.words else 0
                 self._cuda.launch_digest(segments * blocks, (
                     at, segments, blocks, unit, smap.ptr, smap.count, dmap.ptr, dmap.count,
                     buf.ptr, seq, digest.geometry, digest.weights, out, digest.pages,
-                    digest.page_bytes), raw)
+                    digest.page_bytes, digest.expect, bad), raw)
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
-                pending.digest_at = (1 + words, digest.words)
+                pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
+                                     digest.words)
                 return pending
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),

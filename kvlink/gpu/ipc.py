@@ -172,14 +172,19 @@ def allocation_range(ptr: int) -> tuple[int, int]:
 
 _HOST_REGISTER_PORTABLE = 0x1
 _HOST_REGISTER_DEVICEMAP = 0x2
+_HOST_REGISTER_READ_ONLY = 0x8  # CU_MEMHOSTREGISTER_READ_ONLY
 
 
-def host_register(addr: int, nbytes: int) -> int:
-    """Page-lock ``nbytes`` of host memory at ``addr`` (a shared mapping: kvlink.landing) for
-    every context, mapped into the device's address space; returns the device pointer."""
+def host_register(addr: int, nbytes: int, read_only: bool = False) -> int:
+    """Page-lock ``nbytes`` of host memory at ``addr`` (a shared mapping: kvlink.landing, a
+    producer's hold board) for every context, mapped into the device's address space;
+    returns the device pointer. ``read_only``: a mapping without write access (the device
+    only reads it)."""
     drv = driver()
-    drv.check(drv.cuMemHostRegister(addr, nbytes,
-                                    _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP),
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP
+    if read_only:
+        flags |= _HOST_REGISTER_READ_ONLY
+    drv.check(drv.cuMemHostRegister(addr, nbytes, flags),
               f"cuMemHostRegister(0x{addr:x}, {nbytes})")
     dev = _CUdeviceptr()
     rc = drv.cuMemHostGetDevicePointer(ctypes.byref(dev), addr, 0)

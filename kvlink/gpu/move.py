@@ -116,78 +116,100 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
 // or K and V side by side, Q = 2) with the integrity digest of what it writes, fused: the
 // bytes are in registers anyway (kvlink.integrity's digest: per (block, plane, head) the sum
 // mod 2**64 of each 8-byte word times the odd weight of its (token, word) place, in the
-// consumer's logical order). One thread block per unit. t holds, as i64, the source bases [S],
-// destination bases [S], source offsets [n], destination offsets [n] (block id x unit), and
-// per block the digest row it goes to (-1: not checked). geo: (heads, tokens, head bytes,
-// words per head row, 4 spare) then per plane (pointer, block stride, head stride, token
-// stride) of the consumer's own views, head stride 0 where there is one head; wt: the
-// weights, [tokens x words]. out: [rows][S x Q][heads] digests, in host memory mapped into
-// the device, each written once by its unit's block. A byte the views do not place in a head
-// is not digested (the producer's digest then differs: a layout disagreement fails closed).
+// consumer's logical order). A group of KV_TP threads per unit, KV_T / KV_TP units a block.
+// t holds, as i64, the source bases [S], destination bases [S], source offsets [n],
+// destination offsets [n] (block id x unit), and per block its digest row (-1: not
+// checked). geo: (heads, tokens, head bytes, words per head row, 4 spare) then per plane
+// (pointer, block stride, head stride, token stride) of the consumer's own views, head stride
+// 0 where there is one head; wt: the weights, [tokens x words]. Rows are [S x Q][heads]
+// digests. out (if not 0): where the rows are written, host memory mapped into the device;
+// expect (if not 0): the producer's rows, compared here — the lowest (row, plane, head) index
+// that differs goes to *bad (atomicMin; the host set it to all ones). A byte the views do
+// not place in a head is not digested (the digest then differs: a layout disagreement fails
+// closed).
 __device__ __forceinline__ u64 kv_word(int lo, int hi) {
   return (u64)(unsigned)lo | ((u64)(unsigned)hi << 32);
 }
+
+#define KV_GROUPS (KV_T / KV_TP)
 
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     const i64* __restrict__ t, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    u64* out, i64 Q, i64 page) {
-  __shared__ u64 acc[KV_DMAX];
-  const i64 seg = blockIdx.x / n, r = blockIdx.x - seg * n;
-  const i64 slot = t[2 * S + 2 * n + r];
-  i64 s = 0, d = 0;
-  if (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
-      !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d)) {
-    if (threadIdx.x == 0) *(volatile i64*)status = seq;
-    return;
-  }
+    u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+  __shared__ u64 acc[KV_GROUPS][KV_DMAX];
+  const int group = threadIdx.x / KV_TP, lane = threadIdx.x % KV_TP;
+  const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
-  const bool dig = slot >= 0;  // the same for every thread of the block
-  if (dig) {
-    for (int i = threadIdx.x; i < Q * H; i += KV_T) acc[i] = 0;
-    __syncthreads();
+  const int keys = (int)Q * H;
+  bool live = item < S * n;
+  const i64 seg = live ? item / n : 0, r = live ? item - seg * n : 0;
+  const i64 slot = live ? t[2 * S + 2 * n + r] : -1;
+  i64 s = 0, d = 0;
+  if (live && (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
+               !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d))) {
+    if (lane == 0) *(volatile i64*)status = seq;
+    live = false;
   }
-  const i64 lid = t[2 * S + n + r] / unit;  // our block id (destination offsets are id x unit)
+  const bool dig = live && slot >= 0;  // the same for every thread of the group
+  for (int i = lane; i < keys; i += KV_TP) acc[group][i] = 0;
+  __syncthreads();
+  const i64 lid = live ? t[2 * S + n + r] / unit : 0;  // our block id (offsets are id x unit)
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
-  const i64 nv = unit >> 4;
+  const i64 nv = live ? unit >> 4 : 0;
   int key = -1;
   u64 part = 0;
-  for (i64 j = threadIdx.x; j < nv; j += KV_T) {
-    const int4 v = src[j];
-    dst[j] = v;
+  for (i64 j0 = lane; j0 < nv; j0 += (i64)KV_TP * KV_U) {
+    int4 v[KV_U];
+#pragma unroll
+    for (int u = 0; u < KV_U; ++u) {
+      const i64 j = j0 + (i64)u * KV_TP;
+      if (j < nv) v[u] = src[j];
+    }
+#pragma unroll
+    for (int u = 0; u < KV_U; ++u) {
+      const i64 j = j0 + (i64)u * KV_TP;
+      if (j < nv) dst[j] = v[u];
+    }
     if (!dig) continue;
-    const i64 off = j << 4;
-    const int q = (int)(off / page);
-    const i64* row = geo + 8 + 4 * (seg * Q + q);
-    const i64 rel = d + off - (row[0] + lid * row[1]);
-    if (rel < 0 || rel >= ((i64)1 << 31)) continue;
-    const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
-    unsigned head, token, wb;
-    if (sh == 0) {  // one head
-      head = 0; token = ur / st; wb = ur - token * st;
-    } else if (sh >= st) {  // head-major (HND)
-      head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st; wb = r2 - token * st;
-    } else {  // token-major (NHD)
-      token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh; wb = r2 - head * sh;
+#pragma unroll
+    for (int u = 0; u < KV_U; ++u) {
+      const i64 j = j0 + (i64)u * KV_TP;
+      if (j >= nv) continue;
+      const i64 off = j << 4;
+      const int q = off >= page ? 1 : 0;  // Q is 1 or 2
+      const i64* row = geo + 8 + 4 * (seg * Q + q);
+      const i64 rel = d + off - (row[0] + lid * row[1]);
+      if (rel < 0 || rel >= ((i64)1 << 31)) continue;
+      const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
+      unsigned head, token, wb;
+      if (sh == 0) {  // one head
+        head = 0; token = ur / st; wb = ur - token * st;
+      } else if (sh >= st) {  // head-major (HND)
+        head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st;
+        wb = r2 - token * st;
+      } else {  // token-major (NHD)
+        token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh;
+        wb = r2 - head * sh;
+      }
+      if (head >= (unsigned)H || token >= (unsigned)N || wb + 16 > (unsigned)hb) continue;
+      const int k = q * H + (int)head;
+      const unsigned wi = token * (unsigned)W + (wb >> 3);
+      const u64 x = kv_word(v[u].x, v[u].y) * wt[wi] + kv_word(v[u].z, v[u].w) * wt[wi + 1];
+      if (k != key) {
+        if (key >= 0) atomicAdd(&acc[group][key], part);
+        key = k;
+        part = 0;
+      }
+      part += x;
     }
-    if (head >= (unsigned)H || token >= (unsigned)N || wb + 16 > (unsigned)hb) continue;
-    const int k = q * H + (int)head;
-    const unsigned wi = token * (unsigned)W + (wb >> 3);
-    const u64 x = kv_word(v.x, v.y) * wt[wi] + kv_word(v.z, v.w) * wt[wi + 1];
-    if (k != key) {
-      if (key >= 0) atomicAdd(&acc[key], part);
-      key = k;
-      part = 0;
-    }
-    part += x;
   }
-  if (!dig) return;
   // lanes with one key in aligned power-of-two groups (a head's run of vectors) add up by
-  // shuffles first, so a block's last flush is a few shared atomics, not one per thread
+  // shuffles first, so a unit's last flush is a few shared atomics, not one per thread
   const unsigned peers = __match_any_sync(0xffffffffu, key);
-  const int lane = threadIdx.x & 31, cnt = __popc(peers), lead = __ffs(peers) - 1;
+  const int wl = threadIdx.x & 31, cnt = __popc(peers), lead = __ffs(peers) - 1;
   const unsigned want = (cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u)) << lead;
   const bool aligned = (cnt & (cnt - 1)) == 0 && lead % cnt == 0 && peers == want;
   if (__all_sync(0xffffffffu, aligned)) {
@@ -195,13 +217,17 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       const u64 other = __shfl_xor_sync(0xffffffffu, part, o);
       if (o < cnt) part += other;
     }
-    if (lane == lead && key >= 0) atomicAdd(&acc[key], part);
+    if (wl == lead && key >= 0) atomicAdd(&acc[group][key], part);
   } else if (key >= 0) {
-    atomicAdd(&acc[key], part);
+    atomicAdd(&acc[group][key], part);
   }
   __syncthreads();
-  u64* row_out = out + (slot * S * Q + seg * Q) * H;
-  for (int i = threadIdx.x; i < Q * H; i += KV_T) row_out[i] = acc[i];
+  if (!dig) return;
+  const i64 first = (slot * S * Q + seg * Q) * H;
+  for (int i = lane; i < keys; i += KV_TP) {
+    if (out) out[first + i] = acc[group][i];
+    if (expect && expect[first + i] != acc[group][i]) atomicMin(bad, (u64)(first + i));
+  }
 }
 
 // After a copy, on its stream: move a landing flag (kvlink.landing) from `expect` to `value`
@@ -223,11 +249,11 @@ extern "C" __global__ void kv_signal(const i64* status, i64 seq, unsigned long l
 SMALL_SHAPE = (256, 64, 4)
 LARGE_SHAPE = (1024, 1024, 2)
 CHUNK = 64 << 10  # bytes one group moves of a long extent
-DIGEST_SHAPE = (128, 128, 1)  # kv_move_digest: one block of 128 threads per unit
-DIGEST_MAX = 256  # kv_move_digest: pages per unit x heads it can digest (shared memory)
+DIGEST_SHAPE = (256, 64, 4)  # kv_move_digest: a unit per 64 threads, four to a block
+DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
 _NARGS = 10
-_DIGEST_NARGS = 15
+_DIGEST_NARGS = 17
 _compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
 _compile_lock = threading.Lock()
 
@@ -297,12 +323,14 @@ class CudaMove:
 
     def launch_digest(self, units: int, args: tuple[int, ...], stream: int) -> None:
         """kv_move_digest over ``units`` (segments x blocks) units; args as the kernel takes
-        them (table, S, n, unit, maps..., status, seq, geo, weights, out, Q, page)."""
+        them (table, S, n, unit, maps..., status, seq, geo, weights, out, Q, page, expect,
+        bad)."""
         if self._digest_fn is None:
             self._digest_fn = _compile(self.device, DIGEST_SHAPE, "kv_move_digest").func
         self._dvals[:] = list(args)
-        t = DIGEST_SHAPE[0]
-        rc = self._lib.cuLaunchKernel(self._digest_fn, units, 1, 1, t, 1, 1, 0, stream,
+        t, tp, _ = DIGEST_SHAPE
+        grid = -(-units // (t // tp))
+        rc = self._lib.cuLaunchKernel(self._digest_fn, grid, 1, 1, t, 1, 1, 0, stream,
                                       self._dptrs, None)
         if rc:
             raise RuntimeError(f"cuLaunchKernel(kv_move_digest) failed with CUDA error {rc}")

@@ -25,7 +25,7 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.holdboard import fingerprint
-from kvlink.integrity import Digests, unpack
+from kvlink.integrity import Digests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
@@ -177,7 +177,7 @@ class _Parts(_Holds):
         extra: dict[str, Any] = {} if signal is None else {"signal": signal}
         if job is not None and isinstance(plan, Runs):
             extra["digest"] = job
-            part.landed = (job.rows, None)
+            part.fused_rows = job.count
         try:
             if isinstance(plan, Runs):
                 assert post_runs is not None
@@ -218,9 +218,8 @@ class _Parts(_Holds):
             transport.name, part.post_seconds, part.nbytes,
             part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
             state.status is XferStatus.DONE))
-        if part.landed is not None:  # the copy kernel digested what it landed
-            got = getattr(transport, "landed_digests", lambda h: None)(part.handle)
-            part.landed = (part.landed[0], got) if got is not None else None
+        if part.fused_rows:  # the copy kernel digested what it landed, and compared
+            part.fused = getattr(transport, "landed_mismatch", lambda h: None)(part.handle)
         transport.release(part.handle)
         part.handle = None
         reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
@@ -249,9 +248,17 @@ class _Parts(_Holds):
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
             shown = part.board and self._board_still_shows(req, part.go)
-            digests = (part.digests or self._board_digests(req, part.go)
-                       if shown and self.integrity.on else None)
-            if shown and (digests is not None or not self.integrity.on):
+            matched = shown and self.integrity.on and part.fused == -1
+            digests = (self._board_digests(req, part.go)
+                       if shown and self.integrity.on and not matched else None)
+            if matched:  # held for the whole READ, and what landed digests like the hold
+                part.done = True
+                self.board_validated += 1
+                self.integrity.checked_blocks += part.fused_rows
+                self.integrity.fused_blocks += part.fused_rows
+                self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                           self._read_done(req, part, True), quiet=True)
+            elif shown and (digests is not None or not self.integrity.on):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
                 # only lets the producer count us done: nobody waits for its answer
                 self.board_validated += 1
@@ -268,18 +275,21 @@ class _Parts(_Holds):
 
     def _digest_job(self, req: _Request, part: _Part, transport: Transport,
                     spec: KVCacheSpec) -> DigestJob | None:
-        """With integrity on, a same-host READ through a transport that digests while it
-        copies: the producer's digests from its hold board (valid once the READ is seen
-        still held after it) and the job for the copy kernel; None: digest after the copy."""
-        go = part.go
-        if (not self.integrity.on or req.op is not Op.READ or go is None
+        """With integrity on, a same-host READ of every head through a transport that digests
+        while it copies: the job for its copy kernel, which compares what it lands with the
+        digest rows on the producer's hold board in place (valid once the READ is seen still
+        held after it); None: digest on the host after the copy."""
+        go, r = part.go, part.read
+        if (not self.integrity.on or req.op is not Op.READ or go is None or go.peer.board is None
                 or not getattr(transport, "fuses_digests", False)
+                or (r.local_start, r.remote_start, r.count) != (0, 0, spec.num_kv_heads)
                 or not self._on_board(req, go)):
             return None
-        part.digests = self._board_digests(req, go)
-        if part.digests is None:
+        assert req.fingerprint is not None
+        on_board = board_rows(go.peer.board, go.generation, req.fingerprint)
+        if on_board is None or on_board.rows.shape[0] != req.remote_ids.shape[0]:
             return None
-        return self.integrity.fused_job(req.remote_ids, part.digests[0], spec.page_bytes)
+        return self.integrity.fused_job(on_board, spec.page_bytes)
 
     def _on_board(self, req: _Request, go: _Go) -> bool:
         """Whether this READ will be validated on the producer's hold board: one is open (with
@@ -357,10 +367,13 @@ class _Parts(_Holds):
         spec = self._require_spec()
         r = part.read
         ids, blob, folded = digests
-        landed = part.landed if part.landed is not None and part.landed[1] is not None else None
         why = self.integrity.check(req.req_id, req.local_ids, req.remote_ids,
                                    (r.local_start, r.remote_start, r.count),
-                                   ids, blob, folded, spec.num_layers, spec.num_kv, landed)
+                                   ids, blob, folded, spec.num_layers, spec.num_kv)
+        if why is None and part.fused is not None and part.fused >= 0:
+            self.integrity.failures += 1
+            why = (f"integrity: the copy kernel's digest of {req.req_id} (row {part.fused}) "
+                   "differed from the producer's: not trusted")  # fail closed
         if why is None:
             part.done = True
             return
@@ -395,7 +408,7 @@ class _Parts(_Holds):
     def _read_again(req: _Request, part: _Part) -> None:
         req.nbytes -= part.nbytes
         part.go, part.plan, part.nbytes = None, None, 0
-        part.digests = part.landed = None
+        part.fused_rows, part.fused = 0, None
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
         """A part ends without bytes: for a READ with a generation, release the producer now."""

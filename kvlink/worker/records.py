@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,6 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
-from kvlink.integrity import Digests
 from kvlink.landing import Hold, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
@@ -89,9 +88,11 @@ class _Part:
     refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     board: bool = False  # READ: validated on the producer's hold board once it is DONE
-    #: READ with integrity on: the producer's digests (from its hold board, read at the post)
-    digests: Digests | None = None
-    landed: Any = None  # (rows, digests) the transport took of what landed (fused), or None
+    #: READ with integrity on, digested and compared by the copy kernel (kvlink.transport
+    #: DigestJob): the producer's rows it compared (0: not posted so), and once DONE its
+    #: answer — -1 all matched, else the first index that differed; None: not compared
+    fused_rows: int = 0
+    fused: int | None = None
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     post_seconds: float = 0.0  # inside the transport's post call
