@@ -50,6 +50,7 @@ import hashlib
 import logging
 import mmap
 import os
+import struct
 import threading
 import weakref
 
@@ -186,6 +187,14 @@ class HoldBoard:
             self._fd = -1
 
 
+_SLOT = struct.Struct(f"<{_WORDS}Q")
+_SHOWN = struct.Struct("<2Q")
+
+
+def _slot_at(generation: int) -> int:
+    return _HEADER + 8 * _WORDS * (generation & (SLOTS - 1))
+
+
 def _slots(view: mmap.mmap) -> npt.NDArray[np.uint64]:
     words = np.frombuffer(view, dtype=np.uint64, count=(_ARENA // 8))
     return words[_HEADER // 8:].reshape(SLOTS, _WORDS)
@@ -206,6 +215,10 @@ class BoardView:
     def __init__(self, fd: int, view: mmap.mmap) -> None:
         self._fd, self._map = fd, view
         self._slots = _slots(view)
+        base = int(np.frombuffer(view, dtype=np.uint8, count=1).ctypes.data)
+        #: (host address, bytes) of the mapping: a device that reads digests in place
+        #: registers it (read-only)
+        self.region = (base, KIND.size)
 
     @classmethod
     def open(cls, offer_name: str, token: bytes) -> BoardView | None:
@@ -222,48 +235,33 @@ class BoardView:
         """Whether ``generation`` is shown held over the blocks fingerprinted ``fp``."""
         if self._fd < 0:
             return False
-        slot = self._slots[generation & (SLOTS - 1)]
-        return int(slot[0]) == generation and int(slot[1]) == fp
+        gen, got = _SHOWN.unpack_from(self._map, _slot_at(generation))
+        return bool(gen == generation and got == fp)
 
     def digests(self, generation: int, fp: int) -> bytes | None:
         """The digests ``generation``'s hold published, copied out; None where it shows none
         (or is not shown). Checked before and after the copy: the pages are given back only
         after the generation is cleared, and a generation never comes back."""
-        if self._fd < 0:
+        area = self.digest_area(generation, fp)
+        if area is None:
             return None
-        slot = self._slots[generation & (SLOTS - 1)]
-        if int(slot[0]) != generation or int(slot[1]) != fp:
-            return None
-        at, n = int(slot[2]), int(slot[3])
-        if n == 0 or at < _ARENA or at + n > KIND.size:
-            return None
-        blob = bytes(self._map[at:at + n])
-        if int(slot[0]) != generation:
-            return None
-        return blob
+        blob = self._map[area[0]:area[0] + area[1]]
+        return blob if self.holds(generation, fp) else None
 
     def digest_area(self, generation: int, fp: int) -> tuple[int, int] | None:
         """(offset in the mapping, bytes) of the digests ``generation``'s hold published, or
-        None. Bytes read there count only if :meth:`holds` still says so afterwards."""
+        None. Bytes read there count only if :meth:`holds` still says so afterwards. One
+        unpack of the slot's words (numpy's per-scalar cost is the time on a busy host)."""
         if self._fd < 0:
             return None
-        slot = self._slots[generation & (SLOTS - 1)]
-        if int(slot[0]) != generation or int(slot[1]) != fp:
-            return None
-        at, n = int(slot[2]), int(slot[3])
-        if n == 0 or at < _ARENA or at + n > KIND.size:
+        gen, got, at, n = _SLOT.unpack_from(self._map, _slot_at(generation))
+        if gen != generation or got != fp or n == 0 or at < _ARENA or at + n > KIND.size:
             return None
         return at, n
 
-    def read(self, at: int, nbytes: int) -> bytes:
-        """A copy of ``nbytes`` of the mapping at offset ``at`` (inside the file)."""
-        return self._map[at:at + nbytes]
-
-    @property
-    def region(self) -> tuple[int, int]:
-        """(host address, bytes) of the mapping: a device that reads the digests in place
-        registers it (read-only)."""
-        return int(np.frombuffer(self._map, dtype=np.uint8, count=1).ctypes.data), KIND.size
+    def words(self, at: int, count: int) -> tuple[int, ...]:
+        """``count`` little-endian 64-bit words of the mapping at offset ``at``."""
+        return struct.unpack_from(f"<{count}Q", self._map, at)
 
     def alive(self) -> bool:
         """Whether the producer still holds its board's lock (it is alive and has not closed

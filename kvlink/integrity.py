@@ -362,36 +362,34 @@ def unpack(raw: bytes) -> Digests | None:
 @dataclasses.dataclass(frozen=True)
 class BoardRows:
     """Where a hold's digests lie on its producer's hold board, for a reader's copy kernel
-    to compare with what it lands (kvlink.transport.DigestJob): the row per held position,
-    and the host address and row width of the digest rows, in the reader's mapping."""
+    to compare with what it lands in place (kvlink.transport.DigestJob): host addresses, in
+    the reader's mapping ``region``, of the row per held position and of the digest rows."""
 
-    rows: npt.NDArray[np.int64]
-    count: int
+    blocks: int  # held positions
+    count: int  # digest rows
     folded: bool
     row_words: int
-    address: int  # host address of row 0 (inside ``region``)
+    rows: int  # host address of [blocks] int64
+    address: int  # host address of digest row 0
     region: tuple[int, int]  # the board mapping: (host address, bytes)
 
 
 def board_rows(view: Any, generation: int, fp: int) -> BoardRows | None:
     """The digest rows ``generation``'s hold published on ``view`` (a holdboard.BoardView),
-    read without copying the digests; None where it shows none. Valid while the hold is
-    shown: the reader's after-check (the hold still shown once its READ is done) covers the
-    kernel's reads of them too."""
+    located without copying them; None where it shows none. What a kernel reads there counts
+    only if the hold is still shown after it: the reader's after-check once its READ is
+    done (the pages are given back only after the withdrawal)."""
     area = view.digest_area(generation, fp)
     if area is None:
         return None
     at, nbytes = area
-    head = np.frombuffer(view.read(at, 8 * _BOARD_HEAD), dtype="<u8")
-    k, folded, n, per = (int(x) for x in head)
-    start = 8 * (_BOARD_HEAD + n + k)
+    k, folded, n, per = view.words(at, _BOARD_HEAD)
+    rows = 8 * _BOARD_HEAD
+    start = rows + 8 * (n + k)
     if folded > 1 or start + 8 * k * per > nbytes:
         return None
-    rows = np.frombuffer(view.read(at + 8 * _BOARD_HEAD, 8 * n), dtype="<i8")
-    if not view.holds(generation, fp):
-        return None
-    base, size = view.region
-    return BoardRows(rows, k, bool(folded), per, base + at + start, (base, size))
+    base = view.region[0] + at
+    return BoardRows(n, k, bool(folded), per, base + rows, base + start, view.region)
 
 
 def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike
@@ -507,8 +505,8 @@ class Checker:
         got = _table(planes).fused()
         if got is None:
             return None
-        return DigestJob(got[0], got[1], nplanes, heads, page_bytes, on_board.rows,
-                         on_board.count, on_board.address, on_board.region)
+        return DigestJob(got[0], got[1], nplanes, heads, page_bytes, on_board.blocks,
+                         on_board.count, on_board.rows, on_board.address, on_board.region)
 
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
               remote_ids: npt.NDArray[np.int64], heads: HeadSlice,

@@ -201,10 +201,11 @@ class DigestJob:
     planes: int  # layers x K|V planes the views hold
     heads: int  # heads per plane (rank-local)
     page_bytes: int  # one block's page of one plane
-    rows: npt.NDArray[np.int64]  # [blocks of the request] its expected row, -1: not checked
+    blocks: int  # of the request
     count: int  # expected rows
+    rows: int  # host address of [blocks] int64: each block's expected row, -1: not checked
     expect: int  # host address of expected row 0: [count][planes][heads] little-endian u64
-    region: tuple[int, int]  # the host mapping ``expect`` lies in: (address, bytes)
+    region: tuple[int, int]  # the host mapping both lie in: (address, bytes)
 
 
 @dataclasses.dataclass(frozen=True)

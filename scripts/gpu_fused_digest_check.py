@@ -93,6 +93,7 @@ class Case:
         self.planes = _planes(kind, self.dst, read_as)
         self.src_planes = _planes(kind, self.src)  # the producer's, read right
         self.heads = int(self.planes[0][0].shape[1])  # as the consumer's views have them
+        self._rows: dict[bytes, Any] = {}
         self.nplanes = 2 * layers
 
     def post(self, copier: BatchCopier, stream: Any, rows: np.ndarray | None,
@@ -108,10 +109,12 @@ class Case:
         fused = integrity._table(self.planes).fused()
         assert fused is not None, "the views' geometry was not taken"
         count = int((rows >= 0).sum())
+        key = rows.tobytes()  # one device copy per rows, kept while copies may read it
+        dev_rows = self._rows.setdefault(key, torch.from_numpy(rows).to(self.dev))
         launch = DigestLaunch(fused[0], fused[1], self.pages, self.page,
-                              count * self.nplanes * self.heads,
+                              int(dev_rows.data_ptr()), count * self.nplanes * self.heads,
                               0 if expect is None else int(expect.data_ptr()))
-        table = np.concatenate([base, at, rows.view(np.uint64)])
+        table = np.concatenate([base, at])
         return copier.copy_digest(table, segs, n, self.unit, self.smap, self.dmap, stream,
                                   None, launch)
 

@@ -130,13 +130,15 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 class DigestLaunch:
     """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
     to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one
-    page's bytes; ``words``: digest words to write back (rows x planes x heads; 0: none);
+    page's bytes, ``rows``: device pointer to each block's digest row (int64, -1: not
+    checked); ``words``: digest words to write back (rows x planes x heads; 0: none);
     ``expect``: device pointer to the producer's rows to compare with (0: none)."""
 
     geometry: int
     weights: int
     pages: int
     page_bytes: int
+    rows: int
     words: int = 0
     expect: int = 0
 
@@ -504,7 +506,7 @@ class BatchCopier:
                     digest: DigestLaunch) -> Pending:
         """:meth:`copy_runs` of one ``unit`` per (segment, block) — ``table`` is (source bases
         [segments], destination bases [segments], source offsets [blocks], destination
-        offsets [blocks], digest rows [blocks], -1 where not checked) — with the integrity
+        offsets [blocks]) — with the integrity
         digests of what lands computed by the same kernel (``kv_move_digest``): once done,
         ``Pending.digests`` holds ``digest.words`` of them, and ``Pending.mismatch`` says
         whether they equal ``digest.expect``'s. Only with :attr:`computes_addresses`."""
@@ -536,8 +538,8 @@ class BatchCopier:
                 out = bad + 8 if digest.words else 0
                 self._cuda.launch_digest(segments * blocks, (
                     at, segments, blocks, unit, smap.ptr, smap.count, dmap.ptr, dmap.count,
-                    buf.ptr, seq, digest.geometry, digest.weights, out, digest.pages,
-                    digest.page_bytes, digest.expect, bad), raw)
+                    buf.ptr, seq, digest.geometry, digest.weights, digest.rows, out,
+                    digest.pages, digest.page_bytes, digest.expect, bad), raw)
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
                 pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
                                      digest.words)

@@ -116,9 +116,9 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
 // or K and V side by side, Q = 2) with the integrity digest of what it writes, fused: the
 // bytes are in registers anyway (kvlink.integrity's digest: per (block, plane, head) the sum
 // mod 2**64 of each 8-byte word times the odd weight of its (token, word) place, in the
-// consumer's logical order). A group of KV_TP threads per unit, KV_T / KV_TP units a block.
+// consumer's logical order).
 // t holds, as i64, the source bases [S], destination bases [S], source offsets [n],
-// destination offsets [n] (block id x unit), and per block its digest row (-1: not
+// destination offsets [n] (block id x unit); rows, per block, its digest row (-1: not
 // checked). geo: (heads, tokens, head bytes, words per head row, 4 spare) then per plane
 // (pointer, block stride, head stride, token stride) of the consumer's own views, head stride
 // 0 where there is one head; wt: the weights, [tokens x words]. Rows are [S x Q][heads]
@@ -131,52 +131,52 @@ __device__ __forceinline__ u64 kv_word(int lo, int hi) {
   return (u64)(unsigned)lo | ((u64)(unsigned)hi << 32);
 }
 
-#define KV_GROUPS (KV_T / KV_TP)
+#define KV_GROUPS (KV_T / 32)
 
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     const i64* __restrict__ t, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+    const i64* rows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+  // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
+  // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
   __shared__ u64 acc[KV_GROUPS][KV_DMAX];
-  const int group = threadIdx.x / KV_TP, lane = threadIdx.x % KV_TP;
+  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
+  if (item >= S * n) return;  // the whole warp
+  const i64 seg = item / n, r = item - seg * n;
+  i64 s = 0, d = 0;
+  if (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
+      !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d)) {
+    if (lane == 0) *(volatile i64*)status = seq;
+    return;
+  }
+  const i64 slot = rows[r];  // host memory (the producer's board): in flight with the copy
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
-  bool live = item < S * n;
-  const i64 seg = live ? item / n : 0, r = live ? item - seg * n : 0;
-  const i64 slot = live ? t[2 * S + 2 * n + r] : -1;
-  i64 s = 0, d = 0;
-  if (live && (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
-               !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d))) {
-    if (lane == 0) *(volatile i64*)status = seq;
-    live = false;
-  }
-  const bool dig = live && slot >= 0;  // the same for every thread of the group
-  for (int i = lane; i < keys; i += KV_TP) acc[group][i] = 0;
-  __syncthreads();
-  const i64 lid = live ? t[2 * S + n + r] / unit : 0;  // our block id (offsets are id x unit)
+  const i64 lid = t[2 * S + n + r] / unit;  // our block id (offsets are id x unit)
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
-  const i64 nv = live ? unit >> 4 : 0;
+  const i64 nv = unit >> 4;
+  for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
-  for (i64 j0 = lane; j0 < nv; j0 += (i64)KV_TP * KV_U) {
+  for (i64 j0 = lane; j0 < nv; j0 += 32 * KV_U) {
     int4 v[KV_U];
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
-      const i64 j = j0 + (i64)u * KV_TP;
+      const i64 j = j0 + (i64)u * 32;
       if (j < nv) v[u] = src[j];
     }
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
-      const i64 j = j0 + (i64)u * KV_TP;
+      const i64 j = j0 + (i64)u * 32;
       if (j < nv) dst[j] = v[u];
     }
-    if (!dig) continue;
+    if (slot < 0) continue;  // the same for the whole warp
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
-      const i64 j = j0 + (i64)u * KV_TP;
+      const i64 j = j0 + (i64)u * 32;
       if (j >= nv) continue;
       const i64 off = j << 4;
       const int q = off >= page ? 1 : 0;  // Q is 1 or 2
@@ -206,10 +206,11 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       part += x;
     }
   }
+  if (slot < 0) return;
   // lanes with one key in aligned power-of-two groups (a head's run of vectors) add up by
-  // shuffles first, so a unit's last flush is a few shared atomics, not one per thread
+  // shuffles first, so a unit's last flush is a few shared atomics, not one per lane
   const unsigned peers = __match_any_sync(0xffffffffu, key);
-  const int wl = threadIdx.x & 31, cnt = __popc(peers), lead = __ffs(peers) - 1;
+  const int cnt = __popc(peers), lead = __ffs(peers) - 1;
   const unsigned want = (cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u)) << lead;
   const bool aligned = (cnt & (cnt - 1)) == 0 && lead % cnt == 0 && peers == want;
   if (__all_sync(0xffffffffu, aligned)) {
@@ -217,16 +218,16 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       const u64 other = __shfl_xor_sync(0xffffffffu, part, o);
       if (o < cnt) part += other;
     }
-    if (wl == lead && key >= 0) atomicAdd(&acc[group][key], part);
+    if (lane == lead && key >= 0) atomicAdd(&acc[group][key], part);
   } else if (key >= 0) {
     atomicAdd(&acc[group][key], part);
   }
-  __syncthreads();
-  if (!dig) return;
+  __syncwarp();
   const i64 first = (slot * S * Q + seg * Q) * H;
-  for (int i = lane; i < keys; i += KV_TP) {
-    if (out) out[first + i] = acc[group][i];
-    if (expect && expect[first + i] != acc[group][i]) atomicMin(bad, (u64)(first + i));
+  for (int i = lane; i < keys; i += 32) {
+    const u64 got = acc[group][i];
+    if (out) out[first + i] = got;
+    if (expect && expect[first + i] != got) atomicMin(bad, (u64)(first + i));
   }
 }
 
@@ -249,11 +250,11 @@ extern "C" __global__ void kv_signal(const i64* status, i64 seq, unsigned long l
 SMALL_SHAPE = (256, 64, 4)
 LARGE_SHAPE = (1024, 1024, 2)
 CHUNK = 64 << 10  # bytes one group moves of a long extent
-DIGEST_SHAPE = (256, 64, 4)  # kv_move_digest: a unit per 64 threads, four to a block
+DIGEST_SHAPE = (256, 32, 8)  # kv_move_digest: a unit per warp, eight to a block
 DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
 _NARGS = 10
-_DIGEST_NARGS = 17
+_DIGEST_NARGS = 18
 _compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
 _compile_lock = threading.Lock()
 
@@ -323,8 +324,8 @@ class CudaMove:
 
     def launch_digest(self, units: int, args: tuple[int, ...], stream: int) -> None:
         """kv_move_digest over ``units`` (segments x blocks) units; args as the kernel takes
-        them (table, S, n, unit, maps..., status, seq, geo, weights, out, Q, page, expect,
-        bad)."""
+        them (table, S, n, unit, maps..., status, seq, geo, weights, rows, out, Q, page,
+        expect, bad)."""
         if self._digest_fn is None:
             self._digest_fn = _compile(self.device, DIGEST_SHAPE, "kv_move_digest").func
         self._dvals[:] = list(args)

@@ -287,7 +287,7 @@ class _Parts(_Holds):
             return None
         assert req.fingerprint is not None
         on_board = board_rows(go.peer.board, go.generation, req.fingerprint)
-        if on_board is None or on_board.rows.shape[0] != req.remote_ids.shape[0]:
+        if on_board is None or on_board.blocks != req.remote_ids.shape[0]:
             return None
         return self.integrity.fused_job(on_board, spec.page_bytes)
 
