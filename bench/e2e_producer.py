@@ -216,6 +216,12 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
                     gen = w.hold(req_id, np.arange(s0, s0 + n, dtype=np.int64))
                     held.append((req_id, list(range(s0, s0 + n)), int(gen)))
                 rep_q.put(("held", held))
+            elif cmd[0] == "corrupt":  # injected fault (bench/integrity_overhead.py): one
+                assert cache is not None  # element of a held block changes after its hold
+                _, layer, block = cmd
+                cache.i16[layer, 1, block, 0, 0, 3] ^= 1
+                _sync(device)
+                rep_q.put(("corrupted", block))
             elif cmd[0] == "stats":
                 rep_q.put(("stats", worker_stats(w) if w is not None else {}))
     finally:

@@ -359,7 +359,7 @@ def unpack(raw: bytes) -> Digests | None:
     return ids, memoryview(raw)[at + 8 * k:], bool(folded)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class BoardRows:
     """Where a hold's digests lie on its producer's hold board, for a reader's copy kernel
     to compare with what it lands in place (kvlink.transport.DigestJob): host addresses, in
@@ -428,6 +428,7 @@ class Checker:
         self.failures = 0  # consumer: receives failed on a digest mismatch
         self.check_seconds = 0.0  # consumer: time spent checking, since start (benchmarks)
         self.fused_blocks = 0  # consumer: checked blocks the copy kernel digested and compared
+        self._geo: tuple[Planes, tuple[int, int, int, int] | None] | None = None
 
     @property
     def on(self) -> bool:
@@ -493,20 +494,31 @@ class Checker:
         copies and compare it with the producer's rows on its hold board
         (:class:`~kvlink.transport.DigestJob`). None where the planes are not on a GPU, the
         kernel cannot take their geometry, or the rows are not ours to compare (folded, or
-        another row width): the check then digests after the copy."""
+        another row width): the check then digests after the copy. On every same-host READ's
+        critical path: the planes' part is worked out once."""
         planes = self.planes
-        first = planes[0][0] if planes else None
-        if (not self.on or planes is None or first is None or isinstance(first, np.ndarray)
-                or not on_board.count or on_board.folded):
+        if not self.on or planes is None or not on_board.count or on_board.folded:
             return None
-        nplanes, heads = len(planes) * len(planes[0]), int(first.shape[1])
-        if first.device.type != "cuda" or on_board.row_words != nplanes * heads:
+        geo = self._geo
+        if geo is None or geo[0] is not planes:
+            geo = self._geo = (planes, self._fused_geometry(planes))
+        got = geo[1]
+        if got is None or on_board.row_words != got[2] * got[3]:
+            return None
+        return DigestJob(got[0], got[1], got[2], got[3], page_bytes, on_board.blocks,
+                         on_board.count, on_board.rows, on_board.address, on_board.region)
+
+    @staticmethod
+    def _fused_geometry(planes: Planes) -> tuple[int, int, int, int] | None:
+        """(geometry, weights, planes, heads) for the copy kernel, or None (host planes, a
+        geometry the kernel cannot take)."""
+        first = planes[0][0] if planes and planes[0] else None
+        if first is None or isinstance(first, np.ndarray) or first.device.type != "cuda":
             return None
         got = _table(planes).fused()
         if got is None:
             return None
-        return DigestJob(got[0], got[1], nplanes, heads, page_bytes, on_board.blocks,
-                         on_board.count, on_board.rows, on_board.address, on_board.region)
+        return got[0], got[1], len(planes) * len(planes[0]), int(first.shape[1])
 
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
               remote_ids: npt.NDArray[np.int64], heads: HeadSlice,

@@ -187,7 +187,7 @@ class ExpandedRuns:
     raw_descriptors: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: made on every READ's critical path
 class DigestJob:
     """Integrity digests (kvlink.integrity) a transport that copies on its device computes of
     what it lands, while it copies, and compares with the producer's: the optional keyword

@@ -126,7 +126,7 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
     return launch
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen: made on every fused READ's post
 class DigestLaunch:
     """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
     to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one

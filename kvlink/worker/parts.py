@@ -282,12 +282,12 @@ class _Parts(_Holds):
         go, r = part.go, part.read
         if (not self.integrity.on or req.op is not Op.READ or go is None or go.peer.board is None
                 or not getattr(transport, "fuses_digests", False)
-                or (r.local_start, r.remote_start, r.count) != (0, 0, spec.num_kv_heads)
+                or r.local_start or r.remote_start or r.count != spec.num_kv_heads
                 or not self._on_board(req, go)):
             return None
         assert req.fingerprint is not None
         on_board = board_rows(go.peer.board, go.generation, req.fingerprint)
-        if on_board is None or on_board.blocks != req.remote_ids.shape[0]:
+        if on_board is None or on_board.blocks != len(req.remote_ids):
             return None
         return self.integrity.fused_job(on_board, spec.page_bytes)
 
