@@ -133,6 +133,25 @@ __device__ __forceinline__ u64 kv_word(int lo, int hi) {
 
 #define KV_GROUPS (KV_T / 32)
 
+// One warp adds each lane's sum into acc[key] (key -1: nothing): lanes with one key in
+// aligned power-of-two groups (a head's run of vectors) reduce by shuffles and their first
+// lane adds; any other pattern adds lane by lane. Called by the whole warp.
+__device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  const int lane = threadIdx.x & 31, cnt = __popc(peers), lead = __ffs(peers) - 1;
+  const unsigned want = (cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u)) << lead;
+  const bool aligned = (cnt & (cnt - 1)) == 0 && lead % cnt == 0 && peers == want;
+  if (__all_sync(0xffffffffu, aligned)) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const u64 other = __shfl_xor_sync(0xffffffffu, part, o);
+      if (o < cnt) part += other;
+    }
+    if (lane == lead && key >= 0) atomicAdd(&acc[key], part);
+  } else if (key >= 0) {
+    atomicAdd(&acc[key], part);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     const i64* __restrict__ t, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
@@ -161,7 +180,8 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
   for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
-  for (i64 j0 = lane; j0 < nv; j0 += 32 * KV_U) {
+  for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
+    const i64 j0 = base + lane;
     int4 v[KV_U];
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
@@ -177,51 +197,44 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
       const i64 j = j0 + (i64)u * 32;
-      if (j >= nv) continue;
-      const i64 off = j << 4;
-      const int q = off >= page ? 1 : 0;  // Q is 1 or 2
-      const i64* row = geo + 8 + 4 * (seg * Q + q);
-      const i64 rel = d + off - (row[0] + lid * row[1]);
-      if (rel < 0 || rel >= ((i64)1 << 31)) continue;
-      const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
-      unsigned head, token, wb;
-      if (sh == 0) {  // one head
-        head = 0; token = ur / st; wb = ur - token * st;
-      } else if (sh >= st) {  // head-major (HND)
-        head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st;
-        wb = r2 - token * st;
-      } else {  // token-major (NHD)
-        token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh;
-        wb = r2 - head * sh;
+      int k = -1;
+      u64 x = 0;
+      if (j < nv) {
+        const i64 off = j << 4;
+        const int q = off >= page ? 1 : 0;  // Q is 1 or 2
+        const i64* row = geo + 8 + 4 * (seg * Q + q);
+        const i64 rel = d + off - (row[0] + lid * row[1]);
+        if (rel >= 0 && rel < ((i64)1 << 31)) {
+          const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
+          unsigned head, token, wb;
+          if (sh == 0) {  // one head
+            head = 0; token = ur / st; wb = ur - token * st;
+          } else if (sh >= st) {  // head-major (HND)
+            head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st;
+            wb = r2 - token * st;
+          } else {  // token-major (NHD)
+            token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh;
+            wb = r2 - head * sh;
+          }
+          if (head < (unsigned)H && token < (unsigned)N && wb + 16 <= (unsigned)hb) {
+            k = q * H + (int)head;
+            const unsigned wi = token * (unsigned)W + (wb >> 3);
+            x = kv_word(v[u].x, v[u].y) * wt[wi] + kv_word(v[u].z, v[u].w) * wt[wi + 1];
+          }
+        }
       }
-      if (head >= (unsigned)H || token >= (unsigned)N || wb + 16 > (unsigned)hb) continue;
-      const int k = q * H + (int)head;
-      const unsigned wi = token * (unsigned)W + (wb >> 3);
-      const u64 x = kv_word(v[u].x, v[u].y) * wt[wi] + kv_word(v[u].z, v[u].w) * wt[wi + 1];
-      if (k != key) {
-        if (key >= 0) atomicAdd(&acc[group][key], part);
+      // a lane's sum is flushed when its head changes; NHD pages change it at every step for
+      // every lane at once, so the whole warp flushes together (a reduction, not 32 atomics)
+      if (__any_sync(0xffffffffu, k >= 0 && k != key)) {
+        kv_flush(acc[group], key, part);
         key = k;
         part = 0;
       }
-      part += x;
+      if (k >= 0) part += x;
     }
   }
   if (slot < 0) return;
-  // lanes with one key in aligned power-of-two groups (a head's run of vectors) add up by
-  // shuffles first, so a unit's last flush is a few shared atomics, not one per lane
-  const unsigned peers = __match_any_sync(0xffffffffu, key);
-  const int cnt = __popc(peers), lead = __ffs(peers) - 1;
-  const unsigned want = (cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1u)) << lead;
-  const bool aligned = (cnt & (cnt - 1)) == 0 && lead % cnt == 0 && peers == want;
-  if (__all_sync(0xffffffffu, aligned)) {
-    for (int o = 16; o > 0; o >>= 1) {
-      const u64 other = __shfl_xor_sync(0xffffffffu, part, o);
-      if (o < cnt) part += other;
-    }
-    if (lane == lead && key >= 0) atomicAdd(&acc[group][key], part);
-  } else if (key >= 0) {
-    atomicAdd(&acc[group][key], part);
-  }
+  kv_flush(acc[group], key, part);
   __syncwarp();
   const i64 first = (slot * S * Q + seg * Q) * H;
   for (int i = lane; i < keys; i += 32) {
