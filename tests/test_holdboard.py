@@ -235,6 +235,37 @@ def test_digests_ride_with_the_hold_and_their_pages_come_back() -> None:
         board.close()
 
 
+def test_board_rows_locate_the_digests_in_the_readers_mapping() -> None:
+    """What the copy kernel reads in place: the row per held position and the digest rows,
+    at the addresses board_rows gives in the reader's own mapping; nothing once withdrawn."""
+    import ctypes
+
+    from kvlink import integrity
+
+    board = HoldBoard()
+    try:
+        view = BoardView.open(board.name, board.token)
+        assert view is not None
+        ids = np.arange(10, 20, dtype=np.int64)
+        rows = np.array([-1, 0, -1, -1, 1, -1, -1, -1, -1, 2], dtype=np.int64)
+        digests = np.arange(3 * 6, dtype="<u8") * 7 + 1  # 3 rows of 6 words
+        blob = integrity.pack((ids[rows >= 0].tolist(), digests.tobytes(), False), rows)
+        gen = (9 << 20) | 9
+        assert board.publish(gen, ids, blob)
+        got = integrity.board_rows(view, gen, fingerprint(ids))
+        assert got is not None and (got.blocks, got.count, got.row_words) == (10, 3, 6)
+        assert got.region == view.region and not got.folded
+        read_rows = np.ctypeslib.as_array((ctypes.c_int64 * 10).from_address(got.rows))
+        read_digests = np.ctypeslib.as_array((ctypes.c_uint64 * 18).from_address(got.address))
+        assert read_rows.tolist() == rows.tolist()
+        assert read_digests.tolist() == digests.tolist()
+        assert integrity.unpack(view.digests(gen, fingerprint(ids)) or b"") is not None
+        board.withdraw(gen)
+        assert integrity.board_rows(view, gen, fingerprint(ids)) is None
+    finally:
+        board.close()
+
+
 def _child_board(q: Any) -> None:
     board = HoldBoard()
     board.publish(42 << 16, [1, 2])

@@ -393,3 +393,40 @@ def test_connector_fails_a_corrupted_pull(level: str) -> None:
     finally:
         prod.close()
         cons.close()
+
+
+def test_match_pairs_digested_blocks_with_the_positions_read() -> None:
+    """The reader's pairing of the producer's digested ids with the ids it read (vectorised:
+    a sort and a search): a prefix read, ids it did not read, and none at all."""
+    from kvlink.integrity import match
+
+    i, j = match([7, 3, 9, 4], [3, 4, 8])
+    assert i.tolist() == [1, 3] and j.tolist() == [0, 1]
+    i, j = match([5], [6])
+    assert i.size == 0 and j.size == 0
+    i, j = match([], [1])
+    assert i.size == 0
+
+
+def test_the_copy_kernel_digests_what_it_lands() -> None:
+    """kv_move_digest (the cuda_ipc READ with integrity on) against the reference digest, every
+    layout, and its in-place compare. Needs a CUDA GPU: there it runs here; the device
+    machine's run is scripts/gpu_fused_digest_check.py (bench/results/gpu_checks_a375ba0/),
+    and bench/integrity_overhead.py --device cuda drives it end to end with a fault round."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the fused digest runs in "
+                    "scripts/gpu_fused_digest_check.py on the device machine")
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts/gpu_fused_digest_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_fused_digest_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from kvlink.gpu.copy import BatchCopier
+
+    dev = torch.device("cuda:0")
+    rows = mod.check_equal(BatchCopier(dev), torch.cuda.Stream(dev), dev)
+    assert all(r["ok"] for r in rows), rows
