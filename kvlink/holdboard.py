@@ -94,8 +94,8 @@ class HoldBoard:
     :class:`~kvlink.leases.BlockLeases`' lock."""
 
     def __init__(self) -> None:
-        made = shmfile.make(KIND, lambda fd: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB))
-        # (the flock is held for as long as we live: readers' liveness check)
+        made = shmfile.make(KIND)  # its flock is held for as long as we live: readers'
+        # liveness check
         self.name, self.token, self._map = made.name, made.token, made.map
         self._fd, self._path = made.fd, made.path
         self._slots = _slots(self._map)

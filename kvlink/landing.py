@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -107,9 +108,12 @@ class LandingBoard:
 
     def __init__(self) -> None:
         made = shmfile.make(KIND)
-        os.close(made.fd)  # the mapping keeps the pages; the name stays until close()
-        self.name, self.token, self._map = made.name, made.token, made.map
+        # the fd (and its flock) stays open until close(): a board left by a killed decode is
+        # swept by the next process that makes one (shmfile.sweep)
+        self.name, self.token, self._map, self._fd = made.name, made.token, made.map, made.fd
         self._path: str | None = made.path
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
         self._slots = _words(self._map)[_HEADER // 8:].reshape(SLOTS, _WORDS)
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
@@ -170,6 +174,19 @@ class LandingBoard:
             self._path = None
             self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
             shmfile.unmap(self._map)
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _forget_in_child(ref: weakref.ref[LandingBoard]) -> None:
+    """After fork, in the child: our copy of the board's fd would keep its lock after the
+    parent dies (and the board unswept); the parent's board is not the child's to unlink."""
+    board = ref()
+    if board is not None and board._fd >= 0:
+        os.close(board._fd)
+        board._fd = -1
+        board._path = None
 
 
 class LandingView:

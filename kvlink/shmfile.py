@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import stat
-from collections.abc import Callable
+import time
 
 import numpy as np
 
@@ -53,17 +54,18 @@ class Made:
     map: mmap.mmap
 
 
-def make(kind: Kind, before_map: Callable[[int], None] | None = None) -> Made:
-    """Create a new board file (0o600, exclusive), sized and mapped, its header written;
-    ``before_map(fd)`` runs on the new file first (the hold board's flock). Raises OSError."""
+def make(kind: Kind) -> Made:
+    """Create a new board file (0o600, exclusive), sized and mapped, its header written, and
+    locked (an exclusive ``flock`` on ``fd``, held for as long as the owner keeps ``fd`` open:
+    a reader's liveness check, and what :func:`sweep` leaves alone). Raises OSError."""
+    sweep(kind)  # first: boards of processes that died before they could unlink theirs
     name = f"{kind.prefix}{secrets.token_hex(16)}"
     token = secrets.token_bytes(TOKEN_BYTES)
     path = os.path.join(DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, kind.size)
-        if before_map is not None:
-            before_map(fd)
         view = mmap.mmap(fd, kind.size)
     except BaseException:
         os.close(fd)
@@ -109,6 +111,52 @@ def open_board(kind: Kind, name: str, token: bytes, writable: bool, what: str
         log.info("%s %s refused (%s)", what, name, exc)
         return None
     return fd, view
+
+
+SWEEP_AGE = 10.0  # seconds: a younger unlocked board may be one whose owner is just locking it
+_swept: set[str] = set()  # kinds (prefixes) this process has swept
+
+
+def sweep(kind: Kind, force: bool = False) -> int:
+    """Unlink the boards of ``kind`` in /dev/shm that no live process holds — left by owners
+    killed before they could unlink them (a hold board's arena keeps the digests it was
+    given in memory until then). Once per process and kind (``force``: again). A board is
+    someone's while its ``flock`` is held; only our own user's regular files of the kind's
+    name pattern, older than :data:`SWEEP_AGE`, are considered. Returns how many went."""
+    if kind.prefix in _swept and not force:
+        return 0
+    _swept.add(kind.prefix)
+    try:
+        names = [n for n in os.listdir(DIR) if kind.pattern.match(n)]
+    except OSError:
+        return 0
+    gone = 0
+    now = time.time()
+    for name in names:
+        path = os.path.join(DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                    or now - st.st_mtime < SWEEP_AGE):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            os.unlink(path)
+            gone += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if gone:
+        log.info("unlinked %d %s* board(s) left in %s by processes that are gone", gone,
+                 kind.prefix, DIR)
+    return gone
 
 
 def unmap(view: mmap.mmap) -> None:

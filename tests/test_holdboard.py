@@ -335,3 +335,43 @@ def test_the_boards_report_is_answered_by_nothing() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def _child_boards(q: Any) -> None:
+    from kvlink.landing import LandingBoard
+
+    board, landing = HoldBoard(), LandingBoard()
+    board.publish(42 << 16, [1, 2], b"d" * 5000)  # digests in the arena: memory to give back
+    q.put((board.name, landing.name))
+    signal.pause()
+
+
+def test_boards_of_killed_processes_are_swept_and_live_ones_kept() -> None:
+    """A producer and a decode SIGKILLed leave their boards in /dev/shm (old code: forever,
+    the hold board with its arena's digests); the next board made sweeps them — but never a
+    live process's, nor a board too young to be locked yet."""
+    from kvlink import landing, shmfile
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_boards, args=(q,), daemon=True)
+    child.start()
+    ours = HoldBoard()
+    try:
+        hold_name, landing_name = q.get(timeout=30)
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(10)
+        dead = [os.path.join(shmfile.DIR, n) for n in (hold_name, landing_name)]
+        assert all(os.path.exists(p) for p in dead)
+        assert shmfile.sweep(holdboard.KIND, force=True) == 0  # too young: maybe locking
+        old = time.time() - 60
+        for p in [*dead, os.path.join(shmfile.DIR, ours.name)]:
+            os.utime(p, (old, old))
+        assert shmfile.sweep(holdboard.KIND, force=True) == 1
+        assert shmfile.sweep(landing.KIND, force=True) == 1
+        assert not any(os.path.exists(p) for p in dead)
+        assert os.path.exists(os.path.join(shmfile.DIR, ours.name))  # alive: its lock held
+    finally:
+        ours.close()
+        if child.is_alive():
+            child.kill()
