@@ -119,19 +119,18 @@ class Table:
         self.fn = load(self.device) if ok else None
         self.rows = torch.tensor(rows, dtype=torch.int64).to(self.device) if ok else None
 
-    def fused(self) -> tuple[int, int, Any] | None:
+    def fused(self, weights: Any) -> tuple[int, int, Any] | None:
         """(geometry, weights, keep-alive) device pointers for the cuda_ipc copy kernel's
         fused digest (kvlink.gpu.move ``kv_move_digest``): the views' rows with strides in
-        32 bits and whole 16-byte vectors per head row, else None. Built once."""
+        32 bits and whole 16-byte vectors per head row, else None. Built once; ``weights``:
+        kvlink.integrity's, ``[tokens x words]`` uint64."""
         if self._fused is None:
-            self._fused = self._build_fused() or False
+            self._fused = self._build_fused(weights) or False
         return self._fused if self._fused is not False else None
 
-    def _build_fused(self) -> tuple[int, int, Any] | None:
+    def _build_fused(self, weights: Any) -> tuple[int, int, Any] | None:
         import numpy as np
         import torch
-
-        from kvlink.integrity import _weights
 
         if self.rows is None or self.head_bytes % 16:
             return None
@@ -142,9 +141,9 @@ class Table:
             if not (0 <= sh < 1 << 31 and 0 < sn < 1 << 31) or (ptr | sh | sn | sb) % 16:
                 return None
             geo += [ptr, sb, sh, sn]
-        weights = _weights(self.tokens, self.head_bytes // 8).view(np.int64).reshape(-1)
         g = torch.tensor(geo, dtype=torch.int64).to(self.device)
-        w = torch.from_numpy(weights.copy()).to(self.device)
+        w = torch.from_numpy(np.ascontiguousarray(weights).view(np.int64).reshape(-1).copy()
+                             ).to(self.device)
         torch.cuda.synchronize(self.device)  # once, at the first fused READ
         return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 

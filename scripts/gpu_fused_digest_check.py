@@ -106,7 +106,9 @@ class Case:
             table = np.concatenate([base, at, np.full(n, self.unit, dtype=np.uint64)])
             return copier.copy_runs(table, segs, n, self.smap, self.dmap, stream, None,
                                     self.unit)
-        fused = integrity._table(self.planes).fused()
+        first = self.planes[0][0]
+        fused = integrity._table(self.planes).fused(
+            integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
         assert fused is not None, "the views' geometry was not taken"
         count = int((rows >= 0).sum())
         key = rows.tobytes()  # one device copy per rows, kept while copies may read it
