@@ -83,8 +83,10 @@ class CudaIpcOptions(_Options):
     kernel: Literal["auto", "cuda", "triton"] = "auto"
     stream_order: bool = True
     #: plan a request as runs of consecutive blocks (True) or one extent per block (False: no
-    #: run finding on the host; the kernel copies the blocks as they come)
-    coalesce_runs: bool = True
+    #: run finding on the host; the kernel copies the blocks as they come). False by default:
+    #: on an H200, two starts, the 70B TP8-rank pull was faster without (spin 0.575 against
+    #: 0.779 ms, 0.75 against 0.85; bench/results/gpu_checks_2f20eb6, docs/e2e.md)
+    coalesce_runs: bool = False
 
 
 #: transport name -> its option schema

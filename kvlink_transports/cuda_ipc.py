@@ -187,7 +187,7 @@ class CudaIpcTransport(Transport):
         self._exports: list[_Export] = []
         self.stream_order = bool(self.options.get("stream_order", True))
         #: how the worker should plan for post_runs (see kvlink.plan.PlanTable.runs)
-        self.coalesce_runs = bool(self.options.get("coalesce_runs", True))
+        self.coalesce_runs = bool(self.options.get("coalesce_runs", False))
         self._peers: dict[str, _Peer] = {}  # guarded by _lock, like _xfers and _released
         self._xfers: dict[int, _Xfer] = {}
         self._released: list[_Xfer] = []  # released before their copy ended: settled later

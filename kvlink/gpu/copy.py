@@ -471,28 +471,13 @@ class BatchCopier:
                 if n == 0:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
-                words = table.shape[0]
-                buf = self._take(8 + 8 * words)
-                held.append(buf)
-                buf.words[0] = 0
-                buf.words[1:1 + words] = table
-                dbuf = self._take_onboard(8 * words, stream)  # one small upload: the
-                held.append(dbuf)  # kernel's loads then hit device memory, not PCIe
-                at = int(dbuf.data_ptr())
+                buf, dbuf, at = self._stage(table, 0, stream, after, held)
                 raw = stream.cuda_stream
-                self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
                 if longest < 0:
                     longest = int(table[2 * segments + 2 * runs:].max())
                 shape = self._cuda.shape(longest, SMALL)
                 g = parts_per_extent(n, longest, self.chunk,
                                      self.min_programs * (shape[0] // shape[1]))
-                if after is not None and after != raw:
-                    # after the upload, which touches only our buffer: the table is on the
-                    # device by the time the caller's work ends (a layer-wise push's last
-                    # range is then one launch behind the forward, not an upload and one)
-                    if self._order is None:
-                        self._order = move.StreamOrder()
-                    self._order.wait(raw, after)
                 self._cuda.launch(shape, n * g, (at, segments, runs, smap.ptr, smap.count,
                                                  dmap.ptr, dmap.count, buf.ptr, seq, g),
                                   raw, runs=True)
@@ -520,20 +505,9 @@ class BatchCopier:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
                 words = table.shape[0]
-                buf = self._take(16 + 8 * words + 8 * digest.words)
-                held.append(buf)
-                buf.words[0] = 0
-                buf.words[1:1 + words] = table
+                buf, dbuf, at = self._stage(table, 1 + digest.words, stream, after, held)
                 buf.words[1 + words] = NO_MISMATCH
-                dbuf = self._take_onboard(8 * words, stream)
-                held.append(dbuf)
-                at = int(dbuf.data_ptr())
                 raw = stream.cuda_stream
-                self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
-                if after is not None and after != raw:
-                    if self._order is None:
-                        self._order = move.StreamOrder()
-                    self._order.wait(raw, after)
                 bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
                 out = bad + 8 if digest.words else 0
                 self._cuda.launch_digest(segments * blocks, (
@@ -547,6 +521,32 @@ class BatchCopier:
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")
+
+    def _stage(self, table: npt.NDArray[np.uint64], spare: int, stream: Any,
+               after: int | None, held: list[Any]) -> tuple[_Pinned, Any, int]:
+        """The computed-address kernels' start: ``table`` into a pinned buffer (its status word
+        first, ``spare`` words after the table for the kernel), one small upload to the device
+        (the kernel's loads then hit device memory, not PCIe), then ``stream`` ordered after
+        ``after`` — after the upload, which touches only our buffer: the table is on the device
+        by the time the caller's work ends (a layer-wise push's last range is then one launch
+        behind the forward, not an upload and one). Returns (buffer, device copy, its
+        address); both go into ``held``."""
+        assert self._cuda is not None
+        words = table.shape[0]
+        buf = self._take(8 + 8 * words + 8 * spare)
+        held.append(buf)
+        buf.words[0] = 0
+        buf.words[1:1 + words] = table
+        dbuf = self._take_onboard(8 * words, stream)
+        held.append(dbuf)
+        at = int(dbuf.data_ptr())
+        raw = stream.cuda_stream
+        self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
+        if after is not None and after != raw:
+            if self._order is None:
+                self._order = move.StreamOrder()
+            self._order.wait(raw, after)
+        return buf, dbuf, at
 
     def _copy_locked(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,
                      stream: Any, held: list[Any]) -> Pending:
