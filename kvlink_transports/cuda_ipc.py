@@ -485,7 +485,8 @@ class CudaIpcTransport(Transport):
         unit = runs.longest_run
         host = digest.region[0]  # both lie in the producer's board: in place, no upload
         launch = DigestLaunch(digest.geometry, digest.weights, pages, digest.page_bytes,
-                              expect + digest.rows - host, expect=expect + digest.expect - host)
+                              expect + digest.rows - host, digest.count,
+                              expect=expect + digest.expect - host)
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             table = np.concatenate([runs.remote_base, runs.local_base, runs.remote_at,

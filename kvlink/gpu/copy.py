@@ -131,14 +131,16 @@ class DigestLaunch:
     """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
     to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one
     page's bytes, ``rows``: device pointer to each block's digest row (int64, -1: not
-    checked); ``words``: digest words to write back (rows x planes x heads; 0: none);
-    ``expect``: device pointer to the producer's rows to compare with (0: none)."""
+    checked) and ``count`` of them (a row at or past it is not checked: the kernel reads no
+    further than that); ``words``: digest words to write back (rows x planes x heads; 0:
+    none); ``expect``: device pointer to the producer's rows to compare with (0: none)."""
 
     geometry: int
     weights: int
     pages: int
     page_bytes: int
     rows: int
+    count: int
     words: int = 0
     expect: int = 0
 
@@ -512,8 +514,8 @@ class BatchCopier:
                 out = bad + 8 if digest.words else 0
                 self._cuda.launch_digest(segments * blocks, (
                     at, segments, blocks, unit, smap.ptr, smap.count, dmap.ptr, dmap.count,
-                    buf.ptr, seq, digest.geometry, digest.weights, digest.rows, out,
-                    digest.pages, digest.page_bytes, digest.expect, bad), raw)
+                    buf.ptr, seq, digest.geometry, digest.weights, digest.rows, digest.count,
+                    out, digest.pages, digest.page_bytes, digest.expect, bad), raw)
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
                 pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
                                      digest.words)

@@ -118,15 +118,15 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
 // mod 2**64 of each 8-byte word times the odd weight of its (token, word) place, in the
 // consumer's logical order).
 // t holds, as i64, the source bases [S], destination bases [S], source offsets [n],
-// destination offsets [n] (block id x unit); rows, per block, its digest row (-1: not
-// checked). geo: (heads, tokens, head bytes, words per head row, 4 spare) then per plane
-// (pointer, block stride, head stride, token stride) of the consumer's own views, head stride
-// 0 where there is one head; wt: the weights, [tokens x words]. Rows are [S x Q][heads]
-// digests. out (if not 0): where the rows are written, host memory mapped into the device;
-// expect (if not 0): the producer's rows, compared here — the lowest (row, plane, head) index
-// that differs goes to *bad (atomicMin; the host set it to all ones). A byte the views do
-// not place in a head is not digested (the digest then differs: a layout disagreement fails
-// closed).
+// destination offsets [n] (block id x unit); rows, per block, its digest row (-1 or nrows
+// and above: not checked). geo: (heads, tokens, head bytes, words per head row, 4 spare)
+// then per plane (pointer, block stride, head stride, token stride) of the consumer's own
+// views, head stride 0 where there is one head; wt: the weights, [tokens x words]. Rows
+// are [S x Q][heads] digests. out (if not 0): where the rows are written, host memory
+// mapped into the device; expect (if not 0): the producer's rows, compared here — the
+// lowest (row, plane, head) index that differs goes to *bad (atomicMin; the host set it to
+// all ones). A byte the views do not place in a head is not digested (the digest then
+// differs: a layout disagreement fails closed).
 __device__ __forceinline__ u64 kv_word(int lo, int hi) {
   return (u64)(unsigned)lo | ((u64)(unsigned)hi << 32);
 }
@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     const i64* __restrict__ t, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    const i64* rows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+    const i64* rows, i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
   // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
   // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
   __shared__ u64 acc[KV_GROUPS][KV_DMAX];
@@ -170,7 +170,11 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
-  const i64 slot = rows[r];  // host memory (the producer's board): in flight with the copy
+  // host memory (the producer's board), in flight with the copy. Bounded: pages a withdrawn
+  // hold gave back may hold anything by now (the reader's after-check then rejects the READ),
+  // and a row past the expected ones must not send the reads below out of the board
+  i64 slot = rows[r];
+  if (slot >= nrows) slot = -1;
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
   const i64 lid = t[2 * S + n + r] / unit;  // our block id (offsets are id x unit)
@@ -267,7 +271,7 @@ DIGEST_SHAPE = (256, 32, 8)  # kv_move_digest: a unit per warp, eight to a block
 DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
 _NARGS = 10
-_DIGEST_NARGS = 18
+_DIGEST_NARGS = 19
 _compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
 _compile_lock = threading.Lock()
 
@@ -337,8 +341,8 @@ class CudaMove:
 
     def launch_digest(self, units: int, args: tuple[int, ...], stream: int) -> None:
         """kv_move_digest over ``units`` (segments x blocks) units; args as the kernel takes
-        them (table, S, n, unit, maps..., status, seq, geo, weights, rows, out, Q, page,
-        expect, bad)."""
+        them (table, S, n, unit, maps..., status, seq, geo, weights, rows, row count, out, Q,
+        page, expect, bad)."""
         if self._digest_fn is None:
             self._digest_fn = _compile(self.device, DIGEST_SHAPE, "kv_move_digest").func
         self._dvals[:] = list(args)
