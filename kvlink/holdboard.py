@@ -213,8 +213,7 @@ class BoardView:
     """The reader's side: a read-only mapping of a same-host producer's board."""
 
     def __init__(self, fd: int, view: mmap.mmap) -> None:
-        self._fd, self._map = fd, view
-        self._slots = _slots(view)
+        self._fd, self._map = fd, view  # slots read by struct: no numpy view to drop first
         base = int(np.frombuffer(view, dtype=np.uint8, count=1).ctypes.data)
         #: (host address, bytes) of the mapping: a device that reads digests in place
         #: registers it (read-only)
@@ -279,7 +278,6 @@ class BoardView:
         """Drop the mapping and the descriptor (after-checks fail from here on)."""
         if self._fd < 0:
             return
-        self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
         shmfile.unmap(self._map)
         os.close(self._fd)
         self._fd = -1

@@ -251,19 +251,15 @@ class _Parts(_Holds):
             matched = shown and self.integrity.on and part.fused == -1
             digests = (self._board_digests(req, part.go)
                        if shown and self.integrity.on and not matched else None)
-            if matched:  # held for the whole READ, and what landed digests like the hold
-                part.done = True
-                self.board_validated += 1
-                self.integrity.checked_blocks += part.fused_rows
-                self.integrity.fused_blocks += part.fused_rows
-                self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
-                           self._read_done(req, part, True), quiet=True)
-            elif shown and (digests is not None or not self.integrity.on):
+            if shown and (matched or digests is not None or not self.integrity.on):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
                 # only lets the producer count us done: nobody waits for its answer
                 self.board_validated += 1
                 self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
                            self._read_done(req, part, True), quiet=True)
+                if matched:  # and what landed digests like the hold (the copy kernel said)
+                    self.integrity.checked_blocks += part.fused_rows
+                    self.integrity.fused_blocks += part.fused_rows
                 if digests is None:
                     part.done = True
                 else:
