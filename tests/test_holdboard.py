@@ -84,11 +84,13 @@ def test_a_same_host_read_finishes_while_the_producers_side_channel_stalls(board
         decode.close()
 
 
-def test_a_hold_that_ends_under_the_read_is_not_trusted() -> None:
+@pytest.mark.parametrize("integrity", ["off", "full"])
+def test_a_hold_that_ends_under_the_read_is_not_trusted(integrity: str) -> None:
     """The board showed the hold before the post; the lease expires (withdrawn) before the
-    READ's end is seen: the after-check fails, the round trip says why, the request fails."""
-    prefill, _ = make("p", seed=1, lease_seconds=0.5, read_seconds=0.1)
-    decode, _ = make("d", serve=False)
+    READ's end is seen: the after-check fails, the round trip says why, the request fails.
+    With integrity on too: the digests the board showed at the post are not trusted either."""
+    prefill, _ = make("p", seed=1, lease_seconds=0.5, read_seconds=0.1, integrity=integrity)
+    decode, _ = make("d", serve=False, integrity=integrity)
     try:
         _warm(decode, prefill)
         gen = prefill.hold("r0", [2, 3])
