@@ -83,6 +83,45 @@ def fault_round(cons: Any, prod: Any, args: argparse.Namespace) -> dict[str, Any
     return out
 
 
+def _profilers(args: argparse.Namespace) -> dict[str, Any]:
+    """--profile: one cProfile per level, enabled only around its timed requests."""
+    if not args.profile:
+        return {}
+    import cProfile
+
+    return {lv: cProfile.Profile() for lv in LEVELS}
+
+
+def write_profile_diff(profs: dict[str, Any], requests: int, path: str) -> None:
+    """What each level adds to a request, function by function: (level - off) of the
+    profiler's inclusive and own time per request, largest first — where integrity's host
+    time goes (the profiler's own cost per call is in both columns alike)."""
+    import pstats
+
+    per: dict[str, dict[tuple[str, int, str], tuple[float, float, float]]] = {}
+    for lv, prof in profs.items():
+        st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        per[lv] = {k: (v[1] / requests, v[2] / requests, v[3] / requests)
+                   for k, v in st.items()}
+    lines = [f"cProfile per request ({requests} a level), microseconds; the profiler's cost "
+             "is in every figure"]
+    for lv in ("sample", "full"):
+        rows = []
+        for k in set(per[lv]) | set(per["off"]):
+            n1, t1, c1 = per[lv].get(k, (0.0, 0.0, 0.0))
+            n0, t0, c0 = per["off"].get(k, (0.0, 0.0, 0.0))
+            rows.append((c1 - c0, t1 - t0, n1 - n0, c1, k))
+        rows.sort(key=lambda r: -abs(r[0]))
+        lines.append(f"\n-- {lv} - off: inclusive, own, calls, inclusive at {lv}; function")
+        for dc, dt, dn, c1, (f, ln, fn) in rows[:40]:
+            where = f"{Path(f).parent.name}/{Path(f).name}:{ln}" if ln else f
+            lines.append(f"{dc * 1e6:9.1f} {dt * 1e6:9.1f} {dn:7.1f} {c1 * 1e6:9.1f}  "
+                         f"{fn} ({where})")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"  profile (level - off, per request): {path}", flush=True)
+
+
 def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
     cons = e2e.Consumer(args, name, prod)
     try:
@@ -90,6 +129,7 @@ def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
         phases: dict[str, list[dict[str, float]]] = {lv: [] for lv in LEVELS}
         checks: dict[str, list[float]] = {lv: [] for lv in LEVELS}
         cons.one_round("warmup", 1, False, {}, count_it=False)
+        profs = _profilers(args)
         for r in range(args.requests):
             for level in LEVELS[r % 3:] + LEVELS[:r % 3]:  # rotate the order per round
                 cons.w.integrity.level = type(cons.w.integrity.level)(level)
@@ -99,13 +139,19 @@ def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
                 exps = [cons._expected(no, rids) for _, no, rids, _ in held]
                 cons._sentinel(lids)
                 c0 = cons.w.integrity.check_seconds
+                if profs:
+                    profs[level].enable()
                 samples[level].append(cons.kvlink(held, lids, args.spin, None))
+                if profs:
+                    profs[level].disable()
                 checks[level].append(cons.w.integrity.check_seconds - c0)
                 ph = cons.w.phases.pop(held[0][0], None)
                 if ph is not None:
                     phases[level].append(dataclasses.asdict(ph))
                 for li, exp in zip(lids, exps):
                     cons._check(level, li, exp)
+        if profs:
+            write_profile_diff(profs, args.requests, f"{args.profile}.{name}.txt")
         faults = fault_round(cons, prod, args)
         med = {lv: statistics.median(v) for lv, v in samples.items()}
         c = cons.case
@@ -154,6 +200,10 @@ def main() -> None:
     ap.add_argument("--spin", action="store_true",
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="cProfile each level's timed requests; what each level adds to a "
+                         "request, function by function, to PREFIX.<case>.txt (the figures "
+                         "then include the profiler's cost)")
     args = ap.parse_args()
     args.transport = "cuda_ipc" if args.device == "cuda" else "tcp"
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"

@@ -105,15 +105,19 @@ def _sync(device: str) -> None:
 
 
 # --------------------------------------------------------------------------- the decode
-def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int]) -> None:
+def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
+           profile: str | None = None) -> None:
     try:
-        _decode(cmd_q, rep_q, device, transport, geo)
+        _decode(cmd_q, rep_q, device, transport, geo, profile)
     except BaseException as exc:
         rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
-def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int]) -> None:
+def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
+            profile: str | None) -> None:
+    import cProfile
+
     import torch
 
     from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
@@ -144,11 +148,12 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
 
     w._poll_landed = timed  # type: ignore[method-assign]
     rep_q.put(("ready", w.side_port))
+    prof = cProfile.Profile() if profile else None
     while True:
         cmd = cmd_q.get()
         if cmd[0] == "stop":
             break
-        _, req, port, req_no = cmd
+        _, req, port, req_no, layered = cmd
         lids = torch.arange(geo["blocks"], dtype=torch.int64) + 8
         m.i16[:, :, lids.to(device)] = -1
         _sync(device)
@@ -158,6 +163,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         misses[:] = [0, 0]
         after_flag = 0  # polls from every layer seen landed to the one that finished it
         t_flag = 0.0  # when every layer first showed landed (the board, or notes)
+        if prof is not None and layered:
+            prof.enable()
         while True:
             if not t_flag and w.layers_landed(req) == geo["layers"]:
                 t_flag = time.perf_counter()
@@ -166,10 +173,14 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
             polls.append(time.perf_counter() - t0)
             after_flag += bool(t_flag)
             if req in failed:
+                if prof is not None:
+                    prof.disable()
                 rep_q.put(("error", f"push of {req} failed: {failed[req]}"))
                 break
             if req in done:
                 t_done = time.perf_counter()
+                if prof is not None:
+                    prof.disable()
                 exp = torch.stack([pattern(req_no, li, torch.arange(geo["blocks"]),
                                            geo["heads"], device)
                                    for li in range(geo["layers"])])
@@ -181,6 +192,20 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                             landed_s[0])))
                 break
     w.close()
+    if prof is not None:
+        _write_profile(prof, f"{profile}.decode.txt")
+
+
+def _write_profile(prof: Any, path: str) -> None:
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
 
 
 # --------------------------------------------------------------------------- the prefill
@@ -195,8 +220,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         geo["layers"] = args.layers
     ctx = mp.get_context("spawn")
     cmd_q, rep_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=decode, args=(cmd_q, rep_q, device, args.transport, geo),
-                       daemon=True)
+    proc = ctx.Process(target=decode, daemon=True,
+                       args=(cmd_q, rep_q, device, args.transport, geo, args.profile))
     proc.start()
 
     def ask(want: str, timeout: float = 120.0) -> Any:
@@ -260,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     out[mode]["enqueued"].append(host["enqueued"])
                 continue
             req = f"r{req_no}"
-            cmd_q.put(("push", req, w.side_port, req_no))
+            cmd_q.put(("push", req, w.side_port, req_no, mode == "layered"))
             ask("asked")
             deadline = time.monotonic() + 30
             msgs: list[Any] = []
@@ -359,6 +384,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="cProfile the decode's polls of the layer-wise pushes (every poll "
+                         "from its push request to the one that reports it written) to "
+                         "PREFIX.decode.txt (the figures then include the profiler's cost)")
     args = ap.parse_args()
     if args.group < 1:
         ap.error(f"--group must be >= 1, got {args.group}")

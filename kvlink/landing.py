@@ -115,6 +115,10 @@ class LandingBoard:
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
         self._slots = _words(self._map)[_HEADER // 8:].reshape(SLOTS, _WORDS)
+        #: the flags, read by plain indexing: a poll reads one per awaited rank, and a numpy
+        #: scalar read costs a microsecond and more on a busy host (the exposed time of a
+        #: layer-wise push is counted in them)
+        self._flags = memoryview(self._map).cast("Q")
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
 
@@ -148,7 +152,7 @@ class LandingBoard:
 
     def landed(self, slot: int, tag: int) -> int:
         """Layers the flag says landed for the push tagged ``tag`` (0: none, or not ours)."""
-        flag = int(self._slots[slot, 0])
+        flag = self._flags[_HEADER // 8 + _WORDS * slot]
         if flag >> _LAYER_BITS != tag:
             return 0
         return flag & ((1 << _LAYER_BITS) - 1)
@@ -173,6 +177,8 @@ class LandingBoard:
                 pass
             self._path = None
             self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
+            self._flags.release()
+            self._flags = memoryview(b"").cast("Q")
             shmfile.unmap(self._map)
             if self._fd >= 0:
                 os.close(self._fd)

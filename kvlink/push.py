@@ -195,6 +195,6 @@ class PushWait:
 
     def outcome(self) -> bool | None:
         """True (all written), False (failed, quiescent), None (bytes may still land)."""
-        if self.unsettled():
+        if any(s is Rank.ASKED for s in self.ranks.values()):  # (every poll: no list)
             return None
         return all(s is Rank.WRITTEN for s in self.ranks.values())  # late but complete: fine

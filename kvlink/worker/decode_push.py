@@ -286,7 +286,8 @@ class _DecodePush(_Requests):
                 if asked.exception() is not None:
                     wait.fail(f"push request to ranks {sorted(wait.ranks)} of "
                               f"{aw.remote.engine_id} failed: {asked.exception()}")
-            self._landed_on_board(aw)
+            if wait.error is not None:  # (else this poll's _poll_landed just looked)
+                self._landed_on_board(aw)
             if wait.outcome() is None and (wait.error is not None or now > wait.deadline):
                 if not wait.cancelling:
                     wait.fail(f"prefill ranks {wait.unsettled()} of {aw.remote.engine_id} did "

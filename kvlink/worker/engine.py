@@ -71,6 +71,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
         self._handshook: dict[tuple[str, int], set[str]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
+        self._reported_first = False  # the last poll returned at once with board-written pushes
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
         self.peers = PeerTable(config.engine_id, self.agent_name, config.tp_rank,
@@ -214,6 +215,14 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
+            if finished and not self._reported_first:
+                # reported at once: the rest of a poll (the inbox, every other request) is
+                # most of its time, and a layer-wise push's exposed time ends here. The next
+                # poll runs it whatever it finds, so nothing else waits more than one poll
+                self._reported_first = True
+                self._chan.flush()  # what ending them queued (a release to replicas)
+                return finished, failed
+        self._reported_first = False
         if self._server is not None and not finished:  # what peers told us, taken now (not
             # after a GIL switch) — unless a push just finished: its report goes first (a
             # select hands the GIL to the server's thread), the server's thread serves them
