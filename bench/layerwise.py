@@ -204,8 +204,10 @@ def _write_profile(prof: Any, path: str) -> None:
     st = pstats.Stats(prof, stream=buf)
     st.sort_stats("tottime").print_stats(40)
     st.sort_stats("cumulative").print_stats(40)
+    st.print_callees("_poll_landed|_end_push|_landed_on_board")  # the poll that ends a push
     with open(path, "w") as f:
         f.write(buf.getvalue())
+    prof.dump_stats(path.removesuffix(".txt") + ".pstats")
 
 
 # --------------------------------------------------------------------------- the prefill
