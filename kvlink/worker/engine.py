@@ -233,13 +233,21 @@ class KVWorker(_PrefillPush, _DecodePush):
         if self._layered:
             self._poll_layered(finished, failed)
         threads = False
-        for req in list(self._requests.values()):
+        behind: set[str] = set()  # layer-wise pushes with a range still on the wire
+        for req in list(self._requests.values()):  # (in the order they were started)
+            if req.layered in behind and all(p.handle is not None for p in req.parts):
+                # a later range of a push whose earlier one is not done: its push cannot end
+                # before that one anyway, so it is looked at once that one is (a prefill that
+                # runs ahead of its GPU has every layer in flight: asking each of them at every
+                # poll made the forward's host loop quadratic in the layers)
+                threads = threads or self._moved_by_threads(req)
+                continue
             if self._step(req):
                 self._report(req, finished, failed)
             else:
-                threads = threads or any(
-                    p.handle is not None and p.go is not None
-                    and p.go.peer.transport.capabilities.python_threads for p in req.parts)
+                if req.layered is not None:
+                    behind.add(req.layered)
+                threads = threads or self._moved_by_threads(req)
         if self._layered:
             self._tell_landed()
         self._chan.flush()
@@ -249,6 +257,12 @@ class KVWorker(_PrefillPush, _DecodePush):
         if threads:  # let a transport's own threads move our bytes (see Capabilities)
             time.sleep(0)
         return finished, failed
+
+    @staticmethod
+    def _moved_by_threads(req: _Request) -> bool:
+        """Whether a part of ``req`` in flight is moved by a transport's own Python threads."""
+        return any(p.handle is not None and p.go is not None
+                   and p.go.peer.transport.capabilities.python_threads for p in req.parts)
 
     def wait(self, timeout: float) -> None:
         """Sleep up to ``timeout`` seconds, waking early when a side-channel answer arrives
