@@ -49,6 +49,7 @@ class _DecodePush(_Requests):
     landing: LandingBoard | None  # our landing board (kvlink.landing)
     board_landed: int  # push ranks counted written from it
     _ended_pushes: collections.OrderedDict[tuple[str, int], None]
+    _landings_ended: list[_Awaiting]  # reported at once: their slots go back at the next poll
     _hold_views: dict[str, BoardView | None]
 
     def _answer_note(self, msg: wire.Notification) -> wire.Reply:
@@ -309,13 +310,16 @@ class _DecodePush(_Requests):
             if aw.landing and aw.wait.error is None:
                 self._landed_on_board(aw)
                 if aw.wait.outcome():
-                    self._end_push(req_id, aw, True, finished, {})
+                    self._end_push(req_id, aw, True, finished, {}, landing_later=True)
 
     def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
-                  failed: dict[str, str]) -> None:
+                  failed: dict[str, str], landing_later: bool = False) -> None:
+        """``landing_later``: its landing slots go back at the next poll
+        (:meth:`_end_landings`), not on the way to reporting it (every byte of it landed:
+        nothing can move its flag any more)."""
         wait = aw.wait
         del self._awaiting[req_id]
-        self._end_landing(aw)
+        self._end_landing(aw, slots_later=landing_later)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
         if aw.others:  # replicas holding our heads that did not write
             self.release(req_id, aw.remote, set(wait.ranks))
@@ -325,14 +329,27 @@ class _DecodePush(_Requests):
             failed[req_id] = wait.error or "push failed"
             log.warning("push of %s failed: %s", req_id, failed[req_id])
 
-    def _end_landing(self, aw: _Awaiting) -> None:
-        """The push ended, every rank settled (nothing of it can land): its slots go back,
-        and notes still on their way for it are taken quietly."""
-        if not aw.landing:
-            return
+    def _end_landings(self) -> None:
+        """The slots of the pushes the last poll reported at once."""
+        ended, self._landings_ended = self._landings_ended, []
+        for aw in ended:
+            self._give_slots(aw)
+
+    def _give_slots(self, aw: _Awaiting) -> None:
         if self.landing is not None:
             for slot in aw.landing.values():
                 self.landing.give(slot)
+
+    def _end_landing(self, aw: _Awaiting, slots_later: bool = False) -> None:
+        """The push ended, every rank settled (nothing of it can land): its slots go back
+        (``slots_later``: at the next poll), and notes still on their way for it are taken
+        quietly (from now)."""
+        if not aw.landing:
+            return
+        if slots_later:
+            self._landings_ended.append(aw)
+        else:
+            self._give_slots(aw)
         self._ended_pushes[(aw.wait.req_id, aw.wait.push_id)] = None
         while len(self._ended_pushes) > _NOTES_KEPT:
             self._ended_pushes.popitem(last=False)

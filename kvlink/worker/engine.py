@@ -72,6 +72,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._handshook: dict[tuple[str, int], set[str]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
         self._reported_first = False  # the last poll returned at once with board-written pushes
+        self._landings_ended: list[_Awaiting] = []  # their slots, given back at the next poll
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
         self.peers = PeerTable(config.engine_id, self.agent_name, config.tp_rank,
@@ -223,6 +224,8 @@ class KVWorker(_PrefillPush, _DecodePush):
                 self._chan.flush()  # what ending them queued (a release to replicas)
                 return finished, failed
         self._reported_first = False
+        if self._landings_ended:
+            self._end_landings()
         if self._server is not None and not finished:  # what peers told us, taken now (not
             # after a GIL switch) — unless a push just finished: its report goes first (a
             # select hands the GIL to the server's thread), the server's thread serves them
