@@ -98,6 +98,40 @@ def test_a_whole_push_ends_on_the_board_without_the_note() -> None:
         decode.close()
 
 
+def test_a_push_reported_off_the_board_gives_its_slot_back_at_the_next_poll() -> None:
+    """The poll that finds a push written on the board returns it at once (the slot is given
+    back one poll later, off the report's path): the slot must still come back, and the
+    prefill's note that follows is taken quietly, not refused."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        assert decode.landing is not None
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0")  # (the handshake: the first push is not timed)
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        decode.poll()
+        free = len(decode.landing._free)
+        prefill.hold("r1", HELD)
+        decode.expect_push("r1", remote(prefill), LOCAL, timeout=20)
+        assert len(decode.landing._free) == free - 1  # the push's slot, taken at the ask
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg1,) = prefill.push_requests()
+        before = decode.board_landed
+        prefill.push(msg1, HELD, lease="r1")  # the peer is cached: posted in the call
+        _wait_written(prefill)
+        done: set[str] = set()
+        until(lambda: bool(done.update(decode.poll()[0]) or done), 10, "reported")
+        assert done == {"r1"} and decode.board_landed == before + 1
+        decode.poll()
+        assert len(decode.landing._free) == free
+        until(lambda: prefill.poll() is None or prefill.pending() == 0, 10, "the push ended")
+        until(lambda: decode.poll() is None or not decode._chan.busy(), 5, "notes taken")
+        assert decode.refusals["written"] == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_a_hold_that_ended_under_the_push_is_not_trusted_from_the_board() -> None:
     """The bytes land and the flag moves, but the prefill's hold ended (aborted: its blocks
     may be reused) before the decode looked: the board is not enough, the prefill's note
