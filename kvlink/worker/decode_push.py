@@ -196,8 +196,10 @@ class _DecodePush(_Requests):
             min(2.0, self.config.handshake_timeout))
 
     def _take_written(self) -> None:
-        with self._lock:
-            notes, self._side_notifs = self._side_notifs, []
+        notes: list[wire.Notification] = []
+        if self._side_notifs:  # (every poll: no lock while none came; one appended as this
+            with self._lock:  # reads is taken by the next call)
+                notes, self._side_notifs = self._side_notifs, []
         for t in self.transports.values():
             for peer, raw in t.notifications():
                 try:
@@ -242,7 +244,7 @@ class _DecodePush(_Requests):
         if aw is None:
             return 0
         landed = []
-        tag = tag_of(aw.wait.push_id)
+        tag = aw.tag
         for rank in aw.wait.ranks:
             upto = 0
             for start, stop in sorted(aw.layers.get(rank, ())):
