@@ -35,6 +35,14 @@ def _finish_silently(decode: KVWorker, req: str, timeout: float = 10.0) -> tuple
     return outcome(decode, req, timeout)
 
 
+def _note_taken_quietly(prefill: KVWorker, decode: KVWorker) -> None:
+    """The prefill's "written" note, sent once its push ended there, reaches a decode that
+    ended the push on its board first: taken, not refused."""
+    until(lambda: prefill.poll() is None or prefill.pending() == 0, 10, "the push ended")
+    until(lambda: decode.poll() is None or not decode._chan.busy(), 5, "notes taken")
+    assert decode.refusals["written"] == 0
+
+
 def test_a_layer_wise_push_ends_on_the_board_without_the_note() -> None:
     prefill, decode = rank("p", 1), rank("d", 2)
     try:
@@ -49,9 +57,7 @@ def test_a_layer_wise_push_ends_on_the_board_without_the_note() -> None:
         for i in range(4):
             assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
         # the prefill's note comes after the decode ended the push: taken, not refused
-        until(lambda: prefill.poll() is None or prefill.pending() == 0, 10, "the push ended")
-        until(lambda: decode.poll() is None or not decode._chan.busy(), 5, "notes taken")
-        assert decode.refusals["written"] == 0
+        _note_taken_quietly(prefill, decode)
     finally:
         prefill.close()
         decode.close()
@@ -124,9 +130,7 @@ def test_a_push_reported_off_the_board_gives_its_slot_back_at_the_next_poll() ->
         assert done == {"r1"} and decode.board_landed == before + 1
         decode.poll()
         assert len(decode.landing._free) == free
-        until(lambda: prefill.poll() is None or prefill.pending() == 0, 10, "the push ended")
-        until(lambda: decode.poll() is None or not decode._chan.busy(), 5, "notes taken")
-        assert decode.refusals["written"] == 0
+        _note_taken_quietly(prefill, decode)
     finally:
         prefill.close()
         decode.close()
