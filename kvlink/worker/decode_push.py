@@ -312,16 +312,16 @@ class _DecodePush(_Requests):
             if aw.landing and aw.wait.error is None:
                 self._landed_on_board(aw)
                 if aw.wait.outcome():
-                    self._end_push(req_id, aw, True, finished, {}, landing_later=True)
+                    self._end_push(req_id, aw, True, finished, {}, slots_later=True)
 
     def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
-                  failed: dict[str, str], landing_later: bool = False) -> None:
-        """``landing_later``: its landing slots go back at the next poll
+                  failed: dict[str, str], slots_later: bool = False) -> None:
+        """``slots_later``: its landing slots go back at the next poll
         (:meth:`_end_landings`), not on the way to reporting it (every byte of it landed:
         nothing can move its flag any more)."""
         wait = aw.wait
         del self._awaiting[req_id]
-        self._end_landing(aw, slots_later=landing_later)
+        self._end_landing(aw, slots_later=slots_later)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
         if aw.others:  # replicas holding our heads that did not write
             self.release(req_id, aw.remote, set(wait.ranks))
