@@ -114,16 +114,16 @@ def _sync(device: str) -> None:
 
 # --------------------------------------------------------------------------- the decode
 def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
-           profile: str | None = None) -> None:
+           profile: str | None = None, steps_flag: bool = False) -> None:
     try:
-        _decode(cmd_q, rep_q, device, transport, geo, profile)
+        _decode(cmd_q, rep_q, device, transport, geo, profile, steps_flag)
     except BaseException as exc:
         rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
 def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
-            profile: str | None) -> None:
+            profile: str | None, steps_flag: bool) -> None:
     import cProfile
 
     import torch
@@ -137,26 +137,48 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
     w.register(m.spec())
     w1 = KVWorker(WorkerConfig(engine_id="lw-d1", transports=[transport]))
     w1.register(m.spec(last_only=True))  # the "one" mode: a push of the last layer alone
-    misses = [0, 0]  # hold checks that failed / were made (a flag at every layer, then this)
-    shown = w._hold_shown
-
-    def counted(hold: Any) -> bool:
-        ok = shown(hold)
-        misses[0] += not ok
-        misses[1] += 1
-        return ok
-
-    w._hold_shown = counted  # type: ignore[method-assign]
+    binds = [0]  # end checks bound for the push (one per prefill rank; more: a board closed)
     landed_s = [0.0]  # the last _poll_landed call's duration (the one that ends a push)
-    poll_landed = w._poll_landed
+    # where the poll that ends a push spends its time: each step's last duration, kept when
+    # that poll finished something (diagnostics: a few perf_counter calls a poll)
+    steps: dict[str, float] = {}
+    done_steps: dict[str, float] = {}
 
-    def timed(finished: set[str]) -> None:
-        t0 = time.perf_counter()
-        poll_landed(finished)
-        if finished:
-            landed_s[0] = time.perf_counter() - t0
+    def clocked(obj: Any, name: str, label: str) -> None:
+        inner = getattr(obj, name)
 
-    w._poll_landed = timed  # type: ignore[method-assign]
+        def call(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                steps[label] = time.perf_counter() - t0
+
+        setattr(obj, name, call)
+
+    for wk in (w, w1) if steps_flag else ():
+        poll_landed = wk._poll_landed
+
+        def timed(finished: set[str], poll_landed: Any = poll_landed) -> None:
+            t0 = time.perf_counter()
+            steps.clear()
+            poll_landed(finished)
+            if finished:
+                landed_s[0] = time.perf_counter() - t0
+                done_steps.clear()
+                done_steps.update(steps)
+
+        wk._poll_landed = timed  # type: ignore[method-assign]
+        bind = wk._end_check
+
+        def counted(aw: Any, slot: int, bind: Any = bind) -> Any:
+            end = bind(aw, slot)
+            binds[0] += end is not None
+            return end
+
+        wk._end_check = counted  # type: ignore[method-assign]
+        clocked(wk, "_landed_on_board", "landed_on_board")
+        clocked(wk, "_end_push", "end_push")
     rep_q.put(("ready", w.side_port))
     main = w
     prof = cProfile.Profile() if profile else None
@@ -174,7 +196,7 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                                         port), lids.numpy(), timeout=60)
         rep_q.put(("asked", req))
         polls: list[float] = []
-        misses[:] = [0, 0]
+        binds[0] = 0
         after_flag = 0  # polls from every layer seen landed to the one that finished it
         t_flag = 0.0  # when every layer first showed landed (the board, or notes)
         if prof is not None and layered:
@@ -202,8 +224,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
                 bad = int((got != exp).sum().item())
                 rep_q.put(("done", req, t_done, bad, w.board_landed,
                            statistics.median(polls), t_flag or t_done,
-                           (after_flag, misses[0], misses[1], max(polls), polls[-1],
-                            landed_s[0])))
+                           (after_flag, binds[0], max(polls), polls[-1],
+                            landed_s[0]), dict(done_steps)))
                 break
     main.close()
     w1.close()
@@ -238,7 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     cmd_q, rep_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=decode, daemon=True,
-                       args=(cmd_q, rep_q, device, args.transport, geo, args.profile))
+                       args=(cmd_q, rep_q, device, args.transport, geo, args.profile,
+                             args.steps))
     proc.start()
 
     def ask(want: str, timeout: float = 120.0) -> Any:
@@ -271,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, dict[str, list[float]]] = {
         k: {"forward": [], "exposed": [], "bad": [], "enqueued": [], "prefill_done": [],
             "decode_poll": [], "landed_seen": [], "polls_after_landed": [],
-            "hold_checks_failed": [], "hold_checks": [], "slowest_poll": [], "done_poll": [],
+            "end_checks_bound": [], "slowest_poll": [], "done_poll": [],
             "done_poll_landed_part": []}
         # decode_poll: the median time of one decode poll() call; landed_seen: forward end ->
         # the decode's layers_landed() first showing every layer (its flags or notes)
@@ -343,8 +366,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(got[1])
                 if got[0] == "done":
                     break
-            _, _, t_done, bad, on_board, poll_s, t_flag, (after, miss, checks, worst, last,
-                                                          landed_poll) = got
+            _, _, t_done, bad, on_board, poll_s, t_flag, (after, bound, worst, last,
+                                                          landed_poll), parts = got
             board_landed[mode] = on_board
             for _ in range(100):
                 wk.poll()
@@ -361,11 +384,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[mode]["decode_poll"].append(poll_s)
                 out[mode]["landed_seen"].append(t_flag - t_end)
                 out[mode]["polls_after_landed"].append(after)
-                out[mode]["hold_checks_failed"].append(miss)
-                out[mode]["hold_checks"].append(checks)
+                out[mode]["end_checks_bound"].append(bound)
                 out[mode]["slowest_poll"].append(worst)
                 out[mode]["done_poll"].append(last)  # the poll that reported it finished
                 out[mode]["done_poll_landed_part"].append(landed_poll)
+                for step, secs_ in parts.items():  # the steps of the poll that ended it
+                    out[mode].setdefault(f"done_poll_{step}", []).append(secs_)
         if i + 1 > args.warmup:
             print(f"  {i + 1 - args.warmup}/{args.requests}", flush=True)
     cmd_q.put(("stop",))
@@ -412,6 +436,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", action="store_true",
+                    help="clock the steps of the decode's poll that ends a push (diagnostics: "
+                         "its wrappers add their own cost to that poll and so to the exposed "
+                         "time; off by default)")
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="cProfile the decode's polls of the layer-wise pushes (every poll "
                          "from its push request to the one that reports it written) to "

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import logging
 import mmap
@@ -53,6 +54,7 @@ import os
 import struct
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -236,6 +238,16 @@ class BoardView:
             return False
         gen, got = _SHOWN.unpack_from(self._map, _slot_at(generation))
         return bool(gen == generation and got == fp)
+
+    def reader(self, generation: int) -> Callable[[], tuple[int, ...]] | None:
+        """A call that reads ``generation``'s slot as (generation, fingerprint), what
+        :meth:`holds` compares, without a Python frame of its own: a decode binds it when a
+        push starts and calls it on the poll that ends the push, where every call is cold
+        (a whole microsecond and more each on a busy host). It raises ValueError once this
+        view is closed; None if it is already."""
+        if self._fd < 0:
+            return None
+        return functools.partial(_SHOWN.unpack_from, self._map, _slot_at(generation))
 
     def digests(self, generation: int, fp: int) -> bytes | None:
         """The digests ``generation``'s hold published, copied out; None where it shows none

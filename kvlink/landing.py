@@ -37,6 +37,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -157,6 +158,15 @@ class LandingBoard:
             return 0
         return flag & ((1 << _LAYER_BITS) - 1)
 
+    def end_check(self, slot: int, tag: int, layers: int,
+                  read: Callable[[], tuple[int, ...]] | None,
+                  held: tuple[int, int]) -> EndCheck:
+        """The check :class:`EndCheck` makes of ``slot`` for the push tagged ``tag``: every
+        one of ``layers`` landed, and ``read()`` (the prefill's hold, where it lies) still
+        ``held``; ``read`` None: nothing to check (pushed without a lease)."""
+        return EndCheck(self._flags, _HEADER // 8 + _WORDS * slot, value(tag, layers), read,
+                        held)
+
     def hold(self, slot: int, tag: int) -> Hold | None:
         """The hold the prefill wrote for the push tagged ``tag``, or None (not written)."""
         row = self._slots[slot].copy()  # one read of the slot; the tag was stored last
@@ -183,6 +193,32 @@ class LandingBoard:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+class EndCheck:
+    """Whether one prefill rank wrote every layer of a push from a hold still shown, bound
+    when its hold is first read: the poll that ends the push reads the flag and the hold
+    where they lie and calls nothing else. Every call on that poll is cold (the push's start
+    was a forward ago): on one H200 the flag, the hold board's view and the bookkeeping made
+    the poll that ends a layer-wise push 40 us, the whole of its exposed time."""
+
+    __slots__ = ("_final", "_flags", "_held", "_index", "_read")
+
+    def __init__(self, flags: memoryview, index: int, final: int,
+                 read: Callable[[], tuple[int, ...]] | None, held: tuple[int, int]) -> None:
+        self._flags, self._index, self._final = flags, index, final
+        self._read, self._held = read, held
+
+    def written(self) -> bool | None:
+        """True: every layer landed (the flag, set once its bytes were there) and the hold is
+        still shown, so it was held for every WRITE; False: not (yet); None: a board was
+        closed under us (bind a new check)."""
+        try:
+            if self._flags[self._index] != self._final:
+                return False
+            return self._read is None or self._read() == self._held
+        except ValueError:  # a released view or a closed mapping
+            return None
 
 
 def _forget_in_child(ref: weakref.ref[LandingBoard]) -> None:

@@ -195,6 +195,7 @@ class PushWait:
 
     def outcome(self) -> bool | None:
         """True (all written), False (failed, quiescent), None (bytes may still land)."""
-        if any(s is Rank.ASKED for s in self.ranks.values()):  # (every poll: no list)
+        states = self.ranks.values()  # (every poll: membership in C, no generator)
+        if Rank.ASKED in states:
             return None
-        return all(s is Rank.WRITTEN for s in self.ranks.values())  # late but complete: fine
+        return Rank.SETTLED not in states  # every rank written (late but complete: fine)

@@ -236,3 +236,43 @@ def test_a_board_is_opened_only_with_its_token(board: landing.LandingBoard) -> N
     assert landing.LandingView.open(board.name, b"x" * 16) is None
     assert landing.LandingView.open("kvlink-landing-../../etc", board.token) is None
     assert landing.LandingView.open(board.name.replace("landing", "board"), board.token) is None
+
+
+def test_an_end_check_reads_the_flag_and_the_hold_where_they_lie(
+        board: landing.LandingBoard) -> None:
+    """The check the poll that ends a push makes (bound once, read in place): written only
+    with the flag at every layer of this push AND the hold still shown; a hold withdrawn, a
+    flag one layer short or another push's, say not written; a hold board closed under the
+    check says "bind anew" (None), never "written"."""
+    from kvlink.holdboard import BoardView, HoldBoard, fingerprint
+
+    holds = HoldBoard.create()
+    assert holds is not None
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    ids = np.arange(8)
+    gen, fp = 41, fingerprint(ids)
+    assert holds.publish(gen, ids)
+    shown = BoardView.open(holds.name, holds.token)
+    assert shown is not None
+    slot, tag = board.take(), landing.tag_of(77)
+    assert slot is not None
+    view.start(slot, tag, landing.Hold(gen, fp, holds.offer()))
+    check = board.end_check(slot, tag, 4, shown.reader(gen), (gen, fp))
+    assert check.written() is False  # nothing landed
+    assert view.signal(slot, tag, 0, 3).apply()
+    assert check.written() is False  # a layer short
+    assert view.signal(slot, tag, 3, 4).apply()
+    assert check.written() is True
+    other = board.end_check(slot, landing.tag_of(78), 4, shown.reader(gen), (gen, fp))
+    assert other.written() is False  # another push's flag
+    lease_less = board.end_check(slot, tag, 4, None, (landing.NO_LEASE, 0))
+    assert lease_less.written() is True  # pushed without a lease: nothing to check
+    holds.withdraw(gen)
+    assert check.written() is False  # the hold ended: not trusted from the board
+    assert holds.publish(gen + 4096, ids)  # another hold in the same slot: not ours
+    assert check.written() is False
+    shown.close()
+    assert check.written() is None
+    holds.close()
+    view.close()

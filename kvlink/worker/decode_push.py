@@ -31,7 +31,7 @@ from kvlink.grants import push_ticket
 from kvlink.headmap import map_heads, notify_targets
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
-from kvlink.landing import NO_LEASE, Hold, LandingBoard, tag_of
+from kvlink.landing import NO_LEASE, EndCheck, Hold, LandingBoard, tag_of
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushWait, Rank
 from kvlink.transport import Op
@@ -140,32 +140,42 @@ class _DecodePush(_Requests):
     def _landed_on_board(self, aw: _Awaiting) -> None:
         """Ranks whose WRITEs say on our landing board that every layer landed, from a hold
         its prefill still shows held (so held for all of them): written, without the note."""
-        board = self.landing
-        if board is None or not aw.landing:
-            return
-        tag, layers = aw.tag, self._require_spec().num_layers
         for rank, slot in aw.landing.items():
             if aw.wait.ranks.get(rank) is not Rank.ASKED:
                 continue
-            hold = aw.holds.get(rank)
-            if hold is None:  # written at the push's start: read (and its board opened) at
-                hold = board.hold(slot, tag)  # the first poll that sees it, not at the end
-                if hold is None:
+            end = aw.ends.get(rank)
+            if end is None:  # the hold is written at the push's start: read (and its board
+                end = self._end_check(aw, slot)  # opened) at the first poll that sees it
+                if end is None:
                     continue
-                aw.holds[rank] = hold
-                if hold.generation != NO_LEASE:
-                    self._hold_shown(hold)
-            if board.landed(slot, tag) != layers:
-                continue
-            if hold.generation != NO_LEASE and not self._hold_shown(hold):
-                continue  # its note says
-            aw.wait.ranks[rank] = Rank.WRITTEN
-            self.board_landed += 1
+                aw.ends[rank] = end
+            written = end.written()
+            if written is None:  # its hold board's view was closed under us: bind anew
+                del aw.ends[rank]
+            elif written:  # (else its note says)
+                aw.wait.ranks[rank] = Rank.WRITTEN
+                self.board_landed += 1
 
-    def _hold_shown(self, hold: Hold) -> bool:
-        """Whether a prefill's hold board still shows ``hold`` (boards opened once)."""
+    def _end_check(self, aw: _Awaiting, slot: int) -> EndCheck | None:
+        """What the poll that ends the push checks for the prefill rank behind ``slot``, once
+        it wrote its hold there (None: not yet)."""
+        board = self.landing
+        assert board is not None
+        hold = board.hold(slot, aw.tag)
+        if hold is None:
+            return None
+        read = None
+        if hold.generation != NO_LEASE:
+            view = self._hold_view(hold)
+            read = (view.reader(hold.generation) if view is not None else None) or _unshown
+            read()  # its page faulted in now, not on the poll that ends the push (10 us there)
+        return board.end_check(slot, aw.tag, self._require_spec().num_layers, read,
+                               (hold.generation, hold.fingerprint))
+
+    def _hold_view(self, hold: Hold) -> BoardView | None:
+        """The prefill's hold board (opened once, the last 256 kept)."""
         if hold.board is None:
-            return False
+            return None
         name = hold.board.name
         if name not in self._hold_views:
             while len(self._hold_views) >= 256:
@@ -179,7 +189,7 @@ class _DecodePush(_Requests):
         # the flag moved, so the prefill was alive when its last WRITE landed (a dead
         # process's queued copies and signals never run), and a hold it withdrew before dying
         # is not shown — a board left by a dead prefill shows only holds intact until then
-        return view is not None and view.holds(hold.generation, hold.fingerprint)
+        return view
 
     def _public_host(self) -> str:
         """Where peers dial this rank back: a wildcard bind address is no address to dial."""
@@ -312,19 +322,24 @@ class _DecodePush(_Requests):
             if aw.landing and aw.wait.error is None:
                 self._landed_on_board(aw)
                 if aw.wait.outcome():
-                    self._end_push(req_id, aw, True, finished, {}, slots_later=True)
+                    self._end_push(req_id, aw, True, finished, {}, rest_later=True)
 
     def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
-                  failed: dict[str, str], slots_later: bool = False) -> None:
-        """``slots_later``: its landing slots go back at the next poll
-        (:meth:`_end_landings`), not on the way to reporting it (every byte of it landed:
-        nothing can move its flag any more)."""
+                  failed: dict[str, str], rest_later: bool = False) -> None:
+        """``rest_later`` (a push written on our landing board: every byte of it landed,
+        nothing can move its flag any more): its landing slots and the release to the
+        replicas that did not write go at the next poll (:meth:`_end_landings`), not on the
+        way to reporting it — unless a transport enforces grants (its revocation comes
+        first: no WRITE of this push is taken once it is reported)."""
         wait = aw.wait
         del self._awaiting[req_id]
-        self._end_landing(aw, slots_later=slots_later)
+        if rest_later and not self._enforcing():
+            self._end_landing(aw, later=True)
+            finished.add(req_id)
+            return
+        self._end_landing(aw)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
-        if aw.others:  # replicas holding our heads that did not write
-            self.release(req_id, aw.remote, set(wait.ranks))
+        self._release_others(aw)
         if outcome:
             finished.add(req_id)
         else:
@@ -332,23 +347,30 @@ class _DecodePush(_Requests):
             log.warning("push of %s failed: %s", req_id, failed[req_id])
 
     def _end_landings(self) -> None:
-        """The slots of the pushes the last poll reported at once."""
+        """The rest of the pushes the last poll reported at once: their slots, the release to
+        the replicas that did not write."""
         ended, self._landings_ended = self._landings_ended, []
         for aw in ended:
             self._give_slots(aw)
+            self._release_others(aw)
+
+    def _release_others(self, aw: _Awaiting) -> None:
+        """Replicas holding our heads that did not write: released."""
+        if aw.others:
+            self.release(aw.wait.req_id, aw.remote, set(aw.wait.ranks))
 
     def _give_slots(self, aw: _Awaiting) -> None:
         if self.landing is not None:
             for slot in aw.landing.values():
                 self.landing.give(slot)
 
-    def _end_landing(self, aw: _Awaiting, slots_later: bool = False) -> None:
+    def _end_landing(self, aw: _Awaiting, later: bool = False) -> None:
         """The push ended, every rank settled (nothing of it can land): its slots go back
-        (``slots_later``: at the next poll), and notes still on their way for it are taken
-        quietly (from now)."""
+        (``later``: at the next poll, with the rest of :meth:`_end_landings`), and notes
+        still on their way for it are taken quietly (from now)."""
         if not aw.landing:
             return
-        if slots_later:
+        if later:
             self._landings_ended.append(aw)
         else:
             self._give_slots(aw)
@@ -419,3 +441,8 @@ class _DecodePush(_Requests):
     def quarantined(self) -> int:
         """Pushes past their timeout whose blocks stay reserved (bytes may still land)."""
         return sum(aw.wait.cancelling for aw in self._awaiting.values())
+
+
+def _unshown() -> tuple[int, ...]:
+    """The read of a hold whose board we cannot open: never the hold (its note says)."""
+    return ()

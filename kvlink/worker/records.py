@@ -21,7 +21,7 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
-from kvlink.landing import Hold, LandingView
+from kvlink.landing import EndCheck, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
 from kvlink.push import PushKey, PushWait
@@ -174,7 +174,9 @@ class _Awaiting:
     tag: int = 0  # the push's tag on that board (kvlink.landing.tag_of)
     #: prefill ranks holding our heads that were not asked (told "released" at the end)
     others: frozenset[int] | set[int] = frozenset()
-    holds: dict[int, Hold] = dataclasses.field(default_factory=dict)  # what each rank wrote
+    #: per prefill rank, the check of its end on our landing board, bound once its hold
+    #: is written there (kvlink.landing.EndCheck)
+    ends: dict[int, EndCheck] = dataclasses.field(default_factory=dict)
 
 
 def _push_rid(msg: wire.PushRequest) -> str:
