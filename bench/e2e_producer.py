@@ -42,6 +42,9 @@ CASES = {
     "8b-tp1": Case(layers=32, heads=8, blocks=256, cpu_requests=4),  # 512 MiB / 4096 tokens
     "1gib": Case(layers=32, heads=8, blocks=512, cpu_requests=2),  # 1 GiB / 8192 tokens
     "4mib": Case(layers=32, heads=8, blocks=2, cpu_requests=50),  # 8b-tp1 geometry, 32 tokens
+    # pages of 4 MiB (16 tokens x 1024 heads): what a transport sees of a large page; 1 GiB
+    # in 256 extents of 4 MiB (issue 22's "4 MiB" through the public API)
+    "4mib-pages": Case(layers=2, heads=1024, blocks=64, cpu_requests=2),
 }
 CPU_CASES = ["16-blocks", "70b-tp8"]
 GPU_CASES = ["70b-tp8", "8b-tp1", "16-blocks"]
@@ -216,6 +219,26 @@ def _producer(cmd_q: Any, rep_q: Any, device: str, transport: str,
                     gen = w.hold(req_id, np.arange(s0, s0 + n, dtype=np.int64))
                     held.append((req_id, list(range(s0, s0 + n)), int(gen)))
                 rep_q.put(("held", held))
+            elif cmd[0] == "blank":  # --op write: the slots a WRITE will fill, sentinel-filled
+                assert cache is not None
+                n = cache.case.blocks
+                for slot in cmd[1]:
+                    cache.i16[:, :, slot * n:(slot + 1) * n] = -1
+                _sync(device)
+                rep_q.put(("blanked", [list(range(s * n, (s + 1) * n)) for s in cmd[1]]))
+            elif cmd[0] == "check":  # --op write: what landed in the slots, element by element
+                assert cache is not None
+                n = cache.case.blocks
+                bad = []
+                for req_no, slot in cmd[1]:
+                    ids = torch.arange(slot * n, (slot + 1) * n, dtype=torch.int64)
+                    wrong = 0
+                    for li in range(cache.case.layers):
+                        want = pattern(cache.case, req_no, li, ids, device)
+                        got = cache.i16[li, :, slot * n:(slot + 1) * n].reshape(want.shape)
+                        wrong += int((got != want).sum().item())
+                    bad.append(wrong)
+                rep_q.put(("checked", bad))
             elif cmd[0] == "corrupt":  # injected fault (bench/integrity_overhead.py): one
                 assert cache is not None  # element of a held block changes after its hold
                 _, layer, block = cmd

@@ -186,15 +186,16 @@ class Consumer:
                 self.xfer.setdefault(tag, []).append(x)
         return dt
 
-    def alone(self, plans: list[Any], spin: bool) -> float:
+    def alone(self, plans: list[Any], spin: bool, op: Any = None) -> float:
         """The worker's connected transport alone: post every plan, poll until all DONE."""
         from kvlink.grants import read_ticket
         from kvlink.transport import Op, XferStatus
 
         t, agent = self.peer.transport, self.peer.agent
-        ticket = read_ticket(ALONE, self.alone_gen)
+        op = Op.READ if op is None else op
+        ticket = read_ticket(ALONE, self.alone_gen) if op is Op.READ else b""
         t0 = time.perf_counter()
-        hs = [t.post(Op.READ, agent, p.local, p.remote, ticket=ticket) for p in plans]
+        hs = [t.post(op, agent, p.local, p.remote, ticket=ticket) for p in plans]
         left = set(hs)
         while left:
             for h in list(left):
@@ -202,12 +203,12 @@ class Consumer:
                 if st.status is XferStatus.PENDING:
                     continue
                 if st.status is not XferStatus.DONE:
-                    raise RuntimeError(f"transport-alone READ failed: {st.reason}")
+                    raise RuntimeError(f"transport-alone {op.value} failed: {st.reason}")
                 left.discard(h)
             if not left:
                 break
             if time.perf_counter() - t0 > self.args.timeout:
-                raise TimeoutError("transport-alone READ not done in time")
+                raise TimeoutError(f"transport-alone {op.value} not done in time")
             if not spin:
                 time.sleep(POLL_SLEEP)
         dt = time.perf_counter() - t0
@@ -227,6 +228,9 @@ class Consumer:
                   count_it: bool = True) -> None:
         """``count`` requests at once through kvlink, verified; then the transport alone on
         the same extents, verified."""
+        if self.args.op == "write":
+            self.write_round(tag, count, spin, out, count_it)
+            return
         held = self._hold(tag, count)
         lids = self._local_ids(count)
         exps = [self._expected(no, rids) for _, no, rids, _ in held]
@@ -248,6 +252,53 @@ class Consumer:
             out.setdefault("transport_alone", []).append(da)
             out.setdefault("plan", []).append(plan_s)
             out.setdefault("descriptors", []).append(sum(p.descriptors for p in plans))
+
+    def write_round(self, tag: str, count: int, spin: bool, out: dict[str, list[float]],
+                    count_it: bool) -> None:
+        """--op write: ``count`` requests WRITTEN from our blocks into the producer's (sentinel-
+        filled first), ``write()`` to the poll that reports them finished, checked there
+        element by element; then the transport alone (``post(WRITE)``) on the same extents,
+        checked the same way."""
+        from kvlink.transport import Op
+
+        torch, c = self.torch, self.case
+        self.req_no += count
+        nos = list(range(self.req_no - count + 1, self.req_no + 1))
+        lids = self._local_ids(count)
+        rids = self.prod.ask(("blank", list(range(count))), "blanked")
+        for no, li, ri in zip(nos, lids, rids):  # our blocks hold what the producer checks
+            exp = self._expected(no, ri).view(c.layers, 2, len(ri), BS, c.heads, DIM)
+            self.cache.i16.index_copy_(2, torch.from_numpy(li).to(self.device), exp)
+        _sync(self.device)
+        w, pending = self.w, set()
+        t0 = time.perf_counter()
+        for no, li, ri in zip(nos, lids, rids):
+            rid = f"{self.name}-{tag}-w{no}"
+            w.write(rid, self.remote, li, ri)
+            pending.add(rid)
+        dt = self._wait_all(pending, spin, t0)
+        key = tag if count_it else "warmup"
+        self._count(key, self.prod.ask(("check", list(zip(nos, range(count)))), "checked"))
+        if self.peer is None:
+            self.peer = self.w.peers.get(self.remote, 0).result(timeout=self.args.timeout)
+        a = time.perf_counter()
+        plans = [self.plan(li, ri) for li, ri in zip(lids, rids)]
+        plan_s = time.perf_counter() - a
+        self.prod.ask(("blank", list(range(count))), "blanked")
+        da = self.alone(plans, spin, Op.WRITE)
+        self._count(f"{tag}/transport_alone" if count_it else "warmup",
+                    self.prod.ask(("check", list(zip(nos, range(count)))), "checked"))
+        if count_it:
+            out.setdefault("kvlink", []).append(dt)
+            out.setdefault("transport_alone", []).append(da)
+            out.setdefault("plan", []).append(plan_s)
+            out.setdefault("descriptors", []).append(sum(p.descriptors for p in plans))
+
+    def _count(self, key: str, bad: list[int]) -> None:
+        self.verified[key] = self.verified.get(key, 0) + len(bad)
+        self.mismatches[key] = self.mismatches.get(key, 0) + sum(bad)
+        if any(bad):
+            print(f"  MISMATCH {key}: {sum(bad)} elements wrong", flush=True)
 
     def run(self) -> dict[str, Any]:
         c, n_req = self.case, self.args.requests_for(self.name)
@@ -414,6 +465,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per one-at-a-time mode (default 50; on cpu per case: "
                          + ", ".join(f"{k} {v.cpu_requests}" for k, v in CASES.items()) + ")")
+    ap.add_argument("--op", choices=("read", "write"), default="read",
+                    help="read: the decode pulls (read()); write: it pushes its blocks into "
+                         "the producer's (write(); transports that enforce grants, tcp, take "
+                         "no WRITE nobody asked for)")
     ap.add_argument("--inflight", type=int, default=8, help="requests posted at once")
     ap.add_argument("--inflight-rounds", type=int, default=None,
                     help="rounds of --inflight requests (default max(3, requests // 4))")
@@ -447,8 +502,12 @@ def main() -> None:
                                    50 if args.device == "cuda" else CASES[n].cpu_requests)
     args.inflight_rounds_for = lambda n_req: (args.inflight_rounds if args.inflight_rounds
                                               is not None else max(3, n_req // 4))
-    out = args.out or f"bench/results/e2e_request_{args.device}_{args.transport}.json"
-    name = f"e2e_request_{args.device}_{args.transport}"
+    if args.op == "write" and args.transport == "tcp":
+        ap.error("--op write: the tcp transport enforces grants (an owner takes no WRITE it "
+                 "did not ask for: push mode does that); use --transport nixl or cuda_ipc")
+    suffix = "_write" if args.op == "write" else ""
+    out = args.out or f"bench/results/e2e_request_{args.device}_{args.transport}{suffix}.json"
+    name = f"e2e_request_{args.device}_{args.transport}{suffix}"
 
     if args.transport == "nixl":
         try:
@@ -504,8 +563,9 @@ def main() -> None:
                                 "between requests in flight"},
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
         "inflight": args.inflight, "transport_options": args.options,
-        "timed_window": "KVWorker.read() call to the poll() that reports the request finished "
-                        "(fill before, verification after, both untimed)",
+        "op": args.op,
+        "timed_window": (f"KVWorker.{args.op}() call to the poll() that reports the request "
+                         "finished (fill before, verification after, both untimed)"),
         "ratios": "ratio_device_copy_over_kvlink / ratio_gather_over_kvlink: baseline time / "
                   "kvlink time (fraction of the baseline's speed); ratio_kvlink_over_*: kvlink "
                   "time / baseline time",

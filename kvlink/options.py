@@ -57,6 +57,9 @@ class NixlOptions(_Options):
     #: a GPU pair whose measured UCX lanes are tcp, cuda_copy or software emulation fails its
     #: posts (reason names the fix) unless this is set
     allow_slow_gpu: bool = False
+    #: a post touching our VRAM goes to NIXL once the caller's current CUDA stream ran what
+    #: it held at the post (checked at each poll); False: the caller synchronizes first
+    stream_order: bool = True
     #: NIXL UCX backend parameter ("peer" | "none"; None: NIXL's default, peer)
     ucx_error_handling_mode: str | None = None
 

@@ -145,6 +145,7 @@ class StreamMarks:
                                ("cuEventRecord", [vp, vp]),
                                ("cuEventDestroy_v2", [vp]),
                                ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
+                               ("cuEventQuery", [vp]),
                                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
                                ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
                                ("cuCtxPushCurrent_v2", [vp]),
@@ -219,6 +220,19 @@ class StreamMarks:
             self.drop(mark)
             self._leave(pushed)
         self._check(rc, f"cuStreamWaitEvent on stream 0x{stream:x}")
+
+    def reached(self, mark: Any) -> bool:
+        """Whether the device ran everything ``mark`` marks (for a transfer the host starts
+        itself, once the caller's work is done: no host sync, asked at each poll)."""
+        pushed = self._enter()
+        try:
+            rc = self._lib.cuEventQuery(mark)
+        finally:
+            self._leave(pushed)
+        if rc == _NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
 
     def drop(self, mark: Any) -> None:
         with self._lock:

@@ -160,8 +160,8 @@ def post_host_us(torch: Any, t: Any, peer: str, lx: Any, rx: Any, reps: int,
 class Decode:
     """One decode worker (one mode) against the prefill."""
 
-    def __init__(self, mode: str, port: int, remote_base: int, cycles: int, timeout: float
-                 ) -> None:
+    def __init__(self, mode: str, port: int, remote_base: int, cycles: int, timeout: float,
+                 transport: str = "cuda_ipc") -> None:
         import torch
 
         from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
@@ -169,8 +169,8 @@ class Decode:
         self.torch, self.mode, self.cycles, self.timeout = torch, mode, cycles, timeout
         self.cache, layers = _cache(DECODE_BLOCKS)
         self.i16 = self.cache.view(torch.int16)
-        opts = {"cuda_ipc": {"stream_order": mode == "order"}}
-        self.worker = KVWorker(WorkerConfig(engine_id=f"decode-{mode}", transports=["cuda_ipc"],
+        opts = {transport: {"stream_order": mode == "order", **_EXTRA.get(transport, {})}}
+        self.worker = KVWorker(WorkerConfig(engine_id=f"decode-{mode}", transports=[transport],
                                             transport_options=opts, serve=False))
         self.worker.register(_spec(layers))
         self.remote = RemoteEngine("prefill", "127.0.0.1", port)
@@ -380,6 +380,11 @@ class Decode:
         self.worker.close()
 
 
+#: per transport, options both processes take besides stream_order (nixl: no ucx_info probe
+#: on a background thread in the timed window)
+_EXTRA: dict[str, dict[str, Any]] = {"nixl": {"ucx_probe": False}}
+
+
 class _nullcontext:
     def __enter__(self) -> None:
         return None
@@ -397,12 +402,17 @@ def main() -> None:
     ap.add_argument("--sleep-cycles", type=int, default=1_000_000_000,
                     help="torch.cuda._sleep length queued before each case's write (~0.5 s)")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--transport", choices=("cuda_ipc", "nixl"), default="cuda_ipc",
+                    help="nixl: the public-API cases (READ destination, WRITE source) over "
+                         "NIXL; its copies run on UCX's streams, ordered by the transport's "
+                         "deferred post (results: gpu_stream_order_nixl.json)")
     ap.add_argument("--timing-reps", type=int, default=15,
                     help="end-to-end READ timings with and without the wait (0: none)")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=prefill, args=(q, stop, args.modes))
+    tr = args.transport
+    p = ctx.Process(target=prefill, args=(q, stop, args.modes, tr, _EXTRA.get(tr)))
     p.start()
     results: dict[str, Any] = {"elements_per_transfer": LAYERS * 2 * N * BS * HEADS * DIM,
                                "sleep_cycles": args.sleep_cycles, "modes": {}}
@@ -411,16 +421,18 @@ def main() -> None:
         torch.cuda.set_device(0)
         results["sleep_s"] = sleep_seconds(torch, args.sleep_cycles)
         for mode in args.modes:
-            d = Decode(mode, port, remote_base, args.sleep_cycles, args.timeout)
-            row: dict[str, Any] = {"stream_order": d.worker.transports["cuda_ipc"].stream_order,
-                                   "kernel": d.worker.transports["cuda_ipc"]._copier.kernel,
+            d = Decode(mode, port, remote_base, args.sleep_cycles, args.timeout, tr)
+            row: dict[str, Any] = {"transport": tr, "stream_order": mode == "order",
                                    "warmup": d.warmup}
+            if tr == "cuda_ipc":
+                row["kernel"] = d.worker.transports["cuda_ipc"]._copier.kernel
             try:
                 row["read_default_stream"] = d.read("read_default_stream")
                 row["read_side_stream"] = d.read("read_side_stream", torch.cuda.Stream())
-                row["completion_event"] = d.completion_event()
+                if tr == "cuda_ipc":  # its hook (and the timings below) are cuda_ipc's own
+                    row["completion_event"] = d.completion_event()
                 row["write_source"] = d.write()
-                if mode == "order":
+                if mode == "order" and tr == "cuda_ipc":
                     row["post_us"] = d.post_us()
                     if args.timing_reps:
                         row["timing_b_llama70b_4096tok_8KiB"] = d.timing(args.timing_reps)
@@ -429,6 +441,8 @@ def main() -> None:
             results["modes"][mode] = row
             for case in ("read_default_stream", "read_side_stream", "completion_event",
                          "write_source"):
+                if case not in row:
+                    continue
                 r = row[case]
                 print(f"{mode:9s} {case:20s} wrong {r['wrong']:>11,} of {r['elements']:,}",
                       {k: v for k, v in r.items() if k not in ("wrong", "elements")},
@@ -445,8 +459,11 @@ def main() -> None:
     if order is not None:
         results["ordered_all_zero"] = all(
             order[c]["wrong"] == 0 for c in ("read_default_stream", "read_side_stream",
-                                              "completion_event", "write_source"))
-    _gpu_common.write(args.out, "gpu_stream_order.json", results)
+                                              "completion_event", "write_source") if c in order)
+    name = "gpu_stream_order.json" if tr == "cuda_ipc" else f"gpu_stream_order_{tr}.json"
+    _gpu_common.write(args.out, name, results)
+    if order is not None and not results["ordered_all_zero"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

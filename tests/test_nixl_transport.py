@@ -587,3 +587,63 @@ def test_parse_proto_info() -> None:
         "read": ["cma/memory"],
         "write": ["tcp/lo", "52% on tcp/lo and 48% on tcp/eth0"],
     }
+
+
+class _PendingStream:
+    """A STAND-IN for the caller's CUDA stream with work still queued (this machine has no
+    GPU, and a real stream's timing cannot be held open on demand): the transport's marks
+    report the work unfinished until ``finish()``. Everything else is real NIXL over UCX."""
+
+    def __init__(self) -> None:
+        self.ran = False
+        self.taken = self.dropped = 0
+
+    def take(self) -> object:
+        self.taken += 1
+        return object()
+
+    def reached(self, mark: object) -> bool:
+        return self.ran
+
+    def drop(self, mark: object) -> None:
+        self.dropped += 1
+
+    def finish(self) -> None:
+        self.ran = True
+
+
+def test_a_post_waits_for_the_callers_stream_before_nixl_moves_a_byte(
+    peer: Peer, local: tuple[Any, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stream order (the transport contract's rule 6): a WRITE whose source the caller's
+    stream is still writing is handed to NIXL only once that stream ran — polls before that
+    leave the peer's bytes untouched; then it moves, and the peer holds what the caller wrote
+    after the post. (Before: NIXL copied at post — a layer-wise push over NIXL on one H200
+    landed 82.8M of 83.9M elements wrong.) A post released while it waits moves nothing."""
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    assert peer.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
+    stream = _PendingStream()
+    monkeypatch.setattr(t, "_marks", stream)
+    monkeypatch.setattr(t, "_stream_mark", lambda li: stream.take())  # our memory as VRAM
+    before = peer.buffer().copy()
+    n = 1 << 20
+    lo = make_extents(np.array([buf.ctypes.data], dtype=np.uint64), np.array([n], np.uint64))
+    ro = make_extents(np.array([peer.addr], dtype=np.uint64), np.array([n], np.uint64))
+    buf[:n] = 1  # what the caller's stream had written at the post...
+    h = t.post(Op.WRITE, peer.name, lo, ro)
+    for _ in range(20):
+        assert t.poll(h).status is XferStatus.PENDING
+    assert np.array_equal(peer.buffer(), before)  # nothing moved while the stream ran
+    buf[:n] = 7  # ...and what it wrote before it ended: the bytes the WRITE must carry
+    stream.finish()
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
+    assert np.array_equal(peer.buffer()[:n], np.full(n, 7, np.uint8))
+    assert stream.dropped == 1  # its mark went back
+    stream.ran = False
+    h = t.post(Op.WRITE, peer.name, lo, make_extents(
+        np.array([peer.addr + n], dtype=np.uint64), np.array([n], np.uint64)))
+    t.release(h)  # released while waiting: nothing was handed to NIXL
+    assert stream.dropped == 2
+    assert np.array_equal(peer.buffer()[n:2 * n], before[n:2 * n])

@@ -49,3 +49,6 @@ class _Xfer:
     t_transfer: float = 0.0  # perf_counter() as the first NIXL transfer() call began
     t_posted: float = 0.0  # perf_counter() as post returned
     path: str = ""  # "prepped" (lists prepped at connect), "per-request" or "direct"
+    #: stream order: (mark of the caller's stream at post, what _issue takes) until poll finds
+    #: the device past the mark and hands the descriptors to NIXL; None once issued
+    after: tuple[Any, tuple[Any, ...]] | None = None

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.errors import TransferError
+from kvlink.staging import StreamMarks
 from kvlink.transport import DONE, Extents, Op, XferState, XferStatus, check_pairs
 from kvlink_transports.nixl.agent import _nixl_reason, _warn_once
 from kvlink_transports.nixl.memory import (
@@ -36,7 +37,7 @@ from kvlink_transports.nixl.memory import (
     _Prep,
     _Side,
 )
-from kvlink_transports.nixl.records import _Xfer
+from kvlink_transports.nixl.records import _Peer, _Xfer
 from kvlink_transports.nixl.requests import _Requests
 
 log = logging.getLogger("kvlink.nixl")
@@ -53,6 +54,7 @@ class _Transfers(_Requests):
     _local: _Side  # our registered regions
     _lpreps: dict[int, _Prep]  # block size -> our regions prepped at it
     _ids: itertools.count[int]
+    _marks: StreamMarks | None  # stream order for our VRAM (None: no VRAM, or turned off)
 
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
@@ -77,48 +79,76 @@ class _Transfers(_Requests):
                       op=_OPS[op], deadline=time.monotonic() + self._timeout)
             handle = next(self._ids)
             self._xfers[handle] = x
-            if n == 0:  # nothing moves; DONE unless its notification cannot be sent
-                if notif is None or self._send_notif(x, p.agent, notif):
-                    x.state = DONE
+            mark = self._stream_mark(li) if n else None
+            if mark is not None:  # the caller's GPU work first: issued by poll once it ran
+                x.after = (mark, (op, peer, p, local, remote, li, ri, notif))
             else:
-                parts = _memory_pairs(self._local, li, p.side, ri)
-                if parts[0][0] is not None:  # split: poll sends the notification at the end
-                    x.notify = notif
-                lprep = self._lpreps.get(p.prep.block) if p.prep is not None else None
-                for mask, lm, rm in parts:
-                    lx, rx = (local, remote) if mask is None else (local[mask], remote[mask])
-                    lr, rr = (li, ri) if mask is None else (li[mask], ri[mask])
-                    idx: tuple[Any, Any] | None = None
-                    if (lprep is not None and p.prep is not None
-                            and lprep.side is self._local and p.prep.side is p.side
-                            and lm in lprep.handles and rm in p.prep.handles):
-                        pair_idx = _pair_indices(lprep, lr, lx, p.prep, rr, rx)
-                        if pair_idx is not None:
-                            idx = (lprep.handles[lm], pair_idx[0]), (p.prep.handles[rm],
-                                                                     pair_idx[1])
-                        elif not x.path:
-                            _warn_once(
-                                f"unaligned{p.prep.block}", "nixl: a request's extents are not "
-                                "whole %d-byte blocks of the registered regions: it builds its "
-                                "own descriptor lists (slower; set option prep_block_bytes to "
-                                "the KV block size)", p.prep.block)
-                    msg = notif if mask is None else None
-                    if idx is not None:
-                        x.path = x.path or "prepped"
-                        err = self._post_indexed(x, _OPS[op], idx[0], idx[1], msg)
-                    else:
-                        x.path = x.path or ("direct" if self._post_mode == "direct"
-                                            else "per-request")
-                        err = self._post_one(x, _OPS[op], p.agent,
-                                             _dlist(lx, self._local.dev[lr]), _MEM_NAMES[lm],
-                                             _dlist(rx, p.side.dev[rr]), _MEM_NAMES[rm], msg)
-                    if err is not None:  # parts already posted are cancelled or awaited
-                        self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err} "
-                                   f"({x.ndesc} extents, {x.nbytes} bytes)")
-                        break
+                self._issue(x, op, peer, p, local, remote, li, ri, notif)
         x.t_posted = time.perf_counter()
         self._account(post_seconds=x.t_posted - t0)
         return handle
+
+    def _stream_mark(self, li: npt.NDArray[np.intp]) -> Any:
+        """Stream order (kvlink.transport rule 6) for a transfer touching our VRAM: a mark of
+        the work on the caller's current stream, or None where there is none (an idle stream,
+        no VRAM extent). NIXL copies on UCX's own streams, which know nothing of the caller's:
+        a layer-wise push posted as the forward enqueues each layer would have copied the
+        layer's blocks before the forward wrote them (every byte wrong, on one H200)."""
+        marks = self._marks
+        if marks is None or not bool(np.any(self._local.mem[li] == 1)):
+            return None
+        return marks.take()
+
+    def _issue(self, x: _Xfer, op: Op, peer: str, p: _Peer, local: Extents, remote: Extents,
+               li: npt.NDArray[np.intp], ri: npt.NDArray[np.intp], notif: bytes | None) -> None:
+        """Hand ``x``'s descriptors to NIXL (lock held): at post, or at the poll that finds the
+        caller's stream past the post's mark (then only if ``peer`` is still connected as it
+        was: else it fails, nothing having moved)."""
+        current: _Peer | None = self._peers.get(peer)
+        if self._closed or current is not p or p.blocked is not None:
+            self._fail(x, f"nixl: peer {peer!r} went away before the caller's CUDA stream "
+                       "reached the post: nothing was moved")
+            return
+        n = x.ndesc
+        if n == 0:  # nothing moves; DONE unless its notification cannot be sent
+            if notif is None or self._send_notif(x, p.agent, notif):
+                x.state = DONE
+        else:
+            parts = _memory_pairs(self._local, li, p.side, ri)
+            if parts[0][0] is not None:  # split: poll sends the notification at the end
+                x.notify = notif
+            lprep = self._lpreps.get(p.prep.block) if p.prep is not None else None
+            for mask, lm, rm in parts:
+                lx, rx = (local, remote) if mask is None else (local[mask], remote[mask])
+                lr, rr = (li, ri) if mask is None else (li[mask], ri[mask])
+                idx: tuple[Any, Any] | None = None
+                if (lprep is not None and p.prep is not None
+                        and lprep.side is self._local and p.prep.side is p.side
+                        and lm in lprep.handles and rm in p.prep.handles):
+                    pair_idx = _pair_indices(lprep, lr, lx, p.prep, rr, rx)
+                    if pair_idx is not None:
+                        idx = (lprep.handles[lm], pair_idx[0]), (p.prep.handles[rm],
+                                                                 pair_idx[1])
+                    elif not x.path:
+                        _warn_once(
+                            f"unaligned{p.prep.block}", "nixl: a request's extents are not "
+                            "whole %d-byte blocks of the registered regions: it builds its "
+                            "own descriptor lists (slower; set option prep_block_bytes to "
+                            "the KV block size)", p.prep.block)
+                msg = notif if mask is None else None
+                if idx is not None:
+                    x.path = x.path or "prepped"
+                    err = self._post_indexed(x, _OPS[op], idx[0], idx[1], msg)
+                else:
+                    x.path = x.path or ("direct" if self._post_mode == "direct"
+                                        else "per-request")
+                    err = self._post_one(x, _OPS[op], p.agent,
+                                         _dlist(lx, self._local.dev[lr]), _MEM_NAMES[lm],
+                                         _dlist(rx, p.side.dev[rr]), _MEM_NAMES[rm], msg)
+                if err is not None:  # parts already posted are cancelled or awaited
+                    self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err} "
+                               f"({x.ndesc} extents, {x.nbytes} bytes)")
+                    break
 
     def xfer_timing(self, handle: int) -> dict[str, float | str]:
         """Host time of one post: ``pre_transfer_s`` from the post call to NIXL's transfer()
@@ -204,6 +234,8 @@ class _Transfers(_Requests):
             x = self._xfers.get(handle)
             if x is None:
                 raise TransferError(f"nixl: unknown or released handle {handle}")
+            if x.after is not None and not self._issue_after(x):
+                return x.state
             if x.state.status is not XferStatus.PENDING:
                 return x.state
             pending = self._check_reqs(x)
@@ -235,9 +267,29 @@ class _Transfers(_Requests):
         )
         return DONE
 
+    def _issue_after(self, x: _Xfer) -> bool:
+        """A post waiting for the caller's stream (lock held): issued once the device is past
+        its mark (True); still waiting (False), or failed at its deadline with nothing moved."""
+        assert x.after is not None and self._marks is not None
+        mark, args = x.after
+        if x.state.status is XferStatus.PENDING and not self._marks.reached(mark):
+            if time.monotonic() < x.deadline:
+                return False
+            self._fail(x, f"nixl {x.op} to {x.peer!r}: the caller's CUDA stream did not reach "
+                       f"the post within timeout_s ({self._timeout} s): nothing was moved")
+        x.after = None
+        self._marks.drop(mark)
+        if x.state.status is XferStatus.PENDING:
+            self._issue(x, *args)
+        return True
+
     def release(self, handle: int) -> None:
         with self._lock:
             x = self._xfers.pop(handle, None)
+            if x is not None and x.after is not None:  # never issued: nothing to end
+                assert self._marks is not None
+                self._marks.drop(x.after[0])
+                x.after = None
             if x is not None:
                 self._release_reqs(x)
             if self._zombies:

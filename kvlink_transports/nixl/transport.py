@@ -53,6 +53,7 @@ from kvlink.errors import (
     WireError,
 )
 from kvlink.options import check_options
+from kvlink.staging import StreamMarks
 from kvlink.transport import Capabilities, Op, Region, TransportContext, XferStatus
 from kvlink_transports import _ucx
 from kvlink_transports.nixl.agent import _import_nixl, _nixl_reason, _warn_once, start_agent
@@ -117,6 +118,11 @@ class NixlTransport(_LaneChecks, _Transfers):
                 f"{self._prep_block!r}, {self._prep_max!r}"
             )
         self._allow_slow_gpu = bool(opts.get("allow_slow_gpu", False))
+        #: stream order (kvlink.transport rule 6): a post touching our VRAM is handed to NIXL
+        #: once the caller's current stream ran what it held at the post; False: the caller
+        #: orders its streams itself (synchronized before posting)
+        self._stream_order = bool(opts.get("stream_order", True))
+        self._marks: StreamMarks | None = None
         ehm = opts.get("ucx_error_handling_mode")
         if ehm is not None and ehm not in ("peer", "none"):
             raise ConfigError(f"nixl option ucx_error_handling_mode must be 'peer' or 'none': "
@@ -438,11 +444,14 @@ class NixlTransport(_LaneChecks, _Transfers):
     # ------------------------------------------------------------------ environment checks
 
     def _ensure_cuda_device(self, regions: Sequence[Region]) -> None:
-        """UCX only enables cuda_ipc with a CUDA context current on the calling thread."""
+        """UCX only enables cuda_ipc with a CUDA context current on the calling thread; our
+        VRAM's posts wait for the caller's stream (:class:`kvlink.staging.StreamMarks`)."""
         for r in regions:
             mem, dev = _mem_of(r.device)
             if mem == 1:
                 import torch
 
                 torch.cuda.set_device(int(dev))
+                if self._stream_order and self._marks is None:
+                    self._marks = StreamMarks(int(dev))
                 return
