@@ -10,6 +10,7 @@ only with the ranks it reads and every head is read exactly once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvlink.errors import IncompatibleSpecError
 
@@ -62,12 +63,21 @@ def notify_targets(local_tp: int, local_rank: int, remote_tp: int, total_heads: 
     expires. Every remote rank gets told by every local rank whose heads it holds (MLA: by the
     local ranks mapped onto it round-robin), and the producer counts its readers the same way.
     """
+    return set(_notify_targets(local_tp, local_rank, remote_tp, total_heads, mla))
+
+
+# Both maps are asked per request (and per reader rank) with the few TP shapes a deployment
+# has; their loops go head by head, so they are computed once per shape (errors not cached).
+@functools.lru_cache(maxsize=4096)
+def _notify_targets(local_tp: int, local_rank: int, remote_tp: int, total_heads: int,
+                    mla: bool) -> frozenset[int]:
     if mla:
         if remote_tp >= local_tp:
-            return {p for p in range(remote_tp) if p % local_tp == local_rank}
-        return {local_rank % remote_tp}
+            return frozenset(p for p in range(remote_tp) if p % local_tp == local_rank)
+        return frozenset({local_rank % remote_tp})
     first, count = rank_heads(total_heads, local_tp, local_rank)
-    return {p for h in range(first, first + count) for p in head_owners(total_heads, remote_tp, h)}
+    return frozenset(p for h in range(first, first + count)
+                     for p in head_owners(total_heads, remote_tp, h))
 
 
 def push_targets(
@@ -95,12 +105,18 @@ def map_heads(
     several local ranks spread their reads over the remote ranks (and their NICs). For MLA
     every remote rank holds the full latent: local ranks are spread round-robin.
     """
+    return list(_map_heads(local_tp, local_rank, remote_tp, total_heads, mla))
+
+
+@functools.lru_cache(maxsize=4096)
+def _map_heads(local_tp: int, local_rank: int, remote_tp: int, total_heads: int, mla: bool
+               ) -> tuple[HeadRead, ...]:
     if mla:
         if local_tp <= 0 or remote_tp <= 0 or not 0 <= local_rank < local_tp:
             raise IncompatibleSpecError(
                 f"bad MLA tp sizes: local {local_tp} (rank {local_rank}), remote {remote_tp}"
             )
-        return [HeadRead(local_rank % remote_tp, 0, 0, 1)]
+        return (HeadRead(local_rank % remote_tp, 0, 0, 1),)
     check_tp(total_heads, local_tp, "local tp")
     check_tp(total_heads, remote_tp, "remote tp")
     first, count = rank_heads(total_heads, local_tp, local_rank)
@@ -115,4 +131,4 @@ def map_heads(
             reads[-1] = dataclasses.replace(last, count=last.count + 1)
         else:
             reads.append(HeadRead(rank, h - first, h - r_first, 1))
-    return reads
+    return tuple(reads)
