@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlink.gpu import move
-from kvlink.gpu.copy import BatchCopier, RegionMap
-from kvlink.transport import Runs
+from gpu_runs_check import SEGS, UNIT, N, _runs, _table, buffers
 
-SEGS, NB, UNIT, N = 160, 600, 4096, 256
+from kvlink.gpu import move
+from kvlink.gpu.copy import RegionMap
+from kvlink.transport import Runs
 
 CANDIDATE = r"""
 extern "C" __global__ void __launch_bounds__(KV_T) kv_probe(
@@ -55,28 +55,6 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_probe(
   }
 }
 """
-
-
-def _runs(src: int, dst: int, rng: np.random.Generator, coalesce: bool) -> Runs:
-    cuts = np.cumsum(rng.integers(1, 9, size=N))
-    pieces = np.split(np.arange(N), cuts[cuts < N])
-    lids = np.concatenate([pieces[k] for k in rng.permutation(len(pieces))]) + 100
-    rids = np.arange(N) + 7
-    if coalesce:
-        edge = np.ones(N + 1, dtype=bool)
-        edge[1:N] = (np.diff(lids) != 1) | (np.diff(rids) != 1)
-        at = edge.nonzero()[0]
-    else:
-        at = np.arange(N + 1)
-    starts, lens = at[:-1], np.diff(at).astype(np.uint64) * np.uint64(UNIT)
-    seg = np.arange(SEGS, dtype=np.uint64) * np.uint64(NB * UNIT)
-    return Runs(np.uint64(dst) + seg, np.uint64(src) + seg,
-                lids[starts].astype(np.uint64) * np.uint64(UNIT),
-                rids[starts].astype(np.uint64) * np.uint64(UNIT), lens, SEGS * N)
-
-
-def _table(r: Runs) -> np.ndarray:  # READ: source = remote side, destination = local side
-    return np.concatenate([r.remote_base, r.local_base, r.remote_at, r.local_at, r.lens])
 
 
 class Candidate:
@@ -125,15 +103,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
     dev = torch.device("cuda:0")
-    nbytes = SEGS * NB * UNIT
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    src, dst, smap, dmap, copier, stream = buffers(dev)
     sp, dp = src.data_ptr(), dst.data_ptr()
-    smap = RegionMap([sp], [sp + nbytes], [0], dev)
-    dmap = RegionMap([dp], [dp + nbytes], [0], dev)
-    copier = BatchCopier(dev)
-    assert copier.computes_addresses, "the CUDA C kernel did not build"
-    stream = torch.cuda.Stream(dev)
     per_block = _runs(sp, dp, np.random.default_rng(0), coalesce=False)
     coalesced = _runs(sp, dp, np.random.default_rng(0), coalesce=True)
     status = torch.zeros(1, dtype=torch.int64, device=dev)

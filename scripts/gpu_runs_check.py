@@ -30,14 +30,19 @@ from kvlink.transport import Runs
 SEGS, NB, UNIT, N = 160, 600, 4096, 256
 
 
-def _runs(src: int, dst: int, rng: np.random.Generator) -> Runs:
+def _runs(src: int, dst: int, rng: np.random.Generator, coalesce: bool = True) -> Runs:
+    """The request's table: decode ids in shuffled runs of 1-8, one run per block unless
+    ``coalesce`` (then adjacent blocks on both sides are one run)."""
     cuts = np.cumsum(rng.integers(1, 9, size=N))
     pieces = np.split(np.arange(N), cuts[cuts < N])
     lids = np.concatenate([pieces[k] for k in rng.permutation(len(pieces))]) + 100
     rids = np.arange(N) + 7
-    edge = np.ones(N + 1, dtype=bool)
-    edge[1:N] = (np.diff(lids) != 1) | (np.diff(rids) != 1)
-    at = edge.nonzero()[0]
+    if coalesce:
+        edge = np.ones(N + 1, dtype=bool)
+        edge[1:N] = (np.diff(lids) != 1) | (np.diff(rids) != 1)
+        at = edge.nonzero()[0]
+    else:
+        at = np.arange(N + 1)
     starts, lens = at[:-1], np.diff(at).astype(np.uint64) * np.uint64(UNIT)
     seg = np.arange(SEGS, dtype=np.uint64) * np.uint64(NB * UNIT)
     return Runs(np.uint64(dst) + seg, np.uint64(src) + seg,
@@ -49,11 +54,10 @@ def _table(r: Runs) -> np.ndarray:  # READ: source = remote side, destination = 
     return np.concatenate([r.remote_base, r.local_base, r.remote_at, r.local_at, r.lens])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
-    args = ap.parse_args()
-    dev = torch.device("cuda:0")
+def buffers(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, RegionMap, RegionMap,
+                                         BatchCopier, torch.cuda.Stream]:
+    """Random source and zeroed destination of SEGS x NB blocks, their region maps, a copier
+    with the CUDA C kernel and a side stream (shared with gpu_copy_units_probe.py)."""
     nbytes = SEGS * NB * UNIT
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
@@ -62,7 +66,17 @@ def main() -> None:
     dmap = RegionMap([dp], [dp + nbytes], [0], dev)
     copier = BatchCopier(dev)
     assert copier.computes_addresses, "the CUDA C kernel did not build"
-    stream = torch.cuda.Stream(dev)
+    return src, dst, smap, dmap, copier, torch.cuda.Stream(dev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    dev = torch.device("cuda:0")
+    nbytes = SEGS * NB * UNIT
+    src, dst, smap, dmap, copier, stream = buffers(dev)
+    sp, dp = src.data_ptr(), dst.data_ptr()
     runs = _runs(sp, dp, np.random.default_rng(0))
     p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap, stream)
     p.wait()
