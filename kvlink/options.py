@@ -78,6 +78,9 @@ class MooncakeOptions(_Options):
     location: str = "*"
     probe: bool = True
     quiet: bool = True
+    #: a post touching our VRAM is submitted once the caller's current CUDA stream ran what it
+    #: held at the post (its peer's thread waits for it); False: the caller synchronizes first
+    stream_order: bool = True
 
 
 class CudaIpcOptions(_Options):

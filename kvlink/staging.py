@@ -146,6 +146,7 @@ class StreamMarks:
                                ("cuEventDestroy_v2", [vp]),
                                ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
                                ("cuEventQuery", [vp]),
+                               ("cuEventSynchronize", [vp]),
                                ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
                                ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
                                ("cuCtxPushCurrent_v2", [vp]),
@@ -233,6 +234,17 @@ class StreamMarks:
             return False
         self._check(rc, "cuEventQuery")
         return True
+
+    def synchronize(self, mark: Any) -> None:
+        """On a transfer's own thread: block (the GIL released) until the device ran
+        everything ``mark`` marks; the mark is handed back (also when the driver refuses)."""
+        pushed = self._enter()
+        try:
+            rc = self._lib.cuEventSynchronize(mark)
+        finally:
+            self.drop(mark)
+            self._leave(pushed)
+        self._check(rc, "cuEventSynchronize")
 
     def drop(self, mark: Any) -> None:
         with self._lock:

@@ -40,7 +40,10 @@ nixl and mooncake):
    blocks of a timed-out push whose prefill cannot answer a cancel.
 6. **Stream order** (GPU memory): a copy a transport runs on the device starts only after the
    work enqueued on the caller's current stream of its device when ``post`` was called (READ
-   destination and WRITE source alike), and DONE means the bytes are there. Optional hook
+   destination and WRITE source alike), and DONE means the bytes are there. A transport whose
+   library copies on streams of its own (nixl, mooncake) hands the transfer to the library only
+   once that work ran (:class:`kvlink.staging.StreamMarks`: nixl at a later poll, mooncake on
+   its peer's thread); the caller never blocks. Optional hook
    ``completion_event(handle) -> torch.cuda.Event | None`` (cuda_ipc): the event recorded after
    the handle's device copy, so a caller can order its own stream after it without a host
    sync (``stream.wait_event(ev)``); None where there is none. It says the copy has ended, not

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -359,3 +360,49 @@ def test_split_bounds() -> None:
     big = np.full(5000, 4096, dtype=np.uint64)
     cuts = kmc.split_bounds(big, 256, 256 << 20)
     assert cuts[-1] == 5000 and max(np.diff(cuts)) == 256
+
+
+class _PendingStream:
+    """A STAND-IN for the caller's CUDA stream with work still queued (this machine has no GPU
+    and no CUDA build of the engine, and a real stream's timing cannot be held open on
+    demand): ``synchronize`` blocks the peer's thread until ``finish()``. Everything else is
+    the real engine over tcp."""
+
+    def __init__(self) -> None:
+        self.ran = threading.Event()
+        self.waited = threading.Event()
+
+    def take(self) -> object:
+        return object()
+
+    def synchronize(self, mark: object) -> None:
+        self.waited.set()
+        assert self.ran.wait(TIMEOUT), "the test never finished the stream"
+
+
+def test_a_write_waits_for_the_callers_stream_before_the_engine_moves_a_byte(
+        peer: Peer, local: tuple[Any, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream order (the transport contract's rule 6): a WRITE whose source the caller's
+    stream is still writing is submitted only once that stream ran (its peer's thread waits,
+    the caller does not) — meanwhile the peer's bytes are untouched; then the peer holds
+    what the caller wrote after the post. (Before: the engine copied at post, as NIXL did —
+    82.8M of 83.9M elements wrong in a layer-wise push over NIXL on one H200.)"""
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    stream = _PendingStream()
+    monkeypatch.setattr(t, "_marks", stream)
+    monkeypatch.setattr(t, "_stream_mark", lambda li: stream.take())  # our memory as VRAM
+    before = peer.buffer().copy()
+    n = 1 << 20
+    buf[:n] = 1  # what the caller's stream had written at the post...
+    h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data, n),
+               make_extents(peer.addr, n))
+    assert stream.waited.wait(TIMEOUT)  # the peer's thread waits for the stream
+    assert t.poll(h).status is XferStatus.PENDING
+    assert np.array_equal(peer.buffer(), before)  # nothing moved while the stream ran
+    buf[:n] = 7  # ...and what it wrote before it ended: the bytes the WRITE must carry
+    stream.ran.set()
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
+    assert np.array_equal(peer.buffer()[:n], np.full(n, 7, np.uint8))
+    t.disconnect(peer.name)

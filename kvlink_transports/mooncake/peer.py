@@ -44,6 +44,9 @@ class _Xfer:
     done_subs: int = 0  # sub-batches completed
     failure: str | None = None
     state: XferState = PENDING
+    #: stream order: a mark of the caller's CUDA stream at the post (kvlink.staging), waited
+    #: for by the peer's thread before the first sub-batch is submitted; None: nothing to wait
+    after: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,6 +84,9 @@ class _Owner(Protocol):
         ...
 
     def _settle(self, x: _Xfer, force: bool = False) -> None: ...
+
+    def _await_stream(self, mark: Any) -> None:
+        """Block until the caller's stream ran what ``mark`` marks (this peer's thread)."""
 
 
 class _Peer:
@@ -165,6 +171,9 @@ class _Peer:
                 self.call_since = now
             if sub is not None:
                 x = sub.xfer
+                if x.after is not None:  # the caller's GPU work first (this thread waits)
+                    mark, x.after = x.after, None
+                    owner._await_stream(mark)
                 bid, why = owner._submit(
                     x.op, self.session, x.local[sub.lo : sub.hi], x.remote[sub.lo : sub.hi]
                 )

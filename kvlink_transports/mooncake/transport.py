@@ -70,6 +70,7 @@ from kvlink.errors import (
     WireError,
 )
 from kvlink.options import check_options
+from kvlink.staging import StreamMarks
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -177,6 +178,11 @@ class MooncakeTransport(Transport):
         self.retry_backoff = _opt_float(opts, "retry_backoff_s", 0.01, 0.0)
         self._cpu_location = str(opts.get("location", "*"))
         self._probe = bool(opts.get("probe", True))
+        #: stream order (kvlink.transport rule 6) for our VRAM: the engine copies on its own,
+        #: knowing nothing of the caller's stream; None until VRAM is registered (or off)
+        self._stream_order = bool(opts.get("stream_order", True))
+        self._marks: StreamMarks | None = None
+        self._vram = np.zeros(0, dtype=bool)  # per region of self._table: in VRAM
         if self.protocol == "tcp" and env_cap.isdigit() and self.max_inflight > int(env_cap):
             log.warning(
                 "mooncake: max_inflight_per_peer=%d exceeds the engine's "
@@ -239,9 +245,14 @@ class MooncakeTransport(Transport):
                     f"failed with {rc}"
                 )
             done.append(r.addr)
+        cuda = [loc for loc in locations if loc.startswith("cuda")]
         with self._lock:
             self._regions = self._regions + tuple(regions)
             self._table = table
+            self._vram = np.array([r.device.startswith("cuda") for r in table.regions],
+                                  dtype=bool)
+            if cuda and self._stream_order and self._marks is None:
+                self._marks = StreamMarks(int(cuda[0].partition(":")[2] or 0))
 
     def descriptor(self) -> bytes:
         return _enc.encode(
@@ -305,7 +316,7 @@ class MooncakeTransport(Transport):
         check_pairs(local, remote)
         with self._lock:
             p = self._peers.get(peer)
-            self._table.locate(local, "local extent")
+            li = self._table.locate(local, "local extent")
             n = int(local.shape[0])
             if self._closed or p is None:
                 why = "the transport is closed" if self._closed else "it is not connected"
@@ -325,9 +336,23 @@ class MooncakeTransport(Transport):
             if n == 0:
                 self._finish(x, DONE)
             else:
+                x.after = self._stream_mark(li)
                 p.enqueue(x, split_bounds(x.local["len"], self.sub_batch, self.sub_batch_bytes))
         self._account(post_seconds=time.perf_counter() - t0, descriptors=n)
         return handle
+
+    def _stream_mark(self, li: np.ndarray) -> Any:
+        """A mark of the caller's current CUDA stream where this post touches our VRAM and
+        that stream has work pending (the peer's thread waits for it before submitting);
+        else None. Without it a WRITE source (or READ destination) still being written on the
+        caller's stream moves stale bytes (as NIXL's did: docs/nixl.md, "Stream order")."""
+        if self._marks is None or not bool(np.any(self._vram[li])):
+            return None
+        return self._marks.take()
+
+    def _await_stream(self, mark: Any) -> None:
+        assert self._marks is not None
+        self._marks.synchronize(mark)
 
     def _failed_handle(
         self, op: Op, peer: str, local: Extents, remote: Extents, t0: float, reason: str
