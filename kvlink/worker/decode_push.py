@@ -327,14 +327,16 @@ class _DecodePush(_Requests):
     def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
                   failed: dict[str, str], rest_later: bool = False) -> None:
         """``rest_later`` (a push written on our landing board: every byte of it landed,
-        nothing can move its flag any more): its landing slots and the release to the
-        replicas that did not write go at the next poll (:meth:`_end_landings`), not on the
-        way to reporting it — unless a transport enforces grants (its revocation comes
-        first: no WRITE of this push is taken once it is reported)."""
+        nothing can move its flag any more): its landing slots go back at the next poll
+        (:meth:`_end_landings`), not on the way to reporting it, and nothing else is done
+        there — unless a transport enforces grants (its revocation comes first: no WRITE of
+        this push is taken once it is reported)."""
         wait = aw.wait
         del self._awaiting[req_id]
         if rest_later and not self._enforcing():
             self._end_landing(aw, later=True)
+            if aw.others:  # replicas holding our heads that did not write (none, equal TP)
+                self._release_others(aw)
             finished.add(req_id)
             return
         self._end_landing(aw)
@@ -347,12 +349,10 @@ class _DecodePush(_Requests):
             log.warning("push of %s failed: %s", req_id, failed[req_id])
 
     def _end_landings(self) -> None:
-        """The rest of the pushes the last poll reported at once: their slots, the release to
-        the replicas that did not write."""
+        """The slots of the pushes the last poll reported at once."""
         ended, self._landings_ended = self._landings_ended, []
         for aw in ended:
             self._give_slots(aw)
-            self._release_others(aw)
 
     def _release_others(self, aw: _Awaiting) -> None:
         """Replicas holding our heads that did not write: released."""
@@ -366,8 +366,8 @@ class _DecodePush(_Requests):
 
     def _end_landing(self, aw: _Awaiting, later: bool = False) -> None:
         """The push ended, every rank settled (nothing of it can land): its slots go back
-        (``later``: at the next poll, with the rest of :meth:`_end_landings`), and notes
-        still on their way for it are taken quietly (from now)."""
+        (``later``: at the next poll, :meth:`_end_landings`), and notes still on their way
+        for it are taken quietly (from now)."""
         if not aw.landing:
             return
         if later:
