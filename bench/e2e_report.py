@@ -91,8 +91,8 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
     print("  ".join(c.rjust(wd) for c, wd in zip(cols, widths)))
     for r in rows:
         print("  ".join(x.rjust(wd) for x, wd in zip(r, widths)))
-    print("k = kvlink post->done (read() to the poll that reports it finished); alone = the "
-          "same extents through the worker's transport directly;")
+    print("k = kvlink post->done (read() or write() to the poll that reports it finished); "
+          "alone = the same extents through the worker's transport directly;")
     ph = [(n, m, r["worker_phases_median_s"]) for n, cr in cases.items()
           for m, r in cr["modes"].items() if "worker_phases_median_s" in r]
     if ph:
