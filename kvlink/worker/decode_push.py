@@ -328,9 +328,9 @@ class _DecodePush(_Requests):
                   failed: dict[str, str], rest_later: bool = False) -> None:
         """``rest_later`` (a push written on our landing board: every byte of it landed,
         nothing can move its flag any more): its landing slots go back at the next poll
-        (:meth:`_end_landings`), not on the way to reporting it, and nothing else is done
-        there — unless a transport enforces grants (its revocation comes first: no WRITE of
-        this push is taken once it is reported)."""
+        (:meth:`_end_landings`), and where no transport enforces grants there is nothing to
+        revoke, so the poll that reports it does little else; a transport that enforces them
+        is revoked first (no WRITE of this push is taken once it is reported)."""
         wait = aw.wait
         del self._awaiting[req_id]
         if rest_later and not self._enforcing():

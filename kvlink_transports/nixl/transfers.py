@@ -81,7 +81,8 @@ class _Transfers(_Requests):
             self._xfers[handle] = x
             mark = self._stream_mark(li) if n else None
             if mark is not None:  # the caller's GPU work first: issued by poll once it ran
-                x.after = (mark, (op, peer, p, local, remote, li, ri, notif))
+                # (our own copies of the extents: the caller's arrays are its own again now)
+                x.after = (mark, (op, peer, p, local.copy(), remote.copy(), li, ri, notif))
             else:
                 self._issue(x, op, peer, p, local, remote, li, ri, notif)
         x.t_posted = time.perf_counter()
