@@ -257,7 +257,8 @@ def test_many_requests_in_flight_and_notifications() -> None:
 
 
 
-@pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 4), (4, 2)])
+# 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
+@pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 4), (4, 2), (8, 2)])
 def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:
     res = run_demo(small_plan(mode="push", prefill_tp=ptp, decode_tp=dtp, requests=3),
                    show_progress=False)
