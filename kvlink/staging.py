@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlink import hostmem
 from kvlink.errors import TransferError
@@ -252,6 +253,17 @@ class StreamMarks:
                 self._free.append(mark)
                 return
         self._lib.cuEventDestroy_v2(mark)
+
+
+def mark_post(marks: StreamMarks | None, on_device: npt.NDArray[np.bool_],
+              regions: npt.NDArray[np.intp]) -> Any:
+    """For a transport whose library copies device memory on streams of its own (nixl,
+    mooncake): a mark of the caller's current stream where the post's extents, lying in
+    registered ``regions`` (``on_device``: which registered regions are device memory), touch
+    device memory and that stream has work pending; else None (nothing to wait for)."""
+    if marks is None or not bool(np.any(on_device[regions])):
+        return None
+    return marks.take()
 
 
 class Copier(abc.ABC):

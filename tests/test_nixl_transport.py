@@ -625,7 +625,8 @@ def test_a_post_waits_for_the_callers_stream_before_nixl_moves_a_byte(
     assert peer.call("connect", t.ctx.agent_name, t.descriptor()) == "ok"
     stream = _PendingStream()
     monkeypatch.setattr(t, "_marks", stream)
-    monkeypatch.setattr(t, "_stream_mark", lambda li: stream.take())  # our memory as VRAM
+    # no VRAM to register here: the post is taken for one touching VRAM (fault injection)
+    monkeypatch.setattr(t, "_stream_mark", lambda li: stream.take())
     before = peer.buffer().copy()
     n = 1 << 20
     lo = make_extents(np.array([buf.ctypes.data], dtype=np.uint64), np.array([n], np.uint64))

@@ -322,26 +322,19 @@ class _DecodePush(_Requests):
             if aw.landing and aw.wait.error is None:
                 self._landed_on_board(aw)
                 if aw.wait.outcome():
-                    self._end_push(req_id, aw, True, finished, {}, rest_later=True)
+                    self._end_push(req_id, aw, True, finished, {}, slots_later=True)
 
     def _end_push(self, req_id: str, aw: _Awaiting, outcome: bool, finished: set[str],
-                  failed: dict[str, str], rest_later: bool = False) -> None:
-        """``rest_later`` (a push written on our landing board: every byte of it landed,
-        nothing can move its flag any more): its landing slots go back at the next poll
-        (:meth:`_end_landings`), and where no transport enforces grants there is nothing to
-        revoke, so the poll that reports it does little else; a transport that enforces them
-        is revoked first (no WRITE of this push is taken once it is reported)."""
+                  failed: dict[str, str], slots_later: bool = False) -> None:
+        """``slots_later``: its landing slots go back at the next poll
+        (:meth:`_end_landings`), not on the way to reporting it (every byte of it landed:
+        nothing can move its flag any more)."""
         wait = aw.wait
         del self._awaiting[req_id]
-        if rest_later and not self._enforcing():
-            self._end_landing(aw, later=True)
-            if aw.others:  # replicas holding our heads that did not write (none, equal TP)
-                self._release_others(aw)
-            finished.add(req_id)
-            return
-        self._end_landing(aw)
+        self._end_landing(aw, slots_later=slots_later)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
-        self._release_others(aw)
+        if aw.others:  # replicas holding our heads that did not write
+            self.release(req_id, aw.remote, set(wait.ranks))
         if outcome:
             finished.add(req_id)
         else:
@@ -354,23 +347,18 @@ class _DecodePush(_Requests):
         for aw in ended:
             self._give_slots(aw)
 
-    def _release_others(self, aw: _Awaiting) -> None:
-        """Replicas holding our heads that did not write: released."""
-        if aw.others:
-            self.release(aw.wait.req_id, aw.remote, set(aw.wait.ranks))
-
     def _give_slots(self, aw: _Awaiting) -> None:
         if self.landing is not None:
             for slot in aw.landing.values():
                 self.landing.give(slot)
 
-    def _end_landing(self, aw: _Awaiting, later: bool = False) -> None:
+    def _end_landing(self, aw: _Awaiting, slots_later: bool = False) -> None:
         """The push ended, every rank settled (nothing of it can land): its slots go back
-        (``later``: at the next poll, :meth:`_end_landings`), and notes still on their way
-        for it are taken quietly (from now)."""
+        (``slots_later``: at the next poll), and notes still on their way for it are taken
+        quietly (from now)."""
         if not aw.landing:
             return
-        if later:
+        if slots_later:
             self._landings_ended.append(aw)
         else:
             self._give_slots(aw)

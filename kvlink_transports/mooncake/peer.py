@@ -88,6 +88,9 @@ class _Owner(Protocol):
     def _await_stream(self, mark: Any) -> None:
         """Block until the caller's stream ran what ``mark`` marks (this peer's thread)."""
 
+    def _drop_mark(self, mark: Any) -> None:
+        """Hand back the mark of a transfer that ended before it was submitted."""
+
 
 class _Peer:
     """One peer: its offered regions, its sub-batch queue and the thread that drives them."""
@@ -209,6 +212,9 @@ class _Peer:
         ):
             sub = self.queue.popleft()
             sub.xfer.queued -= 1
+            if sub.xfer.after is not None:  # never submitted: nothing waits on its mark
+                mark, sub.xfer.after = sub.xfer.after, None
+                self.owner._drop_mark(mark)
             self.owner._settle(sub.xfer)
 
     def _failed(self, sub: _Sub, why: str) -> None:

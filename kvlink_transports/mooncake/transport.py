@@ -70,7 +70,7 @@ from kvlink.errors import (
     WireError,
 )
 from kvlink.options import check_options
-from kvlink.staging import StreamMarks
+from kvlink.staging import StreamMarks, mark_post
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -346,13 +346,15 @@ class MooncakeTransport(Transport):
         that stream has work pending (the peer's thread waits for it before submitting);
         else None. Without it a WRITE source (or READ destination) still being written on the
         caller's stream moves stale bytes (as NIXL's did: docs/nixl.md, "Stream order")."""
-        if self._marks is None or not bool(np.any(self._vram[li])):
-            return None
-        return self._marks.take()
+        return mark_post(self._marks, self._vram, li)
 
     def _await_stream(self, mark: Any) -> None:
         assert self._marks is not None
         self._marks.synchronize(mark)
+
+    def _drop_mark(self, mark: Any) -> None:
+        assert self._marks is not None
+        self._marks.drop(mark)
 
     def _failed_handle(
         self, op: Op, peer: str, local: Extents, remote: Extents, t0: float, reason: str

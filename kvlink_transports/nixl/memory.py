@@ -47,6 +47,7 @@ class _Side:
         codes = [_mem_of(r.device) for r in self.table.regions]
         self.mem = np.array([c[0] for c in codes], dtype=np.int8)
         self.dev = np.array([c[1] for c in codes], dtype=np.uint64)
+        self.vram = self.mem == 1  # per region: device memory (stream order, per post)
 
     @property
     def one_kind(self) -> int | None:
@@ -56,7 +57,7 @@ class _Side:
 
     @property
     def has_vram(self) -> bool:
-        return bool(np.any(self.mem == 1))
+        return bool(np.any(self.vram))
 
 
 def _dlist(ext: Extents, dev: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.errors import TransferError
-from kvlink.staging import StreamMarks
+from kvlink.staging import StreamMarks, mark_post
 from kvlink.transport import DONE, Extents, Op, XferState, XferStatus, check_pairs
 from kvlink_transports.nixl.agent import _nixl_reason, _warn_once
 from kvlink_transports.nixl.memory import (
@@ -95,10 +95,7 @@ class _Transfers(_Requests):
         no VRAM extent). NIXL copies on UCX's own streams, which know nothing of the caller's:
         a layer-wise push posted as the forward enqueues each layer would have copied the
         layer's blocks before the forward wrote them (every byte wrong, on one H200)."""
-        marks = self._marks
-        if marks is None or not bool(np.any(self._local.mem[li] == 1)):
-            return None
-        return marks.take()
+        return mark_post(self._marks, self._local.vram, li)
 
     def _issue(self, x: _Xfer, op: Op, peer: str, p: _Peer, local: Extents, remote: Extents,
                li: npt.NDArray[np.intp], ri: npt.NDArray[np.intp], notif: bytes | None) -> None:
