@@ -168,7 +168,7 @@ class _DecodePush(_Requests):
         if hold.generation != NO_LEASE:
             view = self._hold_view(hold)
             read = (view.reader(hold.generation) if view is not None else None) or _unshown
-            read()  # its page faulted in now, not on the poll that ends the push (10 us there)
+            read()  # its page faulted in now, not on the poll that ends the push (~15 us there)
         return board.end_check(slot, aw.tag, self._require_spec().num_layers, read,
                                (hold.generation, hold.fingerprint))
 
