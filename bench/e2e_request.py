@@ -19,7 +19,10 @@ side shuffled runs of 1-8 consecutive blocks (seeded), disjoint between requests
 
 Modes: ``sleep`` (0.2 ms sleep between polls, a serving loop), ``spin`` (tight poll loop, a busy
 worker), one request at a time and interleaved request by request; ``inflight8`` (``--inflight``
-requests posted at once, timed to the last finished).
+requests posted at once, timed to the last finished). ``--op write`` times ``write()`` (the
+decode pushes into the producer's blocks) instead; ``--op both`` follows every READ round with
+a WRITE round of the same shape (modes ``<mode>_write``), so the two are compared on the same
+stretch of the machine's noise.
 
 Baselines, same run, same extents/bytes: the transport alone (under a standing hold of the
 whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's
@@ -28,7 +31,7 @@ own connected transport and peer agent, ``plan_transfer`` once outside the timed
 transfer of the same bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy
 of the same bytes (CUDA events) and torch's in-process gather of the same block ids
 (index_select + index_copy_ per layer, CUDA events).
-Writes bench/results/e2e_request_<device>_<transport>.json.
+Writes bench/results/e2e_request_<device>_<transport>[_write|_both].json.
 """
 
 from __future__ import annotations
@@ -225,10 +228,13 @@ class Consumer:
 
     # ---------------------------------------------------------------- the run
     def one_round(self, tag: str, count: int, spin: bool, out: dict[str, list[float]],
-                  count_it: bool = True) -> None:
+                  count_it: bool = True, op: str | None = None) -> None:
         """``count`` requests at once through kvlink, verified; then the transport alone on
-        the same extents, verified."""
-        if self.args.op == "write":
+        the same extents, verified. ``op``: read or write (default: --op's)."""
+        op = op or self.args.op
+        if op == "both":
+            op = "read"
+        if op == "write":
             self.write_round(tag, count, spin, out, count_it)
             return
         held = self._hold(tag, count)
@@ -304,18 +310,30 @@ class Consumer:
         c, n_req = self.case, self.args.requests_for(self.name)
         print(f"[{self.name}] {c.layers} layers x {c.heads} KV heads x {c.blocks} blocks = "
               f"{c.nbytes / MiB:.1f} MiB/request, {n_req} requests per mode", flush=True)
-        self.one_round("warmup", 1, False, {}, count_it=False)  # handshake: not counted
-        self.one_round("warmup", self.inflight, False, {}, count_it=False)
-        raw: dict[str, dict[str, list[float]]] = {"sleep": {}, "spin": {}, "inflight8": {}}
+        # --op both: each READ round followed by a WRITE round of the same shape (modes
+        # "<mode>_write"), so the two ops are compared on the same stretch of the machine
+        ops = ("read", "write") if self.args.op == "both" else (self.args.op,)
+        for op in ops:
+            self.one_round("warmup", 1, False, {}, count_it=False, op=op)  # handshake: not
+            self.one_round("warmup", self.inflight, False, {}, count_it=False, op=op)  # timed
+        raw: dict[str, dict[str, list[float]]] = {
+            f"{m}{'_write' if op == 'write' and len(ops) > 1 else ''}": {}
+            for m in ("sleep", "spin", "inflight8") for op in ops}
+
+        def rounds(mode: str, count: int, spin: bool) -> None:
+            for op in ops:
+                tag = f"{mode}_write" if op == "write" and len(ops) > 1 else mode
+                self.one_round(tag, count, spin, raw[tag], op=op)
+
         if not self.device.startswith("cuda"):
             self.socket_half(n_req)
         for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise
-            self.one_round("sleep", 1, False, raw["sleep"])
-            self.one_round("spin", 1, True, raw["spin"])
+            rounds("sleep", 1, False)
+            rounds("spin", 1, True)
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{n_req}", flush=True)
         for _ in range(self.args.inflight_rounds_for(n_req)):
-            self.one_round("inflight8", self.inflight, False, raw["inflight8"])
+            rounds("inflight8", self.inflight, False)
         stats = worker_stats(self.w)
         phases = phase_medians(self.w, self.name)
         stats_prefill = self.prod.ask(("stats",), "stats")
@@ -324,7 +342,8 @@ class Consumer:
         bases = self.baselines()
         modes = {}
         for mode, r in raw.items():
-            count = 1 if mode != "inflight8" else self.inflight
+            base_mode = mode.removesuffix("_write")
+            count = 1 if base_mode != "inflight8" else self.inflight
             nbytes = c.nbytes * count
             row: dict[str, Any] = {
                 "requests_at_once": count, "bytes": nbytes,
@@ -345,7 +364,7 @@ class Consumer:
                 row["worker_xfer_seconds_median_s"] = statistics.median(xf)
             if mode in phases:
                 row["worker_phases_median_s"] = phases[mode]
-            b = bases.get(mode, {})
+            b = bases.get(base_mode, {})
             row["baselines"] = b
             for base, key in (("device_copy", "ratio_device_copy_over_kvlink"),
                               ("gather", "ratio_gather_over_kvlink")):
@@ -465,10 +484,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per one-at-a-time mode (default 50; on cpu per case: "
                          + ", ".join(f"{k} {v.cpu_requests}" for k, v in CASES.items()) + ")")
-    ap.add_argument("--op", choices=("read", "write"), default="read",
+    ap.add_argument("--op", choices=("read", "write", "both"), default="read",
                     help="read: the decode pulls (read()); write: it pushes its blocks into "
                          "the producer's (write(); transports that enforce grants, tcp, take "
-                         "no WRITE nobody asked for)")
+                         "no WRITE nobody asked for); both: a WRITE round after each READ "
+                         "round, modes <mode>_write (the two compared in the same run)")
     ap.add_argument("--inflight", type=int, default=8, help="requests posted at once")
     ap.add_argument("--inflight-rounds", type=int, default=None,
                     help="rounds of --inflight requests (default max(3, requests // 4))")
@@ -502,10 +522,10 @@ def main() -> None:
                                    50 if args.device == "cuda" else CASES[n].cpu_requests)
     args.inflight_rounds_for = lambda n_req: (args.inflight_rounds if args.inflight_rounds
                                               is not None else max(3, n_req // 4))
-    if args.op == "write" and args.transport == "tcp":
+    if args.op in ("write", "both") and args.transport == "tcp":
         ap.error("--op write: the tcp transport enforces grants (an owner takes no WRITE it "
                  "did not ask for: push mode does that); use --transport nixl or cuda_ipc")
-    suffix = "_write" if args.op == "write" else ""
+    suffix = "" if args.op == "read" else f"_{args.op}"
     out = args.out or f"bench/results/e2e_request_{args.device}_{args.transport}{suffix}.json"
     name = f"e2e_request_{args.device}_{args.transport}{suffix}"
 
@@ -564,7 +584,8 @@ def main() -> None:
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
         "inflight": args.inflight, "transport_options": args.options,
         "op": args.op,
-        "timed_window": (f"KVWorker.{args.op}() call to the poll() that reports the request "
+        "timed_window": (f"KVWorker.{'read/write' if args.op == 'both' else args.op}() call "
+                         "to the poll() that reports the request "
                          "finished (fill before, verification after, both untimed)"),
         "ratios": "ratio_device_copy_over_kvlink / ratio_gather_over_kvlink: baseline time / "
                   "kvlink time (fraction of the baseline's speed); ratio_kvlink_over_*: kvlink "

@@ -28,6 +28,7 @@ def _warm(decode: KVWorker, prefill: KVWorker) -> None:
     decode.read("warm", remote(prefill), [0], [0], generation=gen)
     ok, reason = outcome(decode, "warm", 10)
     assert ok, reason
+    decode.poll()  # what it owes the producer (its report) leaves with the next poll
 
 
 def test_read_told_its_generation_is_posted_inside_read() -> None:
@@ -43,9 +44,10 @@ def test_read_told_its_generation_is_posted_inside_read() -> None:
         ok, reason = outcome(decode, "r0", 10)
         assert ok, reason
         assert np.array_equal(blocks(decode, [4, 5, 6]), blocks(prefill, [2, 3, 9]))
-        gone: list[str] = []  # the reports that let the producer release need not be awaited
-        until(lambda: bool(gone.extend(r.req_id for r in prefill.released())) or len(gone) == 2,
-              5, "both holds released")
+        gone: list[str] = []  # the reports that let the producer release need not be awaited:
+        # they leave with the decode's next poll
+        until(lambda: decode.poll() is None or bool(gone.extend(
+            r.req_id for r in prefill.released())) or len(gone) == 2, 5, "both holds released")
         assert gone == ["warm", "r0"]
         phases = decode.phases.pop("r0")
         assert phases.transfer > 0 and phases.verdict > 0 and phases.wait == pytest.approx(
@@ -174,6 +176,7 @@ def test_one_session_carries_every_message_with_a_secret() -> None:
         chan = decode._chan
         assert len(chan._conns) == 1  # one connection to the one peer, kept open
         assert prefill._server is not None and prefill._server.stats()["authenticated"] == 1
+        decode.poll()  # the reads' own reports leave (with the poll after they finished)
         frames, calls = chan.frames_sent, chan.calls_sent
         for i in range(8):  # one step's eight reports: one frame
             decode.release(f"gone{i}", remote(prefill))

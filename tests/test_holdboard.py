@@ -33,6 +33,7 @@ def _warm(decode: KVWorker, prefill: KVWorker) -> None:
     decode.read("warm", remote(prefill), [0], [0], generation=gen)
     ok, reason = outcome(decode, "warm", 10)
     assert ok, reason
+    decode.poll()  # what it owes the producer (its report) leaves with the next poll
 
 
 def _stall_reports(w: KVWorker) -> threading.Event:
@@ -75,7 +76,9 @@ def test_a_same_host_read_finishes_while_the_producers_side_channel_stalls(board
             ok, reason = outcome(decode, "r0", 10)
             assert ok, reason
             assert decode.board_validated == 0
-        # the report still reaches the producer (unawaited): it releases the hold
+        # the report still reaches the producer (unawaited), with the decode's next poll: it
+        # releases the hold
+        decode.poll()
         gone: list[str] = []
         until(lambda: bool(gone.extend(r.req_id for r in prefill.released()))
               or "r0" in gone, 5, "r0 released by its reader's report")
@@ -96,7 +99,7 @@ def test_a_hold_that_ends_under_the_read_is_not_trusted(integrity: str) -> None:
         gen = prefill.hold("r0", [2, 3])
         decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
         part = decode._requests["r0"].parts[0]
-        assert part.board and part.handle is not None  # to be validated on the board; posted
+        assert part.check is not None and part.handle is not None  # on the board; posted
         sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
         assert "r0" in [r.req_id for r in prefill.released()]
         ok, reason = outcome(decode, "r0", 10)
@@ -313,6 +316,44 @@ def test_offers_that_are_not_boards_are_refused(tmp_path: Any) -> None:
 
 
 
+def test_a_reads_report_leaves_with_the_next_poll_or_close() -> None:
+    """The poll that reports a READ validated on the board sends nothing: the report that
+    lets the producer release (a third of a 4 MiB NIXL READ's time past its DONE on one H200
+    host, made and sent there) leaves with the next poll's frame; one no poll sent leaves
+    with close(). ``pending()`` counts it, so a caller polling until nothing is pending sends
+    it."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    closed = False
+    try:
+        _warm(decode, prefill)
+        chan = decode._chan
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [4, 5], [2, 3], generation=gen)
+        deadline = time.monotonic() + 10
+        while True:
+            sent = chan.calls_sent
+            done, failed = decode.poll()
+            assert not failed and time.monotonic() < deadline
+            if "r0" in done:
+                break
+        assert chan.calls_sent == sent and decode.reports_owed == 1 and decode.pending() == 1
+        decode.poll()
+        assert chan.calls_sent == sent + 1 and decode.pending() == 0
+        until(lambda: "r0" in [r.req_id for r in prefill.released()], 5, "r0 released")
+        gen = prefill.hold("r1", [6])
+        decode.read("r1", remote(prefill), [7], [6], generation=gen)
+        ok, reason = outcome(decode, "r1", 10)
+        assert ok and decode.reports_owed == 1, reason
+        decode.close()
+        closed = True
+        until(lambda: "r1" in [r.req_id for r in prefill.released()], 5, "r1 released")
+    finally:
+        prefill.close()
+        if not closed:
+            decode.close()
+
+
 def test_the_boards_report_is_answered_by_nothing() -> None:
     """The unawaited report leaves as a call that wants no answer: the producer counts the
     reader done, and no answer frame comes back to be read on the reader's next poll (the
@@ -328,7 +369,8 @@ def test_the_boards_report_is_answered_by_nothing() -> None:
         decode.read("r0", remote(prefill), [4, 5], [2, 3], generation=gen)
         ok, reason = outcome(decode, "r0", 10)
         assert ok and decode.board_validated == 2, reason
-        until(lambda: "r0" in [r.req_id for r in prefill.released()], 5, "r0 released")
+        until(lambda: decode.poll() is None or "r0" in [r.req_id for r in prefill.released()],
+              5, "r0 released (its report leaves with the decode's next poll)")
         probe = decode._chan.call("127.0.0.1", prefill.side_port, wire.ReadDone(
             v=WIRE_VERSION, engine_id="d", req_id="nobody", tp_rank=0, tp_size=1), 5)
         decode._chan.flush()

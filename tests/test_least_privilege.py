@@ -145,9 +145,10 @@ def test_forged_releases_are_refused_and_counted(observed: Callable[[str], None]
             decode.read(f"req-{i}", remote(prefill), [8 + i], [i], generation=gen)
             ok, reason = outcome(decode, f"req-{i}", 10)
             assert ok, reason
-        gone: list[str] = []  # the readers' reports arrive after they finished (holdboard)
-        until(lambda: bool(gone.extend(r.req_id for r in prefill.released())) or len(gone) >= 4,
-              5, "every hold released")
+        gone: list[str] = []  # the readers' reports arrive after they finished (holdboard),
+        # with the reader's next poll
+        until(lambda: decode.poll() is None or bool(gone.extend(
+            r.req_id for r in prefill.released())) or len(gone) >= 4, 5, "every hold released")
         assert sorted(gone) == [f"req-{i}" for i in range(4)]
         observed("8 forgeries refused (not_yours), refusals['release']=8, nothing released; "
                  "the real reader then read all 4")

@@ -114,6 +114,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         # connections, driven from the caller's thread (see kvlink.channel)
         self._chan = Channels(self._secret)
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
+        self._later: list[Callable[[], None]] = []  # reports for the next poll
         self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
@@ -224,6 +225,8 @@ class KVWorker(_PrefillPush, _DecodePush):
                 self._chan.flush()  # what ending them queued (a release to replicas)
                 return finished, failed
         self._reported_first = False
+        if self._later:  # what the last poll's reports owe peers: sent with this poll's frame
+            self._send_later()
         if self._landings_ended:
             self._end_landings()
         if self._server is not None and not finished:  # what peers told us, taken now (not
@@ -284,7 +287,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         return self.raw_descriptors, self.descriptors
 
     def pending(self) -> int:
-        return len(self._requests) + len(self._awaiting)
+        """Requests in flight, pushes awaited, and reports owed to peers (a poll sends them)."""
+        return len(self._requests) + len(self._awaiting) + len(self._later)
 
     # ------------------------------------------------------------------ the rest
     def stats(self) -> Mapping[str, TransportStats]:
@@ -299,6 +303,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         if self.board is not None:  # readers' after-checks fail from now: our holds end
             self.board.close()
         self._pool.shutdown(wait=False)
+        self._send_later()
         self._chan.flush()
         while self._chan.busy() and (left := end - time.monotonic()) > 0:
             self._chan.wait(min(left, 0.05))  # queued reports get until close_timeout

@@ -15,6 +15,7 @@ READ or WRITE, pull or push, and it knows nothing of how a request begins or is 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from typing import Any
@@ -190,7 +191,9 @@ class _Parts(_Holds):
             return
         part.post_seconds = time.perf_counter() - part.t_post
         req.phases.post += part.post_seconds
-        part.board = self._on_board(req, go)  # after the post: while the bytes move
+        if self._on_board(req, go):  # bound after the post: while the bytes move
+            assert go.peer.board is not None and req.fingerprint is not None
+            part.check = go.peer.board.after_check(go.generation, req.fingerprint)
         part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += part.nbytes
 
@@ -247,16 +250,16 @@ class _Parts(_Holds):
         elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
-            shown = part.board and self._board_still_shows(req, part.go)
+            shown = part.check is not None and part.check()
             matched = shown and self.integrity.on and part.fused == -1
             digests = (self._board_digests(req, part.go)
                        if shown and self.integrity.on and not matched else None)
             if shown and (matched or digests is not None or not self.integrity.on):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
-                # only lets the producer count us done: nobody waits for its answer
+                # only lets the producer count us done: nobody waits for its answer, and it
+                # leaves with the next poll's frame, off this request's path
                 self.board_validated += 1
-                self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
-                           self._read_done(req, part, True), quiet=True)
+                self._tell_later(functools.partial(self._tell_read_done, req, part))
                 if matched:  # and what landed digests like the hold (the copy kernel said)
                     self.integrity.checked_blocks += part.fused_rows
                     self.integrity.fused_blocks += part.fused_rows
@@ -296,12 +299,6 @@ class _Parts(_Holds):
         if req.fingerprint is None:
             req.fingerprint = fingerprint(req.remote_ids)
         return True
-
-    @staticmethod
-    def _board_still_shows(req: _Request, go: _Go) -> bool:
-        board = go.peer.board
-        return (board is not None and req.fingerprint is not None
-                and board.still_holds(go.generation, req.fingerprint))
 
     @staticmethod
     def _board_digests(req: _Request, go: _Go) -> Digests | None:
@@ -403,7 +400,7 @@ class _Parts(_Holds):
     @staticmethod
     def _read_again(req: _Request, part: _Part) -> None:
         req.nbytes -= part.nbytes
-        part.go, part.plan, part.nbytes = None, None, 0
+        part.go, part.plan, part.nbytes, part.check = None, None, 0, None
         part.fused_rows, part.fused = 0, None
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
@@ -423,6 +420,11 @@ class _Parts(_Holds):
                              generation=part.go.generation, ok=ok,
                              block_ids=(req.remote_ids.tolist()
                                         if req.generation is not None else None))
+
+    def _tell_read_done(self, req: _Request, part: _Part) -> None:
+        """A READ validated on the hold board: the producer may count us done."""
+        self._tell(req.remote.host, req.remote.port + part.read.remote_rank,
+                   self._read_done(req, part, True), quiet=True)
 
     def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
         return self._send(req.remote.host, req.remote.port + part.read.remote_rank,

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
+from kvlink.holdboard import AfterCheck
 from kvlink.landing import EndCheck, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan
@@ -87,7 +88,8 @@ class _Part:
     reask: bool = False  # a READ's report answered "not held yet": report again at retry_at
     refused: bool = False  # the owner refused the READ (nothing moved): verdict = its intent
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
-    board: bool = False  # READ: validated on the producer's hold board once it is DONE
+    #: READ validated on the producer's hold board once it is DONE: the check, bound at post
+    check: AfterCheck | None = None
     #: READ with integrity on, digested and compared by the copy kernel (kvlink.transport
     #: DigestJob): the producer's rows it compared (0: not posted so), and once DONE its
     #: answer — -1 all matched, else the first index that differed; None: not compared

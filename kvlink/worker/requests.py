@@ -12,6 +12,7 @@ decided and counted, once; the push modules above begin their requests here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -119,8 +120,11 @@ class _Requests(_Parts):
             # the producer ranks share it, as a generation minted by the caller is shared)
             granted = [p.go.generation for p in req.parts if p.go is not None and
                        p.go.generation]
-            self.release(req.req_id, req.remote, {p.read.remote_rank for p in req.parts},
-                         req.generation or (granted[0] if granted else None))
+            rest = self._holders(req.remote, {p.read.remote_rank for p in req.parts})
+            if rest:  # (none where the TP sizes are equal)
+                self._tell_later(functools.partial(
+                    self._release_at, req.req_id, req.remote, rest,
+                    req.generation or (granted[0] if granted else None)))
         if req.lease is not None and req.push is not None:
             intact = self.leases.finish_read(
                 req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
@@ -168,10 +172,17 @@ class _Requests(_Parts):
         hold's, where known (a producer ignores a release naming another hold of the same
         request id). Sent with the next frame to each peer (at the latest by the next
         :meth:`poll`)."""
+        self._release_at(req_id, remote, self._holders(remote, skip or set()), generation)
+
+    def _holders(self, remote: RemoteEngine, skip: set[int]) -> set[int]:
+        """The ranks of ``remote`` that hold heads of ours, except ``skip``."""
         spec = self._require_spec()
-        rest = notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
-                              spec.total_kv_heads, spec.mla) - (skip or set())
-        for rank in sorted(rest):
+        return notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                              spec.total_kv_heads, spec.mla) - skip
+
+    def _release_at(self, req_id: str, remote: RemoteEngine, ranks: set[int],
+                    generation: int | None) -> None:
+        for rank in sorted(ranks):
             self._tell(remote.host, remote.port + rank,
                        wire.ReadDone(v=WIRE_VERSION, engine_id=self.config.engine_id,
                                      req_id=req_id, tp_rank=self.config.tp_rank,

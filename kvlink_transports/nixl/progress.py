@@ -38,6 +38,9 @@ class _Progressed(Protocol):
     @property
     def _closed(self) -> bool: ...
 
+    @property
+    def _owner_calls(self) -> int: ...
+
     def _drain_notifs(self) -> None:
         """Progress UCX and queue new notifications (lock held)."""
 
@@ -91,13 +94,25 @@ class ProgressThread:
             self.thread.join(timeout)
 
 
+#: idle-cadence wake-ups in a row the thread leaves to an owner that polls (then it progresses
+#: once anyway: an owner polling one transfer may not progress every worker of the agent)
+_OWNER_SKIPS = 8
+
+
 def _progress_loop(ref: weakref.ref[_Progressed], prog: ProgressThread, interval: float,
                    fast: float) -> None:
     """Progress UCX every ``interval`` seconds while the transport lives (see progress_interval),
     every ``fast`` seconds while peers' transfers are expected (see expect_access); ``wake``
-    ends the current sleep early (a new expectation, or close)."""
+    ends the current sleep early (a new expectation, or close).
+
+    At the idle cadence a wake-up finds the owner's own calls since the last one (a transfer
+    started or polled: each progresses UCX) and goes back to sleep without the transport's
+    lock: taking it there made the owner's next poll wait for our NIXL call and two GIL
+    hand-offs — on one H200 host a 4 MiB READ polled in a loop took 1.47 ms with this thread
+    at 1 ms and 1.29 ms with it off."""
     stop, wake = prog._stop, prog._wake
     delay = interval
+    seen, skipped = -1, 0
     while True:
         wake.wait(delay)
         wake.clear()
@@ -106,6 +121,12 @@ def _progress_loop(ref: weakref.ref[_Progressed], prog: ProgressThread, interval
         t = ref()
         if t is None:
             return
+        calls = t._owner_calls
+        if calls != seen and delay == interval and skipped < _OWNER_SKIPS:
+            seen, skipped = calls, skipped + 1
+            del t
+            continue
+        seen, skipped = calls, 0
         with t._lock:
             if t._closed:
                 return

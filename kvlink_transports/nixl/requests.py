@@ -52,6 +52,10 @@ class _Requests(Transport):
     _draining: dict[str, _Peer]
     _xfers: dict[int, _Xfer]
     _zombies: list[Any]  # NIXL requests whose release failed; retried later
+    #: the owner's calls that progress UCX (a transfer started or asked about), counted so
+    #: the progress thread stays out of the way of an owner that polls (kvlink_transports.
+    #: nixl.progress)
+    _owner_calls: int
 
     def _drop_peer(self, p: _Peer, reason: str) -> None:
         """Forget the peer (lock held); its transfers turn FAILED, each once quiescent (rule 1).
@@ -165,6 +169,7 @@ class _Requests(Transport):
         that is no longer PROC is over (DONE, or ended by an error). Records the first error in
         ``x.failure``. True while one is still in flight."""
         pending = False
+        self._owner_calls += 1
         for i, req in enumerate(x.reqs):
             if x.done[i] or req is None:
                 continue

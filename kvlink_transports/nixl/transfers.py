@@ -219,6 +219,7 @@ class _Transfers(_Requests):
         x.done.append(False)
         if not x.t_transfer:
             x.t_transfer = time.perf_counter()
+        self._owner_calls += 1
         try:
             state = self._agent.transfer(req)
         except Exception as exc:

@@ -148,6 +148,7 @@ class NixlTransport(_LaneChecks, _Transfers):
         self._draining = {}
         self._xfers = {}
         self._zombies = []
+        self._owner_calls = 0
         self._ids = itertools.count(1)
         self._host = ctx.host_id or socket.gethostname()
         self._closed = False

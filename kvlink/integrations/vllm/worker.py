@@ -428,6 +428,7 @@ class PullWorker(LayerwisePushes):
         before = w.finished_bytes
         self._told = False  # the core's poll sends what is queued
         done, failed = w.poll()
+        self._told = w.reports_owed > 0  # the requests it just reported owe their producers
         for key in self._writes & (done | set(failed)):
             self._writes.discard(key)
             self._count("push_sent_requests" if key in done else "push_failed_requests")
