@@ -114,7 +114,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         # connections, driven from the caller's thread (see kvlink.channel)
         self._chan = Channels(self._secret)
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
-        self._later: list[Callable[[], None]] = []  # reports for the next poll
+        self._later: list[Callable[[], None]] = []  # reports for a later poll (_tell_later)
+        self._later_since = 0.0
         self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
@@ -225,8 +226,6 @@ class KVWorker(_PrefillPush, _DecodePush):
                 self._chan.flush()  # what ending them queued (a release to replicas)
                 return finished, failed
         self._reported_first = False
-        if self._later:  # what the last poll's reports owe peers: sent with this poll's frame
-            self._send_later()
         if self._landings_ended:
             self._end_landings()
         if self._server is not None and not finished:  # what peers told us, taken now (not
@@ -256,6 +255,8 @@ class KVWorker(_PrefillPush, _DecodePush):
                 threads = threads or self._moved_by_threads(req)
         if self._layered:
             self._tell_landed()
+        if self._later and (not finished or self._later_overdue()):
+            self._send_later()  # what earlier polls' requests owe peers (_tell_later)
         self._chan.flush()
         if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
             # may be served by a transport's own threads too

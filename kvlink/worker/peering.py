@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,8 @@ from kvlink.worker.config import WorkerConfig
 
 log = logging.getLogger("kvlink.worker")
 T = TypeVar("T")
+#: seconds a report queued by _tell_later waits at most for a poll that reports nothing
+_LATER_MAX = 0.002
 
 
 class _Peering:
@@ -51,7 +54,8 @@ class _Peering:
     _handshook: dict[tuple[str, int], set[str]]
     _chan: Channels
     _told: list[Pending]  # reports nobody waits for, kept to log failures
-    _later: list[Callable[[], None]]  # reports that leave with the next poll (_tell_later)
+    _later: list[Callable[[], None]]  # reports that leave with a later poll (_tell_later)
+    _later_since: float  # monotonic time the oldest of them was queued
     reports_failed: int
 
     @property
@@ -149,14 +153,21 @@ class _Peering:
                                           min(2.0, self.config.handshake_timeout), quiet))
 
     def _tell_later(self, report: Callable[[], None]) -> None:
-        """Queue ``report`` (a call that tells a peer something) for the next :meth:`poll`:
+        """Queue ``report`` (a call that tells a peer something) for a later :meth:`poll`:
         for reports whose only job is to let a peer release, made after the request they
         close is reported. Made and sent on the poll that reports the request, such a report
         was a third of a 4 MiB NIXL READ's time past its DONE on one H200 host (the socket
-        send alone 50-60 us, cold); on the next poll it leaves with that poll's frame while
-        the next request's bytes move. A caller that stops polling sends them with
-        :meth:`close` (``reports_owed`` counts them)."""
+        send alone 50-60 us, cold). They leave with the next poll that reports nothing (the
+        next request's bytes are moving, or nothing is), or with any poll once the oldest
+        waited ``_LATER_MAX`` (a caller finishing a request at every poll), in one frame per
+        peer. A caller that stops polling sends them with :meth:`close` (``pending()`` and
+        ``reports_owed`` count them)."""
+        if not self._later:
+            self._later_since = time.monotonic()
         self._later.append(report)
+
+    def _later_overdue(self) -> bool:
+        return time.monotonic() - self._later_since >= _LATER_MAX
 
     def _send_later(self) -> None:
         later, self._later = self._later, []
