@@ -207,7 +207,7 @@ def main() -> None:
     args = ap.parse_args()
     args.transport = "cuda_ipc" if args.device == "cuda" else "tcp"
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
-    args.options, args.inflight, args.integrity = {}, 1, "full"
+    args.options, args.inflight, args.integrity, args.op = {}, 1, "full", "read"
     args.requests = args.requests or (30 if args.device == "cuda" else 6)
     names = (args.cases or ("70b-tp8,8b-tp1" if args.device == "cuda" else "1gib,70b-tp8")
              ).split(",")

@@ -157,11 +157,11 @@ class _Peering:
         for reports whose only job is to let a peer release, made after the request they
         close is reported. Made and sent on the poll that reports the request, such a report
         was a third of a 4 MiB NIXL READ's time past its DONE on one H200 host (the socket
-        send alone 50-60 us, cold). They leave with the next poll that reports nothing (the
-        next request's bytes are moving, or nothing is), or with any poll once the oldest
-        waited ``_LATER_MAX`` (a caller finishing a request at every poll), in one frame per
-        peer. A caller that stops polling sends them with :meth:`close` (``pending()`` and
-        ``reports_owed`` count them)."""
+        send alone 50-60 us, cold). They leave with the next :meth:`read` / :meth:`write`,
+        after its post (its bytes are moving then), or the next poll that reports nothing, or
+        any poll once the oldest waited ``_LATER_MAX`` (a caller finishing a request at every
+        poll), in one frame per peer. A caller that stops polling sends them with
+        :meth:`close` (``pending()`` and ``reports_owed`` count them)."""
         if not self._later:
             self._later_since = time.monotonic()
         self._later.append(report)

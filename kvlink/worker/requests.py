@@ -97,6 +97,8 @@ class _Requests(_Parts):
         # "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread
+        if self._later:  # what earlier requests owe peers, sent while this one's bytes move
+            self._send_later()
         self._chan.flush()
 
     def _step(self, req: _Request) -> bool:
