@@ -97,9 +97,7 @@ class _Requests(_Parts):
         # "written" goes
         self._requests[req_id] = req
         self._step(req)  # a cached peer: posted now, on the caller's thread
-        if self._later:  # what earlier requests owe peers, sent while this one's bytes move
-            self._send_later()
-        self._chan.flush()
+        self._chan.flush()  # (not what earlier requests owe: see _tell_later)
 
     def _step(self, req: _Request) -> bool:
         """Advance every part of ``req``; True once all of them are settled."""
