@@ -320,8 +320,8 @@ def test_a_reads_report_leaves_with_the_next_poll_or_close() -> None:
     """The poll that reports a READ validated on the board sends nothing: the report that
     lets the producer release (a third of a 4 MiB NIXL READ's time past its DONE on one H200
     host, made and sent there) leaves with the next poll that reports nothing; one no poll
-    sent leaves with close(). ``pending()`` counts it, so a caller polling until nothing is pending sends
-    it."""
+    sent leaves with close(). ``pending()`` counts it, so a caller polling until nothing is
+    pending sends it."""
     prefill, _ = make("p", seed=1)
     decode, _ = make("d", serve=False)
     closed = False

@@ -31,8 +31,11 @@ from kvlink.worker.config import WorkerConfig
 
 log = logging.getLogger("kvlink.worker")
 T = TypeVar("T")
-#: seconds a report queued by _tell_later waits at most for a poll that reports nothing
-_LATER_MAX = 0.002
+#: seconds a report queued by _tell_later waits at most for a poll that reports nothing:
+#: about a decode step (a serving loop polls every step). Longer only holds the producer's
+#: blocks longer where every poll finishes a request; shorter put the send on those requests'
+#: path (one at a time, each finished by its first poll: the 70B request over cuda_ipc)
+_LATER_MAX = 0.05
 
 
 class _Peering:
@@ -159,11 +162,11 @@ class _Peering:
         was a third of a 4 MiB NIXL READ's time past its DONE on one H200 host (the socket
         send alone 50-60 us, cold). They leave with the next poll that reports nothing, or
         any poll once the oldest waited ``_LATER_MAX`` (a caller finishing a request at every
-        poll), in one frame per peer. Not with the next :meth:`read`, after its post: the
-        70B TP8-rank request over cuda_ipc (a 0.09 ms copy) took 0.69-0.75 ms that way
-        against 0.51-0.57 ms in the same start (bench/results/gpu_checks_6c7415b). A caller
-        that stops polling sends them with :meth:`close` (``pending()`` and ``reports_owed``
-        count them)."""
+        poll: then many leave in one frame per peer). Not with the next :meth:`read`, after
+        its post: the 70B TP8-rank request over cuda_ipc (a 0.09 ms copy) took 0.69-0.75 ms
+        that way against 0.51-0.57 ms in the same start (bench/results/gpu_checks_6c7415b).
+        A caller that stops polling sends them with :meth:`close` (``pending()`` and
+        ``reports_owed`` count them)."""
         if not self._later:
             self._later_since = time.monotonic()
         self._later.append(report)
