@@ -197,11 +197,11 @@ _SHOWN = struct.Struct("<2Q")
 
 def _gil_flock() -> Callable[[int, int], int] | None:
     """libc's ``flock(2)`` called with the GIL held (``ctypes.PyDLL``), or None where it cannot
-    be found. ``fcntl.flock`` releases the GIL around the syscall, and whichever thread wants
-    it then (a transport's progress thread, the side channel's) runs before the caller gets it
-    back; measured 25-30 us for the after-check that ends a READ on one H200 host. A
-    non-blocking flock never waits, so it holds the GIL for a syscall's time; no exception is
-    made for "held" either (the answer we expect)."""
+    be found. ``fcntl.flock`` releases the GIL around the syscall, and a thread waiting for it
+    (a transport's progress thread, the side channel's) may run before the caller gets it
+    back; the after-check that ends a READ measured 25-30 us on one H200 host. A non-blocking
+    flock never waits, so it holds the GIL for a syscall's time; no exception is made for
+    "held" either (the answer we expect)."""
     try:
         fn = ctypes.PyDLL(None, use_errno=True).flock
     except (OSError, AttributeError):

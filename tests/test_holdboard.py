@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -299,6 +300,78 @@ def test_a_dead_producers_board_answers_nothing() -> None:
         path = os.path.join("/dev/shm", name) if "name" in locals() else ""
         if path and os.path.exists(path):
             os.unlink(path)
+
+
+def test_an_after_check_bound_at_post_answers_as_still_holds() -> None:
+    """The READ's after-check, bound at its post (kvlink.holdboard.AfterCheck), answers what
+    still_holds answers at the end: held → True; another hold's fingerprint → False;
+    withdrawn → False (and a generation never comes back); a producer that closed its board
+    (its lock gone) → False; a view closed under it → False, never an error — and never
+    "alive" off a descriptor that is no longer ours."""
+    board = HoldBoard()
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    try:
+        gen, fp = (7 << 16) | 3, fingerprint([4, 5])
+        board.publish(gen, [4, 5])
+        check, other = view.after_check(gen, fp), view.after_check(gen, fingerprint([5, 4]))
+        assert check() and view.still_holds(gen, fp)
+        assert not other()
+        board.withdraw(gen)
+        assert not check()
+        board.publish(gen + (1 << 16), [4, 5])  # the same slot, another hold
+        late = view.after_check(gen + (1 << 16), fp)
+        assert late() and not check()
+        board.close()
+        assert not late() and not view.alive()
+        reopened = HoldBoard()  # its lock held again, by someone else's board
+        try:
+            view.close()
+            assert not late() and not view.alive()
+        finally:
+            reopened.close()
+    finally:
+        board.close()
+        view.close()
+
+
+def _ticks_during(calls: Callable[[], object], n: int, ticks: list[int]) -> int:
+    time.sleep(0)  # the GIL back from the spinner: its switch interval starts now
+    before = ticks[0]
+    for _ in range(n):
+        calls()
+    return ticks[0] - before
+
+
+def test_the_liveness_check_keeps_the_gil(monkeypatch: pytest.MonkeyPatch) -> None:
+    """alive() is libc's non-blocking flock called with the GIL held: fcntl.flock releases
+    it, and a thread waiting for it may run before the caller gets it back (the after-check
+    that ends a READ measured 25-30 us on one H200 host). A spinning thread makes no progress
+    during 200 checks; the control (fcntl.flock, the old way) lets it run."""
+    board = HoldBoard()
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    ticks, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        assert holdboard._FLOCK is not None, "libc's flock not found here"
+        # (the best of three: a caller descheduled past the spinner's switch interval loses
+        # the GIL however it checks)
+        assert min(_ticks_during(view.alive, 200, ticks) for _ in range(3)) == 0
+        monkeypatch.setattr(holdboard, "_FLOCK", None)
+        # the control: each release may hand the GIL over (the waiter has to wake in time)
+        assert _ticks_during(view.alive, 20000, ticks) > 0
+    finally:
+        stop.set()
+        spinner.join(5)
+        board.close()
+        view.close()
 
 
 def test_offers_that_are_not_boards_are_refused(tmp_path: Any) -> None:
