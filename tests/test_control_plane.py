@@ -172,12 +172,15 @@ def test_one_session_carries_every_message_with_a_secret() -> None:
             assert not failed, failed
             pending -= done
         assert not pending
-        while decode.pending():  # the reads' reports to the producer leave with a later poll
-            decode.poll()
         assert np.array_equal(blocks(decode, list(range(8))), blocks(prefill, list(range(8))))
-        chan = decode._chan
+        chan, server = decode._chan, prefill._server
+        assert server is not None
+        # the reads' reports to the producer leave with a later poll (a session opens first)
+        until(lambda: decode.poll() is None or (decode.pending() == 0 and not chan.busy()
+                                                and server.stats()["authenticated"] == 1),
+              5, "the reads' reports delivered")
         assert len(chan._conns) == 1  # one connection to the one peer, kept open
-        assert prefill._server is not None and prefill._server.stats()["authenticated"] == 1
+        assert server.stats()["authenticated"] == 1
         frames, calls = chan.frames_sent, chan.calls_sent
         for i in range(8):  # one step's eight reports: one frame
             decode.release(f"gone{i}", remote(prefill))
