@@ -23,7 +23,7 @@ lives (the kernel drops it at exit, however the process ends), and the after-che
 that lock is still held. Anything the board cannot answer — another host, a slot taken by
 another hold (:data:`SLOTS` slots, chosen by the generation's low bits), a subset of the held
 blocks, a board that cannot be opened — falls back to the round trip, never to "intact".
-The reader still reports its READ (without waiting for the answer, with its next poll) so the
+The reader still reports its READ (without waiting for the answer, with a later poll) so the
 producer counts it done and releases.
 
 With integrity on (:mod:`kvlink.integrity`) the producer also publishes the hold's digests, in

@@ -257,7 +257,7 @@ class _Parts(_Holds):
             if shown and (matched or digests is not None or not self.integrity.on):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
                 # only lets the producer count us done: nobody waits for its answer, and it
-                # leaves with the next poll's frame, off this request's path
+                # leaves with a later poll's frame, off this request's path (_tell_later)
                 self.board_validated += 1
                 self._tell_later(functools.partial(self._tell_read_done, req, part))
                 if matched:  # and what landed digests like the hold (the copy kernel said)

@@ -185,7 +185,7 @@ class _Peering:
 
     @property
     def reports_owed(self) -> int:
-        """Reports queued for the next :meth:`poll` (see :meth:`_tell_later`)."""
+        """Reports queued for a later :meth:`poll` (see :meth:`_tell_later`)."""
         return len(self._later)
 
     def _log_told(self) -> None:
