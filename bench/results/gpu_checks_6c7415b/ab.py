@@ -26,7 +26,8 @@ if os.environ.get("KV_POLICY") == "B":
             return None
         return orig_later(self)
 
-    requests._Requests._start, peering._Peering._send_later = _start, _send_later
+    requests._Requests._start = _start  # type: ignore[method-assign]
+    peering._Peering._send_later = _send_later  # type: ignore[method-assign]
 script = sys.argv[1]
 sys.argv = [script, *sys.argv[2:]]
 runpy.run_path(os.path.join(os.getcwd(), "bench", script), run_name="__main__")

@@ -7,13 +7,15 @@ import os
 import runpy
 import sys
 import time
+from typing import Any
 
 sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "bench")]
 from kvlink.worker import engine  # noqa: E402
 
 KV = engine.KVWorker
-R: dict = collections.defaultdict(lambda: collections.defaultdict(list))
-cur: dict = {}
+Series = dict[str, list[float]]
+R: dict[str, Series] = collections.defaultdict(lambda: collections.defaultdict(list))
+cur: dict[str, list[Any]] = {}
 orig_read, orig_poll = KV.read, KV.poll
 
 
@@ -32,8 +34,8 @@ def poll(self):  # type: ignore[no-untyped-def]
         rec[3] += 1
         rec[4] += dt
     for rid in list(done):
-        rec = cur.pop(rid, None)
-        if rec is not None and "-warm" not in rid and "fault" not in rid:
+        rec = cur.pop(rid, [])
+        if rec and "-warm" not in rid and "fault" not in rid:
             d = R[rec[0]]
             d["read"].append(rec[2])
             d["polls"].append(rec[3])
@@ -43,7 +45,7 @@ def poll(self):  # type: ignore[no-untyped-def]
     return done, failed
 
 
-KV.read, KV.poll = read, poll
+KV.read, KV.poll = read, poll  # type: ignore[method-assign]
 
 
 @atexit.register
