@@ -30,18 +30,18 @@ def wrap(cls: type, name: str, key: str) -> None:
     setattr(cls, name, staticmethod(g) if isinstance(cls.__dict__.get(name), staticmethod) else g)
 
 
-wrap(channel.Channels, "flush", "chan.flush")
-wrap(channel._TcpPipe, "put", "pipe.put")
-wrap(parts._Parts, "_board_still_shows", "board_still_shows")
-wrap(parts._Parts, "_progress", "_progress")
-wrap(parts._Parts, "_post", "_post")
-wrap(parts._Parts, "_read_done", "_read_done")
-wrap(peering._Peering, "_tell", "_tell")
-wrap(requests._Requests, "_report", "_report")
-wrap(requests._Requests, "release", "release")
-wrap(engine.KVWorker, "poll", "poll")
-wrap(engine.KVWorker, "read", "read")
-wrap(engine.KVWorker, "write", "write")
+TIMED = {
+    channel.Channels: {"flush": "chan.flush"},
+    channel._TcpPipe: {"put": "pipe.put"},
+    parts._Parts: {name: name for name in ("_progress", "_post", "_read_done")}
+    | {"_board_still_shows": "board_still_shows"},
+    peering._Peering: {"_tell": "_tell"},
+    requests._Requests: {"_report": "_report", "release": "release"},
+    engine.KVWorker: {name: name for name in ("poll", "read", "write")},
+}
+for cls, names in TIMED.items():
+    for name, key in names.items():
+        wrap(cls, name, key)
 
 
 @atexit.register
