@@ -418,7 +418,7 @@ def test_the_progress_thread_leaves_an_owner_that_polls_alone(
     progress = t._progress
     assert progress is not None
     drains: list[float] = []
-    drain = t._drain_notifs
+    drain = t._drain_notifs  # counted, not faked: the wrapper calls the real drain
 
     def counted() -> None:
         if threading.current_thread() is progress.thread:
