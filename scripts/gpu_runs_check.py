@@ -6,8 +6,10 @@ A 70B-TP8-rank-shaped request (160 segments of 256 blocks of 4 KiB, decode ids i
 of 1-8) copied by ``copy_runs`` from random bytes into a zeroed buffer, compared byte for byte
 with the same extents applied on the host (``Runs.expand``); a second copy whose source base is
 outside the registered region must come back failed with nothing written; and the timing of
-both forms of the same copy (``copy`` of the expanded extents from pinned records, ``copy_runs``)
-against one device copy of the same bytes, CUDA events, same run. Writes gpu_runs_check.json.
+the forms of the same copy (``copy`` of the expanded extents from pinned records, ``copy_runs``
+with its table passed with the launch and, forced, uploaded first) against one device copy of
+the same bytes, CUDA events, same run; each form's host time too. Both table forms are checked
+byte for byte and for the refusal. Writes gpu_runs_check.json.
 """
 
 from __future__ import annotations
@@ -78,30 +80,39 @@ def main() -> None:
     src, dst, smap, dmap, copier, stream = buffers(dev)
     sp, dp = src.data_ptr(), dst.data_ptr()
     runs = _runs(sp, dp, np.random.default_rng(0))
-    p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap, stream)
-    p.wait()
-    out: dict[str, object] = {"extents": runs.descriptors, "bytes": runs.nbytes,
-                              "failed": p.failed()}
     flat = runs.expand()
     want = np.zeros(nbytes, dtype=np.uint8)
     host_src = src.cpu().numpy()
     for (la, ln), (ra, _) in zip(flat.local.tolist(), flat.remote.tolist(), strict=True):
         want[la - dp:la - dp + ln] = host_src[ra - sp:ra - sp + ln]
-    out["verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
-    # refused: a source base outside the registered region; nothing may be written
-    dst.zero_()
-    bad = Runs(runs.local_base, runs.remote_base + np.uint64(nbytes), runs.local_at,
-               runs.remote_at, runs.lens, runs.raw_descriptors)
-    p = copier.copy_runs(_table(bad), SEGS, int(bad.lens.shape[0]), smap, dmap, stream)
-    p.wait()
-    out["refused_failed"] = p.failed()
-    out["refused_wrote_nothing"] = not bool(dst.any().item())
+    out: dict[str, object] = {"extents": runs.descriptors, "bytes": runs.nbytes,
+                              "table_words": int(_table(runs).shape[0])}
+    cuda = copier._cuda  # the table travels with the launch, then (forced) uploaded
+    assert cuda is not None and cuda.table_class(int(_table(runs).shape[0]))
+    for form in ("with_launch", "uploaded"):
+        cuda._no_tables = "" if form == "with_launch" else "forced by gpu_runs_check"
+        dst.zero_()
+        p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap, stream)
+        p.wait()
+        out[f"{form}_failed"] = p.failed()
+        out[f"{form}_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
+        # refused: a source base outside the registered region; nothing may be written
+        dst.zero_()
+        bad = Runs(runs.local_base, runs.remote_base + np.uint64(nbytes), runs.local_at,
+                   runs.remote_at, runs.lens, runs.raw_descriptors)
+        p = copier.copy_runs(_table(bad), SEGS, int(bad.lens.shape[0]), smap, dmap, stream)
+        p.wait()
+        out[f"{form}_refused_failed"] = p.failed()
+        out[f"{form}_refused_wrote_nothing"] = not bool(dst.any().item())
+    cuda._no_tables = ""
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
-    times: dict[str, list[float]] = {"copy_expanded": [], "copy_runs": [], "device_copy": [],
-                                     "host_copy_expanded_us": [], "host_copy_runs_us": []}
+    kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "device_copy")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    times.update({f"host_{k}_us": [] for k in kinds[:3]})
     flat_src = torch.empty(runs.nbytes, dtype=torch.uint8, device=dev)
     for i in range(60):
-        for kind in ("copy_expanded", "copy_runs", "device_copy"):
+        for kind in kinds:
+            cuda._no_tables = "forced by gpu_runs_check" if kind.endswith("uploaded") else ""
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream.synchronize()
             t0 = time.perf_counter()
@@ -109,7 +120,7 @@ def main() -> None:
             if kind == "copy_expanded":
                 ext = runs.expand(copier.host_extents)
                 p = copier.copy(ext.remote, smap, ext.local, dmap, stream)
-            elif kind == "copy_runs":
+            elif kind.startswith("copy_runs"):
                 p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap,
                                      stream)
             else:
@@ -135,8 +146,9 @@ def main() -> None:
 
     write_result("gpu_runs_check", {"device_name": torch.cuda.get_device_name(dev), **out},
                  str(Path(args.out) / "gpu_runs_check.json"))
-    ok = out["verified"] and not out["failed"] and out["refused_failed"] and out[
-        "refused_wrote_nothing"]
+    ok = all(out[f"{f}_{k}"] for f in ("with_launch", "uploaded")
+             for k in ("verified", "refused_failed", "refused_wrote_nothing")) and not any(
+        out[f"{f}_failed"] for f in ("with_launch", "uploaded"))
     sys.exit(0 if ok else 1)
 
 

@@ -473,16 +473,21 @@ class BatchCopier:
                 if n == 0:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
-                buf, dbuf, at = self._stage(table, 0, stream, after, held)
-                raw = stream.cuda_stream
                 if longest < 0:
                     longest = int(table[2 * segments + 2 * runs:].max())
                 shape = self._cuda.shape(longest, SMALL)
                 g = parts_per_extent(n, longest, self.chunk,
                                      self.min_programs * (shape[0] // shape[1]))
-                self._cuda.launch(shape, n * g, (at, segments, runs, smap.ptr, smap.count,
-                                                 dmap.ptr, dmap.count, buf.ptr, seq, g),
-                                  raw, runs=True)
+                rest = (segments, runs, smap.ptr, smap.count, dmap.ptr, dmap.count)
+                raw = stream.cuda_stream
+                if self._cuda.table_class(table.shape[0]):
+                    buf = self._status(0, stream, after, held)
+                    if self._cuda.launch_with_table("kv_move_runs", shape, n * g, table,
+                                                    (*rest, buf.ptr, seq, g), raw):
+                        return self._enqueue(stream, buf, seq)
+                    self._untake(buf, held)
+                buf, dbuf, at = self._stage(table, 0, stream, after, held)
+                self._cuda.launch(shape, n * g, (at, *rest, buf.ptr, seq, g), raw, runs=True)
                 return self._enqueue(stream, buf, seq, (), dbuf)
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
@@ -506,16 +511,31 @@ class BatchCopier:
                 if segments * blocks == 0:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
-                words = table.shape[0]
-                buf, dbuf, at = self._stage(table, 1 + digest.words, stream, after, held)
-                buf.words[1 + words] = NO_MISMATCH
                 raw = stream.cuda_stream
-                bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
-                out = bad + 8 if digest.words else 0
-                self._cuda.launch_digest(segments * blocks, (
-                    at, segments, blocks, unit, smap.ptr, smap.count, dmap.ptr, dmap.count,
-                    buf.ptr, seq, digest.geometry, digest.weights, digest.rows, digest.count,
-                    out, digest.pages, digest.page_bytes, digest.expect, bad), raw)
+                units = segments * blocks
+                spare = 1 + digest.words  # the mismatch word, then the digests written back
+
+                def rest(buf: _Pinned, words: int) -> tuple[int, ...]:
+                    bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
+                    buf.words[1 + words] = NO_MISMATCH
+                    out = bad + 8 if digest.words else 0
+                    return (segments, blocks, unit, smap.ptr, smap.count, dmap.ptr,
+                            dmap.count, buf.ptr, seq, digest.geometry, digest.weights,
+                            digest.rows, digest.count, out, digest.pages, digest.page_bytes,
+                            digest.expect, bad)
+
+                words, dbuf = 0, None
+                if self._cuda.table_class(table.shape[0]):
+                    buf = self._status(spare, stream, after, held)
+                    if not self._cuda.launch_with_table("kv_move_digest", move.DIGEST_SHAPE,
+                                                        units, table, rest(buf, 0), raw):
+                        self._untake(buf, held)
+                        words = table.shape[0]
+                else:
+                    words = table.shape[0]
+                if words:  # uploaded: the table is longer than a launch takes
+                    buf, dbuf, at = self._stage(table, spare, stream, after, held)
+                    self._cuda.launch_digest(units, (at, *rest(buf, words)), raw)
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
                 pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
                                      digest.words)
@@ -523,6 +543,27 @@ class BatchCopier:
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")
+
+    def _status(self, spare: int, stream: Any, after: int | None, held: list[Any]) -> _Pinned:
+        """The computed-address kernels' start where their table travels with the launch: a
+        pinned buffer for the status word and ``spare`` words the kernel writes, and ``stream``
+        ordered after ``after``."""
+        buf = self._take(8 + 8 * spare)
+        held.append(buf)
+        buf.words[0] = 0
+        self._after(stream.cuda_stream, after)
+        return buf
+
+    def _untake(self, buf: _Pinned, held: list[Any]) -> None:
+        """``buf`` back to the pool: taken, but nothing enqueued reads it."""
+        held.remove(buf)
+        self._pinned[buf.tensor.shape[0]].append(buf)
+
+    def _after(self, raw: int, after: int | None) -> None:
+        if after is not None and after != raw:
+            if self._order is None:
+                self._order = move.StreamOrder()
+            self._order.wait(raw, after)
 
     def _stage(self, table: npt.NDArray[np.uint64], spare: int, stream: Any,
                after: int | None, held: list[Any]) -> tuple[_Pinned, Any, int]:
@@ -544,10 +585,7 @@ class BatchCopier:
         at = int(dbuf.data_ptr())
         raw = stream.cuda_stream
         self._cuda.upload(at, buf.ptr + 8, 8 * words, raw)
-        if after is not None and after != raw:
-            if self._order is None:
-                self._order = move.StreamOrder()
-            self._order.wait(raw, after)
+        self._after(raw, after)
         return buf, dbuf, at
 
     def _copy_locked(self, src: Extents, smap: RegionMap, dst: Extents, dmap: RegionMap,

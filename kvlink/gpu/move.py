@@ -27,11 +27,26 @@ import logging
 import threading
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 log = logging.getLogger("kvlink.cuda_ipc")
 
 SOURCE = r"""
 typedef long long i64;
 typedef unsigned long long u64;
+
+// The address kernels' table `t`: a pointer (KV_PW 0: device memory the host uploaded it to),
+// or KV_PW words passed by value with the launch itself (read in place from the launch's
+// parameter space: no upload, no buffer of ours on the device)
+#if KV_PW
+struct kv_table { i64 w[KV_PW]; };
+#define KV_TABLE const __grid_constant__ kv_table tab
+#define KV_TABLE_AT const i64* t = tab.w
+#else
+#define KV_TABLE const i64* __restrict__ t
+#define KV_TABLE_AT (void)0
+#endif
 
 __device__ __forceinline__ bool kv_translate(i64 addr, i64 len, const i64* map, i64 count,
                                              i64* out) {
@@ -99,9 +114,10 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 // src base[seg] + at[r] -> dst base[seg] + at[r], len[r] bytes. t holds, as i64, the source
 // bases [S], destination bases [S], source offsets [R], destination offsets [R], lengths [R].
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
-    const i64* __restrict__ t, i64 S, i64 R,
+    KV_TABLE, i64 S, i64 R,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, i64 G) {
+  KV_TABLE_AT;
   const int lane = threadIdx.x % KV_TP;
   const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
   if (p >= S * R * G) return;
@@ -153,10 +169,11 @@ __device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
 }
 
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
-    const i64* __restrict__ t, i64 S, i64 n, i64 unit,
+    KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
     const i64* rows, i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+  KV_TABLE_AT;
   // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
   // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
   __shared__ u64 acc[KV_GROUPS][KV_DMAX];
@@ -272,7 +289,12 @@ DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared 
 
 _NARGS = 10
 _DIGEST_NARGS = 19
-_compiled: dict[tuple[int, tuple[int, int, int], str], Any] = {}
+#: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
+#: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
+#: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's
+#: table is 1088 words (one run per block), its fused-digest table 832
+PARAM_WORDS = (512, 1536, 4000)
+_compiled: dict[tuple[int, tuple[int, int, int], str, int], Any] = {}
 _compile_lock = threading.Lock()
 
 
@@ -285,21 +307,49 @@ def _driver() -> Any:
     return lib
 
 
-def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move") -> Any:
-    """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device)."""
+def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
+             words: int = 0) -> Any:
+    """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device);
+    ``words``: the address kernels' table passed by value, that many int64 (0: a pointer)."""
     import torch
 
-    key = (int(device.index or 0), shape, name)
+    key = (int(device.index or 0), shape, name, words)
     with _compile_lock:
         fn = _compiled.get(key)
         if fn is None:
             t, tp, u = shape
             defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
-                       f"#define KV_DMAX {DIGEST_MAX}\n")
+                       f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n")
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
         return fn
+
+
+class _TableLaunch:
+    """One address kernel whose table travels with its launch: the table's words and the other
+    arguments are written into buffers of ours, and the driver copies them at the call — so a
+    post is one driver call, with no upload before it and no device buffer to hand back. One
+    per (kernel, shape, size class); not thread-safe (CudaMove's rule)."""
+
+    def __init__(self, device: Any, shape: tuple[int, int, int], name: str, words: int,
+                 nargs: int) -> None:
+        self.fn = _compile(device, shape, name, words).func
+        self.words = words
+        self._table = (ctypes.c_longlong * words)()
+        self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
+                                                          dtype=np.uint64)
+        self._vals = (ctypes.c_longlong * (nargs - 1))()
+        base = ctypes.addressof(self._vals)
+        self._ptrs = (ctypes.c_void_p * nargs)(
+            ctypes.addressof(self._table), *[base + 8 * i for i in range(nargs - 1)])
+
+    def __call__(self, lib: Any, grid: int, threads: int, table: npt.NDArray[np.uint64],
+                 args: tuple[int, ...], stream: int) -> int:
+        self.table[:table.shape[0]] = table  # the words past it: not read by the kernel
+        self._vals[:] = list(args)
+        return int(lib.cuLaunchKernel(self.fn, grid, 1, 1, threads, 1, 1, 0, stream,
+                                      self._ptrs, None))
 
 
 class CudaMove:
@@ -321,6 +371,45 @@ class CudaMove:
         dbase = ctypes.addressof(self._dvals)
         self._dptrs = (ctypes.c_void_p * _DIGEST_NARGS)(
             *[dbase + 8 * i for i in range(_DIGEST_NARGS)])
+        self._tables: dict[tuple[str, tuple[int, int, int], int], _TableLaunch] = {}
+        self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
+
+    def table_class(self, words: int) -> int:
+        """The size class (words) a table of ``words`` travels in with its launch; 0 where it
+        is longer than the largest, or where such kernels do not build (it is uploaded)."""
+        if self._no_tables:
+            return 0
+        for c in PARAM_WORDS:
+            if words <= c:
+                return c
+        return 0
+
+    def launch_with_table(self, name: str, shape: tuple[int, int, int], units: int,
+                          table: npt.NDArray[np.uint64], args: tuple[int, ...],
+                          stream: int) -> bool:
+        """``name`` (kv_move_runs or kv_move_digest) over ``units`` with ``table`` passed by
+        value (args: the kernel's, less the table). False where that kernel cannot be had (it
+        is remembered, and logged once): the caller uploads the table instead."""
+        words = self.table_class(table.shape[0])
+        if not words:
+            return False
+        key = (name, shape, words)
+        launch = self._tables.get(key)
+        if launch is None:
+            try:
+                launch = _TableLaunch(self.device, shape, name, words, len(args) + 1)
+            except Exception as exc:  # an NVRTC or driver too old for __grid_constant__
+                self._no_tables = f"{type(exc).__name__}: {exc}"
+                log.warning("copy kernels cannot take their tables with the launch (%s); "
+                            "uploading them instead", self._no_tables)
+                return False
+            self._tables[key] = launch
+        t, tp, _ = shape
+        rc = launch(self._lib, -(-units // (t // tp)), t, table, args, stream)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel({name}, table of {words} words) failed with "
+                               f"CUDA error {rc}")
+        return True
 
     @staticmethod
     def shape(first_len: int, small: int) -> tuple[int, int, int]:
