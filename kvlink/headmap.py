@@ -55,7 +55,7 @@ def check_tp(total_heads: int, tp: int, what: str) -> None:
 
 
 def notify_targets(local_tp: int, local_rank: int, remote_tp: int, total_heads: int,
-                   mla: bool = False) -> set[int]:
+                   mla: bool = False) -> frozenset[int]:
     """Remote ranks this local rank must tell "done" after pulling a request.
 
     Not only the ranks it read: a replica it did *not* read still holds the request's blocks and
@@ -63,7 +63,7 @@ def notify_targets(local_tp: int, local_rank: int, remote_tp: int, total_heads: 
     expires. Every remote rank gets told by every local rank whose heads it holds (MLA: by the
     local ranks mapped onto it round-robin), and the producer counts its readers the same way.
     """
-    return set(_notify_targets(local_tp, local_rank, remote_tp, total_heads, mla))
+    return _notify_targets(local_tp, local_rank, remote_tp, total_heads, mla)  # cached
 
 
 # Both maps are asked per request (and per reader rank) with the few TP shapes a deployment

@@ -73,7 +73,10 @@ Body = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)]
 def check_id(value: str, what: str) -> str:
     """A caller's id, checked against what a peer will accept before it leaves (one id out
     of bounds would make the peer refuse the whole frame it travels in)."""
-    if len(value) > MAX_ID_LEN or not re.match(_NO_CONTROL, value):
+    if len(value) > MAX_ID_LEN or not (
+            # ASCII and printable is exactly "no control character" for ASCII, in C; the
+            # pattern decides only the rest (a regex match costs ~10 us on a request's cold path)
+            (value.isascii() and value.isprintable()) or re.match(_NO_CONTROL, value)):
         raise ConfigError(f"{what} {value[:40]!r}{'...' if len(value) > 40 else ''}: at most "
                           f"{MAX_ID_LEN} characters, no control characters")
     return value

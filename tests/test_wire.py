@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import WireError, WireVersionError
+from kvlink.errors import ConfigError, KVLinkError, WireError, WireVersionError
 from kvlink.layout import KVCacheSpec
 from kvlink.transport import EXTENT_DTYPE, make_extents
 
@@ -347,3 +347,25 @@ def test_spec_msg_rejects_zero_itemsize() -> None:
     bad = msgspec.structs.replace(wire.SpecMsg.of(SPECS[0]), itemsize=0)
     with pytest.raises(WireError):
         bad.to_spec()
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("cmpl-7f3a-0", True), ("a b~", True), ("é-\x85-日本", True),  # non-ASCII: the pattern decides
+    ("a\x01b", False), ("tab\there", False), ("del\x7f", False), ("é\x00", False),
+    ("x" * wire.MAX_ID_LEN, True), ("x" * (wire.MAX_ID_LEN + 1), False),
+])
+def test_check_id_takes_what_the_wire_takes(value: str, ok: bool) -> None:
+    """check_id's C fast path (ASCII and printable) and its pattern fallback accept exactly the
+    ids a peer's strict decoder accepts: a request id either leaves or is refused here."""
+    try:  # the peer's side: a frame carrying it, built and decoded strictly
+        wire.decode(wire.encode(wire.ReadIntent(v=WIRE_VERSION, engine_id="e", req_id=value,
+                                                tp_rank=0, incarnation=1, block_ids=[1])))
+        decoded = True
+    except (KVLinkError, msgspec.ValidationError):
+        decoded = False
+    assert decoded is ok
+    if ok:
+        assert wire.check_id(value, "request id") == value
+    else:
+        with pytest.raises(ConfigError):
+            wire.check_id(value, "request id")

@@ -218,13 +218,15 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
-            if finished and not self._reported_first:
-                # reported at once: the rest of a poll (the inbox, every other request) is
-                # most of its time, and a layer-wise push's exposed time ends here. The next
-                # poll runs it whatever it finds, so nothing else waits more than one poll
-                self._reported_first = True
-                self._chan.flush()  # what ending them queued (a release to replicas)
-                return finished, failed
+        stepped = (self._poll_moving(finished, failed)
+                   if self._requests and not finished and not self._reported_first else ())
+        if (finished or failed) and not self._reported_first:
+            # reported at once: the rest of a poll (the inbox, every other request) is most
+            # of its time, and a request's (a layer-wise push's exposed) time ends here. The
+            # next poll runs it whatever it finds, so nothing else waits more than one poll
+            self._reported_first = True
+            self._chan.flush()  # what ending them queued (a release to replicas)
+            return finished, failed
         self._reported_first = False
         if self._landings_ended:
             self._end_landings()
@@ -240,6 +242,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         threads = False
         behind: set[str] = set()  # layer-wise pushes with a range still on the wire
         for req in list(self._requests.values()):  # (in the order they were started)
+            if req.req_id in stepped:  # looked at above, in this poll: still moving
+                threads = threads or self._moved_by_threads(req)
+                continue
             if req.layered in behind and all(p.handle is not None for p in req.parts):
                 # a later range of a push whose earlier one is not done: its push cannot end
                 # before that one anyway, so it is looked at once that one is (a prefill that
@@ -264,6 +269,21 @@ class KVWorker(_PrefillPush, _DecodePush):
         if threads:  # let a transport's own threads move our bytes (see Capabilities)
             time.sleep(0)
         return finished, failed
+
+    def _poll_moving(self, finished: set[str], failed: dict[str, str]) -> set[str]:
+        """A poll's first look: requests whose every part is with its transport (posted, not
+        yet seen DONE), before the inbox and everything else — one that finishes on its
+        board's word is reported by this poll at once. Returns the ids looked at (and still
+        in flight). Layer-wise ranges wait for the main loop (their order matters there)."""
+        stepped: set[str] = set()
+        for req in list(self._requests.values()):
+            if req.layered is not None or any(p.handle is None for p in req.parts):
+                continue
+            if self._step(req):
+                self._report(req, finished, failed)
+            else:
+                stepped.add(req.req_id)
+        return stepped
 
     @staticmethod
     def _moved_by_threads(req: _Request) -> bool:

@@ -73,9 +73,8 @@ class _Parts(_Holds):
         if not part.peer.done():
             return
         unreachable = part.peer.exception()
-        where = f"{req.remote.engine_id} rank {part.read.remote_rank}"
         if unreachable is not None:  # or incompatible: nothing was granted or posted
-            part.error = f"{where}: {unreachable}"
+            part.error = f"{self._where(req, part)}: {unreachable}"
             return
         peer = part.peer.result()
         if req.op is not Op.READ:
@@ -96,15 +95,20 @@ class _Parts(_Holds):
                 reply = intent.result()
             except KVLinkError as exc:
                 if not self._again(req, part, exc, intent.asked):
-                    part.error = f"{where}: refused the READ of {req.req_id}: {exc}"
+                    part.error = (f"{self._where(req, part)}: refused the READ of "
+                                  f"{req.req_id}: {exc}")
                 return
             if not isinstance(reply, wire.ReadGrant):
-                part.error = (f"{where} answered {type(reply).__name__} to a read intent; "
-                              "refusing to read unverified blocks")
+                part.error = (f"{self._where(req, part)} answered {type(reply).__name__} to a "
+                              "read intent; refusing to read unverified blocks")
                 return
             part.go = _Go(peer, reply.generation, intent.asked + reply.expires_in)
         if part.go is not None:
             req.phases.wait = max(req.phases.wait, time.perf_counter() - req.t_start)
+
+    @staticmethod
+    def _where(req: _Request, part: _Part) -> str:
+        return f"{req.remote.engine_id} rank {part.read.remote_rank}"
 
     def _again(self, req: _Request, part: _Part, exc: KVLinkError, asked: float) -> bool:
         """Whether a refusal is worth asking again: "not held yet" (the producer holds on its

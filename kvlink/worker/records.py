@@ -43,7 +43,7 @@ class _Go:
     deadline: float = float("inf")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class Phases:
     """Where one finished request's time went, in seconds (see :attr:`KVWorker.phases`):
     ``wait`` handshake or read intent before the first post, ``plan`` block planning, ``post``
@@ -71,7 +71,7 @@ class Transfer(NamedTuple):
     ok: bool  # DONE; False: FAILED (refused ones included), nothing more can land
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class _Part:
     read: HeadRead
     peer: cf.Future[Peer]
@@ -108,7 +108,7 @@ class _Part:
                              and self.verdict is None)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class _Request:
     req_id: str
     op: Op

@@ -177,8 +177,8 @@ class _Requests(_Parts):
     def _holders(self, remote: RemoteEngine, skip: set[int]) -> set[int]:
         """The ranks of ``remote`` that hold heads of ours, except ``skip``."""
         spec = self._require_spec()
-        return notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
-                              spec.total_kv_heads, spec.mla) - skip
+        return set(notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                                  spec.total_kv_heads, spec.mla) - skip)
 
     def _release_at(self, req_id: str, remote: RemoteEngine, ranks: set[int],
                     generation: int | None) -> None:
