@@ -229,7 +229,8 @@ class _Parts(_Holds):
             part.fused = getattr(transport, "landed_mismatch", lambda h: None)(part.handle)
         transport.release(part.handle)
         part.handle = None
-        reason = f"{req.remote.engine_id} rank {part.read.remote_rank}: {state.reason}"
+        reason = (f"{self._where(req, part)}: {state.reason}"
+                  if state.status is XferStatus.FAILED else "")
         if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
                 and part.t_post - req.t_start < self.config.intent_timeout):
             # nothing moved: the producer had not held it yet (we were told the generation
