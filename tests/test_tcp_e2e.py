@@ -257,6 +257,48 @@ def test_many_requests_in_flight_and_notifications() -> None:
 
 
 
+@pytest.mark.fault("the connection breaks while its thread is idle (a real socket, shut down)")
+def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
+        observed: Callable[[str], None]) -> None:
+    """A READ posted while the peer's thread is idle sends its request header on the caller's
+    thread (tcp/client.py). If that send fails, the READ fails quiescent with that reason —
+    the thread never reads an answer off a half-written stream — and the next READ opens a new
+    connection. The connection is broken for real: our socket's sending side shut down."""
+    import socket as _socket
+
+    a, abuf = _transport("a")
+    b, bbuf = _transport("b")
+    try:
+        b.connect("a", a.descriptor())
+        abase = int(abuf.__array_interface__["data"][0])
+        bbase = int(bbuf.__array_interface__["data"][0])
+
+        def read(off: int) -> tuple[XferStatus, str]:
+            h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
+                       make_extents([abase + off], [4096]))
+            st = b.wait(h, 10)
+            b.release(h)
+            return st.status, st.reason
+
+        assert read(0)[0] is XferStatus.DONE  # connects
+        peer = b._peers["a"]
+        deadline = time.monotonic() + 10
+        while not peer.idle:  # its thread back waiting, on the open connection
+            assert time.monotonic() < deadline, "the peer's thread never went idle"
+            time.sleep(0.001)
+        assert peer.sock is not None
+        peer.sock.shutdown(_socket.SHUT_WR)
+        status, reason = read(4096)
+        assert status is XferStatus.FAILED and "sending its request" in reason, reason
+        observed(f"READ failed: {reason}")
+        bbuf[8192:12288] = 0
+        assert read(8192)[0] is XferStatus.DONE  # a new connection
+        assert np.array_equal(bbuf[8192:12288], abuf[8192:12288])
+    finally:
+        a.close()
+        b.close()
+
+
 # 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 4), (4, 2), (8, 2)])
 def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:

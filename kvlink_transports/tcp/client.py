@@ -60,6 +60,9 @@ class _Xfer:
     mark: Any = None
     ticket: bytes = b""  # the grant its owner checks (contract rule 8)
     signal: Any = None  # kvlink.landing.Signal: applied once the owner acknowledged the bytes
+    #: its first request's header went out on the caller's thread (_Peer.submit): True sent,
+    #: a reason string if that send failed (the connection is then broken), False not tried
+    sent: bool | str = False
 
 
 
@@ -95,13 +98,28 @@ class _Peer:
         self.cv = threading.Condition()
         self.closed = False
         self.sock: socket.socket | None = None
+        self.idle = False  # the thread waits for work, on a connection it opened (under cv)
         self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
         self.thread.start()
 
     def submit(self, item: tuple[int, _Xfer] | tuple[None, bytes]) -> None:
+        """Queue ``item`` for this peer's thread. A READ of one request that finds the thread
+        idle on an open connection sends its request header here, on the caller's thread: the
+        owner starts on it while our thread wakes up (a wake-up is a good part of a small
+        READ's time on a busy host), and the thread then only takes the answer and the bytes."""
         with self.cv:
             if self.closed:
                 raise TransportUnavailable(f"peer {self.name} is disconnected")
+            _, xfer = item
+            if (self.idle and not self.queue and self.sock is not None
+                    and isinstance(xfer, _Xfer) and xfer.op is Op.READ
+                    and xfer.remote.shape[0] <= _MAX_EXTENTS):
+                # under cv: the thread touches the socket only once it has taken an item
+                try:
+                    _send_hdr(self.sock, self._header(xfer, slice(0, _MAX_EXTENTS), True))
+                    xfer.sent = True
+                except OSError as exc:
+                    xfer.sent = f"sending its request: {exc}"
             self.queue.append(item)
             self.cv.notify()
 
@@ -151,7 +169,9 @@ class _Peer:
         while True:
             with self.cv:
                 while not self.queue and not self.closed:
+                    self.idle = self.sock is not None
                     self.cv.wait()
+                self.idle = False
                 if self.closed:
                     break
                 handle, item = self.queue.popleft()
@@ -194,16 +214,13 @@ class _Peer:
     def _request(self, sock: socket.socket, xfer: _Xfer, part: slice, last: bool) -> bool:
         """One request of ``xfer``; False when the owner refused it (``xfer`` FAILED)."""
         owner = self.owner
-        local, remote = xfer.local[part], xfer.remote[part]
-        hdr = _Hdr(
-            _VERSION,
-            "R" if xfer.op is Op.READ else "W",
-            agent=owner.ctx.agent_name,
-            extents=memoryview(extents_to_bytes(remote)),
-            notify=xfer.notify if xfer.op is Op.WRITE and last else None,
-            ticket=xfer.ticket,
-        )
-        _send_hdr(sock, hdr)
+        local = xfer.local[part]
+        if isinstance(xfer.sent, str):  # the caller's send broke the connection midway
+            raise _PeerGone(xfer.sent)
+        if xfer.sent:  # the caller sent it (submit): this request's answer is next
+            xfer.sent = False
+        else:
+            _send_hdr(sock, self._header(xfer, part, last))
         if xfer.op is Op.WRITE:
             try:
                 owner._send_ext(sock, local)
@@ -225,6 +242,16 @@ class _Peer:
             if xfer.notify is not None and last:
                 _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
         return True
+
+    def _header(self, xfer: _Xfer, part: slice, last: bool) -> _Hdr:
+        return _Hdr(
+            _VERSION,
+            "R" if xfer.op is Op.READ else "W",
+            agent=self.owner.ctx.agent_name,
+            extents=memoryview(extents_to_bytes(xfer.remote[part])),
+            notify=xfer.notify if xfer.op is Op.WRITE and last else None,
+            ticket=xfer.ticket,
+        )
 
     def _refused(self, xfer: _Xfer, reply: _Hdr, reconnect: bool) -> None:
         self.owner._finish(
