@@ -478,16 +478,12 @@ class BatchCopier:
                 shape = self._cuda.shape(longest, SMALL)
                 g = parts_per_extent(n, longest, self.chunk,
                                      self.min_programs * (shape[0] // shape[1]))
-                rest = (segments, runs, smap.ptr, smap.count, dmap.ptr, dmap.count)
-                raw = stream.cuda_stream
-                if self._cuda.table_class(table.shape[0]):
-                    buf = self._status(0, stream, after, held)
-                    if self._cuda.launch_with_table("kv_move_runs", shape, n * g, table,
-                                                    (*rest, buf.ptr, seq, g), raw):
-                        return self._enqueue(stream, buf, seq)
-                    self._untake(buf, held)
-                buf, dbuf, at = self._stage(table, 0, stream, after, held)
-                self._cuda.launch(shape, n * g, (at, *rest, buf.ptr, seq, g), raw, runs=True)
+                cuda, raw = self._cuda, stream.cuda_stream
+                buf, dbuf, _ = self._launch_table(
+                    "kv_move_runs", shape, n * g, table, 0, stream, after, held,
+                    lambda buf, _words: (segments, runs, smap.ptr, smap.count, dmap.ptr,
+                                         dmap.count, buf.ptr, seq, g),
+                    lambda args: cuda.launch(shape, n * g, args, raw, runs=True))
                 return self._enqueue(stream, buf, seq, (), dbuf)
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
@@ -511,11 +507,10 @@ class BatchCopier:
                 if segments * blocks == 0:
                     return self._enqueue(stream, None, 0)
                 seq = next(self._seq) % (_I32 - 1) + 1
-                raw = stream.cuda_stream
+                cuda, raw = self._cuda, stream.cuda_stream
                 units = segments * blocks
-                spare = 1 + digest.words  # the mismatch word, then the digests written back
 
-                def rest(buf: _Pinned, words: int) -> tuple[int, ...]:
+                def args(buf: _Pinned, words: int) -> tuple[int, ...]:
                     bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
                     buf.words[1 + words] = NO_MISMATCH
                     out = bad + 8 if digest.words else 0
@@ -524,18 +519,10 @@ class BatchCopier:
                             digest.rows, digest.count, out, digest.pages, digest.page_bytes,
                             digest.expect, bad)
 
-                words, dbuf = 0, None
-                if self._cuda.table_class(table.shape[0]):
-                    buf = self._status(spare, stream, after, held)
-                    if not self._cuda.launch_with_table("kv_move_digest", move.DIGEST_SHAPE,
-                                                        units, table, rest(buf, 0), raw):
-                        self._untake(buf, held)
-                        words = table.shape[0]
-                else:
-                    words = table.shape[0]
-                if words:  # uploaded: the table is longer than a launch takes
-                    buf, dbuf, at = self._stage(table, spare, stream, after, held)
-                    self._cuda.launch_digest(units, (at, *rest(buf, words)), raw)
+                # spare: the mismatch word, then the digests written back
+                buf, dbuf, words = self._launch_table(
+                    "kv_move_digest", move.DIGEST_SHAPE, units, table, 1 + digest.words,
+                    stream, after, held, args, lambda a: cuda.launch_digest(units, a, raw))
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
                 pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
                                      digest.words)
@@ -544,20 +531,33 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")
 
-    def _status(self, spare: int, stream: Any, after: int | None, held: list[Any]) -> _Pinned:
-        """The computed-address kernels' start where their table travels with the launch: a
-        pinned buffer for the status word and ``spare`` words the kernel writes, and ``stream``
-        ordered after ``after``."""
-        buf = self._take(8 + 8 * spare)
-        held.append(buf)
-        buf.words[0] = 0
-        self._after(stream.cuda_stream, after)
-        return buf
-
-    def _untake(self, buf: _Pinned, held: list[Any]) -> None:
-        """``buf`` back to the pool: taken, but nothing enqueued reads it."""
-        held.remove(buf)
-        self._pinned[buf.tensor.shape[0]].append(buf)
+    def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
+                      table: npt.NDArray[np.uint64], spare: int, stream: Any,
+                      after: int | None, held: list[Any],
+                      args: Callable[[_Pinned, int], tuple[int, ...]],
+                      uploaded: Callable[[tuple[int, ...]], None]) -> tuple[_Pinned, Any, int]:
+        """A computed-address kernel ``name`` over ``units``, on ``stream`` after ``after``:
+        its ``table`` passed with the launch where a size class takes it (no upload, nothing
+        of ours on the device), else uploaded first and launched by ``uploaded(table's device
+        address, *args)``. ``args(buf, words)``: the kernel's arguments after the table, for
+        the pinned buffer ``buf`` (its status word, the table's ``words`` when uploaded from
+        it, then ``spare`` words the kernel writes). Returns (buf, the device copy of the
+        table or None, words)."""
+        assert self._cuda is not None
+        raw = stream.cuda_stream
+        if self._cuda.table_class(table.shape[0]):
+            buf = self._take(8 + 8 * spare)
+            held.append(buf)
+            buf.words[0] = 0
+            self._after(raw, after)
+            if self._cuda.launch_with_table(name, shape, units, table, args(buf, 0), raw):
+                return buf, None, 0
+            held.remove(buf)  # no such kernel here after all: uploaded, below
+            self._pinned[buf.tensor.shape[0]].append(buf)
+        buf, dbuf, at = self._stage(table, spare, stream, after, held)
+        words = int(table.shape[0])
+        uploaded((at, *args(buf, words)))
+        return buf, dbuf, words
 
     def _after(self, raw: int, after: int | None) -> None:
         if after is not None and after != raw:
