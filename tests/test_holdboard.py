@@ -428,6 +428,36 @@ def test_a_reads_report_leaves_with_the_next_poll_or_close() -> None:
             decode.close()
 
 
+def test_a_report_waits_while_our_next_request_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ's report is not sent on the polls of the next request in flight (sent there, it
+    delayed that request's DONE by its send); it leaves with the first poll with nothing of
+    ours in flight. r1's blocks are never held, so it stays in flight (refused, then asking)."""
+    from kvlink.worker import peering
+
+    monkeypatch.setattr(peering, "_LATER_MAX", 60.0)  # the age bound is not this test's
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False, intent_timeout=1.0)
+    try:
+        _warm(decode, prefill)
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [4, 5], [2, 3], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert ok and decode.reports_owed == 1, reason
+        decode.read("r1", remote(prefill), [7], [6], generation=gen + 1000)  # never held
+        for _ in range(20):
+            done, failed = decode.poll()
+            assert "r1" not in done and "r1" not in failed
+        assert decode.reports_owed == 1  # r1 moves: r0's report waits
+        ok, reason = outcome(decode, "r1", 10)
+        assert not ok, "r1 was never held"
+        decode.poll()  # nothing of ours in flight: it leaves
+        assert decode.reports_owed == 0
+        until(lambda: "r0" in [r.req_id for r in prefill.released()], 5, "r0 released")
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_the_boards_report_is_answered_by_nothing() -> None:
     """The unawaited report leaves as a call that wants no answer: the producer counts the
     reader done, and no answer frame comes back to be read on the reader's next poll (the

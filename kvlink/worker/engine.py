@@ -260,7 +260,7 @@ class KVWorker(_PrefillPush, _DecodePush):
                 threads = threads or self._moved_by_threads(req)
         if self._layered:
             self._tell_landed()
-        if self._later and (not finished or self._later_overdue()):
+        if self._later and ((not finished and not self._requests) or self._later_overdue()):
             self._send_later()  # what earlier polls' requests owe peers (_tell_later)
         self._chan.flush()
         if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks

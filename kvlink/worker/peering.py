@@ -36,6 +36,7 @@ T = TypeVar("T")
 #: blocks longer where every poll finishes a request; shorter put the send on those requests'
 #: path (one at a time, each finished by its first poll: the 70B request over cuda_ipc)
 _LATER_MAX = 0.05
+_LATER_BATCH = 32  # queued reports that leave with the next poll, whatever is in flight
 
 
 class _Peering:
@@ -160,11 +161,15 @@ class _Peering:
         for reports whose only job is to let a peer release, made after the request they
         close is reported. Made and sent on the poll that reports the request, such a report
         was a third of a 4 MiB NIXL READ's time past its DONE on one H200 host (the socket
-        send alone 50-60 us, cold). They leave with the next poll that reports nothing, or
-        any poll once the oldest waited ``_LATER_MAX`` (a caller finishing a request at every
-        poll: then many leave in one frame per peer). Not with the next :meth:`read`, after
-        its post: the 70B TP8-rank request over cuda_ipc (a 0.09 ms copy) took 0.69-0.75 ms
-        that way against 0.51-0.57 ms in the same start (bench/results/gpu_checks_6c7415b).
+        send alone 50-60 us, cold). They leave with the next poll that reports nothing while
+        nothing of ours is in flight, or with any poll once the oldest waited ``_LATER_MAX``
+        or ``_LATER_BATCH`` are queued: then in one frame per peer. Not on a poll while our
+        next request moves: sent there, they delayed its DONE by their send — the 70B request
+        over cuda_ipc, polled in a loop, spent 0.22 ms from post to DONE without that against
+        0.27-0.29 ms with it, same start (bench/results/gpu_checks_06055d9, ``pol``/``old``).
+        Nor with the next :meth:`read`, after its post:
+        the 70B TP8-rank request over cuda_ipc (a 0.09 ms copy) took 0.69-0.75 ms that way
+        against 0.51-0.57 ms in the same start (bench/results/gpu_checks_6c7415b).
         A caller that stops polling sends them with :meth:`close` (``pending()`` and
         ``reports_owed`` count them)."""
         if not self._later:
@@ -172,7 +177,8 @@ class _Peering:
         self._later.append(report)
 
     def _later_overdue(self) -> bool:
-        return time.monotonic() - self._later_since >= _LATER_MAX
+        return (len(self._later) >= _LATER_BATCH
+                or time.monotonic() - self._later_since >= _LATER_MAX)
 
     def _send_later(self) -> None:
         later, self._later = self._later, []
