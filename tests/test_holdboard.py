@@ -434,7 +434,9 @@ def test_a_report_waits_while_our_next_request_moves(monkeypatch: pytest.MonkeyP
     ours in flight. r1's blocks are never held, so it stays in flight (refused, then asking)."""
     from kvlink.worker import peering
 
-    monkeypatch.setattr(peering, "_LATER_MAX", 60.0)  # the age bound is not this test's
+    # not a fake: the real queue and policy, with the 50 ms age bound raised so that a slow
+    # CI host cannot age r0's report past it during r1's polls (that bound is not this test's)
+    monkeypatch.setattr(peering, "_LATER_MAX", 60.0)
     prefill, _ = make("p", seed=1)
     decode, _ = make("d", serve=False, intent_timeout=1.0)
     try:

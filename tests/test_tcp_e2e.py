@@ -282,10 +282,8 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
 
         assert read(0)[0] is XferStatus.DONE  # connects
         peer = b._peers["a"]
-        deadline = time.monotonic() + 10
-        while not peer.idle:  # its thread back waiting, on the open connection
-            assert time.monotonic() < deadline, "the peer's thread never went idle"
-            time.sleep(0.001)
+        with peer.cv:  # its thread back waiting, on the open connection (it notifies)
+            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
         assert peer.sock is not None
         peer.sock.shutdown(_socket.SHUT_WR)
         status, reason = read(4096)

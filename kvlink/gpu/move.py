@@ -326,6 +326,17 @@ def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
         return fn
 
 
+def _arg_block(count: int, first: int | None = None) -> tuple[Any, Any]:
+    """cuLaunchKernel's arguments as ctypes: ``count`` int64 slots, and the array of pointers
+    to each (written once: a launch only rewrites the slots). ``first``: the address of a
+    by-value first argument of ours instead of a slot (then ``count - 1`` slots)."""
+    n = count if first is None else count - 1
+    vals = (ctypes.c_longlong * n)()
+    base = ctypes.addressof(vals)
+    slots = [base + 8 * i for i in range(n)]
+    return vals, (ctypes.c_void_p * count)(*([] if first is None else [first]), *slots)
+
+
 class _TableLaunch:
     """One address kernel whose table travels with its launch: the table's words and the other
     arguments are written into buffers of ours, and the driver copies them at the call — so a
@@ -335,14 +346,10 @@ class _TableLaunch:
     def __init__(self, device: Any, shape: tuple[int, int, int], name: str, words: int,
                  nargs: int) -> None:
         self.fn = _compile(device, shape, name, words).func
-        self.words = words
         self._table = (ctypes.c_longlong * words)()
         self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
                                                           dtype=np.uint64)
-        self._vals = (ctypes.c_longlong * (nargs - 1))()
-        base = ctypes.addressof(self._vals)
-        self._ptrs = (ctypes.c_void_p * nargs)(
-            ctypes.addressof(self._table), *[base + 8 * i for i in range(nargs - 1)])
+        self._vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
 
     def __call__(self, lib: Any, grid: int, threads: int, table: npt.NDArray[np.uint64],
                  args: tuple[int, ...], stream: int) -> int:
@@ -362,15 +369,10 @@ class CudaMove:
         self._fn = {s: _compile(device, s).func for s in (SMALL_SHAPE, LARGE_SHAPE)}
         self._runs_fn = {s: _compile(device, s, "kv_move_runs").func
                          for s in (SMALL_SHAPE, LARGE_SHAPE)}
-        self._vals = (ctypes.c_longlong * _NARGS)()
-        base = ctypes.addressof(self._vals)
-        self._ptrs = (ctypes.c_void_p * _NARGS)(*[base + 8 * i for i in range(_NARGS)])
+        self._vals, self._ptrs = _arg_block(_NARGS)
         self._signal_fn: Any = None  # compiled at the first signal
         self._digest_fn: Any = None  # compiled at the first fused digest
-        self._dvals = (ctypes.c_longlong * _DIGEST_NARGS)()
-        dbase = ctypes.addressof(self._dvals)
-        self._dptrs = (ctypes.c_void_p * _DIGEST_NARGS)(
-            *[dbase + 8 * i for i in range(_DIGEST_NARGS)])
+        self._dvals, self._dptrs = _arg_block(_DIGEST_NARGS)
         self._tables: dict[tuple[str, tuple[int, int, int], int], _TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
 

@@ -114,9 +114,9 @@ class _DecodePush(_Requests):
         self._grant(push_ticket(req_id, wait.push_id), Op.WRITE, lids)
         ask = min(self.config.handshake_timeout, timeout)  # an unanswered ask fails the push
         aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id),
-                       others=set(notify_targets(self.config.tp_size, self.config.tp_rank,
-                                                 remote.tp_size, spec.total_kv_heads,
-                                                 spec.mla) - ranks))
+                       others=notify_targets(self.config.tp_size, self.config.tp_rank,
+                                             remote.tp_size, spec.total_kv_heads,
+                                             spec.mla) - ranks)
         for rank in sorted(ranks):
             aw.asked.append(self._send(remote.host, remote.port + rank,
                                        self._with_landing(msg, aw, rank), ask))

@@ -175,7 +175,7 @@ class _Awaiting:
     landing: dict[int, int] = dataclasses.field(default_factory=dict)
     tag: int = 0  # the push's tag on that board (kvlink.landing.tag_of)
     #: prefill ranks holding our heads that were not asked (told "released" at the end)
-    others: frozenset[int] | set[int] = frozenset()
+    others: frozenset[int] = frozenset()
     #: per prefill rank, the check of its end on our landing board, bound once its hold
     #: is written there (kvlink.landing.EndCheck)
     ends: dict[int, EndCheck] = dataclasses.field(default_factory=dict)

@@ -174,13 +174,13 @@ class _Requests(_Parts):
         :meth:`poll`)."""
         self._release_at(req_id, remote, self._holders(remote, skip or set()), generation)
 
-    def _holders(self, remote: RemoteEngine, skip: set[int]) -> set[int]:
+    def _holders(self, remote: RemoteEngine, skip: set[int]) -> frozenset[int]:
         """The ranks of ``remote`` that hold heads of ours, except ``skip``."""
         spec = self._require_spec()
-        return set(notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
-                                  spec.total_kv_heads, spec.mla) - skip)
+        return notify_targets(self.config.tp_size, self.config.tp_rank, remote.tp_size,
+                              spec.total_kv_heads, spec.mla) - skip
 
-    def _release_at(self, req_id: str, remote: RemoteEngine, ranks: set[int],
+    def _release_at(self, req_id: str, remote: RemoteEngine, ranks: frozenset[int],
                     generation: int | None) -> None:
         for rank in sorted(ranks):
             self._tell(remote.host, remote.port + rank,

@@ -170,6 +170,7 @@ class _Peer:
             with self.cv:
                 while not self.queue and not self.closed:
                     self.idle = self.sock is not None
+                    self.cv.notify_all()  # for whoever waits to see it idle (a test)
                     self.cv.wait()
                 self.idle = False
                 if self.closed:
