@@ -280,14 +280,16 @@ class BoardView:
         blob = self._map[area[0]:area[0] + area[1]]
         return blob if self.holds(generation, fp) else None
 
-    def digest_area(self, generation: int, fp: int) -> tuple[int, int] | None:
-        """(offset in the mapping, bytes) of the digests ``generation``'s hold published, or
-        None. Bytes read there count only if :meth:`holds` still says so afterwards. One
-        unpack of the slot's words (numpy's per-scalar cost is the time on a busy host)."""
+    def digest_area(self, generation: int, fp: int | None) -> tuple[int, int] | None:
+        """(offset in the mapping, bytes) of the digests ``generation``'s hold published (over
+        the block ids fingerprinted ``fp``; None: any), or None. Bytes read there count only
+        if :meth:`holds` still says so afterwards. One unpack of the slot's words (numpy's
+        per-scalar cost is the time on a busy host)."""
         if self._fd < 0:
             return None
         gen, got, at, n = _SLOT.unpack_from(self._map, _slot_at(generation))
-        if gen != generation or got != fp or n == 0 or at < _ARENA or at + n > KIND.size:
+        if (gen != generation or (fp is not None and got != fp) or n == 0 or at < _ARENA
+                or at + n > KIND.size):
             return None
         return at, n
 

@@ -375,11 +375,12 @@ class BoardRows:
     region: tuple[int, int]  # the board mapping: (host address, bytes)
 
 
-def board_rows(view: Any, generation: int, fp: int) -> BoardRows | None:
+def board_rows(view: Any, generation: int, fp: int | None = None) -> BoardRows | None:
     """The digest rows ``generation``'s hold published on ``view`` (a holdboard.BoardView),
-    located without copying them; None where it shows none. What a kernel reads there counts
-    only if the hold is still shown after it: the reader's after-check once its READ is
-    done (the pages are given back only after the withdrawal)."""
+    located without copying them; None where it shows none (``fp``: only over those block
+    ids). What a kernel reads there counts only if the hold is still shown over the reader's
+    blocks after it: the reader's after-check once its READ is done (the pages are given back
+    only after the withdrawal, and a generation never comes back)."""
     area = view.digest_area(generation, fp)
     if area is None:
         return None

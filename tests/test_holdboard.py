@@ -266,8 +266,14 @@ def test_board_rows_locate_the_digests_in_the_readers_mapping() -> None:
         assert read_rows.tolist() == rows.tolist()
         assert read_digests.tolist() == digests.tolist()
         assert integrity.unpack(view.digests(gen, fingerprint(ids)) or b"") is not None
+        # by generation alone (a reader's copy kernel, before the block ids' fingerprint is
+        # taken): the same rows; over other ids only with a fingerprint asked for
+        assert integrity.board_rows(view, gen) == got
+        assert integrity.board_rows(view, gen, fingerprint(ids[::-1])) is None
+        assert integrity.board_rows(view, gen + 1) is None  # another hold: nothing
         board.withdraw(gen)
         assert integrity.board_rows(view, gen, fingerprint(ids)) is None
+        assert integrity.board_rows(view, gen) is None
     finally:
         board.close()
 
