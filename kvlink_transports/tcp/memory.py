@@ -22,7 +22,10 @@ from kvlink.errors import ExtentOutOfBounds, TransportUnavailable
 from kvlink.transport import Extents, Region, RegionTable, Transport
 from kvlink_transports.tcp.wire import _PeerGone
 
-_IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
+_IOV = 512  # memoryviews made at a time (IOV_MAX is 1024 on Linux)
+#: buffers handed to one socket call: a call moves at most a socket buffer's worth, yet takes
+#: (and gives back) every buffer it is handed — 512 each time cost more than the bytes
+_WINDOW = 64
 _CHECK = 1 << 16  # extents per numpy pass of a check: its temporaries are O(this), not O(request)
 
 
@@ -59,15 +62,11 @@ def _send_views(
 ) -> None:
     """Send ``batches``; ``stop`` (checked before every socket call) ends it early."""
     for batch in batches:
-        while batch:
+        i, n = 0, len(batch)
+        while i < n:
             if stop is not None and stop():
                 raise _PeerGone("access revoked mid-transfer")
-            sent = sock.sendmsg(batch)
-            while batch and sent >= len(batch[0]):
-                sent -= len(batch[0])
-                batch.pop(0)
-            if batch and sent:
-                batch[0] = batch[0][sent:]
+            i = _advance(batch, i, sock.sendmsg(batch[i:i + _WINDOW]))
 
 
 def _recv_views(
@@ -77,17 +76,26 @@ def _recv_views(
     """Receive straight into ``batches``; ``stop`` (checked before every socket call) ends it
     early, so a revoked connection writes no more of our memory than one call's worth."""
     for batch in batches:
-        while batch:
+        i, n = 0, len(batch)
+        while i < n:
             if stop is not None and stop():
                 raise _PeerGone("access revoked mid-transfer")
-            got = sock.recvmsg_into(batch)[0] if len(batch) > 1 else sock.recv_into(batch[0])
+            got = (sock.recvmsg_into(batch[i:i + _WINDOW])[0] if n - i > 1
+                   else sock.recv_into(batch[i]))
             if got == 0:
                 raise _PeerGone("connection closed by peer mid-transfer")
-            while batch and got >= len(batch[0]):
-                got -= len(batch[0])
-                batch.pop(0)
-            if batch and got:
-                batch[0] = batch[0][got:]
+            i = _advance(batch, i, got)
+
+
+def _advance(batch: list[memoryview], i: int, moved: int) -> int:
+    """The first buffer of ``batch`` (from ``i``) that ``moved`` bytes did not fill; a
+    partly moved one is replaced by its rest."""
+    while moved and moved >= len(batch[i]):
+        moved -= len(batch[i])
+        i += 1
+    if moved:
+        batch[i] = batch[i][moved:]
+    return i
 
 
 class _LocalMemory(Transport):
