@@ -36,3 +36,17 @@ def write_result(name: str, payload: dict[str, Any], path: str | None = None) ->
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out}")
     return out
+
+
+def change_interval(base: Any, other: Any, seed: int = 0, resamples: int = 2000
+                    ) -> tuple[float, float]:
+    """90 % bootstrap interval of (median(other) - median(base)) / median(base): both series
+    resampled with replacement, vectorised."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(base), np.asarray(other)
+    ma = np.median(a[rng.integers(0, a.size, (resamples, a.size))], axis=1)
+    mb = np.median(b[rng.integers(0, b.size, (resamples, b.size))], axis=1)
+    lo, hi = np.percentile((mb - ma) / ma, [5, 95])
+    return float(lo), float(hi)

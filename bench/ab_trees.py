@@ -35,7 +35,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import write_result  # noqa: E402
+from _common import change_interval, write_result  # noqa: E402
 
 TAG = "AB "  # a child's answers on its stdout start with this (the rest is its log)
 
@@ -120,17 +120,6 @@ class Tree:
             self.proc.kill()
 
 
-def interval(a: list[float], b: list[float], seed: int, resamples: int = 2000
-             ) -> tuple[float, float]:
-    """90 % bootstrap interval of (median(b) - median(a)) / median(a), vectorised."""
-    rng = np.random.default_rng(seed)
-    x, y = np.asarray(a), np.asarray(b)
-    mx = np.median(x[rng.integers(0, x.size, (resamples, x.size))], axis=1)
-    my = np.median(y[rng.integers(0, y.size, (resamples, y.size))], axis=1)
-    lo, hi = np.percentile((my - mx) / mx, [5, 95])
-    return float(lo), float(hi)
-
-
 def _label(root: Path) -> str:
     got = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True, timeout=10).stdout.strip()
@@ -184,7 +173,7 @@ def main() -> None:
     a, b = trees
     med = {t.name: float(np.median(t.samples)) for t in trees}
     change = (med[b.name] - med[a.name]) / med[a.name]
-    lo, hi = interval(a.samples, b.samples, args.seed)
+    lo, hi = change_interval(a.samples, b.samples, args.seed)
     print(f"{spec['case']} ({args.device}, {'spin' if args.spin else 'sleep'}): "
           f"a {a.name} {med[a.name] * 1e3:.3f} ms, b {b.name} {med[b.name] * 1e3:.3f} ms, "
           f"b vs a {change * 100:+.1f} % [{lo * 100:+.1f}, {hi * 100:+.1f}]"

@@ -41,22 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_request as e2e
-from _common import write_result
+from _common import change_interval, write_result
 
 LEVELS = ("off", "sample", "full")
 SERIES = (*LEVELS, "off_control")  # timed, interleaved; the control runs at "off"
-
-
-def overhead_interval(base: list[float], other: list[float], seed: int = 0,
-                      resamples: int = 2000) -> tuple[float, float]:
-    """90 % bootstrap interval of (median(other) - median(base)) / median(base): both series
-    resampled with replacement, vectorised."""
-    rng = np.random.default_rng(seed)
-    a, b = np.asarray(base), np.asarray(other)
-    ma = np.median(a[rng.integers(0, a.size, (resamples, a.size))], axis=1)
-    mb = np.median(b[rng.integers(0, b.size, (resamples, b.size))], axis=1)
-    lo, hi = np.percentile((mb - ma) / ma, [5, 95])
-    return float(lo), float(hi)
 
 
 def hold_digest_seconds(cons: Any, level: str, reps: int) -> float:
@@ -185,7 +173,7 @@ def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
             "median_s": med,
             "p90_s": {lv: float(np.percentile(v, 90)) for lv, v in samples.items()},
             "overhead_vs_off": {lv: (med[lv] - med["off"]) / med["off"] for lv in SERIES},
-            "overhead_vs_off_90pct": {lv: overhead_interval(samples["off"], samples[lv])
+            "overhead_vs_off_90pct": {lv: change_interval(samples["off"], samples[lv])
                                       for lv in SERIES if lv != "off"},
             "hold_digest_s": {lv: hold_digest_seconds(cons, lv, 5) for lv in ("sample", "full")},
             "faults": faults,
