@@ -214,6 +214,8 @@ class Consumer:
                 raise TimeoutError(f"transport-alone {op.value} not done in time")
             if not spin:
                 time.sleep(POLL_SLEEP)
+            elif t.capabilities.python_threads:  # yield as KVWorker.poll does: tcp's own
+                time.sleep(0)  # threads move these bytes (a loop that never yields starves them)
         dt = time.perf_counter() - t0
         for h in hs:
             t.release(h)
