@@ -16,11 +16,11 @@ before any reader can start) is timed separately in this process on the same geo
 (``hold_digest_s``). Overhead = (level - off) / off of the median, with a 90 % bootstrap
 interval; a fourth series, ``off_control`` (integrity off again, interleaved like the rest),
 is the run's noise floor: its "overhead" is what two identical series differ by (on one H200
-host the same tree measured 0.42-0.57 ms in consecutive runs, so an overhead of a few percent
-means something only against the control of its own run). The order is a fresh seeded
-permutation every round: a request's time depends on what ran just before it (code it
-shares is still in the caches) — with a fixed rotation ``off`` always followed the control,
-and the control, identical to ``off``, came out 8-12 % slower than it
+host the same tree measured 0.42-0.57 ms in consecutive runs, bench/results/gpu_checks_1c48c77/,
+so an overhead of a few percent means something only against the control of its own run).
+The order is a fresh seeded permutation every round: a request's time depends on what ran
+just before it (code it shares is still in the caches) — with a fixed rotation ``off`` always
+followed the control, and the control, identical to ``off``, came out 8-12 % slower than it
 (bench/results/integrity_overhead_order_1c48c77/). Goals (issue 24): GPU 70B TP8
 request ``full`` ≤ 10 %, ``sample`` ≤ 2 %; CPU ``sample`` ≤ 2 %, ``full`` reported.
 Writes bench/results/integrity_overhead_<device>.json.

@@ -284,8 +284,7 @@ class _Parts(_Holds):
         digest rows on the producer's hold board in place (valid once the READ is seen still
         held after it); None: digest on the host after the copy."""
         go, r = part.go, part.read
-        if (not self.integrity.on or req.op is not Op.READ or go is None or go.peer.board is None
-                or not self.config.hold_board or not go.generation
+        if (not self.integrity.on or go is None or not self._boarded(req, go)
                 or not getattr(transport, "fuses_digests", False)
                 or r.local_start or r.remote_start or r.count != spec.num_kv_heads):
             return None
@@ -298,14 +297,19 @@ class _Parts(_Holds):
         return self.integrity.fused_job(on_board, spec.page_bytes)
 
     def _on_board(self, req: _Request, go: _Go) -> bool:
-        """Whether this READ will be validated on the producer's hold board: one is open (with
-        integrity on, the hold's digests are there too, or the verdict brings them)."""
-        board = go.peer.board if self.config.hold_board else None
-        if board is None or req.op is not Op.READ or not go.generation:
+        """:meth:`_boarded`, with the block ids' fingerprint (what the after-check compares)
+        taken once it is."""
+        if not self._boarded(req, go):
             return False
         if req.fingerprint is None:
             req.fingerprint = fingerprint(req.remote_ids)
         return True
+
+    def _boarded(self, req: _Request, go: _Go) -> bool:
+        """Whether this READ will be validated on the producer's hold board: one is open (with
+        integrity on, the hold's digests are there too, or the verdict brings them)."""
+        return (self.config.hold_board and go.peer.board is not None and req.op is Op.READ
+                and bool(go.generation))
 
     @staticmethod
     def _board_digests(req: _Request, go: _Go) -> Digests | None:
