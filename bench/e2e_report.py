@@ -102,6 +102,15 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
         for n, m, p in ph:
             print(f"  {n} {m} " + " ".join(f"{k}={p.get(k, float('nan')) * 1e3:.3f}"
                                           for k in keys))
+    rw = [(n, m, r["read_vs_write"]) for n, cr in cases.items()
+          for m, r in cr["modes"].items() if "read_vs_write" in r]
+    if rw:
+        print("READ time against WRITE time (negative: READ faster) [90 % interval]:")
+        for n, m, v in rw:
+            print(f"  {n} {m} kvlink {v['kvlink']:+.1%} [{v['kvlink_90pct'][0]:+.1%}, "
+                  f"{v['kvlink_90pct'][1]:+.1%}]  transport alone "
+                  f"{v['transport_alone']:+.1%} [{v['transport_alone_90pct'][0]:+.1%}, "
+                  f"{v['transport_alone_90pct'][1]:+.1%}]")
     if device == "cuda":
         print("copy/k = device copy time / kvlink time (fraction of the copy's speed); "
               "copy and gather timed by CUDA events")

@@ -20,9 +20,11 @@ side shuffled runs of 1-8 consecutive blocks (seeded), disjoint between requests
 Modes: ``sleep`` (0.2 ms sleep between polls, a serving loop), ``spin`` (tight poll loop, a busy
 worker), one request at a time and interleaved request by request; ``inflight8`` (``--inflight``
 requests posted at once, timed to the last finished). ``--op write`` times ``write()`` (the
-decode pushes into the producer's blocks) instead; ``--op both`` follows every READ round with
-a WRITE round of the same shape (modes ``<mode>_write``), so the two are compared on the same
-stretch of the machine's noise.
+decode pushes into the producer's blocks) instead; ``--op both`` runs a READ round and a
+WRITE round of the same shape, in a fresh random order each time (modes ``<mode>_write``), so
+the two are compared on the same stretch of the machine's noise; each mode's ``read_vs_write``
+is READ's median time against WRITE's (negative: READ faster) with a 90 % bootstrap
+interval, through kvlink and for the transport alone.
 
 Baselines, same run, same extents/bytes: the transport alone (under a standing hold of the
 whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's
@@ -45,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _common import write_result
+from _common import change_interval, write_result
 from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them through this module)
     ALONE,
     BS,
@@ -312,8 +314,8 @@ class Consumer:
         c, n_req = self.case, self.args.requests_for(self.name)
         print(f"[{self.name}] {c.layers} layers x {c.heads} KV heads x {c.blocks} blocks = "
               f"{c.nbytes / MiB:.1f} MiB/request, {n_req} requests per mode", flush=True)
-        # --op both: each READ round followed by a WRITE round of the same shape (modes
-        # "<mode>_write"), so the two ops are compared on the same stretch of the machine
+        # --op both: a READ and a WRITE round of each shape (modes "<mode>_write"), so the
+        # two ops are compared on the same stretch of the machine
         ops = ("read", "write") if self.args.op == "both" else (self.args.op,)
         for op in ops:
             self.one_round("warmup", 1, False, {}, count_it=False, op=op)  # handshake: not
@@ -322,8 +324,12 @@ class Consumer:
             f"{m}{'_write' if op == 'write' and len(ops) > 1 else ''}": {}
             for m in ("sleep", "spin", "inflight8") for op in ops}
 
+        order_rng = np.random.default_rng(self.args.seed + 1)
+
         def rounds(mode: str, count: int, spin: bool) -> None:
-            for op in ops:
+            # --op both: READ and WRITE in a fresh random order every round (a fixed order
+            # biased the integrity bench's identical series by 8-12 %: docs/integrity.md)
+            for op in (ops if len(ops) == 1 else order_rng.permutation(ops).tolist()):
                 tag = f"{mode}_write" if op == "write" and len(ops) > 1 else mode
                 self.one_round(tag, count, spin, raw[tag], op=op)
 
@@ -375,6 +381,15 @@ class Consumer:
             if "plain_socket" in b:
                 row["ratio_kvlink_over_plain_socket"] = k / b["plain_socket"]["median_s"]
             modes[mode] = row
+        if len(ops) > 1:  # READ's time against WRITE's, mode by mode (negative: READ faster)
+            for mode in ("sleep", "spin", "inflight8"):
+                r, w = raw[mode]["kvlink"], raw[f"{mode}_write"]["kvlink"]
+                ra, wa = raw[mode]["transport_alone"], raw[f"{mode}_write"]["transport_alone"]
+                modes[mode]["read_vs_write"] = {
+                    "kvlink": statistics.median(r) / statistics.median(w) - 1,
+                    "kvlink_90pct": change_interval(w, r),
+                    "transport_alone": statistics.median(ra) / statistics.median(wa) - 1,
+                    "transport_alone_90pct": change_interval(wa, ra)}
         return {"layers": c.layers, "kv_heads": c.heads, "blocks": c.blocks,
                 "bytes_per_request": c.nbytes, "requests_per_mode": n_req,
                 "prefill_cache_blocks": self.prefill_blocks, "decode_cache_blocks": self.nblocks,

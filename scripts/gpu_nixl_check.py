@@ -6,10 +6,14 @@ Two processes on one GPU (the target is this script with ``--role target``), eac
 ``NixlTransport`` (kvlink's UCX settings applied: UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y unless set).
 Cases: ``4MiB`` (4 MiB descriptors at random distinct ids of a 1 GiB cache) and ``70b_tp8``
 (the Llama-3-70B TP8-rank request: 80 layers x K,V x 256 blocks of 4 KiB = 160 MiB, planned
-through kvlink's ``plan_transfer`` at random distinct block ids of 512-block caches). Each READ
-and WRITE is timed end to end (post -> DONE polled), as a ratio of a device copy of the same
-blocks measured in the same run, and every byte verified (sha256 of the moved blocks on both
-sides). A measured NIXL probe (``_ucx.nixl_probe``) says which UCX lanes carried VRAM.
+through kvlink's ``plan_transfer`` at random distinct block ids of 512-block caches). First
+one READ and one WRITE from fresh bytes, every byte verified (sha256 of the moved blocks on
+both sides); then ``--reps`` of each, timed end to end (post -> DONE polled) in a fresh random
+order every round (READ and WRITE see the same stretch of the machine), both sides' blocks
+equal at the end. Medians as a ratio of baselines measured in the same run: one contiguous
+device copy of as many bytes (CUDA events) and torch's gather of the same blocks;
+``read_vs_write`` is READ's median time against WRITE's (negative: READ faster) with a 90 %
+bootstrap interval. A measured NIXL probe (``_ucx.nixl_probe``) says which UCX lanes carried VRAM.
 ``--memory dram`` runs the same on host memory (no GPU needed; smaller caches), to check the
 script itself. JSON to ``--out`` (default ``$OUT`` or bench/results), as gpu_nixl_check.json.
 Every wait has a timeout; the whole run is bounded by ``--timeout`` seconds.
@@ -35,6 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 
 MIB = 1 << 20
 #: name -> (cache bytes, descriptor bytes, descriptors) per memory kind; 70b_tp8 is planned
@@ -90,10 +95,35 @@ class Mem:
             h.update(host[o:o + n].tobytes())
         return h.hexdigest()
 
+    def contiguous_copy_seconds(self, dst: Mem, nbytes: int, reps: int) -> float:
+        """Median time of one contiguous copy of ``nbytes`` (CUDA events; numpy in host
+        memory): what the device does with these bytes at its best."""
+        if self.kind != "vram":
+            ts = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                dst.a[:nbytes] = self.a[:nbytes]
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts[1:])
+        import torch
+
+        src, out = self.t[:nbytes], dst.t[:nbytes]
+        out.copy_(src)
+        ev = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out.copy_(src)
+            e1.record()
+            ev.append((e0, e1))
+        torch.cuda.synchronize()
+        return statistics.median(e0.elapsed_time(e1) / 1e3 for e0, e1 in ev)
+
     def device_copy_seconds(self, dst: Mem, so: np.ndarray, do: np.ndarray, size: int,
                             reps: int) -> float:
         """Median time of copying blocks of ``size`` bytes at offsets so -> do on the device
-        (a torch gather/scatter, or numpy in host memory): the same-run baseline."""
+        (torch's index_select + index_copy_, host-timed; numpy in host memory): the gather
+        baseline (two passes over the bytes, so slower than one copy)."""
         if self.kind == "vram":
             import _gpu_common
             import torch
@@ -240,8 +270,28 @@ def _plan_70b(kind: str, local: Mem, raddr: int, rng: np.random.Generator
     return plan.local, rem, block, info
 
 
+def _timed(t: Any, op: Any, le: Any, re_: Any, kind: str, timeout: float, paths: set[str],
+           case: str) -> float:
+    """One post -> DONE (polled) of ``op`` over the extents, in seconds; raises if it fails."""
+    from kvlink.transport import XferStatus
+
+    if kind == "vram":
+        import torch
+
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    h = t.post(op, "target", le, re_)
+    st = t.wait(h, timeout)
+    dt = time.perf_counter() - t0
+    paths.add(f"{op.value}:{t.xfer_timing(h)['path']}")
+    t.release(h)
+    if st.status is not XferStatus.DONE:
+        raise RuntimeError(f"{op.value} {case}: {st.reason or f'not DONE within {timeout:g}s'}")
+    return dt
+
+
 def initiator(args: argparse.Namespace) -> dict[str, Any]:
-    from kvlink.transport import Op, Region, XferStatus, make_extents
+    from kvlink.transport import Op, Region, make_extents
     from kvlink_transports import _ucx
     from kvlink_transports.nixl import NixlTransport
 
@@ -283,45 +333,63 @@ def initiator(args: argparse.Namespace) -> dict[str, Any]:
             roff = (re_["addr"] - np.uint64(raddr)).astype(np.int64)
             lens = le["len"].astype(np.int64)
             nbytes = int(lens.sum())
-            # the same-run baseline: a device copy of the same blocks (local -> a scratch copy)
+            # the same-run baselines: one contiguous device copy of as many bytes (CUDA
+            # events), and a gather of the same blocks (local -> a scratch copy)
             scratch = Mem(kind, m.nbytes, 99)
-            bo = _blocks(loff, lens, size)
-            dc = m.device_copy_seconds(scratch, bo, bo, size, args.reps)
+            dc = m.contiguous_copy_seconds(scratch, nbytes, args.reps)
+            gather = m.device_copy_seconds(scratch, _blocks(loff, lens, size),
+                                           _blocks(loff, lens, size), size, args.reps)
             del scratch
             row["device_copy_gbps"] = nbytes / dc / 1e9
-            for op in (Op.READ, Op.WRITE):
-                times, err, paths = [], None, set()
-                for _ in range(args.reps):
-                    if kind == "vram":
-                        import torch
+            row["device_gather_gbps"] = nbytes / gather / 1e9
 
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    h = t.post(op, "target", le, re_)
-                    st = t.wait(h, args.op_timeout)
-                    dt = time.perf_counter() - t0
-                    paths.add(str(t.xfer_timing(h)["path"]))
-                    t.release(h)
-                    if st.status is not XferStatus.DONE:
-                        err = st.reason or f"not DONE within {args.op_timeout:g}s"
-                        break
-                    times.append(dt)
-                key = op.value.lower()
-                row[f"{key}_path"] = sorted(paths)
-                if err:
-                    row[f"{key}_error"] = err
-                    continue
-                best = min(times)
-                row[f"{key}_gbps"] = nbytes / best / 1e9
-                row[f"{key}_over_device_copy"] = (nbytes / best) / (nbytes / dc)
-                # bytes: READ put the target's blocks into ours; WRITE ours into the target's
-                mine = m.digest(loff, lens)
-                theirs = tgt.call(op="digest", case=case, off=roff.tolist(), len=lens.tolist())
-                row[f"{key}_verified"] = mine == theirs["digest"]
-                if op is Op.READ:  # back to our own bytes before the WRITE
-                    m.reset()
-                else:
-                    tgt.call(op="reset", case=case)
+            paths: set[str] = set()
+            times: dict[str, list[float]] = {"read": [], "write": []}
+
+            def once(op: Any, le: Any = le, re_: Any = re_, case: str = case,
+                     paths: set[str] = paths) -> float:
+                return _timed(t, op, le, re_, kind, args.op_timeout, paths, case)
+
+            def same(m: Mem = m, case: str = case, loff: Any = loff, roff: Any = roff,
+                     lens: Any = lens) -> bool:
+                """READ put the target's blocks into ours; WRITE ours into the target's."""
+                theirs = tgt.call(op="digest", case=case, off=roff.tolist(),
+                                  len=lens.tolist())
+                return m.digest(loff, lens) == theirs["digest"]
+
+            try:
+                for op in (Op.READ, Op.WRITE):  # one of each first, verified from fresh bytes
+                    once(op)
+                    row[f"{op.value.lower()}_verified"] = same()
+                    if op is Op.READ:  # back to our own bytes before the WRITE
+                        m.reset()
+                    else:
+                        tgt.call(op="reset", case=case)
+                order = np.random.default_rng(1)
+                for _ in range(args.reps):  # then both, in a fresh random order each time
+                    for k in order.permutation(2).tolist():
+                        op = (Op.READ, Op.WRITE)[k]
+                        times[op.value.lower()].append(once(op))
+                row["timed_consistent"] = same()  # both sides hold the same blocks
+                m.reset()
+                tgt.call(op="reset", case=case)
+            except RuntimeError as exc:
+                row["error"] = str(exc)
+            row["paths"] = sorted(paths)
+            for key, ts in times.items():
+                if len(ts) == args.reps:
+                    med = statistics.median(ts)
+                    row[f"{key}_median_s"] = med
+                    row[f"{key}_gbps"] = nbytes / med / 1e9
+                    row[f"{key}_over_device_copy"] = dc / med
+                    row[f"{key}_over_device_gather"] = gather / med
+            if len(times["read"]) == len(times["write"]) == args.reps:
+                from _common import change_interval
+
+                row["read_vs_write"] = (statistics.median(times["read"])
+                                        / statistics.median(times["write"]) - 1)
+                row["read_vs_write_90pct"] = change_interval(times["write"], times["read"])
+            row["raw_s"] = times
             res["cases"][case] = row
             print(case, json.dumps(row), flush=True)
     finally:
@@ -334,7 +402,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--memory", choices=("vram", "dram"), default="vram")
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20,
+                    help="timed READs and WRITEs each, interleaved in a random order")
     ap.add_argument("--op-timeout", type=float, default=30.0)
     ap.add_argument("--timeout", type=float, default=220.0, help="bound on the whole run (s)")
     ap.add_argument("--role", choices=("initiator", "target"), default="initiator",
@@ -347,7 +416,6 @@ def main() -> None:
     res = initiator(args)
     out_dir = args.out or os.path.join(HERE, "..", "bench", "results")
     os.makedirs(out_dir, exist_ok=True)
-    sys.path.insert(0, os.path.join(HERE, "..", "bench"))
     from _common import write_result
 
     write_result("gpu_nixl_check", res, os.path.join(out_dir, "gpu_nixl_check.json"))
