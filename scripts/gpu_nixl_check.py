@@ -308,14 +308,17 @@ def initiator(args: argparse.Namespace) -> dict[str, Any]:
                             protocols=pr.protocols)
     res["nixl_probe"] = {**pr.as_dict(), "verdict": v.verdict, "why": v.reason}
     tgt = Target(kind, timeout=min(120.0, args.timeout / 2))
-    t = NixlTransport(_ctx(f"gpucheck-i-{uuid.uuid4().hex[:6]}"), {"ucx_probe": False,
-                                                                    "telemetry": True})
+    # the initiator as a user gets it (ucx_probe on: a same-host GPU pair on a slow UCX path
+    # would have its posts FAILED), its verdict awaited before the first post
+    t = NixlTransport(_ctx(f"gpucheck-i-{uuid.uuid4().hex[:6]}"), {"telemetry": True})
     res["ucx_env_set_by_kvlink"] = t.ucx_env
     res["ucx_settings"] = _ucx.ucx_settings()
     try:
         mems = {c: Mem(kind, n, _seed(c, "i")) for c, n in _sizes(kind).items()}
         t.register([Region(m.addr, m.nbytes, m.device) for m in mems.values()])
         t.connect("target", bytes.fromhex(tgt.hello["desc"]))
+        res["lane_check_done"] = t.wait_probes(min(150.0, args.timeout / 2))
+        res["lane_check_blocked"] = t._peers["target"].blocked  # None: not judged slow
         rng = np.random.default_rng(0)
         for case, m in mems.items():
             raddr = int(tgt.hello["addr"][case])

@@ -49,7 +49,31 @@ def test_parse_proto_rows_keeps_the_protocol() -> None:
 """
     rows = _ucx.parse_proto_rows(text)
     assert rows == [{"op": "read", "scope": "intra-node", "range": "0..inf",
-                     "protocol": "software emulation", "config": "tcp/lo"}]
+                     "protocol": "software emulation", "config": "tcp/lo",
+                     "local": "host", "remote": "host"}]
+
+
+#: a process moving GPU memory prints tables for the host memory it moves too (NIXL's own
+#: traffic); their lanes (cma) say nothing about the GPU's path
+_VRAM_TABLES = """
+[1.0] [vm:1 :0]   | a intra-node cfg#1                                  |
+[1.0] [vm:1 :0]   | remote memory write by ucp_put* from host memory to host |
+[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cma/memory |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+[1.0] [vm:1 :0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 memory from cuda |
+[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cuda_ipc/cuda |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+[1.0] [vm:1 :0]   | remote memory write by ucp_put* from cuda memory to cuda |
+[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cuda_ipc/cuda |
+[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
+"""
+
+
+def test_a_gpu_pairs_verdict_reads_only_the_gpu_memory_tables() -> None:
+    lanes = _ucx.parse_proto_info(_VRAM_TABLES, "cuda")
+    assert lanes == {"read": ["cuda_ipc/cuda"], "write": ["cuda_ipc/cuda"]}
+    assert _ucx.classify_lanes(lanes, vram=True, same_host=True).verdict == "fast"
+    assert _ucx.parse_proto_info(_VRAM_TABLES, "host") == {"write": ["cma/memory"]}
 
 
 def test_apply_kvlink_env_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,16 +25,22 @@ from kvlink_transports._ucx.env import apply_kvlink_env, apply_safe_env
 from kvlink_transports._ucx.info import RDMA_TRANSPORTS
 
 _PROTO_OP_RE = re.compile(r"remote memory (read|write) by ucp_(?:get|put)")
+#: the memory types of a table's header: "... into host memory from host" (a GET: local,
+#: then remote), "... from cuda memory to cuda" (a PUT)
+_PROTO_MEM_RE = re.compile(r"\b(?:into|from) ([A-Za-z][\w-]*)\S* memory(?: (?:from|to) "
+                           r"([A-Za-z][\w-]*))?")
 _PROTO_SCOPE_RE = re.compile(r"\s(self|intra-node|inter-node) cfg#\d+")
 
 
-def parse_proto_info(text: str) -> dict[str, list[str]]:
+def parse_proto_info(text: str, memory: str | None = None) -> dict[str, list[str]]:
     """Parse ``UCX_PROTO_INFO=y`` tables of endpoints to other processes (loopback "self"
     endpoints are skipped): {"read": [config, ...], "write": [...]}, config as UCX prints it,
     e.g. "cma/memory" or "52% on tcp/lo and 48% on tcp/eth0" (:func:`parse_proto_rows`'
-    configs per op, each once, in order)."""
+    configs per op, each once, in order). ``memory`` ("host", "cuda"): only the tables of
+    transfers from and to that memory type (a process moving GPU memory also prints tables
+    for host memory it moves, which say nothing about the GPU's path)."""
     out: dict[str, list[str]] = {}
-    for row in parse_proto_rows(text):
+    for row in rows_for(parse_proto_rows(text), memory):
         lst = out.setdefault(row["op"], [])
         if row["config"] not in lst:
             lst.append(row["config"])
@@ -56,11 +62,16 @@ if mem == "VRAM":
     def checksum():
         torch.cuda.synchronize()
         return int(buf.to(torch.int64).sum().item())
+    def fill(v):
+        buf.fill_(v)
+        torch.cuda.synchronize()
 else:
     buf = np.full(nbytes, 1 if role == "t" else 0, np.uint8)
     addr, dev = buf.ctypes.data, 0
     def checksum():
         return int(buf.sum(dtype=np.int64))
+    def fill(v):
+        buf[:] = v
 # the target needs UCX progress (wire-up, AM-emulated RMA) while it waits: a progress thread
 a = nixl_agent("kvlink-probe-" + role + str(os.getpid()),
                nixl_agent_config(enable_prog_thread=(role == "t")))
@@ -70,14 +81,18 @@ if role == "t":
     md = a.get_agent_metadata() + addr.to_bytes(8, "little")
     out.write(b"KVLINK-MD " + md.hex().encode() + b"\n")
     out.flush()
-    sys.stdin.buffer.read(1)
+    sys.stdin.buffer.read(1)  # the initiator is done: what its WRITEs left here
+    out.write(b"KVLINK-SUM %d\n" % checksum())
+    out.flush()
     sys.exit(0)
 blob = bytes.fromhex(sys.stdin.read().strip())
 md, raddr = blob[:-8], int.from_bytes(blob[-8:], "little")
 peer = a.add_remote_agent(md)
 peer = peer.decode() if isinstance(peer, bytes) else peer
 res = {}
-for op in ("READ", "WRITE"):
+for op in ("READ", "WRITE"):  # READ takes the target's 1s; WRITE gives it our 2s
+    if op == "WRITE":
+        fill(2)
     best = None
     for i in range(iters + 1):  # the first one prints UCX's protocol table: not timed
         t0 = time.perf_counter()
@@ -101,13 +116,25 @@ sys.stderr.write("KVLINK-PROBE " + json.dumps(res) + "\n")
 """
 
 
+def rows_for(rows: list[dict[str, str]], memory: str | None) -> list[dict[str, str]]:
+    """The rows of transfers whose local and remote memory are both of type ``memory``
+    ("host", "cuda"; None: every row). A row whose table named no memory type is kept."""
+    if memory is None:
+        return rows
+    return [r for r in rows if r.get("local", memory).startswith(memory)
+            and r.get("remote", memory).startswith(memory)]
+
+
 def parse_proto_rows(text: str) -> list[dict[str, str]]:
     """Rows of ``UCX_PROTO_INFO=y`` tables of endpoints to other processes (loopback "self"
     endpoints skipped): {"op": "read"|"write", "scope": "intra-node"|"inter-node", "range":
-    "0..8184", "protocol": "zero-copy", "config": "cma/memory"}, in the order printed."""
+    "0..8184", "protocol": "zero-copy", "config": "cma/memory"}, in the order printed, with
+    "local" and "remote" (memory types, e.g. "host", "cuda") where the table's header names
+    them."""
     rows: list[dict[str, str]] = []
     scope = ""
     current: str | None = None
+    mem: dict[str, str] = {}
     for raw in text.splitlines():
         line = re.sub(r"^\[[^]]*\]\s*\[[^]]*\]\s*", "", raw).strip()
         sm = _PROTO_SCOPE_RE.search(line)
@@ -117,13 +144,20 @@ def parse_proto_rows(text: str) -> list[dict[str, str]]:
         m = _PROTO_OP_RE.search(line)
         if m:
             current = m.group(1) if scope != "self" else None
+            mm = _PROTO_MEM_RE.search(line, m.end())
+            mem = {}
+            if mm:
+                mem["local"] = mm.group(1)
+                if mm.group(2):
+                    mem["remote"] = mm.group(2)
             continue
         if current is None:
             continue
         r = _PROTO_FULL_ROW_RE.match(line)
         if r:
             rows.append({"op": current, "scope": scope, "range": r.group(1).strip(),
-                         "protocol": r.group(2).strip(), "config": r.group(3).strip()})
+                         "protocol": r.group(2).strip(), "config": r.group(3).strip(),
+                         **mem})
         elif line.startswith("+") and any(x["op"] == current for x in rows):
             current = None
     return rows
@@ -205,6 +239,8 @@ class NixlProbe:
     gbps: dict[str, float]  # {"read": 9.8, "write": 10.1}, best of the timed iterations
     nbytes: int
     error: str = ""
+    #: the UCX_PROTO_INFO rows those come from (parse_proto_rows), of the probed memory only
+    rows: list[dict[str, str]] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # what kvlink added
 
     def as_dict(self) -> dict[str, object]:
@@ -268,8 +304,10 @@ def nixl_probe(memory: str = "DRAM", nbytes: int = 16 << 20, iters: int = 3,
         init = subprocess.run([*cmd, "i", *args], env={**env, "UCX_PROTO_INFO": "y"},
                               input=blob, capture_output=True, timeout=timeout, check=False)
         text = init.stdout.decode(errors="replace") + init.stderr.decode(errors="replace")
-        res.lanes = parse_proto_info(text)
-        for row in parse_proto_rows(text):
+        kind = "cuda" if memory == "VRAM" else "host"
+        res.rows = rows_for(parse_proto_rows(text), kind)
+        res.lanes = parse_proto_info(text, kind)
+        for row in res.rows:
             lst = res.protocols.setdefault(row["op"], [])
             if row["protocol"] not in lst:
                 lst.append(row["protocol"])
@@ -280,6 +318,8 @@ def nixl_probe(memory: str = "DRAM", nbytes: int = 16 << 20, iters: int = 3,
             return res
         out = json.loads(m.group(1))
         errs = [f"{op} {v['error']}" for op, v in out.items() if "error" in v]
+        if "gbps" in out.get("WRITE", {}) and _target_sum(target) != 2 * nbytes:
+            errs.append("WRITE: bytes written differ from ours")
         res.gbps = {op.lower(): float(v["gbps"]) for op, v in out.items() if "gbps" in v}
         res.error = "; ".join(errs)
         res.ok = not errs
@@ -296,6 +336,23 @@ def nixl_probe(memory: str = "DRAM", nbytes: int = 16 << 20, iters: int = 3,
             target.kill()
             target.wait()
         errf.close()
+
+
+def _target_sum(target: subprocess.Popen[bytes]) -> int | None:
+    """The probe target's checksum once the initiator is done (None: it did not say)."""
+    assert target.stdin is not None and target.stdout is not None
+    import select
+
+    try:
+        target.stdin.write(b"x")
+        target.stdin.close()
+        if not select.select([target.stdout], [], [], 30.0)[0]:
+            return None
+        line = target.stdout.readline()
+    except (OSError, ValueError):
+        return None
+    m = re.match(rb"KVLINK-SUM (\d+)", line)
+    return int(m.group(1)) if m else None
 
 
 def _last_line(text: str) -> str:
