@@ -72,10 +72,10 @@ def _geometry(kind: str, layers: list[Any]) -> tuple[int, list[int], int, int]:
     return page, [int(x[kv].data_ptr()) for x in layers for kv in (0, 1)], 1, page
 
 
-def _region(layers: list[Any], dev: Any) -> RegionMap:
+def _region(layers: list[Any], dev: Any, search: bool = True) -> RegionMap:
     starts = [int(x.data_ptr()) for x in layers]
     return RegionMap(starts, [s + x.numel() * 2 for s, x in zip(starts, layers)],
-                     [0] * len(layers), dev)
+                     [0] * len(layers), dev, search)
 
 
 class Case:
@@ -95,10 +95,11 @@ class Case:
         self.heads = int(self.planes[0][0].shape[1])  # as the consumer's views have them
         self._rows: dict[bytes, Any] = {}
         self._anywhere: RegionMap | None = None
+        self._scanned: tuple[RegionMap, RegionMap] | None = None
         self.nplanes = 2 * layers
 
     def post(self, copier: BatchCopier, stream: Any, rows: np.ndarray | None,
-             expect: Any = None, anywhere: bool = False) -> Any:
+             expect: Any = None, anywhere: bool = False, scan: bool = False) -> Any:
         u = np.uint64(self.unit)
         base = np.array(self.sbase + self.dbase, dtype=np.uint64)
         at = np.concatenate([self.rids.view(np.uint64) * u, self.lids.view(np.uint64) * u])
@@ -110,6 +111,12 @@ class Case:
                     self._anywhere = RegionMap.anywhere(self.dev)
                 return copier.copy_runs(table, segs, n, self._anywhere, self._anywhere,
                                         stream, None, self.unit)
+            if scan:
+                if self._scanned is None:
+                    self._scanned = (_region(self.src, self.dev, False),
+                                     _region(self.dst, self.dev, False))
+                return copier.copy_runs(table, segs, n, *self._scanned, stream, None,
+                                        self.unit)
             return copier.copy_runs(table, segs, n, self.smap, self.dmap, stream, None,
                                     self.unit)
         first = self.planes[0][0]
@@ -125,6 +132,20 @@ class Case:
         table = np.concatenate([base, at])
         return copier.copy_digest(table, segs, n, self.unit, self.smap, self.dmap, stream,
                                   None, launch)
+
+    def post_straddling(self, copier: BatchCopier, stream: Any, search: bool) -> Any:
+        """copy_runs whose first run starts half a unit before a layer's end: it crosses
+        into the next registered region (or past the last), so the device must refuse it."""
+        u = np.uint64(self.unit)
+        base = np.array(self.sbase + self.dbase, dtype=np.uint64)
+        src_at = self.rids.view(np.uint64) * u
+        src_at[0] = np.uint64(self.src[0].numel() * 2 - self.unit // 2)
+        table = np.concatenate([base, src_at, self.lids.view(np.uint64) * u,
+                                np.full(self.rids.shape[0], self.unit, dtype=np.uint64)])
+        maps = ((self.smap, self.dmap) if search else
+                (_region(self.src, self.dev, False), _region(self.dst, self.dev, False)))
+        return copier.copy_runs(table, len(self.sbase), self.rids.shape[0], *maps, stream,
+                                None, self.unit)
 
     def rows(self, level: Level) -> np.ndarray:
         mask = checked(level, "check", self.rids)
@@ -218,6 +239,8 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
         # the same with one region each side: what checking each extent against the 80
         # registered layers (kv_translate's scan) costs
         "copy_runs_one_region_us": timed(lambda: c.post(copier, stream, None, anywhere=True)),
+        # and with the 80 regions scanned one by one, as before they were searched
+        "copy_runs_scanned_us": timed(lambda: c.post(copier, stream, None, scan=True)),
         "copy_digest_full_us": timed(lambda: c.post(copier, stream, full)),
         "copy_digest_sample_us": timed(lambda: c.post(copier, stream, sample)),
     }
@@ -233,6 +256,11 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
     res["full_digests_equal_reference"] = bool(np.array_equal(
         p.digests.reshape(-1) if p.digests is not None else None,
         c.reference(full).reshape(-1)))
+    for search in (True, False):  # a run crossing a region's end: refused either way
+        p = c.post_straddling(copier, stream, search)
+        p.wait()
+        res[f"straddling_run_refused_{'searched' if search else 'scanned'}"] = p.failed()
+    res["regions_searched"] = c.smap.kernel_count < 0 and c.dmap.kernel_count < 0
     res["ratio_copy_digest_full_over_copy_runs"] = (res["copy_digest_full_us"]
                                                     / res["copy_runs_us"])
     res["ratio_copy_digest_sample_over_copy_runs"] = (res["copy_digest_sample_us"]
@@ -253,7 +281,8 @@ def main() -> None:
     equal = check_equal(copier, stream, dev)
     cost = timing(copier, stream, dev)
     ok = all(r["ok"] for r in equal) and all(v for k, v in cost.items()
-                                             if k.startswith(("full_digests", "compare_")))
+                                             if k.startswith(("full_digests", "compare_",
+                                                              "straddling_", "regions_")))
     write(args.out, "gpu_fused_digest_check.json", {"equal": equal, "cost": cost, "ok": ok})
     if not ok:
         sys.exit("FAILED")

@@ -56,12 +56,20 @@ class RegionMap:
     checks extents against and translates them through (delta: peer pointer -> our mapping)."""
 
     def __init__(self, starts: npt.ArrayLike, ends: npt.ArrayLike, delta: npt.ArrayLike,
-                 device: Any) -> None:
+                 device: Any, search: bool = True) -> None:
         import torch
 
-        table = np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1)
-                                for x in (starts, ends, delta)])
+        cols = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (starts, ends, delta)]
+        order = np.argsort(cols[0], kind="stable")
+        ordered = [c[order] for c in cols]
+        disjoint = bool((ordered[0][1:] >= ordered[1][:-1]).all())
+        if disjoint:  # sorted by start (the scan's answer is the same: one region fits)
+            cols = ordered
+        table = np.concatenate(cols)
         self.count = table.shape[0] // 3
+        #: what the CUDA C kernels take: -count where the regions are sorted and disjoint
+        #: (they search them), else count (they scan them); ``search=False``: always scan
+        self.kernel_count = -self.count if search and disjoint and self.count > 1 else self.count
         self.tensor = torch.from_numpy(table).to(device)
         self.ptr = int(self.tensor.data_ptr())
 
@@ -481,8 +489,8 @@ class BatchCopier:
                 cuda, raw = self._cuda, stream.cuda_stream
                 buf, dbuf, _ = self._launch_table(
                     "kv_move_runs", shape, n * g, table, 0, stream, after, held,
-                    lambda buf, _words: (segments, runs, smap.ptr, smap.count, dmap.ptr,
-                                         dmap.count, buf.ptr, seq, g),
+                    lambda buf, _words: (segments, runs, smap.ptr, smap.kernel_count,
+                                         dmap.ptr, dmap.kernel_count, buf.ptr, seq, g),
                     lambda args: cuda.launch(shape, n * g, args, raw, runs=True))
                 return self._enqueue(stream, buf, seq, (), dbuf)
             except (RuntimeError, OSError) as exc:
@@ -514,8 +522,8 @@ class BatchCopier:
                     bad = buf.ptr + 8 + 8 * words  # host memory the device writes (UVA)
                     buf.words[1 + words] = NO_MISMATCH
                     out = bad + 8 if digest.words else 0
-                    return (segments, blocks, unit, smap.ptr, smap.count, dmap.ptr,
-                            dmap.count, buf.ptr, seq, digest.geometry, digest.weights,
+                    return (segments, blocks, unit, smap.ptr, smap.kernel_count, dmap.ptr,
+                            dmap.kernel_count, buf.ptr, seq, digest.geometry, digest.weights,
                             digest.rows, digest.count, out, digest.pages, digest.page_bytes,
                             digest.expect, bad)
 
@@ -654,10 +662,12 @@ class BatchCopier:
                 stream: Any) -> None:
         """One kernel over rows [p0, p1) whose records start at s_at / d_at."""
         shape, g, _ = plan
-        args = (s_at, d_at, p1 - p0, smap.ptr, smap.count, dmap.ptr, dmap.count, status, seq, g)
         if self._cuda is not None:
+            args = (s_at, d_at, p1 - p0, smap.ptr, smap.kernel_count, dmap.ptr,
+                    dmap.kernel_count, status, seq, g)
             self._cuda.launch(shape, (p1 - p0) * g, args, stream.cuda_stream)
             return
+        args = (s_at, d_at, p1 - p0, smap.ptr, smap.count, dmap.ptr, dmap.count, status, seq, g)
         rows, block, warps = shape
         consts = (rows, block)
         grid = -(-(p1 - p0) // rows)

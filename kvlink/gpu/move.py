@@ -48,9 +48,28 @@ struct kv_table { i64 w[KV_PW]; };
 #define KV_TABLE_AT (void)0
 #endif
 
+// The region of [addr, addr + len) in `map` (starts [n], ends [n], deltas [n]) and its address
+// through that region's delta. count > 0: n = count regions in any order, scanned; count < 0:
+// n = -count regions sorted by start and disjoint (copy.RegionMap checked it), searched —
+// a vLLM cache registers a region per layer, and a scan of 80 per extent part was the copy's
+// own cost on 4 KiB pages
 __device__ __forceinline__ bool kv_translate(i64 addr, i64 len, const i64* map, i64 count,
                                              i64* out) {
   const i64 end = addr + len;
+  if (count < 0) {
+    const i64 n = -count;
+    i64 lo = 0, hi = n;  // the first region starting past addr
+    while (lo < hi) {
+      const i64 mid = (lo + hi) >> 1;
+      if (map[mid] <= addr) lo = mid + 1; else hi = mid;
+    }
+    const i64 r = lo - 1;  // the last one starting at or before it: the only candidate
+    if (r >= 0 && end <= map[n + r] && end >= addr) {
+      *out = addr + map[2 * n + r];
+      return true;
+    }
+    return false;
+  }
   for (i64 r = 0; r < count; ++r) {
     if (addr >= map[r] && end <= map[count + r] && end >= addr) {
       *out = addr + map[2 * count + r];
