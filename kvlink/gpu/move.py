@@ -89,7 +89,8 @@ __device__ __forceinline__ void kv_part(i64 sa, i64 sl, i64 da, i64 dl,
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
-  const i64 span = ((sl + G - 1) / G + 15) & ~(i64)15;
+  // (one part per extent is the common case: no 64-bit division, which the GPU emulates)
+  const i64 span = G == 1 ? ((sl + 15) & ~(i64)15) : ((sl + G - 1) / G + 15) & ~(i64)15;
   const i64 lo = g * span;
   const i64 hi = lo + span < sl ? lo + span : sl;
   if (lo >= hi) return;
@@ -124,7 +125,13 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
   const int lane = threadIdx.x % KV_TP;
   const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
   if (p >= n * G) return;
-  const i64 e = p / G, g = p - e * G;
+  i64 e, g;
+  if (n * G <= 0x7fffffffLL) {
+    const unsigned up = (unsigned)p, ug = (unsigned)G, ue = up / ug;
+    e = ue; g = up - ue * ug;
+  } else {
+    e = p / G; g = p - e * G;
+  }
   kv_part(sx[2 * e], sx[2 * e + 1], dx[2 * e], dx[2 * e + 1], smap, ns, dmap, nd, status, seq,
           G, g, lane);
 }
@@ -140,8 +147,14 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
   const int lane = threadIdx.x % KV_TP;
   const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
   if (p >= S * R * G) return;
-  const i64 e = p / G, g = p - e * G;
-  const i64 seg = e / R, r = e - seg * R;
+  i64 e, g, seg, r;
+  if (S * R * G <= 0x7fffffffLL) {  // always, in practice: 32-bit divisions, not emulated ones
+    const unsigned up = (unsigned)p, ug = (unsigned)G, ur = (unsigned)R;
+    const unsigned ue = up / ug, us = ue / ur;
+    e = ue; g = up - ue * ug; seg = us; r = ue - us * ur;
+  } else {
+    e = p / G; g = p - e * G; seg = e / R; r = e - seg * R;
+  }
   const i64 len = t[2 * S + 2 * R + r];
   kv_part(t[seg] + t[2 * S + r], len, t[S + seg] + t[2 * S + R + r], len, smap, ns, dmap, nd,
           status, seq, G, g, lane);
