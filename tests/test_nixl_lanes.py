@@ -6,6 +6,7 @@ lanes, and that a GPU pair forced onto tcp is reported and its posts fail (not s
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,27 +54,26 @@ def test_parse_proto_rows_keeps_the_protocol() -> None:
                      "local": "host", "remote": "host"}]
 
 
-#: a process moving GPU memory prints tables for the host memory it moves too (NIXL's own
-#: traffic); their lanes (cma) say nothing about the GPU's path
-_VRAM_TABLES = """
-[1.0] [vm:1 :0]   | a intra-node cfg#1                                  |
-[1.0] [vm:1 :0]   | remote memory write by ucp_put* from host memory to host |
-[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cma/memory |
-[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
-[1.0] [vm:1 :0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 memory from cuda |
-[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cuda_ipc/cuda |
-[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
-[1.0] [vm:1 :0]   | remote memory write by ucp_put* from cuda memory to cuda |
-[1.0] [vm:1 :0]   |    0..inf | zero-copy          | cuda_ipc/cuda |
-[1.0] [vm:1 :0]   +--------+-------------+-----------------------------------+
-"""
+#: what UCX_PROTO_INFO printed for kvlink's NIXL VRAM probe on one H200 (nixl-cu13 1.5.1,
+#: UCX 1.23): tables for host memory too (NIXL's own traffic: a host->host write over cma, a
+#: host->GPU write emulated over tcp), and two tables of writes before the GPU's own
+_H200 = Path(__file__).with_name("data") / "ucx_proto_info_vram_h200.txt"
 
 
 def test_a_gpu_pairs_verdict_reads_only_the_gpu_memory_tables() -> None:
-    lanes = _ucx.parse_proto_info(_VRAM_TABLES, "cuda")
+    text = _H200.read_text()
+    lanes = _ucx.parse_proto_info(text, "cuda")
     assert lanes == {"read": ["cuda_ipc/cuda"], "write": ["cuda_ipc/cuda"]}
-    assert _ucx.classify_lanes(lanes, vram=True, same_host=True).verdict == "fast"
-    assert _ucx.parse_proto_info(_VRAM_TABLES, "host") == {"write": ["cma/memory"]}
+    rows = _ucx.rows_for(_ucx.parse_proto_rows(text), "cuda")
+    protocols = {r["op"]: [r["protocol"]] for r in rows}
+    v = _ucx.classify_lanes(lanes, vram=True, same_host=True, protocols=protocols)
+    assert v.verdict == "fast", v
+    # every table read, whatever its memory: the host tables' cma and emulated tcp were
+    # taken for the GPU's WRITE — the pair judged slow and its posts FAILED (before this fix
+    # the GPU's own WRITE table was not read at all: a second table of an op was cut off)
+    every = _ucx.parse_proto_info(text)
+    assert every["write"] == ["cma/memory", "tcp/lo", "cuda_ipc/cuda"]
+    assert _ucx.parse_proto_info(text, "host") == {"write": ["cma/memory"]}
 
 
 def test_apply_kvlink_env_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:

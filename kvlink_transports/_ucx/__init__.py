@@ -54,6 +54,7 @@ from kvlink_transports._ucx.measure import (
     nixl_protocols,
     parse_proto_info,
     parse_proto_rows,
+    rows_for,
 )
 
 __all__ = [
@@ -62,7 +63,7 @@ __all__ = [
     "UcxLane", "apply_kvlink_env", "apply_safe_env", "classify_lanes", "cuda_driver_present",
     "gpu_staged", "lane_transports", "new_ucx_connections", "nixl_probe", "nixl_protocols",
     "parse_proto_info", "parse_proto_rows", "rdma_devices", "report", "rma_transports",
-    "run_perftest", "shutdown_connections", "tcp_fallback_between_hosts", "tcp_sockets",
+    "rows_for", "run_perftest", "shutdown_connections", "tcp_fallback_between_hosts", "tcp_sockets",
     "ucx_env", "ucx_info_path", "ucx_lanes", "ucx_perftest_path", "ucx_settings",
     "ucx_transports",
 ]

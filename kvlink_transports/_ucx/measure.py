@@ -25,10 +25,11 @@ from kvlink_transports._ucx.env import apply_kvlink_env, apply_safe_env
 from kvlink_transports._ucx.info import RDMA_TRANSPORTS
 
 _PROTO_OP_RE = re.compile(r"remote memory (read|write) by ucp_(?:get|put)")
-#: the memory types of a table's header: "... into host memory from host" (a GET: local,
-#: then remote), "... from cuda memory to cuda" (a PUT)
-_PROTO_MEM_RE = re.compile(r"\b(?:into|from) ([A-Za-z][\w-]*)\S* memory(?: (?:from|to) "
-                           r"([A-Za-z][\w-]*))?")
+#: the memory types of a table's header, local then remote: "... into host memory from host"
+#: (a GET), "... from host memory to cuda/dev[1]", "... into cuda/GPU0 from cuda/dev[1]" (UCX
+#: 1.23 in nixl-cu13, an H200: tests/data/ucx_proto_info_vram_h200.txt)
+_PROTO_MEM_RE = re.compile(r"\b(?:into|from) ([A-Za-z][\w-]*)\S*(?: memory)? (?:from|to) "
+                           r"([A-Za-z][\w-]*)")
 _PROTO_SCOPE_RE = re.compile(r"\s(self|intra-node|inter-node) cfg#\d+")
 
 
@@ -135,6 +136,7 @@ def parse_proto_rows(text: str) -> list[dict[str, str]]:
     scope = ""
     current: str | None = None
     mem: dict[str, str] = {}
+    in_table = 0  # rows read of the current table (its closing rule comes after them)
     for raw in text.splitlines():
         line = re.sub(r"^\[[^]]*\]\s*\[[^]]*\]\s*", "", raw).strip()
         sm = _PROTO_SCOPE_RE.search(line)
@@ -145,11 +147,8 @@ def parse_proto_rows(text: str) -> list[dict[str, str]]:
         if m:
             current = m.group(1) if scope != "self" else None
             mm = _PROTO_MEM_RE.search(line, m.end())
-            mem = {}
-            if mm:
-                mem["local"] = mm.group(1)
-                if mm.group(2):
-                    mem["remote"] = mm.group(2)
+            mem = {"local": mm.group(1), "remote": mm.group(2)} if mm else {}
+            in_table = 0
             continue
         if current is None:
             continue
@@ -158,8 +157,9 @@ def parse_proto_rows(text: str) -> list[dict[str, str]]:
             rows.append({"op": current, "scope": scope, "range": r.group(1).strip(),
                          "protocol": r.group(2).strip(), "config": r.group(3).strip(),
                          **mem})
-        elif line.startswith("+") and any(x["op"] == current for x in rows):
-            current = None
+            in_table += 1
+        elif line.startswith("+") and in_table:  # this table's rows are over (a second
+            current = None  # table of the same op had been cut off here at its first rule)
     return rows
 
 
