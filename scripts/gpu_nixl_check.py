@@ -8,10 +8,10 @@ Cases: ``4MiB`` (4 MiB descriptors at random distinct ids of a 1 GiB cache) and 
 (the Llama-3-70B TP8-rank request: 80 layers x K,V x 256 blocks of 4 KiB = 160 MiB, planned
 through kvlink's ``plan_transfer`` at random distinct block ids of 512-block caches). First
 one READ and one WRITE from fresh bytes, every byte verified (sha256 of the moved blocks on
-both sides); then ``--reps`` of each, timed end to end (post -> DONE polled) in a fresh random
-order every round (READ and WRITE see the same stretch of the machine), both sides' blocks
-equal at the end. Medians as a ratio of baselines measured in the same run: one contiguous
-device copy of as many bytes (CUDA events) and torch's gather of the same blocks;
+both sides); then ``--reps`` of each, timed end to end (post -> DONE, polled in a loop) in
+a fresh random order every round (READ and WRITE see the same stretch of the machine), both
+sides' blocks equal at the end. Medians as a ratio of baselines measured in the same run: one
+contiguous device copy of as many bytes (CUDA events) and torch's gather of the same blocks;
 ``read_vs_write`` is READ's median time against WRITE's (negative: READ faster) with a 90 %
 bootstrap interval. A measured NIXL probe (``_ucx.nixl_probe``) says which UCX lanes carried VRAM.
 ``--memory dram`` runs the same on host memory (no GPU needed; smaller caches), to check the
@@ -281,9 +281,15 @@ def _timed(t: Any, op: Any, le: Any, re_: Any, kind: str, timeout: float, paths:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     h = t.post(op, "target", le, re_)
-    st = t.wait(h, timeout)
+    # polled in a loop, as a caller that waits for it does (Transport.wait backs off to 1 ms
+    # sleeps: half a millisecond of its grain in a 1 ms transfer)
+    st = t.poll(h)
+    while st.status is XferStatus.PENDING and time.perf_counter() - t0 < timeout:
+        st = t.poll(h)
     dt = time.perf_counter() - t0
     paths.add(f"{op.value}:{t.xfer_timing(h)['path']}")
+    if st.status is XferStatus.PENDING:  # past the timeout: ended by wait's own deadline
+        st = t.wait(h, 0.0)
     t.release(h)
     if st.status is not XferStatus.DONE:
         raise RuntimeError(f"{op.value} {case}: {st.reason or f'not DONE within {timeout:g}s'}")
