@@ -10,11 +10,11 @@ into its own (touched) region, in two shapes (``CASES``):
 * ``20480``: the 70B TP8-rank shape, 160 planes (80 layers x K, V) x 256 blocks x 4 KiB,
   requests of 128 scattered blocks per plane (20480 block descriptors);
 
-alternating per request between
+per request, in a fresh random order,
 
 * ``kvlink``: ``NixlTransport.post`` of the request's extents (blocks adjacent on both sides
   coalesced, as kvlink's planner does; descriptor lists prepped once at connect, the
-  request's indices computed with numpy, ``make_prepped_xfer``) and ``poll`` until DONE,
+  request's indices computed with numpy, ``make_prepped_xfer``) and ``poll`` in a loop until DONE,
   without a NIXL notification (kvlink's worker sends a READ's "done" over its side channel);
 * ``baseline``: NixlConnector's way, one descriptor per (plane, block) prepped ONCE for the
   whole region on both sides, then ``make_prepped_xfer`` with index lists (built per request
@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _common import write_result  # noqa: E402
+from _common import change_interval, write_result  # noqa: E402
 
 #: case -> (planes, blocks per plane, block bytes, blocks per request per plane, scattered)
 CASES = {"16": (4, 256, 32768, 16, False), "20480": (160, 256, 4096, 128, True)}
@@ -109,15 +109,7 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
         ref = peer.reference()
         rng = np.random.default_rng(0)
         plane_idx = (np.arange(planes, dtype=np.int64) * blocks)[:, None]
-        for _ in range(reads):
-            if scattered:
-                lb = np.sort(rng.choice(blocks, per, replace=False))
-                rb = rng.choice(blocks, per, replace=False)
-            else:
-                start = int(rng.integers(0, blocks - per))
-                lb = np.arange(start, start + per)
-                rb = np.arange(blocks - start - per, blocks - start)
-            lo, ro = offsets(lb), offsets(rb)
+        def kvlink_one(lo: np.ndarray, ro: np.ndarray, want: np.ndarray) -> None:
             # kvlink (its planner's part, coalescing, timed on its own: the clock starts at
             # the transport call, as the baseline's starts at make_prepped_xfer)
             tp = time.perf_counter()
@@ -126,9 +118,13 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             t0 = time.perf_counter()
             h = t.post(Op.READ, peer.name, le, re_)
             t1 = time.perf_counter()
-            if t.wait(h, 30).status is not XferStatus.DONE:
-                raise TimeoutError("kvlink READ not DONE within 30 s")
+            deadline = time.monotonic() + 30
+            while (st := t.poll(h)).status is XferStatus.PENDING:  # in a loop, as the baseline
+                if time.monotonic() > deadline:
+                    raise TimeoutError("kvlink READ not DONE within 30 s")
             t2 = time.perf_counter()
+            if st.status is not XferStatus.DONE:
+                raise RuntimeError(f"kvlink READ failed: {st.reason}")
             tel = t.xfer_telemetry(h)
             tim = t.xfer_timing(h)
             paths.add(str(tim["path"]))
@@ -142,9 +138,11 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             add("kvlink_nixl_post_s", sum(e["post_us"] for e in tel) / 1e6)
             add("kvlink_extents", float(cl.shape[0]))
             got = buf.reshape(-1, page)[(lo // page).astype(np.int64)]
-            want = ref.reshape(-1, page)[(ro // page).astype(np.int64)]
             assert np.array_equal(got, want), "kvlink READ: bytes differ"
             buf[:] = 1
+
+        def baseline_one(lb: np.ndarray, rb: np.ndarray, lo: np.ndarray,
+                         want: np.ndarray) -> None:
             # NixlConnector's way (its block id lists timed on their own, like kvlink's plan)
             tp = time.perf_counter()
             il = (plane_idx + lb[None, :]).ravel().astype(np.int32)
@@ -176,6 +174,24 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             got = buf.reshape(-1, page)[(lo // page).astype(np.int64)]
             assert np.array_equal(got, want), "baseline READ: bytes differ"
             buf[:] = 1
+
+        order = np.random.default_rng(1)
+        for _ in range(reads):
+            if scattered:
+                lb = np.sort(rng.choice(blocks, per, replace=False))
+                rb = rng.choice(blocks, per, replace=False)
+            else:
+                start = int(rng.integers(0, blocks - per))
+                lb = np.arange(start, start + per)
+                rb = np.arange(blocks - start - per, blocks - start)
+            lo, ro = offsets(lb), offsets(rb)
+            want = ref.reshape(-1, page)[(ro // page).astype(np.int64)]
+            # the two paths in a fresh random order every request (a fixed order biases)
+            for k in order.permutation(2).tolist():
+                if k == 0:
+                    kvlink_one(lo, ro, want)
+                else:
+                    baseline_one(lb, rb, lo, want)
         lh.release()
         rh.release()
     finally:
@@ -202,12 +218,16 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             print(f"  {k:34s} {v:7.0f}")
         else:
             print(f"  {k:34s} p50 {v * 1e3:7.3f} ms")
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    lo90, hi90 = change_interval(res["baseline_wall_s"], res["kvlink_wall_s"])
+    interval = [1 + lo90, 1 + hi90]  # of wall_kvlink_over_baseline, 90 % bootstrap
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+          + f" (wall ratio 90 % interval [{interval[0]:.3f}, {interval[1]:.3f}])")
     return {
         "layout": {"planes": planes, "blocks": blocks, "page_bytes": page,
                    "blocks_per_plane_per_read": per, "scattered": scattered,
                    "block_descriptors_per_read": planes * per},
-        "kvlink_path": sorted(paths), "p50_s": med, "ratios": ratios, "raw_s": res,
+        "kvlink_path": sorted(paths), "p50_s": med, "ratios": ratios,
+            "wall_kvlink_over_baseline_90pct": interval, "raw_s": res,
     }
 
 
