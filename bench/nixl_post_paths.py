@@ -12,10 +12,12 @@ into its own (touched) region, in two shapes (``CASES``):
 
 per request, in a fresh random order,
 
-* ``kvlink``: ``NixlTransport.post`` of the request's extents (blocks adjacent on both sides
-  coalesced, as kvlink's planner does; descriptor lists prepped once at connect, the
-  request's indices computed with numpy, ``make_prepped_xfer``) and ``poll`` in a loop until DONE,
-  without a NIXL notification (kvlink's worker sends a READ's "done" over its side channel);
+* ``kvlink``: ``NixlTransport.post_runs`` of the request in the RUNS form the worker hands it
+  (the planes' bases and one run per block; descriptor lists prepped once at connect, the
+  request's indices two broadcast adds, ``make_prepped_xfer``) — with ``--extents``, ``post``
+  of its extents instead (blocks adjacent on both sides coalesced, as the planner does for a
+  transport without ``post_runs``) — and ``poll`` in a loop until DONE, without a NIXL
+  notification (kvlink's worker sends a READ's "done" over its side channel);
 * ``baseline``: NixlConnector's way, one descriptor per (plane, block) prepped ONCE for the
   whole region on both sides, then ``make_prepped_xfer`` with index lists (built per request
   from the block ids, as NixlConnector does) + ``transfer`` and ``check_xfer_state`` until DONE,
@@ -67,8 +69,9 @@ def coalesce(lo: np.ndarray, ro: np.ndarray, size: int) -> tuple[np.ndarray, np.
     return lo[starts], ro[starts], lens
 
 
-def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str, Any]:
-    from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
+def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any, use_runs: bool = True
+             ) -> dict[str, Any]:
+    from kvlink.transport import Op, Region, Runs, TransportContext, XferStatus, make_extents
     from kvlink_transports.nixl import NixlTransport
 
     planes, blocks, page, per, scattered = CASES[name]
@@ -109,14 +112,30 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
         ref = peer.reference()
         rng = np.random.default_rng(0)
         plane_idx = (np.arange(planes, dtype=np.int64) * blocks)[:, None]
-        def kvlink_one(lo: np.ndarray, ro: np.ndarray, want: np.ndarray) -> None:
+        lbases = np.uint64(buf.ctypes.data) + plane_off.ravel()
+        rbases = np.uint64(peer.addr) + plane_off.ravel()
+        pg = np.uint64(page)
+
+        def kvlink_one(lb: np.ndarray, rb: np.ndarray, lo: np.ndarray, ro: np.ndarray,
+                       want: np.ndarray) -> None:
             # kvlink (its planner's part, coalescing, timed on its own: the clock starts at
             # the transport call, as the baseline's starts at make_prepped_xfer)
             tp = time.perf_counter()
-            cl, cr, cn = coalesce(lo, ro, page)
-            le, re_ = make_extents(buf.ctypes.data + cl, cn), make_extents(peer.addr + cr, cn)
+            if use_runs:  # the worker's RUNS form: plane bases + one run per block
+                runs = Runs(lbases, rbases, lb.astype(np.uint64) * pg, rb.astype(np.uint64) * pg,
+                            np.full(lb.shape[0], page, dtype=np.uint64), lo.shape[0],
+                            lb.shape[0] * page, page)
+                extents = runs.descriptors
+            else:
+                cl, cr, cn = coalesce(lo, ro, page)
+                le = make_extents(buf.ctypes.data + cl, cn)
+                re_ = make_extents(peer.addr + cr, cn)
+                extents = cl.shape[0]
             t0 = time.perf_counter()
-            h = t.post(Op.READ, peer.name, le, re_)
+            if use_runs:
+                h = t.post_runs(Op.READ, peer.name, runs)
+            else:
+                h = t.post(Op.READ, peer.name, le, re_)
             t1 = time.perf_counter()
             deadline = time.monotonic() + 30
             while (st := t.poll(h)).status is XferStatus.PENDING:  # in a loop, as the baseline
@@ -136,7 +155,7 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             add("kvlink_post_call_s", t1 - t0)
             add("kvlink_nixl_xfer_s", sum(e["xfer_us"] for e in tel) / 1e6)
             add("kvlink_nixl_post_s", sum(e["post_us"] for e in tel) / 1e6)
-            add("kvlink_extents", float(cl.shape[0]))
+            add("kvlink_extents", float(extents))
             got = buf.reshape(-1, page)[(lo // page).astype(np.int64)]
             assert np.array_equal(got, want), "kvlink READ: bytes differ"
             buf[:] = 1
@@ -189,7 +208,7 @@ def run_case(name: str, reads: int, OPTS: dict[str, Any], Peer: Any) -> dict[str
             # the two paths in a fresh random order every request (a fixed order biases)
             for k in order.permutation(2).tolist():
                 if k == 0:
-                    kvlink_one(lo, ro, want)
+                    kvlink_one(lb, rb, lo, ro, want)
                 else:
                     baseline_one(lb, rb, lo, want)
         lh.release()
@@ -235,12 +254,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reads", type=int, default=60, help="READs per path and case")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: 16,20480")
+    ap.add_argument("--extents", action="store_true",
+                    help="kvlink posts extents (post), not the RUNS form (post_runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     from test_nixl_transport import OPTS, Peer  # the target process of the transport tests
 
-    cases = {c: run_case(c, args.reads, OPTS, Peer) for c in args.cases.split(",")}
+    cases = {c: run_case(c, args.reads, OPTS, Peer, not args.extents)
+             for c in args.cases.split(",")}
     write_result("nixl_post_paths", {"description": __doc__.split("\n\n")[0],
                                      "cases": cases}, args.out)
 

@@ -28,6 +28,7 @@ from kvlink.transport import (
     EXTENT_DTYPE,
     Op,
     Region,
+    Runs,
     TransportContext,
     XferStatus,
     create_transport,
@@ -252,6 +253,50 @@ def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]
     assert state.status is XferStatus.FAILED and "'nobody'" in state.reason, state
     t.release(h)
     assert t.stats.transfers == 0 and t._handle_counts()["xfers"] == 0
+    t.disconnect(peer.name)
+
+
+def test_post_runs_indexes_the_prepped_lists_and_keeps_the_bounds(
+    peer: Peer, local: tuple[Any, np.ndarray]
+) -> None:
+    """A RUNS-form READ (what the worker hands a transport with ``post_runs``): indices from
+    segment bases and block offsets, no extents built — the same bytes as post, in the same
+    places; runs past a region's end, or of unequal lengths, take post's path (its bounds
+    check raises)."""
+    t, buf = local
+    t.connect(peer.name, peer.descriptor)
+    page, segs = 4096, 8
+    seg = np.uint64(64 * page)  # 8 segments of 64 pages each side
+    rng = np.random.default_rng(5)
+    lids = rng.choice(64, 24, replace=False).astype(np.uint64)
+    rids = rng.choice(64, 24, replace=False).astype(np.uint64)
+    lbase = np.uint64(buf.ctypes.data) + np.arange(segs, dtype=np.uint64) * seg
+    rbase = np.uint64(peer.addr) + np.arange(segs, dtype=np.uint64) * seg + np.uint64(page)
+    u = np.uint64(page)
+    lens = np.full(24, page, dtype=np.uint64)
+    runs = Runs(lbase, rbase, lids * u, rids * u, lens, 24 * segs, 24 * page, page)
+    buf[:] = 0
+    h = t.post_runs(Op.READ, peer.name, runs)
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    assert t.xfer_timing(h)["path"] == "prepped"
+    t.release(h)
+    ref = peer.reference()
+    plan = runs.expand()
+    for (la, ln), ra in zip(plan.local[["addr", "len"]].tolist(), plan.remote["addr"].tolist()):
+        lo, ro = la - buf.ctypes.data, ra - peer.addr
+        assert np.array_equal(buf[lo:lo + ln], ref[ro:ro + ln])
+    assert int(buf.astype(np.int64).sum()) == int(sum(
+        ref[ra - peer.addr:ra - peer.addr + page].astype(np.int64).sum()
+        for ra in plan.remote["addr"].tolist()))  # nothing landed anywhere else
+    far = Runs(lbase, rbase, lids * u, (rids + np.uint64(2048)) * u, lens, 24 * segs,
+               24 * page, page)  # past the peer's 8 MiB
+    with pytest.raises(ExtentOutOfBounds):
+        t.post_runs(Op.READ, peer.name, far)
+    mixed = Runs(lbase, rbase, lids[:2] * u, rids[:2] * u,
+                 np.array([page, 2 * page], dtype=np.uint64), 3 * segs, 3 * page, 2 * page)
+    h = t.post_runs(Op.READ, peer.name, mixed)  # runs of two lengths: post's lists
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
     t.disconnect(peer.name)
 
 

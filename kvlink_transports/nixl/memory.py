@@ -204,6 +204,47 @@ def _pair_indices(
     return li_, ri_
 
 
+def _segment_firsts(prep: _Prep, bases: npt.NDArray[np.uint64]
+                    ) -> tuple[npt.NDArray[np.int64], int] | None:
+    """For a request in RUNS form (kvlink.transport.Runs: extent (s, r) at ``bases[s]`` +
+    its run's offset): each segment's first prepped block index, and the bytes every segment
+    has room for past its base (the smallest), or None where a base lies outside the prepped
+    regions or off a block boundary. Made once per (prep, bases): the planner hands every
+    request of a peer the same base arrays."""
+    side = prep.side
+    if side is None or bases.size == 0:
+        return None
+    ri = np.searchsorted(side.table.starts, bases, side="right").astype(np.int64) - 1
+    if int(ri.min()) < 0:
+        return None
+    off = bases - prep.start[ri]
+    if (off % np.uint64(prep.block)).any():
+        return None
+    firsts = (off // np.uint64(prep.block)).view(np.int64)
+    room = prep.nblocks[ri] - firsts  # whole prepped blocks from the base on, per segment
+    if int(room.min()) <= 0:
+        return None
+    return firsts + prep.base[ri], int(room.min()) * prep.block
+
+
+def _run_indices(lfirst: npt.NDArray[np.int64], rfirst: npt.NDArray[np.int64],
+                 local_at: npt.NDArray[np.uint64], remote_at: npt.NDArray[np.uint64],
+                 block: int, per: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Prepped block indices of segments x runs of ``per`` blocks each, segment-major as
+    :meth:`Runs.expand` orders the extents: two broadcast adds, no per-extent address math."""
+    b = np.uint64(block)
+    out = []
+    for first, at in ((lfirst, local_at), (rfirst, remote_at)):
+        rel = (at // b).astype(np.int32)  # indices fit: the caller checked the total
+        if per == 1:  # one block per run (the worker's form): one add, straight to int32
+            idx = np.add(first.astype(np.int32)[:, None], rel[None, :])
+        else:
+            idx = (first.astype(np.int32)[:, None, None] + rel[None, :, None]
+                   + np.arange(per, dtype=np.int32)[None, None, :])
+        out.append(idx.reshape(-1))
+    return out[0], out[1]
+
+
 def _memory_pairs(
     local: _Side, li: npt.NDArray[np.intp], remote: _Side, ri: npt.NDArray[np.intp],
 ) -> list[tuple[npt.NDArray[np.bool_] | None, int, int]]:

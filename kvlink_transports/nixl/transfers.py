@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from kvlink.errors import TransferError
 from kvlink.staging import StreamMarks, mark_post
-from kvlink.transport import DONE, Extents, Op, XferState, XferStatus, check_pairs
+from kvlink.transport import DONE, Extents, Op, Runs, XferState, XferStatus, check_pairs
 from kvlink_transports.nixl.agent import _nixl_reason, _warn_once
 from kvlink_transports.nixl.memory import (
     _MEM_NAMES,
@@ -35,6 +35,8 @@ from kvlink_transports.nixl.memory import (
     _memory_pairs,
     _pair_indices,
     _Prep,
+    _run_indices,
+    _segment_firsts,
     _Side,
 )
 from kvlink_transports.nixl.records import _Peer, _Xfer
@@ -55,6 +57,8 @@ class _Transfers(_Requests):
     _lpreps: dict[int, _Prep]  # block size -> our regions prepped at it
     _ids: itertools.count[int]
     _marks: StreamMarks | None  # stream order for our VRAM (None: no VRAM, or turned off)
+    #: (prep, base array) -> the segments' first blocks and room (post_runs)
+    _run_firsts: dict[tuple[int, int], tuple[_Prep, Any, tuple[Any, int] | None]]
 
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
@@ -88,6 +92,91 @@ class _Transfers(_Requests):
         x.t_posted = time.perf_counter()
         self._account(post_seconds=x.t_posted - t0)
         return handle
+
+    #: post_runs takes one run per block: NIXL merges adjacent indices of prepped lists itself,
+    #: so the host finds no runs (kvlink.plan.PlanTable.runs, coalesce=False)
+    coalesce_runs = False
+
+    def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"") -> int:
+        """Optional hook (the worker uses it where a plan takes the RUNS form): :meth:`post` of
+        ``runs.expand()`` without expanding it — the request's prepped-list indices come from
+        the segments' first blocks (worked out once per peer's base arrays) plus the runs'
+        block ids, two broadcast adds (NixlConnector's own arithmetic), with one bounds check
+        per request instead of one per extent. Same contract as post. Where the form does not
+        fit the prepped lists (no lists, mixed memory, VRAM that waits for the caller's
+        stream, runs of unequal length) it is ``post`` of the expanded extents."""
+        t0 = time.perf_counter()
+        with self._lock:
+            got = self._indexed_runs(peer, runs)
+            if got is not None:
+                handle, x = self._post_runs_locked(op, runs, t0, *got)
+        if got is None:
+            plan = runs.expand()
+            return self.post(op, peer, plan.local, plan.remote, ticket=ticket)
+        x.t_posted = time.perf_counter()
+        self._account(post_seconds=x.t_posted - t0)
+        return handle
+
+    def _post_runs_locked(self, op: Op, runs: Runs, t0: float, p: _Peer, lidx: Any, ridx: Any,
+                          lm: int, rm: int) -> tuple[int, _Xfer]:
+        if self._zombies:
+            self._reap_zombies()
+        n = runs.descriptors
+        x = _Xfer(p.key, p.agent, [], [], runs.nbytes, n, t0, op=_OPS[op],
+                  deadline=time.monotonic() + self._timeout)
+        handle = next(self._ids)
+        self._xfers[handle] = x
+        x.path = "prepped"
+        assert p.prep is not None
+        lprep = self._lpreps[p.prep.block]
+        err = self._post_indexed(x, _OPS[op], (lprep.handles[lm], lidx),
+                                 (p.prep.handles[rm], ridx), None)
+        if err is not None:
+            self._fail(x, f"nixl {op.value} to {p.key!r} failed at post: {err} "
+                       f"({n} extents, {x.nbytes} bytes)")
+        return handle, x
+
+    def _indexed_runs(self, peer: str, runs: Runs) -> tuple[_Peer, Any, Any, int, int] | None:
+        """(peer, local and remote indices, memory codes) of a RUNS post through the prepped
+        lists, or None for :meth:`post`'s path (lock held)."""
+        p = self._peers.get(peer)
+        if (self._closed or p is None or p.blocked is not None or p.prep is None
+                or self._post_mode != "prepped" or runs.descriptors == 0):
+            return None
+        lprep = self._lpreps.get(p.prep.block)
+        lk, rk = self._local.one_kind, p.side.one_kind
+        if (lprep is None or lprep.side is not self._local or p.prep.side is not p.side
+                or lk is None or rk is None or lk not in lprep.handles
+                or rk not in p.prep.handles
+                or (self._marks is not None and bool(self._local.vram.any()))):
+            return None  # (VRAM in stream order: post's deferred issue)
+        b, unit = lprep.block, runs.longest_run
+        if unit % b or runs.run_bytes != unit * int(runs.lens.shape[0]):
+            return None  # runs not all one length of whole blocks
+        lf = self._firsts(lprep, runs.local_base)
+        rf = self._firsts(p.prep, runs.remote_base)
+        if lf is None or rf is None:
+            return None
+        per = unit // b
+        if (int(runs.local_at.max()) + unit > lf[1] or int(runs.remote_at.max()) + unit > rf[1]
+                or runs.local_at.dtype != np.uint64 or runs.descriptors * per >= 1 << 31):
+            return None  # past a region's prepped blocks: post's bounds check says where
+        if ((runs.local_at | runs.remote_at) % np.uint64(b)).any():
+            return None
+        lidx, ridx = _run_indices(lf[0], rf[0], runs.local_at, runs.remote_at, b, per)
+        return p, lidx, ridx, lk, rk
+
+    def _firsts(self, prep: _Prep, bases: npt.NDArray[np.uint64]
+                ) -> tuple[npt.NDArray[np.int64], int] | None:
+        """:func:`_segment_firsts`, kept per (prep, base array): the planner's tables hand
+        every request of a peer the same arrays (held here, so an id is never reused)."""
+        key = (id(prep), id(bases))
+        got = self._run_firsts.get(key)
+        if got is None or got[0] is not prep or got[1] is not bases:
+            if len(self._run_firsts) > 256:
+                self._run_firsts.clear()
+            got = self._run_firsts[key] = (prep, bases, _segment_firsts(prep, bases))
+        return got[2]
 
     def _stream_mark(self, li: npt.NDArray[np.intp]) -> Any:
         """Stream order (kvlink.transport rule 6) for a transfer touching our VRAM: a mark of

@@ -143,6 +143,7 @@ class NixlTransport(_LaneChecks, _Transfers):
         self._local = _Side([])
         self._reg_dlists: list[Any] = []
         self._lpreps = {}
+        self._run_firsts = {}
         self._peers = {}
         self._by_agent = {}
         self._draining = {}
@@ -191,6 +192,7 @@ class NixlTransport(_LaneChecks, _Transfers):
             self._regions += new
             self._local = side
             old, self._lpreps = self._lpreps, {}
+            self._run_firsts.clear()
             for p in old.values():
                 p.release()
             for block in sorted(set(old) | {self._local_block()}):
@@ -430,6 +432,7 @@ class NixlTransport(_LaneChecks, _Transfers):
             for prep in self._lpreps.values():
                 prep.release()
             self._lpreps = {}
+            self._run_firsts.clear()
             for dl in self._reg_dlists:
                 try:
                     self._agent.deregister_memory(dl)

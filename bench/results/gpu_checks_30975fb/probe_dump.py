@@ -14,6 +14,7 @@ def cap(t):
 
 measure.parse_proto_rows = cap
 p = measure.nixl_probe("VRAM", 64 << 20, 2)
-open(sys.argv[1], "w").write(texts[0] if texts else "")
+with open(sys.argv[1], "w") as f:
+    f.write(texts[0] if texts else "")
 print(json.dumps({"ok": p.ok, "error": p.error, "lanes": p.lanes, "gbps": p.gbps, "rows": p.rows,
                   "all_rows": orig(texts[0]) if texts else []}, indent=1))
