@@ -208,9 +208,7 @@ __device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
   }
 }
 
-// at least 768 threads an SM: the unit's own placement (above) costs registers; left alone,
-// ptxas took 106 and fit two blocks of 256, a third fewer loads in flight than before it
-extern "C" __global__ void __launch_bounds__(KV_T, KV_T <= 768 ? 768 / KV_T : 1) kv_move_digest(
+extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
