@@ -181,14 +181,6 @@ __device__ __forceinline__ u64 kv_word(int lo, int hi) {
 
 #define KV_GROUPS (KV_T / 32)
 
-// log2 of a power of two, else -1; and a / b by that shift where there is one
-__device__ __forceinline__ int kv_log2(unsigned b) {
-  return (b != 0 && (b & (b - 1)) == 0) ? __ffs(b) - 1 : -1;
-}
-__device__ __forceinline__ unsigned kv_div(unsigned a, unsigned b, int log2b) {
-  return log2b >= 0 ? a >> log2b : a / b;
-}
-
 // One warp adds each lane's sum into acc[key] (key -1: nothing): lanes with one key in
 // aligned power-of-two groups (a head's run of vectors) reduce by shuffles and their first
 // lane adds; any other pattern adds lane by lane. Called by the whole warp.
@@ -239,25 +231,6 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
   for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
-  // each plane's page of this unit as the consumer's views place it, once per unit (per
-  // vector, its loads, a 64-bit multiply and two divisions were the digest's own cost):
-  // a vector's place in its page is rel = base + offset; strides that are powers of two
-  // (head_dim x dtype bytes, heads x that) are shifts
-  i64 base0 = 0, base1 = 0;
-  unsigned sh0 = 0, st0 = 1, sh1 = 0, st1 = 1;
-  int lsh0 = -1, lst0 = -1, lsh1 = -1, lst1 = -1;
-  if (slot >= 0) {
-    const i64* row = geo + 8 + 4 * (seg * Q);
-    base0 = d - (row[0] + lid * row[1]);
-    sh0 = (unsigned)row[2]; st0 = (unsigned)row[3];
-    lsh0 = kv_log2(sh0); lst0 = kv_log2(st0);
-    if (Q > 1) {
-      row += 4;
-      base1 = d - (row[0] + lid * row[1]);
-      sh1 = (unsigned)row[2]; st1 = (unsigned)row[3];
-      lsh1 = kv_log2(sh1); lst1 = kv_log2(st1);
-    }
-  }
   int key = -1;
   u64 part = 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
@@ -282,19 +255,19 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       if (j < nv) {
         const i64 off = j << 4;
         const int q = off >= page ? 1 : 0;  // Q is 1 or 2
-        const i64 rel = (q ? base1 : base0) + off;
+        const i64* row = geo + 8 + 4 * (seg * Q + q);
+        const i64 rel = d + off - (row[0] + lid * row[1]);
         if (rel >= 0 && rel < ((i64)1 << 31)) {
-          const unsigned ur = (unsigned)rel, sh = q ? sh1 : sh0, st = q ? st1 : st0;
-          const int lsh = q ? lsh1 : lsh0, lst = q ? lst1 : lst0;
+          const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
           unsigned head, token, wb;
           if (sh == 0) {  // one head
-            head = 0; token = kv_div(ur, st, lst); wb = ur - token * st;
+            head = 0; token = ur / st; wb = ur - token * st;
           } else if (sh >= st) {  // head-major (HND)
-            head = kv_div(ur, sh, lsh); const unsigned r2 = ur - head * sh;
-            token = kv_div(r2, st, lst); wb = r2 - token * st;
+            head = ur / sh; const unsigned r2 = ur - head * sh; token = r2 / st;
+            wb = r2 - token * st;
           } else {  // token-major (NHD)
-            token = kv_div(ur, st, lst); const unsigned r2 = ur - token * st;
-            head = kv_div(r2, sh, lsh); wb = r2 - head * sh;
+            token = ur / st; const unsigned r2 = ur - token * st; head = r2 / sh;
+            wb = r2 - head * sh;
           }
           if (head < (unsigned)H && token < (unsigned)N && wb + 16 <= (unsigned)hb) {
             k = q * H + (int)head;
