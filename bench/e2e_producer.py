@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
@@ -57,16 +58,29 @@ def _torch() -> Any:
     return torch
 
 
+#: set (``--layer-gap``): each layer's pages lie apart from the next layer's, so a worker
+#: registers one region per layer, as a vLLM cache (a tensor per layer) has it — the copy
+#: kernels check every extent against the registered regions (docs/cuda_ipc.md)
+LAYER_GAP_ENV = "KVLINK_BENCH_LAYER_GAP"
+
+
+def layer_gap() -> bool:
+    return os.environ.get(LAYER_GAP_ENV, "") not in ("", "0")
+
+
 class Cache:
     """One bf16 tensor (layers, K|V, blocks, tokens, heads, dim); per-layer views are vLLM's
-    FlashAttention shape ``(2, blocks, 16, heads, 128)``."""
+    FlashAttention shape ``(2, blocks, 16, heads, 128)``. With :func:`layer_gap`, a block's
+    worth of unused pages follows each plane (the views then stride over it): one registered
+    region per layer instead of one for the whole cache."""
 
     def __init__(self, case: Case, nblocks: int, device: str) -> None:
         torch = _torch()
         self.case, self.nblocks, self.device = case, nblocks, device
+        gap = 1 if layer_gap() else 0
         # zeros: every page is touched now, no first-touch page faults inside a timed window
-        self.t = torch.zeros((case.layers, 2, nblocks, BS, case.heads, DIM),
-                             dtype=torch.bfloat16, device=device)
+        self.t = torch.zeros((case.layers, 2, nblocks + gap, BS, case.heads, DIM),
+                             dtype=torch.bfloat16, device=device)[:, :, :nblocks]
         self.i16 = self.t.view(torch.int16)
         self.layers = [self.t[i] for i in range(case.layers)]
 
