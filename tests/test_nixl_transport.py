@@ -280,7 +280,7 @@ def test_post_runs_indexes_the_prepped_lists_and_keeps_the_bounds(
     assert t.wait(h, TIMEOUT).status is XferStatus.DONE
     assert t.xfer_timing(h)["path"] == "prepped"
     t.release(h)
-    ref = peer.reference()
+    ref = peer.buffer()  # (the module's peer: earlier tests WROTE into it)
     plan = runs.expand()
     for (la, ln), ra in zip(plan.local[["addr", "len"]].tolist(), plan.remote["addr"].tolist()):
         lo, ro = la - buf.ctypes.data, ra - peer.addr
