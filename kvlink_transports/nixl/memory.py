@@ -48,16 +48,11 @@ class _Side:
         self.mem = np.array([c[0] for c in codes], dtype=np.int8)
         self.dev = np.array([c[1] for c in codes], dtype=np.uint64)
         self.vram = self.mem == 1  # per region: device memory (stream order, per post)
-
-    @property
-    def one_kind(self) -> int | None:
-        """The memory code of every region when they share one (no per-extent lookup)."""
-        m = self.mem
-        return int(m[0]) if m.size and int(m.min()) == int(m.max()) else None
-
-    @property
-    def has_vram(self) -> bool:
-        return bool(np.any(self.vram))
+        m = self.mem  # read on every post: worked out once (a side never changes)
+        #: the memory code of every region when they share one (no per-extent lookup)
+        self.one_kind: int | None = (int(m[0]) if m.size and int(m.min()) == int(m.max())
+                                     else None)
+        self.has_vram = bool(np.any(self.vram))
 
 
 def _dlist(ext: Extents, dev: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -205,14 +200,14 @@ def _pair_indices(
 
 
 def _segment_firsts(prep: _Prep, bases: npt.NDArray[np.uint64]
-                    ) -> tuple[npt.NDArray[np.int64], int] | None:
+                    ) -> tuple[npt.NDArray[np.int32], int] | None:
     """For a request in RUNS form (kvlink.transport.Runs: extent (s, r) at ``bases[s]`` +
     its run's offset): each segment's first prepped block index, and the bytes every segment
     has room for past its base (the smallest), or None where a base lies outside the prepped
     regions or off a block boundary. Made once per (prep, bases): the planner hands every
     request of a peer the same base arrays."""
     side = prep.side
-    if side is None or bases.size == 0:
+    if side is None or bases.size == 0 or prep.descriptors >= 1 << 31:  # (int32 indices)
         return None
     ri = np.searchsorted(side.table.starts, bases, side="right").astype(np.int64) - 1
     if int(ri.min()) < 0:
@@ -224,22 +219,24 @@ def _segment_firsts(prep: _Prep, bases: npt.NDArray[np.uint64]
     room = prep.nblocks[ri] - firsts  # whole prepped blocks from the base on, per segment
     if int(room.min()) <= 0:
         return None
-    return firsts + prep.base[ri], int(room.min()) * prep.block
+    return (firsts + prep.base[ri]).astype(np.int32), int(room.min()) * prep.block
 
 
-def _run_indices(lfirst: npt.NDArray[np.int64], rfirst: npt.NDArray[np.int64],
+def _run_indices(lfirst: npt.NDArray[np.int32], rfirst: npt.NDArray[np.int32],
                  local_at: npt.NDArray[np.uint64], remote_at: npt.NDArray[np.uint64],
                  block: int, per: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Prepped block indices of segments x runs of ``per`` blocks each, segment-major as
-    :meth:`Runs.expand` orders the extents: two broadcast adds, no per-extent address math."""
-    b = np.uint64(block)
+    :meth:`Runs.expand` orders the extents: two broadcast adds, no per-extent address math.
+    The offsets are whole blocks (the caller checked), the indices fit int32 (the total)."""
+    shift = block.bit_length() - 1 if block & (block - 1) == 0 else -1
     out = []
     for first, at in ((lfirst, local_at), (rfirst, remote_at)):
-        rel = (at // b).astype(np.int32)  # indices fit: the caller checked the total
+        rel = ((at >> np.uint64(shift)) if shift >= 0 else at // np.uint64(block)
+               ).astype(np.int32)
         if per == 1:  # one block per run (the worker's form): one add, straight to int32
-            idx = np.add(first.astype(np.int32)[:, None], rel[None, :])
+            idx = np.add(first[:, None], rel[None, :])
         else:
-            idx = (first.astype(np.int32)[:, None, None] + rel[None, :, None]
+            idx = (first[:, None, None] + rel[None, :, None]
                    + np.arange(per, dtype=np.int32)[None, None, :])
         out.append(idx.reshape(-1))
     return out[0], out[1]

@@ -148,7 +148,7 @@ class _Transfers(_Requests):
         if (lprep is None or lprep.side is not self._local or p.prep.side is not p.side
                 or lk is None or rk is None or lk not in lprep.handles
                 or rk not in p.prep.handles
-                or (self._marks is not None and bool(self._local.vram.any()))):
+                or (self._marks is not None and self._local.has_vram)):
             return None  # (VRAM in stream order: post's deferred issue)
         b, unit = lprep.block, runs.longest_run
         if unit % b or runs.run_bytes != unit * int(runs.lens.shape[0]):
@@ -161,13 +161,14 @@ class _Transfers(_Requests):
         if (int(runs.local_at.max()) + unit > lf[1] or int(runs.remote_at.max()) + unit > rf[1]
                 or runs.local_at.dtype != np.uint64 or runs.descriptors * per >= 1 << 31):
             return None  # past a region's prepped blocks: post's bounds check says where
-        if ((runs.local_at | runs.remote_at) % np.uint64(b)).any():
+        if ((runs.local_at | runs.remote_at) & np.uint64(b - 1) if b & (b - 1) == 0
+                else (runs.local_at | runs.remote_at) % np.uint64(b)).any():
             return None
         lidx, ridx = _run_indices(lf[0], rf[0], runs.local_at, runs.remote_at, b, per)
         return p, lidx, ridx, lk, rk
 
     def _firsts(self, prep: _Prep, bases: npt.NDArray[np.uint64]
-                ) -> tuple[npt.NDArray[np.int64], int] | None:
+                ) -> tuple[npt.NDArray[np.int32], int] | None:
         """:func:`_segment_firsts`, kept per (prep, base array): the planner's tables hand
         every request of a peer the same arrays (held here, so an id is never reused)."""
         key = (id(prep), id(bases))
