@@ -219,20 +219,18 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
-  // the unit's digest row: host memory (the producer's board) for a READ. Read here, looked
-  // at only once the unit's loads are issued, and everything the digest needs besides (the
-  // geometry, our block id: a 64-bit division) worked out there too — before the copy they
-  // kept every warp waiting (a PCIe round trip, then an emulated division) before its first
-  // load. Bounded: pages a withdrawn hold gave back may hold anything by now (the reader's
-  // after-check then rejects the READ), and a row past the expected ones must not send the
-  // reads below out of the board
-  const i64 row_at = rows[r];
+  // host memory (the producer's board), in flight with the copy. Bounded: pages a withdrawn
+  // hold gave back may hold anything by now (the reader's after-check then rejects the READ),
+  // and a row past the expected ones must not send the reads below out of the board
+  i64 slot = rows[r];
+  if (slot >= nrows) slot = -1;
+  const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
+  const int keys = (int)Q * H;
+  const i64 lid = t[2 * S + n + r] / unit;  // our block id (offsets are id x unit)
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
-  int H = 0, N = 0, hb = 0, W = 0;
-  i64 lid = 0;
-  bool fresh = true;  // the unit's digest state not set up yet
+  for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
@@ -248,14 +246,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       const i64 j = j0 + (i64)u * 32;
       if (j < nv) dst[j] = v[u];
     }
-    if (row_at < 0 || row_at >= nrows) continue;  // the same for the whole warp
-    if (fresh) {
-      H = (int)geo[0]; N = (int)geo[1]; hb = (int)geo[2]; W = (int)geo[3];
-      lid = t[2 * S + n + r] / unit;  // our block id (offsets are id x unit)
-      for (int i = lane; i < (int)Q * H; i += 32) acc[group][i] = 0;
-      __syncwarp();
-      fresh = false;
-    }
+    if (slot < 0) continue;  // the same for the whole warp
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
       const i64 j = j0 + (i64)u * 32;
@@ -295,9 +286,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
       if (k >= 0) part += x;
     }
   }
-  if (row_at < 0 || row_at >= nrows || fresh) return;  // (fresh: no digest trip ran)
-  const i64 slot = row_at;
-  const int keys = (int)Q * H;
+  if (slot < 0) return;
   kv_flush(acc[group], key, part);
   __syncwarp();
   const i64 first = (slot * S * Q + seg * Q) * H;
