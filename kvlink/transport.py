@@ -140,8 +140,10 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class Runs:
-    """A request's extents in factored form, for a transport that computes addresses on its
-    device (optional hook ``post_runs``): extent (s, r) is ``local_base[s] + local_at[r]`` <->
+    """A request's extents in factored form, for a transport that need not expand them
+    (optional hook ``post_runs``: cuda_ipc computes the addresses on its device, nixl the
+    prepped-list indices from the segments' first blocks): extent (s, r) is
+    ``local_base[s] + local_at[r]`` <->
     ``remote_base[s] + remote_at[r]``, ``lens[r]`` bytes — segments x runs extents described
     by segments + runs numbers. The planner makes it (``kvlink.plan.PlanTable.runs``) where a
     request has that form; :meth:`expand` gives the plain extents, in the planner's order."""

@@ -288,6 +288,15 @@ def test_post_runs_indexes_the_prepped_lists_and_keeps_the_bounds(
     assert int(buf.astype(np.int64).sum()) == int(sum(
         ref[ra - peer.addr:ra - peer.addr + page].astype(np.int64).sum()
         for ra in plan.remote["addr"].tolist()))  # nothing landed anywhere else
+    rbase += np.uint64(3 * page)  # the same array refilled: the new places, not the cached
+    buf[:] = 0
+    h = t.post_runs(Op.READ, peer.name, runs)
+    assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+    t.release(h)
+    plan = runs.expand()
+    for (la, ln), ra in zip(plan.local[["addr", "len"]].tolist(), plan.remote["addr"].tolist()):
+        lo, ro = la - buf.ctypes.data, ra - peer.addr
+        assert np.array_equal(buf[lo:lo + ln], ref[ro:ro + ln])
     far = Runs(lbase, rbase, lids * u, (rids + np.uint64(2048)) * u, lens, 24 * segs,
                24 * page, page)  # past the peer's 8 MiB
     with pytest.raises(ExtentOutOfBounds):
