@@ -133,20 +133,20 @@ class _Xfer:
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
-_ALIGNED: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
+_ALIGNED: dict[tuple[bytes, bytes], bool] = {}
 
 
 def _aligned(local: Any, remote: Any) -> bool:
     """Every segment base 16-byte aligned (the fused kernel moves 16-byte vectors). The
-    planner hands the same base arrays to every request of a peer: judged once per pair."""
-    key = (id(local), id(remote))
+    planner hands the same bases to every request of a peer: judged once per pair of them —
+    kept by the addresses, not the arrays (a caller may refill one)."""
+    key = (local.tobytes(), remote.tobytes())
     got = _ALIGNED.get(key)
-    if got is None or got[0] is not local or got[1] is not remote:
+    if got is None:
         if len(_ALIGNED) > 256:
             _ALIGNED.clear()
-        ok = not ((local | remote) % np.uint64(16)).any()
-        got = _ALIGNED[key] = (local, remote, bool(ok))
-    return got[2]
+        got = _ALIGNED[key] = not bool(((local | remote) % np.uint64(16)).any())
+    return got
 
 
 def _device_index(device: str) -> int:

@@ -663,3 +663,18 @@ def test_mapper_shares_a_mapping_per_exporter_and_handle(monkeypatch: pytest.Mon
     assert closed == []
     m.close(a2)
     assert closed == [0x5000] and m.refs(a1) == 0 and m.refs(b) == 1
+
+
+def test_fused_alignment_is_judged_on_the_addresses_not_the_array() -> None:
+    """The fused READ moves 16-byte vectors: its segment bases must be 16-byte aligned. Judged
+    once per pair of base arrays — by what they hold: a caller that refills an array with
+    addresses off 16 bytes must be told so (a cache by the array object said "aligned")."""
+    import numpy as np
+
+    from kvlink_transports.cuda_ipc import _aligned
+
+    local = np.arange(4, dtype=np.uint64) * np.uint64(4096) + np.uint64(1 << 20)
+    remote = local + np.uint64(1 << 24)
+    assert _aligned(local, remote)
+    remote[2] += np.uint64(8)  # refilled in place: the same object
+    assert not _aligned(local, remote)
