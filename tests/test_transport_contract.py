@@ -360,8 +360,8 @@ def _split_peer(a: Node, b: Node) -> None:
 
     half = SIZE // 2
     base = b.buf.ctypes.data
-    two = _Side([Region(base, half), Region(base + half, half)])
-    two.mem[1] = 1
+    two = _Side([Region(base, half), Region(base + half, half, "cuda:0")])  # (labelled VRAM)
+    assert two.one_kind is None and two.has_vram
     t._peers[b.name].side = two
 
 
