@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import threading
@@ -341,8 +342,6 @@ def nixl_probe(memory: str = "DRAM", nbytes: int = 16 << 20, iters: int = 3,
 def _target_sum(target: subprocess.Popen[bytes]) -> int | None:
     """The probe target's checksum once the initiator is done (None: it did not say)."""
     assert target.stdin is not None and target.stdout is not None
-    import select
-
     try:
         target.stdin.write(b"x")
         target.stdin.close()

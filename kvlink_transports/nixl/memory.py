@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvlink.errors import ConfigError
-from kvlink.transport import Extents, Region, RegionTable
+from kvlink.errors import ConfigError, ExtentOutOfBounds
+from kvlink.transport import Extents, Region, RegionTable, make_extents
 from kvlink_transports.nixl.agent import _nixl_reason
 
 log = logging.getLogger("kvlink.nixl")
@@ -204,22 +204,22 @@ def _segment_firsts(prep: _Prep, bases: npt.NDArray[np.uint64]
     """For a request in RUNS form (kvlink.transport.Runs: extent (s, r) at ``bases[s]`` +
     its run's offset): each segment's first prepped block index, and the bytes every segment
     has room for past its base (the smallest), or None where a base lies outside the prepped
-    regions or off a block boundary. Made once per (prep, bases): the planner hands every
-    request of a peer the same base arrays."""
+    regions or off a block boundary — the first block of each segment located as any extent
+    is (``RegionTable.locate``, :func:`_first_blocks`). Made once per (prep, bases): the
+    planner hands every request of a peer the same bases."""
     side = prep.side
     if side is None or bases.size == 0 or prep.descriptors >= 1 << 31:  # (int32 indices)
         return None
-    ri = np.searchsorted(side.table.starts, bases, side="right").astype(np.int64) - 1
-    if int(ri.min()) < 0:
+    ext = make_extents(bases, prep.block)
+    try:
+        ri = side.table.locate(ext, "segment base")
+    except ExtentOutOfBounds:
         return None
-    off = bases - prep.start[ri]
-    if (off % np.uint64(prep.block)).any():
+    firsts = _first_blocks(prep, ri, ext)
+    if firsts is None:
         return None
-    firsts = (off // np.uint64(prep.block)).view(np.int64)
-    room = prep.nblocks[ri] - firsts  # whole prepped blocks from the base on, per segment
-    if int(room.min()) <= 0:
-        return None
-    return (firsts + prep.base[ri]).astype(np.int32), int(room.min()) * prep.block
+    room = prep.base[ri] + prep.nblocks[ri] - firsts  # whole prepped blocks from the base on
+    return firsts.astype(np.int32), int(room.min()) * prep.block
 
 
 def _run_indices(lfirst: npt.NDArray[np.int32], rfirst: npt.NDArray[np.int32],
