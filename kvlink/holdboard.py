@@ -297,6 +297,11 @@ class BoardView:
         """``count`` little-endian 64-bit words of the mapping at offset ``at``."""
         return struct.unpack_from(f"<{count}Q", self._map, at)
 
+    def int64s(self, at: int, count: int) -> npt.NDArray[np.int64]:
+        """``count`` little-endian int64 of the mapping at offset ``at``, copied out (the
+        mapping's buffer is let go at once: nothing keeps it from closing)."""
+        return np.frombuffer(self._map, dtype="<i8", count=count, offset=at).copy()
+
     def alive(self) -> bool:
         """Whether the producer still holds its board's lock (it is alive and has not closed
         its worker)."""

@@ -370,17 +370,18 @@ class BoardRows:
     count: int  # digest rows
     folded: bool
     row_words: int
-    rows: int  # host address of [blocks] int64
+    rows: npt.NDArray[np.int64]  # [blocks] each held position's digest row (-1: none), copied
     address: int  # host address of digest row 0
     region: tuple[int, int]  # the board mapping: (host address, bytes)
 
 
 def board_rows(view: Any, generation: int, fp: int | None = None) -> BoardRows | None:
     """The digest rows ``generation``'s hold published on ``view`` (a holdboard.BoardView),
-    located without copying them; None where it shows none (``fp``: only over those block
-    ids). What a kernel reads there counts only if the hold is still shown over the reader's
-    blocks after it: the reader's after-check once its READ is done (the pages are given back
-    only after the withdrawal, and a generation never comes back)."""
+    located without copying them (the row per held position is copied: it travels with the
+    copy kernel's launch); None where it shows none (``fp``: only over those block ids). What
+    was read there counts only if the hold is still shown over the reader's blocks after it:
+    the reader's after-check once its READ is done (the pages are given back only after the
+    withdrawal, and a generation never comes back)."""
     area = view.digest_area(generation, fp)
     if area is None:
         return None
@@ -390,8 +391,8 @@ def board_rows(view: Any, generation: int, fp: int | None = None) -> BoardRows |
     start = rows + 8 * (n + k)
     if folded > 1 or start + 8 * k * per > nbytes:
         return None
-    base = view.region[0] + at
-    return BoardRows(n, k, bool(folded), per, base + rows, base + start, view.region)
+    return BoardRows(n, k, bool(folded), per, view.int64s(at + rows, n),
+                     view.region[0] + at + start, view.region)
 
 
 def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike

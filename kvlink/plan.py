@@ -110,6 +110,8 @@ class PlanTable:
         loff, roff, piece = _page_pieces(local, remote, read)
         kv_inner = _kv_inner(local) and _kv_inner(remote)
         path, unit, (lb, rb, ls, rs) = _segments(local, remote, loff, roff, piece, kv_inner)
+        for a in (lb, rb):  # every request of the pair shares them (a transport may cache by
+            a.flags.writeable = False  # their identity)
         return cls(local, remote, read, loff, roff, piece, kv_inner, path, unit, lb, rb, ls, rs,
                    _gaps(lb, ls), _gaps(rb, rs))
 

@@ -208,7 +208,7 @@ class DigestJob:
     page_bytes: int  # one block's page of one plane
     blocks: int  # of the request
     count: int  # expected rows
-    rows: int  # host address of [blocks] int64: each block's expected row, -1: not checked
+    rows: npt.NDArray[np.int64]  # [blocks] each block's expected row, -1: not checked
     expect: int  # host address of expected row 0: [count][planes][heads] little-endian u64
     region: tuple[int, int]  # the host mapping both lie in: (address, bytes)
 

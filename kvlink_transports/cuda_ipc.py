@@ -60,6 +60,8 @@ import msgspec
 import numpy as np
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
+from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
+from kvlink.gpu.move import DIGEST_MAX
 from kvlink.options import check_options
 from kvlink.transport import (
     DONE,
@@ -133,20 +135,24 @@ class _Xfer:
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
-_ALIGNED: dict[tuple[bytes, bytes], bool] = {}
+_ALIGNED: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
 
 
 def _aligned(local: Any, remote: Any) -> bool:
     """Every segment base 16-byte aligned (the fused kernel moves 16-byte vectors). The
-    planner hands the same bases to every request of a peer: judged once per pair of them —
-    kept by the addresses, not the arrays (a caller may refill one)."""
-    key = (local.tobytes(), remote.tobytes())
+    planner hands every request of a peer pair its table's read-only base arrays: those are
+    judged once per pair of them (kept with the verdict, so their ids are not reused); an
+    array that can be written — a caller may refill one — is judged by what it holds now."""
+    if local.flags.writeable or remote.flags.writeable:
+        return not bool(((local | remote) % np.uint64(16)).any())
+    key = (id(local), id(remote))
     got = _ALIGNED.get(key)
-    if got is None:
+    if got is None or got[0] is not local or got[1] is not remote:
         if len(_ALIGNED) > 256:
             _ALIGNED.clear()
-        got = _ALIGNED[key] = not bool(((local | remote) % np.uint64(16)).any())
-    return got
+        got = _ALIGNED[key] = (local, remote,
+                               not bool(((local | remote) % np.uint64(16)).any()))
+    return bool(got[2])
 
 
 def _device_index(device: str) -> int:
@@ -461,8 +467,6 @@ class CudaIpcTransport(Transport):
         """Pages per unit (1, or 2: K and V side by side) where ``kv_move_digest`` can take
         this post — a READ of one whole unit per block, 16-byte aligned, as many units as the
         digest's rows say, planes that match the segments — else 0 (the caller digests)."""
-        from kvlink.gpu.move import DIGEST_MAX
-
         if digest is None or op is not Op.READ or digest.page_bytes <= 0:
             return 0
         n, segments = int(runs.lens.shape[0]), int(runs.local_base.shape[0])
@@ -475,22 +479,21 @@ class CudaIpcTransport(Transport):
         return pages if _aligned(runs.local_base, runs.remote_base) else 0
 
     def _post_digest(self, peer: str, runs: Runs, digest: DigestJob, pages: int) -> int:
-        from kvlink.gpu.copy import DigestLaunch
-
         expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
                                 "compared on the host")
         if not expect:
             return self.post_runs(Op.READ, peer, runs)
         segments, n = int(runs.local_base.shape[0]), int(runs.lens.shape[0])
         unit = runs.longest_run
-        host = digest.region[0]  # both lie in the producer's board: in place, no upload
+        # the blocks' rows travel with the launch (a unit not checked then reads nothing
+        # else); the digests stay on the producer's board, read in place by the units checked
+        rows = digest.rows.view(np.uint64)
         launch = DigestLaunch(digest.geometry, digest.weights, pages, digest.page_bytes,
-                              expect + digest.rows - host, digest.count,
-                              expect=expect + digest.expect - host)
+                              digest.count, expect=expect + digest.expect - digest.region[0])
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             table = np.concatenate([runs.remote_base, runs.local_base, runs.remote_at,
-                                    runs.local_at])
+                                    runs.local_at, rows])
             return copier.copy_digest(table, segments, n, unit, target.map, self._local_map,
                                       self._stream, after, launch)
 
@@ -500,8 +503,6 @@ class CudaIpcTransport(Transport):
         """For a DONE READ posted with a ``digest`` it fused: -1 when every digest of what it
         landed equals the producer's, else the first (row, plane, head) index that differs;
         None where nothing was compared (the caller digests itself)."""
-        from kvlink.gpu.copy import NO_MISMATCH
-
         x = self._xfers.get(handle)
         if x is None or x.pending is None or x.state is not DONE:
             return None

@@ -93,7 +93,6 @@ class Case:
         self.planes = _planes(kind, self.dst, read_as)
         self.src_planes = _planes(kind, self.src)  # the producer's, read right
         self.heads = int(self.planes[0][0].shape[1])  # as the consumer's views have them
-        self._rows: dict[bytes, Any] = {}
         self._anywhere: RegionMap | None = None
         self._scanned: tuple[RegionMap, RegionMap] | None = None
         self.nplanes = 2 * layers
@@ -124,12 +123,10 @@ class Case:
             integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
         assert fused is not None, "the views' geometry was not taken"
         count = int((rows >= 0).sum())
-        key = rows.tobytes()  # one device copy per rows, kept while copies may read it
-        dev_rows = self._rows.setdefault(key, torch.from_numpy(rows).to(self.dev))
-        launch = DigestLaunch(fused[0], fused[1], self.pages, self.page,
-                              int(dev_rows.data_ptr()), count, count * self.nplanes * self.heads,
+        launch = DigestLaunch(fused[0], fused[1], self.pages, self.page, count,
+                              count * self.nplanes * self.heads,
                               0 if expect is None else int(expect.data_ptr()))
-        table = np.concatenate([base, at])
+        table = np.concatenate([base, at, rows.view(np.uint64)])
         return copier.copy_digest(table, segs, n, self.unit, self.smap, self.dmap, stream,
                                   None, launch)
 
@@ -251,6 +248,13 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
         p = c.post(copier, stream, rows, want)
         p.wait()
         res[f"compare_{name}_matched"] = p.mismatch == NO_MISMATCH
+        # where a READ finds them: host memory (the producer's board), read by the device
+        host = want.cpu().pin_memory()
+        res[f"copy_compare_{name}_host_us"] = timed(
+            lambda r=rows, w=host: c.post(copier, stream, r, w))  # type: ignore[misc]
+        p = c.post(copier, stream, rows, host)
+        p.wait()
+        res[f"compare_{name}_host_matched"] = p.mismatch == NO_MISMATCH
     p = c.post(copier, stream, full)
     p.wait()
     res["full_digests_equal_reference"] = bool(np.array_equal(

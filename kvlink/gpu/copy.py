@@ -138,16 +138,15 @@ def _direct_launcher(compiled: Any, consts: tuple[int, ...]
 class DigestLaunch:
     """What :meth:`BatchCopier.copy_digest`'s kernel needs besides the copy: device pointers
     to the digest geometry and weights, pages per unit (1, or K and V side by side: 2), one
-    page's bytes, ``rows``: device pointer to each block's digest row (int64, -1: not
-    checked) and ``count`` of them (a row at or past it is not checked: the kernel reads no
-    further than that); ``words``: digest words to write back (rows x planes x heads; 0:
-    none); ``expect``: device pointer to the producer's rows to compare with (0: none)."""
+    page's bytes, ``count`` digest rows (a block's row at or past it is not checked: the
+    kernel reads no further than that); ``words``: digest words to write back (rows x planes
+    x heads; 0: none); ``expect``: device pointer to the producer's rows to compare with (0:
+    none)."""
 
     geometry: int
     weights: int
     pages: int
     page_bytes: int
-    rows: int
     count: int
     words: int = 0
     expect: int = 0
@@ -502,12 +501,16 @@ class BatchCopier:
                     digest: DigestLaunch) -> Pending:
         """:meth:`copy_runs` of one ``unit`` per (segment, block) — ``table`` is (source bases
         [segments], destination bases [segments], source offsets [blocks], destination
-        offsets [blocks]) — with the integrity
-        digests of what lands computed by the same kernel (``kv_move_digest``): once done,
+        offsets [blocks], each block's digest row [blocks] (int64 bits; -1: not checked)) —
+        with the integrity digests of what lands computed by the same kernel
+        (``kv_move_digest``; a block that is not checked is only copied): once done,
         ``Pending.digests`` holds ``digest.words`` of them, and ``Pending.mismatch`` says
         whether they equal ``digest.expect``'s. Only with :attr:`computes_addresses`."""
         if self._cuda is None:
             raise ConfigError("copy_digest needs the CUDA C kernel (NVRTC)")
+        if table.shape[0] != 2 * segments + 3 * blocks:
+            raise ConfigError(f"copy_digest: a table of {table.shape[0]} words for {segments} "
+                              f"segments and {blocks} blocks (2 x segments + 3 x blocks)")
         with self._lock:
             held: list[Any] = []
             self._signal = None
@@ -524,7 +527,7 @@ class BatchCopier:
                     out = bad + 8 if digest.words else 0
                     return (segments, blocks, unit, smap.ptr, smap.kernel_count, dmap.ptr,
                             dmap.kernel_count, buf.ptr, seq, digest.geometry, digest.weights,
-                            digest.rows, digest.count, out, digest.pages, digest.page_bytes,
+                            digest.count, out, digest.pages, digest.page_bytes,
                             digest.expect, bad)
 
                 # spare: the mismatch word, then the digests written back

@@ -166,15 +166,17 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
 // mod 2**64 of each 8-byte word times the odd weight of its (token, word) place, in the
 // consumer's logical order).
 // t holds, as i64, the source bases [S], destination bases [S], source offsets [n],
-// destination offsets [n] (block id x unit); rows, per block, its digest row (-1 or nrows
-// and above: not checked). geo: (heads, tokens, head bytes, words per head row, 4 spare)
+// destination offsets [n] (block id x unit), and per block its digest row (-1 or nrows and
+// above: not checked) — with the launch, so a unit that is not checked reads nothing more
+// than the plain copy does. geo: (heads, tokens, head bytes, words per head row, 4 spare)
 // then per plane (pointer, block stride, head stride, token stride) of the consumer's own
 // views, head stride 0 where there is one head; wt: the weights, [tokens x words]. Rows
 // are [S x Q][heads] digests. out (if not 0): where the rows are written, host memory
-// mapped into the device; expect (if not 0): the producer's rows, compared here — the
-// lowest (row, plane, head) index that differs goes to *bad (atomicMin; the host set it to
-// all ones). A byte the views do not place in a head is not digested (the digest then
-// differs: a layout disagreement fails closed).
+// mapped into the device; expect (if not 0): the producer's rows (host memory: read as the
+// unit starts, so the round trip overlaps its copy), compared here — the lowest (row,
+// plane, head) index that differs goes to *bad (atomicMin; the host set it to all ones). A
+// byte the views do not place in a head is not digested (the digest then differs: a layout
+// disagreement fails closed).
 __device__ __forceinline__ u64 kv_word(int lo, int hi) {
   return (u64)(unsigned)lo | ((u64)(unsigned)hi << 32);
 }
@@ -200,11 +202,13 @@ __device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
+// (KV_MINB blocks an SM: without the bound the compiler keeps everything in registers and
+// fits two blocks, fewer units in flight than the plain copy keeps: move.DIGEST_SHAPE)
+extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    const i64* rows, i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
   KV_TABLE_AT;
   // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
   // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
@@ -212,21 +216,36 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
   if (item >= S * n) return;  // the whole warp
-  const i64 seg = item / n, r = item - seg * n;
+  i64 seg, r;
+  if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
+    const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
+    seg = us; r = ui - us * un;
+  } else {
+    seg = item / n; r = item - seg * n;
+  }
+  const i64 dat = t[2 * S + n + r];
   i64 s = 0, d = 0;
   if (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
-      !kv_translate(t[S + seg] + t[2 * S + n + r], unit, dmap, nd, &d)) {
+      !kv_translate(t[S + seg] + dat, unit, dmap, nd, &d)) {
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
-  // host memory (the producer's board), in flight with the copy. Bounded: pages a withdrawn
-  // hold gave back may hold anything by now (the reader's after-check then rejects the READ),
-  // and a row past the expected ones must not send the reads below out of the board
-  i64 slot = rows[r];
+  // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
+  // after-check then rejects the READ), and a row past the expected ones must not send the
+  // reads below out of the board
+  i64 slot = t[2 * S + 2 * n + r];
   if (slot >= nrows) slot = -1;
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
-  const i64 lid = t[2 * S + n + r] / unit;  // our block id (offsets are id x unit)
+  const i64 first = (slot * S * Q + seg * Q) * H;
+  u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
+  if (slot >= 0 && expect) {
+    if (lane < keys) want0 = expect[first + lane];
+    if (lane + 32 < keys) want1 = expect[first + lane + 32];
+  }
+  // our block id (offsets are id x unit)
+  const i64 lid = slot < 0 ? 0 : (((dat | unit) >> 32) == 0 ?
+                                  (i64)((unsigned)dat / (unsigned)unit) : dat / unit);
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
@@ -289,11 +308,10 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_digest(
   if (slot < 0) return;
   kv_flush(acc[group], key, part);
   __syncwarp();
-  const i64 first = (slot * S * Q + seg * Q) * H;
   for (int i = lane; i < keys; i += 32) {
     const u64 got = acc[group][i];
     if (out) out[first + i] = got;
-    if (expect && expect[first + i] != got) atomicMin(bad, (u64)(first + i));
+    if (expect && (i < 32 ? want0 : want1) != got) atomicMin(bad, (u64)(first + i));
   }
 }
 
@@ -316,11 +334,18 @@ extern "C" __global__ void kv_signal(const i64* status, i64 seq, unsigned long l
 SMALL_SHAPE = (256, 64, 4)
 LARGE_SHAPE = (1024, 1024, 2)
 CHUNK = 64 << 10  # bytes one group moves of a long extent
-DIGEST_SHAPE = (256, 32, 8)  # kv_move_digest: a unit per warp, eight to a block
+#: kv_move_digest: a unit per warp, eight to a block, four 16-byte vectors in flight a lane,
+#: and four blocks an SM (its launch bound: 64 registers a thread). On one H200, the 70B
+#: TP8-rank request (80 layers, 1 head, 256 blocks) against the plain copy's 100.7 us: every
+#: block digested 117.0 us, one in 64 102.4 us; eight vectors a lane and three blocks an SM
+#: 138.4 / 105.5, unbounded (two blocks an SM) 171.2 / 117.3
+#: (bench/results/gpu_checks_digest_shapes/probe_digest_shapes.json)
+DIGEST_SHAPE = (256, 32, 4)
+DIGEST_MIN_BLOCKS = 4
 DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
 _NARGS = 10
-_DIGEST_NARGS = 19
+_DIGEST_NARGS = 18
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's
@@ -351,7 +376,8 @@ def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
         if fn is None:
             t, tp, u = shape
             defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
-                       f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n")
+                       f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n"
+                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n")
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
@@ -464,8 +490,8 @@ class CudaMove:
 
     def launch_digest(self, units: int, args: tuple[int, ...], stream: int) -> None:
         """kv_move_digest over ``units`` (segments x blocks) units; args as the kernel takes
-        them (table, S, n, unit, maps..., status, seq, geo, weights, rows, row count, out, Q,
-        page, expect, bad)."""
+        them (table, S, n, unit, maps..., status, seq, geo, weights, row count, out, Q, page,
+        expect, bad)."""
         if self._digest_fn is None:
             self._digest_fn = _compile(self.device, DIGEST_SHAPE, "kv_move_digest").func
         self._dvals[:] = list(args)
