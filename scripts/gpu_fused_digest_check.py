@@ -15,8 +15,9 @@ shuffled:
 3. Cost: the Llama-3-70B TP8-rank 4096-token request (80 layers, 1 KV head, 256 blocks; 160
    MiB) copied by ``copy_runs`` (one run per block, no digest) and by ``copy_digest`` with
    every block and with the sampled blocks digested (written back, and compared on the device
-   with the expected digests), CUDA-event timed, median of 30, and a device copy of the same
-   bytes. The device compare must say "none differ", and name the one word changed.
+   with the expected digests — in device memory, and in pinned host memory as a READ finds
+   them on the producer's board), CUDA-event timed, median of 30, and a device copy of the
+   same bytes. The device compare must say "none differ", and name the one word changed.
 Writes gpu_fused_digest_check.json; exit 1 on any failure.
 """
 
