@@ -175,7 +175,9 @@ class _Parts(_Holds):
         part.plan = plan
         part.t_post = time.perf_counter()
         req.phases.plan += part.t_post - t0
-        ticket = (push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
+        # a transport that serves only granted windows checks the ticket; no other reads it
+        ticket = (b"" if not transport.capabilities.enforces_grants
+                  else push_ticket(req.push.req_id, req.push.push_id) if req.push is not None
                   else read_ticket(req.req_id, go.generation) if go.generation else b"")
         signal = self._signal(req, transport)
         req.signalled = signal is not None
