@@ -391,8 +391,18 @@ def board_rows(view: Any, generation: int, fp: int | None = None) -> BoardRows |
     start = rows + 8 * (n + k)
     if folded > 1 or start + 8 * k * per > nbytes:
         return None
-    return BoardRows(n, k, bool(folded), per, view.int64s(at + rows, n),
-                     view.region[0] + at + start, view.region)
+    # every position digested (``full``): :func:`pack`'s rows are 0..n-1, not read (one step
+    # less on each READ's path; rows that said otherwise would only make the compare fail)
+    got = _in_order(n) if k == n else view.int64s(at + rows, n)
+    return BoardRows(n, k, bool(folded), per, got, view.region[0] + at + start, view.region)
+
+
+@functools.lru_cache(maxsize=64)
+def _in_order(n: int) -> npt.NDArray[np.int64]:
+    """0..n-1, read-only: the rows of a hold whose every position is digested."""
+    got = np.arange(n, dtype=np.int64)
+    got.flags.writeable = False
+    return got
 
 
 def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike

@@ -274,6 +274,13 @@ def test_board_rows_locate_the_digests_in_the_readers_mapping() -> None:
         assert integrity.board_rows(view, gen + 1) is None  # another hold: nothing
         board.withdraw(gen)
         assert integrity.board_rows(view, gen, fingerprint(ids)) is None
+        # every position digested (full): the rows are 0..n-1 in order, as pack wrote them
+        every = np.arange(10, dtype=np.int64)
+        gen2 = (9 << 20) | 10
+        assert board.publish(gen2, ids, integrity.pack(
+            (ids.tolist(), (np.arange(10 * 6, dtype="<u8")).tobytes(), False), every))
+        full = integrity.board_rows(view, gen2)
+        assert full is not None and full.count == 10 and full.rows.tolist() == every.tolist()
         assert integrity.board_rows(view, gen) is None
     finally:
         board.close()
