@@ -185,6 +185,36 @@ class Runs:
         return ExpandedRuns(local, remote, self.raw_descriptors)
 
 
+class PerBases:
+    """What a transport works out once per peer's segment bases (:class:`Runs`'
+    ``local_base`` / ``remote_base``) and reads on every post. The planner hands every
+    request of a peer pair its table's read-only arrays: those are kept by identity (held
+    with the answer, so their ids are not reused); an array that can be written — a caller
+    may refill one — is kept by what it holds. ``owner``: another object the answer depends
+    on (kept by identity too). Bounded; callers serialise their calls (their lock or the
+    GIL: a race only works an answer out twice)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._limit = limit
+        self._memo: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, make: Callable[[], Any], owner: object, *bases: npt.NDArray[Any]) -> Any:
+        if any(b.flags.writeable for b in bases):
+            key: tuple[Any, ...] = (id(owner), *(b.tobytes() for b in bases))
+            held: tuple[Any, ...] = (owner,)
+        else:
+            key, held = (id(owner), *(id(b) for b in bases)), (owner, *bases)
+        got = self._memo.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], held)):
+            if len(self._memo) > self._limit:
+                self._memo.clear()
+            got = self._memo[key] = (held, make())
+        return got[1]
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpandedRuns:
     local: Extents

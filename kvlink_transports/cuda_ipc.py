@@ -70,6 +70,7 @@ from kvlink.transport import (
     DigestJob,
     Extents,
     Op,
+    PerBases,
     Region,
     RegionTable,
     Runs,
@@ -135,24 +136,14 @@ class _Xfer:
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
 
-_ALIGNED: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
+_ALIGNED = PerBases()
 
 
 def _aligned(local: Any, remote: Any) -> bool:
-    """Every segment base 16-byte aligned (the fused kernel moves 16-byte vectors). The
-    planner hands every request of a peer pair its table's read-only base arrays: those are
-    judged once per pair of them (kept with the verdict, so their ids are not reused); an
-    array that can be written — a caller may refill one — is judged by what it holds now."""
-    if local.flags.writeable or remote.flags.writeable:
-        return not bool(((local | remote) % np.uint64(16)).any())
-    key = (id(local), id(remote))
-    got = _ALIGNED.get(key)
-    if got is None or got[0] is not local or got[1] is not remote:
-        if len(_ALIGNED) > 256:
-            _ALIGNED.clear()
-        got = _ALIGNED[key] = (local, remote,
-                               not bool(((local | remote) % np.uint64(16)).any()))
-    return bool(got[2])
+    """Every segment base 16-byte aligned (the fused kernel moves 16-byte vectors), judged
+    once per pair of base arrays (:class:`~kvlink.transport.PerBases`)."""
+    return bool(_ALIGNED.get(lambda: not ((local | remote) % np.uint64(16)).any(), None,
+                             local, remote))
 
 
 def _device_index(device: str) -> int:

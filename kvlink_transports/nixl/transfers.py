@@ -27,7 +27,16 @@ import numpy.typing as npt
 
 from kvlink.errors import TransferError
 from kvlink.staging import StreamMarks, mark_post
-from kvlink.transport import DONE, Extents, Op, Runs, XferState, XferStatus, check_pairs
+from kvlink.transport import (
+    DONE,
+    Extents,
+    Op,
+    PerBases,
+    Runs,
+    XferState,
+    XferStatus,
+    check_pairs,
+)
 from kvlink_transports.nixl.agent import _nixl_reason, _warn_once
 from kvlink_transports.nixl.memory import (
     _MEM_NAMES,
@@ -58,7 +67,7 @@ class _Transfers(_Requests):
     _ids: itertools.count[int]
     _marks: StreamMarks | None  # stream order for our VRAM (None: no VRAM, or turned off)
     #: (prep, base array) -> the segments' first blocks and room (post_runs)
-    _run_firsts: dict[tuple[int, bytes], tuple[_Prep, tuple[Any, int] | None]]
+    _run_firsts: PerBases
 
     def post(
         self, op: Op, peer: str, local: Extents, remote: Extents, notify: bytes | None = None,
@@ -169,16 +178,10 @@ class _Transfers(_Requests):
 
     def _firsts(self, prep: _Prep, bases: npt.NDArray[np.uint64]
                 ) -> tuple[npt.NDArray[np.int32], int] | None:
-        """:func:`_segment_firsts`, kept per (prep, base addresses) — by the addresses, not
-        the array: a caller may refill one array (a microsecond to hash 160 of them; the
-        planner hands every request of a peer the same ones)."""
-        key = (id(prep), bases.tobytes())
-        got = self._run_firsts.get(key)
-        if got is None or got[0] is not prep:
-            if len(self._run_firsts) > 256:
-                self._run_firsts.clear()
-            got = self._run_firsts[key] = (prep, _segment_firsts(prep, bases))
-        return got[1]
+        """:func:`_segment_firsts`, once per (prep, base array) (:class:`PerBases`)."""
+        got: tuple[npt.NDArray[np.int32], int] | None = self._run_firsts.get(
+            lambda: _segment_firsts(prep, bases), prep, bases)
+        return got
 
     def _stream_mark(self, li: npt.NDArray[np.intp]) -> Any:
         """Stream order (kvlink.transport rule 6) for a transfer touching our VRAM: a mark of

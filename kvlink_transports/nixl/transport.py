@@ -54,7 +54,7 @@ from kvlink.errors import (
 )
 from kvlink.options import check_options
 from kvlink.staging import StreamMarks
-from kvlink.transport import Capabilities, Op, Region, TransportContext, XferStatus
+from kvlink.transport import Capabilities, Op, PerBases, Region, TransportContext, XferStatus
 from kvlink_transports import _ucx
 from kvlink_transports.nixl.agent import _import_nixl, _nixl_reason, _warn_once, start_agent
 from kvlink_transports.nixl.lanes import _LaneChecks
@@ -143,7 +143,7 @@ class NixlTransport(_LaneChecks, _Transfers):
         self._local = _Side([])
         self._reg_dlists: list[Any] = []
         self._lpreps = {}
-        self._run_firsts = {}
+        self._run_firsts = PerBases()
         self._peers = {}
         self._by_agent = {}
         self._draining = {}
