@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import change_interval, write_result  # noqa: E402
-from e2e_producer import LAYER_GAP_ENV, layer_gap  # noqa: E402
+from e2e_producer import add_layer_gap_arg, regions_label, use_layer_gap  # noqa: E402
 
 TAG = "AB "  # a child's answers on its stdout start with this (the rest is its log)
 
@@ -145,13 +145,10 @@ def main() -> None:
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--layer-gap", action="store_true",
-                    help="each layer's pages apart from the next: one registered region per "
-                         "layer, as vLLM's tensor per layer (default: one for the cache)")
+    add_layer_gap_arg(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.layer_gap:  # read by e2e_producer.Cache, in every process spawned from here
-        os.environ[LAYER_GAP_ENV] = "1"
+    use_layer_gap(args.layer_gap)
     if args.child is not None:
         child(json.loads(args.child))
         return
@@ -186,7 +183,7 @@ def main() -> None:
           f"{'' if a.bad + b.bad == 0 else f'; MISMATCHES a {a.bad}, b {b.bad}'}", flush=True)
     write_result(f"ab_trees_{args.device}", {
         "case": spec["case"], "device": args.device, "transport": spec["transport"],
-        "registered_regions": "one per layer (--layer-gap)" if layer_gap() else "one",
+        "registered_regions": regions_label(),
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
         "trees": {"a": {"name": a.name, "dir": str(a.root)},
                   "b": {"name": b.name, "dir": str(b.root)}},

@@ -68,6 +68,24 @@ def layer_gap() -> bool:
     return os.environ.get(LAYER_GAP_ENV, "") not in ("", "0")
 
 
+def add_layer_gap_arg(ap: Any) -> None:
+    """The benches' ``--layer-gap`` flag (an argparse parser); :func:`use_layer_gap` after."""
+    ap.add_argument("--layer-gap", action="store_true",
+                    help="each layer's pages apart from the next: one registered region per "
+                         "layer, as vLLM's tensor per layer (default: one for the cache)")
+
+
+def use_layer_gap(on: bool) -> None:
+    """``--layer-gap``: set for :class:`Cache`, in every process spawned from here."""
+    if on:
+        os.environ[LAYER_GAP_ENV] = "1"
+
+
+def regions_label() -> str:
+    """What a result file says of the registered regions."""
+    return "one per layer (--layer-gap)" if layer_gap() else "one"
+
+
 class Cache:
     """One bf16 tensor (layers, K|V, blocks, tokens, heads, dim); per-layer views are vLLM's
     FlashAttention shape ``(2, blocks, 16, heads, 128)``. With :func:`layer_gap`, a block's

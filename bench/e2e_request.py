@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -56,7 +55,6 @@ from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them throu
     CPU_CASES,
     DIM,
     GPU_CASES,
-    LAYER_GAP_ENV,
     POLL_SLEEP,
     Cache,
     Case,
@@ -65,10 +63,12 @@ from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them throu
     _stats,
     _sync,
     _torch,
-    layer_gap,
+    add_layer_gap_arg,
     pattern,
     phase_medians,
+    regions_label,
     run_shuffled,
+    use_layer_gap,
     worker_stats,
 )
 from e2e_report import (
@@ -514,9 +514,7 @@ def main() -> None:
                     help="rounds of --inflight requests (default max(3, requests // 4))")
     ap.add_argument("--timeout", type=float, default=60.0, help="per wait, seconds")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--layer-gap", action="store_true",
-                    help="each layer's pages apart from the next: one registered region per "
-                         "layer, as vLLM's tensor per layer (default: one for the cache)")
+    add_layer_gap_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the transport (VALUE as JSON, e.g. coalesce_runs=false); "
@@ -525,8 +523,7 @@ def main() -> None:
                     help="cProfile the spin-mode timed windows; top functions to "
                          "PREFIX.<case>.txt (the figures then include the profiler's cost)")
     args = ap.parse_args()
-    if args.layer_gap:  # read by e2e_producer.Cache, in every process spawned from here
-        os.environ[LAYER_GAP_ENV] = "1"
+    use_layer_gap(args.layer_gap)
     args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "tcp")
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options = {"ucx_probe": False} if args.transport == "nixl" else {}
@@ -601,7 +598,7 @@ def main() -> None:
     payload = {
         "device": args.device, "transport": args.transport,
         "device_name": _gpu_name(args) if args.device == "cuda" else "cpu",
-        "registered_regions": "one per layer (--layer-gap)" if layer_gap() else "one",
+        "registered_regions": regions_label(),
         "geometry": {"block_size": BS, "head_dim": DIM, "dtype": "bfloat16",
                      "per_layer_shape": "(2, num_blocks, 16, kv_heads, 128)"},
         "block_ids": {"prefill": "contiguous per request slot",

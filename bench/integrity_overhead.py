@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_request as e2e
 from _common import change_interval, write_result
+from e2e_producer import add_layer_gap_arg, regions_label, use_layer_gap
 
 LEVELS = ("off", "sample", "full")
 SERIES = (*LEVELS, "off_control")  # timed, interleaved; the control runs at "off"
@@ -217,17 +217,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--spin", action="store_true",
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
-    ap.add_argument("--layer-gap", action="store_true",
-                    help="each layer's pages apart from the next (both workers register a "
-                         "region per layer, as a vLLM cache does; see bench/e2e_request.py)")
+    add_layer_gap_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="cProfile each level's timed requests; what each level adds to a "
                          "request, function by function, to PREFIX.<case>.txt (the figures "
                          "then include the profiler's cost)")
     args = ap.parse_args()
-    if args.layer_gap:  # read by e2e_producer.Cache, in every process spawned from here
-        os.environ[e2e.LAYER_GAP_ENV] = "1"
+    use_layer_gap(args.layer_gap)
     args.transport = "cuda_ipc" if args.device == "cuda" else "tcp"
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options, args.inflight, args.integrity, args.op = {}, 1, "full", "read"
@@ -268,7 +265,7 @@ def main() -> None:
         "kvlink_commit": e2e._git_commit(),
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
         "levels": "interleaved request by request (Checker.level switched on both sides)",
-        "registered_regions": "one per layer (--layer-gap)" if e2e.layer_gap() else "one",
+        "registered_regions": regions_label(),
         "goals": goals, "total_bad": bad, "cases": cases,
     }, args.out or f"bench/results/integrity_overhead_{args.device}{suffix}.json")
     if bad:
