@@ -49,6 +49,7 @@ its list. Notifications travel over the side channel (no native ones).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -58,9 +59,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
+from kvlink.gpu.lane import Lane, maps_of
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.options import check_options
 from kvlink.transport import (
@@ -131,7 +134,8 @@ class _Xfer:
     remote: Extents | None
     peer: _Peer | None
     state: XferState = PENDING
-    runs: Runs | None = None  # post_runs: expanded only to explain a refusal
+    #: post_runs (or a lane's post: made on demand): expanded only to explain a refusal
+    runs: Runs | Callable[[], Runs] | None = None
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
@@ -148,6 +152,39 @@ def _aligned(local: Any, remote: Any) -> bool:
 
 def _device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
+
+
+class _Lane:
+    """:meth:`CudaIpcTransport.lane`: what one peer pair's posts of whole blocks bind once.
+    A post after the peer connected anew rebinds its mappings; one after it disconnected
+    fails like any post to an unknown peer."""
+
+    __slots__ = ("_owner", "local_base", "moves", "op", "peer", "remote_base", "target")
+
+    def __init__(self, owner: CudaIpcTransport, op: Op, peer: str, target: _Peer,
+                 moves: Lane, local_base: npt.NDArray[np.uint64],
+                 remote_base: npt.NDArray[np.uint64]) -> None:
+        self._owner, self.op, self.peer, self.target, self.moves = owner, op, peer, target, moves
+        self.local_base, self.remote_base = local_base, remote_base
+
+    def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
+             digest: DigestJob | None = None) -> int | None:
+        """Post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64
+        and checked in range: a handle (the transport's contract: never raises, FAILED says
+        why), or None where this lane cannot take the request (too many blocks for a launch's
+        table; ``digest`` not what its kernel takes): post it the general way."""
+        return self._owner._post_lane(self, local_ids, remote_ids, digest)
+
+    def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
+             ) -> Runs:
+        """What a post of these blocks moved, as post_runs would have taken it (to explain
+        a refusal: the slow path)."""
+        unit, n = self.moves.unit, int(local_ids.shape[0])
+        lens = np.full(n, unit, dtype=np.uint64)
+        return Runs(self.local_base, self.remote_base,
+                    local_ids.view(np.uint64) * np.uint64(unit),
+                    remote_ids.view(np.uint64) * np.uint64(unit), lens,
+                    n * self.local_base.shape[0], n * unit, unit)
 
 
 class CudaIpcTransport(Transport):
@@ -179,6 +216,8 @@ class CudaIpcTransport(Transport):
         # a fraction of building a torch.cuda.Stream object
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._current_stream: Any = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        self._current_device: Any = (getattr(torch._C, "_cuda_getDevice", None)
+                                     or torch.cuda.current_device)
         self._device = -1
         self._regions: tuple[Region, ...] = ()
         self._exports: list[_Export] = []
@@ -500,9 +539,71 @@ class CudaIpcTransport(Transport):
         got = x.pending.mismatch
         return None if got is None else -1 if got == NO_MISMATCH else int(got)
 
+    def lane(self, op: Op, peer: str, local_base: npt.NDArray[np.uint64],
+             remote_base: npt.NDArray[np.uint64], unit: int,
+             page_bytes: int = 0) -> _Lane | None:
+        """Optional hook (kvlink.transport): posts of whole ``unit``-byte blocks between
+        ``peer``'s segments and ours bound once (kvlink.gpu.lane) — the post_runs of one run per
+        block with nothing worked out per request but the block offsets. ``page_bytes``: a
+        READ lane whose kernel digests what it lands (as post_runs with ``digest``); None
+        where this pair cannot have one (not connected, the Triton kernel, a unit the fused
+        kernel cannot take): post the general way."""
+        if self._copier is None or not self._copier.computes_addresses:
+            return None
+        with self._lock:
+            target = self._peers.get(peer)
+        if target is None:
+            return None
+        digest = None
+        if page_bytes:
+            pages, rest = divmod(unit, page_bytes)
+            if (op is not Op.READ or rest or pages not in (1, 2) or unit % 16
+                    or not _aligned(local_base, remote_base)):
+                return None
+            digest = (pages, page_bytes)
+        ours, theirs = (local_base, self._local_map), (remote_base, target.map)
+        (src, smap), (dst, dmap) = (theirs, ours) if op is Op.READ else (ours, theirs)
+        lane = self._copier.lane(src, dst, unit, smap, dmap, digest)
+        return None if lane is None else _Lane(self, op, peer, target, lane, local_base,
+                                               remote_base)
+
+    def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
+                   remote_ids: npt.NDArray[np.int64], digest: DigestJob | None) -> int | None:
+        """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one)."""
+        moves, n = lane.moves, int(local_ids.shape[0])
+        if not moves.fits(n):
+            return None
+        check = None
+        if moves.digest is not None:
+            pages = moves.digest[0]
+            if (digest is None or digest.blocks != n or digest.planes != moves.segments * pages
+                    or pages * digest.heads > DIGEST_MAX):
+                return None
+            expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
+                                    "compared on the host")
+            if not expect:
+                return None
+            check = (digest.rows, digest.count, digest.geometry, digest.weights,
+                     expect + digest.expect - digest.region[0])
+        elif digest is not None:
+            return None
+        src, dst = (remote_ids, local_ids) if lane.op is Op.READ else (local_ids, remote_ids)
+
+        def copy(copier: Any, target: _Peer, after: int | None) -> Any:
+            if target is not lane.target:  # connected anew since the lane was bound
+                lane.target = target
+                ours, theirs = self._local_map, target.map
+                moves.rebind(maps_of(*((theirs, ours) if lane.op is Op.READ else
+                                       (ours, theirs))))
+            return copier.copy_lane(moves, src, dst, self._stream, after, check)
+
+        return self._post(lane.peer, copy, None, None,
+                          functools.partial(lane.runs, local_ids, remote_ids),
+                          n * moves.segments * moves.unit, n * moves.segments)
+
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
-              local: Extents | None, remote: Extents | None, runs: Runs | None, nbytes: int,
-              descriptors: int) -> int:
+              local: Extents | None, remote: Extents | None,
+              runs: Runs | Callable[[], Runs] | None, nbytes: int, descriptors: int) -> int:
         """Both posts: ``copy(copier, target, after)`` enqueues on our stream after the
         caller's; anything that stops it before it is enqueued makes a FAILED handle."""
         t0 = time.perf_counter()
@@ -518,7 +619,7 @@ class CudaIpcTransport(Transport):
             else:
                 try:
                     after = self._current_stream(self._device) if self.stream_order else None
-                    if cuda.current_device() == self._device:  # common: no context switch
+                    if self._current_device() == self._device:  # common: no context switch
                         pending = copy(self._copier, target, after)
                     else:
                         with cuda.device(self._device):
@@ -563,7 +664,7 @@ class CudaIpcTransport(Transport):
         """Why the device refused an extent: the host checks, run only on this slow path."""
         local, remote = x.local, x.remote
         if x.runs is not None:
-            plan = x.runs.expand()
+            plan = (x.runs() if callable(x.runs) else x.runs).expand()
             local, remote = plan.local, plan.remote
         assert local is not None and remote is not None
         try:

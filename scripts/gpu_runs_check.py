@@ -7,9 +7,10 @@ of 1-8) copied by ``copy_runs`` from random bytes into a zeroed buffer, compared
 with the same extents applied on the host (``Runs.expand``); a second copy whose source base is
 outside the registered region must come back failed with nothing written; and the timing of
 the forms of the same copy (``copy`` of the expanded extents from pinned records, ``copy_runs``
-with its table passed with the launch and, forced, uploaded first) against one device copy of
-the same bytes, CUDA events, same run; each form's host time too. Both table forms are checked
-byte for byte and for the refusal. Writes gpu_runs_check.json.
+with its table passed with the launch and, forced, uploaded first, and ``copy_lane``: a
+``kvlink.gpu.lane.Lane`` bound once, given the block ids) against one device copy of the same
+bytes, CUDA events, same run; each form's host time too. Every table form and the lane are
+checked byte for byte and for the refusal. Writes gpu_runs_check.json.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ from kvlink.transport import Runs
 SEGS, NB, UNIT, N = 160, 600, 4096, 256
 
 
-def _runs(src: int, dst: int, rng: np.random.Generator, coalesce: bool = True) -> Runs:
-    """The request's table: decode ids in shuffled runs of 1-8, one run per block unless
-    ``coalesce`` (then adjacent blocks on both sides are one run)."""
+def _ids(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(decode ids in shuffled runs of 1-8, prefill ids): the request's blocks."""
     cuts = np.cumsum(rng.integers(1, 9, size=N))
     pieces = np.split(np.arange(N), cuts[cuts < N])
     lids = np.concatenate([pieces[k] for k in rng.permutation(len(pieces))]) + 100
-    rids = np.arange(N) + 7
+    return lids.astype(np.int64), (np.arange(N) + 7).astype(np.int64)
+
+
+def _runs(src: int, dst: int, rng: np.random.Generator, coalesce: bool = True) -> Runs:
+    """The request's table: decode ids in shuffled runs of 1-8, one run per block unless
+    ``coalesce`` (then adjacent blocks on both sides are one run)."""
+    lids, rids = _ids(rng)
     if coalesce:
         edge = np.ones(N + 1, dtype=bool)
         edge[1:N] = (np.diff(lids) != 1) | (np.diff(rids) != 1)
@@ -105,10 +111,25 @@ def main() -> None:
         out[f"{form}_refused_failed"] = p.failed()
         out[f"{form}_refused_wrote_nothing"] = not bool(dst.any().item())
     cuda._no_tables = ""
+    lids, rids = _ids(np.random.default_rng(0))  # the same blocks as ``runs``
+    lane = copier.lane(runs.remote_base, runs.local_base, UNIT, smap, dmap)
+    assert lane is not None and lane.fits(N)
+    dst.zero_()
+    p = copier.copy_lane(lane, rids, lids, stream, None)
+    p.wait()
+    out["lane_failed"] = p.failed()
+    out["lane_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
+    dst.zero_()
+    far = copier.lane(runs.remote_base + np.uint64(nbytes), runs.local_base, UNIT, smap, dmap)
+    assert far is not None
+    p = copier.copy_lane(far, rids, lids, stream, None)
+    p.wait()
+    out["lane_refused_failed"] = p.failed()
+    out["lane_refused_wrote_nothing"] = not bool(dst.any().item())
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
-    kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "device_copy")
+    kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane", "device_copy")
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    times.update({f"host_{k}_us": [] for k in kinds[:3]})
+    times.update({f"host_{k}_us": [] for k in kinds[:4]})
     flat_src = torch.empty(runs.nbytes, dtype=torch.uint8, device=dev)
     for i in range(60):
         for kind in kinds:
@@ -120,6 +141,8 @@ def main() -> None:
             if kind == "copy_expanded":
                 ext = runs.expand(copier.host_extents)
                 p = copier.copy(ext.remote, smap, ext.local, dmap, stream)
+            elif kind == "copy_lane":
+                p = copier.copy_lane(lane, rids, lids, stream, None)
             elif kind.startswith("copy_runs"):
                 p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap,
                                      stream)
@@ -140,15 +163,17 @@ def main() -> None:
     out["median_us"] = med
     out["ratio_device_copy_over_copy_runs"] = med["device_copy"] / med["copy_runs"]
     out["ratio_device_copy_over_copy_expanded"] = med["device_copy"] / med["copy_expanded"]
+    out["ratio_device_copy_over_copy_lane"] = med["device_copy"] / med["copy_lane"]
     print(json.dumps(out, indent=1))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from _common import write_result  # command, machine, date
 
     write_result("gpu_runs_check", {"device_name": torch.cuda.get_device_name(dev), **out},
                  str(Path(args.out) / "gpu_runs_check.json"))
-    ok = all(out[f"{f}_{k}"] for f in ("with_launch", "uploaded")
+    forms = ("with_launch", "uploaded", "lane")
+    ok = all(out[f"{f}_{k}"] for f in forms
              for k in ("verified", "refused_failed", "refused_wrote_nothing")) and not any(
-        out[f"{f}_failed"] for f in ("with_launch", "uploaded"))
+        out[f"{f}_failed"] for f in forms)
     sys.exit(0 if ok else 1)
 
 

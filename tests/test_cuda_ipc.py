@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -315,6 +316,7 @@ def _fake_transport(monkeypatch: pytest.MonkeyPatch, **options: object) -> Any:
     t._torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_device=lambda: 0),
                                      device=lambda *a: None)
     t._current_stream = lambda device: 111  # the caller's current stream (raw handle)
+    t._current_device = lambda: 0
     t._device = 0
     t._stream = _FakeStream(222)
     t._copier = _FakeCopier()
@@ -678,3 +680,81 @@ def test_fused_alignment_is_judged_on_the_addresses_not_the_array() -> None:
     assert _aligned(local, remote)
     remote[2] += np.uint64(8)  # refilled in place: the same object
     assert not _aligned(local, remote)
+
+
+class _FakeLane:
+    """What kvlink.gpu.lane.Lane offers the transport: the maps it was bound to, and rebound."""
+
+    def __init__(self, src: Any, dst: Any, unit: int, maps: tuple[Any, Any],
+                 digest: Any) -> None:
+        self.src, self.dst, self.unit, self.digest = src, dst, unit, digest
+        self.segments = int(src.shape[0])
+        self.maps = [maps]
+
+    def fits(self, blocks: int) -> bool:
+        return 0 < blocks <= 100
+
+    def rebind(self, maps: tuple[Any, ...]) -> None:
+        self.maps.append(maps)
+
+
+class _FakeLaneCopier(_FakeCopier):
+    computes_addresses = True
+
+    def lane(self, src: Any, dst: Any, unit: int, smap: Any, dmap: Any,
+             digest: Any = None) -> _FakeLane:
+        return _FakeLane(src, dst, unit, (smap, dmap), digest)
+
+    def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
+                  check: object = None) -> _FakeCopy:
+        c = _FakeCopy((lane, src, dst, stream, check), after)
+        self.copies.append(c)
+        return c
+
+
+def test_a_lane_posts_block_ids_under_the_transports_contract(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_ipc's lane (kvlink.gpu.lane bound once per peer pair): a post hands the copier
+    the two id arrays (READ: theirs to ours) after the caller's stream; a peer connected anew
+    rebinds the lane to its new mappings; a disconnected one fails the post with no copy; a
+    refused copy is explained from its blocks; what the lane cannot take is left to the
+    general post (None)."""
+    from kvlink.transport import XferStatus
+    from kvlink_transports import cuda_ipc as mod
+
+    monkeypatch.setattr(mod, "maps_of", lambda smap, dmap: (smap, dmap))
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    t.connect("p", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096)
+    lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
+    h = lane.post(lids, rids)
+    c = t._copier.copies[-1]
+    bound = c.args[0]
+    assert c.args[1] is rids and c.args[2] is lids and c.after == 111
+    assert bound.src is remote_base and bound.maps[0][1] == "local-map"
+    c.event.done = True
+    assert t.poll(h).status is XferStatus.DONE
+    t.release(h)
+    first_map = bound.maps[0][0]
+    t.connect("p", _desc(4343, b"b" * 64))
+    h = lane.post(lids, rids)
+    assert len(bound.maps) == 2 and bound.maps[1][0] is not first_map
+    assert bound.maps[1][0] is t._peers["p"].map
+    t._copier.copies[-1].event.done = True
+    assert t.poll(h).status is XferStatus.DONE
+    assert lane.post(np.arange(101), np.arange(101)) is None  # past its launch: general post
+    assert lane.post(lids, rids, digest=object()) is None  # not a digest lane
+    far = np.array([0, 5, 1000], dtype=np.int64)  # block 1000: past the peer's 1 MiB
+    h = lane.post(lids, far)
+    refused = t._copier.copies[-1]
+    refused.refused, refused.event.done = True, True
+    st = t.poll(h)
+    assert st.status is XferStatus.FAILED and "remote extent" in st.reason
+    t.disconnect("p")
+    n = len(t._copier.copies)
+    st = t.poll(lane.post(lids, rids))
+    assert st.status is XferStatus.FAILED and "not connected" in st.reason
+    assert len(t._copier.copies) == n

@@ -36,6 +36,8 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.gpu import move
+from kvlink.gpu.lane import Lane, maps_of
+from kvlink.gpu.move import parts_per_extent
 from kvlink.transport import Extents
 
 CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: move.CHUNK)
@@ -212,15 +214,6 @@ class _Pinned:
         self.ptr: int = tensor.data_ptr()
         self.bytes: npt.NDArray[np.uint8] = tensor.numpy()
         self.words: npt.NDArray[np.uint64] = self.bytes.view(np.uint64)
-
-
-def parts_per_extent(n: int, first_len: int, chunk: int, min_parts: int) -> int:
-    """Parts each extent is cut into for the CUDA kernel: ``chunk``-byte parts, and more (down
-    to 16 KiB) where n extents would leave the GPU half idle."""
-    g = max(1, -(-first_len // chunk))
-    if n * g < min_parts:
-        g = max(g, min(-(-min_parts // max(n, 1)), max(1, first_len // 16384)))
-    return g
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
@@ -540,6 +533,49 @@ class BatchCopier:
                 return pending
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
+                                     error=f"{type(exc).__name__}: {exc}")
+
+    def lane(self, src_base: npt.NDArray[np.uint64], dst_base: npt.NDArray[np.uint64],
+             unit: int, smap: RegionMap, dmap: RegionMap,
+             digest: tuple[int, int] | None = None) -> Lane | None:
+        """A :class:`~kvlink.gpu.lane.Lane` for :meth:`copy_lane`: whole ``unit``-byte blocks
+        from ``src_base[s] + id * unit`` to ``dst_base[s] + id * unit`` (``digest``: (pages
+        per unit, page bytes), the fused digest's kernel, as :meth:`copy_digest`). None
+        without :attr:`computes_addresses` (post the general way)."""
+        if self._cuda is None:
+            return None
+        return Lane(self._cuda, src_base, dst_base, unit, maps_of(smap, dmap),
+                    chunk=self.chunk, min_programs=self.min_programs, small=SMALL,
+                    digest=digest)
+
+    def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
+                  dst_ids: npt.NDArray[np.int64], stream: Any, after: int | None,
+                  check: tuple[npt.NDArray[np.int64], int, int, int, int] | None = None
+                  ) -> Pending:
+        """:meth:`copy_runs` (or, on a digest lane, :meth:`copy_digest`) of one run per block
+        pair through ``lane`` (``lane.fits(len(src_ids))``, ids checked in range): the same
+        kernels, status and completion, with nothing but the block ids written per post.
+        ``check`` (a digest lane): (each block's digest row, rows, geometry, weights, the
+        expected rows' device address) — :attr:`Pending.mismatch` says once done."""
+        with self._lock:
+            buf: _Pinned | None = None
+            try:
+                seq = next(self._seq) % (_I32 - 1) + 1
+                buf = self._take(16)
+                buf.words[0] = 0
+                raw = stream.cuda_stream
+                self._after(raw, after)
+                if check is None:
+                    lane.launch(src_ids, dst_ids, buf.ptr, seq, raw)
+                    return self._enqueue(stream, buf, seq)
+                buf.words[1] = NO_MISMATCH
+                lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, (*check, buf.ptr + 8))
+                pending = self._enqueue(stream, buf, seq)
+                pending.digest_at = (1, 2, 0)
+                return pending
+            except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
+                held: tuple[Any, ...] = () if buf is None else (buf,)
+                return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,

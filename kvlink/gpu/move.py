@@ -344,8 +344,8 @@ DIGEST_SHAPE = (256, 32, 4)
 DIGEST_MIN_BLOCKS = 4
 DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared memory)
 
-_NARGS = 10
-_DIGEST_NARGS = 18
+NARGS = 10  # kv_move, kv_move_runs (the table first)
+DIGEST_NARGS = 18  # kv_move_digest
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's
@@ -353,6 +353,15 @@ _DIGEST_NARGS = 18
 PARAM_WORDS = (512, 1536, 4000)
 _compiled: dict[tuple[int, tuple[int, int, int], str, int], Any] = {}
 _compile_lock = threading.Lock()
+
+
+def parts_per_extent(n: int, first_len: int, chunk: int, min_parts: int) -> int:
+    """Parts each extent is cut into for the CUDA kernel: ``chunk``-byte parts, and more (down
+    to 16 KiB) where n extents would leave the GPU half idle."""
+    g = max(1, -(-first_len // chunk))
+    if n * g < min_parts:
+        g = max(g, min(-(-min_parts // max(n, 1)), max(1, first_len // 16384)))
+    return g
 
 
 def _driver() -> Any:
@@ -395,25 +404,33 @@ def _arg_block(count: int, first: int | None = None) -> tuple[Any, Any]:
     return vals, (ctypes.c_void_p * count)(*([] if first is None else [first]), *slots)
 
 
-class _TableLaunch:
+class TableLaunch:
     """One address kernel whose table travels with its launch: the table's words and the other
     arguments are written into buffers of ours, and the driver copies them at the call — so a
     post is one driver call, with no upload before it and no device buffer to hand back. One
-    per (kernel, shape, size class); not thread-safe (CudaMove's rule)."""
+    per (kernel, shape, size class) of :class:`CudaMove`, and one per lane
+    (:mod:`kvlink.gpu.lane`, which writes what does not change once: ``table``'s first words
+    and ``vals``' constant slots); not thread-safe (its owner's lock)."""
 
     def __init__(self, device: Any, shape: tuple[int, int, int], name: str, words: int,
                  nargs: int) -> None:
         self.fn = _compile(device, shape, name, words).func
+        self.threads, self.groups = shape[0], shape[0] // shape[1]  # threads, units a block
         self._table = (ctypes.c_longlong * words)()
         self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
                                                           dtype=np.uint64)
-        self._vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
+        #: the kernel's arguments after the table, one int64 slot each
+        self.vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
 
     def __call__(self, lib: Any, grid: int, threads: int, table: npt.NDArray[np.uint64],
                  args: tuple[int, ...], stream: int) -> int:
         self.table[:table.shape[0]] = table  # the words past it: not read by the kernel
-        self._vals[:] = list(args)
-        return int(lib.cuLaunchKernel(self.fn, grid, 1, 1, threads, 1, 1, 0, stream,
+        self.vals[:] = list(args)
+        return self.launch(lib, grid, stream)
+
+    def launch(self, lib: Any, grid: int, stream: int) -> int:
+        """cuLaunchKernel with the table and arguments as they are now; the CUDA error code."""
+        return int(lib.cuLaunchKernel(self.fn, grid, 1, 1, self.threads, 1, 1, 0, stream,
                                       self._ptrs, None))
 
 
@@ -427,11 +444,11 @@ class CudaMove:
         self._fn = {s: _compile(device, s).func for s in (SMALL_SHAPE, LARGE_SHAPE)}
         self._runs_fn = {s: _compile(device, s, "kv_move_runs").func
                          for s in (SMALL_SHAPE, LARGE_SHAPE)}
-        self._vals, self._ptrs = _arg_block(_NARGS)
+        self._vals, self._ptrs = _arg_block(NARGS)
         self._signal_fn: Any = None  # compiled at the first signal
         self._digest_fn: Any = None  # compiled at the first fused digest
-        self._dvals, self._dptrs = _arg_block(_DIGEST_NARGS)
-        self._tables: dict[tuple[str, tuple[int, int, int], int], _TableLaunch] = {}
+        self._dvals, self._dptrs = _arg_block(DIGEST_NARGS)
+        self._tables: dict[tuple[str, tuple[int, int, int], int], TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
 
     def table_class(self, words: int) -> int:
@@ -456,12 +473,8 @@ class CudaMove:
         key = (name, shape, words)
         launch = self._tables.get(key)
         if launch is None:
-            try:
-                launch = _TableLaunch(self.device, shape, name, words, len(args) + 1)
-            except Exception as exc:  # an NVRTC or driver too old for __grid_constant__
-                self._no_tables = f"{type(exc).__name__}: {exc}"
-                log.warning("copy kernels cannot take their tables with the launch (%s); "
-                            "uploading them instead", self._no_tables)
+            launch = self.table_launch(name, shape, words, len(args) + 1)
+            if launch is None:
                 return False
             self._tables[key] = launch
         t, tp, _ = shape
@@ -470,6 +483,26 @@ class CudaMove:
             raise RuntimeError(f"cuLaunchKernel({name}, table of {words} words) failed with "
                                f"CUDA error {rc}")
         return True
+
+    def table_launch(self, name: str, shape: tuple[int, int, int], words: int,
+                     nargs: int) -> TableLaunch | None:
+        """A new :class:`TableLaunch` of ``name`` (``nargs`` arguments, the table first) in
+        size class ``words``; None where such kernels cannot be had here (remembered, and
+        logged once: tables are then uploaded)."""
+        if self._no_tables:
+            return None
+        try:
+            return TableLaunch(self.device, shape, name, words, nargs)
+        except Exception as exc:  # an NVRTC or driver too old for __grid_constant__
+            self._no_tables = f"{type(exc).__name__}: {exc}"
+            log.warning("copy kernels cannot take their tables with the launch (%s); "
+                        "uploading them instead", self._no_tables)
+            return None
+
+    @property
+    def lib(self) -> Any:
+        """The driver library its launches go through (ctypes)."""
+        return self._lib
 
     @staticmethod
     def shape(first_len: int, small: int) -> tuple[int, int, int]:

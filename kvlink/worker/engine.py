@@ -28,6 +28,7 @@ from kvlink import sidechannel, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError, TransportUnavailable
+from kvlink.headmap import HeadRead
 from kvlink.holdboard import BoardView, HoldBoard
 from kvlink.hostid import host_id
 from kvlink.integrity import Checker, Level, Planes, spec_planes
@@ -36,7 +37,7 @@ from kvlink.layout import KVCacheSpec
 from kvlink.leases import BlockLeases
 from kvlink.peers import PeerTable
 from kvlink.push import PushSlots
-from kvlink.transport import Transport, TransportContext, TransportStats, create_transport
+from kvlink.transport import Op, Transport, TransportContext, TransportStats, create_transport
 from kvlink.worker.config import WorkerConfig
 from kvlink.worker.decode_push import _DecodePush
 from kvlink.worker.prefill_push import _PrefillPush
@@ -46,6 +47,7 @@ from kvlink.worker.records import (
     Transfer,
     _Awaiting,
     _Layered,
+    _PeerLane,
     _Request,
 )
 
@@ -104,6 +106,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._layered: dict[str, _Layered] = {}
         self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
+        self._lanes: dict[tuple[int, HeadRead, Op], _PeerLane] = {}  # see parts._post_lane
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own

@@ -25,16 +25,17 @@ from kvlink.channel import Pending
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
+from kvlink.headmap import HeadRead
 from kvlink.holdboard import fingerprint
 from kvlink.integrity import Digests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
-from kvlink.plan import Plan, PlanTable
+from kvlink.plan import Plan, PlanPath, PlanTable
 from kvlink.push import PushSlots
 from kvlink.transport import DigestJob, Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
-from kvlink.worker.records import Transfer, _Go, _Part, _Request
+from kvlink.worker.records import Moved, Transfer, _Go, _Part, _PeerLane, _Request
 
 log = logging.getLogger("kvlink.worker")
 
@@ -47,6 +48,9 @@ class _Parts(_Holds):
     transfers: collections.deque[Transfer]
     board_validated: int  # reader: READs validated on a producer's hold board
     _slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]]
+    #: (id of the peer, heads, op) -> its lane, or none (see _post_lane); a new handshake is
+    #: a new peer (the entry holds the peer: its id is not reused while kept)
+    _lanes: dict[tuple[int, HeadRead, Op], _PeerLane]
 
     def _advance(self, req: _Request, part: _Part) -> None:
         if part.settled:
@@ -148,6 +152,8 @@ class _Parts(_Holds):
                 return
         t0 = time.perf_counter()
         transport = go.peer.transport
+        if self._post_lane(req, part, go, transport, t0):
+            return
         note = None
         if self._notes_natively(req):
             note = wire.encode(self._written(req, True))  # ordered after the written bytes
@@ -195,13 +201,77 @@ class _Parts(_Holds):
         except KVLinkError as exc:  # the contract says FAILED handle; be safe with any plugin
             self._part_failed(req, part, f"post to {go.peer.agent} failed: {exc}")
             return
+        self._posted(req, part, go, plan.nbytes)
+
+    def _posted(self, req: _Request, part: _Part, go: _Go, nbytes: int) -> None:
+        """After a part's post: its time, and (a READ validated on the hold board) its
+        after-check bound — while the bytes move."""
         part.post_seconds = time.perf_counter() - part.t_post
         req.phases.post += part.post_seconds
-        if self._on_board(req, go):  # bound after the post: while the bytes move
+        if self._on_board(req, go):
             assert go.peer.board is not None and req.fingerprint is not None
             part.check = go.peer.board.after_check(go.generation, req.fingerprint)
-        part.nbytes = plan.nbytes  # read now: a transport may recycle the extents once done
-        req.nbytes += part.nbytes
+        part.nbytes = nbytes  # read now: a transport may recycle the extents once done
+        req.nbytes += nbytes
+
+    def _post_lane(self, req: _Request, part: _Part, go: _Go, transport: Transport,
+                   t0: float) -> bool:
+        """Post through the peer's lane where the transport has one for this request (whole
+        blocks, no landing signal, no note on the WRITE, no ticket to check, integrity digested
+        by its kernel or off): what does not change between this pair's requests was worked
+        out at its first (:class:`_PeerLane`), so this post checks the remote ids and hands
+        over both id arrays. False: post it the general way (nothing was posted)."""
+        if (req.layers is not None or req.landing is not None
+                or transport.capabilities.enforces_grants
+                or (req.op is Op.WRITE and self._notes_natively(req))):
+            return False
+        key = (id(go.peer), part.read, req.op)
+        lane = self._lanes.get(key)
+        if lane is None or lane.peer is not go.peer:
+            lane = self._lanes[key] = self._new_lane(go, part, req.op, transport)
+        if lane.lane is None or lane.table is None:
+            return False
+        try:
+            rids = lane.table.remote.check_block_ids(req.remote_ids, "remote")
+        except KVLinkError as exc:
+            self._part_failed(req, part, str(exc))
+            return True
+        job = None
+        if self.integrity.on:
+            job = self._digest_job(req, part, transport, lane.table.local)
+            if job is None:
+                return False
+        part.t_post = time.perf_counter()
+        handle = lane.lane.post(req.local_ids, rids, job)
+        if handle is None:
+            return False
+        req.phases.plan += part.t_post - t0
+        part.handle = handle
+        if job is not None:
+            part.fused_rows = job.count
+        n = int(rids.shape[0])
+        part.plan = Moved(n * lane.table.unit * lane.table.segments, n * lane.table.segments,
+                          lane.table.raw_count(n))
+        self._posted(req, part, go, part.plan.nbytes)
+        return True
+
+    def _new_lane(self, go: _Go, part: _Part, op: Op, transport: Transport) -> _PeerLane:
+        """A peer's lane for ``part``'s heads (kept while the peer's handshake is: a new one
+        is a new key), or one that says it has none."""
+        if len(self._lanes) > 1024:
+            self._lanes.clear()
+        make = getattr(transport, "lane", None)
+        ours = self._require_spec()
+        try:
+            table = PlanTable.for_peer(ours, go.peer.spec, part.read)
+        except KVLinkError:  # an incompatible pair: the general path fails the part, saying why
+            return _PeerLane(go.peer, None, None)
+        if (make is None or table.path is not PlanPath.RUNS
+                or getattr(transport, "coalesce_runs", True)):
+            return _PeerLane(go.peer, None, table)
+        lane = make(op, go.peer.agent, table.local_base, table.remote_base, table.unit,
+                    ours.page_bytes if self.integrity.on else 0)
+        return _PeerLane(go.peer, lane, table)
 
     def _signal(self, req: _Request, transport: Transport) -> Signal | None:
         """The landing signal a push's WRITE is posted with (kvlink.landing): only where the

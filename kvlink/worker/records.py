@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +24,7 @@ from kvlink.headmap import HeadRead
 from kvlink.holdboard import AfterCheck
 from kvlink.landing import EndCheck, LandingView
 from kvlink.peers import Peer, RemoteEngine
-from kvlink.plan import Plan
+from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushKey, PushWait
 from kvlink.transport import Op, Runs
 
@@ -71,6 +71,25 @@ class Transfer(NamedTuple):
     ok: bool  # DONE; False: FAILED (refused ones included), nothing more can land
 
 
+class Moved(NamedTuple):
+    """What a part posted through a lane moves (in place of its plan, which a lane does not
+    make): read back for its accounting."""
+
+    nbytes: int
+    descriptors: int  # extents posted
+    raw_descriptors: int  # before coalescing (the planner's count)
+
+
+@dataclasses.dataclass(slots=True)
+class _PeerLane:
+    """A peer's lane for one (heads, op) (kvlink.transport's optional ``lane`` hook), and the
+    plan table it was bound from; ``lane`` None: this pair posts the general way."""
+
+    peer: Peer
+    lane: Any
+    table: PlanTable | None
+
+
 @dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class _Part:
     read: HeadRead
@@ -80,7 +99,7 @@ class _Part:
     go: _Go | None = None
     done: bool = False
     error: str | None = None
-    plan: Plan | Runs | None = None
+    plan: Plan | Runs | Moved | None = None
     verdict: Pending | None = None  # READ: the producer's answer to ReadDone
     asks: int = 0  # "not held yet" answers so far
     retry_at: float = 0.0  # when to ask again after "not held yet"

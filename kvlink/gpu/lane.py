@@ -1,0 +1,145 @@
+"""A copy bound once per peer pair: the address kernels' launches with everything but the
+block ids written in advance.
+
+A request's host time before its launch is its latency, and on a serving host that time is
+cold: every step costs several times what it costs back to back (docs/e2e.md, "Why cold costs
+what it costs"). :meth:`BatchCopier.copy_runs` works out per post what never changes between
+two requests of one peer pair — the segment bases in the table, the region maps, the launch
+shape and size class, the kernel's constant arguments. A :class:`Lane` works them out once
+(per peer, at its first request), so a post writes the block offsets (two multiplies into the
+launch's own parameter buffer), a handful of argument slots, and launches: the shape of a
+request's work that a few calls can do.
+
+The kernels are the ones :meth:`BatchCopier.copy_runs` and :meth:`BatchCopier.copy_digest`
+launch (``kv_move_runs`` with one run per block, ``kv_move_digest``), with their tables passed
+by value (:class:`~kvlink.gpu.move.TableLaunch`); a request whose table does not fit the
+largest size class is the caller's to post the general way (:meth:`Lane.fits`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlink.gpu import move
+
+U64 = npt.NDArray[np.uint64]
+
+
+class Lane:
+    """One peer pair's copy of whole blocks: ``src_base[s] + src_id * unit`` ->
+    ``dst_base[s] + dst_id * unit``, ``unit`` bytes, for every segment ``s`` and block pair;
+    with ``digest`` (pages per unit, page bytes), the fused integrity digest's kernel instead.
+    Made by :meth:`kvlink.gpu.copy.BatchCopier.lane`; launched under its lock
+    (:meth:`~kvlink.gpu.copy.BatchCopier.copy_lane`). ``maps``: the region maps' (pointer,
+    kernel count) of both sides, which :meth:`rebind` replaces (a peer connected anew)."""
+
+    def __init__(self, cuda: move.CudaMove, src_base: U64, dst_base: U64, unit: int,
+                 maps: tuple[int, int, int, int], *, chunk: int, min_programs: int,
+                 small: int, digest: tuple[int, int] | None = None) -> None:
+        self._cuda, self._lib = cuda, cuda.lib
+        self.segments = int(src_base.shape[0])
+        self.unit = int(unit)
+        self._unit = np.uint64(unit)
+        self._bases = np.concatenate([src_base, dst_base]).astype(np.uint64)
+        self._maps = maps
+        self._chunk, self._min_programs = chunk, min_programs
+        self.digest = digest
+        if digest is None:
+            self._name, self._shape, self._nargs = ("kv_move_runs", cuda.shape(unit, small),
+                                                    move.NARGS)
+        else:
+            self._name, self._shape, self._nargs = ("kv_move_digest", move.DIGEST_SHAPE,
+                                                    move.DIGEST_NARGS)
+        self._classes: dict[int, move.TableLaunch] = {}  # size class -> its launch buffers
+        #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes
+        self._by_blocks: dict[int, tuple[move.TableLaunch, int, int]] = {}
+
+    def fits(self, blocks: int) -> bool:
+        """Whether a request of ``blocks`` travels with its launch (else: post it the general
+        way). Also builds what such a launch needs, so the first post pays for it."""
+        return self._bound(blocks) is not None
+
+    def rebind(self, maps: tuple[int, int, int, int]) -> None:
+        """The region maps of a peer connected anew (its mappings are new)."""
+        if maps != self._maps:
+            self._maps = maps
+            for launch in self._classes.values():
+                self._constants(launch)
+
+    def _bound(self, blocks: int) -> tuple[move.TableLaunch, int, int] | None:
+        got = self._by_blocks.get(blocks)
+        if got is not None:
+            return got
+        words = self._cuda.table_class(2 * self.segments + 3 * blocks)
+        if not words or not blocks:
+            return None
+        launch = self._classes.get(words)
+        if launch is None:
+            launch = self._cuda.table_launch(self._name, self._shape, words, self._nargs)
+            if launch is None:
+                return None
+            launch.table[:2 * self.segments] = self._bases
+            self._constants(launch)
+            self._classes[words] = launch
+        units = self.segments * blocks
+        if self.digest is None:  # parts per block: as copy_runs cuts a run of one block
+            g = move.parts_per_extent(units, self.unit, self._chunk,
+                                      self._min_programs * launch.groups)
+        else:
+            g = 1
+        got = (launch, -(-units * g // launch.groups), g)
+        if len(self._by_blocks) > 4096:
+            self._by_blocks.clear()
+        self._by_blocks[blocks] = got
+        return got
+
+    def _constants(self, launch: move.TableLaunch) -> None:
+        """The argument slots no request changes (see the kernels' signatures)."""
+        v, (sp, sn, dp, dn) = launch.vals, self._maps
+        if self.digest is None:  # (S, R, smap, ns, dmap, nd, status, seq, G)
+            v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
+        else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, rows, out, Q, page,
+            # expect, bad)
+            v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
+            v[12], v[13], v[14] = 0, self.digest[0], self.digest[1]
+
+    def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
+               status: int, seq: int, stream: int,
+               check: tuple[npt.NDArray[np.int64], int, int, int, int, int] | None = None
+               ) -> None:
+        """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (checked in range by the
+        caller: the device checks only that each address lies in a registered region) on
+        ``stream``; ``status``: the address of the post's status word (``seq`` lands there if
+        the device refuses an extent). ``check`` (a digest lane): (each block's digest row,
+        rows, geometry, weights, expected rows' device address, mismatch word's address).
+        Raises RuntimeError where the driver refuses the launch (nothing was enqueued)."""
+        n = src_ids.shape[0]
+        got = self._by_blocks.get(n) or self._bound(n)
+        if got is None:
+            raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
+        launch, grid, g = got
+        t, at = launch.table, 2 * self.segments
+        np.multiply(src_ids.view(np.uint64), self._unit, out=t[at:at + n])
+        np.multiply(dst_ids.view(np.uint64), self._unit, out=t[at + n:at + 2 * n])
+        v = launch.vals
+        v[1] = n
+        if check is None:
+            t[at + 2 * n:at + 3 * n] = self._unit
+            v[6], v[7], v[8] = status, seq, g
+        else:
+            rows, count, geo, weights, expect, bad = check
+            t[at + 2 * n:at + 3 * n] = rows.view(np.uint64)
+            v[7], v[8], v[9], v[10], v[11], v[15], v[16] = (status, seq, geo, weights, count,
+                                                            expect, bad)
+        rc = launch.launch(self._lib, grid, stream)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "
+                               f"{launch.table.shape[0]} words) failed with CUDA error {rc}")
+
+
+def maps_of(smap: Any, dmap: Any) -> tuple[int, int, int, int]:
+    """(pointer, kernel count) of both region maps (kvlink.gpu.copy.RegionMap)."""
+    return int(smap.ptr), int(smap.kernel_count), int(dmap.ptr), int(dmap.kernel_count)
