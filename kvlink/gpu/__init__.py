@@ -4,6 +4,9 @@
   allocation); the all-reduce's shared buffers and the ``cuda_ipc`` transport's peer mappings.
 * :mod:`kvlink.gpu.copy` — ``BatchCopier``: the batched device copy over extent tables, the data
   mover of ``cuda_ipc`` and of host staging (:mod:`kvlink.staging`).
+* :mod:`kvlink.gpu.lane` — that copy bound once per peer pair (segment bases, maps, launch
+  shape and constant arguments written in advance): a request writes its block offsets and
+  launches (cuda_ipc's ``lane`` hook).
 * :mod:`kvlink.gpu.move` — that copy's kernel in CUDA C (NVRTC), and the stream ordering after
   a caller's stream (driver calls).
 * :mod:`kvlink.gpu.kernels` — the same copy as a Triton kernel (the fallback, and the reference

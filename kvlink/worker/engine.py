@@ -106,7 +106,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._layered: dict[str, _Layered] = {}
         self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
-        self._lanes: dict[tuple[int, HeadRead, Op], _PeerLane] = {}  # see parts._post_lane
+        self._lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane] = {}  # see parts._post_lane
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own

@@ -48,9 +48,9 @@ class _Parts(_Holds):
     transfers: collections.deque[Transfer]
     board_validated: int  # reader: READs validated on a producer's hold board
     _slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]]
-    #: (id of the peer, heads, op) -> its lane, or none (see _post_lane); a new handshake is
-    #: a new peer (the entry holds the peer: its id is not reused while kept)
-    _lanes: dict[tuple[int, HeadRead, Op], _PeerLane]
+    #: (id of the peer, heads, op, digests) -> its lane, or none (see _post_lane); a new
+    #: handshake is a new peer (the entry holds the peer: its id is not reused while kept)
+    _lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane]
 
     def _advance(self, req: _Request, part: _Part) -> None:
         if part.settled:
@@ -225,10 +225,11 @@ class _Parts(_Holds):
                 or transport.capabilities.enforces_grants
                 or (req.op is Op.WRITE and self._notes_natively(req))):
             return False
-        key = (id(go.peer), part.read, req.op)
+        digests = self.integrity.on  # a lane digests or not (a level may change at run time)
+        key = (id(go.peer), part.read, req.op, digests)
         lane = self._lanes.get(key)
         if lane is None or lane.peer is not go.peer:
-            lane = self._lanes[key] = self._new_lane(go, part, req.op, transport)
+            lane = self._lanes[key] = self._new_lane(go, part, req.op, transport, digests)
         if lane.lane is None or lane.table is None:
             return False
         try:
@@ -237,7 +238,7 @@ class _Parts(_Holds):
             self._part_failed(req, part, str(exc))
             return True
         job = None
-        if self.integrity.on:
+        if digests:
             job = self._digest_job(req, part, transport, lane.table.local)
             if job is None:
                 return False
@@ -255,9 +256,11 @@ class _Parts(_Holds):
         self._posted(req, part, go, part.plan.nbytes)
         return True
 
-    def _new_lane(self, go: _Go, part: _Part, op: Op, transport: Transport) -> _PeerLane:
+    def _new_lane(self, go: _Go, part: _Part, op: Op, transport: Transport,
+                  digests: bool) -> _PeerLane:
         """A peer's lane for ``part``'s heads (kept while the peer's handshake is: a new one
-        is a new key), or one that says it has none."""
+        is a new key), its kernel digesting what it lands or not, or one that says it has
+        none."""
         if len(self._lanes) > 1024:
             self._lanes.clear()
         make = getattr(transport, "lane", None)
@@ -270,7 +273,7 @@ class _Parts(_Holds):
                 or getattr(transport, "coalesce_runs", True)):
             return _PeerLane(go.peer, None, table)
         lane = make(op, go.peer.agent, table.local_base, table.remote_base, table.unit,
-                    ours.page_bytes if self.integrity.on else 0)
+                    ours.page_bytes if digests else 0)
         return _PeerLane(go.peer, lane, table)
 
     def _signal(self, req: _Request, transport: Transport) -> Signal | None:
