@@ -61,7 +61,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
+from kvlink.errors import BlockIdOutOfRange, ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
 from kvlink.gpu.lane import Lane, maps_of
 from kvlink.gpu.move import DIGEST_MAX
@@ -159,26 +159,35 @@ class _Lane:
     A post after the peer connected anew rebinds its mappings; one after it disconnected
     fails like any post to an unknown peer."""
 
-    __slots__ = ("_owner", "local_base", "moves", "op", "peer", "remote_base", "target")
+    __slots__ = ("_owner", "blocks", "local_base", "moves", "op", "peer", "remote_base",
+                 "target")
 
     def __init__(self, owner: CudaIpcTransport, op: Op, peer: str, target: _Peer,
                  moves: Lane, local_base: npt.NDArray[np.uint64],
-                 remote_base: npt.NDArray[np.uint64]) -> None:
+                 remote_base: npt.NDArray[np.uint64], blocks: tuple[int, int]) -> None:
         self._owner, self.op, self.peer, self.target, self.moves = owner, op, peer, target, moves
-        self.local_base, self.remote_base = local_base, remote_base
+        self.local_base, self.remote_base, self.blocks = local_base, remote_base, blocks
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
              digest: DigestJob | None = None) -> int | None:
         """Post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64
-        and checked in range: a handle (the transport's contract: never raises, FAILED says
-        why), or None where this lane cannot take the request (too many blocks for a launch's
-        table; ``digest`` not what its kernel takes): post it the general way."""
+        (an id out of range is refused on the device: the handle polls FAILED naming it): a
+        handle (the transport's contract: never raises, FAILED says why), or None where this
+        lane cannot take the request (too many blocks for a launch's table; ``digest`` not
+        what its kernel takes): post it the general way."""
         return self._owner._post_lane(self, local_ids, remote_ids, digest)
 
     def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
              ) -> Runs:
         """What a post of these blocks moved, as post_runs would have taken it (to explain
-        a refusal: the slow path)."""
+        a refusal: the slow path); raises BlockIdOutOfRange naming an id the device refused
+        as out of range."""
+        for side, ids, count in (("local", local_ids, self.blocks[0]),
+                                 ("remote", remote_ids, self.blocks[1])):
+            bad = np.flatnonzero((ids < 0) | (ids >= count))
+            if bad.size:
+                raise BlockIdOutOfRange(f"{side} block id {int(ids[bad[0]])} (position "
+                                        f"{int(bad[0])}) is out of range [0, {count})")
         unit, n = self.moves.unit, int(local_ids.shape[0])
         lens = np.full(n, unit, dtype=np.uint64)
         return Runs(self.local_base, self.remote_base,
@@ -540,14 +549,15 @@ class CudaIpcTransport(Transport):
         return None if got is None else -1 if got == NO_MISMATCH else int(got)
 
     def lane(self, op: Op, peer: str, local_base: npt.NDArray[np.uint64],
-             remote_base: npt.NDArray[np.uint64], unit: int,
+             remote_base: npt.NDArray[np.uint64], unit: int, blocks: tuple[int, int],
              page_bytes: int = 0) -> _Lane | None:
         """Optional hook (kvlink.transport): posts of whole ``unit``-byte blocks between
         ``peer``'s segments and ours bound once (kvlink.gpu.lane) — the post_runs of one run per
-        block with nothing worked out per request but the block offsets. ``page_bytes``: a
-        READ lane whose kernel digests what it lands (as post_runs with ``digest``); None
-        where this pair cannot have one (not connected, the Triton kernel, a unit the fused
-        kernel cannot take): post the general way."""
+        block with nothing worked out per request: the kernel takes the block ids and refuses
+        one at or past ``blocks`` (ours, the peer's). ``page_bytes``: a READ lane whose kernel
+        digests what it lands (as post_runs with ``digest``); None where this pair cannot have
+        one (not connected, the Triton kernel, a unit the fused kernel cannot take): post the
+        general way."""
         if self._copier is None or not self._copier.computes_addresses:
             return None
         with self._lock:
@@ -561,11 +571,12 @@ class CudaIpcTransport(Transport):
                     or not _aligned(local_base, remote_base)):
                 return None
             digest = (pages, page_bytes)
-        ours, theirs = (local_base, self._local_map), (remote_base, target.map)
-        (src, smap), (dst, dmap) = (theirs, ours) if op is Op.READ else (ours, theirs)
-        lane = self._copier.lane(src, dst, unit, smap, dmap, digest)
+        ours, theirs = (local_base, self._local_map, blocks[0]), (remote_base, target.map,
+                                                                   blocks[1])
+        (src, smap, sb), (dst, dmap, db) = (theirs, ours) if op is Op.READ else (ours, theirs)
+        lane = self._copier.lane(src, dst, unit, (sb, db), smap, dmap, digest)
         return None if lane is None else _Lane(self, op, peer, target, lane, local_base,
-                                               remote_base)
+                                               remote_base, blocks)
 
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
                    remote_ids: npt.NDArray[np.int64], digest: DigestJob | None) -> int | None:
@@ -663,11 +674,11 @@ class CudaIpcTransport(Transport):
     def _refusal(self, x: _Xfer) -> str:
         """Why the device refused an extent: the host checks, run only on this slow path."""
         local, remote = x.local, x.remote
-        if x.runs is not None:
-            plan = (x.runs() if callable(x.runs) else x.runs).expand()
-            local, remote = plan.local, plan.remote
-        assert local is not None and remote is not None
         try:
+            if x.runs is not None:
+                plan = (x.runs() if callable(x.runs) else x.runs).expand()
+                local, remote = plan.local, plan.remote
+            assert local is not None and remote is not None
             check_pairs(local, remote)
             self._table.locate(local, "local extent")
             if x.peer is not None:

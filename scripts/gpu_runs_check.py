@@ -112,7 +112,7 @@ def main() -> None:
         out[f"{form}_refused_wrote_nothing"] = not bool(dst.any().item())
     cuda._no_tables = ""
     lids, rids = _ids(np.random.default_rng(0))  # the same blocks as ``runs``
-    lane = copier.lane(runs.remote_base, runs.local_base, UNIT, smap, dmap)
+    lane = copier.lane(runs.remote_base, runs.local_base, UNIT, (NB, NB), smap, dmap)
     assert lane is not None and lane.fits(N)
     dst.zero_()
     p = copier.copy_lane(lane, rids, lids, stream, None)
@@ -120,12 +120,21 @@ def main() -> None:
     out["lane_failed"] = p.failed()
     out["lane_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
     dst.zero_()
-    far = copier.lane(runs.remote_base + np.uint64(nbytes), runs.local_base, UNIT, smap, dmap)
+    far = copier.lane(runs.remote_base + np.uint64(nbytes), runs.local_base, UNIT, (NB, NB),
+                      smap, dmap)
     assert far is not None
     p = copier.copy_lane(far, rids, lids, stream, None)
     p.wait()
     out["lane_refused_failed"] = p.failed()
     out["lane_refused_wrote_nothing"] = not bool(dst.any().item())
+    # the kernel takes the ids themselves: one past a side's block count is refused there
+    for side in ("src", "dst"):
+        dst.zero_()
+        bad_src, bad_dst = rids.copy(), lids.copy()
+        (bad_src if side == "src" else bad_dst)[-1] = NB
+        p = copier.copy_lane(lane, bad_src, bad_dst, stream, None)
+        p.wait()
+        out[f"lane_{side}_id_refused"] = p.failed() and not bool(dst.any().item())
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
     kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane", "device_copy")
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -173,7 +182,8 @@ def main() -> None:
     forms = ("with_launch", "uploaded", "lane")
     ok = all(out[f"{f}_{k}"] for f in forms
              for k in ("verified", "refused_failed", "refused_wrote_nothing")) and not any(
-        out[f"{f}_failed"] for f in forms)
+        out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
+                                                    for s in ("src", "dst"))
     sys.exit(0 if ok else 1)
 
 

@@ -701,8 +701,8 @@ class _FakeLane:
 class _FakeLaneCopier(_FakeCopier):
     computes_addresses = True
 
-    def lane(self, src: Any, dst: Any, unit: int, smap: Any, dmap: Any,
-             digest: Any = None) -> _FakeLane:
+    def lane(self, src: Any, dst: Any, unit: int, limits: tuple[int, int], smap: Any,
+             dmap: Any, digest: Any = None) -> _FakeLane:
         return _FakeLane(src, dst, unit, (smap, dmap), digest)
 
     def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
@@ -717,8 +717,8 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     """cuda_ipc's lane (kvlink.gpu.lane bound once per peer pair): a post hands the copier
     the two id arrays (READ: theirs to ours) after the caller's stream; a peer connected anew
     rebinds the lane to its new mappings; a disconnected one fails the post with no copy; a
-    refused copy is explained from its blocks; what the lane cannot take is left to the
-    general post (None)."""
+    refused copy is explained from its blocks (an id past its side's count, which the device
+    checks, named); what the lane cannot take is left to the general post (None)."""
     from kvlink.transport import XferStatus
     from kvlink_transports import cuda_ipc as mod
 
@@ -728,7 +728,7 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     t.connect("p", _desc(4242, b"a" * 64))
     local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
     remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
-    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096)
+    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
     lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
     h = lane.post(lids, rids)
     c = t._copier.copies[-1]
@@ -747,12 +747,12 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     assert t.poll(h).status is XferStatus.DONE
     assert lane.post(np.arange(101), np.arange(101)) is None  # past its launch: general post
     assert lane.post(lids, rids, digest=object()) is None  # not a digest lane
-    far = np.array([0, 5, 1000], dtype=np.int64)  # block 1000: past the peer's 1 MiB
+    far = np.array([0, 5, 1000], dtype=np.int64)  # block 1000 of 64: refused on the device
     h = lane.post(lids, far)
     refused = t._copier.copies[-1]
     refused.refused, refused.event.done = True, True
     st = t.poll(h)
-    assert st.status is XferStatus.FAILED and "remote extent" in st.reason
+    assert st.status is XferStatus.FAILED and "remote block id 1000 (position 2)" in st.reason
     t.disconnect("p")
     n = len(t._copier.copies)
     st = t.poll(lane.post(lids, rids))

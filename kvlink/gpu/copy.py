@@ -536,15 +536,16 @@ class BatchCopier:
                                      error=f"{type(exc).__name__}: {exc}")
 
     def lane(self, src_base: npt.NDArray[np.uint64], dst_base: npt.NDArray[np.uint64],
-             unit: int, smap: RegionMap, dmap: RegionMap,
+             unit: int, limits: tuple[int, int], smap: RegionMap, dmap: RegionMap,
              digest: tuple[int, int] | None = None) -> Lane | None:
         """A :class:`~kvlink.gpu.lane.Lane` for :meth:`copy_lane`: whole ``unit``-byte blocks
-        from ``src_base[s] + id * unit`` to ``dst_base[s] + id * unit`` (``digest``: (pages
-        per unit, page bytes), the fused digest's kernel, as :meth:`copy_digest`). None
-        without :attr:`computes_addresses` (post the general way)."""
+        from ``src_base[s] + id * unit`` to ``dst_base[s] + id * unit``, ids below ``limits``
+        (source, destination block counts) (``digest``: (pages per unit, page bytes), the
+        fused digest's kernel, as :meth:`copy_digest`). None without
+        :attr:`computes_addresses` (post the general way)."""
         if self._cuda is None:
             return None
-        return Lane(self._cuda, src_base, dst_base, unit, maps_of(smap, dmap),
+        return Lane(self._cuda, src_base, dst_base, unit, limits, maps_of(smap, dmap),
                     chunk=self.chunk, min_programs=self.min_programs, small=SMALL,
                     digest=digest)
 
@@ -553,8 +554,9 @@ class BatchCopier:
                   check: tuple[npt.NDArray[np.int64], int, int, int, int] | None = None
                   ) -> Pending:
         """:meth:`copy_runs` (or, on a digest lane, :meth:`copy_digest`) of one run per block
-        pair through ``lane`` (``lane.fits(len(src_ids))``, ids checked in range): the same
-        kernels, status and completion, with nothing but the block ids written per post.
+        pair through ``lane`` (``lane.fits(len(src_ids))``; the device refuses an id out of
+        range, like an extent outside the regions): the same kernels, status and completion,
+        with nothing but the block ids written per post.
         ``check`` (a digest lane): (each block's digest row, rows, geometry, weights, the
         expected rows' device address) — :attr:`Pending.mismatch` says once done."""
         with self._lock:

@@ -6,14 +6,18 @@ cold: every step costs several times what it costs back to back (docs/e2e.md, "W
 what it costs"). :meth:`BatchCopier.copy_runs` works out per post what never changes between
 two requests of one peer pair — the segment bases in the table, the region maps, the launch
 shape and size class, the kernel's constant arguments. A :class:`Lane` works them out once
-(per peer, at its first request), so a post writes the block offsets (two multiplies into the
-launch's own parameter buffer), a handful of argument slots, and launches: the shape of a
-request's work that a few calls can do.
+(per peer, at its first request), so a post copies the two block-id arrays into the launch's
+own parameter buffer, writes a handful of argument slots, and launches: the shape of a
+request's work that a few calls can do. The kernels take the ids themselves (their KV_IDS
+form): they compute each block's addresses and refuse an id past its side's block count, so
+the host neither multiplies nor bounds-checks the ids on this path — on a serving host every
+numpy call a request makes costs tens of microseconds cold (docs/e2e.md).
 
 The kernels are the ones :meth:`BatchCopier.copy_runs` and :meth:`BatchCopier.copy_digest`
-launch (``kv_move_runs`` with one run per block, ``kv_move_digest``), with their tables passed
-by value (:class:`~kvlink.gpu.move.TableLaunch`); a request whose table does not fit the
-largest size class is the caller's to post the general way (:meth:`Lane.fits`).
+launch (``kv_move_runs`` with one run per block, ``kv_move_digest``) in their block-id form,
+with their tables passed by value (:class:`~kvlink.gpu.move.TableLaunch`); a request whose
+table does not fit the largest size class is the caller's to post the general way
+(:meth:`Lane.fits`).
 """
 
 from __future__ import annotations
@@ -30,29 +34,30 @@ U64 = npt.NDArray[np.uint64]
 
 class Lane:
     """One peer pair's copy of whole blocks: ``src_base[s] + src_id * unit`` ->
-    ``dst_base[s] + dst_id * unit``, ``unit`` bytes, for every segment ``s`` and block pair;
+    ``dst_base[s] + dst_id * unit``, ``unit`` bytes, for every segment ``s`` and block pair,
+    ids below ``limits`` (source, destination block counts: the device refuses the others);
     with ``digest`` (pages per unit, page bytes), the fused integrity digest's kernel instead.
     Made by :meth:`kvlink.gpu.copy.BatchCopier.lane`; launched under its lock
     (:meth:`~kvlink.gpu.copy.BatchCopier.copy_lane`). ``maps``: the region maps' (pointer,
     kernel count) of both sides, which :meth:`rebind` replaces (a peer connected anew)."""
 
     def __init__(self, cuda: move.CudaMove, src_base: U64, dst_base: U64, unit: int,
-                 maps: tuple[int, int, int, int], *, chunk: int, min_programs: int,
-                 small: int, digest: tuple[int, int] | None = None) -> None:
+                 limits: tuple[int, int], maps: tuple[int, int, int, int], *, chunk: int,
+                 min_programs: int, small: int, digest: tuple[int, int] | None = None) -> None:
         self._cuda, self._lib = cuda, cuda.lib
         self.segments = int(src_base.shape[0])
         self.unit = int(unit)
-        self._unit = np.uint64(unit)
+        self.limits = (int(limits[0]), int(limits[1]))
         self._bases = np.concatenate([src_base, dst_base]).astype(np.uint64)
         self._maps = maps
         self._chunk, self._min_programs = chunk, min_programs
         self.digest = digest
-        if digest is None:
-            self._name, self._shape, self._nargs = ("kv_move_runs", cuda.shape(unit, small),
-                                                    move.NARGS)
+        if digest is None:  # words: the table's per block (source and destination ids, rows)
+            self._name, self._shape, self._nargs, self._words = (
+                "kv_move_runs", cuda.shape(unit, small), move.NARGS + move.IDS_NARGS[0], 2)
         else:
-            self._name, self._shape, self._nargs = ("kv_move_digest", move.DIGEST_SHAPE,
-                                                    move.DIGEST_NARGS)
+            self._name, self._shape, self._nargs, self._words = (
+                "kv_move_digest", move.DIGEST_SHAPE, move.DIGEST_NARGS + move.IDS_NARGS[1], 3)
         self._classes: dict[int, move.TableLaunch] = {}  # size class -> its launch buffers
         #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes
         self._by_blocks: dict[int, tuple[move.TableLaunch, int, int]] = {}
@@ -73,12 +78,13 @@ class Lane:
         got = self._by_blocks.get(blocks)
         if got is not None:
             return got
-        words = self._cuda.table_class(2 * self.segments + 3 * blocks)
+        words = self._cuda.table_class(2 * self.segments + self._words * blocks)
         if not words or not blocks:
             return None
         launch = self._classes.get(words)
         if launch is None:
-            launch = self._cuda.table_launch(self._name, self._shape, words, self._nargs)
+            launch = self._cuda.table_launch(self._name, self._shape, words, self._nargs,
+                                             ids=True)
             if launch is None:
                 return None
             launch.table[:2 * self.segments] = self._bases
@@ -98,20 +104,21 @@ class Lane:
 
     def _constants(self, launch: move.TableLaunch) -> None:
         """The argument slots no request changes (see the kernels' signatures)."""
-        v, (sp, sn, dp, dn) = launch.vals, self._maps
-        if self.digest is None:  # (S, R, smap, ns, dmap, nd, status, seq, G)
+        v, (sp, sn, dp, dn), (sb, db) = launch.vals, self._maps, self.limits
+        if self.digest is None:  # (S, R, smap, ns, dmap, nd, status, seq, G, unit, snb, dnb)
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
+            v[9], v[10], v[11] = self.unit, sb, db
         else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, rows, out, Q, page,
-            # expect, bad)
+            # expect, bad, snb, dnb)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
-            v[12], v[13], v[14] = 0, self.digest[0], self.digest[1]
+            v[12], v[13], v[14], v[17], v[18] = 0, self.digest[0], self.digest[1], sb, db
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
                status: int, seq: int, stream: int,
                check: tuple[npt.NDArray[np.int64], int, int, int, int, int] | None = None
                ) -> None:
-        """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (checked in range by the
-        caller: the device checks only that each address lies in a registered region) on
+        """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (int64; the device refuses an id
+        outside its side's block count, and an address outside the registered regions) on
         ``stream``; ``status``: the address of the post's status word (``seq`` lands there if
         the device refuses an extent). ``check`` (a digest lane): (each block's digest row,
         rows, geometry, weights, expected rows' device address, mismatch word's address).
@@ -122,12 +129,11 @@ class Lane:
             raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
         launch, grid, g = got
         t, at = launch.table, 2 * self.segments
-        np.multiply(src_ids.view(np.uint64), self._unit, out=t[at:at + n])
-        np.multiply(dst_ids.view(np.uint64), self._unit, out=t[at + n:at + 2 * n])
+        t[at:at + n] = src_ids.view(np.uint64)  # (a negative id: past every block count)
+        t[at + n:at + 2 * n] = dst_ids.view(np.uint64)
         v = launch.vals
         v[1] = n
         if check is None:
-            t[at + 2 * n:at + 3 * n] = self._unit
             v[6], v[7], v[8] = status, seq, g
         else:
             rows, count, geo, weights, expect, bad = check

@@ -139,10 +139,22 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 // The same copy with the addresses computed here: extent (seg, r) of S segments x R runs is
 // src base[seg] + at[r] -> dst base[seg] + at[r], len[r] bytes. t holds, as i64, the source
 // bases [S], destination bases [S], source offsets [R], destination offsets [R], lengths [R].
+// KV_IDS (a lane's launch, kvlink.gpu.lane): the table's per-run words are block ids, not
+// byte offsets — every run is one block of `unit` bytes at id x unit, and an id at or past its
+// side's block count (snb, dnb) is refused like an extent outside the regions, so the host
+// neither multiplies nor bounds-checks them
+#if KV_IDS
+#define KV_RUNS_IDS , i64 unit, i64 snb, i64 dnb
+#define KV_DIGEST_IDS , i64 snb, i64 dnb
+#else
+#define KV_RUNS_IDS
+#define KV_DIGEST_IDS
+#endif
+
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
     KV_TABLE, i64 S, i64 R,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
-    i64* status, i64 seq, i64 G) {
+    i64* status, i64 seq, i64 G KV_RUNS_IDS) {
   KV_TABLE_AT;
   const int lane = threadIdx.x % KV_TP;
   const i64 p = (i64)blockIdx.x * (KV_T / KV_TP) + threadIdx.x / KV_TP;
@@ -155,9 +167,19 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
   } else {
     e = p / G; g = p - e * G; seg = e / R; r = e - seg * R;
   }
+#if KV_IDS
+  const i64 sid = t[2 * S + r], did = t[2 * S + R + r];
+  if ((u64)sid >= (u64)snb || (u64)did >= (u64)dnb) {
+    if (lane == 0) *(volatile i64*)status = seq;
+    return;
+  }
+  kv_part(t[seg] + sid * unit, unit, t[S + seg] + did * unit, unit, smap, ns, dmap, nd,
+          status, seq, G, g, lane);
+#else
   const i64 len = t[2 * S + 2 * R + r];
   kv_part(t[seg] + t[2 * S + r], len, t[S + seg] + t[2 * S + R + r], len, smap, ns, dmap, nd,
           status, seq, G, g, lane);
+#endif
 }
 
 // The copy of whole units (one per segment and block: a unit is Q pages of one block, Q = 1
@@ -208,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad) {
+    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad KV_DIGEST_IDS) {
   KV_TABLE_AT;
   // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
   // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
@@ -223,9 +245,16 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   } else {
     seg = item / n; r = item - seg * n;
   }
-  const i64 dat = t[2 * S + n + r];
+#if KV_IDS
+  const i64 sid = t[2 * S + r], did = t[2 * S + n + r];
+  const i64 sat = sid * unit, dat = did * unit;
+  const bool ids_ok = (u64)sid < (u64)snb && (u64)did < (u64)dnb;
+#else
+  const i64 sat = t[2 * S + r], dat = t[2 * S + n + r];
+  const bool ids_ok = true;
+#endif
   i64 s = 0, d = 0;
-  if (!kv_translate(t[seg] + t[2 * S + r], unit, smap, ns, &s) ||
+  if (!ids_ok || !kv_translate(t[seg] + sat, unit, smap, ns, &s) ||
       !kv_translate(t[S + seg] + dat, unit, dmap, nd, &d)) {
     if (lane == 0) *(volatile i64*)status = seq;
     return;
@@ -244,8 +273,12 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     if (lane + 32 < keys) want1 = expect[first + lane + 32];
   }
   // our block id (offsets are id x unit)
+#if KV_IDS
+  const i64 lid = did;
+#else
   const i64 lid = slot < 0 ? 0 : (((dat | unit) >> 32) == 0 ?
                                   (i64)((unsigned)dat / (unsigned)unit) : dat / unit);
+#endif
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
@@ -346,12 +379,13 @@ DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared 
 
 NARGS = 10  # kv_move, kv_move_runs (the table first)
 DIGEST_NARGS = 18  # kv_move_digest
+IDS_NARGS = (3, 2)  # more of kv_move_runs and kv_move_digest with KV_IDS (block counts...)
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's
 #: table is 1088 words (one run per block), its fused-digest table 832
 PARAM_WORDS = (512, 1536, 4000)
-_compiled: dict[tuple[int, tuple[int, int, int], str, int], Any] = {}
+_compiled: dict[tuple[int, tuple[int, int, int], str, int, bool], Any] = {}
 _compile_lock = threading.Lock()
 
 
@@ -374,19 +408,20 @@ def _driver() -> Any:
 
 
 def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
-             words: int = 0) -> Any:
+             words: int = 0, ids: bool = False) -> Any:
     """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device);
-    ``words``: the address kernels' table passed by value, that many int64 (0: a pointer)."""
+    ``words``: the address kernels' table passed by value, that many int64 (0: a pointer);
+    ``ids``: its per-block words are block ids (KV_IDS: a lane's launch)."""
     import torch
 
-    key = (int(device.index or 0), shape, name, words)
+    key = (int(device.index or 0), shape, name, words, ids)
     with _compile_lock:
         fn = _compiled.get(key)
         if fn is None:
             t, tp, u = shape
             defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
                        f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n"
-                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n")
+                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n#define KV_IDS {int(ids)}\n")
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
@@ -413,8 +448,8 @@ class TableLaunch:
     and ``vals``' constant slots); not thread-safe (its owner's lock)."""
 
     def __init__(self, device: Any, shape: tuple[int, int, int], name: str, words: int,
-                 nargs: int) -> None:
-        self.fn = _compile(device, shape, name, words).func
+                 nargs: int, ids: bool = False) -> None:
+        self.fn = _compile(device, shape, name, words, ids).func
         self.threads, self.groups = shape[0], shape[0] // shape[1]  # threads, units a block
         self._table = (ctypes.c_longlong * words)()
         self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
@@ -485,14 +520,14 @@ class CudaMove:
         return True
 
     def table_launch(self, name: str, shape: tuple[int, int, int], words: int,
-                     nargs: int) -> TableLaunch | None:
+                     nargs: int, ids: bool = False) -> TableLaunch | None:
         """A new :class:`TableLaunch` of ``name`` (``nargs`` arguments, the table first) in
-        size class ``words``; None where such kernels cannot be had here (remembered, and
-        logged once: tables are then uploaded)."""
+        size class ``words`` (``ids``: the kernel's block-id form, KV_IDS); None where such
+        kernels cannot be had here (remembered, and logged once: tables are then uploaded)."""
         if self._no_tables:
             return None
         try:
-            return TableLaunch(self.device, shape, name, words, nargs)
+            return TableLaunch(self.device, shape, name, words, nargs, ids)
         except Exception as exc:  # an NVRTC or driver too old for __grid_constant__
             self._no_tables = f"{type(exc).__name__}: {exc}"
             log.warning("copy kernels cannot take their tables with the launch (%s); "

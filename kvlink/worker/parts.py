@@ -219,8 +219,9 @@ class _Parts(_Holds):
         """Post through the peer's lane where the transport has one for this request (whole
         blocks, no landing signal, no note on the WRITE, no ticket to check, integrity digested
         by its kernel or off): what does not change between this pair's requests was worked
-        out at its first (:class:`_PeerLane`), so this post checks the remote ids and hands
-        over both id arrays. False: post it the general way (nothing was posted)."""
+        out at its first (:class:`_PeerLane`), so this post hands over both id arrays (the
+        remote ids' range checked on the device). False: post it the general way (nothing
+        was posted)."""
         if (req.layers is not None or req.landing is not None
                 or transport.capabilities.enforces_grants
                 or (req.op is Op.WRITE and self._notes_natively(req))):
@@ -232,11 +233,8 @@ class _Parts(_Holds):
             lane = self._lanes[key] = self._new_lane(go, part, req.op, transport, digests)
         if lane.lane is None or lane.table is None:
             return False
-        try:
-            rids = lane.table.remote.check_block_ids(req.remote_ids, "remote")
-        except KVLinkError as exc:
-            self._part_failed(req, part, str(exc))
-            return True
+        # the ids' range is checked by the lane's kernel (a refused post names the id)
+        rids = req.remote_ids
         job = None
         if digests:
             job = self._digest_job(req, part, transport, lane.table.local)
@@ -273,6 +271,7 @@ class _Parts(_Holds):
                 or getattr(transport, "coalesce_runs", True)):
             return _PeerLane(go.peer, None, table)
         lane = make(op, go.peer.agent, table.local_base, table.remote_base, table.unit,
+                    (table.local.num_blocks, table.remote.num_blocks),
                     ours.page_bytes if digests else 0)
         return _PeerLane(go.peer, lane, table)
 

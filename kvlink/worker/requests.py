@@ -80,11 +80,10 @@ class _Requests(_Parts):
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
         lids = spec.check_block_ids(local_ids, "local")
-        rids = np.asarray(remote_ids)
+        rids = np.array(remote_ids, dtype=np.int64)  # ours: the caller may reuse theirs
         if rids.ndim != 1 or rids.shape != lids.shape:
             raise ConfigError(f"request {req_id}: {lids.shape[0]} local vs "
                               f"{np.shape(rids)} remote block ids")
-        rids = rids.astype(np.int64)
         if reads is None:
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
