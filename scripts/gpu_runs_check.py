@@ -127,14 +127,22 @@ def main() -> None:
     p.wait()
     out["lane_refused_failed"] = p.failed()
     out["lane_refused_wrote_nothing"] = not bool(dst.any().item())
-    # the kernel takes the ids themselves: one past a side's block count is refused there
+    # the kernel takes the ids themselves: one past a side's block count is refused there —
+    # the post fails and that block pair is not copied (the others may be): id NB of segment s
+    # is block 0 of segment s + 1, which no other pair writes (the decode ids start at 100)
+    # and whose source no other pair reads (the prefill ids start at 7)
+    head = dst.view(SEGS, NB * UNIT)[:, :UNIT]
     for side in ("src", "dst"):
         dst.zero_()
         bad_src, bad_dst = rids.copy(), lids.copy()
         (bad_src if side == "src" else bad_dst)[-1] = NB
         p = copier.copy_lane(lane, bad_src, bad_dst, stream, None)
         p.wait()
-        out[f"lane_{side}_id_refused"] = p.failed() and not bool(dst.any().item())
+        untouched = (not bool(dst.view(SEGS, NB * UNIT)[:, lids[-1] * UNIT:(lids[-1] + 1)
+                                                       * UNIT].any().item())
+                     if side == "src" else not bool(head.any().item()))
+        others = bool(dst.view(SEGS, NB * UNIT)[:, lids[0] * UNIT].any().item())
+        out[f"lane_{side}_id_refused"] = p.failed() and untouched and others
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
     kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane", "device_copy")
     times: dict[str, list[float]] = {k: [] for k in kinds}

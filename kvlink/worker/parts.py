@@ -76,11 +76,11 @@ class _Parts(_Holds):
             part.retry_at = 0.0
         if not part.peer.done():
             return
-        unreachable = part.peer.exception()
-        if unreachable is not None:  # or incompatible: nothing was granted or posted
+        try:  # (one look at the future: each of its calls takes its lock)
+            peer = part.peer.result()
+        except Exception as unreachable:  # or incompatible: nothing was granted or posted
             part.error = f"{self._where(req, part)}: {unreachable}"
             return
-        peer = part.peer.result()
         if req.op is not Op.READ:
             part.go = _Go(peer)
         elif req.generation is not None:

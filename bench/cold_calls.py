@@ -1,0 +1,96 @@
+"""What one call on a request's path costs cold, by kind: numpy's against Python's builtins.
+
+    .venv/bin/python bench/cold_calls.py [--reps 200] [--out bench/results/cold_calls.json]
+
+Why: stamps along a cuda_ipc READ on the H200 host (docs/e2e.md, "Lanes") put 40 us in the
+local ids' range check and 30 us in the writes of a launch table, where each is a microsecond
+back to back. Between two requests a serving process runs other code (here: a pass over 64
+MiB, torch and numpy work of other shapes, a burst of Python objects), so the code of the next
+request's calls has left the caches. Each call below is timed right after such a sweep
+("cold") and then back to back ("hot", the same-run baseline), for the ids of one 70B TP8-rank
+request (256 of 600 blocks): numpy's reductions and ufuncs against the builtins over a
+buffer or list — what decided the forms used on the request path (``KVCacheSpec.
+check_block_ids``, ``kvlink.gpu.lane``). CPU only. Writes bench/results/cold_calls.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import write_result
+
+BIG = np.zeros(64 << 20, dtype=np.uint8)
+
+
+def _sweep(torch: Any, a: Any, b: Any) -> None:
+    BIG[::64] += 1
+    _ = [str(i) for i in range(5000)]
+    if torch is not None:
+        (a == b).sum()
+    np.sort(np.random.default_rng(0).random(20000))
+    _ = {i: str(i) for i in range(2000)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    try:
+        import torch
+
+        a, b = torch.zeros(4 << 20), torch.ones(4 << 20)
+    except ImportError:
+        torch = a = b = None  # type: ignore[assignment]
+    ids = np.random.default_rng(0).permutation(600)[:256].astype(np.int64)
+    lst = ids.tolist()
+    words = (ctypes.c_longlong * 1536)()
+    table = np.frombuffer(memoryview(words).cast("B"), dtype=np.uint64)
+    unit = np.uint64(4096)
+    calls: dict[str, Callable[[], Any]] = {
+        "range check: ndarray.max (numpy reduction)": lambda: ids.view(np.uint64).max() >= 600,
+        "range check: builtin max over the buffer": (
+            lambda: max(ids.data.cast("B").cast("Q")) >= 600),
+        "range check: builtin max/min over a list": lambda: max(lst) < 600 and min(lst) >= 0,
+        "ids from a list: np.array(list, int64)": lambda: np.array(lst, dtype=np.int64),
+        "table: np.multiply(ids, unit, out=table slice)": (
+            lambda: np.multiply(ids.view(np.uint64), unit, out=table[320:576])),
+        "table: fill a slice with one value": lambda: table.__setitem__(slice(832, 1088), unit),
+        "table: copy the ids into a slice": (
+            lambda: table.__setitem__(slice(320, 576), ids.view(np.uint64))),
+        "table: ctypes slice from a list": lambda: words.__setitem__(slice(320, 576), lst),
+        "fingerprint: blake2b of the ids": (
+            lambda: hashlib.blake2b(ids.data, digest_size=8).digest()),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, fn in calls.items():
+        cold, hot = [], []
+        for _ in range(args.reps):
+            _sweep(torch, a, b)
+            t0 = time.perf_counter()
+            fn()
+            cold.append(time.perf_counter() - t0)
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            fn()
+            hot.append(time.perf_counter() - t0)
+        c, h = statistics.median(cold) * 1e6, statistics.median(hot) * 1e6
+        out[name] = {"cold_us": round(c, 2), "hot_us": round(h, 2)}
+        print(f"{name:50s} cold {c:7.1f} us   hot {h:6.1f} us")
+    write_result("cold_calls", {"reps": args.reps, "ids": 256, "calls": out}, args.out)
+
+
+if __name__ == "__main__":
+    main()
