@@ -1,0 +1,132 @@
+"""The worker's lanes (``kvlink.worker.parts._post_lane``) on CPU.
+
+The only transport with a lane, cuda_ipc, needs a GPU (its lane runs in
+``scripts/gpu_runs_check.py``, ``scripts/gpu_stream_order_check.py`` and the GPU benches). Here
+real tcp moves the bytes, under a lane hook of this test's own: it expands a lane's post into
+extents and posts them on tcp, and counts what each lane was asked — so what is checked is the
+worker's side (which lane a request takes, when it posts the general way) with real bytes and a
+real producer behind it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from test_lifecycle import blocks, make, outcome, remote
+
+from kvlink.integrity import Level
+from kvlink.transport import Capabilities, Op, make_extents, register_transport
+from kvlink_transports.tcp import TcpTransport
+
+
+class _Lane:
+    """One lane: whole ``unit``-byte blocks over the bases, as cuda_ipc's kernel computes them."""
+
+    def __init__(self, owner: LaneTcp, op: Op, peer: str, local_base: Any, remote_base: Any,
+                 unit: int, page_bytes: int) -> None:
+        self.owner, self.op, self.peer, self.unit = owner, op, peer, unit
+        self.local_base, self.remote_base = local_base, remote_base
+        self.page_bytes = page_bytes  # > 0: a digest lane (it takes only posts with a digest)
+        self.posts = self.declined = 0
+
+    def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
+             digest: Any = None) -> int | None:
+        if (digest is None) == bool(self.page_bytes) or len(local_ids) > self.owner.lane_limit:
+            self.declined += 1
+            return None
+        self.posts += 1
+        u = np.uint64(self.unit)
+
+        def ext(base: Any, ids: npt.NDArray[np.int64]) -> Any:
+            return make_extents((base[:, None] + ids.astype(np.uint64)[None, :] * u).ravel(),
+                                self.unit)
+
+        return self.owner.post(self.op, self.peer, ext(self.local_base, local_ids),
+                               ext(self.remote_base, remote_ids))
+
+
+class LaneTcp(TcpTransport):
+    """tcp with a lane hook (and no ticket checks: a lane's post carries none)."""
+
+    name = "lane_tcp"
+    capabilities = Capabilities(ops=frozenset({Op.READ, Op.WRITE}),
+                                memory_kinds=frozenset({"cpu"}), python_threads=True)
+    coalesce_runs = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lanes: list[_Lane] = []
+        self.lane_limit = 1 << 20
+
+    def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
+             blocks: tuple[int, int], page_bytes: int = 0) -> _Lane:
+        made = _Lane(self, op, peer, local_base, remote_base, unit, page_bytes)
+        self.lanes.append(made)
+        return made
+
+
+register_transport("lane_tcp", LaneTcp)
+
+
+def _pair(**cfg: Any) -> tuple[Any, Any]:
+    prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, **cfg)
+    decode, _ = make("d", transports=["lane_tcp"], grants=False, **cfg)
+    return prefill, decode
+
+
+def _read(decode: Any, prefill: Any, rid: str, ours: list[int], theirs: list[int]) -> None:
+    gen = prefill.hold(rid, theirs)
+    decode.read(rid, remote(prefill), ours, theirs, generation=gen)
+    ok, reason = outcome(decode, rid)
+    assert ok, reason
+    assert np.array_equal(blocks(decode, ours), blocks(prefill, theirs))
+
+
+def test_reads_take_the_peers_lane_bound_once() -> None:
+    """Every READ of a peer goes through one lane, made at the first: same bytes, and the
+    request's accounting (bytes, extents) read back as on the general path."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _read(decode, prefill, "r0", [4, 5, 6], [2, 3, 9])
+        _read(decode, prefill, "r1", [1, 7], [8, 0])
+        assert len(t.lanes) == 1 and t.lanes[0].posts == 2 and t.lanes[0].op is Op.READ
+        assert decode.finished_bytes == 5 * decode.spec.num_layers * 2 * decode.spec.page_bytes
+        assert decode.descriptor_counts()[1] == 5 * decode.spec.num_layers * 2
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_request_the_lane_declines_is_posted_the_general_way() -> None:
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        t.lane_limit = 2
+        _read(decode, prefill, "big", [4, 5, 6], [2, 3, 9])
+        _read(decode, prefill, "small", [1, 7], [8, 0])
+        assert t.lanes[0].declined == 1 and t.lanes[0].posts == 1
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_each_integrity_setting_keeps_its_own_lane() -> None:
+    """A level switched at run time (bench/integrity_overhead.py does) must not leave ``off``
+    requests on the lane made for a digesting level, which declines them: they took the
+    general path (fbc345c kept one lane per peer, made for whichever level came first)."""
+    prefill, decode = _pair(integrity="full")
+    try:
+        t = decode.transports["lane_tcp"]
+        _read(decode, prefill, "checked", [4, 5], [2, 3])  # tcp digests on the host: general
+        decode.integrity.level = Level("off")
+        _read(decode, prefill, "off1", [6, 7], [9, 1])
+        _read(decode, prefill, "off2", [8], [0])
+        plain = [ln for ln in t.lanes if not ln.page_bytes]
+        assert len(plain) == 1 and plain[0].posts == 2 and plain[0].declined == 0
+        assert all(ln.posts == 0 and ln.declined == 0 for ln in t.lanes if ln.page_bytes)
+    finally:
+        decode.close()
+        prefill.close()
