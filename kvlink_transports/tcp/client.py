@@ -189,13 +189,18 @@ class _Peer:
             except (OSError, _PeerGone, KVLinkError) as exc:
                 where = f"{self.desc.host}:{self.desc.port}"
                 reason = f"peer {self.name} ({where}): {_why(exc, self.owner.timeout)}"
-                if isinstance(item, _Xfer):
-                    self.owner._finish(item, XferState(XferStatus.FAILED, reason))
+                # the broken connection is dropped, and what was queued on it failed, before
+                # the caller hears of this transfer's failure: a transfer it submits once it
+                # has (the next READ) opens a new connection, and is never failed with this
+                # one's reason (it was, when this ran the other way round)
+                with self.cv:
+                    broken, self.sock = self.sock, None
+                if broken is not None:
+                    broken.close()
                 log.warning("tcp: %s; failing %d queued transfer(s)", reason, len(self.queue))
                 self._fail_queued(reason)
-                if self.sock is not None:
-                    self.sock.close()
-                    self.sock = None
+                if isinstance(item, _Xfer):
+                    self.owner._finish(item, XferState(XferStatus.FAILED, reason))
         if self.sock is not None:
             self.sock.close()
         self._fail_queued(f"peer {self.name} disconnected")
