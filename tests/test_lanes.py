@@ -48,11 +48,14 @@ class _Lane:
 
 
 class LaneTcp(TcpTransport):
-    """tcp with a lane hook (and no ticket checks: a lane's post carries none)."""
+    """tcp with a lane hook, and as cuda_ipc: no ticket checks (a lane's post carries none), no
+    native notifications (a WRITE's "written" note goes over the side channel, so the WRITE
+    itself may take a lane)."""
 
     name = "lane_tcp"
     capabilities = Capabilities(ops=frozenset({Op.READ, Op.WRITE}),
-                                memory_kinds=frozenset({"cpu"}), python_threads=True)
+                                memory_kinds=frozenset({"cpu"}), python_threads=True,
+                                native_notifications=False)
     coalesce_runs = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -127,6 +130,23 @@ def test_each_integrity_setting_keeps_its_own_lane() -> None:
         plain = [ln for ln in t.lanes if not ln.page_bytes]
         assert len(plain) == 1 and plain[0].posts == 2 and plain[0].declined == 0
         assert all(ln.posts == 0 and ln.declined == 0 for ln in t.lanes if ln.page_bytes)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_write_takes_its_own_lane() -> None:
+    """WRITE (the decode pushing its blocks into the producer's) goes through a lane of its
+    own op: the producer's blocks hold the decode's bytes after."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _read(decode, prefill, "r0", [4, 5], [2, 3])
+        decode.write("w0", remote(prefill), [1, 6], [10, 11])
+        ok, reason = outcome(decode, "w0")
+        assert ok, reason
+        assert np.array_equal(blocks(prefill, [10, 11]), blocks(decode, [1, 6]))
+        assert sorted((ln.op.value, ln.posts) for ln in t.lanes) == [("read", 1), ("write", 1)]
     finally:
         decode.close()
         prefill.close()
