@@ -78,6 +78,15 @@ class ArrayInfo:
         return lo, hi + self.itemsize
 
 
+def check_in_range(ids: npt.NDArray[Any], count: int, side: str) -> None:
+    """Raise BlockIdOutOfRange naming the first of ``ids`` outside [0, ``count``) (a slow
+    path: where a cheaper check, or the device, found one)."""
+    bad = np.flatnonzero((ids < 0) | (ids >= count))
+    if bad.size:
+        raise BlockIdOutOfRange(f"{side} block id {int(ids[bad[0]])} (position {int(bad[0])}) "
+                                f"is out of range [0, {count})")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class KVCacheSpec:
     """Byte geometry of one worker's KV cache (see module docstring)."""
@@ -175,11 +184,7 @@ class KVCacheSpec:
         if (max(out.data.cast("B").cast("Q")) if out.shape[0] <= _BUILTIN_MAX
                 and out.flags.c_contiguous else int(out.view(np.uint64).max())
                 ) >= self.num_blocks:
-            bad = np.flatnonzero((arr < 0) | (arr >= self.num_blocks))
-            raise BlockIdOutOfRange(
-                f"{side} block id {int(arr[bad[0]])} (position {int(bad[0])}) is out of range "
-                f"[0, {self.num_blocks})"
-            )
+            check_in_range(arr, self.num_blocks, side)
         return out
 
     def page_extents(self, layer: int, block: int, kv: int = 0,

@@ -169,10 +169,8 @@ class PlanTable:
         lids, rids = self._check_ids(local_ids, remote_ids, local_checked)
         n = lids.shape[0]
         if n and not coalesce:  # (seams need no merging: each block is its own extent)
-            unit = np.uint64(self.unit)
-            return Runs(self.local_base, self.remote_base, lids.view(np.uint64) * unit,
-                        rids.view(np.uint64) * unit, _units(n, self.unit), self.raw_count(n),
-                        n * self.unit, self.unit)
+            return Runs.of_blocks(self.local_base, self.remote_base, lids, rids, self.unit,
+                                  self.raw_count(n), _units(n, self.unit))
         if n == 0 or self._seams(lids, rids) is not None:
             return None
         lrun, rrun, lens, longest = self._run_starts(lids, rids)

@@ -166,6 +166,20 @@ class Runs:
     run_bytes: int = -1
     longest: int = -1
 
+    @classmethod
+    def of_blocks(cls, local_base: npt.NDArray[np.uint64], remote_base: npt.NDArray[np.uint64],
+                  local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
+                  unit: int, raw_descriptors: int,
+                  lens: npt.NDArray[np.uint64] | None = None) -> Runs:
+        """One run of ``unit`` bytes per block pair (int64 ids, in range): a block's offset
+        is its id x ``unit`` (segments whose block stride is their unit). ``lens``: the ``n``
+        units where the caller keeps them (else made here)."""
+        u, n = np.uint64(unit), int(local_ids.shape[0])
+        return cls(local_base, remote_base, local_ids.view(np.uint64) * u,
+                   remote_ids.view(np.uint64) * u,
+                   np.full(n, unit, dtype=np.uint64) if lens is None else lens,
+                   raw_descriptors, n * unit, unit)
+
     @property
     def descriptors(self) -> int:
         return int(self.local_base.shape[0]) * int(self.lens.shape[0])

@@ -61,10 +61,11 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvlink.errors import BlockIdOutOfRange, ConfigError, KVLinkError, TransportUnavailable
+from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
 from kvlink.gpu.lane import Lane, maps_of
 from kvlink.gpu.move import DIGEST_MAX
+from kvlink.layout import check_in_range
 from kvlink.options import check_options
 from kvlink.transport import (
     DONE,
@@ -150,6 +151,24 @@ def _aligned(local: Any, remote: Any) -> bool:
                              local, remote))
 
 
+def _unit_pages(unit: int, page_bytes: int, local: Any, remote: Any) -> int:
+    """Pages in a block's ``unit`` where ``kv_move_digest`` can digest it while it copies —
+    1, or K and V side by side: 2; whole 16-byte vectors, every segment base aligned to them
+    — else 0. What a post of these segments' blocks shares (a lane judges it once)."""
+    if page_bytes <= 0:
+        return 0
+    pages, rest = divmod(unit, page_bytes)
+    ok = not rest and pages in (1, 2) and not unit % 16 and _aligned(local, remote)
+    return pages if ok else 0
+
+
+def _job_fits(digest: DigestJob, blocks: int, segments: int, pages: int) -> bool:
+    """Whether ``digest``'s rows are those of a post of ``blocks`` blocks over ``segments``
+    segments of ``pages`` pages each, and its heads within what the kernel can sum."""
+    return (digest.blocks == blocks and digest.planes == segments * pages
+            and pages * digest.heads <= DIGEST_MAX)
+
+
 def _device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
@@ -182,18 +201,10 @@ class _Lane:
         """What a post of these blocks moved, as post_runs would have taken it (to explain
         a refusal: the slow path); raises BlockIdOutOfRange naming an id the device refused
         as out of range."""
-        for side, ids, count in (("local", local_ids, self.blocks[0]),
-                                 ("remote", remote_ids, self.blocks[1])):
-            bad = np.flatnonzero((ids < 0) | (ids >= count))
-            if bad.size:
-                raise BlockIdOutOfRange(f"{side} block id {int(ids[bad[0]])} (position "
-                                        f"{int(bad[0])}) is out of range [0, {count})")
-        unit, n = self.moves.unit, int(local_ids.shape[0])
-        lens = np.full(n, unit, dtype=np.uint64)
-        return Runs(self.local_base, self.remote_base,
-                    local_ids.view(np.uint64) * np.uint64(unit),
-                    remote_ids.view(np.uint64) * np.uint64(unit), lens,
-                    n * self.local_base.shape[0], n * unit, unit)
+        check_in_range(local_ids, self.blocks[0], "local")
+        check_in_range(remote_ids, self.blocks[1], "remote")
+        return Runs.of_blocks(self.local_base, self.remote_base, local_ids, remote_ids,
+                              self.moves.unit, len(local_ids) * self.moves.segments)
 
 
 class CudaIpcTransport(Transport):
@@ -506,16 +517,13 @@ class CudaIpcTransport(Transport):
         """Pages per unit (1, or 2: K and V side by side) where ``kv_move_digest`` can take
         this post — a READ of one whole unit per block, 16-byte aligned, as many units as the
         digest's rows say, planes that match the segments — else 0 (the caller digests)."""
-        if digest is None or op is not Op.READ or digest.page_bytes <= 0:
+        if digest is None or op is not Op.READ:
             return 0
-        n, segments = int(runs.lens.shape[0]), int(runs.local_base.shape[0])
-        unit = runs.longest_run
-        pages, rest = divmod(unit, digest.page_bytes)
-        if (rest or pages not in (1, 2) or unit % 16 or n != digest.blocks
-                or runs.run_bytes != n * unit or segments * pages != digest.planes
-                or pages * digest.heads > DIGEST_MAX):
-            return 0
-        return pages if _aligned(runs.local_base, runs.remote_base) else 0
+        n, unit = int(runs.lens.shape[0]), runs.longest_run
+        pages = _unit_pages(unit, digest.page_bytes, runs.local_base, runs.remote_base)
+        fits = pages and runs.run_bytes == n * unit and _job_fits(
+            digest, n, int(runs.local_base.shape[0]), pages)
+        return pages if fits else 0
 
     def _post_digest(self, peer: str, runs: Runs, digest: DigestJob, pages: int) -> int:
         expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
@@ -566,9 +574,8 @@ class CudaIpcTransport(Transport):
             return None
         digest = None
         if page_bytes:
-            pages, rest = divmod(unit, page_bytes)
-            if (op is not Op.READ or rest or pages not in (1, 2) or unit % 16
-                    or not _aligned(local_base, remote_base)):
+            pages = _unit_pages(unit, page_bytes, local_base, remote_base)
+            if op is not Op.READ or not pages:
                 return None
             digest = (pages, page_bytes)
         ours, theirs = (local_base, self._local_map, blocks[0]), (remote_base, target.map,
@@ -586,9 +593,7 @@ class CudaIpcTransport(Transport):
             return None
         check = None
         if moves.digest is not None:
-            pages = moves.digest[0]
-            if (digest is None or digest.blocks != n or digest.planes != moves.segments * pages
-                    or pages * digest.heads > DIGEST_MAX):
+            if digest is None or not _job_fits(digest, n, moves.segments, moves.digest[0]):
                 return None
             expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
                                     "compared on the host")

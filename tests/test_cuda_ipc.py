@@ -699,6 +699,9 @@ class _FakeLane:
 
 
 class _FakeLaneCopier(_FakeCopier):
+    """The copier's lane side, for the transport's logic on a machine without a GPU (a stand-in,
+    as the other fakes here; scripts/gpu_runs_check.py runs the real lane)."""
+
     computes_addresses = True
 
     def lane(self, src: Any, dst: Any, unit: int, limits: tuple[int, int], smap: Any,
@@ -722,6 +725,7 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     from kvlink.transport import XferStatus
     from kvlink_transports import cuda_ipc as mod
 
+    # the fake maps have no device pointers: the lane is bound to the map objects themselves
     monkeypatch.setattr(mod, "maps_of", lambda smap, dmap: (smap, dmap))
     t = _fake_transport(monkeypatch)
     t._copier = _FakeLaneCopier()

@@ -4,17 +4,20 @@ The only transport with a lane, cuda_ipc, needs a GPU (its lane runs in
 ``scripts/gpu_runs_check.py``, ``scripts/gpu_stream_order_check.py`` and the GPU benches). Here
 real tcp moves the bytes, under a lane hook of this test's own: it expands a lane's post into
 extents and posts them on tcp, and counts what each lane was asked — so what is checked is the
-worker's side (which lane a request takes, when it posts the general way) with real bytes and a
-real producer behind it.
+worker's side (which lane a request takes, when it posts the general way, what a finished
+receive still means) with real bytes and a real producer behind it. The hook is a stand-in for a
+component this machine cannot run (no GPU), not a fault injection; the GPU scripts run the real
+one.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from test_lifecycle import blocks, make, outcome, remote
+from test_lifecycle import blocks, make, outcome, remote, sleep_until
 
 from kvlink.integrity import Level
 from kvlink.transport import Capabilities, Op, make_extents, register_transport
@@ -150,3 +153,26 @@ def test_a_write_takes_its_own_lane() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted() -> None:
+    """A READ posted through a lane is validated like any other: the hold is withdrawn (its
+    lease expires) before the READ's end is seen, so the board's after-check fails, the round
+    trip says why and the request fails, though every byte arrived."""
+    prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, lease_seconds=0.5,
+                      read_seconds=0.1)
+    decode, _ = make("d", serve=False, transports=["lane_tcp"], grants=False)
+    try:
+        _read(decode, prefill, "warm", [1], [0])
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
+        part = decode._requests["r0"].parts[0]
+        assert part.check is not None and part.handle is not None  # on the board; posted
+        assert decode.transports["lane_tcp"].lanes[0].posts == 2  # through the lane
+        sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
+        assert "r0" in [r.req_id for r in prefill.released()]
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "not confirmed" in reason
+    finally:
+        prefill.close()
+        decode.close()

@@ -250,9 +250,6 @@ def _size_class(nbytes: int) -> int:
     return max(4096, 1 << (nbytes - 1).bit_length())
 
 
-_STATUS = _size_class(16)  # the class of a lane's status buffer (copy_lane)
-
-
 def _records(ext: Extents) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(ext).view(np.uint64)
 
@@ -570,8 +567,7 @@ class BatchCopier:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                free = self._pinned[_STATUS]  # (what _take does, without working out the class)
-                buf = free.pop() if free else self._take(16)
+                buf = self._take(16)
                 buf.status.value = 0
                 raw = stream.cuda_stream
                 self._after(raw, after)
@@ -605,7 +601,7 @@ class BatchCopier:
         if self._cuda.table_class(table.shape[0]):
             buf = self._take(8 + 8 * spare)
             held.append(buf)
-            buf.words[0] = 0
+            buf.status.value = 0
             self._after(raw, after)
             if self._cuda.launch_with_table(name, shape, units, table, args(buf, 0), raw):
                 return buf, None, 0
@@ -635,7 +631,7 @@ class BatchCopier:
         words = table.shape[0]
         buf = self._take(8 + 8 * words + 8 * spare)
         held.append(buf)
-        buf.words[0] = 0
+        buf.status.value = 0
         buf.words[1:1 + words] = table
         dbuf = self._take_onboard(8 * words, stream)
         held.append(dbuf)
@@ -660,7 +656,7 @@ class BatchCopier:
         if s_at and d_at:  # read in place: one launch, only a status word of ours
             buf = self._take(8)
             held.append(buf)
-            buf.words[0] = 0
+            buf.status.value = 0
             plan = self._plan(n, first_len, pieces=False)
             self._launch(plan, s_at, d_at, 0, n, smap, dmap, buf.ptr, seq, stream)
             return self._enqueue(stream, buf, seq, (src, dst))
@@ -694,7 +690,7 @@ class BatchCopier:
             buf.words[1 + 2 * n : 1 + 4 * n] = _records(dst)
             s_at, d_at, keep = buf.ptr + 8, buf.ptr + 8 + 16 * n, ()
         held.append(buf)
-        buf.words[0] = 0
+        buf.status.value = 0
         dbuf = self._take_onboard(32 * n, stream)
         held.append(dbuf)
         at = int(dbuf.data_ptr())
