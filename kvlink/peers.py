@@ -76,6 +76,9 @@ class PeerTable:
         self._call, self._submit = call, submit
         self._peers: dict[tuple[str, str, int], cf.Future[Peer]] = {}
         self._lock = threading.Lock()
+        #: bumped whenever a cached handshake is added, replaced or dropped: what was bound to
+        #: the cached ones (a worker's routes) is still theirs while it is unchanged
+        self.epoch = 0
 
     @staticmethod
     def _key(remote: RemoteEngine, rank: int) -> tuple[str, str, int]:
@@ -96,6 +99,7 @@ class PeerTable:
                     _disconnect(fut, "it restarted")
                 fut = self._submit(self._handshake, remote, rank)
                 self._peers[key] = fut
+                self.epoch += 1
             return fut
 
     def forget(self, engine_id: str, rank: int) -> None:
@@ -104,6 +108,7 @@ class PeerTable:
             keys = [k for k, f in self._peers.items() if k[0] == engine_id and _ok(f)
                     and f.result().spec.tp_rank == rank]
             futs = [self._peers.pop(k) for k in keys]
+            self.epoch += 1
         for fut in futs:
             _disconnect(fut, "forgotten")
 
@@ -112,6 +117,7 @@ class PeerTable:
         with self._lock:
             if self._peers.get(self._key(remote, rank)) is fut:
                 del self._peers[self._key(remote, rank)]
+            self.epoch += 1
         _disconnect(fut, "it restarted")
 
     def connected(self) -> list[str]:
@@ -124,6 +130,7 @@ class PeerTable:
         with self._lock:
             keys = [k for k in self._peers if k[0] != engine_id and (k[1], k[2]) == endpoint]
             futs = [self._peers.pop(k) for k in keys]
+            self.epoch += 1
         for fut in futs:
             log.warning("the engine at %s:%d was replaced by %s; dropping its metadata",
                         *endpoint, engine_id)

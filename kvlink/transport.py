@@ -441,6 +441,22 @@ class Transport(abc.ABC):
             for key, value in delta.items():
                 setattr(self.stats, key, getattr(self.stats, key) + value)
 
+    def _account_post(self, seconds: float, descriptors: int) -> None:
+        """:meth:`_account` of one post, without its keywords' dict and lookups (a transport's
+        post and the poll that sees it done are on a request's path, and cold)."""
+        with self._stats_lock:
+            st = self.stats
+            st.post_seconds += seconds
+            st.descriptors += descriptors
+
+    def _account_done(self, nbytes: int, seconds: float) -> None:
+        """:meth:`_account` of one transfer seen DONE (see :meth:`_account_post`)."""
+        with self._stats_lock:
+            st = self.stats
+            st.transfers += 1
+            st.bytes += nbytes
+            st.xfer_seconds += seconds
+
 
 def check_pairs(local: Extents, remote: Extents) -> None:
     """Local and remote extents must pair up one to one with equal lengths."""

@@ -657,7 +657,7 @@ class CudaIpcTransport(Transport):
             self._xfers[handle] = x
             closable = self._reap_locked() if self._released else []
         self._unmap(closable)
-        self._account(post_seconds=time.perf_counter() - t0, descriptors=descriptors)
+        self._account_post(time.perf_counter() - t0, descriptors)
         return handle
 
     def completion_event(self, handle: int) -> torch.cuda.Event | None:
@@ -709,8 +709,7 @@ class CudaIpcTransport(Transport):
                         x.state = DONE
             self._unmap(closable)
             if x.state is DONE:
-                self._account(transfers=1, bytes=x.nbytes,
-                              xfer_seconds=time.perf_counter() - x.t_post)
+                self._account_done(x.nbytes, time.perf_counter() - x.t_post)
             else:
                 self._account(failed=1)
         return x.state

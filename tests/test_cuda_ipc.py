@@ -240,6 +240,30 @@ class _FakeEvent:
         self.recorded_on.append(stream)
 
 
+class _FakeDriverEvents:
+    """Stands in for kvlink.gpu.move.DriverEvents (no GPU here): events are numbers, complete
+    once the test says so."""
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()
+        self.free: list[int] = []
+        self.recorded: list[tuple[int, int]] = []
+
+    def record(self, stream: int) -> int:
+        ev = len(self.recorded) + 1
+        self.recorded.append((ev, stream))
+        return ev
+
+    def query(self, ev: int) -> bool:
+        return ev in self.done
+
+    def synchronize(self, ev: int) -> None:
+        self.done.add(ev)
+
+    def recycle(self, ev: int) -> None:
+        self.free.append(ev)
+
+
 class _FakeCopy:
     """What kvlink.gpu.copy.Pending offers the transport."""
 
@@ -562,8 +586,9 @@ def test_peer_table_is_safe_under_concurrent_connects_and_posts(
 def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> None:
     """BatchCopier.copy: the copy's stream is ordered after ``after`` before any launch (not
     when ``after`` is that stream, nor without it); a launch that raises gives a copy that fails
-    once its event has completed, keeping the buffers the launches read. A handed out
-    completion event is never recycled for another copy."""
+    once its event has completed, keeping the buffers the launches read. A completion event
+    handed out is a torch event of its own, recorded on the copy's stream at the first ask;
+    the copy's own (driver) event goes back once the copy is done."""
     import collections
     import threading
     import types
@@ -573,7 +598,7 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     cp: Any = object.__new__(gpucopy.BatchCopier)
     cp.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=_FakeEvent))
     order: list[object] = []
-    cp._lock, cp._events = threading.Lock(), []
+    cp._lock, cp._events = threading.Lock(), _FakeDriverEvents()
     cp._order = types.SimpleNamespace(wait=lambda s, a: order.append(("wait", s, a)))
     cp._inflight, cp._pinned, cp._onboard = collections.deque(), {}, {}
     stream = _FakeStream(1)
@@ -590,13 +615,57 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     assert "CUDA error 700" in p.error and p.keep[-1] == "a buffer the launch reads"
     assert not p.done()
     ev = p.completion_event()
-    ev.done = True
+    assert ev.recorded_on == [stream] and p.completion_event() is ev
+    assert cp._events.recorded == [(p.event, 1)]  # after the launches, on the copy's stream
+    cp._events.done.add(p.event)
     assert p.done() and p.failed()
-    assert cp._events == []  # handed out: not recycled
+    assert cp._events.free == [p.event]
     order.clear()
     cp.copy(e, None, e, None, stream, 1)
     cp.copy(e, None, e, None, stream, None)
     assert order == ["launch", "launch"]
+
+
+def test_driver_events_record_query_and_recycle() -> None:
+    """kvlink.gpu.move.DriverEvents through a fake driver: an event is created once and
+    recycled; a query is True at 0, False at CUDA_ERROR_NOT_READY, raises on anything else; a
+    record the driver refuses raises and keeps its event for the next."""
+    import types
+
+    from kvlink.gpu import move
+
+    calls: list[str] = []
+    rc = {"record": 0, "query": 0}
+
+    def create(ptr: Any, flags: int) -> int:
+        calls.append("create")
+        ptr._obj.value = 0x77
+        return 0
+
+    def call(name: str) -> Any:
+        def fn(*args: Any) -> int:
+            calls.append(name)
+            return rc[name]
+        return fn
+
+    ev: Any = object.__new__(move.DriverEvents)
+    ev._free, ev._device = [], 0
+    ev._lib = types.SimpleNamespace(cuEventCreate=create, cuEventRecord=call("record"),
+                                    cuEventQuery=call("query"))
+    e = ev.record(5)
+    assert e == 0x77 and calls == ["create", "record"]
+    assert ev.query(e) is True
+    rc["query"] = 600
+    assert ev.query(e) is False
+    rc["query"] = 700
+    with pytest.raises(RuntimeError, match="700"):
+        ev.query(e)
+    ev.recycle(e)
+    calls.clear()
+    rc["record"] = 400
+    with pytest.raises(RuntimeError, match="400"):
+        ev.record(5)
+    assert calls == ["record"] and ev._free == [0x77]  # not created again, kept
 
 
 def test_stream_order_waits_only_for_pending_work() -> None:

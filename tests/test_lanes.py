@@ -17,19 +17,30 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 from test_lifecycle import blocks, make, outcome, remote, sleep_until
 
+from kvlink.errors import BlockIdOutOfRange, KVLinkError
 from kvlink.integrity import Level
-from kvlink.transport import Capabilities, Op, make_extents, register_transport
+from kvlink.layout import check_in_range
+from kvlink.transport import (
+    Capabilities,
+    Op,
+    XferState,
+    XferStatus,
+    make_extents,
+    register_transport,
+)
 from kvlink_transports.tcp import TcpTransport
+from kvlink_transports.tcp.client import _Xfer
 
 
 class _Lane:
     """One lane: whole ``unit``-byte blocks over the bases, as cuda_ipc's kernel computes them."""
 
     def __init__(self, owner: LaneTcp, op: Op, peer: str, local_base: Any, remote_base: Any,
-                 unit: int, page_bytes: int) -> None:
-        self.owner, self.op, self.peer, self.unit = owner, op, peer, unit
+                 unit: int, blocks: tuple[int, int], page_bytes: int) -> None:
+        self.owner, self.op, self.peer, self.unit, self.blocks = owner, op, peer, unit, blocks
         self.local_base, self.remote_base = local_base, remote_base
         self.page_bytes = page_bytes  # > 0: a digest lane (it takes only posts with a digest)
         self.posts = self.declined = 0
@@ -40,6 +51,12 @@ class _Lane:
             self.declined += 1
             return None
         self.posts += 1
+        self.owner.posted.append(self.owner.in_flight())
+        try:  # as cuda_ipc's kernel: an id out of its side's range is refused, and named
+            check_in_range(local_ids, self.blocks[0], "local")
+            check_in_range(remote_ids, self.blocks[1], "remote")
+        except BlockIdOutOfRange as exc:
+            return self.owner.refused(str(exc))
         u = np.uint64(self.unit)
 
         def ext(base: Any, ids: npt.NDArray[np.int64]) -> Any:
@@ -65,12 +82,25 @@ class LaneTcp(TcpTransport):
         super().__init__(*args, **kwargs)
         self.lanes: list[_Lane] = []
         self.lane_limit = 1 << 20
+        #: at each lane post, the worker's requests in flight then (in_flight: set by a test)
+        self.posted: list[set[str]] = []
+        self.in_flight: Any = set
 
     def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
              blocks: tuple[int, int], page_bytes: int = 0) -> _Lane:
-        made = _Lane(self, op, peer, local_base, remote_base, unit, page_bytes)
+        made = _Lane(self, op, peer, local_base, remote_base, unit, blocks, page_bytes)
         self.lanes.append(made)
         return made
+
+    def refused(self, why: str) -> int:
+        """A handle that polls FAILED with ``why`` (as a post the device refused)."""
+        handle = next(self._handles)
+        empty = make_extents(np.zeros(0, np.uint64), 0)
+        xfer = _Xfer(Op.READ, empty, empty, None, 0, time.perf_counter())
+        with self._lock:
+            self._xfers[handle] = xfer
+        self._finish(xfer, XferState(XferStatus.FAILED, why))
+        return handle
 
 
 register_transport("lane_tcp", LaneTcp)
@@ -88,6 +118,12 @@ def _read(decode: Any, prefill: Any, rid: str, ours: list[int], theirs: list[int
     ok, reason = outcome(decode, rid)
     assert ok, reason
     assert np.array_equal(blocks(decode, ours), blocks(prefill, theirs))
+
+
+def _routed(decode: Any, prefill: Any) -> None:
+    """Two READs: the second binds the route the next ones launch through."""
+    _read(decode, prefill, "warm0", [4, 5], [2, 3])
+    _read(decode, prefill, "warm1", [6], [7])
 
 
 def test_reads_take_the_peers_lane_bound_once() -> None:
@@ -176,3 +212,79 @@ def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_read_told_its_generation_launches_before_its_records() -> None:
+    """Once a remote's READs took lanes, the next READ told its generation is launched
+    before the worker makes any record of it (its latency is the host time before the
+    launch): the lane sees it posted while the request is not in flight yet. At 9e53c8e the
+    records came first, so every post saw its own request."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        t.in_flight = lambda: set(decode._requests)
+        # the first waits for the handshake; the second is posted at read() and binds the
+        # route; the rest are launched first
+        _read(decode, prefill, "r0", [4, 5, 6], [2, 3, 9])
+        _read(decode, prefill, "r1", [1, 7], [8, 0])
+        _read(decode, prefill, "r2", np.array([3, 2], dtype=np.int32), [5, 6])
+        _read(decode, prefill, "r3", [0], [1])
+        assert [f"r{i}" in seen for i, seen in enumerate(t.posted)] == [True, True, False,
+                                                                        False]
+        assert t.lanes[0].posts == 4 and len(t.lanes) == 1
+        assert decode.phases["r2"].post > 0 and decode.xfer_seconds["r2"] > 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_an_id_out_of_range_fails_a_launched_read_naming_it(side: str) -> None:
+    """Launched first, a READ's ids are range-checked by the lane (cuda_ipc: its kernel), not
+    before: an id out of range fails the request, and the reason names it."""
+    prefill, decode = _pair()
+    try:
+        _routed(decode, prefill)
+        ours, theirs = ([1, 10**6], [8, 0]) if side == "local" else ([1, 7], [8, 10**6])
+        gen = prefill.hold("bad", [8, 0] if side == "local" else [8, 1])
+        decode.read("bad", remote(prefill), ours, theirs, generation=gen)
+        ok, reason = outcome(decode, "bad")
+        assert not ok and f"{side} block id 1000000" in reason
+        _read(decode, prefill, "after", [6], [7])  # the lane still takes the next
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("bad", [[1.5, 2.0], ["1", "2"], [[1], [2]], [1, 2, 3]])
+def test_ids_the_lane_cannot_take_are_refused_before_anything_moves(bad: Any) -> None:
+    """Floats, strings, nested lists, lengths that disagree: raised at read(), as on the
+    general path, and nothing was posted (numpy would have truncated 1.5 to 1)."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        gen = prefill.hold("bad", [8, 9])
+        with pytest.raises(KVLinkError):
+            decode.read("bad", remote(prefill), bad, [8, 9], generation=gen)
+        assert t.lanes[0].posts == 2 and "bad" not in decode._requests
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_peer_handshaken_anew_is_read_through_its_new_lane() -> None:
+    """A route is bound to the handshakes it was made from: after the peer is forgotten,
+    the next READ handshakes again and takes a new lane (the old one's peer is gone)."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _read(decode, prefill, "r0", [4, 5], [2, 3])
+        _read(decode, prefill, "r1", [6], [7])
+        decode.forget_peer(prefill.config.engine_id, 0)
+        _read(decode, prefill, "r2", [1, 7], [8, 0])
+        _read(decode, prefill, "r3", [9], [1])
+        assert [ln.posts for ln in t.lanes] == [2, 2]
+    finally:
+        decode.close()
+        prefill.close()

@@ -164,15 +164,17 @@ class Pending:
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
     __slots__ = ("_done", "_failed", "buf", "dbuf", "digest_at", "digests", "error", "event",
-                 "keep", "mismatch", "owner", "seq", "shared")
+                 "keep", "mismatch", "owner", "seq", "shared", "stream")
 
-    def __init__(self, owner: BatchCopier, event: Any, buf: _Pinned | None, seq: int,
-                 keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> None:
+    def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
+                 keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
+                 stream: Any = None) -> None:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
         self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
         self.dbuf = dbuf  # device copy of the records, if uploaded
         self.error = error  # the host could not enqueue all of it (why); failed() once done
-        self.shared = False  # the event was handed out: never recycled for another copy
+        self.stream = stream  # the copy's (torch) stream, for completion_event
+        self.shared: Any = None  # the torch event completion_event handed out
         #: copy_digest: where in ``buf`` the kernel writes its mismatch word (0: nowhere), and
         #: its digests (first word, count)
         self.digest_at = (0, 0, 0)
@@ -183,7 +185,7 @@ class Pending:
         self._done = self._failed = False
 
     def done(self) -> bool:
-        if not self._done and self.event.query():
+        if not self._done and self.owner._events.query(self.event):
             self.owner._finish(self)
         return self._done
 
@@ -193,15 +195,19 @@ class Pending:
         return self._failed
 
     def completion_event(self) -> Any:
-        """The CUDA event recorded after the copy's last launch: a stream that waits on it runs
-        after the copy (whether it succeeded is ``failed()``'s answer). Kept for this copy
-        alone from now on."""
-        self.shared = True
-        return self.event
+        """A torch CUDA event complete once the copy has ended: a stream that waits on it runs
+        after the copy (whether it succeeded is ``failed()``'s answer). Recorded on the copy's
+        stream at the first call, not at the post (which records a driver event of its own,
+        cheaper than torch's): it may also wait for copies posted after this one and before
+        the call, never for less. The same event at every call."""
+        if self.shared is None:
+            self.shared = self.owner.torch.cuda.Event()
+            self.shared.record(self.stream)
+        return self.shared
 
     def wait(self) -> None:
         if not self._done:
-            self.event.synchronize()
+            self.owner._events.synchronize(self.event)
             self.owner._finish(self)
 
 
@@ -322,7 +328,8 @@ class BatchCopier:
         self._inflight: collections.deque[Pending] = collections.deque()
         # recycled: creating an event costs more than recording it, and a pinned allocation
         # the caching allocator can't serve from its cache costs a millisecond
-        self._events: list[Any] = []
+        self._events = move.DriverEvents(self.device.index if self.device.index is not None
+                                         else torch.cuda.current_device())
         self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
         # host_extents' buffers: lent out by id of the array handed out, back once its copy
         # completed (a request's planning allocates nothing in steady state)
@@ -399,8 +406,7 @@ class BatchCopier:
             lent = self._lent.pop(id(ext), None)
             if lent is not None and lent[0] is ext:
                 self._records[lent[1].tensor.shape[0]].append(lent[1])
-        if not p.shared:
-            self._events.append(p.event)
+        self._events.recycle(p.event)
         p.keep = ()
         p._done = True
 
@@ -731,11 +737,11 @@ class BatchCopier:
         signal, self._signal = self._signal, None
         if signal is not None and buf is not None and not error and self._cuda is not None:
             self._cuda.signal(buf.ptr, seq, *signal, stream.cuda_stream)
-        while self._inflight and (self._inflight[0]._done or self._inflight[0].event.query()):
+        events = self._events
+        while self._inflight and (self._inflight[0]._done
+                                  or events.query(self._inflight[0].event)):
             self._finish_locked(self._inflight.popleft())
-        new_event = self.torch.cuda.Event
-        event = self._events.pop() if self._events else new_event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        pending = Pending(self, event, buf, seq, keep, dbuf, error)
+        pending = Pending(self, events.record(stream.cuda_stream), buf, seq, keep, dbuf, error,
+                          stream)
         self._inflight.append(pending)
         return pending

@@ -128,16 +128,16 @@ class Lane:
         if got is None:
             raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
         launch, grid, g = got
-        t, at = launch.table, 2 * self.segments
-        t[at:at + n] = src_ids.view(np.uint64)  # (a negative id: past every block count)
-        t[at + n:at + 2 * n] = dst_ids.view(np.uint64)
+        t, at = launch.ids, 2 * self.segments
+        t[at:at + n] = src_ids  # (a negative id: past every block count, as the kernel reads)
+        t[at + n:at + 2 * n] = dst_ids
         v = launch.vals
         v[1] = n
         if check is None:
             v[6], v[7], v[8] = status, seq, g
         else:
             rows, count, geo, weights, expect, bad = check
-            t[at + 2 * n:at + 3 * n] = rows.view(np.uint64)
+            t[at + 2 * n:at + 3 * n] = rows
             v[7], v[8], v[9], v[10], v[11], v[15], v[16] = (status, seq, geo, weights, count,
                                                             expect, bad)
         rc = launch.launch(self._lib, grid, stream)

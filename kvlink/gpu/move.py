@@ -454,6 +454,8 @@ class TableLaunch:
         self._table = (ctypes.c_longlong * words)()
         self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
                                                           dtype=np.uint64)
+        #: the same words as int64, where a lane writes block ids (no view made per post)
+        self.ids: npt.NDArray[np.int64] = self.table.view(np.int64)
         #: the kernel's arguments after the table, one int64 slot each
         self.vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
 
@@ -594,6 +596,7 @@ def _signed(v: int) -> int:
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 _EVENT_DISABLE_TIMING = 0x2
 
 
@@ -638,6 +641,69 @@ class StreamOrder:
         if rc:
             raise RuntimeError(f"ordering a copy after stream 0x{after:x}: CUDA error {rc}")
         return True
+
+
+class DriverEvents:
+    """A copy's completion: driver events (no timing) recorded, queried and recycled through
+    ctypes. torch's Event objects cost several microseconds a call cold, and a request pays
+    one record as it is posted and a query at every poll that looks at it. ``device``: the
+    index whose primary context a thread without a current one takes (a poll may come from
+    a thread that never touched CUDA: the driver then refuses with no context). Not
+    thread-safe: the owning BatchCopier serialises its calls."""
+
+    def __init__(self, device: int) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp = ctypes.c_void_p
+        for name, args in (("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                           ("cuEventRecord", [vp, vp]), ("cuEventQuery", [vp]),
+                           ("cuEventSynchronize", [vp])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        self._lib, self._device = lib, device
+        self._free: list[int] = []
+
+    def record(self, stream: int) -> int:
+        """An event recorded on ``stream`` (raw handle) now: complete once what it holds ran."""
+        ev = self._free.pop() if self._free else self._create()
+        rc = self._call(self._lib.cuEventRecord, ev, stream)
+        if rc:
+            self._free.append(ev)
+            raise RuntimeError(f"cuEventRecord failed with CUDA error {rc}")
+        return ev
+
+    def query(self, ev: int) -> bool:
+        rc = self._call(self._lib.cuEventQuery, ev)
+        if rc == 0:
+            return True
+        if rc == _NOT_READY:
+            return False
+        raise RuntimeError(f"cuEventQuery failed with CUDA error {rc}")
+
+    def synchronize(self, ev: int) -> None:
+        rc = self._call(self._lib.cuEventSynchronize, ev)
+        if rc:
+            raise RuntimeError(f"cuEventSynchronize failed with CUDA error {rc}")
+
+    def recycle(self, ev: int) -> None:
+        """``ev`` (complete, or never waited on again) serves a later record."""
+        self._free.append(ev)
+
+    def _create(self) -> int:
+        ev = ctypes.c_void_p()
+        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+        if rc:
+            raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
+        return int(ev.value or 0)
+
+    def _call(self, fn: Any, *args: Any) -> int:
+        rc = int(fn(*args))
+        if rc == _NO_CONTEXT:  # this thread has none yet: the device's primary one, and again
+            import torch
+
+            torch.cuda.set_device(self._device)
+            torch.cuda.current_stream(self._device)  # (the runtime makes it current lazily)
+            rc = int(fn(*args))
+        return rc
 
 
 def load(device: Any) -> CudaMove | None:

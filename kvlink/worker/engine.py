@@ -35,7 +35,7 @@ from kvlink.integrity import Checker, Level, Planes, spec_planes
 from kvlink.landing import LandingBoard, LandingView
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import BlockLeases
-from kvlink.peers import PeerTable
+from kvlink.peers import PeerTable, RemoteEngine
 from kvlink.push import PushSlots
 from kvlink.transport import Op, Transport, TransportContext, TransportStats, create_transport
 from kvlink.worker.config import WorkerConfig
@@ -49,6 +49,7 @@ from kvlink.worker.records import (
     _Layered,
     _PeerLane,
     _Request,
+    _Route,
 )
 
 log = logging.getLogger("kvlink.worker")
@@ -107,6 +108,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
         self._lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane] = {}  # see parts._post_lane
+        self._routes: dict[RemoteEngine, _Route] = {}  # see requests._read_now
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own

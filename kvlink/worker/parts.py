@@ -248,11 +248,15 @@ class _Parts(_Holds):
         part.handle = handle
         if job is not None:
             part.fused_rows = job.count
-        n = int(rids.shape[0])
-        part.plan = Moved(n * lane.table.unit * lane.table.segments, n * lane.table.segments,
-                          lane.table.raw_count(n))
+        part.plan = self._moved(lane.table, int(rids.shape[0]))
         self._posted(req, part, go, part.plan.nbytes)
         return True
+
+    @staticmethod
+    def _moved(table: PlanTable, blocks: int) -> Moved:
+        """What a lane's post of ``blocks`` block pairs of ``table`` moves."""
+        return Moved(blocks * table.unit * table.segments, blocks * table.segments,
+                     table.raw_count(blocks))
 
     def _new_lane(self, go: _Go, part: _Part, op: Op, transport: Transport,
                   digests: bool) -> _PeerLane:
@@ -330,10 +334,11 @@ class _Parts(_Holds):
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
             shown = part.check is not None and part.check()
-            matched = shown and self.integrity.on and part.fused == -1
+            checking = self.integrity.on
+            matched = shown and checking and part.fused == -1
             digests = (self._board_digests(req, part.go)
-                       if shown and self.integrity.on and not matched else None)
-            if shown and (matched or digests is not None or not self.integrity.on):
+                       if shown and checking and not matched else None)
+            if shown and (matched or digests is not None or not checking):
                 # still held now that the READ is over: intact (kvlink.holdboard). The report
                 # only lets the producer count us done: nobody waits for its answer, and it
                 # leaves with a later poll's frame, off this request's path (_tell_later)
@@ -357,16 +362,22 @@ class _Parts(_Holds):
         while it copies: the job for its copy kernel, which compares what it lands with the
         digest rows on the producer's hold board in place (valid once the READ is seen still
         held after it); None: digest on the host after the copy."""
-        go, r = part.go, part.read
-        if (not self.integrity.on or go is None or not self._boarded(req, go)
-                or not getattr(transport, "fuses_digests", False)
+        go = part.go
+        if go is None or not self._boarded(req, go):
+            return None
+        return self._fused_job(go, part.read, len(req.remote_ids), transport, spec)
+
+    def _fused_job(self, go: _Go, r: HeadRead, blocks: int, transport: Transport,
+                   spec: KVCacheSpec) -> DigestJob | None:
+        """:meth:`_digest_job` of a READ of ``blocks`` blocks validated on ``go``'s board."""
+        if (not self.integrity.on or not getattr(transport, "fuses_digests", False)
                 or r.local_start or r.remote_start or r.count != spec.num_kv_heads):
             return None
         # the hold's rows by its generation alone: the block ids' fingerprint is taken after
         # the launch, as without integrity — the after-check compares it, and a hold over
         # other blocks fails the READ whatever digests it showed
         on_board = board_rows(go.peer.board, go.generation)
-        if on_board is None or on_board.blocks != len(req.remote_ids):
+        if on_board is None or on_board.blocks != blocks:
             return None
         return self.integrity.fused_job(on_board, spec.page_bytes)
 

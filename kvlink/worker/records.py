@@ -90,6 +90,29 @@ class _PeerLane:
     table: PlanTable | None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leg:
+    """One part of a :class:`_Route`: its heads, the peer's handshake (the future every part
+    holds, and its result) and the lane its READs took."""
+
+    read: HeadRead
+    future: cf.Future[Peer]
+    peer: Peer
+    lane: _PeerLane
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Route:
+    """How a READ from one remote engine went when every part of it took a lane: what the
+    next READ told its generation launches before any record of it is made (see
+    ``_Requests._read_now``). Valid while the worker's handshakes are those it was bound to
+    (``epoch``, :attr:`kvlink.peers.PeerTable.epoch`) and integrity is on or off as then."""
+
+    epoch: int
+    digests: bool
+    legs: tuple[_Leg, ...]
+
+
 @dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class _Part:
     read: HeadRead
