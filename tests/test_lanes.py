@@ -288,3 +288,39 @@ def test_a_peer_handshaken_anew_is_read_through_its_new_lane() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request at a time, each DONE by the poll that looks at it: every such poll reports
+    it and returns, without serving the inbox first, while a whole poll ran within the window
+    (kvlink.worker.engine._FULL_EVERY, widened here so the VM's pace does not decide). At
+    9f1d728 every other one ran whole first (a flag flipped per poll): on one H200 that was
+    every other request 0.14 ms later."""
+    from kvlink.transport import XferStatus
+    from kvlink.worker import engine
+
+    monkeypatch.setattr(engine, "_FULL_EVERY", 60.0, raising=False)
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        served = []
+        serve = decode._server.serve_ready
+        monkeypatch.setattr(decode._server, "serve_ready", lambda: served.append(1) or serve())
+        whole = []
+        for i in range(6):
+            rid = f"r{i}"
+            gen = prefill.hold(rid, [8, 9])
+            decode.read(rid, remote(prefill), [1 + i, 7], [8, 9], generation=gen)
+            handle = decode._requests[rid].parts[0].handle
+            while t.poll(handle).status is XferStatus.PENDING:  # its bytes, not our poll
+                time.sleep(0.001)
+            served.clear()
+            done, failed = decode.poll()
+            assert rid in done, failed
+            whole.append(bool(served))
+        assert whole == [False] * 6
+    finally:
+        decode.close()
+        prefill.close()

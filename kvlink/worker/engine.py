@@ -53,6 +53,11 @@ from kvlink.worker.records import (
 )
 
 log = logging.getLogger("kvlink.worker")
+#: seconds a poll that finished requests may skip the rest of its work (the inbox, the other
+#: requests) after one that did all of it: a serving loop polls every step, and a reply or a
+#: report waiting 2 ms more costs nobody; a request reported a whole poll later costs its
+#: caller that poll (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first")
+_FULL_EVERY = 0.002
 
 
 class KVWorker(_PrefillPush, _DecodePush):
@@ -74,7 +79,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
         self._handshook: dict[tuple[str, int], set[str]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
-        self._reported_first = False  # the last poll returned at once with board-written pushes
+        #: until when a poll that reports requests may return before the rest of its work
+        self._full_by = 0.0
         self._landings_ended: list[_Awaiting] = []  # their slots, given back at the next poll
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
@@ -223,16 +229,17 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
-        stepped = (self._poll_moving(finished, failed)
-                   if self._requests and not finished and not self._reported_first else ())
-        if (finished or failed) and not self._reported_first:
+        stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
+        now = time.monotonic()
+        if (finished or failed) and now < self._full_by:
             # reported at once: the rest of a poll (the inbox, every other request) is most
-            # of its time, and a request's (a layer-wise push's exposed) time ends here. The
-            # next poll runs it whatever it finds, so nothing else waits more than one poll
-            self._reported_first = True
+            # of its time, and a request's (a layer-wise push's exposed) time ends here — as
+            # long as a whole poll ran within _FULL_EVERY, so nothing else waits longer than
+            # that and one poll. (Every other poll ran whole before 9f1d728: one request at
+            # a time, each finished by its first poll, paid for it every other request)
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
-        self._reported_first = False
+        self._full_by = now + _FULL_EVERY
         if self._landings_ended:
             self._end_landings()
         if self._server is not None and not finished:  # what peers told us, taken now (not
