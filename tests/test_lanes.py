@@ -282,9 +282,12 @@ def test_a_peer_handshaken_anew_is_read_through_its_new_lane() -> None:
         _read(decode, prefill, "r0", [4, 5], [2, 3])
         _read(decode, prefill, "r1", [6], [7])
         decode.forget_peer(prefill.config.engine_id, 0)
-        _read(decode, prefill, "r2", [1, 7], [8, 0])
-        _read(decode, prefill, "r3", [9], [1])
-        assert [ln.posts for ln in t.lanes] == [2, 2]
+        t.in_flight = lambda: set(decode._requests)
+        _read(decode, prefill, "r2", [1, 7], [8, 0])  # waits for the new handshake
+        _read(decode, prefill, "r3", [9], [1])  # posted at read(): binds the new route
+        _read(decode, prefill, "r4", [3], [5])
+        assert [ln.posts for ln in t.lanes] == [2, 3]
+        assert ["r3" in t.posted[-2], "r4" in t.posted[-1]] == [True, False]  # r4: first
     finally:
         decode.close()
         prefill.close()

@@ -214,10 +214,11 @@ class Pending:
 class _Pinned:
     """A pinned host buffer and its uint64 view (making the view costs as much as a launch)."""
 
-    __slots__ = ("bytes", "ptr", "status", "tensor", "words")
+    __slots__ = ("bytes", "ptr", "size", "status", "tensor", "words")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
+        self.size = int(tensor.shape[0])  # its free list's key (torch's shape: a cold call)
         self.ptr: int = tensor.data_ptr()
         self.bytes: npt.NDArray[np.uint8] = tensor.numpy()
         self.words: npt.NDArray[np.uint64] = self.bytes.view(np.uint64)
@@ -399,13 +400,13 @@ class BatchCopier:
                 p.mismatch = int(p.buf.words[bad])
             if count and not p._failed:
                 p.digests = p.buf.words[at:at + count].copy()
-            self._pinned[p.buf.tensor.shape[0]].append(p.buf)
+            self._pinned[p.buf.size].append(p.buf)
             p.buf = None
         p._failed = p._failed or bool(p.error)
         for ext in () if p._failed else p.keep:  # a failed copy's records explain the refusal
             lent = self._lent.pop(id(ext), None)
             if lent is not None and lent[0] is ext:
-                self._records[lent[1].tensor.shape[0]].append(lent[1])
+                self._records[lent[1].size].append(lent[1])
         self._events.recycle(p.event)
         p.keep = ()
         p._done = True
@@ -612,7 +613,7 @@ class BatchCopier:
             if self._cuda.launch_with_table(name, shape, units, table, args(buf, 0), raw):
                 return buf, None, 0
             held.remove(buf)  # no such kernel here after all: uploaded, below
-            self._pinned[buf.tensor.shape[0]].append(buf)
+            self._pinned[buf.size].append(buf)
         buf, dbuf, at = self._stage(table, spare, stream, after, held)
         words = int(table.shape[0])
         uploaded((at, *args(buf, words)))

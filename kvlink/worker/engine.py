@@ -115,6 +115,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
         self._lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane] = {}  # see parts._post_lane
         self._routes: dict[RemoteEngine, _Route] = {}  # see requests._read_now
+        self._last_route: tuple[RemoteEngine | None, _Route | None] = (None, None)
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release
         #: without the hold's generation, a note for another push, a hold not from our own

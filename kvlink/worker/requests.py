@@ -51,6 +51,7 @@ class _Requests(_Parts):
 
     _requests: dict[str, _Request]  # in flight, by id
     _routes: dict[RemoteEngine, _Route]  # see _read_now
+    _last_route: tuple[RemoteEngine | None, _Route | None]  # the last one _read_now took
     finished_bytes: int
     raw_descriptors: int  # before coalescing, over finished requests
     descriptors: int
@@ -73,9 +74,12 @@ class _Requests(_Parts):
             if not 0 < generation < 2**63:
                 raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
                                   f"integer, got {generation!r}")
-            route = self._routes.get(remote)
+            last, route = self._last_route  # (a RemoteEngine's hash is a Python call)
+            if last is not remote:
+                route = self._routes.get(remote)
             if route is not None and self._read_now(route, req_id, remote, local_ids,
                                                     remote_ids, generation):
+                self._last_route = (remote, route)
                 return
         self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation)
 
@@ -126,6 +130,7 @@ class _Requests(_Parts):
     def _bind_route(self, req: _Request, epoch: int) -> None:
         """After a READ told its generation was posted the general way: where every part took
         its lane, the next READ from that remote launches first (:meth:`_read_now`)."""
+        self._last_route = (None, None)  # (it may be the route this READ found stale)
         legs = []
         digests = self.integrity.on
         for part in req.parts:
@@ -138,7 +143,8 @@ class _Requests(_Parts):
             legs.append(_Leg(part.read, part.peer, go.peer, lane))
         if len(self._routes) > 1024:
             self._routes.clear()
-        self._routes[req.remote] = _Route(epoch, digests, tuple(legs))
+        route = self._routes[req.remote] = _Route(epoch, digests, tuple(legs))
+        self._last_route = (req.remote, route)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
               remote_ids: npt.ArrayLike) -> None:
