@@ -44,11 +44,13 @@ nixl and mooncake):
    library copies on streams of its own (nixl, mooncake) hands the transfer to the library only
    once that work ran (:class:`kvlink.staging.StreamMarks`: nixl at a later poll, mooncake on
    its peer's thread); the caller never blocks. Optional hook
-   ``completion_event(handle) -> torch.cuda.Event | None`` (cuda_ipc): the event recorded after
-   the handle's device copy, so a caller can order its own stream after it without a host
-   sync (``stream.wait_event(ev)``); None where there is none. It says the copy has ended, not
-   that it succeeded: :meth:`~Transport.poll` says that. :class:`kvlink.worker.KVWorker` posts
-   from ``read``/``write`` when the peer's handshake is cached, else from
+   ``completion_event(handle) -> torch.cuda.Event | None`` (cuda_ipc): an event complete once
+   the handle's device copy has ended (recorded on the copy's stream at the first ask: it may
+   also wait for copies posted in between, never for less), so a caller can order its own
+   stream after it without a host sync (``stream.wait_event(ev)``); None where there is none.
+   It says the copy has ended, not that it succeeded: :meth:`~Transport.poll` says that.
+   :class:`kvlink.worker.KVWorker` posts from ``read``/``write`` when the peer's handshake is
+   cached, else from
    :meth:`~kvlink.worker.KVWorker.poll`, so the stream that counts is the current stream of
    the thread posting: poll from the thread (and stream) that called ``read``/``write``.
 7. **post_runs(op, peer, runs) -> handle** (optional): :meth:`~Transport.post` of

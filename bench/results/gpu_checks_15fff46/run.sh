@@ -1,0 +1,16 @@
+#!/bin/bash
+# launch-first READs (routes) + driver events: GPU checks, A/B vs 9e53c8e, e2e, integrity
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/msgspec*.whl || exit 1
+export PYTHONUNBUFFERED=1 KVLINK_COMMIT=$1 PYTHONPATH=/tmp/site:$PWD
+O=/tmp/o37; rm -rf $O; mkdir -p $O
+T0=$(date +%s)
+el() { echo "   [$(( $(date +%s) - T0 )) s]"; }
+go() {  # tag limit cmd...
+  local tag=$1 lim=$2; shift 2
+  timeout $lim "$@" > $O/$tag.log 2>&1; echo "== $tag rc=$?"; grep -E "^(70b|8b| 8b)|Error|Traceback|FAIL|b vs a|overhead|lane_|\"ok\": false|wait=|wrong|passed|ok " $O/$tag.log | cut -c1-300 | tail -10; el
+  tar czf $OUT/results.tgz -C $O .
+}
+go runs 90 python3 scripts/gpu_runs_check.py --out $O
+go ab 170 python3 bench/ab_trees.py --a .gpu_prev --b . --label-a prev-9e53c8e --label-b $1 --device cuda --spin --case 70b-tp8 --requests 150 --out $O/ab_routes.json
+go e2e_gap 170 python3 bench/e2e_request.py --device cuda --cases 70b-tp8,8b-tp1 --requests 40 --inflight-rounds 2 --layer-gap --out $O/e2e_cuda_ipc_gap.json
+go io_gap 120 python3 bench/integrity_overhead.py --device cuda --spin --cases 70b-tp8 --requests 80 --layer-gap --out $O/io_gap.json
