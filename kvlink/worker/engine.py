@@ -53,10 +53,10 @@ from kvlink.worker.records import (
 )
 
 log = logging.getLogger("kvlink.worker")
-#: seconds after a whole poll during which a poll looks at the requests in flight first and
-#: returns at once if any finished, skipping the rest of its work (the inbox, the other
-#: requests): a reply or a report waiting 2 ms more costs nobody, and a tight-loop caller's
-#: request is reported by the poll that sees it land (docs/e2e.md, "Launch first")
+#: seconds a poll that finished requests may skip the rest of its work (the inbox, the other
+#: requests) after one that did all of it: a serving loop polls every step, and a reply or a
+#: report waiting 2 ms more costs nobody; a request reported a whole poll later costs its
+#: caller that poll (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first")
 _FULL_EVERY = 0.002
 
 
@@ -230,20 +230,16 @@ class KVWorker(_PrefillPush, _DecodePush):
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
+        stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
         now = time.monotonic()
-        recent = now < self._full_by  # a whole poll ran within _FULL_EVERY
-        stepped = (self._poll_moving(finished, failed)
-                   if recent and self._requests and not finished else ())
-        if (finished or failed) and recent:
+        if (finished or failed) and now < self._full_by:
             # reported at once: the rest of a poll (the inbox, every other request) is most
-            # of its time, and a request's (a layer-wise push's exposed) time ends here; the
-            # next whole poll is at most _FULL_EVERY away, so nothing else waits longer
+            # of its time, and a request's (a layer-wise push's exposed) time ends here — as
+            # long as a whole poll ran within _FULL_EVERY, so nothing else waits longer than
+            # that and one poll. (Every other poll ran whole before 9f1d728: one request at
+            # a time, each finished by its first poll, paid for it every other request)
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
-        # a whole poll: the requests in flight are looked at after everything else, so that
-        # a copy about to land (a READ launched by the read() just before: the first poll
-        # of a caller that polls now and then) lands meanwhile and is reported by this poll
-        # rather than by the next, a sleep or a step later
         self._full_by = now + _FULL_EVERY
         if self._landings_ended:
             self._end_landings()
