@@ -50,7 +50,7 @@ class _Requests(_Parts):
     """Requests begun, stepped and reported, as methods of the worker."""
 
     _requests: dict[str, _Request]  # in flight, by id
-    _routes: dict[RemoteEngine, _Route]  # see _read_now
+    _routes: dict[tuple[RemoteEngine, bool], _Route]  # (remote, digests) -> see _read_now
     _last_route: tuple[RemoteEngine | None, _Route | None]  # the last one _read_now took
     finished_bytes: int
     raw_descriptors: int  # before coalescing, over finished requests
@@ -75,8 +75,8 @@ class _Requests(_Parts):
                 raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
                                   f"integer, got {generation!r}")
             last, route = self._last_route  # (a RemoteEngine's hash is a Python call)
-            if last is not remote:
-                route = self._routes.get(remote)
+            if last is not remote or route is None or route.digests is not self.integrity.on:
+                route = self._routes.get((remote, self.integrity.on))
             if route is not None and self._read_now(route, req_id, remote, local_ids,
                                                     remote_ids, generation):
                 self._last_route = (remote, route)
@@ -143,7 +143,7 @@ class _Requests(_Parts):
             legs.append(_Leg(part.read, part.peer, go.peer, lane))
         if len(self._routes) > 1024:
             self._routes.clear()
-        route = self._routes[req.remote] = _Route(epoch, digests, tuple(legs))
+        route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs))
         self._last_route = (req.remote, route)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
