@@ -237,6 +237,13 @@ class Channels:
             conn.queued.append((0 if quiet else next(self._ids), msg, pending))
             return pending
 
+    def idle(self) -> bool:
+        """Whether a :meth:`pump` has nothing to do now: no call awaits its answer, no session
+        is opening, nothing is queued or broken."""
+        with self._lock:
+            return not any(c.waiting or c.nonce or c.queued or c.broken
+                           for c in self._conns.values())
+
     def flush(self) -> None:
         """Send every queued message, one frame per peer (a session opens first if needed)."""
         with self._lock:

@@ -327,3 +327,51 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request on its transport (here one whose copy is held PENDING by the test), nothing
+    else to do, and a whole poll within the window: each poll looks at that request and
+    returns, without serving the inbox; once the window has passed, one poll is whole again.
+    At 35002c4 every poll that finished nothing ran whole (a tight-loop caller saw a copy
+    land only after the inbox's turn). tcp's threads move the bytes, so the stand-in says its
+    transport has none (the flag only decides whether a poll hands the GIL over)."""
+    from kvlink.transport import PENDING
+    from kvlink.worker import engine
+
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.2, raising=False)
+    monkeypatch.setattr(LaneTcp, "capabilities", Capabilities(
+        ops=frozenset({Op.READ, Op.WRITE}), memory_kinds=frozenset({"cpu"}),
+        python_threads=False, native_notifications=False))
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        gen = prefill.hold("held", [8, 9])
+        decode.read("held", remote(prefill), [1, 2], [8, 9], generation=gen)
+        stuck = {decode._requests["held"].parts[0].handle}
+        real = t.poll
+        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        served: list[float] = []
+        serve = decode._server.serve_ready
+        monkeypatch.setattr(decode._server, "serve_ready",
+                            lambda: served.append(time.monotonic()) or serve())
+        sleep_until(time.monotonic() + 0.25)  # past any window: this poll is whole
+        decode.poll()
+        assert served
+        start, polls = time.monotonic(), 0
+        while time.monotonic() - start < 0.15:
+            served.clear()
+            assert decode.poll() == (set(), {})
+            polls += 1
+            assert not served, f"poll {polls} served the inbox within the window"
+        sleep_until(start + 0.45)  # past the window: the next poll is whole
+        decode.poll()
+        assert served
+        stuck.clear()
+        ok, reason = outcome(decode, "held")
+        assert ok, reason
+    finally:
+        decode.close()
+        prefill.close()

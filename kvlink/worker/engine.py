@@ -233,12 +233,14 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._poll_landed(finished)
         stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
         now = time.monotonic()
-        if (finished or failed) and now < self._full_by:
+        if now < self._full_by and (finished or failed or self._only_moving(stepped)):
             # reported at once: the rest of a poll (the inbox, every other request) is most
             # of its time, and a request's (a layer-wise push's exposed) time ends here — as
             # long as a whole poll ran within _FULL_EVERY, so nothing else waits longer than
             # that and one poll. (Every other poll ran whole before 9f1d728: one request at
-            # a time, each finished by its first poll, paid for it every other request)
+            # a time, each finished by its first poll, paid for it every other request.) A
+            # poll with nothing but requests on their transports returns as soon: a caller
+            # polling in a tight loop then sees a copy land within one short poll
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
         self._full_by = now + _FULL_EVERY
@@ -283,6 +285,16 @@ class KVWorker(_PrefillPush, _DecodePush):
         if threads:  # let a transport's own threads move our bytes (see Capabilities)
             time.sleep(0)
         return finished, failed
+
+    def _only_moving(self, stepped: set[str] | tuple[()]) -> bool:
+        """Whether this poll's first look (``stepped``) was all there is to do: every request
+        is with its transport, moved by no Python thread of a transport (those need the GIL
+        handed over: a whole poll does), and nothing else waits — no push, no layer-wise
+        range, no report overdue, no answer or session on the side channel."""
+        return (bool(stepped) and len(stepped) == len(self._requests) and not self._awaiting
+                and not self._layered and not self._landings_ended
+                and not (self._later and self._later_overdue()) and self._chan.idle()
+                and not any(self._moved_by_threads(r) for r in self._requests.values()))
 
     def _poll_moving(self, finished: set[str], failed: dict[str, str]) -> set[str]:
         """A poll's first look: requests whose every part is with its transport (posted, not
