@@ -375,3 +375,29 @@ def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_launched_read_whose_records_fail_is_failed_not_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a route's launch nothing may raise to the caller (its blocks take bytes): a
+    fault in the bookkeeping that follows — injected here, the board's after-check binding
+    raising as it does when the view closes under it — fails the request, reported once
+    its transfer has ended. Before, read() raised with the READ in flight."""
+    prefill, decode = _pair()
+    try:
+        _routed(decode, prefill)
+        route = decode._routes[(remote(prefill), False)]
+        board = route.legs[0].peer.board
+        assert board is not None
+
+        def closed(*args: Any) -> Any:
+            raise ValueError("mmap closed or invalid")  # the injected fault
+
+        monkeypatch.setattr(board, "after_check", closed)
+        gen = prefill.hold("r", [8, 9])
+        decode.read("r", remote(prefill), [1, 2], [8, 9], generation=gen)
+        ok, reason = outcome(decode, "r")
+        assert not ok and "mmap closed" in reason
+    finally:
+        decode.close()
+        prefill.close()

@@ -119,9 +119,13 @@ class _Requests(_Parts):
             part.go, part.handle, part.t_post = go, handle, t0
             if job is not None:
                 part.fused_rows = job.count
-            assert leg.lane.table is not None
-            part.plan = self._moved(leg.lane.table, n)
-            self._posted(req, part, go, part.plan.nbytes)
+            try:  # (as _step: a bug here fails the part, reported once its copy has ended)
+                assert leg.lane.table is not None
+                part.plan = self._moved(leg.lane.table, n)
+                self._posted(req, part, go, part.plan.nbytes)
+            except Exception as exc:
+                log.exception("request %s: recording a launched part failed", req_id)
+                self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
         if None in handles:
             self._step(req)
             self._chan.flush()
