@@ -233,6 +233,9 @@ def test_a_read_told_its_generation_launches_before_its_records() -> None:
                                                                         False]
         assert t.lanes[0].posts == 4 and len(t.lanes) == 1
         assert decode.phases["r2"].post > 0 and decode.xfer_seconds["r2"] > 0
+        planes = decode.spec.num_layers * 2  # what the launched ones moved, counted as posted
+        assert decode.finished_bytes == 8 * planes * decode.spec.page_bytes
+        assert decode.descriptor_counts() == (8 * planes, 8 * planes)
     finally:
         decode.close()
         prefill.close()

@@ -99,6 +99,9 @@ class _Leg:
     future: cf.Future[Peer]
     peer: Peer
     lane: _PeerLane
+    #: what one block pair moves: (bytes, extents, extents before coalescing); a post of n
+    #: moves n times that (Moved)
+    per_block: tuple[int, int, int]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -75,23 +75,25 @@ class _Requests(_Parts):
                 raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
                                   f"integer, got {generation!r}")
             last, route = self._last_route  # (a RemoteEngine's hash is a Python call)
-            if last is not remote or route is None or route.digests is not self.integrity.on:
-                route = self._routes.get((remote, self.integrity.on))
+            digests = self.integrity.on
+            if last is not remote or route is None or route.digests is not digests:
+                route = self._routes.get((remote, digests))
             if route is not None and self._read_now(route, req_id, remote, local_ids,
-                                                    remote_ids, generation):
+                                                    remote_ids, generation, digests):
                 self._last_route = (remote, route)
                 return
         self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation)
 
     def _read_now(self, route: _Route, req_id: str, remote: RemoteEngine,
-                  local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, generation: int) -> bool:
+                  local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, generation: int,
+                  digests: bool) -> bool:
         """A READ told its generation, from a remote whose last READ took a lane for every
         part (``route``): launched first, its records made while the bytes move. A request's
         latency is its host time before the launch, and on a serving host that time is cold
         (docs/e2e.md): the ids are converted once, straight into what the lanes take, and the
         lanes' kernels check their range. False where nothing was launched: the caller
         starts it the general way (which says what is wrong with it, if anything is)."""
-        if (route.epoch != self.peers.epoch or route.digests is not self.integrity.on
+        if (route.epoch != self.peers.epoch or route.digests is not digests
                 or req_id in self._requests):
             return False
         wire.check_id(req_id, "request id")
@@ -120,8 +122,8 @@ class _Requests(_Parts):
             if job is not None:
                 part.fused_rows = job.count
             try:  # (as _step: a bug here fails the part, reported once its copy has ended)
-                assert leg.lane.table is not None
-                part.plan = self._moved(leg.lane.table, n)
+                nbytes, descriptors, raw = leg.per_block
+                part.plan = Moved(n * nbytes, n * descriptors, n * raw)
                 self._posted(req, part, go, part.plan.nbytes)
             except Exception as exc:
                 log.exception("request %s: recording a launched part failed", req_id)
@@ -144,7 +146,10 @@ class _Requests(_Parts):
             lane = self._lanes.get((id(go.peer), part.read, req.op, digests))
             if lane is None or lane.lane is None or lane.peer is not go.peer:
                 return
-            legs.append(_Leg(part.read, part.peer, go.peer, lane))
+            assert lane.table is not None
+            one = self._moved(lane.table, 1)
+            legs.append(_Leg(part.read, part.peer, go.peer, lane,
+                             (one.nbytes, one.descriptors, one.raw_descriptors)))
         if len(self._routes) > 1024:
             self._routes.clear()
         route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs))
@@ -207,10 +212,10 @@ class _Requests(_Parts):
         if req.op is Op.READ:  # replicas holding our heads that we did not read: a producer
             # takes a release only with the hold's generation (the one we read under, where
             # the producer ranks share it, as a generation minted by the caller is shared)
-            granted = [p.go.generation for p in req.parts if p.go is not None and
-                       p.go.generation]
             rest = self._holders(req.remote, {p.read.remote_rank for p in req.parts})
             if rest:  # (none where the TP sizes are equal)
+                granted = [p.go.generation for p in req.parts if p.go is not None and
+                           p.go.generation]
                 self._tell_later(functools.partial(
                     self._release_at, req.req_id, req.remote, rest,
                     req.generation or (granted[0] if granted else None)))
