@@ -19,8 +19,9 @@ left is the worker's. Its figures explain the GPU's; they are not a user's. Per 
 
 Each phase is timed cold (right after a sweep of the caches, as a request meets it after the
 serving process's other work, like ``bench/host_steps.py``) and hot (back to back, the
-same-run baseline). The Python calls each phase makes are counted too (``sys.setprofile``):
-a figure that does not depend on the machine's state. Writes bench/results/worker_host.json
+same-run baseline). The Python calls each phase makes are counted too (``sys.setprofile``,
+one request, right after a whole poll so its reporting poll returns at once): a figure that
+does not depend on the machine's state. Writes bench/results/worker_host.json
 (command, machine, date).
 """
 
@@ -125,7 +126,8 @@ def one(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
     lane = decode.transports["null_lane"].null  # type: ignore[attr-defined]
     if cold:
         sweep()
-    if calls is not None:
+    if calls is not None:  # counted after a whole poll: the reporting one then returns at once
+        decode.poll()  # (else it runs whole or not by the clock: calls that vary run to run)
         sys.setprofile(calls)
     t0 = time.perf_counter()
     decode.read(rid, remote, ours, theirs, generation=gen)
