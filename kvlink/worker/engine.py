@@ -303,12 +303,16 @@ class KVWorker(_PrefillPush, _DecodePush):
         in flight). Layer-wise ranges wait for the main loop (their order matters there)."""
         stepped: set[str] = set()
         for req in list(self._requests.values()):
-            if req.layered is not None or any(p.handle is None for p in req.parts):
+            if req.layered is not None:
                 continue
-            if self._step(req):
-                self._report(req, finished, failed)
+            for p in req.parts:  # (a loop, not any() over a generator: calls are cold here)
+                if p.handle is None:
+                    break
             else:
-                stepped.add(req.req_id)
+                if self._step(req):
+                    self._report(req, finished, failed)
+                else:
+                    stepped.add(req.req_id)
         return stepped
 
     @staticmethod

@@ -298,7 +298,7 @@ class _Parts(_Holds):
             return
         part.t_done = time.perf_counter()
         req.phases.transfer = max(req.phases.transfer, part.t_done - part.t_post)
-        part.xfer_seconds = self._transport_seconds(part)
+        part.xfer_seconds = self._transport_seconds(part, part.t_done)
         self.transfers.append(Transfer(
             transport.name, part.post_seconds, part.nbytes,
             part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
@@ -527,10 +527,11 @@ class _Parts(_Holds):
                           self._read_done(req, part, ok))
 
     @staticmethod
-    def _transport_seconds(part: _Part) -> float:
+    def _transport_seconds(part: _Part, done: float) -> float:
         """Post to completion of one finished part: the transport's own timing if it keeps one
         (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
-        ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE."""
+        ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE
+        (``done``, perf_counter)."""
         transport = part.go.peer.transport if part.go is not None else None
         telemetry = getattr(transport, "xfer_telemetry", None)
         if telemetry is not None and part.handle is not None:
@@ -541,7 +542,7 @@ class _Parts(_Holds):
             us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
             if us > 0:
                 return us / 1e6
-        return time.perf_counter() - part.t_post
+        return done - part.t_post
 
     # ------------------------------------------------------------------ a WRITE's notes
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
