@@ -338,9 +338,12 @@ class Consumer:
 
         if not self.device.startswith("cuda"):
             self.socket_half(n_req)
-        for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise
-            rounds("sleep", 1, False)
-            rounds("spin", 1, True)
+        for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise,
+            # in a fresh order each round: a fixed one gives each mode the same predecessor,
+            # and anything with a period of two polls showed up as a mode difference (the
+            # worker's poll rule at 9f1d728: docs/e2e.md, "Launch first")
+            for mode in order_rng.permutation(["sleep", "spin"]).tolist():
+                rounds(mode, 1, mode == "spin")
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{n_req}", flush=True)
         for _ in range(self.args.inflight_rounds_for(n_req)):
@@ -605,6 +608,7 @@ def main() -> None:
                       "decode": "shuffled runs of 1-8 consecutive blocks (seeded), disjoint "
                                 "between requests in flight"},
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
+        "mode_order": "sleep and spin alternate, in a seeded random order each round",
         "inflight": args.inflight, "transport_options": args.options,
         "op": args.op,
         "timed_window": (f"KVWorker.{'read/write' if args.op == 'both' else args.op}() call "
