@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result
+from _common import sweep, write_result
 from planner import NBLK, fake_spec, shuffled_runs
 
 from kvlink import integrity
@@ -43,14 +43,6 @@ from kvlink.layout import Layout
 from kvlink.plan import PlanTable
 from kvlink.transport import DigestJob, Op
 from kvlink_transports.cuda_ipc import CudaIpcTransport
-
-SWEEP = np.ones(32 << 20, dtype=np.uint8)
-
-
-def sweep() -> None:
-    """What runs between two requests: a pass over 32 MiB and a burst of Python objects."""
-    SWEEP[::64] += 1
-    _ = [str(i) for i in range(2000)]
 
 
 def timed(fn: Callable[[], Any], reps: int) -> dict[str, float]:

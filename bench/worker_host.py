@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result
+from _common import sweep, write_result
 
 from kvlink.demo import data
 from kvlink.transport import DONE, Capabilities, Op, make_extents, register_transport
@@ -51,15 +51,6 @@ from kvlink_transports.tcp.client import _Xfer
 #: byte moves, and the worker's host work does not depend on a page's size)
 GEO = data.Geometry(layers=80, kv_heads=1, head_dim=8, block_size=4)
 BLOCKS, CACHE = 256, 600
-SWEEP = np.ones(32 << 20, dtype=np.uint8)
-
-
-def sweep() -> None:
-    """What runs between two requests: a pass over 32 MiB and a burst of Python objects."""
-    SWEEP[::64] += 1
-    _ = [str(i) for i in range(2000)]
-
-
 class _NullLane:
     """A lane whose posts move nothing and are DONE at once (see the module docstring)."""
 

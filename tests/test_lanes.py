@@ -306,12 +306,12 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
     from kvlink.transport import XferStatus
     from kvlink.worker import engine
 
-    monkeypatch.setattr(engine, "_FULL_EVERY", 60.0, raising=False)
+    monkeypatch.setattr(engine, "_FULL_EVERY", 60.0, raising=False)  # a knob, widened
     prefill, decode = _pair()
     try:
         t = decode.transports["lane_tcp"]
         _routed(decode, prefill)
-        served = []
+        served = []  # a spy, not a stand-in: the real serve_ready runs, counted
         serve = decode._server.serve_ready
         monkeypatch.setattr(decode._server, "serve_ready", lambda: served.append(1) or serve())
         whole = []
@@ -320,7 +320,9 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
             gen = prefill.hold(rid, [8, 9])
             decode.read(rid, remote(prefill), [1 + i, 7], [8, 9], generation=gen)
             handle = decode._requests[rid].parts[0].handle
+            deadline = time.monotonic() + 10
             while t.poll(handle).status is XferStatus.PENDING:  # its bytes, not our poll
+                assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
                 time.sleep(0.001)
             served.clear()
             done, failed = decode.poll()
@@ -343,7 +345,8 @@ def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows
     from kvlink.transport import PENDING
     from kvlink.worker import engine
 
-    monkeypatch.setattr(engine, "_FULL_EVERY", 0.2, raising=False)
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.2, raising=False)  # a knob, widened
+    # the stand-in says its transfers are moved by no Python thread, as cuda_ipc's are
     monkeypatch.setattr(LaneTcp, "capabilities", Capabilities(
         ops=frozenset({Op.READ, Op.WRITE}), memory_kinds=frozenset({"cpu"}),
         python_threads=False, native_notifications=False))
@@ -353,10 +356,12 @@ def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows
         _routed(decode, prefill)
         gen = prefill.hold("held", [8, 9])
         decode.read("held", remote(prefill), [1, 2], [8, 9], generation=gen)
+        # an injected fault: a copy that has not ended (tcp cannot be held mid-transfer on
+        # demand), until the test lets it; everything else is the real transport
         stuck = {decode._requests["held"].parts[0].handle}
         real = t.poll
         monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
-        served: list[float] = []
+        served: list[float] = []  # a spy: the real serve_ready runs, counted
         serve = decode._server.serve_ready
         monkeypatch.setattr(decode._server, "serve_ready",
                             lambda: served.append(time.monotonic()) or serve())
@@ -404,3 +409,29 @@ def test_a_launched_read_whose_records_fail_is_failed_not_raised(
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_routed_read_whose_hold_ends_under_it_is_not_trusted() -> None:
+    """Launched first, a READ is validated after like any other: its hold is withdrawn (the
+    lease expires) before its end is seen, the board's after-check fails, the round trip says
+    why and the request fails, though every byte arrived. This READ is the route's (the lane
+    saw it before its records); a route that skipped the after-check would finish it."""
+    prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, lease_seconds=0.5,
+                      read_seconds=0.1)
+    decode, _ = make("d", serve=False, transports=["lane_tcp"], grants=False)
+    try:
+        t = decode.transports["lane_tcp"]
+        t.in_flight = lambda: set(decode._requests)
+        _routed(decode, prefill)
+        gen = prefill.hold("r0", [2, 3])
+        decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
+        assert "r0" not in t.posted[-1]  # launched first: through the route
+        part = decode._requests["r0"].parts[0]
+        assert part.check is not None and part.handle is not None  # on the board; posted
+        sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
+        assert "r0" in [r.req_id for r in prefill.released()]
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok and "not confirmed" in reason
+    finally:
+        prefill.close()
+        decode.close()

@@ -369,8 +369,10 @@ class _Parts(_Holds):
 
     def _fused_job(self, go: _Go, r: HeadRead, blocks: int, transport: Transport,
                    spec: KVCacheSpec) -> DigestJob | None:
-        """:meth:`_digest_job` of a READ of ``blocks`` blocks validated on ``go``'s board."""
-        if (not self.integrity.on or not getattr(transport, "fuses_digests", False)
+        """:meth:`_digest_job` of a READ of ``blocks`` blocks validated on ``go``'s board (None
+        where there is none to read the hold's rows from)."""
+        if (not self.integrity.on or go.peer.board is None
+                or not getattr(transport, "fuses_digests", False)
                 or r.local_start or r.remote_start or r.count != spec.num_kv_heads):
             return None
         # the hold's rows by its generation alone: the block ids' fingerprint is taken after
