@@ -191,20 +191,29 @@ def test_a_write_takes_its_own_lane() -> None:
         prefill.close()
 
 
-def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted() -> None:
+@pytest.mark.parametrize("routed", [False, True], ids=["posted", "launched_first"])
+def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted(routed: bool) -> None:
     """A READ posted through a lane is validated like any other: the hold is withdrawn (its
     lease expires) before the READ's end is seen, so the board's after-check fails, the round
-    trip says why and the request fails, though every byte arrived."""
+    trip says why and the request fails, though every byte arrived. ``launched_first``: the
+    READ is the route's (the lane saw it before its records); a route that skipped the
+    after-check would finish it."""
     prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, lease_seconds=0.5,
                       read_seconds=0.1)
     decode, _ = make("d", serve=False, transports=["lane_tcp"], grants=False)
     try:
-        _read(decode, prefill, "warm", [1], [0])
+        t = decode.transports["lane_tcp"]
+        t.in_flight = lambda: set(decode._requests)
+        if routed:
+            _routed(decode, prefill)
+        else:
+            _read(decode, prefill, "warm", [1], [0])
         gen = prefill.hold("r0", [2, 3])
         decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
+        assert ("r0" in t.posted[-1]) is not routed  # records first, or launched first
         part = decode._requests["r0"].parts[0]
         assert part.check is not None and part.handle is not None  # on the board; posted
-        assert decode.transports["lane_tcp"].lanes[0].posts == 2  # through the lane
+        assert t.lanes[0].posts == (3 if routed else 2)  # through the lane
         sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
         assert "r0" in [r.req_id for r in prefill.released()]
         ok, reason = outcome(decode, "r0", 10)
@@ -410,28 +419,3 @@ def test_a_launched_read_whose_records_fail_is_failed_not_raised(
         decode.close()
         prefill.close()
 
-
-def test_a_routed_read_whose_hold_ends_under_it_is_not_trusted() -> None:
-    """Launched first, a READ is validated after like any other: its hold is withdrawn (the
-    lease expires) before its end is seen, the board's after-check fails, the round trip says
-    why and the request fails, though every byte arrived. This READ is the route's (the lane
-    saw it before its records); a route that skipped the after-check would finish it."""
-    prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, lease_seconds=0.5,
-                      read_seconds=0.1)
-    decode, _ = make("d", serve=False, transports=["lane_tcp"], grants=False)
-    try:
-        t = decode.transports["lane_tcp"]
-        t.in_flight = lambda: set(decode._requests)
-        _routed(decode, prefill)
-        gen = prefill.hold("r0", [2, 3])
-        decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
-        assert "r0" not in t.posted[-1]  # launched first: through the route
-        part = decode._requests["r0"].parts[0]
-        assert part.check is not None and part.handle is not None  # on the board; posted
-        sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
-        assert "r0" in [r.req_id for r in prefill.released()]
-        ok, reason = outcome(decode, "r0", 10)
-        assert not ok and "not confirmed" in reason
-    finally:
-        prefill.close()
-        decode.close()
