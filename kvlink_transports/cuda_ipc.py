@@ -63,7 +63,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
-from kvlink.gpu.lane import Lane, maps_of
+from kvlink.gpu.lane import Lane
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.layout import check_in_range
 from kvlink.options import check_options
@@ -609,8 +609,7 @@ class CudaIpcTransport(Transport):
             if target is not lane.target:  # connected anew since the lane was bound
                 lane.target = target
                 ours, theirs = self._local_map, target.map
-                moves.rebind(maps_of(*((theirs, ours) if lane.op is Op.READ else
-                                       (ours, theirs))))
+                moves.rebind((theirs, ours) if lane.op is Op.READ else (ours, theirs))
             return copier.copy_lane(moves, src, dst, self._stream, after, check)
 
         return self._post(lane.peer, copy, None, None,

@@ -10,7 +10,8 @@ the forms of the same copy (``copy`` of the expanded extents from pinned records
 with its table passed with the launch and, forced, uploaded first, and ``copy_lane``: a
 ``kvlink.gpu.lane.Lane`` bound once, given the block ids) against one device copy of the same
 bytes, CUDA events, same run; each form's host time too. Every table form and the lane are
-checked byte for byte and for the refusal. Writes gpu_runs_check.json.
+checked byte for byte and for the refusal (the lane's bases translated at bind, the refused
+lane's not: its kernel looks each unit up). Writes gpu_runs_check.json.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ def main() -> None:
     p.wait()
     out["lane_refused_failed"] = p.failed()
     out["lane_refused_wrote_nothing"] = not bool(dst.any().item())
+    # the lane translated its bases at bind (no lookup on the device); the one whose bases
+    # lie past the region could not, and its kernel looked each unit up and refused it
+    out["lane_translated"] = lane.translated
+    out["far_lane_not_translated"] = not far.translated
     # the kernel takes the ids themselves: one past a side's block count is refused there —
     # the post fails and that block pair is not copied (the others may be): id NB of segment s
     # is block 0 of segment s + 1, which no other pair writes (the decode ids start at 100)
@@ -191,7 +196,8 @@ def main() -> None:
     ok = all(out[f"{f}_{k}"] for f in forms
              for k in ("verified", "refused_failed", "refused_wrote_nothing")) and not any(
         out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
-                                                    for s in ("src", "dst"))
+                                                    for s in ("src", "dst")) and bool(
+        out["lane_translated"]) and bool(out["far_lane_not_translated"])
     sys.exit(0 if ok else 1)
 
 

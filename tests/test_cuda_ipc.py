@@ -763,7 +763,7 @@ class _FakeLane:
     def fits(self, blocks: int) -> bool:
         return 0 < blocks <= 100
 
-    def rebind(self, maps: tuple[Any, ...]) -> None:
+    def rebind(self, maps: tuple[Any, Any]) -> None:
         self.maps.append(maps)
 
 
@@ -792,10 +792,7 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     refused copy is explained from its blocks (an id past its side's count, which the device
     checks, named); what the lane cannot take is left to the general post (None)."""
     from kvlink.transport import XferStatus
-    from kvlink_transports import cuda_ipc as mod
 
-    # the fake maps have no device pointers: the lane is bound to the map objects themselves
-    monkeypatch.setattr(mod, "maps_of", lambda smap, dmap: (smap, dmap))
     t = _fake_transport(monkeypatch)
     t._copier = _FakeLaneCopier()
     t.connect("p", _desc(4242, b"a" * 64))

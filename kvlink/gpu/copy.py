@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.gpu import move
-from kvlink.gpu.lane import Lane, maps_of
+from kvlink.gpu.lane import Lane
 from kvlink.gpu.move import parts_per_extent
 from kvlink.transport import Extents
 
@@ -73,8 +73,26 @@ class RegionMap:
         #: what the CUDA C kernels take: -count where the regions are sorted and disjoint
         #: (they search them), else count (they scan them); ``search=False``: always scan
         self.kernel_count = -self.count if search and disjoint and self.count > 1 else self.count
+        self._host = cols if disjoint else None  # (starts, ends, deltas), sorted by start
         self.tensor = torch.from_numpy(table).to(device)
         self.ptr = int(self.tensor.data_ptr())
+
+    def through(self, bases: npt.NDArray[np.uint64], span: int) -> npt.NDArray[np.uint64] | None:
+        """Each of ``bases`` translated through the one region that holds all of
+        ``[base, base + span)``; None where some base has no such region, or where the regions
+        overlap (then the kernel's lookup per extent, which takes the first that holds it, is
+        kept). A lane translates its segments' bases once this way: every block below its
+        side's count then lies in that region, and the device skips the lookup per unit."""
+        if self._host is None or span <= 0:
+            return None
+        starts, ends, deltas = self._host
+        at = bases.astype(np.int64)
+        r = np.searchsorted(starts, at, side="right") - 1
+        if (r < 0).any():
+            return None
+        if (at + span > ends[r]).any():
+            return None
+        return (at + deltas[r]).astype(np.uint64)
 
     @classmethod
     def anywhere(cls, device: Any) -> RegionMap:
@@ -556,7 +574,7 @@ class BatchCopier:
         :attr:`computes_addresses` (post the general way)."""
         if self._cuda is None:
             return None
-        return Lane(self._cuda, src_base, dst_base, unit, limits, maps_of(smap, dmap),
+        return Lane(self._cuda, src_base, dst_base, unit, limits, (smap, dmap),
                     chunk=self.chunk, min_programs=self.min_programs, small=SMALL,
                     digest=digest)
 

@@ -22,7 +22,7 @@ table does not fit the largest size class is the caller's to post the general wa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -32,24 +32,43 @@ from kvlink.gpu import move
 U64 = npt.NDArray[np.uint64]
 
 
+class Regions(Protocol):
+    """What a lane needs of a side's region map (kvlink.gpu.copy.RegionMap)."""
+
+    ptr: int
+    kernel_count: int
+
+    def through(self, bases: U64, span: int) -> U64 | None: ...
+
+
 class Lane:
     """One peer pair's copy of whole blocks: ``src_base[s] + src_id * unit`` ->
     ``dst_base[s] + dst_id * unit``, ``unit`` bytes, for every segment ``s`` and block pair,
     ids below ``limits`` (source, destination block counts: the device refuses the others);
     with ``digest`` (pages per unit, page bytes), the fused integrity digest's kernel instead.
     Made by :meth:`kvlink.gpu.copy.BatchCopier.lane`; launched under its lock
-    (:meth:`~kvlink.gpu.copy.BatchCopier.copy_lane`). ``maps``: the region maps' (pointer,
-    kernel count) of both sides, which :meth:`rebind` replaces (a peer connected anew)."""
+    (:meth:`~kvlink.gpu.copy.BatchCopier.copy_lane`). ``maps``: both sides' region maps, which
+    :meth:`rebind` replaces (a peer connected anew).
+
+    Where each segment's blocks below its side's count all lie in one region of its side's
+    map (a vLLM cache: a region per layer, a segment per layer and K/V), the lane translates
+    the segments' bases through the maps once, here, and its launches pass no maps: the
+    kernel skips the region lookup per unit — a binary search over 80 regions, twice, before
+    each 4 KiB unit of the 70B TP8-rank request could move (bench/gpu_lane_probe.py). The
+    kernel's id bound keeps every unit inside the region found here."""
 
     def __init__(self, cuda: move.CudaMove, src_base: U64, dst_base: U64, unit: int,
-                 limits: tuple[int, int], maps: tuple[int, int, int, int], *, chunk: int,
+                 limits: tuple[int, int], maps: tuple[Regions, Regions], *, chunk: int,
                  min_programs: int, small: int, digest: tuple[int, int] | None = None) -> None:
         self._cuda, self._lib = cuda, cuda.lib
         self.segments = int(src_base.shape[0])
         self.unit = int(unit)
         self.limits = (int(limits[0]), int(limits[1]))
-        self._bases = np.concatenate([src_base, dst_base]).astype(np.uint64)
-        self._maps = maps
+        self._given = (src_base, dst_base)
+        self._regions: tuple[Regions, Regions] | None = None
+        self._bases: U64 = np.zeros(0, dtype=np.uint64)
+        self._maps = (0, 0, 0, 0)
+        self._bind(maps)
         self._chunk, self._min_programs = chunk, min_programs
         self.digest = digest
         if digest is None:  # words: the table's per block (source and destination ids, rows)
@@ -67,12 +86,34 @@ class Lane:
         way). Also builds what such a launch needs, so the first post pays for it."""
         return self._bound(blocks) is not None
 
-    def rebind(self, maps: tuple[int, int, int, int]) -> None:
+    @property
+    def translated(self) -> bool:
+        """Whether the bases were translated here (the kernel then looks no region up)."""
+        return self._maps == (0, 0, 0, 0)
+
+    def rebind(self, maps: tuple[Regions, Regions]) -> None:
         """The region maps of a peer connected anew (its mappings are new)."""
-        if maps != self._maps:
-            self._maps = maps
-            for launch in self._classes.values():
-                self._constants(launch)
+        if self._regions is not None and all(a is b for a, b in zip(maps, self._regions)):
+            return
+        self._bind(maps)
+        for launch in self._classes.values():
+            launch.table[:2 * self.segments] = self._bases
+            self._constants(launch)
+
+    def _bind(self, maps: tuple[Regions, Regions]) -> None:
+        """The bases and map arguments the launches take for ``maps``: the bases translated
+        where every segment's blocks lie in one region of each side (null maps: no lookup),
+        else as given with both maps (the kernel looks each unit up)."""
+        (src, dst), (smap, dmap) = self._given, maps
+        self._regions = maps
+        s_to = smap.through(src, self.limits[0] * self.unit)
+        d_to = None if s_to is None else dmap.through(dst, self.limits[1] * self.unit)
+        if s_to is None or d_to is None:
+            self._bases = np.concatenate([src, dst]).astype(np.uint64)
+            self._maps = (smap.ptr, smap.kernel_count, dmap.ptr, dmap.kernel_count)
+        else:
+            self._bases = np.concatenate([s_to, d_to])
+            self._maps = (0, 0, 0, 0)
 
     def _bound(self, blocks: int) -> tuple[move.TableLaunch, int, int] | None:
         got = self._by_blocks.get(blocks)
@@ -144,8 +185,3 @@ class Lane:
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "
                                f"{launch.table.shape[0]} words) failed with CUDA error {rc}")
-
-
-def maps_of(smap: Any, dmap: Any) -> tuple[int, int, int, int]:
-    """(pointer, kernel count) of both region maps (kvlink.gpu.copy.RegionMap)."""
-    return int(smap.ptr), int(smap.kernel_count), int(dmap.ptr), int(dmap.kernel_count)

@@ -52,9 +52,14 @@ struct kv_table { i64 w[KV_PW]; };
 // through that region's delta. count > 0: n = count regions in any order, scanned; count < 0:
 // n = -count regions sorted by start and disjoint (copy.RegionMap checked it), searched —
 // a vLLM cache registers a region per layer, and a scan of 80 per extent part was the copy's
-// own cost on 4 KiB pages
+// own cost on 4 KiB pages. A null map: the address is ours already (a lane translated its
+// bases through the regions once, and its id bounds keep every unit inside them)
 __device__ __forceinline__ bool kv_translate(i64 addr, i64 len, const i64* map, i64 count,
                                              i64* out) {
+  if (map == nullptr) {
+    *out = addr;
+    return true;
+  }
   const i64 end = addr + len;
   if (count < 0) {
     const i64 n = -count;
