@@ -343,22 +343,80 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
         prefill.close()
 
 
-def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request on its transport (here one whose copy is held PENDING by the test), nothing
-    else to do, and a whole poll within the window: each poll looks at that request and
-    returns, without serving the inbox; once the window has passed, one poll is whole again.
-    At 35002c4 every poll that finished nothing ran whole (a tight-loop caller saw a copy
-    land only after the inbox's turn). tcp's threads move the bytes, so the stand-in says its
-    transport has none (the flag only decides whether a poll hands the GIL over)."""
-    from kvlink.transport import PENDING
+@pytest.mark.parametrize("other", [None, "threaded_in_flight"])
+def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
+        monkeypatch: pytest.MonkeyPatch, other: str | None) -> None:
+    """One request at a time, each polled once its copy has ended, every poll long past the
+    2 ms window (a serving loop polls once a step): with nothing else to do, the poll that
+    reports the request returns without the rest of a poll (at 287154d it ran whole first:
+    ~0.13 ms of a 70B request's window on one H200). With another request in flight whose
+    bytes a transport's Python threads move (tcp's: held PENDING by the test, an injected
+    fault), that poll is whole, as before: it hands those threads the GIL."""
+    from kvlink.transport import PENDING, XferStatus
     from kvlink.worker import engine
 
-    monkeypatch.setattr(engine, "_FULL_EVERY", 0.2, raising=False)  # a knob, widened
-    # the stand-in says its transfers are moved by no Python thread, as cuda_ipc's are
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.0, raising=False)  # every poll past it
+    monkeypatch.setattr(engine, "_QUIET_FOR", 60.0, raising=False)  # a knob, widened
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        stuck: set[int] = set()
+        real = t.poll
+        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        if other is not None:
+            gen = prefill.hold("other", [10])
+            decode.read("other", remote(prefill), [12], [10], generation=gen)
+            stuck.add(decode._requests["other"].parts[0].handle)
+        served = []  # a spy, not a stand-in: the real pump (a whole poll's) runs, counted
+        pump = decode._chan.pump
+        monkeypatch.setattr(decode._chan, "pump", lambda: served.append(1) or pump())
+        whole = []
+        for i in range(4):
+            rid = f"q{i}"
+            gen = prefill.hold(rid, [8, 9])
+            decode.read(rid, remote(prefill), [1 + i, 7], [8, 9], generation=gen)
+            handle = decode._requests[rid].parts[0].handle
+            deadline = time.monotonic() + 10
+            while real(handle).status is XferStatus.PENDING:  # its bytes, not our poll
+                assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
+                time.sleep(0.001)
+            served.clear()
+            done, failed = decode.poll()
+            assert rid in done, failed
+            whole.append(bool(served))
+        assert whole == [other is not None] * 4
+        stuck.clear()
+        if other is not None:
+            ok, reason = outcome(decode, "other")
+            assert ok, reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def _threadless(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in says its transfers are moved by no Python thread, as cuda_ipc's are (tcp's
+    threads move the bytes: the flag only decides whether a poll hands the GIL over)."""
     monkeypatch.setattr(LaneTcp, "capabilities", Capabilities(
         ops=frozenset({Op.READ, Op.WRITE}), memory_kinds=frozenset({"cpu"}),
         python_threads=False, native_notifications=False))
+
+
+def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request on its transport (here one whose copy is held PENDING by the test), nothing
+    else to do: each poll looks at that request and returns, without serving the inbox —
+    within the window and, quiet as it is, for _QUIET_FOR past it; then one poll is whole
+    again. At 35002c4 every poll that finished nothing ran whole (a tight-loop caller saw a
+    copy land only after the inbox's turn); at 287154d every poll past the window did."""
+    from kvlink.transport import PENDING
+    from kvlink.worker import engine
+
+    # knobs, widened so the VM's pace does not decide: 0.2 s window, quiet 0.2 s past it
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.2, raising=False)
+    monkeypatch.setattr(engine, "_QUIET_FOR", 0.2, raising=False)
+    _threadless(monkeypatch)
     prefill, decode = _pair()
     try:
         t = decode.transports["lane_tcp"]
@@ -374,16 +432,16 @@ def test_a_poll_with_only_requests_in_flight_stays_short_and_a_whole_one_follows
         serve = decode._server.serve_ready
         monkeypatch.setattr(decode._server, "serve_ready",
                             lambda: served.append(time.monotonic()) or serve())
-        sleep_until(time.monotonic() + 0.25)  # past any window: this poll is whole
+        sleep_until(time.monotonic() + 0.45)  # past any window and quiet time: whole
         decode.poll()
         assert served
         start, polls = time.monotonic(), 0
-        while time.monotonic() - start < 0.15:
+        while time.monotonic() - start < 0.35:  # the window, and most of the quiet time
             served.clear()
             assert decode.poll() == (set(), {})
             polls += 1
-            assert not served, f"poll {polls} served the inbox within the window"
-        sleep_until(start + 0.45)  # past the window: the next poll is whole
+            assert not served, f"poll {polls} served the inbox {time.monotonic() - start:.3f} s in"
+        sleep_until(start + 0.45)  # past both: the next poll is whole
         decode.poll()
         assert served
         stuck.clear()

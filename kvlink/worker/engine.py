@@ -58,6 +58,13 @@ log = logging.getLogger("kvlink.worker")
 #: report waiting 2 ms more costs nobody; a request reported a whole poll later costs its
 #: caller that poll (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first")
 _FULL_EVERY = 0.002
+#: seconds a poll with nothing else to do may go without a whole one: its requests all
+#: with their transports or just reported, the side channel idle, no push, no layer-wise
+#: range, no report owed (:meth:`KVWorker._quiet`). The rest of a poll then has nothing to
+#: take but what the side channel's server thread serves anyway; a request that waited for
+#: it was seen landed that much later — on one H200, a due whole poll in a 70B request's
+#: window was a cold ~0.13 ms (bench/results/gpu_checks_<commit>/, "quiet polls")
+_QUIET_FOR = 0.05
 
 
 class KVWorker(_PrefillPush, _DecodePush):
@@ -233,16 +240,20 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._poll_landed(finished)
         stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
         now = time.monotonic()
-        if now < self._full_by and (finished or failed or self._only_moving(stepped)):
-            # reported at once: the rest of a poll (the inbox, every other request) is most
-            # of its time, and a request's (a layer-wise push's exposed) time ends here — as
-            # long as a whole poll ran within _FULL_EVERY, so nothing else waits longer than
-            # that and one poll. (Every other poll ran whole before 9f1d728: one request at
-            # a time, each finished by its first poll, paid for it every other request.) A
-            # poll with nothing but requests on their transports returns as soon: a caller
-            # polling in a tight loop then sees a copy land within one short poll
-            self._chan.flush()  # what ending them queued (a release to replicas)
-            return finished, failed
+        if finished or failed or stepped:
+            quiet = self._quiet(stepped)
+            if ((now < self._full_by and (finished or failed or quiet))
+                    or (quiet and now < self._full_by + _QUIET_FOR)):
+                # reported at once: the rest of a poll (the inbox, every other request) is
+                # most of its time, and a request's (a layer-wise push's exposed) time ends
+                # here — as long as a whole poll ran within _FULL_EVERY, so nothing else waits
+                # longer than that and one poll. (Every other poll ran whole before 9f1d728:
+                # one request at a time, each finished by its first poll, paid for it every
+                # other request.) With nothing else to do (quiet), for _QUIET_FOR: a caller
+                # polling in a tight loop then sees a copy land within one short poll, and a
+                # caller that polls only now and then (each poll past the window) too
+                self._chan.flush()  # what ending them queued (a release to replicas)
+                return finished, failed
         self._full_by = now + _FULL_EVERY
         if self._landings_ended:
             self._end_landings()
@@ -286,12 +297,13 @@ class KVWorker(_PrefillPush, _DecodePush):
             time.sleep(0)
         return finished, failed
 
-    def _only_moving(self, stepped: set[str] | tuple[()]) -> bool:
-        """Whether this poll's first look (``stepped``) was all there is to do: every request
-        is with its transport, moved by no Python thread of a transport (those need the GIL
-        handed over: a whole poll does), and nothing else waits — no push, no layer-wise
-        range, no report overdue, no answer or session on the side channel."""
-        return (bool(stepped) and len(stepped) == len(self._requests) and not self._awaiting
+    def _quiet(self, stepped: set[str] | tuple[()]) -> bool:
+        """Whether this poll's first look (``stepped``: the requests it found still moving,
+        the others it reported) was all there is to do: every request left is with its
+        transport, moved by no Python thread of a transport (those need the GIL handed over:
+        a whole poll does), and nothing else waits — no push, no layer-wise range, no report
+        overdue, no answer or session on the side channel."""
+        return (len(stepped) == len(self._requests) and not self._awaiting
                 and not self._layered and not self._landings_ended
                 and not (self._later and self._later_overdue()) and self._chan.idle()
                 and not any(self._moved_by_threads(r) for r in self._requests.values()))
