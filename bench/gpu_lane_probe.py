@@ -14,8 +14,9 @@ blocks, decode ids in shuffled runs of 1-8), one process:
 
 each as GPU time (CUDA events around the launch) and the host time of the launch call, in
 interleaved rounds. Then the host time of a translated lane's launch for 8 to 1000 blocks
-(the launch's parameter size class grows with the ids). Every lane variant's bytes are
-checked against torch's own gather once. Writes bench/results/gpu_lane_probe.json.
+(the launch's parameter size class grows with the ids), and the host time of an empty
+launch (no units) by the bytes of parameters the driver copies. Every lane variant's bytes
+are checked against torch's own gather once. Writes bench/results/gpu_lane_probe.json.
 """
 
 from __future__ import annotations
@@ -147,6 +148,27 @@ def main() -> None:
         sizes[str(n)] = {"table_words": words,
                          "param_class_words": copier._cuda.table_class(words),
                          "host_launch_median_us": statistics.median(times)}
+    # the driver's launch alone by the size of the parameters it copies: an empty launch
+    # (no units) of kv_move_runs compiled for tables of each size, interleaved
+    from kvlink.gpu import move
+
+    raw = stream.cuda_stream
+    launches = {w: move.TableLaunch(dev, move.SMALL_SHAPE, "kv_move_runs", w,
+                                    move.NARGS + move.IDS_NARGS[0], ids=True)
+                for w in (128, 256, 480, 512, 1024, 1536, 4000)}
+    empty: dict[int, list[float]] = {w: [] for w in launches}
+    lib = copier._cuda.lib
+    for i in range(args.reps * 4 + 20):
+        for w in rng.permutation(list(launches)).tolist():
+            launch = launches[w]
+            launch.vals[0] = launch.vals[1] = 0  # S = R = 0: every thread returns at once
+            t0 = time.perf_counter()
+            rc = launch.launch(lib, 1, raw)
+            dt = time.perf_counter() - t0
+            assert rc == 0, rc
+            stream.synchronize()
+            if i >= 20:
+                empty[w].append(dt * 1e6)
     med = {k: statistics.median(v) for k, v in gpu.items()}
     out = {
         "device_name": torch.cuda.get_device_name(dev),
@@ -159,6 +181,9 @@ def main() -> None:
         "ratio_device_copy_over_lookup": med["device_copy"] / med["lookup"],
         "ratio_lookup_over_translated": med["lookup"] / med["translated"],
         "host_launch_by_blocks": sizes,
+        "empty_launch_host_us_by_param_bytes": {
+            str(8 * w + 8 * (move.NARGS + move.IDS_NARGS[0] - 1)): statistics.median(v)
+            for w, v in empty.items()},
         "reps": args.reps,
     }
     for k, v in out.items():
