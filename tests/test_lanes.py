@@ -346,8 +346,8 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
 @pytest.mark.parametrize("other", [None, "threaded_in_flight"])
 def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
         monkeypatch: pytest.MonkeyPatch, other: str | None) -> None:
-    """One request at a time, each polled once its copy has ended, every poll long past the
-    2 ms window (a serving loop polls once a step): with nothing else to do, the poll that
+    """One request at a time, each polled once its copy has ended and 0.1 s on, every poll past
+    the 2 ms window (a serving loop polls once a step): with nothing else to do, the poll that
     reports the request returns without the rest of a poll (at 287154d it ran whole first:
     ~0.13 ms of a 70B request's window on one H200). With another request in flight whose
     bytes a transport's Python threads move (tcp's: held PENDING by the test, an injected
@@ -356,11 +356,11 @@ def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
     from kvlink.worker import engine
 
     monkeypatch.setattr(engine, "_FULL_EVERY", 0.0, raising=False)  # every poll past it
-    monkeypatch.setattr(engine, "_QUIET_FOR", 60.0, raising=False)  # a knob, widened
     prefill, decode = _pair()
     try:
         t = decode.transports["lane_tcp"]
         _routed(decode, prefill)
+        decode.poll()  # idle, so whole: the routing READ's report to the producer leaves
         stuck: set[int] = set()
         real = t.poll
         monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
@@ -381,10 +381,13 @@ def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
             while real(handle).status is XferStatus.PENDING:  # its bytes, not our poll
                 assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
                 time.sleep(0.001)
-            served.clear()
+            sleep_until(time.monotonic() + 0.1)  # a request every 0.1 s: as a busy server's
+            served.clear()  # (at ae970dc, 0.05 s after a whole poll, the next was whole again)
             done, failed = decode.poll()
             assert rid in done, failed
             whole.append(bool(served))
+            if other is None:  # the loop's next step: an idle poll, which is whole (it sends
+                decode.poll()  # the producer the report that lets it release, kept for it)
         assert whole == [other is not None] * 4
         stuck.clear()
         if other is not None:

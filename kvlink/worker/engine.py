@@ -60,11 +60,13 @@ log = logging.getLogger("kvlink.worker")
 _FULL_EVERY = 0.002
 #: seconds a poll with nothing else to do may go without a whole one: its requests all
 #: with their transports or just reported, the side channel idle, no push, no layer-wise
-#: range, no report owed (:meth:`KVWorker._quiet`). The rest of a poll then has nothing to
-#: take but what the side channel's server thread serves anyway; a request that waited for
-#: it was seen landed that much later — on one H200, a due whole poll in a 70B request's
-#: window was a cold ~0.13 ms (bench/results/gpu_checks_<commit>/, "quiet polls")
-_QUIET_FOR = 0.05
+#: range, no report overdue (:meth:`KVWorker._quiet`). The rest of a poll then has nothing
+#: to take but what the side channel's server thread serves anyway (this bound is hygiene:
+#: the told reports' log). A request that waited for it was reported that much later: on
+#: one H200, 0.05 s here put a whole poll (~40 us cold) into the window of every other 70B
+#: request of bench/e2e_request.py, which starts one every ~25 ms
+#: (bench/results/gpu_checks_quiet_polls/)
+_QUIET_FOR = 1.0
 
 
 class KVWorker(_PrefillPush, _DecodePush):
