@@ -36,7 +36,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import change_interval, write_result  # noqa: E402
-from e2e_producer import add_layer_gap_arg, regions_label, use_layer_gap  # noqa: E402
+from e2e_producer import (  # noqa: E402
+    add_idle_poll_arg,
+    add_layer_gap_arg,
+    regions_label,
+    use_layer_gap,
+)
 
 TAG = "AB "  # a child's answers on its stdout start with this (the rest is its log)
 
@@ -146,6 +151,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
     add_layer_gap_arg(ap)
+    add_idle_poll_arg(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     use_layer_gap(args.layer_gap)
@@ -160,7 +166,8 @@ def main() -> None:
             "transport": "cuda_ipc" if cuda else "tcp", "options": {}, "inflight": 1,
             "integrity": "off", "op": "read", "case": args.case or
             ("70b-tp8" if cuda else "16-blocks"), "spin": args.spin,
-            "timeout": args.timeout, "seed": args.seed, "profile": None}
+            "timeout": args.timeout, "seed": args.seed, "profile": None,
+            "no_idle_poll": args.no_idle_poll}
     names = (args.label_a or _label(args.a), args.label_b or _label(args.b))
     if names[0] == names[1]:  # an A/A
         names = (f"{names[0]} (a)", f"{names[1]} (b)")
@@ -184,6 +191,7 @@ def main() -> None:
     write_result(f"ab_trees_{args.device}", {
         "case": spec["case"], "device": args.device, "transport": spec["transport"],
         "registered_regions": regions_label(),
+        "idle_poll_after_each_window": not args.no_idle_poll,
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
         "trees": {"a": {"name": a.name, "dir": str(a.root)},
                   "b": {"name": b.name, "dir": str(b.root)}},

@@ -75,6 +75,14 @@ def add_layer_gap_arg(ap: Any) -> None:
                          "layer, as vLLM's tensor per layer (default: one for the cache)")
 
 
+def add_idle_poll_arg(ap: Any) -> None:
+    """The benches' ``--no-idle-poll`` flag (an argparse parser): see
+    ``bench/e2e_request.Consumer.kvlink``."""
+    ap.add_argument("--no-idle-poll", action="store_true",
+                    help="no idle poll after each timed window (before 2026-12-03's runs: the "
+                         "worker then sends what it owes peers inside a later window)")
+
+
 def use_layer_gap(on: bool) -> None:
     """``--layer-gap``: set for :class:`Cache`, in every process spawned from here."""
     if on:

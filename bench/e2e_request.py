@@ -63,6 +63,7 @@ from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them throu
     _stats,
     _sync,
     _torch,
+    add_idle_poll_arg,
     add_layer_gap_arg,
     pattern,
     phase_medians,
@@ -188,11 +189,23 @@ class Consumer:
         dt = self._wait_all(pending, spin, t0)
         if prof is not None:
             prof.disable()
+        self._idle_poll()
         for rid, *_ in held:
             x = w.xfer_seconds.pop(rid, None)
             if x is not None and tag is not None:
                 self.xfer.setdefault(tag, []).append(x)
         return dt
+
+    def _idle_poll(self) -> None:
+        """Untimed, after a window: one poll with nothing in flight, as a serving loop's next
+        step makes (vLLM asks ``get_finished`` every step). The worker sends there what it
+        owes peers once a request is reported (the READ's report that lets the producer
+        release: ``kvlink.worker.peering._tell_later``); with no such poll between windows
+        those reports waited until they were overdue (50 ms) and left inside a later request's
+        window — a whole poll in about a third of the 70B requests on one H200
+        (bench/results/gpu_checks_quiet_polls/). ``--no-idle-poll``: as before."""
+        if not getattr(self.args, "no_idle_poll", False):
+            self.w.poll()
 
     def alone(self, plans: list[Any], spin: bool, op: Any = None) -> float:
         """The worker's connected transport alone: post every plan, poll until all DONE."""
@@ -290,6 +303,7 @@ class Consumer:
             w.write(rid, self.remote, li, ri)
             pending.add(rid)
         dt = self._wait_all(pending, spin, t0)
+        self._idle_poll()
         key = tag if count_it else "warmup"
         self._count(key, self.prod.ask(("check", list(zip(nos, range(count)))), "checked"))
         if self.peer is None:
@@ -518,6 +532,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0, help="per wait, seconds")
     ap.add_argument("--seed", type=int, default=1)
     add_layer_gap_arg(ap)
+    add_idle_poll_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the transport (VALUE as JSON, e.g. coalesce_runs=false); "
@@ -609,6 +624,7 @@ def main() -> None:
                                 "between requests in flight"},
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
         "mode_order": "sleep and spin alternate, in a seeded random order each round",
+        "idle_poll_after_each_window": not args.no_idle_poll,
         "inflight": args.inflight, "transport_options": args.options,
         "op": args.op,
         "timed_window": (f"KVWorker.{'read/write' if args.op == 'both' else args.op}() call "

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_request as e2e
 from _common import change_interval, write_result
-from e2e_producer import add_layer_gap_arg, regions_label, use_layer_gap
+from e2e_producer import add_idle_poll_arg, add_layer_gap_arg, regions_label, use_layer_gap
 
 LEVELS = ("off", "sample", "full")
 SERIES = (*LEVELS, "off_control")  # timed, interleaved; the control runs at "off"
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--spin", action="store_true",
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     add_layer_gap_arg(ap)
+    add_idle_poll_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="cProfile each level's timed requests; what each level adds to a "
@@ -266,6 +267,7 @@ def main() -> None:
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
         "levels": "interleaved request by request (Checker.level switched on both sides)",
         "registered_regions": regions_label(),
+        "idle_poll_after_each_window": not args.no_idle_poll,
         "goals": goals, "total_bad": bad, "cases": cases,
     }, args.out or f"bench/results/integrity_overhead_{args.device}{suffix}.json")
     if bad:
