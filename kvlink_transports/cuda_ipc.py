@@ -178,16 +178,14 @@ class _Lane:
     A post after the peer connected anew rebinds its mappings; one after it disconnected
     fails like any post to an unknown peer."""
 
-    __slots__ = ("_owner", "blocks", "checker", "local_base", "moves", "op", "peer",
-                 "remote_base", "target")
+    __slots__ = ("_owner", "blocks", "local_base", "moves", "op", "peer", "remote_base",
+                 "target")
 
     def __init__(self, owner: CudaIpcTransport, op: Op, peer: str, target: _Peer,
                  moves: Lane, local_base: npt.NDArray[np.uint64],
                  remote_base: npt.NDArray[np.uint64], blocks: tuple[int, int]) -> None:
         self._owner, self.op, self.peer, self.target, self.moves = owner, op, peer, target, moves
         self.local_base, self.remote_base, self.blocks = local_base, remote_base, blocks
-        #: :meth:`check`'s digest lane over our own blocks, by page bytes (None: cannot)
-        self.checker: dict[int, Lane | None] = {}
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
              digest: DigestJob | None = None) -> int | None:
@@ -197,15 +195,6 @@ class _Lane:
         lane cannot take the request (too many blocks for a launch's table; ``digest`` not
         what its kernel takes): post it the general way."""
         return self._owner._post_lane(self, local_ids, remote_ids, digest)
-
-    def check(self, handle: int, local_ids: npt.NDArray[np.int64], digest: DigestJob) -> bool:
-        """After a plain READ ``handle`` of this lane (``local_ids``: its blocks, ours): digest
-        what it landed in the blocks ``digest.rows`` checks and compare with the producer's
-        rows, on the device after the copy; ``landed_mismatch(handle)`` says once DONE, and
-        DONE covers the check. For ``sample`` integrity: the rows are found while the copy
-        runs (see ``BatchCopier.check_lane``). False where it cannot (nothing was enqueued:
-        the caller digests what landed itself)."""
-        return self._owner._check_lane(self, handle, local_ids, digest)
 
     def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
              ) -> Runs:
@@ -626,44 +615,6 @@ class CudaIpcTransport(Transport):
         return self._post(lane.peer, copy, None, None,
                           functools.partial(lane.runs, local_ids, remote_ids),
                           n * moves.segments * moves.unit, n * moves.segments)
-
-    def _check_lane(self, lane: _Lane, handle: int, local_ids: npt.NDArray[np.int64],
-                    digest: DigestJob) -> bool:
-        """:meth:`_Lane.check`: the checked blocks' ids and rows picked out (the others are
-        not read at all), through a digest lane bound to our blocks on both sides."""
-        if lane.op is not Op.READ or self._copier is None or digest.blocks != len(local_ids):
-            return False
-        if digest.page_bytes not in lane.checker:
-            lane.checker[digest.page_bytes] = self._checker(lane, digest.page_bytes)
-        checker = lane.checker[digest.page_bytes]
-        if checker is None or checker.digest is None:
-            return False
-        picked = np.flatnonzero(digest.rows >= 0)
-        n, pages = int(picked.shape[0]), checker.digest[0]
-        if (not n or not checker.fits(n) or digest.planes != checker.segments * pages
-                or pages * digest.heads > DIGEST_MAX):
-            return False
-        expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
-                                "compared on the host")
-        with self._lock:
-            x = self._xfers.get(handle)
-        if not expect or x is None or x.pending is None:
-            return False
-        check = (digest.rows[picked], digest.count, digest.geometry, digest.weights,
-                 expect + digest.expect - digest.region[0])
-        return bool(self._copier.check_lane(checker, local_ids[picked], check, x.pending))
-
-    def _checker(self, lane: _Lane, page_bytes: int) -> Lane | None:
-        """A digest lane from our blocks to themselves, for :meth:`_check_lane`."""
-        assert self._copier is not None
-        base = lane.local_base
-        pages = _unit_pages(lane.moves.unit, page_bytes, base, base)
-        if not pages:
-            return None
-        made: Lane | None = self._copier.lane(base, base, lane.moves.unit,
-                                              (lane.blocks[0], lane.blocks[0]), self._local_map,
-                                              self._local_map, (pages, page_bytes))
-        return made
 
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
               local: Extents | None, remote: Extents | None,

@@ -773,10 +773,6 @@ class _FakeLaneCopier(_FakeCopier):
 
     computes_addresses = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.checked: list[tuple[Any, ...]] = []
-
     def lane(self, src: Any, dst: Any, unit: int, limits: tuple[int, int], smap: Any,
              dmap: Any, digest: Any = None) -> _FakeLane:
         return _FakeLane(src, dst, unit, (smap, dmap), digest)
@@ -786,10 +782,6 @@ class _FakeLaneCopier(_FakeCopier):
         c = _FakeCopy((lane, src, dst, stream, check), after)
         self.copies.append(c)
         return c
-
-    def check_lane(self, lane: _FakeLane, ids: Any, check: Any, pending: Any) -> bool:
-        self.checked.append((lane, ids, check, pending))
-        return True
 
 
 def test_a_lane_posts_block_ids_under_the_transports_contract(
@@ -836,43 +828,3 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     st = t.poll(lane.post(lids, rids))
     assert st.status is XferStatus.FAILED and "not connected" in st.reason
     assert len(t._copier.copies) == n
-
-
-def test_a_lane_checks_its_sampled_blocks_after_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``sample`` integrity on a route: a plain lane's READ, then ``check`` — the copier is
-    handed only the checked blocks (ours) and their rows, through a digest lane from our
-    blocks to themselves (our map on both sides), after that READ's own copy. A WRITE lane,
-    a job for another number of blocks, or one that checks nothing enqueues nothing (the
-    caller then digests what landed)."""
-    import dataclasses
-
-    from kvlink.transport import DigestJob
-
-    t = _fake_transport(monkeypatch)
-    t._copier = _FakeLaneCopier()
-    t.connect("p", _desc(4242, b"a" * 64))
-    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
-    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
-    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
-    lids, rids = np.array([3, 1, 2, 9], dtype=np.int64), np.array([0, 5, 6, 7], dtype=np.int64)
-    h = lane.post(lids, rids)
-    t._host_maps[0x5000] = 0x77000  # the producer's board, as registered with the device
-    job = DigestJob(geometry=11, weights=12, planes=2, heads=1, page_bytes=4096, blocks=4,
-                    count=2, rows=np.array([-1, 0, -1, 1], dtype=np.int64), expect=0x5100,
-                    region=(0x5000, 4096))
-    assert lane.check(h, lids, job)
-    checker, ids, check, pending = t._copier.checked[-1]
-    assert pending is t._copier.copies[-1]  # after this READ's own copy
-    assert checker.src is local_base and checker.dst is local_base
-    assert checker.maps[0] == ("local-map", "local-map") and checker.digest == (1, 4096)
-    assert ids.tolist() == [1, 9] and check[0].tolist() == [0, 1]
-    assert check[1:] == (2, 11, 12, 0x77100)
-    assert lane.check(h, lids, job) and t._copier.checked[-1][0] is checker  # bound once
-    n = len(t._copier.checked)
-    assert not lane.check(h, lids, dataclasses.replace(job, blocks=3))
-    assert not lane.check(h, lids, dataclasses.replace(
-        job, rows=np.full(4, -1, dtype=np.int64)))
-    write = t.lane(Op.WRITE, "p", local_base, remote_base, 4096, (64, 64))
-    hw = write.post(lids, rids)
-    assert not write.check(hw, lids, job)
-    assert len(t._copier.checked) == n

@@ -609,37 +609,6 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
 
-    def check_lane(self, lane: Lane, ids: npt.NDArray[np.int64],
-                   check: tuple[npt.NDArray[np.int64], int, int, int, int],
-                   pending: Pending) -> bool:
-        """After ``pending`` (a :meth:`copy_lane` of a plain lane), on its stream: digest what
-        it landed in our blocks ``ids`` and compare with the producer's rows, through
-        ``lane`` — a digest lane bound to our own blocks on both sides, whose kernel reads
-        each unit and, its own source, does not write it again. ``check`` as
-        :meth:`copy_lane`'s, one row per id. The post's completion event is recorded again
-        after it, so ``done()`` covers the check and :attr:`Pending.mismatch` says. Why after
-        the copy rather than fused into it: the host work that finds the rows (the producer's
-        hold board) then runs while the bytes move, not before they start; for a few sampled
-        blocks the second launch costs the device microseconds. False where it could not be
-        enqueued (nothing was: the caller digests what landed itself)."""
-        with self._lock:
-            buf, events = pending.buf, self._events
-            if buf is None or pending.error or pending.stream is None:
-                return False
-            buf.words[1] = NO_MISMATCH
-            raw = pending.stream.cuda_stream
-            try:
-                lane.launch(ids, ids, buf.ptr, pending.seq, raw, (*check, buf.ptr + 8))
-            except RuntimeError:  # not enqueued: the copy's event still says when it ended
-                return False
-            try:
-                events.record_again(pending.event, raw)
-            except RuntimeError as exc:  # the check may still run: the post is not trusted
-                pending.error = f"{type(exc).__name__}: {exc}"
-                return False
-            pending.digest_at = (1, 2, 0)
-            return True
-
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
                       table: npt.NDArray[np.uint64], spare: int, stream: Any,
                       after: int | None, held: list[Any],

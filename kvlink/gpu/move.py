@@ -287,9 +287,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
-  // a unit that is its own source (a check of what an earlier copy landed, Lane.check in
-  // kvlink.gpu.lane: our blocks on both sides) is read and digested, not written again
-  const bool store = s != d;
   for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
@@ -301,12 +298,10 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       const i64 j = j0 + (i64)u * 32;
       if (j < nv) v[u] = src[j];
     }
-    if (store) {
 #pragma unroll
-      for (int u = 0; u < KV_U; ++u) {
-        const i64 j = j0 + (i64)u * 32;
-        if (j < nv) dst[j] = v[u];
-      }
+    for (int u = 0; u < KV_U; ++u) {
+      const i64 j = j0 + (i64)u * 32;
+      if (j < nv) dst[j] = v[u];
     }
     if (slot < 0) continue;  // the same for the whole warp
 #pragma unroll
@@ -671,13 +666,6 @@ class DriverEvents:
             fn.argtypes, fn.restype = args, ctypes.c_int
         self._lib, self._device = lib, device
         self._free: list[int] = []
-
-    def record_again(self, ev: int, stream: int) -> None:
-        """``ev`` recorded anew on ``stream``: complete once what ``stream`` holds now ran
-        (work enqueued after a copy that the copy's completion must cover)."""
-        rc = self._call(self._lib.cuEventRecord, ev, stream)
-        if rc:
-            raise RuntimeError(f"cuEventRecord failed with CUDA error {rc}")
 
     def record(self, stream: int) -> int:
         """An event recorded on ``stream`` (raw handle) now: complete once what it holds ran."""

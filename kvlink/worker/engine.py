@@ -122,10 +122,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._layered: dict[str, _Layered] = {}
         self._layered_ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]] = {}
-        #: (peer, heads, op, digested by the copy kernel) -> its lane (see parts._post_lane)
-        self._lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane] = {}
-        #: (remote, integrity level) -> its route (see requests._read_now)
-        self._routes: dict[tuple[RemoteEngine, Level], _Route] = {}
+        self._lanes: dict[tuple[int, HeadRead, Op, bool], _PeerLane] = {}  # see parts._post_lane
+        #: (remote, integrity on) -> its route (see requests._read_now)
+        self._routes: dict[tuple[RemoteEngine, bool], _Route] = {}
         self._last_route: tuple[RemoteEngine | None, _Route | None] = (None, None)
         self._secret = sidechannel.secret_from_env(config.secret)
         #: messages refused because they did not come from the transfer's peer (a release

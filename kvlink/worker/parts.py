@@ -20,9 +20,6 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.compat import WIRE_VERSION
@@ -30,7 +27,7 @@ from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import fingerprint
-from kvlink.integrity import Digests, Level, board_rows, unpack
+from kvlink.integrity import Digests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
@@ -229,20 +226,17 @@ class _Parts(_Holds):
                 or transport.capabilities.enforces_grants
                 or (req.op is Op.WRITE and self._notes_natively(req))):
             return False
-        # a lane's kernel digests what it lands (``full``) or not (a level may change at run
-        # time); ``sample`` posts the plain lane and checks its blocks after (_check_after)
-        level = self.integrity.level
-        fused = level is Level.FULL
-        key = (id(go.peer), part.read, req.op, fused)
+        digests = self.integrity.on  # a lane digests or not (a level may change at run time)
+        key = (id(go.peer), part.read, req.op, digests)
         lane = self._lanes.get(key)
         if lane is None or lane.peer is not go.peer:
-            lane = self._lanes[key] = self._new_lane(go, part, req.op, transport, fused)
+            lane = self._lanes[key] = self._new_lane(go, part, req.op, transport, digests)
         if lane.lane is None or lane.table is None:
             return False
         # the ids' range is checked by the lane's kernel (a refused post names the id)
         rids = req.remote_ids
         job = None
-        if fused:
+        if digests:
             job = self._digest_job(req, part, transport, lane.table.local)
             if job is None:
                 return False
@@ -254,9 +248,6 @@ class _Parts(_Holds):
         part.handle = handle
         if job is not None:
             part.fused_rows = job.count
-        elif level is Level.SAMPLE and go.generation and self._boarded(req, go):
-            self._check_after(part, go, lane.lane, part.read, int(rids.shape[0]),
-                              req.local_ids, transport, lane.table.local)
         part.plan = self._moved(lane.table, int(rids.shape[0]))
         self._posted(req, part, go, part.plan.nbytes)
         return True
@@ -375,22 +366,6 @@ class _Parts(_Holds):
         if go is None or not self._boarded(req, go):
             return None
         return self._fused_job(go, part.read, len(req.remote_ids), transport, spec)
-
-    def _check_after(self, part: _Part, go: _Go, lane: Any, r: HeadRead, blocks: int,
-                     local_ids: npt.NDArray[np.int64], transport: Transport,
-                     spec: KVCacheSpec) -> None:
-        """``sample`` integrity on a plain lane's READ, just launched (``part.handle``): the
-        sampled blocks digested and compared on the device after the copy, by the lane's
-        ``check`` (kvlink_transports.cuda_ipc). The hold's rows are found here, while the
-        bytes move — before the launch they were the ``sample`` level's cost on the 70B
-        request's path. Where it cannot be done, nothing is enqueued and the verdict
-        digests what landed (as for any READ the copy did not digest)."""
-        check = getattr(lane, "check", None)
-        if check is None or part.handle is None:
-            return
-        job = self._fused_job(go, r, blocks, transport, spec)
-        if job is not None and check(part.handle, local_ids, job):
-            part.fused_rows = job.count
 
     def _fused_job(self, go: _Go, r: HeadRead, blocks: int, transport: Transport,
                    spec: KVCacheSpec) -> DigestJob | None:

@@ -22,7 +22,6 @@ from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import AfterCheck
-from kvlink.integrity import Level
 from kvlink.landing import EndCheck, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan, PlanTable
@@ -110,11 +109,10 @@ class _Route:
     """How a READ from one remote engine went when every part of it took a lane: what the
     next READ told its generation launches before any record of it is made (see
     ``_Requests._read_now``). Valid while the worker's handshakes are those it was bound to
-    (``epoch``, :attr:`kvlink.peers.PeerTable.epoch`) and the integrity level is as then
-    (``full``: its lanes digest in the copy kernel; ``sample``: plain lanes, checked after)."""
+    (``epoch``, :attr:`kvlink.peers.PeerTable.epoch`) and integrity is on or off as then."""
 
     epoch: int
-    level: Level
+    digests: bool
     legs: tuple[_Leg, ...]
 
 

@@ -26,7 +26,6 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError
 from kvlink.headmap import HeadRead, map_heads, notify_targets
-from kvlink.integrity import Level
 from kvlink.landing import LandingView
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
@@ -51,7 +50,7 @@ class _Requests(_Parts):
     """Requests begun, stepped and reported, as methods of the worker."""
 
     _requests: dict[str, _Request]  # in flight, by id
-    _routes: dict[tuple[RemoteEngine, Level], _Route]  # (remote, level) -> see _read_now
+    _routes: dict[tuple[RemoteEngine, bool], _Route]  # (remote, digests) -> see _read_now
     _last_route: tuple[RemoteEngine | None, _Route | None]  # the last one _read_now took
     finished_bytes: int
     raw_descriptors: int  # before coalescing, over finished requests
@@ -76,28 +75,25 @@ class _Requests(_Parts):
                 raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
                                   f"integer, got {generation!r}")
             last, route = self._last_route  # (a RemoteEngine's hash is a Python call)
-            level = self.integrity.level
-            if last is not remote or route is None or route.level is not level:
-                route = self._routes.get((remote, level))
+            digests = self.integrity.on
+            if last is not remote or route is None or route.digests is not digests:
+                route = self._routes.get((remote, digests))
             if route is not None and self._read_now(route, req_id, remote, local_ids,
-                                                    remote_ids, generation, level):
+                                                    remote_ids, generation, digests):
                 self._last_route = (remote, route)
                 return
         self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation)
 
     def _read_now(self, route: _Route, req_id: str, remote: RemoteEngine,
                   local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, generation: int,
-                  level: Level) -> bool:
+                  digests: bool) -> bool:
         """A READ told its generation, from a remote whose last READ took a lane for every
         part (``route``): launched first, its records made while the bytes move. A request's
         latency is its host time before the launch, and on a serving host that time is cold
         (docs/e2e.md): the ids are converted once, straight into what the lanes take, and the
-        lanes' kernels check their range. ``full`` integrity: the lanes' kernels digest what
-        they land (the rows found before the launch); ``sample``: plain lanes, the sampled
-        blocks checked by a second launch after the copy, its rows found while the bytes move.
-        False where nothing was launched: the caller starts it the general way (which says
-        what is wrong with it, if anything is)."""
-        if (route.epoch != self.peers.epoch or route.level is not level
+        lanes' kernels check their range. False where nothing was launched: the caller
+        starts it the general way (which says what is wrong with it, if anything is)."""
+        if (route.epoch != self.peers.epoch or route.digests is not digests
                 or req_id in self._requests):
             return False
         wire.check_id(req_id, "request id")
@@ -107,11 +103,10 @@ class _Requests(_Parts):
         n = lids.shape[0]
         spec = self._require_spec()
         gos = [_Go(leg.peer, generation) for leg in route.legs]
-        fused = level is Level.FULL
-        jobs = [None if not fused else
+        jobs = [None if not route.digests else
                 self._fused_job(go, leg.read, n, leg.peer.transport, spec)
                 for go, leg in zip(gos, route.legs)]
-        if fused and None in jobs:
+        if route.digests and None in jobs:
             return False
         t0 = time.perf_counter()
         handles = [leg.lane.lane.post(lids, rids, job) for leg, job in zip(route.legs, jobs)]
@@ -124,12 +119,9 @@ class _Requests(_Parts):
             if handle is None:  # (no go yet: the step below posts it)
                 continue
             part.go, part.handle, part.t_post = go, handle, t0
+            if job is not None:
+                part.fused_rows = job.count
             try:  # (as _step: a bug here fails the part, reported once its copy has ended)
-                if job is not None:
-                    part.fused_rows = job.count
-                elif level is Level.SAMPLE:
-                    self._check_after(part, go, leg.lane.lane, leg.read, n, lids,
-                                      leg.peer.transport, spec)
                 nbytes, descriptors, raw = leg.per_block
                 part.plan = Moved(n * nbytes, n * descriptors, n * raw)
                 self._posted(req, part, go, part.plan.nbytes)
@@ -146,12 +138,12 @@ class _Requests(_Parts):
         its lane, the next READ from that remote launches first (:meth:`_read_now`)."""
         self._last_route = (None, None)  # (it may be the route this READ found stale)
         legs = []
-        level = self.integrity.level
+        digests = self.integrity.on
         for part in req.parts:
             go = part.go
             if part.handle is None or go is None or not isinstance(part.plan, Moved):
                 return
-            lane = self._lanes.get((id(go.peer), part.read, req.op, level is Level.FULL))
+            lane = self._lanes.get((id(go.peer), part.read, req.op, digests))
             if lane is None or lane.lane is None or lane.peer is not go.peer:
                 return
             assert lane.table is not None
@@ -160,7 +152,7 @@ class _Requests(_Parts):
                              (one.nbytes, one.descriptors, one.raw_descriptors)))
         if len(self._routes) > 1024:
             self._routes.clear()
-        route = self._routes[(req.remote, level)] = _Route(epoch, level, tuple(legs))
+        route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs))
         self._last_route = (req.remote, route)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
