@@ -1,0 +1,16 @@
+#!/bin/bash
+# sample checked after the launch: GPU checks (fused incl. check_after, runs), integrity bench, e2e
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/msgspec*.whl || exit 1
+export PYTHONUNBUFFERED=1 KVLINK_COMMIT=$1 PYTHONPATH=/tmp/site:$PWD
+O=/tmp/o49; rm -rf $O; mkdir -p $O
+T0=$(date +%s)
+el() { echo "   [$(( $(date +%s) - T0 )) s]"; }
+go() {  # tag limit cmd...
+  local tag=$1 lim=$2; shift 2
+  timeout $lim "$@" > $O/$tag.log 2>&1; echo "== $tag rc=$?"; grep -E "^(70b|8b| 8b)|Error|Traceback|FAIL|overhead|fault at|'ok'|\"ok\"|ratio_check|wrong|passed" $O/$tag.log | cut -c1-400 | tail -10; el
+  tar czf $OUT/results.tgz -C $O .
+}
+go fused 90 python3 scripts/gpu_fused_digest_check.py --out $O
+go io_gap 100 python3 bench/integrity_overhead.py --device cuda --spin --cases 70b-tp8 --requests 80 --layer-gap --out $O/io_gap.json
+go e2e_gap 90 python3 bench/e2e_request.py --device cuda --cases 70b-tp8,8b-tp1 --requests 30 --inflight-rounds 2 --layer-gap --out $O/e2e_cuda_ipc_gap.json
+go runs 40 python3 scripts/gpu_runs_check.py --out $O
