@@ -242,20 +242,19 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._poll_landed(finished)
         stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
         now = time.monotonic()
-        if finished or failed or stepped:
-            quiet = self._quiet(stepped)
-            if ((now < self._full_by and (finished or failed or quiet))
-                    or (quiet and now < self._full_by + _QUIET_FOR)):
-                # reported at once: the rest of a poll (the inbox, every other request) is
-                # most of its time, and a request's (a layer-wise push's exposed) time ends
-                # here — as long as a whole poll ran within _FULL_EVERY, so nothing else waits
-                # longer than that and one poll. (Every other poll ran whole before 9f1d728:
-                # one request at a time, each finished by its first poll, paid for it every
-                # other request.) With nothing else to do (quiet), for _QUIET_FOR: a caller
-                # polling in a tight loop then sees a copy land within one short poll, and a
-                # caller that polls only now and then (each poll past the window) too
-                self._chan.flush()  # what ending them queued (a release to replicas)
-                return finished, failed
+        ended = finished or failed
+        if (ended or stepped) and ((ended and now < self._full_by) or (
+                now < self._full_by + _QUIET_FOR and self._quiet(stepped))):
+            # reported at once: the rest of a poll (the inbox, every other request) is
+            # most of its time, and a request's (a layer-wise push's exposed) time ends
+            # here — as long as a whole poll ran within _FULL_EVERY, so nothing else waits
+            # longer than that and one poll. (Every other poll ran whole before 9f1d728:
+            # one request at a time, each finished by its first poll, paid for it every
+            # other request.) With nothing else to do (quiet), for _QUIET_FOR: a caller
+            # polling in a tight loop then sees a copy land within one short poll, and a
+            # caller that polls only now and then (each poll past the window) too
+            self._chan.flush()  # what ending them queued (a release to replicas)
+            return finished, failed
         self._full_by = now + _FULL_EVERY
         if self._landings_ended:
             self._end_landings()
@@ -305,10 +304,12 @@ class KVWorker(_PrefillPush, _DecodePush):
         transport, moved by no Python thread of a transport (those need the GIL handed over:
         a whole poll does), and nothing else waits — no push, no layer-wise range, no report
         overdue, no answer or session on the side channel."""
-        return (len(stepped) == len(self._requests) and not self._awaiting
+        requests = self._requests
+        return (len(stepped) == len(requests) and not self._awaiting
                 and not self._layered and not self._landings_ended
                 and not (self._later and self._later_overdue()) and self._chan.idle()
-                and not any(self._moved_by_threads(r) for r in self._requests.values()))
+                and not (requests and any(self._moved_by_threads(r)
+                                          for r in requests.values())))
 
     def _poll_moving(self, finished: set[str], failed: dict[str, str]) -> set[str]:
         """A poll's first look: requests whose every part is with its transport (posted, not
