@@ -305,6 +305,19 @@ def test_a_peer_handshaken_anew_is_read_through_its_new_lane() -> None:
         prefill.close()
 
 
+def _landed(decode: Any, prefill: Any, rid: str, ours: list[int], theirs: list[int],
+            poll: Any) -> None:
+    """A READ told its generation, posted, and waited for until ``poll`` (the transport's, not
+    the worker's) says its bytes landed: the worker's next poll then finds it DONE."""
+    gen = prefill.hold(rid, theirs)
+    decode.read(rid, remote(prefill), ours, theirs, generation=gen)
+    handle = decode._requests[rid].parts[0].handle
+    deadline = time.monotonic() + 10
+    while poll(handle).status is XferStatus.PENDING:  # its bytes, not our poll
+        assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
+        time.sleep(0.001)
+
+
 def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One request at a time, each DONE by the poll that looks at it: every such poll reports
@@ -312,7 +325,6 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
     (kvlink.worker.engine._FULL_EVERY, widened here so the VM's pace does not decide). At
     9f1d728 every other one ran whole first (a flag flipped per poll): on one H200 that was
     every other request 0.14 ms later."""
-    from kvlink.transport import XferStatus
     from kvlink.worker import engine
 
     monkeypatch.setattr(engine, "_FULL_EVERY", 60.0, raising=False)  # a knob, widened
@@ -326,13 +338,7 @@ def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(
         whole = []
         for i in range(6):
             rid = f"r{i}"
-            gen = prefill.hold(rid, [8, 9])
-            decode.read(rid, remote(prefill), [1 + i, 7], [8, 9], generation=gen)
-            handle = decode._requests[rid].parts[0].handle
-            deadline = time.monotonic() + 10
-            while t.poll(handle).status is XferStatus.PENDING:  # its bytes, not our poll
-                assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
-                time.sleep(0.001)
+            _landed(decode, prefill, rid, [1 + i, 7], [8, 9], t.poll)
             served.clear()
             done, failed = decode.poll()
             assert rid in done, failed
@@ -352,7 +358,7 @@ def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
     ~0.13 ms of a 70B request's window on one H200). With another request in flight whose
     bytes a transport's Python threads move (tcp's: held PENDING by the test, an injected
     fault), that poll is whole, as before: it hands those threads the GIL."""
-    from kvlink.transport import PENDING, XferStatus
+    from kvlink.transport import PENDING
     from kvlink.worker import engine
 
     monkeypatch.setattr(engine, "_FULL_EVERY", 0.0, raising=False)  # every poll past it
@@ -374,13 +380,7 @@ def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
         whole = []
         for i in range(4):
             rid = f"q{i}"
-            gen = prefill.hold(rid, [8, 9])
-            decode.read(rid, remote(prefill), [1 + i, 7], [8, 9], generation=gen)
-            handle = decode._requests[rid].parts[0].handle
-            deadline = time.monotonic() + 10
-            while real(handle).status is XferStatus.PENDING:  # its bytes, not our poll
-                assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
-                time.sleep(0.001)
+            _landed(decode, prefill, rid, [1 + i, 7], [8, 9], real)
             sleep_until(time.monotonic() + 0.1)  # a request every 0.1 s: as a busy server's
             served.clear()  # (at ae970dc, 0.05 s after a whole poll, the next was whole again)
             done, failed = decode.poll()
