@@ -129,7 +129,13 @@ def one(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
     if calls is not None:
         sys.setprofile(None)
     if rid not in done:
-        raise RuntimeError(f"{rid} not reported by its first poll: {done} {failed}")
+        req = decode._requests.get(rid)
+        parts = [] if req is None else [
+            {"after_check_shown": p.check() if p.check is not None else None,
+             "verdict_asked": p.verdict is not None, "handle": p.handle, "error": p.error}
+            for p in req.parts]
+        raise RuntimeError(f"{rid} not reported by its first poll: {done} {failed}; its parts "
+                           f"now: {parts}; reports owed: {decode.reports_owed}")
     prefill.poll()  # the producer takes the read report, releases
     if calls is not None:
         return {"read": n_read, "poll": calls.n - n_read}
