@@ -12,6 +12,7 @@ one.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -80,6 +81,8 @@ class LaneTcp(TcpTransport):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: notified as each transfer ends (after its state is set): what a test waits on
+        self.ended = threading.Condition()
         self.lanes: list[_Lane] = []
         self.lane_limit = 1 << 20
         #: at each lane post, the worker's requests in flight then (in_flight: set by a test)
@@ -91,6 +94,11 @@ class LaneTcp(TcpTransport):
         made = _Lane(self, op, peer, local_base, remote_base, unit, blocks, page_bytes)
         self.lanes.append(made)
         return made
+
+    def _finish(self, xfer: _Xfer, state: XferState) -> None:
+        super()._finish(xfer, state)
+        with self.ended:
+            self.ended.notify_all()
 
     def refused(self, why: str) -> int:
         """A handle that polls FAILED with ``why`` (as a post the device refused)."""
@@ -312,10 +320,10 @@ def _landed(decode: Any, prefill: Any, rid: str, ours: list[int], theirs: list[i
     gen = prefill.hold(rid, theirs)
     decode.read(rid, remote(prefill), ours, theirs, generation=gen)
     handle = decode._requests[rid].parts[0].handle
-    deadline = time.monotonic() + 10
-    while poll(handle).status is XferStatus.PENDING:  # its bytes, not our poll
-        assert time.monotonic() < deadline, f"{rid}'s transfer never ended"
-        time.sleep(0.001)
+    t = decode.transports[decode._requests[rid].parts[0].go.peer.transport.name]
+    with t.ended:  # its bytes, not our poll: woken by the transport as each transfer ends
+        assert t.ended.wait_for(lambda: poll(handle).status is not XferStatus.PENDING,
+                                timeout=10), f"{rid}'s transfer never ended"
 
 
 def test_a_poll_that_finishes_a_request_returns_before_the_rest_of_its_work(

@@ -63,9 +63,9 @@ _FULL_EVERY = 0.002
 #: range, no report overdue (:meth:`KVWorker._quiet`). The rest of a poll then has nothing
 #: to take but what the side channel's server thread serves anyway (this bound is hygiene:
 #: the told reports' log). A request that waited for it was reported that much later: on
-#: one H200, 0.05 s here put a whole poll (~40 us cold) into the window of every other 70B
-#: request of bench/e2e_request.py, which starts one every ~25 ms
-#: (bench/results/gpu_checks_quiet_polls/)
+#: one H200, 0.05 s here put a whole poll (~40 us cold) into the window of about every other
+#: 70B request of bench/e2e_request.py, which starts one every ~40 ms (both from the stamps
+#: in bench/results/gpu_checks_quiet_polls/)
 _QUIET_FOR = 1.0
 
 
