@@ -57,6 +57,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -212,6 +213,21 @@ def _gil_flock() -> Callable[[int, int], int] | None:
 
 _FLOCK = _gil_flock()
 _SHARED_NB = fcntl.LOCK_SH | fcntl.LOCK_NB
+
+
+class DeviceLayout(NamedTuple):
+    """Where a hold lies on a board's mapping, for a copy kernel that finds it there itself
+    (kvlink.gpu.move's ``kv_move_digest``, KV_BOARD): slot ``generation & mask`` is at word
+    ``slot0 + 4 x slot`` (generation, fingerprint, offset, bytes), and a hold's digests lie
+    in bytes [lo, hi) of the mapping."""
+
+    slot0: int
+    mask: int
+    lo: int
+    hi: int
+
+
+LAYOUT = DeviceLayout(_HEADER // 8, SLOTS - 1, _ARENA, KIND.size)
 
 
 def _slot_at(generation: int) -> int:

@@ -509,17 +509,26 @@ class Checker:
         kernel cannot take their geometry, or the rows are not ours to compare (folded, or
         another row width): the check then digests after the copy. On every same-host READ's
         critical path: the planes' part is worked out once."""
-        planes = self.planes
-        if not self.on or planes is None or not on_board.count or on_board.folded:
+        if not on_board.count or on_board.folded:
             return None
-        geo = self._geo
-        if geo is None or geo[0] is not planes:
-            geo = self._geo = (planes, self._fused_geometry(planes))
-        got = geo[1]
+        got = self.fused_views()
         if got is None or on_board.row_words != got[2] * got[3]:
             return None
         return DigestJob(got[0], got[1], got[2], got[3], page_bytes, on_board.blocks,
                          on_board.count, on_board.rows, on_board.address, on_board.region)
+
+    def fused_views(self) -> tuple[int, int, int, int] | None:
+        """What a copy kernel that digests while it copies needs of our views: (geometry,
+        weights — device pointers —, planes, heads); None with integrity off, or where the
+        planes are not on a GPU or the kernel cannot take their geometry. Worked out once per
+        set of planes."""
+        planes = self.planes
+        if not self.on or planes is None:
+            return None
+        geo = self._geo
+        if geo is None or geo[0] is not planes:
+            geo = self._geo = (planes, self._fused_geometry(planes))
+        return geo[1]
 
     @staticmethod
     def _fused_geometry(planes: Planes) -> tuple[int, int, int, int] | None:

@@ -57,12 +57,14 @@ nixl and mooncake):
    ``runs.expand()`` (:class:`Runs`) without the host expanding it; same contract as post.
    cuda_ipc implements it (its kernel computes the addresses); the worker uses it where the
    plan takes that form. **lane(op, peer, local_base, remote_base, unit, blocks,
-   page_bytes=0)** (optional): an object whose ``post(local_ids, remote_ids, digest=None)`` is
-   post_runs of one run of ``unit`` bytes per block pair over those segment bases, with what
-   does not change between requests of the pair worked out once (cuda_ipc:
+   digests=None)** (optional): an object whose ``post(local_ids, remote_ids, generation=0)``
+   is post_runs of one run of ``unit`` bytes per block pair over those segment bases, with
+   what does not change between requests of the pair worked out once (cuda_ipc:
    :mod:`kvlink.gpu.lane`) and ids at or past ``blocks`` (ours, the peer's) refused by the
    transport (the handle FAILED, naming the id); same contract, or None where it cannot take
-   a request (then post_runs/post). The worker keeps
+   a request (then post_runs/post). With ``digests`` (:class:`LaneDigests`) a READ lane
+   digests what it lands and compares it with the rows of the hold ``generation`` names on
+   the producer's hold board; ``landed_check(handle)`` says how it went. The worker keeps
    one per peer and plan table, for transports that enforce no grants (it takes no ticket).
 8. **Grants** (:mod:`kvlink.grants`): every ``post`` names the ``ticket`` its owner granted.
    A transport that serves peers' transfers on the owner's side and declares
@@ -84,7 +86,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -264,6 +266,23 @@ class DigestJob:
     rows: npt.NDArray[np.int64]  # [blocks] each block's expected row, -1: not checked
     expect: int  # host address of expected row 0: [count][planes][heads] little-endian u64
     region: tuple[int, int]  # the host mapping both lie in: (address, bytes)
+
+
+class LaneDigests(NamedTuple):
+    """A READ lane that digests what it lands while it copies and compares it with the
+    producer's rows, which its kernel finds on the producer's hold board from each post's
+    generation (the ``digests`` of a transport's ``lane`` hook, where it has
+    ``fuses_digests``): so the host reads nothing of them before the launch, and a request
+    with integrity on posts what one with it off does. Made by the consumer once per peer;
+    the transport knows nothing of what the numbers mean."""
+
+    page_bytes: int  # one block's page of one plane
+    geometry: int  # device pointer: the consumer's views (as DigestJob)
+    weights: int  # device pointer: the digest's weights
+    planes: int  # layers x K|V planes the views hold
+    heads: int  # heads per plane (rank-local)
+    board: tuple[int, int]  # the producer's hold board mapping: (host address, bytes)
+    layout: tuple[int, int, int, int]  # where a hold lies on it (kvlink.holdboard.LAYOUT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
-from kvlink.gpu.lane import Lane
+from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.layout import check_in_range
 from kvlink.options import check_options
@@ -73,6 +73,7 @@ from kvlink.transport import (
     Capabilities,
     DigestJob,
     Extents,
+    LaneDigests,
     Op,
     PerBases,
     Region,
@@ -188,13 +189,13 @@ class _Lane:
         self.local_base, self.remote_base, self.blocks = local_base, remote_base, blocks
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
-             digest: DigestJob | None = None) -> int | None:
+             generation: int = 0) -> int | None:
         """Post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64
         (an id out of range is refused on the device: the handle polls FAILED naming it): a
         handle (the transport's contract: never raises, FAILED says why), or None where this
-        lane cannot take the request (too many blocks for a launch's table; ``digest`` not
-        what its kernel takes): post it the general way."""
-        return self._owner._post_lane(self, local_ids, remote_ids, digest)
+        lane cannot take the request (too many blocks for a launch's table; a digest lane
+        without the hold's ``generation``): post it the general way."""
+        return self._owner._post_lane(self, local_ids, remote_ids, generation)
 
     def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
              ) -> Runs:
@@ -479,7 +480,7 @@ class CudaIpcTransport(Transport):
                           int(local.shape[0]))
 
     #: post_runs takes ``digest`` (kvlink.transport.DigestJob): a READ of one run per block
-    #: digests what it lands in the copy kernel itself and compares (:meth:`landed_mismatch`)
+    #: digests what it lands in the copy kernel itself and compares (:meth:`landed_check`)
     fuses_digests = True
 
     def post_runs(self, op: Op, peer: str, runs: Runs, *, ticket: bytes = b"",
@@ -546,26 +547,31 @@ class CudaIpcTransport(Transport):
 
         return self._post(peer, copy, None, None, runs, runs.nbytes, runs.descriptors)
 
-    def landed_mismatch(self, handle: int) -> int | None:
-        """For a DONE READ posted with a ``digest`` it fused: -1 when every digest of what it
-        landed equals the producer's, else the first (row, plane, head) index that differs;
-        None where nothing was compared (the caller digests itself)."""
+    def landed_check(self, handle: int) -> tuple[int, int] | None:
+        """For a DONE READ posted with a ``digest`` it fused, or through a digest lane: (-1
+        when every digest of what it landed equals the producer's, else the first (row,
+        plane, head) index that differs; the producer's rows compared); None where nothing
+        was compared, or not all of it (the caller digests itself)."""
         x = self._xfers.get(handle)
         if x is None or x.pending is None or x.state is not DONE:
             return None
-        got = x.pending.mismatch
-        return None if got is None else -1 if got == NO_MISMATCH else int(got)
+        p = x.pending
+        got = p.mismatch
+        if got is None:
+            return None
+        return (-1, p.compared) if got == NO_MISMATCH else (int(got), p.compared)
 
     def lane(self, op: Op, peer: str, local_base: npt.NDArray[np.uint64],
              remote_base: npt.NDArray[np.uint64], unit: int, blocks: tuple[int, int],
-             page_bytes: int = 0) -> _Lane | None:
+             digests: LaneDigests | None = None) -> _Lane | None:
         """Optional hook (kvlink.transport): posts of whole ``unit``-byte blocks between
         ``peer``'s segments and ours bound once (kvlink.gpu.lane) — the post_runs of one run per
         block with nothing worked out per request: the kernel takes the block ids and refuses
-        one at or past ``blocks`` (ours, the peer's). ``page_bytes``: a READ lane whose kernel
-        digests what it lands (as post_runs with ``digest``); None where this pair cannot have
-        one (not connected, the Triton kernel, a unit the fused kernel cannot take): post the
-        general way."""
+        one at or past ``blocks`` (ours, the peer's). ``digests``: a READ lane whose kernel
+        digests what it lands and compares it with the rows it finds on the producer's hold
+        board (:meth:`landed_check`); None where this pair cannot have one (not connected, the
+        Triton kernel, a unit or views the fused kernel cannot take, a board CUDA cannot map):
+        post the general way."""
         if self._copier is None or not self._copier.computes_addresses:
             return None
         with self._lock:
@@ -573,11 +579,17 @@ class CudaIpcTransport(Transport):
         if target is None:
             return None
         digest = None
-        if page_bytes:
-            pages = _unit_pages(unit, page_bytes, local_base, remote_base)
-            if op is not Op.READ or not pages:
+        if digests is not None:
+            pages = _unit_pages(unit, digests.page_bytes, local_base, remote_base)
+            if (op is not Op.READ or not pages or digests.planes != pages * len(local_base)
+                    or pages * digests.heads > DIGEST_MAX):
                 return None
-            digest = (pages, page_bytes)
+            board = self._host_map(digests.board, True, "hold board not mapped (%s): digests "
+                                   "compared on the host")
+            if not board:
+                return None
+            digest = BoardDigest(pages, digests.page_bytes, digests.geometry, digests.weights,
+                                 board, digests.layout)
         ours, theirs = (local_base, self._local_map, blocks[0]), (remote_base, target.map,
                                                                    blocks[1])
         (src, smap, sb), (dst, dmap, db) = (theirs, ours) if op is Op.READ else (ours, theirs)
@@ -586,22 +598,10 @@ class CudaIpcTransport(Transport):
                                                remote_base, blocks)
 
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
-                   remote_ids: npt.NDArray[np.int64], digest: DigestJob | None) -> int | None:
+                   remote_ids: npt.NDArray[np.int64], generation: int) -> int | None:
         """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one)."""
         moves, n = lane.moves, int(local_ids.shape[0])
-        if not moves.fits(n):
-            return None
-        check = None
-        if moves.digest is not None:
-            if digest is None or not _job_fits(digest, n, moves.segments, moves.digest[0]):
-                return None
-            expect = self._host_map(digest.region, True, "hold board not mapped (%s): digests "
-                                    "compared on the host")
-            if not expect:
-                return None
-            check = (digest.rows, digest.count, digest.geometry, digest.weights,
-                     expect + digest.expect - digest.region[0])
-        elif digest is not None:
+        if not moves.fits(n) or (moves.digest is not None and not generation):
             return None
         src, dst = (remote_ids, local_ids) if lane.op is Op.READ else (local_ids, remote_ids)
 
@@ -610,7 +610,7 @@ class CudaIpcTransport(Transport):
                 lane.target = target
                 ours, theirs = self._local_map, target.map
                 moves.rebind((theirs, ours) if lane.op is Op.READ else (ours, theirs))
-            return copier.copy_lane(moves, src, dst, self._stream, after, check)
+            return copier.copy_lane(moves, src, dst, self._stream, after, generation)
 
         return self._post(lane.peer, copy, None, None,
                           functools.partial(lane.runs, local_ids, remote_ids),

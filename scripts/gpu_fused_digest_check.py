@@ -39,6 +39,9 @@ from _gpu_common import write
 
 from kvlink import integrity
 from kvlink.gpu.copy import NO_MISMATCH, BatchCopier, DigestLaunch, RegionMap
+from kvlink.gpu.ipc import host_register, host_unregister
+from kvlink.gpu.lane import BoardDigest
+from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
 from kvlink.integrity import Level, checked, tensor_planes
 
 
@@ -274,6 +277,161 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
     return res
 
 
+class BoardLane:
+    """A digest lane of ``case`` (kvlink.gpu.lane with a BoardDigest) over a real hold board
+    whose slots and arena the kernel reads in place: what a same-host READ with integrity on
+    posts (the producer's rows are found by the kernel from the hold's generation)."""
+
+    def __init__(self, copier: BatchCopier, case: Case) -> None:
+        self.case, self.board = case, HoldBoard()
+        view = BoardView.open(self.board.name, self.board.token)
+        assert view is not None
+        self.view = view
+        base, size = view.region
+        dev_board = host_register(base, size, read_only=True)
+        first = case.planes[0][0]
+        fused = integrity._table(case.planes).fused(
+            integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
+        assert fused is not None, "the views' geometry was not taken"
+        digest = BoardDigest(case.pages, case.page, fused[0], fused[1], dev_board, LAYOUT)
+        nb = case.src[0].shape[0 if case.kind == "joined" else 1]
+        lane = copier.lane(np.array(case.sbase, dtype=np.uint64),
+                           np.array(case.dbase, dtype=np.uint64), case.unit, (nb, nb),
+                           case.smap, case.dmap, digest)
+        assert lane is not None
+        self.lane = lane
+        self.next_gen = 1001
+
+    def hold(self, level: Level, change: int | None = None) -> tuple[int, int]:
+        """Publish the producer's digests of the case's blocks at ``level`` (one digest word
+        flipped at index ``change``) under a new generation: (generation, rows)."""
+        rows = self.case.rows(level)
+        want = self.case.reference(rows).reshape(-1).astype("<u8")
+        if change is not None:
+            want[change] ^= np.uint64(1)
+        k = int((rows >= 0).sum())
+        blob = integrity.pack((self.case.rids[rows >= 0].tolist(), want.tobytes(), False), rows)
+        gen, self.next_gen = self.next_gen, self.next_gen + 1
+        assert self.board.publish(gen, self.case.rids, blob)
+        return gen, k
+
+    def post(self, copier: BatchCopier, stream: Any, gen: int, n: int | None = None) -> Any:
+        c = self.case
+        return copier.copy_lane(self.lane, c.rids[:n], c.lids[:n], stream, None, gen)
+
+    def close(self) -> None:
+        host_unregister(self.view.region[0])
+        self.view.close()
+        self.board.close()
+
+
+def check_board_lanes(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[str, Any]]:
+    """A digest lane finds the hold's rows on the board itself: equal rows say none differ
+    and how many rows were compared; a changed expected word is named; a generation the
+    board does not show, or rows of another shape, compare nothing (None: the host digests);
+    a source byte changed after the digest was fixed is caught."""
+    out = []
+    for kind, heads, level in (("NHD", 8, Level.FULL), ("NHD", 8, Level.SAMPLE),
+                               ("NHD", 1, Level.SAMPLE), ("HND", 8, Level.FULL),
+                               ("joined", 8, Level.SAMPLE), ("NHD", 1, Level.FULL)):
+        c = Case(kind, 4, 96, heads, 64, dev)
+        bl = BoardLane(copier, c)
+        try:
+            row: dict[str, Any] = {"layout": kind, "heads": heads, "level": level.value}
+            gen, k = bl.hold(level)
+            p = bl.post(copier, stream, gen)
+            p.wait()
+            row["equal_says_none"] = p.mismatch == NO_MISMATCH and not p.failed()
+            row["rows_compared"] = (p.compared, k)
+            row["bytes_copied"] = bool(torch.equal(c._blocks(c.src, c.rids),
+                                                   c._blocks(c.dst, c.lids)))
+            flip = (k * c.nplanes * c.heads) // 3
+            gen2, _ = bl.hold(level, change=flip)
+            p = bl.post(copier, stream, gen2)
+            p.wait()
+            row["names_changed_word"] = p.mismatch == flip
+            p = bl.post(copier, stream, 999_999)  # not shown on the board
+            p.wait()
+            row["unknown_generation_compares_nothing"] = (p.mismatch is None
+                                                          and p.compared == 0
+                                                          and not p.failed())
+            p = bl.post(copier, stream, gen, n=c.rids.shape[0] - 1)  # rows of 64 positions
+            p.wait()
+            row["other_shape_compares_nothing"] = p.mismatch is None and p.compared == 0
+            # a source byte of the last block (checked at every level) changed after the
+            # digest was fixed: what lands differs from the producer's rows
+            last = int(c.rids[-1])
+            if kind == "joined":
+                c.src[0][last, 0].view(torch.int16).view(-1)[5] ^= 1
+            else:
+                c.src[0][0, last].view(torch.int16).view(-1)[5] ^= 1
+            p = bl.post(copier, stream, gen)
+            p.wait()
+            row["changed_source_caught"] = p.mismatch not in (None, NO_MISMATCH)
+            row["ok"] = (row["equal_says_none"] and p is not None and row["bytes_copied"]
+                         and row["rows_compared"][0] == k and row["names_changed_word"]
+                         and row["unknown_generation_compares_nothing"]
+                         and row["other_shape_compares_nothing"]
+                         and row["changed_source_caught"])
+        finally:
+            bl.close()
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+def board_lane_timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
+    """Device time alone of the 70B TP8-rank request (80 layers, 1 head, 256 blocks)
+    through a plain lane and through a digest lane that finds its rows on the board
+    (``sample`` and ``full``), with the device copy of the same bytes."""
+    c = Case("NHD", 80, 300, 1, 256, dev)
+    nbytes = 80 * 2 * 256 * c.unit
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    plain = copier.lane(np.array(c.sbase, dtype=np.uint64), np.array(c.dbase, dtype=np.uint64),
+                        c.unit, (300, 300), c.smap, c.dmap)
+    assert plain is not None
+    bl = BoardLane(copier, c)
+    try:
+        gens = {level: bl.hold(level)[0] for level in (Level.SAMPLE, Level.FULL)}
+
+        def timed(fn: Any) -> float:
+            times = []
+            for i in range(35):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(1_000_000)
+                    e0.record(stream)
+                    fn()
+                    e1.record(stream)
+                e1.synchronize()
+                if i >= 5:
+                    times.append(e0.elapsed_time(e1) * 1e3)
+            return statistics.median(times)
+
+        res: dict[str, Any] = {
+            "device_copy_us": timed(lambda: b.copy_(a)),
+            "plain_lane_us": timed(lambda: copier.copy_lane(plain, c.rids, c.lids, stream,
+                                                            None)),
+        }
+        for level, gen in gens.items():
+            res[f"board_lane_{level.value}_us"] = timed(
+                lambda g=gen: bl.post(copier, stream, g))  # type: ignore[misc]
+            p = bl.post(copier, stream, gen)
+            p.wait()
+            res[f"board_lane_{level.value}_matched"] = (p.mismatch == NO_MISMATCH
+                                                        and p.compared > 0)
+        res["board_lane_unknown_us"] = timed(lambda: bl.post(copier, stream, 999_999))
+        for level in ("sample", "full"):
+            res[f"ratio_board_lane_{level}_over_plain"] = (res[f"board_lane_{level}_us"]
+                                                          / res["plain_lane_us"])
+    finally:
+        bl.close()
+    print(res, flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -284,11 +442,16 @@ def main() -> None:
     assert copier.computes_addresses, "the CUDA C kernel did not build"
     stream = torch.cuda.Stream(dev)
     equal = check_equal(copier, stream, dev)
+    lanes = check_board_lanes(copier, stream, dev)
+    lane_cost = board_lane_timing(copier, stream, dev)
     cost = timing(copier, stream, dev)
-    ok = all(r["ok"] for r in equal) and all(v for k, v in cost.items()
-                                             if k.startswith(("full_digests", "compare_",
+    ok = (all(r["ok"] for r in equal + lanes)
+          and all(v for k, v in cost.items() if k.startswith(("full_digests", "compare_",
                                                               "straddling_", "regions_")))
-    write(args.out, "gpu_fused_digest_check.json", {"equal": equal, "cost": cost, "ok": ok})
+          and all(v for k, v in lane_cost.items() if k.endswith("_matched")))
+    write(args.out, "gpu_fused_digest_check.json", {"equal": equal, "board_lanes": lanes,
+                                                    "board_lane_cost": lane_cost,
+                                                    "cost": cost, "ok": ok})
     if not ok:
         sys.exit("FAILED")
 

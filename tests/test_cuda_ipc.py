@@ -778,8 +778,8 @@ class _FakeLaneCopier(_FakeCopier):
         return _FakeLane(src, dst, unit, (smap, dmap), digest)
 
     def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
-                  check: object = None) -> _FakeCopy:
-        c = _FakeCopy((lane, src, dst, stream, check), after)
+                  generation: int = 0) -> _FakeCopy:
+        c = _FakeCopy((lane, src, dst, stream, generation), after)
         self.copies.append(c)
         return c
 
@@ -816,7 +816,6 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     t._copier.copies[-1].event.done = True
     assert t.poll(h).status is XferStatus.DONE
     assert lane.post(np.arange(101), np.arange(101)) is None  # past its launch: general post
-    assert lane.post(lids, rids, digest=object()) is None  # not a digest lane
     far = np.array([0, 5, 1000], dtype=np.int64)  # block 1000 of 64: refused on the device
     h = lane.post(lids, far)
     refused = t._copier.copies[-1]
@@ -828,3 +827,41 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     st = t.poll(lane.post(lids, rids))
     assert st.status is XferStatus.FAILED and "not connected" in st.reason
     assert len(t._copier.copies) == n
+
+
+def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ lane with integrity on (kvlink.transport.LaneDigests): the producer's hold board
+    is mapped for the device once, at the lane, and its kernel is bound to it and to our views
+    (kvlink.gpu.lane.BoardDigest), so a post hands the copier the ids and the hold's
+    generation, nothing read off the board; a post without a generation is left to the
+    general path, as is a lane whose views do not match its segments or a board CUDA cannot
+    map."""
+    from kvlink.gpu.lane import BoardDigest
+    from kvlink.holdboard import LAYOUT
+    from kvlink.transport import LaneDigests, XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    mapped: list[tuple[int, int]] = []
+    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: mapped.append(region) or 0xB0A4D)
+    t.connect("p", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    digests = LaneDigests(4096, 0x6E0, 0x3E1, 2, 1, (0x7000_0000, 1 << 20), LAYOUT)
+    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests)
+    assert lane is not None and mapped == [(0x7000_0000, 1 << 20)]
+    assert lane.moves.digest == BoardDigest(1, 4096, 0x6E0, 0x3E1, 0xB0A4D, LAYOUT)
+    lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
+    assert lane.post(lids, rids) is None  # no hold to compare with: the general path
+    h = lane.post(lids, rids, 77)
+    c = t._copier.copies[-1]
+    assert c.args[1] is rids and c.args[2] is lids and c.args[4] == 77
+    c.event.done = True
+    assert t.poll(h).status is XferStatus.DONE
+    assert len(mapped) == 1  # bound once, not per post
+    wrong = digests._replace(planes=4)  # views of other planes than the segments
+    assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), wrong) is None
+    assert t.lane(Op.WRITE, "p", local_base, remote_base, 4096, (64, 64), digests) is None
+    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: 0)
+    assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests) is None

@@ -50,7 +50,7 @@ class _Move:
         return next((c for c in move.PARAM_WORDS if words <= c), 0)
 
     def table_launch(self, name: str, shape: Any, words: int, nargs: int,
-                     ids: bool = False) -> _Launch:
+                     ids: bool = False, board: bool = False) -> _Launch:
         self.made.append(_Launch(words, nargs))
         return self.made[-1]
 

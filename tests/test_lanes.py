@@ -40,15 +40,16 @@ class _Lane:
     """One lane: whole ``unit``-byte blocks over the bases, as cuda_ipc's kernel computes them."""
 
     def __init__(self, owner: LaneTcp, op: Op, peer: str, local_base: Any, remote_base: Any,
-                 unit: int, blocks: tuple[int, int], page_bytes: int) -> None:
+                 unit: int, blocks: tuple[int, int], digests: Any) -> None:
         self.owner, self.op, self.peer, self.unit, self.blocks = owner, op, peer, unit, blocks
         self.local_base, self.remote_base = local_base, remote_base
-        self.page_bytes = page_bytes  # > 0: a digest lane (it takes only posts with a digest)
+        self.digests = digests  # a digest lane: it takes only posts with a generation
         self.posts = self.declined = 0
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
-             digest: Any = None) -> int | None:
-        if (digest is None) == bool(self.page_bytes) or len(local_ids) > self.owner.lane_limit:
+             generation: int = 0) -> int | None:
+        if (bool(generation) != (self.digests is not None)
+                or len(local_ids) > self.owner.lane_limit):
             self.declined += 1
             return None
         self.posts += 1
@@ -90,8 +91,8 @@ class LaneTcp(TcpTransport):
         self.in_flight: Any = set
 
     def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
-             blocks: tuple[int, int], page_bytes: int = 0) -> _Lane:
-        made = _Lane(self, op, peer, local_base, remote_base, unit, blocks, page_bytes)
+             blocks: tuple[int, int], digests: Any = None) -> _Lane:
+        made = _Lane(self, op, peer, local_base, remote_base, unit, blocks, digests)
         self.lanes.append(made)
         return made
 
@@ -174,9 +175,9 @@ def test_each_integrity_setting_keeps_its_own_lane() -> None:
         decode.integrity.level = Level("off")
         _read(decode, prefill, "off1", [6, 7], [9, 1])
         _read(decode, prefill, "off2", [8], [0])
-        plain = [ln for ln in t.lanes if not ln.page_bytes]
+        plain = [ln for ln in t.lanes if ln.digests is None]
         assert len(plain) == 1 and plain[0].posts == 2 and plain[0].declined == 0
-        assert all(ln.posts == 0 and ln.declined == 0 for ln in t.lanes if ln.page_bytes)
+        assert all(ln.posts == 0 and ln.declined == 0 for ln in t.lanes if ln.digests)
     finally:
         decode.close()
         prefill.close()

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.gpu import move
-from kvlink.gpu.lane import Lane
+from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import parts_per_extent
 from kvlink.transport import Extents
 
@@ -174,6 +174,8 @@ class DigestLaunch:
 
 
 NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
+#: a digest lane's words as the kernel starts: no mismatch, no rows compared, none missed
+_LANE_CHECK = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
 
 
 class Pending:
@@ -181,8 +183,9 @@ class Pending:
     on the device where they were uploaded). Once seen complete, its status is kept and the
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
-    __slots__ = ("_done", "_failed", "buf", "dbuf", "digest_at", "digests", "error", "event",
-                 "keep", "mismatch", "owner", "seq", "shared", "stream")
+    __slots__ = ("_done", "_failed", "buf", "compared", "compared_at", "dbuf", "digest_at",
+                 "digests", "error", "event", "keep", "mismatch", "owner", "seq", "shared",
+                 "stream")
 
     def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
@@ -200,6 +203,10 @@ class Pending:
         #: lowest (row, plane, head) index whose digest differed from the expected ones,
         #: NO_MISMATCH if none did; None where nothing was compared (or the copy failed)
         self.mismatch: int | None = None
+        #: the producer's rows compared (a digest lane's copy: known once done, 0 where a unit
+        #: found none), and where in ``buf`` its kernel says so (then whether any unit missed)
+        self.compared_at = 0
+        self.compared = 0
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -418,6 +425,11 @@ class BatchCopier:
                 p.mismatch = int(p.buf.words[bad])
             if count and not p._failed:
                 p.digests = p.buf.words[at:at + count].copy()
+            if p.compared_at and not p._failed:
+                rows, missed = p.buf.words[p.compared_at:p.compared_at + 2].tolist()
+                p.compared = 0 if missed else rows
+                if not p.compared and p.mismatch == NO_MISMATCH:
+                    p.mismatch = None  # a unit found no rows to compare: the caller digests
             self._pinned[p.buf.size].append(p.buf)
             p.buf = None
         p._failed = p._failed or bool(p.error)
@@ -559,6 +571,7 @@ class BatchCopier:
                 pending = self._enqueue(stream, buf, seq, (), dbuf)
                 pending.digest_at = (1 + words if digest.expect else 0, 2 + words,
                                      digest.words)
+                pending.compared = digest.count if digest.expect else 0
                 return pending
             except (RuntimeError, OSError) as exc:
                 return self._enqueue(stream, None, 0, tuple(held),
@@ -566,12 +579,12 @@ class BatchCopier:
 
     def lane(self, src_base: npt.NDArray[np.uint64], dst_base: npt.NDArray[np.uint64],
              unit: int, limits: tuple[int, int], smap: RegionMap, dmap: RegionMap,
-             digest: tuple[int, int] | None = None) -> Lane | None:
+             digest: BoardDigest | None = None) -> Lane | None:
         """A :class:`~kvlink.gpu.lane.Lane` for :meth:`copy_lane`: whole ``unit``-byte blocks
         from ``src_base[s] + id * unit`` to ``dst_base[s] + id * unit``, ids below ``limits``
-        (source, destination block counts) (``digest``: (pages per unit, page bytes), the
-        fused digest's kernel, as :meth:`copy_digest`). None without
-        :attr:`computes_addresses` (post the general way)."""
+        (source, destination block counts) (``digest``: the fused digest's kernel, as
+        :meth:`copy_digest`, comparing with the rows it finds on the producer's hold board).
+        None without :attr:`computes_addresses` (post the general way)."""
         if self._cuda is None:
             return None
         return Lane(self._cuda, src_base, dst_base, unit, limits, (smap, dmap),
@@ -580,29 +593,32 @@ class BatchCopier:
 
     def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
                   dst_ids: npt.NDArray[np.int64], stream: Any, after: int | None,
-                  check: tuple[npt.NDArray[np.int64], int, int, int, int] | None = None
-                  ) -> Pending:
+                  generation: int = 0) -> Pending:
         """:meth:`copy_runs` (or, on a digest lane, :meth:`copy_digest`) of one run per block
         pair through ``lane`` (``lane.fits(len(src_ids))``; the device refuses an id out of
         range, like an extent outside the regions): the same kernels, status and completion,
         with nothing but the block ids written per post.
-        ``check`` (a digest lane): (each block's digest row, rows, geometry, weights, the
-        expected rows' device address) — :attr:`Pending.mismatch` says once done."""
+        ``generation`` (a digest lane): the hold whose rows its kernel finds on the producer's
+        board and compares — :attr:`Pending.mismatch` and :attr:`Pending.compared` say once
+        done."""
         with self._lock:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                buf = self._take(16)
+                buf = self._take(32)
                 buf.status.value = 0
                 raw = stream.cuda_stream
                 self._after(raw, after)
-                if check is None:
+                if lane.digest is None:
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw)
                     return self._enqueue(stream, buf, seq)
-                buf.words[1] = NO_MISMATCH
-                lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, (*check, buf.ptr + 8))
+                # the kernel's words: the first differing index, the rows it compared, and
+                # whether any unit found none (kv_move_digest, KV_BOARD)
+                buf.words[1:4] = _LANE_CHECK
+                lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, (generation, buf.ptr + 8))
                 pending = self._enqueue(stream, buf, seq)
-                pending.digest_at = (1, 2, 0)
+                pending.digest_at = (1, 0, 0)
+                pending.compared_at = 2
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
                 held: tuple[Any, ...] = () if buf is None else (buf,)

@@ -22,7 +22,7 @@ table does not fit the largest size class is the caller's to post the general wa
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +41,27 @@ class Regions(Protocol):
     def through(self, bases: U64, span: int) -> U64 | None: ...
 
 
+class BoardDigest(NamedTuple):
+    """What a digest lane's kernel needs besides the blocks (kvlink.transport.LaneDigests, in
+    device terms): the consumer's views and weights, the unit's pages, and the producer's hold
+    board as the device sees it (``board``: the mapping's device address; ``layout``: where
+    a hold lies on it, kvlink.holdboard.DeviceLayout)."""
+
+    pages: int  # per unit: 1, or K and V side by side: 2
+    page_bytes: int
+    geometry: int  # device pointers (kvlink.integrity's fused views, weights)
+    weights: int
+    board: int
+    layout: tuple[int, int, int, int]
+
+
 class Lane:
     """One peer pair's copy of whole blocks: ``src_base[s] + src_id * unit`` ->
     ``dst_base[s] + dst_id * unit``, ``unit`` bytes, for every segment ``s`` and block pair,
     ids below ``limits`` (source, destination block counts: the device refuses the others);
-    with ``digest`` (pages per unit, page bytes), the fused integrity digest's kernel instead.
+    with ``digest``, the fused integrity digest's kernel instead, which finds the producer's
+    rows on its hold board itself (:class:`BoardDigest`): a post passes the hold's generation
+    and nothing else of them.
     Made by :meth:`kvlink.gpu.copy.BatchCopier.lane`; launched under its lock
     (:meth:`~kvlink.gpu.copy.BatchCopier.copy_lane`). ``maps``: both sides' region maps, which
     :meth:`rebind` replaces (a peer connected anew).
@@ -59,7 +75,7 @@ class Lane:
 
     def __init__(self, cuda: move.CudaMove, src_base: U64, dst_base: U64, unit: int,
                  limits: tuple[int, int], maps: tuple[Regions, Regions], *, chunk: int,
-                 min_programs: int, small: int, digest: tuple[int, int] | None = None) -> None:
+                 min_programs: int, small: int, digest: BoardDigest | None = None) -> None:
         self._cuda, self._lib = cuda, cuda.lib
         self.segments = int(src_base.shape[0])
         self.unit = int(unit)
@@ -71,12 +87,13 @@ class Lane:
         self._bind(maps)
         self._chunk, self._min_programs = chunk, min_programs
         self.digest = digest
-        if digest is None:  # words: the table's per block (source and destination ids, rows)
-            self._name, self._shape, self._nargs, self._words = (
-                "kv_move_runs", cuda.shape(unit, small), move.NARGS + move.IDS_NARGS[0], 2)
+        if digest is None:  # the table's words per block: source and destination ids
+            self._name, self._shape, self._nargs = (
+                "kv_move_runs", cuda.shape(unit, small), move.NARGS + move.IDS_NARGS[0])
         else:
-            self._name, self._shape, self._nargs, self._words = (
-                "kv_move_digest", move.DIGEST_SHAPE, move.DIGEST_NARGS + move.IDS_NARGS[1], 3)
+            self._name, self._shape, self._nargs = (
+                "kv_move_digest", move.DIGEST_SHAPE,
+                move.DIGEST_NARGS + move.IDS_NARGS[1] + move.BOARD_NARGS)
         self._classes: dict[int, move.TableLaunch] = {}  # size class -> its launch buffers
         #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes
         self._by_blocks: dict[int, tuple[move.TableLaunch, int, int]] = {}
@@ -119,13 +136,13 @@ class Lane:
         got = self._by_blocks.get(blocks)
         if got is not None:
             return got
-        words = self._cuda.table_class(2 * self.segments + self._words * blocks)
+        words = self._cuda.table_class(2 * self.segments + 2 * blocks)
         if not words or not blocks:
             return None
         launch = self._classes.get(words)
         if launch is None:
             launch = self._cuda.table_launch(self._name, self._shape, words, self._nargs,
-                                             ids=True)
+                                             ids=True, board=self.digest is not None)
             if launch is None:
                 return None
             launch.table[:2 * self.segments] = self._bases
@@ -145,24 +162,25 @@ class Lane:
 
     def _constants(self, launch: move.TableLaunch) -> None:
         """The argument slots no request changes (see the kernels' signatures)."""
-        v, (sp, sn, dp, dn), (sb, db) = launch.vals, self._maps, self.limits
-        if self.digest is None:  # (S, R, smap, ns, dmap, nd, status, seq, G, unit, snb, dnb)
+        v, (sp, sn, dp, dn), (sb, db), d = launch.vals, self._maps, self.limits, self.digest
+        if d is None:  # (S, R, smap, ns, dmap, nd, status, seq, G, unit, snb, dnb)
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
             v[9], v[10], v[11] = self.unit, sb, db
-        else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, rows, out, Q, page,
-            # expect, bad, snb, dnb)
+        else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, generation, out, Q,
+            # page, board, bad, snb, dnb, slot0, mask, lo, hi)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
-            v[12], v[13], v[14], v[17], v[18] = 0, self.digest[0], self.digest[1], sb, db
+            v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
+                                                       d.page_bytes, d.board)
+            v[17], v[18], v[19], v[20], v[21], v[22] = (sb, db, *d.layout)
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
-               status: int, seq: int, stream: int,
-               check: tuple[npt.NDArray[np.int64], int, int, int, int, int] | None = None
+               status: int, seq: int, stream: int, check: tuple[int, int] | None = None
                ) -> None:
         """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (int64; the device refuses an id
         outside its side's block count, and an address outside the registered regions) on
         ``stream``; ``status``: the address of the post's status word (``seq`` lands there if
-        the device refuses an extent). ``check`` (a digest lane): (each block's digest row,
-        rows, geometry, weights, expected rows' device address, mismatch word's address).
+        the device refuses an extent). ``check`` (a digest lane): (the hold's generation, the
+        address of the three words the kernel reports in: kvlink.gpu.copy.copy_lane).
         Raises RuntimeError where the driver refuses the launch (nothing was enqueued)."""
         n = src_ids.shape[0]
         got = self._by_blocks.get(n) or self._bound(n)
@@ -177,10 +195,7 @@ class Lane:
         if check is None:
             v[6], v[7], v[8] = status, seq, g
         else:
-            rows, count, geo, weights, expect, bad = check
-            t[at + 2 * n:at + 3 * n] = rows
-            v[7], v[8], v[9], v[10], v[11], v[15], v[16] = (status, seq, geo, weights, count,
-                                                            expect, bad)
+            v[7], v[8], v[11], v[16] = status, seq, check[0], check[1]
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "

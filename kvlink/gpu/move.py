@@ -155,6 +155,15 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 #define KV_RUNS_IDS
 #define KV_DIGEST_IDS
 #endif
+// KV_BOARD (a digest lane's launch, with KV_IDS): the producer's rows are found on its hold
+// board by the kernel itself, so the host reads nothing of them before the launch: `nrows`
+// is the hold's generation, `expect` the board mapping's first word, and the board's layout
+// follows (kvlink.holdboard.DeviceLayout)
+#if KV_BOARD
+#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi
+#else
+#define KV_BOARD_ARGS
+#endif
 
 extern "C" __global__ void __launch_bounds__(KV_T) kv_move_runs(
     KV_TABLE, i64 S, i64 R,
@@ -235,7 +244,8 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad KV_DIGEST_IDS) {
+    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad KV_DIGEST_IDS
+    KV_BOARD_ARGS) {
   KV_TABLE_AT;
   // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
   // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
@@ -264,13 +274,47 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
+  const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
+  const int keys = (int)Q * H;
+#if KV_BOARD
+  // The hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then at its
+  // offset kvlink.integrity.pack's (rows k, folded, positions, words a row), a row per
+  // position and, past the k block ids, the k rows. Every warp reads the same few words
+  // (cached after the first). A unit that finds another hold there, or rows not of this
+  // request's shape, compares nothing and says so (bad[2], a plain store: no atomics to host
+  // memory); the first unit that finds them says how many rows (bad[1]). The host digests
+  // itself where any unit compared nothing (kvlink.gpu.copy.Pending.mismatch). What is read
+  // here counts only if the reader's after-check finds the hold still shown once the copy is
+  // done (its pages are reused only after it is withdrawn).
+  i64 slot = -1;
+  {
+    const u64 gen = (u64)nrows;
+    const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
+    const u64 at = sw[2], len = sw[3];
+    nrows = 0;
+    bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
+                 len >= 32 && len <= (u64)bhi - at;
+    if (found) {
+      const u64* h = expect + at / 8;
+      const u64 k = h[0], per = h[3];
+      found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k > 0 &&
+              k <= (u64)n && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
+      if (found) {
+        slot = k == (u64)n ? r : (i64)h[4 + r];  // every position digested: rows in order
+        nrows = (i64)k;
+        expect = h + 4 + n + k;
+        if (item == 0 && lane == 0) bad[1] = k;
+      }
+    }
+    if (!found && lane == 0) bad[2] = 1;
+  }
+#else
+  i64 slot = t[2 * S + 2 * n + r];
+#endif
   // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
   // after-check then rejects the READ), and a row past the expected ones must not send the
   // reads below out of the board
-  i64 slot = t[2 * S + 2 * n + r];
   if (slot >= nrows) slot = -1;
-  const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
-  const int keys = (int)Q * H;
   const i64 first = (slot * S * Q + seg * Q) * H;
   u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
   if (slot >= 0 && expect) {
@@ -385,12 +429,13 @@ DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared 
 NARGS = 10  # kv_move, kv_move_runs (the table first)
 DIGEST_NARGS = 18  # kv_move_digest
 IDS_NARGS = (3, 2)  # more of kv_move_runs and kv_move_digest with KV_IDS (block counts...)
+BOARD_NARGS = 4  # more of kv_move_digest with KV_BOARD (the hold board's layout)
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's
 #: table is 1088 words (one run per block), its fused-digest table 832
 PARAM_WORDS = (512, 1536, 4000)
-_compiled: dict[tuple[int, tuple[int, int, int], str, int, bool], Any] = {}
+_compiled: dict[tuple[int, tuple[int, int, int], str, int, bool, bool], Any] = {}
 _compile_lock = threading.Lock()
 
 
@@ -413,20 +458,22 @@ def _driver() -> Any:
 
 
 def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
-             words: int = 0, ids: bool = False) -> Any:
+             words: int = 0, ids: bool = False, board: bool = False) -> Any:
     """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device);
     ``words``: the address kernels' table passed by value, that many int64 (0: a pointer);
-    ``ids``: its per-block words are block ids (KV_IDS: a lane's launch)."""
+    ``ids``: its per-block words are block ids (KV_IDS: a lane's launch); ``board``: a digest
+    lane's, which finds the producer's rows on its hold board (KV_BOARD)."""
     import torch
 
-    key = (int(device.index or 0), shape, name, words, ids)
+    key = (int(device.index or 0), shape, name, words, ids, board)
     with _compile_lock:
         fn = _compiled.get(key)
         if fn is None:
             t, tp, u = shape
             defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
                        f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n"
-                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n#define KV_IDS {int(ids)}\n")
+                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n#define KV_IDS {int(ids)}\n"
+                       f"#define KV_BOARD {int(board)}\n")
             with torch.cuda.device(device):
                 fn = torch.cuda._compile_kernel(defines + SOURCE, name)
             _compiled[key] = fn
@@ -453,8 +500,8 @@ class TableLaunch:
     and ``vals``' constant slots); not thread-safe (its owner's lock)."""
 
     def __init__(self, device: Any, shape: tuple[int, int, int], name: str, words: int,
-                 nargs: int, ids: bool = False) -> None:
-        self.fn = _compile(device, shape, name, words, ids).func
+                 nargs: int, ids: bool = False, board: bool = False) -> None:
+        self.fn = _compile(device, shape, name, words, ids, board).func
         self.threads, self.groups = shape[0], shape[0] // shape[1]  # threads, units a block
         self._table = (ctypes.c_longlong * words)()
         self.table: npt.NDArray[np.uint64] = np.frombuffer(memoryview(self._table).cast("B"),
@@ -527,14 +574,15 @@ class CudaMove:
         return True
 
     def table_launch(self, name: str, shape: tuple[int, int, int], words: int,
-                     nargs: int, ids: bool = False) -> TableLaunch | None:
+                     nargs: int, ids: bool = False, board: bool = False) -> TableLaunch | None:
         """A new :class:`TableLaunch` of ``name`` (``nargs`` arguments, the table first) in
-        size class ``words`` (``ids``: the kernel's block-id form, KV_IDS); None where such
-        kernels cannot be had here (remembered, and logged once: tables are then uploaded)."""
+        size class ``words`` (``ids``: the kernel's block-id form, KV_IDS; ``board``: a digest
+        lane's, KV_BOARD); None where such kernels cannot be had here (remembered, and logged
+        once: tables are then uploaded)."""
         if self._no_tables:
             return None
         try:
-            return TableLaunch(self.device, shape, name, words, nargs, ids)
+            return TableLaunch(self.device, shape, name, words, nargs, ids, board)
         except Exception as exc:  # an NVRTC or driver too old for __grid_constant__
             self._no_tables = f"{type(exc).__name__}: {exc}"
             log.warning("copy kernels cannot take their tables with the launch (%s); "

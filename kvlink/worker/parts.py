@@ -26,14 +26,14 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.headmap import HeadRead
-from kvlink.holdboard import fingerprint
+from kvlink.holdboard import LAYOUT, fingerprint
 from kvlink.integrity import Digests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
 from kvlink.plan import Plan, PlanPath, PlanTable
 from kvlink.push import PushSlots
-from kvlink.transport import DigestJob, Op, Runs, Transport, XferStatus
+from kvlink.transport import DigestJob, LaneDigests, Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
 from kvlink.worker.records import Moved, Transfer, _Go, _Part, _PeerLane, _Request
 
@@ -190,7 +190,7 @@ class _Parts(_Holds):
         extra: dict[str, Any] = {} if signal is None else {"signal": signal}
         if job is not None and isinstance(plan, Runs):
             extra["digest"] = job
-            part.fused_rows = job.count
+            part.fusing = True
         try:
             if isinstance(plan, Runs):
                 assert post_runs is not None
@@ -233,21 +233,21 @@ class _Parts(_Holds):
             lane = self._lanes[key] = self._new_lane(go, part, req.op, transport, digests)
         if lane.lane is None or lane.table is None:
             return False
-        # the ids' range is checked by the lane's kernel (a refused post names the id)
+        # the ids' range is checked by the lane's kernel (a refused post names the id); a
+        # digest lane's kernel finds the hold's rows on its producer's board by its generation
         rids = req.remote_ids
-        job = None
+        generation = 0
         if digests:
-            job = self._digest_job(req, part, transport, lane.table.local)
-            if job is None:
+            if not self._boarded(req, go):
                 return False
+            generation = go.generation
         part.t_post = time.perf_counter()
-        handle = lane.lane.post(req.local_ids, rids, job)
+        handle = lane.lane.post(req.local_ids, rids, generation)
         if handle is None:
             return False
         req.phases.plan += part.t_post - t0
         part.handle = handle
-        if job is not None:
-            part.fused_rows = job.count
+        part.fusing = digests
         part.plan = self._moved(lane.table, int(rids.shape[0]))
         self._posted(req, part, go, part.plan.nbytes)
         return True
@@ -274,10 +274,31 @@ class _Parts(_Holds):
         if (make is None or table.path is not PlanPath.RUNS
                 or getattr(transport, "coalesce_runs", True)):
             return _PeerLane(go.peer, None, table)
+        fused = None
+        if digests:
+            fused = self._lane_digests(go, part.read, transport, ours)
+            if fused is None:  # digested after the copy: the general path
+                return _PeerLane(go.peer, None, table)
         lane = make(op, go.peer.agent, table.local_base, table.remote_base, table.unit,
-                    (table.local.num_blocks, table.remote.num_blocks),
-                    ours.page_bytes if digests else 0)
+                    (table.local.num_blocks, table.remote.num_blocks), fused)
         return _PeerLane(go.peer, lane, table)
+
+    def _lane_digests(self, go: _Go, r: HeadRead, transport: Transport, spec: KVCacheSpec
+                      ) -> LaneDigests | None:
+        """What a digest lane to ``go``'s peer binds once: our views for its kernel and the
+        producer's hold board, whose rows the kernel finds itself by each READ's generation
+        (kvlink.holdboard.LAYOUT), so a READ with integrity on posts what one without does.
+        None where its copy kernel cannot compare in place: no board shared with us, a
+        transport that does not fuse, a head slice (unequal TP), views on no GPU."""
+        board = go.peer.board
+        if (board is None or not self.config.hold_board
+                or not getattr(transport, "fuses_digests", False)
+                or r.local_start or r.remote_start or r.count != spec.num_kv_heads):
+            return None
+        views = self.integrity.fused_views()
+        if views is None:
+            return None
+        return LaneDigests(spec.page_bytes, *views, board.region, LAYOUT)
 
     def _signal(self, req: _Request, transport: Transport) -> Signal | None:
         """The landing signal a push's WRITE is posted with (kvlink.landing): only where the
@@ -303,8 +324,9 @@ class _Parts(_Holds):
             transport.name, part.post_seconds, part.nbytes,
             part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
             state.status is XferStatus.DONE))
-        if part.fused_rows:  # the copy kernel digested what it landed, and compared
-            part.fused = getattr(transport, "landed_mismatch", lambda h: None)(part.handle)
+        if part.fusing:  # the copy kernel digested what it landed, and compared
+            got = getattr(transport, "landed_check", lambda h: None)(part.handle)
+            part.fused, part.fused_rows = got if got is not None else (None, 0)
         transport.release(part.handle)
         part.handle = None
         reason = (f"{self._where(req, part)}: {state.reason}"
@@ -359,27 +381,20 @@ class _Parts(_Holds):
     def _digest_job(self, req: _Request, part: _Part, transport: Transport,
                     spec: KVCacheSpec) -> DigestJob | None:
         """With integrity on, a same-host READ of every head through a transport that digests
-        while it copies: the job for its copy kernel, which compares what it lands with the
-        digest rows on the producer's hold board in place (valid once the READ is seen still
-        held after it); None: digest on the host after the copy."""
+        while it copies, posted the general way (no lane): the job for its copy kernel, which
+        compares what it lands with the digest rows on the producer's hold board in place
+        (valid once the READ is seen still held after it); None: digest on the host after
+        the copy."""
         go = part.go
-        if go is None or not self._boarded(req, go):
-            return None
-        return self._fused_job(go, part.read, len(req.remote_ids), transport, spec)
-
-    def _fused_job(self, go: _Go, r: HeadRead, blocks: int, transport: Transport,
-                   spec: KVCacheSpec) -> DigestJob | None:
-        """:meth:`_digest_job` of a READ of ``blocks`` blocks validated on ``go``'s board (None
-        where there is none to read the hold's rows from)."""
-        if (not self.integrity.on or go.peer.board is None
-                or not getattr(transport, "fuses_digests", False)
-                or r.local_start or r.remote_start or r.count != spec.num_kv_heads):
+        if go is None or not self._boarded(req, go) or self._lane_digests(
+                go, part.read, transport, spec) is None:
             return None
         # the hold's rows by its generation alone: the block ids' fingerprint is taken after
         # the launch, as without integrity — the after-check compares it, and a hold over
         # other blocks fails the READ whatever digests it showed
+        assert go.peer.board is not None
         on_board = board_rows(go.peer.board, go.generation)
-        if on_board is None or on_board.blocks != blocks:
+        if on_board is None or on_board.blocks != len(req.remote_ids):
             return None
         return self.integrity.fused_job(on_board, spec.page_bytes)
 
@@ -499,7 +514,7 @@ class _Parts(_Holds):
     def _read_again(req: _Request, part: _Part) -> None:
         req.nbytes -= part.nbytes
         part.go, part.plan, part.nbytes, part.check = None, None, 0, None
-        part.fused_rows, part.fused = 0, None
+        part.fusing, part.fused, part.fused_rows = False, None, 0
 
     def _part_failed(self, req: _Request, part: _Part, reason: str) -> None:
         """A part ends without bytes: for a READ with a generation, release the producer now."""

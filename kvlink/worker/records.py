@@ -135,11 +135,12 @@ class _Part:
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     #: READ validated on the producer's hold board once it is DONE: the check, bound at post
     check: AfterCheck | None = None
-    #: READ with integrity on, digested and compared by the copy kernel (kvlink.transport
-    #: DigestJob): the producer's rows it compared (0: not posted so), and once DONE its
-    #: answer — -1 all matched, else the first index that differed; None: not compared
-    fused_rows: int = 0
+    #: READ with integrity on, digested and compared by the copy kernel (a digest lane, or
+    #: kvlink.transport.DigestJob); once DONE its answer — -1 all matched, else the first
+    #: index that differed; None: not compared — and the producer's rows it compared
+    fusing: bool = False
     fused: int | None = None
+    fused_rows: int = 0
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     post_seconds: float = 0.0  # inside the transport's post call

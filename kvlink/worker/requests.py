@@ -101,26 +101,20 @@ class _Requests(_Parts):
         if lids is None or rids is None or lids.shape[0] != rids.shape[0]:
             return False
         n = lids.shape[0]
-        spec = self._require_spec()
         gos = [_Go(leg.peer, generation) for leg in route.legs]
-        jobs = [None if not route.digests else
-                self._fused_job(go, leg.read, n, leg.peer.transport, spec)
-                for go, leg in zip(gos, route.legs)]
-        if route.digests and None in jobs:
-            return False
+        # a digest lane's kernel finds the hold's rows on the producer's board by generation
+        checked = generation if digests else 0
         t0 = time.perf_counter()
-        handles = [leg.lane.lane.post(lids, rids, job) for leg, job in zip(route.legs, jobs)]
+        handles = [leg.lane.lane.post(lids, rids, checked) for leg in route.legs]
         # launched (a declined leg is posted the general way below): from here on nothing
         # may raise to the caller, whose blocks now take bytes
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
         req = _Request(req_id, Op.READ, remote, lids, rids, parts, t0, generation=generation)
         self._requests[req_id] = req
-        for part, leg, go, handle, job in zip(parts, route.legs, gos, handles, jobs):
+        for part, leg, go, handle in zip(parts, route.legs, gos, handles):
             if handle is None:  # (no go yet: the step below posts it)
                 continue
-            part.go, part.handle, part.t_post = go, handle, t0
-            if job is not None:
-                part.fused_rows = job.count
+            part.go, part.handle, part.t_post, part.fusing = go, handle, t0, digests
             try:  # (as _step: a bug here fails the part, reported once its copy has ended)
                 nbytes, descriptors, raw = leg.per_block
                 part.plan = Moved(n * nbytes, n * descriptors, n * raw)
