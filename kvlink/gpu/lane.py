@@ -152,10 +152,9 @@ class Lane:
         if self.digest is None:  # parts per block: as copy_runs cuts a run of one block
             g = move.parts_per_extent(units, self.unit, self._chunk,
                                       self._min_programs * launch.groups)
-            grid = -(-units * g // launch.groups)
-        else:  # what stays resident: its warps take unit after unit (kv_move_digest)
-            g, grid = 1, min(-(-units // launch.groups), self._cuda.digest_blocks)
-        got = (launch, grid, g)
+        else:
+            g = 1
+        got = (launch, -(-units * g // launch.groups), g)
         if len(self._by_blocks) > 4096:
             self._by_blocks.clear()
         self._by_blocks[blocks] = got

@@ -238,14 +238,21 @@ __device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
   }
 }
 
-// One unit of kv_move_digest (below) by one warp: `acc` its shared sums, `item` the unit,
-// `slot` (KV_BOARD) its block's digest row as the caller found it on the board
-__device__ __forceinline__ void kv_digest_unit(
-    const i64* t, i64 S, i64 n, i64 unit,
+// (KV_MINB blocks an SM: without the bound the compiler keeps everything in registers and
+// fits two blocks, fewer units in flight than the plain copy keeps: move.DIGEST_SHAPE)
+extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
+    KV_TABLE, i64 S, i64 n, i64 unit,
     const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
     i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad, i64 snb, i64 dnb,
-    u64* acc, const i64 item, i64 slot, const int lane) {
+    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad KV_DIGEST_IDS
+    KV_BOARD_ARGS) {
+  KV_TABLE_AT;
+  // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
+  // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
+  __shared__ u64 acc[KV_GROUPS][KV_DMAX];
+  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
+  if (item >= S * n) return;  // the whole warp
   i64 seg, r;
   if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
     const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
@@ -269,8 +276,40 @@ __device__ __forceinline__ void kv_digest_unit(
   }
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
-#if !KV_BOARD
-  slot = t[2 * S + 2 * n + r];
+#if KV_BOARD
+  // The hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then at its
+  // offset kvlink.integrity.pack's (rows k, folded, positions, words a row), a row per
+  // position and, past the k block ids, the k rows. Every warp reads the same few words
+  // (cached after the first). A unit that finds another hold there, or rows not of this
+  // request's shape, compares nothing and says so (bad[2], a plain store: no atomics to host
+  // memory); the first unit that finds them says how many rows (bad[1]). The host digests
+  // itself where any unit compared nothing (kvlink.gpu.copy.Pending.mismatch). What is read
+  // here counts only if the reader's after-check finds the hold still shown once the copy is
+  // done (its pages are reused only after it is withdrawn).
+  i64 slot = -1;
+  {
+    const u64 gen = (u64)nrows;
+    const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
+    const u64 at = sw[2], len = sw[3];
+    nrows = 0;
+    bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
+                 len >= 32 && len <= (u64)bhi - at;
+    if (found) {
+      const u64* h = expect + at / 8;
+      const u64 k = h[0], per = h[3];
+      found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k > 0 &&
+              k <= (u64)n && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
+      if (found) {
+        slot = k == (u64)n ? r : (i64)h[4 + r];  // every position digested: rows in order
+        nrows = (i64)k;
+        expect = h + 4 + n + k;
+        if (item == 0 && lane == 0) bad[1] = k;
+      }
+    }
+    if (!found && lane == 0) bad[2] = 1;
+  }
+#else
+  i64 slot = t[2 * S + 2 * n + r];
 #endif
   // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
   // after-check then rejects the READ), and a row past the expected ones must not send the
@@ -292,7 +331,7 @@ __device__ __forceinline__ void kv_digest_unit(
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
-  for (int i = lane; i < keys; i += 32) acc[i] = 0;
+  for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
@@ -341,7 +380,7 @@ __device__ __forceinline__ void kv_digest_unit(
       // a lane's sum is flushed when its head changes; NHD pages change it at every step for
       // every lane at once, so the whole warp flushes together (a reduction, not 32 atomics)
       if (__any_sync(0xffffffffu, k >= 0 && k != key)) {
-        kv_flush(acc, key, part);
+        kv_flush(acc[group], key, part);
         key = k;
         part = 0;
       }
@@ -349,85 +388,13 @@ __device__ __forceinline__ void kv_digest_unit(
     }
   }
   if (slot < 0) return;
-  kv_flush(acc, key, part);
+  kv_flush(acc[group], key, part);
   __syncwarp();
   for (int i = lane; i < keys; i += 32) {
-    const u64 got = acc[i];
+    const u64 got = acc[group][i];
     if (out) out[first + i] = got;
     if (expect && (i < 32 ? want0 : want1) != got) atomicMin(bad, (u64)(first + i));
   }
-}
-
-// (KV_MINB blocks an SM: without the bound the compiler keeps everything in registers and
-// fits two blocks, fewer units in flight than the plain copy keeps: move.DIGEST_SHAPE)
-extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
-    KV_TABLE, i64 S, i64 n, i64 unit,
-    const i64* __restrict__ smap, i64 ns, const i64* __restrict__ dmap, i64 nd,
-    i64* status, i64 seq, const i64* __restrict__ geo, const u64* __restrict__ wt,
-    i64 nrows, u64* out, i64 Q, i64 page, const u64* expect, u64* bad KV_DIGEST_IDS
-    KV_BOARD_ARGS) {
-  KV_TABLE_AT;
-#if !KV_IDS
-  const i64 snb = 0, dnb = 0;
-#endif
-  // one warp per unit: its lanes reduce by shuffles and a few shared atomics of their own,
-  // no barrier of the block (a unit is kilobytes: a block-wide barrier per unit cost 25 %)
-  __shared__ u64 acc[KV_GROUPS][KV_DMAX];
-  const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const i64 total = S * n;
-#if KV_BOARD
-  // The hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then at its
-  // offset kvlink.integrity.pack's (rows k, folded, positions, words a row), a row per
-  // position and, past the k block ids, the k rows — host memory, each read a PCIe round
-  // trip: so a warp reads the slot and head once and then takes unit after unit (the grid is
-  // what stays resident, move.Lane), fetching the next unit's row while this one copies. A
-  // warp that finds another hold there, or rows not of this request's shape, compares
-  // nothing and says so (bad[2], a plain store: no atomics to host memory); the first warp
-  // that finds them says how many rows (bad[1]). The host digests itself where any warp
-  // compared nothing (kvlink.gpu.copy.Pending.mismatch). What is read here counts only if
-  // the reader's after-check finds the hold still shown once the copy is done (its pages
-  // are reused only after it is withdrawn).
-  const u64 gen = (u64)nrows;
-  const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
-  const u64 at = sw[2], len = sw[3];
-  const u64* rows = nullptr;  // the row per held position (null: every position, in order)
-  nrows = 0;
-  bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
-               len >= 32 && len <= (u64)bhi - at;
-  if (found) {
-    const u64* h = expect + at / 8;
-    const u64 k = h[0], per = h[3];
-    found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * Q * geo[0]) && k > 0 &&
-            k <= (u64)n && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
-    if (found) {
-      nrows = (i64)k;
-      rows = k == (u64)n ? nullptr : h + 4;
-      expect = h + 4 + n + k;
-      if (blockIdx.x == 0 && group == 0 && lane == 0) bad[1] = k;
-    }
-  }
-  if (!found) {
-    if (lane == 0) bad[2] = 1;
-    expect = nullptr;
-  }
-  const i64 step = (i64)gridDim.x * KV_GROUPS;
-  i64 item = (i64)blockIdx.x * KV_GROUPS + group;
-  // unit item's row: its block's position is item mod n
-  #define KV_ROW(it) (!found ? (i64)-1 : rows == nullptr ? (it) % n : (i64)rows[(it) % n])
-  i64 next = item < total ? KV_ROW(item) : -1;
-  for (; item < total; item += step) {
-    const i64 slot = next;
-    if (item + step < total) next = KV_ROW(item + step);  // in flight while this one copies
-    kv_digest_unit(t, S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, nrows, out, Q,
-                   page, expect, bad, snb, dnb, acc[group], item, slot, lane);
-  }
-  #undef KV_ROW
-#else
-  const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
-  if (item >= total) return;  // the whole warp
-  kv_digest_unit(t, S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, nrows, out, Q,
-                 page, expect, bad, snb, dnb, acc[group], item, -1, lane);
-#endif
 }
 
 // After a copy, on its stream: move a landing flag (kvlink.landing) from `expect` to `value`
@@ -572,12 +539,6 @@ class CudaMove:
         self._dvals, self._dptrs = _arg_block(DIGEST_NARGS)
         self._tables: dict[tuple[str, tuple[int, int, int], int], TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
-        import torch
-
-        #: kv_move_digest's blocks that fit on the device at once (its launch bound): the
-        #: grid of a digest lane, whose warps take unit after unit (KV_BOARD)
-        self.digest_blocks = (torch.cuda.get_device_properties(device).multi_processor_count
-                              * DIGEST_MIN_BLOCKS)
 
     def table_class(self, words: int) -> int:
         """The size class (words) a table of ``words`` travels in with its launch; 0 where it
