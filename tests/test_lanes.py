@@ -45,6 +45,7 @@ class _Lane:
         self.local_base, self.remote_base = local_base, remote_base
         self.digests = digests  # a digest lane: it takes only posts with a generation
         self.posts = self.declined = 0
+        self.generations: list[int] = []  # what each post was told
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
              generation: int = 0) -> int | None:
@@ -53,6 +54,7 @@ class _Lane:
             self.declined += 1
             return None
         self.posts += 1
+        self.generations.append(generation)
         self.owner.posted.append(self.owner.in_flight())
         try:  # as cuda_ipc's kernel: an id out of its side's range is refused, and named
             check_in_range(local_ids, self.blocks[0], "local")
@@ -113,6 +115,22 @@ class LaneTcp(TcpTransport):
 
 
 register_transport("lane_tcp", LaneTcp)
+
+
+class FusingLaneTcp(LaneTcp):
+    """LaneTcp whose lanes are made digesting, as cuda_ipc's are with integrity on, and whose
+    "kernel" compared nothing (``landed_check`` None: a unit found no rows on the board) — the
+    case the worker must send through its host check. The worker's side of a digest lane, with
+    real bytes behind it; the GPU scripts run the kernel."""
+
+    name = "fusing_lane_tcp"
+    fuses_digests = True
+
+    def landed_check(self, handle: int) -> tuple[int, int] | None:
+        return None
+
+
+register_transport("fusing_lane_tcp", FusingLaneTcp)
 
 
 def _pair(**cfg: Any) -> tuple[Any, Any]:
@@ -489,3 +507,42 @@ def test_a_launched_read_whose_records_fail_is_failed_not_raised(
         decode.close()
         prefill.close()
 
+
+
+def test_a_digest_lane_is_bound_to_the_board_and_posts_only_the_generation() -> None:
+    """Integrity on, through a transport whose copy kernel digests (cuda_ipc): the peer's lane
+    is bound once to the producer's hold board and our views, and every READ through it (the
+    general path's first, the route's after) hands it the hold's generation and nothing read
+    off the board. Where the kernel compared nothing, the host checks what landed: a byte
+    flipped in the producer's block after its hold fails the receive, naming the block."""
+    prefill, _ = make("p", seed=1, transports=["fusing_lane_tcp"], grants=False,
+                      integrity="full")
+    decode, _ = make("d", transports=["fusing_lane_tcp"], grants=False, integrity="full")
+    # our views as the copy kernel would take them (CPU planes have none): device pointers
+    # the stand-in lane never dereferences
+    decode.integrity.fused_views = lambda: (0x6E0, 0x3E1, 2 * decode.spec.num_layers,  # type: ignore[method-assign]
+                                            decode.spec.num_kv_heads)
+    try:
+        t = decode.transports["fusing_lane_tcp"]
+        gens = []
+        for rid, ours, theirs in (("r0", [4, 5], [2, 3]), ("r1", [6], [7]), ("r2", [1, 2], [8, 0])):
+            gens.append(prefill.hold(rid, theirs))
+            decode.read(rid, remote(prefill), ours, theirs, generation=gens[-1])
+            ok, reason = outcome(decode, rid)
+            assert ok, reason
+            assert np.array_equal(blocks(decode, ours), blocks(prefill, theirs))
+        (lane,) = t.lanes
+        assert lane.digests is not None and lane.generations == gens
+        board = decode.peers.get(remote(prefill), 0).result().board
+        assert board is not None and lane.digests.board == board.region
+        assert decode.integrity.checked_blocks == 5 and decode.integrity.fused_blocks == 0
+        gen = prefill.hold("bad", [9, 3])
+        _buf, layers = prefill._keep  # type: ignore[attr-defined]
+        np.asarray(layers[1])[1, 3, 0, 0, 1] ^= 1  # injected: after the digest was fixed
+        decode.read("bad", remote(prefill), [7, 8], [9, 3], generation=gen)
+        ok, reason = outcome(decode, "bad")
+        assert not ok and "remote 3" in reason and "layer 1" in reason, reason
+        assert lane.generations[-1] == gen
+    finally:
+        decode.close()
+        prefill.close()
