@@ -517,6 +517,15 @@ class Checker:
         return DigestJob(got[0], got[1], got[2], got[3], page_bytes, on_board.blocks,
                          on_board.count, on_board.rows, on_board.address, on_board.region)
 
+    def lane_salt(self, req_id: str) -> int | None:
+        """What a digest lane's kernel needs to pick the blocks it checks as the producer
+        picked them (:func:`checked`): ``sample``'s salt of ``req_id`` as a signed 64-bit
+        word (the kernel's argument slots), None at ``full`` (every block)."""
+        if self.level is not Level.SAMPLE:
+            return None
+        return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(),
+                              "little", signed=True)
+
     def fused_views(self) -> tuple[int, int, int, int] | None:
         """What a copy kernel that digests while it copies needs of our views: (geometry,
         weights — device pointers —, planes, heads); None with integrity off, or where the

@@ -22,7 +22,7 @@ import pytest
 
 from kvlink.demo import data
 from kvlink.errors import ConfigError
-from kvlink.integrity import Level, checked, digest, spec_planes, tensor_planes
+from kvlink.integrity import Checker, Level, checked, digest, spec_planes, tensor_planes
 from kvlink.transport import Extents, register_transport
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
@@ -430,3 +430,24 @@ def test_the_copy_kernel_digests_what_it_lands() -> None:
     dev = torch.device("cuda:0")
     rows = mod.check_equal(BatchCopier(dev), torch.cuda.Stream(dev), dev)
     assert all(r["ok"] for r in rows), rows
+
+
+def test_a_digest_lanes_salt_picks_what_the_producer_digests() -> None:
+    """A cuda_ipc digest lane's kernel picks the blocks ``sample`` checks itself (so a block
+    it does not check reads nothing of the producer's board): from ``Checker.lane_salt`` (a
+    signed 64-bit word, as the kernel's argument slots take it) with the same mix and bucket
+    as :func:`checked` — written out here as the kernel computes it (kvlink/gpu/move.py,
+    ``kv_mix``). ``full`` passes no salt: every block."""
+    ids = np.random.default_rng(5).permutation(4096)[:700].astype(np.int64)
+    for req in ("r-1", "cmpl-abc-0", "x" * 40):
+        salt = Checker(Level.SAMPLE).lane_salt(req)
+        assert salt is not None and -2**63 <= salt < 2**63
+        with np.errstate(over="ignore"):
+            x = ids.view(np.uint64) ^ np.int64(salt).view(np.uint64)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            x = x ^ (x >> np.uint64(31))
+        picked = (x & np.uint64(63)) == 0
+        picked[-1] = True
+        assert np.array_equal(picked, checked(Level.SAMPLE, req, ids))
+    assert Checker(Level.FULL).lane_salt("r-1") is None

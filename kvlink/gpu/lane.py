@@ -167,20 +167,21 @@ class Lane:
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
             v[9], v[10], v[11] = self.unit, sb, db
         else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, generation, out, Q,
-            # page, board, bad, snb, dnb, slot0, mask, lo, hi)
+            # page, board, bad, snb, dnb, slot0, mask, lo, hi, pick, salt)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
             v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
                                                        d.page_bytes, d.board)
             v[17], v[18], v[19], v[20], v[21], v[22] = (sb, db, *d.layout)
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
-               status: int, seq: int, stream: int, check: tuple[int, int] | None = None
-               ) -> None:
+               status: int, seq: int, stream: int,
+               check: tuple[int, int, int | None] | None = None) -> None:
         """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (int64; the device refuses an id
         outside its side's block count, and an address outside the registered regions) on
         ``stream``; ``status``: the address of the post's status word (``seq`` lands there if
         the device refuses an extent). ``check`` (a digest lane): (the hold's generation, the
-        address of the three words the kernel reports in: kvlink.gpu.copy.copy_lane).
+        address of the three words the kernel reports in: kvlink.gpu.copy.copy_lane, and
+        ``sample``'s salt: kvlink.integrity.sample_salt; None: every block is checked).
         Raises RuntimeError where the driver refuses the launch (nothing was enqueued)."""
         n = src_ids.shape[0]
         got = self._by_blocks.get(n) or self._bound(n)
@@ -195,7 +196,9 @@ class Lane:
         if check is None:
             v[6], v[7], v[8] = status, seq, g
         else:
-            v[7], v[8], v[11], v[16] = status, seq, check[0], check[1]
+            gen, bad, salt = check
+            v[7], v[8], v[11], v[16], v[23], v[24] = (status, seq, gen, bad, salt is not None,
+                                                      salt or 0)
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "

@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 // is the hold's generation, `expect` the board mapping's first word, and the board's layout
 // follows (kvlink.holdboard.DeviceLayout)
 #if KV_BOARD
-#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi
+#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi, i64 bpick, i64 bsalt
 #else
 #define KV_BOARD_ARGS
 #endif
@@ -218,6 +218,13 @@ __device__ __forceinline__ u64 kv_word(int lo, int hi) {
 }
 
 #define KV_GROUPS (KV_T / 32)
+
+// splitmix64's finaliser, as kvlink.integrity._mix: which blocks `sample` checks
+__device__ __forceinline__ u64 kv_mix(u64 x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
 
 // One warp adds each lane's sum into acc[key] (key -1: nothing): lanes with one key in
 // aligned power-of-two groups (a head's run of vectors) reduce by shuffles and their first
@@ -277,36 +284,59 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
 #if KV_BOARD
-  // The hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then at its
-  // offset kvlink.integrity.pack's (rows k, folded, positions, words a row), a row per
-  // position and, past the k block ids, the k rows. Every warp reads the same few words
-  // (cached after the first). A unit that finds another hold there, or rows not of this
-  // request's shape, compares nothing and says so (bad[2], a plain store: no atomics to host
-  // memory); the first unit that finds them says how many rows (bad[1]). The host digests
-  // itself where any unit compared nothing (kvlink.gpu.copy.Pending.mismatch). What is read
+  // Which blocks are checked, the kernel works out as the producer did (bpick 0: every one;
+  // else `sample`: kvlink.integrity.checked, salted with bsalt), so a block it does not check
+  // reads nothing more than the plain copy — nothing of the board, whose words are each a
+  // PCIe round trip away. A checked unit's row is its block's rank among the checked ones;
+  // it reads the hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then
+  // at its offset kvlink.integrity.pack's (rows k, folded, positions, words a row) and the
+  // row the producer gave that block, and compares only where all of it is this request's:
+  // the generation, as many rows as it picked, the same row, the shape and bounds. A unit
+  // that finds otherwise compares nothing and says so (bad[2], a plain store: no atomics to
+  // host memory), and the host digests itself (kvlink.gpu.copy.Pending.mismatch); the last
+  // block's first unit (checked at every level) says how many rows (bad[1]). What is read
   // here counts only if the reader's after-check finds the hold still shown once the copy is
   // done (its pages are reused only after it is withdrawn).
   i64 slot = -1;
   {
-    const u64 gen = (u64)nrows;
-    const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
-    const u64 at = sw[2], len = sw[3];
-    nrows = 0;
-    bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
-                 len >= 32 && len <= (u64)bhi - at;
-    if (found) {
-      const u64* h = expect + at / 8;
-      const u64 k = h[0], per = h[3];
-      found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k > 0 &&
-              k <= (u64)n && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
-      if (found) {
-        slot = k == (u64)n ? r : (i64)h[4 + r];  // every position digested: rows in order
-        nrows = (i64)k;
-        expect = h + 4 + n + k;
-        if (item == 0 && lane == 0) bad[1] = k;
+    i64 rank = r, picked = n;  // every block: rows in order
+    bool mine = true;
+    if (bpick) {  // the same for the whole warp (one unit)
+      mine = r == n - 1 || (kv_mix((u64)sid ^ (u64)bsalt) & 63) == 0;
+      if (mine) {  // its rank, and how many are picked: the ids travel with the launch
+        rank = picked = 0;
+        for (i64 p0 = 0; p0 < n; p0 += 32) {
+          const i64 p = p0 + lane;
+          const bool pk = p < n && (p == n - 1 ||
+                                    (kv_mix((u64)t[2 * S + p] ^ (u64)bsalt) & 63) == 0);
+          const unsigned m = __ballot_sync(0xffffffffu, pk);
+          picked += __popc(m);
+          if (p0 + 32 <= r) rank += __popc(m);
+          else if (p0 < r) rank += __popc(m & ((1u << (unsigned)(r - p0)) - 1u));
+        }
       }
     }
-    if (!found && lane == 0) bad[2] = 1;
+    if (mine) {
+      const u64 gen = (u64)nrows;
+      const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
+      const u64 at = sw[2], len = sw[3];
+      nrows = 0;
+      bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
+                   len >= 32 && len <= (u64)bhi - at;
+      if (found) {
+        const u64* h = expect + at / 8;
+        const u64 k = h[0], per = h[3], row = h[4 + r];
+        found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k == (u64)picked &&
+                k > 0 && row == (u64)rank && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
+        if (found) {
+          slot = rank;
+          nrows = (i64)k;
+          expect = h + 4 + n + k;
+          if (seg == 0 && r == n - 1 && lane == 0) bad[1] = k;
+        }
+      }
+      if (!found && lane == 0) bad[2] = 1;
+    }
   }
 #else
   i64 slot = t[2 * S + 2 * n + r];
@@ -429,7 +459,7 @@ DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared 
 NARGS = 10  # kv_move, kv_move_runs (the table first)
 DIGEST_NARGS = 18  # kv_move_digest
 IDS_NARGS = (3, 2)  # more of kv_move_runs and kv_move_digest with KV_IDS (block counts...)
-BOARD_NARGS = 4  # more of kv_move_digest with KV_BOARD (the hold board's layout)
+BOARD_NARGS = 6  # more of kv_move_digest with KV_BOARD (the hold board's layout, the pick)
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's

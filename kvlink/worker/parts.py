@@ -236,13 +236,13 @@ class _Parts(_Holds):
         # the ids' range is checked by the lane's kernel (a refused post names the id); a
         # digest lane's kernel finds the hold's rows on its producer's board by its generation
         rids = req.remote_ids
-        generation = 0
+        generation, salt = 0, None
         if digests:
             if not self._boarded(req, go):
                 return False
-            generation = go.generation
+            generation, salt = go.generation, self.integrity.lane_salt(req.req_id)
         part.t_post = time.perf_counter()
-        handle = lane.lane.post(req.local_ids, rids, generation)
+        handle = lane.lane.post(req.local_ids, rids, generation, salt)
         if handle is None:
             return False
         req.phases.plan += part.t_post - t0

@@ -102,10 +102,11 @@ class _Requests(_Parts):
             return False
         n = lids.shape[0]
         gos = [_Go(leg.peer, generation) for leg in route.legs]
-        # a digest lane's kernel finds the hold's rows on the producer's board by generation
-        checked = generation if digests else 0
+        # a digest lane's kernel finds the hold's rows on the producer's board by generation,
+        # and picks the blocks it checks as the producer did (sample)
+        checked, salt = (generation, self.integrity.lane_salt(req_id)) if digests else (0, None)
         t0 = time.perf_counter()
-        handles = [leg.lane.lane.post(lids, rids, checked) for leg in route.legs]
+        handles = [leg.lane.lane.post(lids, rids, checked, salt) for leg in route.legs]
         # launched (a declined leg is posted the general way below): from here on nothing
         # may raise to the caller, whose blocks now take bytes
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
