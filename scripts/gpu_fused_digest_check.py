@@ -90,6 +90,25 @@ def _region(layers: list[Any], dev: Any, search: bool = True) -> RegionMap:
                      [0] * len(layers), dev, search)
 
 
+def device_us(fn: Any, stream: Any) -> float:
+    """Device time alone of what ``fn`` enqueues on ``stream``, median of 30: the stream is
+    held busy (a sleep kernel) while the host launches, so the events bracket the kernels,
+    not the host's launch work too (which they did before 2026-12-03: every figure then
+    carried 100+ us of host time)."""
+    times = []
+    for i in range(35):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1_000_000)  # ~0.5 ms: longer than any launch measured here
+            e0.record(stream)
+            fn()
+            e1.record(stream)
+        e1.synchronize()
+        if i >= 5:
+            times.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(times)
+
+
 class Case:
     def __init__(self, kind: str, layers: int, blocks: int, heads: int, n: int, dev: Any,
                  read_as: str | None = None) -> None:
@@ -225,21 +244,7 @@ def timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, Any]:
     b = torch.empty_like(a)
 
     def timed(fn: Any) -> float:
-        """Device time alone: the stream is held busy (a sleep kernel) while the host
-        launches, so the events bracket the kernels, not the host's launch work too (which
-        they did before 2026-12-03: every figure then carried 100+ us of host time)."""
-        times = []
-        for i in range(35):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                torch.cuda._sleep(1_000_000)  # ~0.5 ms: longer than any launch below
-                e0.record(stream)
-                fn()
-                e1.record(stream)
-            e1.synchronize()
-            if i >= 5:
-                times.append(e0.elapsed_time(e1) * 1e3)
-        return statistics.median(times)
+        return device_us(fn, stream)
 
     res = {
         "bytes": nbytes,
@@ -416,19 +421,7 @@ def board_lane_timing(copier: BatchCopier, stream: Any, dev: Any) -> dict[str, A
         gens = {level: bl.hold(level)[0] for level in (Level.SAMPLE, Level.FULL)}
 
         def timed(fn: Any) -> float:
-            times = []
-            for i in range(35):
-                e0 = torch.cuda.Event(enable_timing=True)
-                e1 = torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(stream):
-                    torch.cuda._sleep(1_000_000)
-                    e0.record(stream)
-                    fn()
-                    e1.record(stream)
-                e1.synchronize()
-                if i >= 5:
-                    times.append(e0.elapsed_time(e1) * 1e3)
-            return statistics.median(times)
+            return device_us(fn, stream)
 
         res: dict[str, Any] = {
             "device_copy_us": timed(lambda: b.copy_(a)),
