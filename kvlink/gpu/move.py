@@ -683,6 +683,17 @@ _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no curre
 _EVENT_DISABLE_TIMING = 0x2
 
 
+def _typed_driver(**argtypes: list[Any]) -> Any:
+    """The CUDA driver library (ctypes) with these functions' argument types set and an int
+    (CUresult) returned: a call then converts its arguments in C, not through ctypes'
+    guesses."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, args in argtypes.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
 class StreamOrder:
     """Makes a stream wait, on the device, for the work enqueued on another one so far: a
     stream query, and where work is pending an event record and a stream wait — no host sync.
@@ -692,15 +703,11 @@ class StreamOrder:
     owning BatchCopier serialises its posts)."""
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
         vp = ctypes.c_void_p
-        for name, args in (("cuStreamQuery", [vp]),
-                           ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-                           ("cuEventRecord", [vp, vp]),
-                           ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint])):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        self._lib = lib
+        self._lib = _typed_driver(cuStreamQuery=[vp],
+                                  cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
+                                  cuEventRecord=[vp, vp],
+                                  cuStreamWaitEvent=[vp, vp, ctypes.c_uint])
         self._event: ctypes.c_void_p | None = None
 
     def wait(self, stream: int, after: int) -> bool:
@@ -735,14 +742,11 @@ class DriverEvents:
     thread-safe: the owning BatchCopier serialises its calls."""
 
     def __init__(self, device: int) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
         vp = ctypes.c_void_p
-        for name, args in (("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-                           ("cuEventRecord", [vp, vp]), ("cuEventQuery", [vp]),
-                           ("cuEventSynchronize", [vp])):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        self._lib, self._device = lib, device
+        self._lib = _typed_driver(cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
+                                  cuEventRecord=[vp, vp], cuEventQuery=[vp],
+                                  cuEventSynchronize=[vp])
+        self._device = device
         self._free: list[int] = []
 
     def record(self, stream: int) -> int:
