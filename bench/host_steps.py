@@ -12,10 +12,12 @@ code and data were in. Each step below is timed right after such a sweep ("cold"
 back to back ("hot", the same-run baseline); the ratio says how much of a step's cost inside
 a request is its cold start rather than its work. Steps: the plan of a 70B TP8-rank request
 (80 layers, 256 shuffled blocks: ids checked, the runs), the board-validated READ's own (its
-grant ticket, the block ids' fingerprint), and what integrity adds to it (the hold's digests
+grant ticket, the block ids' fingerprint), and what integrity adds to it: through a peer's
+digest lane (every READ after the peer's first, since 733be9d), nothing — the kernel picks
+the blocks and finds their rows on the board; on the general path, the hold's digests
 located on a real hold board — slot, head, the rows copied — the job, the transport's
-fusability check, its larger launch table). CPU only: no device, the same Python a GPU host
-runs. Writes bench/results/host_steps.json (command, machine, date).
+fusability check, its larger launch table. CPU only: no device, the same Python a GPU host runs. Writes
+bench/results/host_steps.json (command, machine, date).
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def main() -> None:
         "read: block ids' fingerprint": lambda: fingerprint(rids),
         "post: launch table (plain copy)": lambda: np.concatenate(
             [runs.remote_base, runs.local_base, runs.remote_at, runs.local_at, runs.lens]),
-        # what integrity adds
+        # what integrity adds on the general path (a peer's first READ, or one no lane
+        # takes); through a digest lane, nothing (since 733be9d the kernel picks the blocks
+        # and finds their rows on the board)
         "integrity: slot read": lambda: view.digest_area(gen, None),
         "integrity: digest head read": lambda: view.words(at[0], 4),
         "integrity: rows copied": lambda: view.int64s(at[0] + 32, NBLK),
@@ -122,13 +126,15 @@ def main() -> None:
               f"{r['cold_over_hot']:5.1f}x")
     added = [n for n in got if n.startswith("integrity:") and "(the three above)" not in n
              and "launch table" not in n]
+
     total = {k: round(sum(got[n][k] for n in added), 1) for k in ("cold_us", "hot_us")}
-    print(f"  integrity's own steps (not the table's extra words): cold {total['cold_us']} us, "
-          f"hot {total['hot_us']} us")
+    print(f"  integrity's own steps on the general path (not the table's extra words): cold "
+          f"{total['cold_us']} us, hot {total['hot_us']} us (through a digest lane: none)")
     write_result("host_steps", {
         "what": "median per call after a 32 MiB + Python sweep (cold) and back to back (hot)",
         "reps": args.reps, "request": "70B TP8 rank: 80 layers, 1 KV head, 256 blocks",
         "steps": got, "integrity_steps": added, "integrity_steps_total": total,
+
     }, args.out)
 
 

@@ -56,20 +56,23 @@ class Level(str, enum.Enum):
                               ) from None
 
 
-def checked(level: Level, req_id: str, remote_ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+def checked(level: Level, salt: str | int, remote_ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
     """Which positions of a request's (remote) block ids are checked at ``level``.
 
-    Deterministic in what both sides know (the producer's request id and its block ids), so
-    the producer digests exactly what the consumer will check. ``sample`` always keeps the
-    last block (every reader reads the request's tail, whatever its own prefix hits)."""
+    Deterministic in what both sides know — ``salt``: the hold's generation (a pull: what a
+    reader's READ is told, so a cuda_ipc copy kernel picks the same blocks from its launch
+    alone, kvlink/gpu/move.py ``kv_mix``) or the request id (a push without a hold) — and
+    the block ids, so the producer digests exactly what the consumer will check. ``sample``
+    always keeps the last block (every reader reads the request's tail, whatever its own
+    prefix hits)."""
     ids = np.asarray(remote_ids, dtype=np.int64)
     if level is Level.OFF or ids.size == 0:
         return np.zeros(ids.shape, dtype=bool)
     if level is Level.FULL:
         return np.ones(ids.shape, dtype=bool)
-    salt = np.uint64(_salt(req_id))
+    word = np.uint64((salt if isinstance(salt, int) else _salt(salt)) & 0xFFFF_FFFF_FFFF_FFFF)
     with np.errstate(over="ignore"):
-        mixed = _mix(ids.view(np.uint64) ^ salt)
+        mixed = _mix(ids.view(np.uint64) ^ word)
     keep: npt.NDArray[np.bool_] = np.asarray(mixed % np.uint64(SAMPLE_EVERY) == 0)
     keep[-1] = True
     return keep
@@ -456,7 +459,7 @@ class Checker:
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.size == 0:
             return
-        mask = checked(self.level, req_id, ids)
+        mask = checked(self.level, generation, ids)
         sel = ids[mask]
         self._fixed[req_id] = (generation, sel, digest(self.planes, sel))
         self._rows[req_id] = np.where(mask, np.cumsum(mask) - 1, -1)
@@ -516,15 +519,6 @@ class Checker:
             return None
         return DigestJob(got[0], got[1], got[2], got[3], page_bytes, on_board.blocks,
                          on_board.count, on_board.rows, on_board.address, on_board.region)
-
-    def lane_salt(self, req_id: str) -> int | None:
-        """What a digest lane's kernel needs to pick the blocks it checks as the producer
-        picked them (:func:`checked`): ``sample``'s salt of ``req_id`` as a signed 64-bit
-        word (the kernel's argument slots), None at ``full`` (every block)."""
-        if self.level is not Level.SAMPLE:
-            return None
-        return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(),
-                              "little", signed=True)
 
     def fused_views(self) -> tuple[int, int, int, int] | None:
         """What a copy kernel that digests while it copies needs of our views: (geometry,

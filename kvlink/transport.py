@@ -58,16 +58,16 @@ nixl and mooncake):
    cuda_ipc implements it (its kernel computes the addresses); the worker uses it where the
    plan takes that form. **lane(op, peer, local_base, remote_base, unit, blocks,
    digests=None)** (optional): an object whose ``post(local_ids, remote_ids, generation=0,
-   salt=None)``
+   sample=False)``
    is post_runs of one run of ``unit`` bytes per block pair over those segment bases, with
    what does not change between requests of the pair worked out once (cuda_ipc:
    :mod:`kvlink.gpu.lane`) and ids at or past ``blocks`` (ours, the peer's) refused by the
    transport (the handle FAILED, naming the id); same contract, or None where it cannot take
    a request (then post_runs/post). With ``digests`` (:class:`LaneDigests`) a READ lane
    digests what it lands and compares it with the rows of the hold ``generation`` names on
-   the producer's hold board — every block's, or with ``salt`` the ``sample`` it picks as
-   the producer did (kvlink.integrity.sample_salt); ``landed_check(handle)`` says how it
-   went. The worker keeps
+   the producer's hold board — every block's, or with ``sample`` the blocks it picks as the
+   producer did (kvlink.integrity.checked, by the generation); ``landed_check(handle)`` says
+   how it went. The worker keeps
    one per peer and plan table, for transports that enforce no grants (it takes no ticket).
 8. **Grants** (:mod:`kvlink.grants`): every ``post`` names the ``ticket`` its owner granted.
    A transport that serves peers' transfers on the owner's side and declares

@@ -189,15 +189,15 @@ class _Lane:
         self.local_base, self.remote_base, self.blocks = local_base, remote_base, blocks
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
-             generation: int = 0, salt: int | None = None) -> int | None:
+             generation: int = 0, sample: bool = False) -> int | None:
         """Post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64
         (an id out of range is refused on the device: the handle polls FAILED naming it): a
         handle (the transport's contract: never raises, FAILED says why), or None where this
         lane cannot take the request (too many blocks for a launch's table; a digest lane
-        without the hold's ``generation``): post it the general way. ``salt`` (a digest
-        lane): ``sample``'s, the blocks its kernel checks picked as the producer picked them
-        (kvlink.integrity.sample_salt); None: every block."""
-        return self._owner._post_lane(self, local_ids, remote_ids, generation, salt)
+        without the hold's ``generation``): post it the general way. ``sample`` (a digest
+        lane): its kernel checks the blocks ``sample`` picks, as the producer picked them
+        (kvlink.integrity.checked, by the generation), else every block."""
+        return self._owner._post_lane(self, local_ids, remote_ids, generation, sample)
 
     def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
              ) -> Runs:
@@ -601,7 +601,7 @@ class CudaIpcTransport(Transport):
 
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
                    remote_ids: npt.NDArray[np.int64], generation: int,
-                   salt: int | None) -> int | None:
+                   sample: bool) -> int | None:
         """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one)."""
         moves, n = lane.moves, int(local_ids.shape[0])
         if not moves.fits(n) or (moves.digest is not None and not generation):
@@ -613,7 +613,7 @@ class CudaIpcTransport(Transport):
                 lane.target = target
                 ours, theirs = self._local_map, target.map
                 moves.rebind((theirs, ours) if lane.op is Op.READ else (ours, theirs))
-            return copier.copy_lane(moves, src, dst, self._stream, after, generation, salt)
+            return copier.copy_lane(moves, src, dst, self._stream, after, generation, sample)
 
         return self._post(lane.peer, copy, None, None,
                           functools.partial(lane.runs, local_ids, remote_ids),

@@ -50,7 +50,7 @@ from kvlink.gpu.copy import NO_MISMATCH, BatchCopier, DigestLaunch, RegionMap
 from kvlink.gpu.ipc import host_register, host_unregister
 from kvlink.gpu.lane import BoardDigest
 from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
-from kvlink.integrity import Checker, Level, checked, tensor_planes
+from kvlink.integrity import Level, checked, tensor_planes
 
 
 def _cache(kind: str, layers: int, blocks: int, heads: int, dev: Any, seed: int
@@ -315,27 +315,29 @@ class BoardLane:
         self.lane = lane
         self.next_gen = 1001
 
-    def hold(self, level: Level, change: int | None = None) -> tuple[int, int]:
-        """Publish the producer's digests of the case's blocks at ``level`` (one digest word
-        flipped at index ``change``) under a new generation: (generation, rows)."""
-        rows = self.case.rows(level)
+    def hold(self, level: Level, change: bool = False) -> tuple[int, int, int]:
+        """Publish the producer's digests of the case's blocks at ``level`` (picked by the
+        hold's generation, as a producer picks them) under a new generation; ``change``: with
+        the digest word a third of the way in flipped. (generation, rows, that index)."""
+        gen, self.next_gen = self.next_gen, self.next_gen + 1
+        mask = checked(level, gen, self.case.rids)
+        rows = np.where(mask, np.cumsum(mask) - 1, -1).astype(np.int64)
         want = self.case.reference(rows).reshape(-1).astype("<u8")
-        if change is not None:
-            want[change] ^= np.uint64(1)
+        flip = want.shape[0] // 3
+        if change:
+            want[flip] ^= np.uint64(1)
         k = int((rows >= 0).sum())
         blob = integrity.pack((self.case.rids[rows >= 0].tolist(), want.tobytes(), False), rows)
-        gen, self.next_gen = self.next_gen, self.next_gen + 1
         assert self.board.publish(gen, self.case.rids, blob)
-        return gen, k
+        return gen, k, flip
 
     def post(self, copier: BatchCopier, stream: Any, gen: int, level: Level,
-             n: int | None = None, req: str = "check") -> Any:
+             n: int | None = None) -> Any:
         """A READ of the case's blocks (the first ``n``) told hold ``gen``, its kernel picking
-        the blocks it checks at ``level`` for request ``req`` (the case's rows are
-        "check"'s)."""
+        the blocks it checks at ``level``."""
         c = self.case
-        salt = Checker(level).lane_salt(req)
-        return copier.copy_lane(self.lane, c.rids[:n], c.lids[:n], stream, None, gen, salt)
+        return copier.copy_lane(self.lane, c.rids[:n], c.lids[:n], stream, None, gen,
+                                level is Level.SAMPLE)
 
     def close(self) -> None:
         host_unregister(self.view.region[0])
@@ -356,15 +358,14 @@ def check_board_lanes(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[s
         bl = BoardLane(copier, c)
         try:
             row: dict[str, Any] = {"layout": kind, "heads": heads, "level": level.value}
-            gen, k = bl.hold(level)
+            gen, k, _ = bl.hold(level)
             p = bl.post(copier, stream, gen, level)
             p.wait()
             row["equal_says_none"] = p.mismatch == NO_MISMATCH and not p.failed()
             row["rows_compared"] = (p.compared, k)
             row["bytes_copied"] = bool(torch.equal(c._blocks(c.src, c.rids),
                                                    c._blocks(c.dst, c.lids)))
-            flip = (k * c.nplanes * c.heads) // 3
-            gen2, _ = bl.hold(level, change=flip)
+            gen2, _, flip = bl.hold(level, change=True)
             p = bl.post(copier, stream, gen2, level)
             p.wait()
             row["names_changed_word"] = p.mismatch == flip
@@ -376,16 +377,12 @@ def check_board_lanes(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[s
             p = bl.post(copier, stream, gen, level, n=c.rids.shape[0] - 1)  # rows of 64
             p.wait()
             row["other_shape_compares_nothing"] = p.mismatch is None and p.compared == 0
-            # blocks picked for another request than the producer's, or at the other level:
-            # other rows than the hold's, so nothing is compared (the host digests)
+            # blocks picked at the other level: other rows than the hold's, so nothing is
+            # compared (the host digests)
             other = Level.FULL if level is Level.SAMPLE else Level.SAMPLE
             p = bl.post(copier, stream, gen, other)
             p.wait()
             row["other_level_compares_nothing"] = p.mismatch is None and p.compared == 0
-            if level is Level.SAMPLE:
-                p = bl.post(copier, stream, gen, level, req="another")
-                p.wait()
-                row["other_salt_compares_nothing"] = p.mismatch is None and p.compared == 0
             # a source byte of the last block (checked at every level) changed after the
             # digest was fixed: what lands differs from the producer's rows
             last = int(c.rids[-1])

@@ -778,8 +778,8 @@ class _FakeLaneCopier(_FakeCopier):
         return _FakeLane(src, dst, unit, (smap, dmap), digest)
 
     def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
-                  generation: int = 0, salt: int | None = None) -> _FakeCopy:
-        c = _FakeCopy((lane, src, dst, stream, generation, salt), after)
+                  generation: int = 0, sample: bool = False) -> _FakeCopy:
+        c = _FakeCopy((lane, src, dst, stream, generation, sample), after)
         self.copies.append(c)
         return c
 
@@ -854,9 +854,9 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     assert lane.moves.digest == BoardDigest(1, 4096, 0x6E0, 0x3E1, 0xB0A4D, LAYOUT)
     lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
     assert lane.post(lids, rids) is None  # no hold to compare with: the general path
-    h = lane.post(lids, rids, 77, -5)
+    h = lane.post(lids, rids, 77, True)
     c = t._copier.copies[-1]
-    assert c.args[1] is rids and c.args[2] is lids and c.args[4:] == (77, -5)
+    assert c.args[1] is rids and c.args[2] is lids and c.args[4:] == (77, True)
     c.event.done = True
     assert t.poll(h).status is XferStatus.DONE
     assert len(mapped) == 1  # bound once, not per post

@@ -432,22 +432,31 @@ def test_the_copy_kernel_digests_what_it_lands() -> None:
     assert all(r["ok"] for r in rows), rows
 
 
-def test_a_digest_lanes_salt_picks_what_the_producer_digests() -> None:
-    """A cuda_ipc digest lane's kernel picks the blocks ``sample`` checks itself (so a block
-    it does not check reads nothing of the producer's board): from ``Checker.lane_salt`` (a
-    signed 64-bit word, as the kernel's argument slots take it) with the same mix and bucket
-    as :func:`checked` — written out here as the kernel computes it (kvlink/gpu/move.py,
-    ``kv_mix``). ``full`` passes no salt: every block."""
+def test_a_pull_samples_by_the_holds_generation_as_a_copy_kernel_can() -> None:
+    """A cuda_ipc digest lane's kernel picks the blocks ``sample`` checks itself, from its
+    launch alone (so a block it does not check reads nothing of the producer's board): the
+    producer picks by the hold's generation, which the READ is told — written out here as the
+    kernel computes it (kvlink/gpu/move.py, ``kv_mix``) — and publishes the rows of exactly
+    those blocks, in order. A push without a hold picks by its request id."""
     ids = np.random.default_rng(5).permutation(4096)[:700].astype(np.int64)
-    for req in ("r-1", "cmpl-abc-0", "x" * 40):
-        salt = Checker(Level.SAMPLE).lane_salt(req)
-        assert salt is not None and -2**63 <= salt < 2**63
+    buf, layers = data.allocate(GEO, 4096, 1, 0)  # (buf: the memory the views are of)
+    planes = spec_planes(data.spec_of(GEO, layers, 1, 0))
+    for gen in (1, 1001, (7 << 40) | 5, 2**63 - 1):
         with np.errstate(over="ignore"):
-            x = ids.view(np.uint64) ^ np.int64(salt).view(np.uint64)
+            x = ids.view(np.uint64) ^ np.uint64(gen)
             x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
             x = x ^ (x >> np.uint64(31))
         picked = (x & np.uint64(63)) == 0
         picked[-1] = True
-        assert np.array_equal(picked, checked(Level.SAMPLE, req, ids))
-    assert Checker(Level.FULL).lane_salt("r-1") is None
+        assert np.array_equal(picked, checked(Level.SAMPLE, gen, ids))
+        producer = Checker(Level.SAMPLE)
+        producer.planes = planes
+        producer.fix("r-1", gen, ids)
+        got, _blob, _folded = producer.for_verdict("r-1", gen)
+        assert got == ids[picked].tolist()
+        rows = np.frombuffer(producer.for_board("r-1", gen), dtype="<i8")[4:4 + ids.size]
+        assert np.array_equal(rows, np.where(picked, np.cumsum(picked) - 1, -1))
+    assert not np.array_equal(checked(Level.SAMPLE, 1001, ids), checked(Level.SAMPLE, 1002, ids))
+    del buf
+    assert np.array_equal(checked(Level.SAMPLE, "r-1", ids), checked(Level.SAMPLE, "r-1", ids))

@@ -46,17 +46,17 @@ class _Lane:
         self.digests = digests  # a digest lane: it takes only posts with a generation
         self.posts = self.declined = 0
         self.generations: list[int] = []  # what each post was told
-        self.salts: list[int | None] = []
+        self.samples: list[bool] = []
 
     def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
-             generation: int = 0, salt: int | None = None) -> int | None:
+             generation: int = 0, sample: bool = False) -> int | None:
         if (bool(generation) != (self.digests is not None)
                 or len(local_ids) > self.owner.lane_limit):
             self.declined += 1
             return None
         self.posts += 1
         self.generations.append(generation)
-        self.salts.append(salt)
+        self.samples.append(sample)
         self.owner.posted.append(self.owner.in_flight())
         try:  # as cuda_ipc's kernel: an id out of its side's range is refused, and named
             check_in_range(local_ids, self.blocks[0], "local")
@@ -535,7 +535,7 @@ def test_a_digest_lane_is_bound_to_the_board_and_posts_only_the_generation() -> 
             assert np.array_equal(blocks(decode, ours), blocks(prefill, theirs))
         (lane,) = t.lanes
         assert lane.digests is not None and lane.generations == gens
-        assert lane.salts == [None] * 3  # full: every block (sample: test_integrity.py)
+        assert lane.samples == [False] * 3  # full: every block
         board = decode.peers.get(remote(prefill), 0).result().board
         assert board is not None and lane.digests.board == board.region
         assert decode.integrity.checked_blocks == 5 and decode.integrity.fused_blocks == 0

@@ -593,14 +593,15 @@ class BatchCopier:
 
     def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
                   dst_ids: npt.NDArray[np.int64], stream: Any, after: int | None,
-                  generation: int = 0, salt: int | None = None) -> Pending:
+                  generation: int = 0, sample: bool = False) -> Pending:
         """:meth:`copy_runs` (or, on a digest lane, :meth:`copy_digest`) of one run per block
         pair through ``lane`` (``lane.fits(len(src_ids))``; the device refuses an id out of
         range, like an extent outside the regions): the same kernels, status and completion,
         with nothing but the block ids written per post.
         ``generation`` (a digest lane): the hold whose rows its kernel finds on the producer's
         board and compares — :attr:`Pending.mismatch` and :attr:`Pending.compared` say once
-        done; ``salt``: ``sample``'s (kvlink.integrity.sample_salt), None: every block."""
+        done; ``sample``: it checks the blocks ``sample`` picks (kvlink.integrity.checked, by
+        the generation), else every block."""
         with self._lock:
             buf: _Pinned | None = None
             try:
@@ -616,7 +617,7 @@ class BatchCopier:
                 # whether any unit found none (kv_move_digest, KV_BOARD)
                 buf.words[1:4] = _LANE_CHECK
                 lane.launch(src_ids, dst_ids, buf.ptr, seq, raw,
-                            (generation, buf.ptr + 8, salt))
+                            (generation, buf.ptr + 8, sample))
                 pending = self._enqueue(stream, buf, seq)
                 pending.digest_at = (1, 0, 0)
                 pending.compared_at = 2

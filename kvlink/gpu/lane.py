@@ -167,7 +167,7 @@ class Lane:
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
             v[9], v[10], v[11] = self.unit, sb, db
         else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, generation, out, Q,
-            # page, board, bad, snb, dnb, slot0, mask, lo, hi, pick, salt)
+            # page, board, bad, snb, dnb, slot0, mask, lo, hi, sample)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
             v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
                                                        d.page_bytes, d.board)
@@ -175,13 +175,14 @@ class Lane:
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
                status: int, seq: int, stream: int,
-               check: tuple[int, int, int | None] | None = None) -> None:
+               check: tuple[int, int, bool] | None = None) -> None:
         """Enqueue the copy of blocks ``src_ids`` -> ``dst_ids`` (int64; the device refuses an id
         outside its side's block count, and an address outside the registered regions) on
         ``stream``; ``status``: the address of the post's status word (``seq`` lands there if
         the device refuses an extent). ``check`` (a digest lane): (the hold's generation, the
         address of the three words the kernel reports in: kvlink.gpu.copy.copy_lane, and
-        ``sample``'s salt: kvlink.integrity.sample_salt; None: every block is checked).
+        whether it checks ``sample``'s blocks, picked as kvlink.integrity.checked picks them
+        by the generation, or every block).
         Raises RuntimeError where the driver refuses the launch (nothing was enqueued)."""
         n = src_ids.shape[0]
         got = self._by_blocks.get(n) or self._bound(n)
@@ -196,9 +197,7 @@ class Lane:
         if check is None:
             v[6], v[7], v[8] = status, seq, g
         else:
-            gen, bad, salt = check
-            v[7], v[8], v[11], v[16], v[23], v[24] = (status, seq, gen, bad, salt is not None,
-                                                      salt or 0)
+            v[7], v[8], v[11], v[16], v[23] = status, seq, check[0], check[1], check[2]
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "

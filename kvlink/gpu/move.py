@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 // is the hold's generation, `expect` the board mapping's first word, and the board's layout
 // follows (kvlink.holdboard.DeviceLayout)
 #if KV_BOARD
-#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi, i64 bpick, i64 bsalt
+#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi, i64 bpick
 #else
 #define KV_BOARD_ARGS
 #endif
@@ -285,9 +285,9 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int keys = (int)Q * H;
 #if KV_BOARD
   // Which blocks are checked, the kernel works out as the producer did (bpick 0: every one;
-  // else `sample`: kvlink.integrity.checked, salted with bsalt), so a block it does not check
-  // reads nothing more than the plain copy — nothing of the board, whose words are each a
-  // PCIe round trip away. A checked unit's row is its block's rank among the checked ones;
+  // else `sample`: kvlink.integrity.checked, salted with the generation), so a block it does
+  // not check reads nothing more than the plain copy — nothing of the board, whose words are
+  // each a PCIe round trip away. A checked unit's row is its block's rank among the checked ones;
   // it reads the hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then
   // at its offset kvlink.integrity.pack's (rows k, folded, positions, words a row) and the
   // row the producer gave that block, and compares only where all of it is this request's:
@@ -299,16 +299,17 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   // done (its pages are reused only after it is withdrawn).
   i64 slot = -1;
   {
+    const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
     i64 rank = r, picked = n;  // every block: rows in order
     bool mine = true;
     if (bpick) {  // the same for the whole warp (one unit)
-      mine = r == n - 1 || (kv_mix((u64)sid ^ (u64)bsalt) & 63) == 0;
+      mine = r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
       if (mine) {  // its rank, and how many are picked: the ids travel with the launch
         rank = picked = 0;
         for (i64 p0 = 0; p0 < n; p0 += 32) {
           const i64 p = p0 + lane;
           const bool pk = p < n && (p == n - 1 ||
-                                    (kv_mix((u64)t[2 * S + p] ^ (u64)bsalt) & 63) == 0);
+                                    (kv_mix((u64)t[2 * S + p] ^ gen) & 63) == 0);
           const unsigned m = __ballot_sync(0xffffffffu, pk);
           picked += __popc(m);
           if (p0 + 32 <= r) rank += __popc(m);
@@ -317,7 +318,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       }
     }
     if (mine) {
-      const u64 gen = (u64)nrows;
       const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
       const u64 at = sw[2], len = sw[3];
       nrows = 0;
@@ -325,7 +325,8 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
                    len >= 32 && len <= (u64)bhi - at;
       if (found) {
         const u64* h = expect + at / 8;
-        const u64 k = h[0], per = h[3], row = h[4 + r];
+        const u64 k = h[0], per = h[3];
+        const u64 row = 8 * (u64)r + 40 <= len ? h[4 + r] : ~0ULL;  // (inside the hold's bytes)
         found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k == (u64)picked &&
                 k > 0 && row == (u64)rank && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
         if (found) {
@@ -459,7 +460,7 @@ DIGEST_MAX = 64  # kv_move_digest: pages per unit x heads it can digest (shared 
 NARGS = 10  # kv_move, kv_move_runs (the table first)
 DIGEST_NARGS = 18  # kv_move_digest
 IDS_NARGS = (3, 2)  # more of kv_move_runs and kv_move_digest with KV_IDS (block counts...)
-BOARD_NARGS = 6  # more of kv_move_digest with KV_BOARD (the hold board's layout, the pick)
+BOARD_NARGS = 5  # more of kv_move_digest with KV_BOARD (the hold board's layout, the pick)
 #: size classes (int64 words) of an address table passed with its launch (KV_PW): a class is
 #: a kernel of its own, compiled at its first use; the largest keeps a launch's parameters
 #: within the driver's 32764 bytes (CUDA 12.1+, Volta and later). The 70B TP8-rank request's

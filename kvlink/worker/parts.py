@@ -27,7 +27,7 @@ from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import LAYOUT, fingerprint
-from kvlink.integrity import Digests, board_rows, unpack
+from kvlink.integrity import Digests, Level, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
@@ -236,13 +236,14 @@ class _Parts(_Holds):
         # the ids' range is checked by the lane's kernel (a refused post names the id); a
         # digest lane's kernel finds the hold's rows on its producer's board by its generation
         rids = req.remote_ids
-        generation, salt = 0, None
+        generation = 0
         if digests:
             if not self._boarded(req, go):
                 return False
-            generation, salt = go.generation, self.integrity.lane_salt(req.req_id)
+            generation = go.generation
         part.t_post = time.perf_counter()
-        handle = lane.lane.post(req.local_ids, rids, generation, salt)
+        handle = lane.lane.post(req.local_ids, rids, generation,
+                                self.integrity.level is Level.SAMPLE)
         if handle is None:
             return False
         req.phases.plan += part.t_post - t0

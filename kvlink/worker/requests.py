@@ -26,6 +26,7 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError
 from kvlink.headmap import HeadRead, map_heads, notify_targets
+from kvlink.integrity import Level
 from kvlink.landing import LandingView
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
@@ -103,10 +104,11 @@ class _Requests(_Parts):
         n = lids.shape[0]
         gos = [_Go(leg.peer, generation) for leg in route.legs]
         # a digest lane's kernel finds the hold's rows on the producer's board by generation,
-        # and picks the blocks it checks as the producer did (sample)
-        checked, salt = (generation, self.integrity.lane_salt(req_id)) if digests else (0, None)
+        # and picks the blocks it checks as the producer did (sample: by the generation too)
+        checked = generation if digests else 0
+        sample = self.integrity.level is Level.SAMPLE
         t0 = time.perf_counter()
-        handles = [leg.lane.lane.post(lids, rids, checked, salt) for leg in route.legs]
+        handles = [leg.lane.lane.post(lids, rids, checked, sample) for leg in route.legs]
         # launched (a declined leg is posted the general way below): from here on nothing
         # may raise to the caller, whose blocks now take bytes
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
