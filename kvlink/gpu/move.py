@@ -335,7 +335,9 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       if (found) {
         const u64* h = expect + at / 8;
         const u64 k = h[0], per = h[3];
-        const u64 row = 8 * (u64)r + 40 <= len ? h[4 + r] : ~0ULL;  // (inside the hold's bytes)
+        // the producer's row for this block (inside the hold's bytes); every block checked:
+        // rows in order (kvlink.integrity.pack), one read less a unit
+        const u64 row = !bpick ? (u64)rank : 8 * (u64)r + 40 <= len ? h[4 + r] : ~0ULL;
         found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k == (u64)picked &&
                 k > 0 && row == (u64)rank && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
         if (found) {
