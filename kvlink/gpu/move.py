@@ -297,22 +297,12 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   // block's first unit (checked at every level) says how many rows (bad[1]). What is read
   // here counts only if the reader's after-check finds the hold still shown once the copy is
   // done (its pages are reused only after it is withdrawn).
-  // `full` checks every unit: its digest does not wait for the board, whose words it reads
-  // for the compare once its copy is done (`later`; the slot's issued now, in flight while it
-  // copies). `sample` must know whether its unit is checked before it digests.
   i64 slot = -1;
-  const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
-  const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
-  const bool later = !bpick;
-  u64 bgen = 0, bat = 0, blen = 0;
-  if (later) {
-    bgen = sw[0]; bat = sw[2]; blen = sw[3];
-    slot = r;
-    nrows = n;
-  } else {
-    i64 rank = r, picked = n;
+  {
+    const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
+    i64 rank = r, picked = n;  // every block: rows in order
     bool mine = true;
-    {  // the same for the whole warp (one unit)
+    if (bpick) {  // the same for the whole warp (one unit)
       mine = r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
       if (mine) {  // its rank, and how many are picked: the ids travel with the launch
         rank = picked = 0;
@@ -328,6 +318,7 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       }
     }
     if (mine) {
+      const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
       const u64 at = sw[2], len = sw[3];
       nrows = 0;
       bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
@@ -359,11 +350,7 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   if (slot >= nrows) slot = -1;
   const i64 first = (slot * S * Q + seg * Q) * H;
   u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
-#if KV_BOARD
-  if (slot >= 0 && expect && !later) {
-#else
   if (slot >= 0 && expect) {
-#endif
     if (lane < keys) want0 = expect[first + lane];
     if (lane + 32 < keys) want1 = expect[first + lane + 32];
   }
@@ -436,27 +423,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   if (slot < 0) return;
   kv_flush(acc[group], key, part);
   __syncwarp();
-#if KV_BOARD
-  if (later) {  // full: the hold's slot came while it copied; its head and rows now, together
-    const u64 rows = (u64)(S * keys), span = 32 + 16 * (u64)n + 8 * (u64)n * rows;
-    bool found = bgen == gen && (bat & 7) == 0 && bat >= (u64)blo && bat <= (u64)bhi &&
-                 blen >= span && blen <= (u64)bhi - bat;  // (so the reads below are inside)
-    if (found) {
-      const u64* h = expect + bat / 8;
-      const u64* e = h + 4 + 2 * n;  // every position digested: n rows, n block ids
-      const u64 k = h[0], folded = h[1], pn = h[2], per = h[3];
-      if (lane < keys) want0 = e[first + lane];
-      if (lane + 32 < keys) want1 = e[first + lane + 32];
-      found = k == (u64)n && folded == 0 && pn == (u64)n && per == rows;
-      expect = e;
-    }
-    if (!found) {
-      if (lane == 0) bad[2] = 1;
-      return;
-    }
-    if (seg == 0 && r == n - 1 && lane == 0) bad[1] = n;
-  }
-#endif
   for (int i = lane; i < keys; i += 32) {
     const u64 got = acc[group][i];
     if (out) out[first + i] = got;
