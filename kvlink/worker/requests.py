@@ -105,8 +105,8 @@ class _Requests(_Parts):
         gos = [_Go(leg.peer, generation) for leg in route.legs]
         # a digest lane's kernel finds the hold's rows on the producer's board by generation,
         # and picks the blocks it checks as the producer did (sample: by the generation too)
-        checked = generation if digests else 0
-        sample = self.integrity.level is Level.SAMPLE
+        checked, sample = ((generation, self.integrity.level is Level.SAMPLE) if digests
+                           else (0, False))
         t0 = time.perf_counter()
         handles = [leg.lane.lane.post(lids, rids, checked, sample) for leg in route.legs]
         # launched (a declined leg is posted the general way below): from here on nothing
