@@ -16,8 +16,8 @@ grant ticket, the block ids' fingerprint), and what integrity adds to it: throug
 digest lane (every READ after the peer's first, since 733be9d), nothing — the kernel picks
 the blocks and finds their rows on the board; on the general path, the hold's digests
 located on a real hold board — slot, head, the rows copied — the job, the transport's
-fusability check, its larger launch table. CPU only: no device, the same Python a GPU host runs. Writes
-bench/results/host_steps.json (command, machine, date).
+fusability check, its larger launch table. CPU only: no device, the same Python a GPU host
+runs. Writes bench/results/host_steps.json (command, machine, date).
 """
 
 from __future__ import annotations
