@@ -250,14 +250,15 @@ class ExpandedRuns:
     raw_descriptors: int
 
 
-@dataclasses.dataclass(slots=True)  # not frozen: made on every READ's critical path
+@dataclasses.dataclass(slots=True)  # not frozen: made per READ posted the general way
 class DigestJob:
     """Integrity digests (kvlink.integrity) a transport that copies on its device computes of
     what it lands, while it copies, and compares with the producer's: the optional keyword
-    ``digest`` of ``post_runs`` where the transport has ``fuses_digests``; its
-    ``landed_mismatch(handle)`` then says, once DONE, whether they all matched (None where it
-    could not fuse them for this post: the caller digests itself). Made by the consumer's
-    integrity checker; the transport knows nothing of what the numbers mean."""
+    ``digest`` of ``post_runs`` where the transport has ``fuses_digests`` (a READ no digest
+    lane takes: :class:`LaneDigests`); its ``landed_check(handle)`` then says, once DONE,
+    whether they all matched and how many rows it compared (None where it could not fuse them
+    for this post: the caller digests itself). Made by the consumer's integrity checker; the
+    transport knows nothing of what the numbers mean."""
 
     geometry: int  # device pointer: the consumer's views (heads, tokens, ... then per plane)
     weights: int  # device pointer: the digest's weights
