@@ -70,7 +70,7 @@ def checked(level: Level, salt: str | int, remote_ids: npt.ArrayLike) -> npt.NDA
         return np.zeros(ids.shape, dtype=bool)
     if level is Level.FULL:
         return np.ones(ids.shape, dtype=bool)
-    word = np.uint64((salt if isinstance(salt, int) else _salt(salt)) & 0xFFFF_FFFF_FFFF_FFFF)
+    word = np.uint64(salt if isinstance(salt, int) else _salt(salt))  # (both below 2**64)
     with np.errstate(over="ignore"):
         mixed = _mix(ids.view(np.uint64) ^ word)
     keep: npt.NDArray[np.bool_] = np.asarray(mixed % np.uint64(SAMPLE_EVERY) == 0)

@@ -163,11 +163,16 @@ def _unit_pages(unit: int, page_bytes: int, local: Any, remote: Any) -> int:
     return pages if ok else 0
 
 
+def _views_fit(planes: int, heads: int, segments: int, pages: int) -> bool:
+    """Whether views of ``planes`` planes of ``heads`` heads are those of ``segments`` segments
+    of ``pages`` pages each, with heads within what the fused kernel can sum."""
+    return planes == segments * pages and pages * heads <= DIGEST_MAX
+
+
 def _job_fits(digest: DigestJob, blocks: int, segments: int, pages: int) -> bool:
     """Whether ``digest``'s rows are those of a post of ``blocks`` blocks over ``segments``
-    segments of ``pages`` pages each, and its heads within what the kernel can sum."""
-    return (digest.blocks == blocks and digest.planes == segments * pages
-            and pages * digest.heads <= DIGEST_MAX)
+    segments of ``pages`` pages each (:func:`_views_fit`)."""
+    return digest.blocks == blocks and _views_fit(digest.planes, digest.heads, segments, pages)
 
 
 def _device_index(device: str) -> int:
@@ -583,8 +588,8 @@ class CudaIpcTransport(Transport):
         digest = None
         if digests is not None:
             pages = _unit_pages(unit, digests.page_bytes, local_base, remote_base)
-            if (op is not Op.READ or not pages or digests.planes != pages * len(local_base)
-                    or pages * digests.heads > DIGEST_MAX):
+            if (op is not Op.READ or not pages
+                    or not _views_fit(digests.planes, digests.heads, len(local_base), pages)):
                 return None
             board = self._host_map(digests.board, True, "hold board not mapped (%s): digests "
                                    "compared on the host")

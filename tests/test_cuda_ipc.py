@@ -844,6 +844,8 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     t = _fake_transport(monkeypatch)
     t._copier = _FakeLaneCopier()
     mapped: list[tuple[int, int]] = []
+    # a stand-in for CUDA's host registration (no GPU here), not a fault: it records what
+    # the transport maps and hands back a device address the fake copier never dereferences
     monkeypatch.setattr(t, "_host_map", lambda region, ro, why: mapped.append(region) or 0xB0A4D)
     t.connect("p", _desc(4242, b"a" * 64))
     local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
@@ -863,5 +865,6 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     wrong = digests._replace(planes=4)  # views of other planes than the segments
     assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), wrong) is None
     assert t.lane(Op.WRITE, "p", local_base, remote_base, 4096, (64, 64), digests) is None
+    # an injected fault: CUDA refuses to map the board (the transport then says 0)
     monkeypatch.setattr(t, "_host_map", lambda region, ro, why: 0)
     assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests) is None

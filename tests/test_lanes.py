@@ -520,8 +520,8 @@ def test_a_digest_lane_is_bound_to_the_board_and_posts_only_the_generation() -> 
     prefill, _ = make("p", seed=1, transports=["fusing_lane_tcp"], grants=False,
                       integrity="full")
     decode, _ = make("d", transports=["fusing_lane_tcp"], grants=False, integrity="full")
-    # our views as the copy kernel would take them (CPU planes have none): device pointers
-    # the stand-in lane never dereferences
+    # a stand-in, not a fault: our views as the copy kernel would take them (CPU planes have
+    # none, no GPU here) — device pointers the stand-in lane never dereferences
     decode.integrity.fused_views = lambda: (0x6E0, 0x3E1, 2 * decode.spec.num_layers,  # type: ignore[method-assign]
                                             decode.spec.num_kv_heads)
     try:
