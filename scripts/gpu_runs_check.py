@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvlink.gpu import native
 from kvlink.gpu.copy import BatchCopier, RegionMap
 from kvlink.transport import Runs
 
@@ -120,6 +121,17 @@ def main() -> None:
     p.wait()
     out["lane_failed"] = p.failed()
     out["lane_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
+    # lanes launch through the C launcher where it builds (kvlink.gpu.native); the ctypes
+    # launch it replaces, for the same lane, byte for byte
+    launcher = cuda.launcher
+    out["lane_launcher"] = "native" if launcher is not None else f"ctypes ({native.why_not()})"
+    cuda.launcher = None
+    dst.zero_()
+    p = copier.copy_lane(lane, rids, lids, stream, None)
+    p.wait()
+    out["lane_ctypes_failed"] = p.failed()
+    out["lane_ctypes_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
+    cuda.launcher = launcher
     dst.zero_()
     far = copier.lane(runs.remote_base + np.uint64(nbytes), runs.local_base, UNIT, (NB, NB),
                       smap, dmap)
@@ -149,9 +161,10 @@ def main() -> None:
         others = bool(dst.view(SEGS, NB * UNIT)[:, lids[0] * UNIT].any().item())
         out[f"lane_{side}_id_refused"] = p.failed() and untouched and others
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
-    kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane", "device_copy")
+    kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane",
+             "copy_lane_ctypes", "device_copy")
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    times.update({f"host_{k}_us": [] for k in kinds[:4]})
+    times.update({f"host_{k}_us": [] for k in kinds[:5]})
     flat_src = torch.empty(runs.nbytes, dtype=torch.uint8, device=dev)
     for i in range(60):
         for kind in kinds:
@@ -163,8 +176,10 @@ def main() -> None:
             if kind == "copy_expanded":
                 ext = runs.expand(copier.host_extents)
                 p = copier.copy(ext.remote, smap, ext.local, dmap, stream)
-            elif kind == "copy_lane":
+            elif kind.startswith("copy_lane"):
+                cuda.launcher = None if kind.endswith("ctypes") else launcher
                 p = copier.copy_lane(lane, rids, lids, stream, None)
+                cuda.launcher = launcher
             elif kind.startswith("copy_runs"):
                 p = copier.copy_runs(_table(runs), SEGS, int(runs.lens.shape[0]), smap, dmap,
                                      stream)
@@ -186,15 +201,18 @@ def main() -> None:
     out["ratio_device_copy_over_copy_runs"] = med["device_copy"] / med["copy_runs"]
     out["ratio_device_copy_over_copy_expanded"] = med["device_copy"] / med["copy_expanded"]
     out["ratio_device_copy_over_copy_lane"] = med["device_copy"] / med["copy_lane"]
+    out["ratio_device_copy_over_copy_lane_ctypes"] = (med["device_copy"]
+                                                      / med["copy_lane_ctypes"])
     print(json.dumps(out, indent=1))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from _common import write_result  # command, machine, date
 
     write_result("gpu_runs_check", {"device_name": torch.cuda.get_device_name(dev), **out},
                  str(Path(args.out) / "gpu_runs_check.json"))
-    forms = ("with_launch", "uploaded", "lane")
-    ok = all(out[f"{f}_{k}"] for f in forms
-             for k in ("verified", "refused_failed", "refused_wrote_nothing")) and not any(
+    forms = ("with_launch", "uploaded", "lane", "lane_ctypes")
+    ok = all(out[f"{f}_{k}"] for f in forms for k in ("verified", "refused_failed",
+                                                      "refused_wrote_nothing")
+             if f"{f}_{k}" in out) and out["lane_ctypes_verified"] and not any(
         out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
                                                     for s in ("src", "dst")) and bool(
         out["lane_translated"]) and bool(out["far_lane_not_translated"])

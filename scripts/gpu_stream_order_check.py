@@ -425,7 +425,13 @@ def main() -> None:
             row: dict[str, Any] = {"transport": tr, "stream_order": mode == "order",
                                    "warmup": d.warmup}
             if tr == "cuda_ipc":
-                row["kernel"] = d.worker.transports["cuda_ipc"]._copier.kernel
+                copier = d.worker.transports["cuda_ipc"]._copier
+                row["kernel"] = copier.kernel
+                # whole blocks go through a lane: its launcher orders the copy itself
+                from kvlink.gpu import native
+
+                row["lane_launcher"] = ("native" if getattr(copier._cuda, "launcher", None)
+                                        is not None else f"ctypes ({native.why_not()})")
             try:
                 row["read_default_stream"] = d.read("read_default_stream")
                 row["read_side_stream"] = d.read("read_side_stream", torch.cuda.Stream())

@@ -366,6 +366,7 @@ class BatchCopier:
         self._plans: dict[tuple[int, int, bool], tuple[tuple[int, int, int], int, list[int]]] = {}
         self._lock = threading.Lock()  # posts from several threads take turns
         self._order: move.StreamOrder | None = None  # copies after a caller's stream
+        self._order_event: int | None = None  # the C launcher's (for the same order)
         self._signal: tuple[int, int, int] | None = None  # the post being enqueued's
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
@@ -609,6 +610,10 @@ class BatchCopier:
                 buf = self._take(32)
                 buf.status.value = 0
                 raw = stream.cuda_stream
+                launcher = self._cuda.launcher if self._cuda is not None else None
+                if launcher is not None:
+                    return self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
+                                             after, buf, seq, generation, sample)
                 self._after(raw, after)
                 if lane.digest is None:
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw)
@@ -626,6 +631,32 @@ class BatchCopier:
                 held: tuple[Any, ...] = () if buf is None else (buf,)
                 return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
+
+    def _lane_native(self, launcher: Any, lane: Lane, src_ids: npt.NDArray[np.int64],
+                     dst_ids: npt.NDArray[np.int64], stream: Any, raw: int,
+                     after: int | None, buf: _Pinned, seq: int, generation: int,
+                     sample: bool) -> Pending:
+        """:meth:`copy_lane`'s launch through the C launcher: the ids, the order after the
+        caller's stream, the kernel and its completion event in one call (under the lock)."""
+        events = self._events
+        if self._order_event is None:
+            self._order_event = events.take()  # ours for good: one serves every order
+        done = events.take()
+        check = None
+        if lane.digest is not None:
+            buf.words[1:4] = _LANE_CHECK
+            check = (generation, buf.ptr + 8, sample)
+        try:
+            lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
+                      self._order_event, done, check)
+        except RuntimeError:  # (copy_lane fails the copy, recording an event after it)
+            events.recycle(done)  # not recorded: nothing waits on it
+            raise
+        pending = self._track(stream, buf, seq, done)
+        if check is not None:
+            pending.digest_at = (1, 0, 0)
+            pending.compared_at = 2
+        return pending
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
                       table: npt.NDArray[np.uint64], spare: int, stream: Any,
@@ -774,11 +805,17 @@ class BatchCopier:
         signal, self._signal = self._signal, None
         if signal is not None and buf is not None and not error and self._cuda is not None:
             self._cuda.signal(buf.ptr, seq, *signal, stream.cuda_stream)
+        return self._track(stream, buf, seq, self._events.record(stream.cuda_stream), keep,
+                           dbuf, error)
+
+    def _track(self, stream: Any, buf: _Pinned | None, seq: int, event: int,
+               keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> Pending:
+        """A copy enqueued, its completion ``event`` recorded: kept in flight (and the copies
+        seen finished meanwhile handed back)."""
         events = self._events
         while self._inflight and (self._inflight[0]._done
                                   or events.query(self._inflight[0].event)):
             self._finish_locked(self._inflight.popleft())
-        pending = Pending(self, events.record(stream.cuda_stream), buf, seq, keep, dbuf, error,
-                          stream)
+        pending = Pending(self, event, buf, seq, keep, dbuf, error, stream)
         self._inflight.append(pending)
         return pending

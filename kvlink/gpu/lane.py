@@ -22,7 +22,8 @@ table does not fit the largest size class is the caller's to post the general wa
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+import ctypes
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +31,10 @@ import numpy.typing as npt
 from kvlink.gpu import move
 
 U64 = npt.NDArray[np.uint64]
+#: the argument slots a post writes (see Lane._constants for the kernels' signatures): plain
+#: (n, status, seq, G), digest (n, status, seq, generation, check words, sample)
+_PLAIN_SLOTS = (1, 6, 7, 8)
+_DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
 
 
 class Regions(Protocol):
@@ -97,6 +102,10 @@ class Lane:
         self._classes: dict[int, move.TableLaunch] = {}  # size class -> its launch buffers
         #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes
         self._by_blocks: dict[int, tuple[move.TableLaunch, int, int]] = {}
+        #: blocks -> the C launcher's form of that launch, and its parts per block
+        self._forms: dict[int, tuple[tuple[Any, ...], int]] = {}
+        #: the argument slots a post writes, in the order :meth:`post` gives their values
+        self._slots = (_PLAIN_SLOTS if digest is None else _DIGEST_SLOTS)
 
     def fits(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` travels with its launch (else: post it the general
@@ -172,6 +181,37 @@ class Lane:
             v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
                                                        d.page_bytes, d.board)
             v[17], v[18], v[19], v[20], v[21], v[22] = (sb, db, *d.layout)
+
+    def post(self, launcher: Any, src_ids: npt.NDArray[np.int64],
+             dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
+             after: int | None, order: int, done: int,
+             check: tuple[int, int, bool] | None = None) -> None:
+        """:meth:`launch` through the C launcher (kvlink.gpu.native: ``launcher``), which also
+        orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
+        has work pending) and records the event ``done`` after the kernel — one call. Raises
+        RuntimeError naming the driver step that refused (before the launch: nothing of this
+        copy was enqueued)."""
+        n = src_ids.shape[0]
+        got = self._forms.get(n) or self._form(n)
+        form, g = got
+        values: tuple[int, ...] = ((n, status, seq, g) if check is None else
+                                   (n, status, seq, check[0], check[1], int(check[2])))
+        launcher.post(form, src_ids, dst_ids, stream, after, order, done, values)
+
+    def _form(self, n: int) -> tuple[tuple[Any, ...], int]:
+        got = self._by_blocks.get(n) or self._bound(n)
+        if got is None:
+            raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
+        launch, grid, g = got
+        fn = launch.fn
+        form: tuple[Any, ...] = (
+            int(getattr(fn, "value", fn) or 0), launch.table.ctypes.data,
+            ctypes.addressof(launch.vals), launch.params, grid, launch.threads,
+            2 * self.segments, n, int(launch.table.shape[0]), self._slots)
+        if len(self._forms) > 4096:
+            self._forms.clear()
+        self._forms[n] = (form, g)
+        return form, g
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
                status: int, seq: int, stream: int,

@@ -543,6 +543,8 @@ class TableLaunch:
         self.ids: npt.NDArray[np.int64] = self.table.view(np.int64)
         #: the kernel's arguments after the table, one int64 slot each
         self.vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
+        #: cuLaunchKernel's array of pointers to them (for the C launcher: kvlink.gpu.native)
+        self.params = ctypes.addressof(self._ptrs)
 
     def __call__(self, lib: Any, grid: int, threads: int, table: npt.NDArray[np.uint64],
                  args: tuple[int, ...], stream: int) -> int:
@@ -572,6 +574,9 @@ class CudaMove:
         self._dvals, self._dptrs = _arg_block(DIGEST_NARGS)
         self._tables: dict[tuple[str, tuple[int, int, int], int], TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
+        #: the C launcher lanes post through (kvlink.gpu.native), bound to this driver; None:
+        #: they launch through ctypes
+        self.launcher = _bind_launcher(self._lib)
 
     def table_class(self, words: int) -> int:
         """The size class (words) a table of ``words`` travels in with its launch; 0 where it
@@ -676,6 +681,19 @@ class CudaMove:
             raise RuntimeError(f"cuMemcpyHtoDAsync failed with CUDA error {rc}")
 
 
+def _bind_launcher(lib: Any) -> Any:
+    """The C launcher, given the addresses of the driver functions it calls (those of
+    ``lib``), or None where it cannot be built here (kvlink.gpu.native says why)."""
+    from kvlink.gpu import native
+
+    launcher = native.load()
+    if launcher is not None:
+        launcher.bind(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                        for name in ("cuLaunchKernel", "cuStreamQuery", "cuEventRecord",
+                                     "cuStreamWaitEvent")))
+    return launcher
+
+
 def _signed(v: int) -> int:
     """A 64-bit word as the c_longlong slots take it."""
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -751,6 +769,10 @@ class DriverEvents:
                                   cuEventSynchronize=[vp])
         self._device = device
         self._free: list[int] = []
+
+    def take(self) -> int:
+        """An event to record (recycled, or new); :meth:`recycle` it if it was not recorded."""
+        return self._free.pop() if self._free else self._create()
 
     def record(self, stream: int) -> int:
         """An event recorded on ``stream`` (raw handle) now: complete once what it holds ran."""

@@ -1,0 +1,113 @@
+"""The lane's launcher in C (``_launch.c``), built on first use with the host's C compiler.
+
+A lane's post through numpy and ctypes costs ~30 us of cold host time before its kernel
+starts; the C launcher does the same writes and driver calls in one call of a few
+microseconds (the file's header says why that matters). It is built the way Triton builds
+its launchers: at first use, with the compiler Python was built with (``sysconfig``'s
+``CC``) and Python's headers, into a cache keyed by the source and the interpreter
+(``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink``, else ``~/.cache/kvlink``), so a
+process after the first only imports it. Where it cannot be built (no compiler, no headers,
+a read-only cache) :func:`load` says why once and returns None: lanes then launch through
+ctypes, as before. ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("kvlink.gpu")
+
+_SOURCE = Path(__file__).with_name("_launch.c")
+_NAME = "_kvlink_launch"  # PyInit__kvlink_launch
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+_why: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    """Where built launchers are kept."""
+    own = os.environ.get("KVLINK_CACHE_DIR")
+    if own:
+        return Path(own)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvlink"
+
+
+def enabled() -> bool:
+    """Whether the C launcher may be used (``KVLINK_NATIVE=0`` says no)."""
+    return os.environ.get("KVLINK_NATIVE", "1").strip().lower() not in ("0", "false", "no",
+                                                                          "off")
+
+
+def why_not() -> str:
+    """Why :func:`load` returned None (empty if it did not, or was not called)."""
+    return _why.get("launch", "")
+
+
+def load() -> ModuleType | None:
+    """The built launcher module (bind/post, see ``_launch.c``), or None (said once, in the
+    log): lanes then launch through ctypes."""
+    with _lock:
+        if "launch" in _loaded:
+            return _loaded["launch"]
+        mod: ModuleType | None = None
+        if not enabled():
+            _why["launch"] = "KVLINK_NATIVE=0"
+        else:
+            try:
+                mod = _import(_build())
+            except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
+                _why["launch"] = f"{type(exc).__name__}: {exc}"
+                log.warning("the C lane launcher is unavailable (%s); lanes launch through "
+                            "ctypes (~30 us more a request, cold)", _why["launch"])
+        _loaded["launch"] = mod
+        return mod
+
+
+def _build() -> Path:
+    """The shared object for this source and interpreter, built now if it is not cached.
+    Built to a temporary name and renamed: processes that build at once each end with a
+    whole file."""
+    source = _SOURCE.read_bytes()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    key = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{_NAME}-{key}{suffix}"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise RuntimeError(f"no Python.h under {include} (install the Python headers)")
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-I", include, str(_SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,0 +1,181 @@
+"""The C lane launcher (kvlink/gpu/_launch.c, built by kvlink.gpu.native): what it writes and
+which driver calls it makes, in which order, and how it fails.
+
+No GPU here: the driver's four functions are stand-ins (ctypes callbacks that record their
+calls and return what a test tells them to), handed to the launcher as it is handed the real
+ones. The real driver is exercised by scripts/gpu_runs_check.py (its lane rows go through
+this launcher where it builds, and it says whether it did)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvlink.gpu import native
+from kvlink.gpu.lane import _DIGEST_SLOTS, _PLAIN_SLOTS
+
+NOT_READY = 600
+vp = ctypes.c_void_p
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                          ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, vp, vp, vp)
+QUERY = ctypes.CFUNCTYPE(ctypes.c_int, vp)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
+WAIT = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
+
+
+class StandInDriver:
+    """cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent as callbacks (a
+    stand-in: this machine has no CUDA driver). ``calls``: what was called, in order, with
+    the launch's table and argument slots as they were at the call."""
+
+    def __init__(self, table: Any, slots: Any) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.rc = {"launch": 0, "query": 0, "record": 0, "wait": 0}
+        self._table, self._slots = table, slots
+
+        def launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, sh: int,
+                   stream: int, params: int, extra: int) -> int:
+            self.calls.append(("launch", f, gx, bx, stream, params,
+                               list(self._table[:12]), list(self._slots)))
+            return self.rc["launch"]
+
+        self._fns = (LAUNCH(launch),
+                     QUERY(lambda s: self._call("query", s)),
+                     RECORD(lambda e, s: self._call("record", e, s)),
+                     WAIT(lambda s, e, f: self._call("wait", s, e)))
+
+    def _call(self, name: str, *args: Any) -> int:
+        self.calls.append((name, *args))
+        return self.rc[name]
+
+    def addresses(self) -> list[int]:
+        return [int(ctypes.cast(f, vp).value or 0) for f in self._fns]
+
+
+@pytest.fixture
+def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("KVLINK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", {})
+    mod = native.load()
+    assert mod is not None, f"the C launcher did not build here: {native.why_not()}"
+    return mod
+
+
+def _form(table: Any, slots: Any, params: int, n: int, which: tuple[int, ...],
+          at: int = 2) -> tuple[int, ...]:
+    return (0xF00, ctypes.addressof(table), ctypes.addressof(slots), params, 7, 256, at, n,
+            len(table), which)
+
+
+def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
+    table = (ctypes.c_longlong * 16)()
+    slots = (ctypes.c_longlong * 24)()
+    drv = StandInDriver(table, slots)
+    launcher.bind(*drv.addresses())
+    return table, slots, drv
+
+
+def test_a_post_writes_the_ids_and_slots_then_launches_and_records_completion(
+        launcher: Any) -> None:
+    table, slots, drv = _setup(launcher)
+    table[0], table[1] = 111, 222  # the lane's bases: not the post's to touch
+    src = np.array([5, 9, 2], dtype=np.int64)
+    dst = np.array([1, 0, 7], dtype=np.int64)
+    form = _form(table, slots, 0xABC, 3, _PLAIN_SLOTS)
+    launcher.post(form, src, dst, 0x51, None, 0xE1, 0xE2, (3, 0x5000, 17, 4))
+    assert [c[0] for c in drv.calls] == ["launch", "record"]
+    _, fn, grid, threads, stream, params, words, vals = drv.calls[0]
+    assert (fn, grid, threads, stream, params) == (0xF00, 7, 256, 0x51, 0xABC)
+    assert words[:8] == [111, 222, 5, 9, 2, 1, 0, 7]
+    assert [vals[i] for i in _PLAIN_SLOTS] == [3, 0x5000, 17, 4]
+    assert drv.calls[1] == ("record", 0xE2, 0x51)  # after the kernel, on the copy's stream
+
+
+def test_a_digest_post_writes_the_generation_the_check_and_sample(launcher: Any) -> None:
+    table, slots, drv = _setup(launcher)
+    ids = [4, 3]
+    form = _form(table, slots, 1, 2, _DIGEST_SLOTS)
+    launcher.post(form, np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int64), 9, None,
+                  1, 2, (2, 0x70, 5, (1 << 62) + 3, 0x78, True))
+    vals = drv.calls[0][7]
+    assert [vals[i] for i in _DIGEST_SLOTS] == [2, 0x70, 5, (1 << 62) + 3, 0x78, 1]
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_the_copy_waits_for_the_callers_stream_only_where_it_has_work(
+        launcher: Any, pending: bool) -> None:
+    table, slots, drv = _setup(launcher)
+    drv.rc["query"] = NOT_READY if pending else 0
+    one = np.array([1], dtype=np.int64)
+    form = _form(table, slots, 1, 1, _PLAIN_SLOTS)
+    launcher.post(form, one, one, 0x51, 0x77, 0xE1, 0xE2, (1, 0, 1, 1))
+    names = [c[0] for c in drv.calls]
+    if pending:  # the order's event recorded on the caller's stream, waited on by ours, first
+        assert names == ["query", "record", "wait", "launch", "record"]
+        assert drv.calls[1] == ("record", 0xE1, 0x77)
+        assert drv.calls[2] == ("wait", 0x51, 0xE1)
+    else:
+        assert names == ["query", "launch", "record"]
+    drv.calls.clear()  # the caller's stream is ours: nothing to wait for
+    launcher.post(form, one, one, 0x51, 0x51, 0xE1, 0xE2, (1, 0, 1, 1))
+    assert [c[0] for c in drv.calls] == ["launch", "record"]
+    drv.calls.clear()  # the legacy default stream is handle 0, and is waited for
+    drv.rc["query"] = NOT_READY
+    launcher.post(form, one, one, 0x51, 0, 0xE1, 0xE2, (1, 0, 1, 1))
+    assert drv.calls[1] == ("record", 0xE1, None)  # (ctypes hands a null pointer as None)
+
+
+@pytest.mark.parametrize(("step", "made"), [
+    ("query", ["query"]),
+    ("wait", ["query", "record", "wait"]),
+    ("launch", ["query", "record", "wait", "launch"]),
+])
+def test_a_refused_step_raises_naming_it_and_stops_there(launcher: Any, step: str,
+                                                         made: list[str]) -> None:
+    table, slots, drv = _setup(launcher)
+    drv.rc["query"] = NOT_READY  # the caller's stream busy: the order's steps are made
+    drv.rc[step] = 999
+    one = np.array([1], dtype=np.int64)
+    with pytest.raises(RuntimeError, match="CUDA error 999") as err:
+        launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS), one, one, 1, 2, 3, 4,
+                      (1, 0, 1, 1))
+    assert [c[0] for c in drv.calls] == made  # no completion recorded for a copy not made
+    assert ("cuLaunchKernel" in str(err.value)) == (step == "launch")
+
+
+def test_ids_that_are_not_int64_or_do_not_fit_are_refused_untouched(launcher: Any) -> None:
+    table, slots, drv = _setup(launcher)
+    form = _form(table, slots, 1, 2, _PLAIN_SLOTS)
+    good = np.array([1, 2], dtype=np.int64)
+    for bad, why in ((np.array([1, 2], dtype=np.int32), "source ids"),
+                     (np.array([1, 2, 3], dtype=np.int64), "source ids"),
+                     (np.array([1.0, 2.0]), "source ids"),
+                     (np.array([[1], [2]], dtype=np.int64), "source ids")):
+        with pytest.raises(ValueError, match=why):
+            launcher.post(form, bad, good, 1, None, 3, 4, (2, 0, 1, 1))
+    with pytest.raises(ValueError, match="destination ids"):
+        launcher.post(form, good, good[::-1][::-1].astype(np.uint64), 1, None, 3, 4,
+                      (2, 0, 1, 1))
+    with pytest.raises(ValueError, match="do not fit"):  # 2 x 8 ids past a 16-word table
+        launcher.post(_form(table, slots, 1, 8, _PLAIN_SLOTS, at=2), np.zeros(8, np.int64),
+                      np.zeros(8, np.int64), 1, None, 3, 4, (8, 0, 1, 1))
+    assert drv.calls == [] and list(table) == [0] * 16
+
+
+def test_an_unbuildable_launcher_falls_back_saying_why(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVLINK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="kvlink.gpu"):
+        assert native.load() is None
+    assert "failed" in native.why_not() and "launch through ctypes" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # no half-built file left to load later
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("KVLINK_NATIVE", "0")
+    assert native.load() is None and native.why_not() == "KVLINK_NATIVE=0"
