@@ -49,7 +49,6 @@ import dataclasses
 import errno
 import fcntl
 import functools
-import hashlib
 import logging
 import mmap
 import os
@@ -74,16 +73,52 @@ ARENA_PAGES = 1 << 14  # 64 MiB (tmpfs: only pages written take memory), e.g. 20
 #                        a 70B TP8-rank 4096-token request's full digests
 _ARENA = _HEADER + 8 * _WORDS * SLOTS  # the arena's first byte (page aligned)
 #: magic "kvlinkB2" (B1: slots without digests)
-KIND = shmfile.Kind("kvlink-board-", 0x6B766C696E6B4232, SLOTS, _ARENA + PAGE * ARENA_PAGES)
+# (B3: fingerprints by kvlink.native's sum of mixes; a B2 board's were blake2b: not opened)
+KIND = shmfile.Kind("kvlink-board-", 0x6B766C696E6B4233, SLOTS, _ARENA + PAGE * ARENA_PAGES)
 TOKEN_BYTES = shmfile.TOKEN_BYTES
 
 
+_FP_SEED = np.uint64(0x6B766C696E6B6670)  # "kvlinkfp"
+_UNSET = object()
+_c_fingerprint: object = _UNSET  # kvlink.native's, once looked up (None: numpy's)
+
+
 def fingerprint(block_ids: npt.ArrayLike) -> int:
-    """64 bits naming an exact list of block ids (in order)."""
-    ids = np.asarray(block_ids, dtype="<i8")
-    if ids.ndim != 1 or not ids.flags.c_contiguous:
-        ids = np.ascontiguousarray(ids.reshape(-1))
-    return int.from_bytes(hashlib.blake2b(ids.data, digest_size=8).digest(), "little")
+    """64 bits naming an exact list of block ids (in order): the sum over positions ``i``
+    of ``mix(id_i ^ mix(i ^ SEED))`` modulo 2**64, mixed with the count (``mix``:
+    splitmix64's finaliser). Not a cryptographic hash: it tells a reader's id list from the
+    hold's, which a same-host reader could read anyway. Computed in C where kvlink's helpers
+    build (kvlink.native: one call, where numpy's steps and blake2b cost 26 us of a READ's
+    path cold on one H200 host), else by numpy, to the same value."""
+    global _c_fingerprint
+    fp = _c_fingerprint
+    if fp is _UNSET:
+        from kvlink import native
+
+        mod = native.load()
+        fp = _c_fingerprint = None if mod is None else mod.fingerprint
+    if fp is not None:
+        try:
+            return int(fp(block_ids))  # type: ignore[operator]
+        except (TypeError, ValueError, OverflowError):  # not a list or int64: numpy's below
+            pass
+    return fingerprint_numpy(block_ids)
+
+
+def fingerprint_numpy(block_ids: npt.ArrayLike) -> int:
+    """:func:`fingerprint` by numpy (where the C helpers are not built; and their check)."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    n = ids.shape[0]
+    pos = _mix(np.arange(n, dtype=np.uint64) ^ _FP_SEED)
+    h = _mix(ids.view(np.uint64) ^ pos).sum(dtype=np.uint64)
+    return int(_mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0])
+
+
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser (as kvlink.integrity's; arrays: their arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,24 +391,44 @@ class BoardView:
 
 
 class AfterCheck:
-    """:meth:`BoardView.still_holds` for one READ, bound at its post: the slot's reader made
-    and its page faulted in while the bytes move, so the poll that sees the READ DONE makes
-    one flock and one read. Everything on that poll is cold (the READ took a millisecond of
-    other code): the unbound check measured 25-30 us there on one H200 host."""
+    """:meth:`BoardView.still_holds` for one READ, bound when it is posted (see the module
+    docstring: alive first, then the slot). Made in one C call where kvlink's helpers build
+    (kvlink.native's ``board_shows``: the flock and both loads); through Python, binding the
+    slot's reader at the post and touching its page, it cost 25 us to bind and 26 to make on
+    the poll that sees the READ DONE, cold, on one H200 host
+    (bench/results/gpu_checks_native_fp)."""
 
-    __slots__ = ("_read", "_view", "_want")
+    __slots__ = ("_at", "_read", "_view", "_want")
 
     def __init__(self, view: BoardView, generation: int, fp: int) -> None:
-        self._view, self._want = view, (generation, fp)
-        self._read = view.reader(generation)
-        if self._read is not None:
-            self._read()  # the page, now
+        self._view, self._want, self._at = view, (generation, fp), _slot_at(generation)
+        self._read: Callable[[], tuple[int, ...]] | None = None
+        if _board_shows() is None:  # Python's: the slot's reader now, and its page
+            self._read = view.reader(generation)
+            if self._read is not None:
+                self._read()
 
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""
-        if self._read is None:
-            return False
+        view = self._view
+        shows = _board_shows()
         try:
-            return self._view.alive() and self._read() == self._want
+            if shows is not None:
+                return bool(shows(view._map, self._at, view._fd, *self._want))
+            return self._read is not None and view.alive() and self._read() == self._want
         except ValueError:  # the view was closed under us
             return False
+
+
+_c_board_shows: object = _UNSET  # kvlink.native's, once looked up (None: Python's)
+
+
+def _board_shows() -> Callable[..., bool] | None:
+    global _c_board_shows
+    got = _c_board_shows
+    if got is _UNSET:
+        from kvlink import native
+
+        mod = native.load()
+        got = _c_board_shows = None if mod is None else mod.board_shows
+    return got  # type: ignore[return-value]

@@ -138,6 +138,8 @@ class _Xfer:
     state: XferState = PENDING
     #: post_runs (or a lane's post: made on demand): expanded only to explain a refusal
     runs: Runs | Callable[[], Runs] | None = None
+    #: a lane's post: the (local, remote) block ids it launched with, int64 (ours)
+    ids: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
 
@@ -175,6 +177,17 @@ def _job_fits(digest: DigestJob, blocks: int, segments: int, pages: int) -> bool
     return digest.blocks == blocks and _views_fit(digest.planes, digest.heads, segments, pages)
 
 
+def _launched_ids(launched: npt.NDArray[np.int64] | None, n: int, op: Op, local_ids: Any,
+                  remote_ids: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(local, remote) ids of a lane's post as int64 arrays of ours (the caller may reuse
+    theirs): views of what the launch took (source ids, then destination ids), else
+    converted here (the ctypes launch, or a copy that failed before its launch)."""
+    if launched is None:
+        return np.array(local_ids, dtype=np.int64), np.array(remote_ids, dtype=np.int64)
+    src, dst = launched[:n], launched[n:]
+    return (dst, src) if op is Op.READ else (src, dst)
+
+
 def _device_index(device: str) -> int:
     return int(device.split(":", 1)[1]) if ":" in device else 0
 
@@ -201,8 +214,26 @@ class _Lane:
         lane cannot take the request (too many blocks for a launch's table; a digest lane
         without the hold's ``generation``): post it the general way. ``sample`` (a digest
         lane): its kernel checks the blocks ``sample`` picks, as the producer picked them
-        (kvlink.integrity.checked, by the generation), else every block."""
+        (kvlink.integrity.checked, by the generation), else every block. Where
+        :attr:`takes_lists`, the ids may also be lists of ints, converted by the launch
+        itself; ids it cannot take then raise TypeError, ValueError or OverflowError, and
+        nothing was posted."""
         return self._owner._post_lane(self, local_ids, remote_ids, generation, sample)
+
+    def posted_ids(self, handle: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+        """The (local, remote) block ids ``handle``'s post launched with: int64 arrays of the
+        transport's own (not to be written), so a caller that handed lists needs no copy of
+        its own (None: not a lane's post, or released)."""
+        x = self._owner._xfers.get(handle)
+        return None if x is None else x.ids
+
+    @property
+    def takes_lists(self) -> bool:
+        """Whether :meth:`post` takes the caller's ids as they come (lists of ints, int64
+        arrays): the C launcher copies them into the launch (kvlink.native), so a READ's
+        ids need no conversion before its launch."""
+        copier = self._owner._copier
+        return copier is not None and bool(copier.takes_lists)
 
     def runs(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64]
              ) -> Runs:
@@ -607,11 +638,43 @@ class CudaIpcTransport(Transport):
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
                    remote_ids: npt.NDArray[np.int64], generation: int,
                    sample: bool) -> int | None:
-        """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one)."""
-        moves, n = lane.moves, int(local_ids.shape[0])
+        """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one).
+
+        The common case — the peer as the lane bound it, our device current — takes a path
+        of its own, the launch first and the bookkeeping after: a READ's host time before its
+        launch is its latency, cold (bench/results/gpu_checks_61d7f7e_stamps: 38 us from the
+        lane's call to the launcher's through the general post's closure and layers). Any
+        other case takes :meth:`_post`, which rebinds or fails the post saying why."""
+        moves, n = lane.moves, len(local_ids)
         if not moves.fits(n) or (moves.digest is not None and not generation):
             return None
         src, dst = (remote_ids, local_ids) if lane.op is Op.READ else (local_ids, remote_ids)
+        copier, nbytes = self._copier, n * moves.segments * moves.unit
+        t0 = time.perf_counter()
+        with self._lock:
+            target = self._peers.get(lane.peer)
+            try:
+                common = (target is lane.target and target is not None and copier is not None
+                          and self._current_device() == self._device)
+                after = (self._current_stream(self._device) if common and self.stream_order
+                         else None)
+            except (RuntimeError, OSError):  # a dead context: _post fails it, saying so
+                common = False
+            if common:
+                assert target is not None and copier is not None
+                pending = copier.copy_lane(moves, src, dst, self._stream, after, generation,
+                                           sample)  # (its launch's errors make it fail)
+                handle = next(self._handles)
+                ids = _launched_ids(pending.ids, n, lane.op, local_ids, remote_ids)
+                x = _Xfer(pending, nbytes, t0, None, None, target,
+                          runs=functools.partial(lane.runs, *ids), ids=ids)
+                target.live.add(x)
+                self._xfers[handle] = x
+                closable = self._reap_locked() if self._released else []
+        if common:
+            self._unmap(closable)
+            self._account_post(time.perf_counter() - t0, n * moves.segments)
+            return handle
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
             if target is not lane.target:  # connected anew since the lane was bound
@@ -621,8 +684,9 @@ class CudaIpcTransport(Transport):
             return copier.copy_lane(moves, src, dst, self._stream, after, generation, sample)
 
         return self._post(lane.peer, copy, None, None,
-                          functools.partial(lane.runs, local_ids, remote_ids),
-                          n * moves.segments * moves.unit, n * moves.segments)
+                          functools.partial(lane.runs, np.array(local_ids, dtype=np.int64),
+                                            np.array(remote_ids, dtype=np.int64)),
+                          nbytes, n * moves.segments)
 
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],
               local: Extents | None, remote: Extents | None,

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlink.gpu import native
+from kvlink import native
 from kvlink.gpu.copy import BatchCopier, RegionMap
 from kvlink.transport import Runs
 
@@ -121,10 +121,16 @@ def main() -> None:
     p.wait()
     out["lane_failed"] = p.failed()
     out["lane_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
-    # lanes launch through the C launcher where it builds (kvlink.gpu.native); the ctypes
+    # lanes launch through the C launcher where it builds (kvlink.native); the ctypes
     # launch it replaces, for the same lane, byte for byte
     launcher = cuda.launcher
     out["lane_launcher"] = "native" if launcher is not None else f"ctypes ({native.why_not()})"
+    if launcher is not None:  # the ids as a scheduler hands them over: lists, converted in C
+        dst.zero_()
+        p = copier.copy_lane(lane, rids.tolist(), lids.tolist(), stream, None)
+        p.wait()
+        out["lane_lists_failed"] = p.failed()
+        out["lane_lists_verified"] = bool(np.array_equal(dst.cpu().numpy(), want))
     cuda.launcher = None
     dst.zero_()
     p = copier.copy_lane(lane, rids, lids, stream, None)
@@ -212,7 +218,8 @@ def main() -> None:
     forms = ("with_launch", "uploaded", "lane", "lane_ctypes")
     ok = all(out[f"{f}_{k}"] for f in forms for k in ("verified", "refused_failed",
                                                       "refused_wrote_nothing")
-             if f"{f}_{k}" in out) and out["lane_ctypes_verified"] and not any(
+             if f"{f}_{k}" in out) and out["lane_ctypes_verified"] and out.get(
+        "lane_lists_verified", True) and not out.get("lane_lists_failed") and not any(
         out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
                                                     for s in ("src", "dst")) and bool(
         out["lane_translated"]) and bool(out["far_lane_not_translated"])

@@ -428,7 +428,7 @@ def main() -> None:
                 copier = d.worker.transports["cuda_ipc"]._copier
                 row["kernel"] = copier.kernel
                 # whole blocks go through a lane: its launcher orders the copy itself
-                from kvlink.gpu import native
+                from kvlink import native
 
                 row["lane_launcher"] = ("native" if getattr(copier._cuda, "launcher", None)
                                         is not None else f"ctypes ({native.why_not()})")

@@ -272,6 +272,7 @@ class _FakeCopy:
         self.event = _FakeEvent()
         self.error = ""
         self.refused = False
+        self.ids = None  # (a lane's launch through the C launcher: the ids it took)
 
     def done(self) -> bool:
         return self.event.done
@@ -780,6 +781,7 @@ class _FakeLaneCopier(_FakeCopier):
     def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
                   generation: int = 0, sample: bool = False) -> _FakeCopy:
         c = _FakeCopy((lane, src, dst, stream, generation, sample), after)
+        c.ids = np.concatenate([src, dst]).astype(np.int64)  # what the launch took
         self.copies.append(c)
         return c
 
@@ -805,6 +807,8 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     bound = c.args[0]
     assert c.args[1] is rids and c.args[2] is lids and c.after == 111
     assert bound.src is remote_base and bound.maps[0][1] == "local-map"
+    got = lane.posted_ids(h)  # (local, remote) as the launch took them: the worker's records
+    assert got is not None and got[0].tolist() == [3, 1, 2] and got[1].tolist() == [0, 5, 6]
     c.event.done = True
     assert t.poll(h).status is XferStatus.DONE
     t.release(h)
@@ -818,6 +822,7 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     assert lane.post(np.arange(101), np.arange(101)) is None  # past its launch: general post
     far = np.array([0, 5, 1000], dtype=np.int64)  # block 1000 of 64: refused on the device
     h = lane.post(lids, far)
+    far[2] = 3  # the caller reuses its array: the refusal names what was posted
     refused = t._copier.copies[-1]
     refused.refused, refused.event.done = True, True
     st = t.poll(h)

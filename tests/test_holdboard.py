@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from test_lifecycle import blocks, make, outcome, remote, sleep_until, until
 
-from kvlink import holdboard, wire
+from kvlink import holdboard, native, wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.holdboard import SLOTS, BoardView, HoldBoard, fingerprint
 from kvlink.worker import KVWorker
@@ -304,10 +304,13 @@ def test_a_dead_producers_board_answers_nothing() -> None:
         name, token = q.get(timeout=30)
         view = BoardView.open(name, token)
         assert view is not None and view.still_holds(42 << 16, fingerprint([1, 2]))
+        check = view.after_check(42 << 16, fingerprint([1, 2]))  # (in C where built)
+        assert check()
         os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
         child.join(10)
         assert view.holds(42 << 16, fingerprint([1, 2]))  # the dead words
         assert not view.alive() and not view.still_holds(42 << 16, fingerprint([1, 2]))
+        assert not check()
     finally:
         if child.is_alive():
             child.kill()
@@ -316,12 +319,19 @@ def test_a_dead_producers_board_answers_nothing() -> None:
             os.unlink(path)
 
 
-def test_an_after_check_bound_at_post_answers_as_still_holds() -> None:
+@pytest.mark.parametrize("made_by", ["c", "python"])
+def test_an_after_check_bound_at_post_answers_as_still_holds(
+        made_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The READ's after-check, bound at its post (kvlink.holdboard.AfterCheck), answers what
     still_holds answers at the end: held → True; another hold's fingerprint → False;
     withdrawn → False (and a generation never comes back); a producer that closed its board
     (its lock gone) → False; a view closed under it → False, never an error — and never
-    "alive" off a descriptor that is no longer ours."""
+    "alive" off a descriptor that is no longer ours. Made in one C call (kvlink.native's
+    board_shows) or, where the helpers are not built, through Python: the same answers."""
+    if made_by == "python":
+        monkeypatch.setattr(holdboard, "_c_board_shows", None)
+    else:
+        assert holdboard._board_shows() is not None, f"not built: {native.why_not()}"
     board = HoldBoard()
     view = BoardView.open(board.name, board.token)
     assert view is not None

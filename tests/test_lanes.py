@@ -12,6 +12,7 @@ one.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from typing import Any
@@ -135,9 +136,65 @@ class FusingLaneTcp(LaneTcp):
 register_transport("fusing_lane_tcp", FusingLaneTcp)
 
 
-def _pair(**cfg: Any) -> tuple[Any, Any]:
-    prefill, _ = make("p", seed=1, transports=["lane_tcp"], grants=False, **cfg)
-    decode, _ = make("d", transports=["lane_tcp"], grants=False, **cfg)
+class _ListLane(_Lane):
+    """A lane that takes the caller's ids as they come, as cuda_ipc's C launcher does
+    (kvlink/_native.c: a list of ints, each through __index__, or a 1-D int64 array;
+    anything else raises before anything is posted), and records what it was handed."""
+
+    takes_lists = True
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.handed: list[tuple[Any, Any]] = []
+        self.launched: dict[int, tuple[Any, Any]] = {}
+
+    def post(self, local_ids: Any, remote_ids: Any, generation: int = 0,
+             sample: bool = False) -> int | None:
+        self.handed.append((local_ids, remote_ids))
+        n = len(local_ids)
+        ids = [self._taken(x, n) for x in (remote_ids, local_ids)]  # (source first, as C)
+        handle = super().post(ids[1], ids[0], generation, sample)
+        if handle is not None:
+            self.launched[handle] = (ids[1], ids[0])
+        return handle
+
+    def posted_ids(self, handle: int) -> tuple[Any, Any] | None:
+        """As cuda_ipc's: the ids the post launched with, int64, the lane's own."""
+        return self.launched.get(handle)
+
+    @staticmethod
+    def _taken(ids: Any, n: int) -> npt.NDArray[np.int64]:
+        if type(ids) is list:
+            if len(ids) != n:
+                raise ValueError(f"expected {n}, got a list of {len(ids)}")
+            out = np.array([operator.index(v) for v in ids], dtype=object)
+            if any(not -2**63 <= v < 2**63 for v in out):
+                raise OverflowError("an id past 64 bits")
+            return out.astype(np.int64)
+        if (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1
+                and len(ids) == n):
+            return ids.copy()
+        raise ValueError(f"not a list of ints or an int64 array: {type(ids).__name__}")
+
+
+class ListLaneTcp(LaneTcp):
+    """LaneTcp whose lanes take the caller's ids as they come (:class:`_ListLane`)."""
+
+    name = "list_lane_tcp"
+
+    def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
+             blocks: tuple[int, int], digests: Any = None) -> _Lane:
+        made = _ListLane(self, op, peer, local_base, remote_base, unit, blocks, digests)
+        self.lanes.append(made)
+        return made
+
+
+register_transport("list_lane_tcp", ListLaneTcp)
+
+
+def _pair(transport: str = "lane_tcp", **cfg: Any) -> tuple[Any, Any]:
+    prefill, _ = make("p", seed=1, transports=[transport], grants=False, **cfg)
+    decode, _ = make("d", transports=[transport], grants=False, **cfg)
     return prefill, decode
 
 
@@ -252,14 +309,15 @@ def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted(routed: bool) -> No
         decode.close()
 
 
-def test_a_read_told_its_generation_launches_before_its_records() -> None:
+@pytest.mark.parametrize("transport", ["lane_tcp", "list_lane_tcp"])
+def test_a_read_told_its_generation_launches_before_its_records(transport: str) -> None:
     """Once a remote's READs took lanes, the next READ told its generation is launched
     before the worker makes any record of it (its latency is the host time before the
     launch): the lane sees it posted while the request is not in flight yet. At 9e53c8e the
     records came first, so every post saw its own request."""
-    prefill, decode = _pair()
+    prefill, decode = _pair(transport)
     try:
-        t = decode.transports["lane_tcp"]
+        t = decode.transports[transport]
         t.in_flight = lambda: set(decode._requests)
         # the first waits for the handshake; the second is posted at read() and binds the
         # route; the rest are launched first
@@ -297,18 +355,57 @@ def test_an_id_out_of_range_fails_a_launched_read_naming_it(side: str) -> None:
         prefill.close()
 
 
-@pytest.mark.parametrize("bad", [[1.5, 2.0], ["1", "2"], [[1], [2]], [1, 2, 3]])
-def test_ids_the_lane_cannot_take_are_refused_before_anything_moves(bad: Any) -> None:
-    """Floats, strings, nested lists, lengths that disagree: raised at read(), as on the
-    general path, and nothing was posted (numpy would have truncated 1.5 to 1)."""
-    prefill, decode = _pair()
+@pytest.mark.parametrize("transport", ["lane_tcp", "list_lane_tcp"])
+@pytest.mark.parametrize("bad", [[1.5, 2.0], ["1", "2"], [[1], [2]], [1, 2, 3], [1, 2**64]])
+def test_ids_the_lane_cannot_take_are_refused_before_anything_moves(bad: Any,
+                                                                     transport: str) -> None:
+    """Floats, strings, nested lists, lengths that disagree, an id past 64 bits: raised at
+    read(), as on the general path, and nothing was posted (numpy would have truncated 1.5
+    to 1) — also where the lane is handed the caller's ids as they came."""
+    prefill, decode = _pair(transport)
     try:
-        t = decode.transports["lane_tcp"]
+        t = decode.transports[transport]
         _routed(decode, prefill)
         gen = prefill.hold("bad", [8, 9])
         with pytest.raises(KVLinkError):
             decode.read("bad", remote(prefill), bad, [8, 9], generation=gen)
         assert t.lanes[0].posts == 2 and "bad" not in decode._requests
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_lane_that_takes_lists_is_handed_the_callers_ids_and_the_request_keeps_its_own(
+        ) -> None:
+    """A route whose lanes take the caller's ids as they come hands them over unconverted
+    (their conversion before the launch was 31 us of a 70B READ's latency on one H200 host),
+    and the request's records are copies of its own: the caller may reuse its lists once
+    read() returned. Ids the lane does not take (a tuple, int32) are converted and posted
+    again; the bytes are right either way."""
+    prefill, decode = _pair("list_lane_tcp")
+    try:
+        t = decode.transports["list_lane_tcp"]
+        _routed(decode, prefill)
+        lane = t.lanes[0]
+        ours, theirs = [9, 2, 5], [1, 8, 4]
+        gen = prefill.hold("as-given", theirs)
+        decode.read("as-given", remote(prefill), ours, theirs, generation=gen)
+        assert lane.handed[-1][0] is ours and lane.handed[-1][1] is theirs
+        req = decode._requests["as-given"]
+        kept = (req.local_ids, req.remote_ids)
+        launched = lane.launched[req.parts[0].handle]  # the lane's: no copy of ours
+        assert kept[0] is launched[0] and kept[1] is launched[1]
+        ours[0], theirs[0] = 11, 12  # reused by the caller
+        assert kept[0].tolist() == [9, 2, 5] and kept[1].tolist() == [1, 8, 4]
+        ok, reason = outcome(decode, "as-given")
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [9, 2, 5]), blocks(prefill, [1, 8, 4]))
+        posts = lane.posts
+        for i, (mine, yours) in enumerate((((3, 6), [7, 0]),
+                                           (np.array([3, 6], np.int32), [0, 7]))):
+            _read(decode, prefill, f"converted{i}", mine, yours)  # type: ignore[arg-type]
+            assert type(lane.handed[-1][0]) is np.ndarray  # converted, then posted again
+        assert lane.posts == posts + 2 and len(t.lanes) == 1
     finally:
         decode.close()
         prefill.close()

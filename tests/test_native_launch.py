@@ -1,4 +1,4 @@
-"""The C lane launcher (kvlink/gpu/_launch.c, built by kvlink.gpu.native): what it writes and
+"""The C lane launcher (kvlink/_native.c, built by kvlink.native): what it writes and
 which driver calls it makes, in which order, and how it fails.
 
 No GPU here: the driver's four functions are stand-ins (ctypes callbacks that record their
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvlink.gpu import native
+from kvlink import native
 from kvlink.gpu.lane import _DIGEST_SLOTS, _PLAIN_SLOTS
 
 NOT_READY = 600
@@ -147,23 +147,37 @@ def test_a_refused_step_raises_naming_it_and_stops_there(launcher: Any, step: st
     assert ("cuLaunchKernel" in str(err.value)) == (step == "launch")
 
 
-def test_ids_that_are_not_int64_or_do_not_fit_are_refused_untouched(launcher: Any) -> None:
+def test_lists_of_ints_are_taken_as_int64_arrays_are(launcher: Any) -> None:
     table, slots, drv = _setup(launcher)
+    form = _form(table, slots, 1, 3, _PLAIN_SLOTS)
+    launcher.post(form, [5, np.int64(9), 2**63 - 1], [1, 0, -7], 1, None, 3, 4,
+                  (3, 0, 1, 1))  # (a negative id: the kernel refuses it, naming it)
+    assert drv.calls[0][6][2:8] == [5, 9, 2**63 - 1, 1, 0, -7]
+
+
+def test_ids_that_are_not_int64_or_do_not_fit_are_refused_before_any_driver_call(
+        launcher: Any) -> None:
+    table, slots, drv = _setup(launcher)
+    table[0], table[1] = 111, 222  # the lane's bases: never written by a post
     form = _form(table, slots, 1, 2, _PLAIN_SLOTS)
     good = np.array([1, 2], dtype=np.int64)
-    for bad, why in ((np.array([1, 2], dtype=np.int32), "source ids"),
-                     (np.array([1, 2, 3], dtype=np.int64), "source ids"),
-                     (np.array([1.0, 2.0]), "source ids"),
-                     (np.array([[1], [2]], dtype=np.int64), "source ids")):
-        with pytest.raises(ValueError, match=why):
+    for bad, err, why in ((np.array([1, 2], dtype=np.int32), ValueError, "source ids"),
+                          (np.array([1, 2, 3], dtype=np.int64), ValueError, "source ids"),
+                          (np.array([1.0, 2.0]), ValueError, "source ids"),
+                          (np.array([[1], [2]], dtype=np.int64), ValueError, "source ids"),
+                          ((1, 2), ValueError, "a list of ints or an int64 array"),
+                          ([1, 2, 3], ValueError, "expected 2, got a list of 3"),
+                          ([1, 2.5], TypeError, "float"),
+                          ([1, "2"], TypeError, "str"),
+                          ([1, 2**64], OverflowError, "too large|too big")):
+        with pytest.raises(err, match=why):
             launcher.post(form, bad, good, 1, None, 3, 4, (2, 0, 1, 1))
     with pytest.raises(ValueError, match="destination ids"):
-        launcher.post(form, good, good[::-1][::-1].astype(np.uint64), 1, None, 3, 4,
-                      (2, 0, 1, 1))
+        launcher.post(form, good, good.astype(np.uint64), 1, None, 3, 4, (2, 0, 1, 1))
     with pytest.raises(ValueError, match="do not fit"):  # 2 x 8 ids past a 16-word table
         launcher.post(_form(table, slots, 1, 8, _PLAIN_SLOTS, at=2), np.zeros(8, np.int64),
                       np.zeros(8, np.int64), 1, None, 3, 4, (8, 0, 1, 1))
-    assert drv.calls == [] and list(table) == [0] * 16
+    assert drv.calls == [] and list(table[:2]) == [111, 222]
 
 
 def test_an_unbuildable_launcher_falls_back_saying_why(
@@ -179,3 +193,41 @@ def test_an_unbuildable_launcher_falls_back_saying_why(
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("KVLINK_NATIVE", "0")
     assert native.load() is None and native.why_not() == "KVLINK_NATIVE=0"
+
+
+def test_the_c_fingerprint_is_numpys(launcher: Any) -> None:
+    """kvlink.holdboard.fingerprint in C (the reader's READ path) and by numpy (where the
+    helpers are not built) give one value for every form of the same ids, and tell orders,
+    lengths and neighbours apart."""
+    from kvlink.holdboard import fingerprint_numpy
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 256, 4097):
+        ids = rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64, endpoint=True)
+        want = fingerprint_numpy(ids)
+        assert launcher.fingerprint(ids) == want
+        assert launcher.fingerprint(ids.tolist()) == want
+        assert fingerprint_numpy(ids.astype(np.int32).astype(np.int64)) == launcher.fingerprint(
+            ids.astype(np.int32).tolist())
+    base = list(range(256))
+    seen = {launcher.fingerprint(base), launcher.fingerprint(base[::-1]),
+            launcher.fingerprint(base[:-1]), launcher.fingerprint([*base[:-1], 256]),
+            launcher.fingerprint([*base, 0])}
+    assert len(seen) == 5
+    with pytest.raises(TypeError):
+        launcher.fingerprint([1, 2.5])
+    with pytest.raises(ValueError):
+        launcher.fingerprint(np.arange(3, dtype=np.int32))
+
+
+def test_fingerprint_takes_numpys_form_where_c_does_not_take_the_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int32 array, a tuple, a 2-D array: numpy's form, the same value as their ids'."""
+    from kvlink import holdboard
+
+    want = holdboard.fingerprint_numpy([5, 1, 7, 3])
+    for ids in (np.array([5, 1, 7, 3], np.int32), (5, 1, 7, 3), np.array([[5, 1], [7, 3]]),
+                [5, 1, 7, 3], np.array([5, 1, 7, 3])):
+        assert holdboard.fingerprint(ids) == want
+    monkeypatch.setattr(holdboard, "_c_fingerprint", None)  # (the helpers not built)
+    assert holdboard.fingerprint([5, 1, 7, 3]) == want

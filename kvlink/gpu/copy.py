@@ -184,8 +184,8 @@ class Pending:
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
     __slots__ = ("_done", "_failed", "buf", "compared", "compared_at", "dbuf", "digest_at",
-                 "digests", "error", "event", "keep", "mismatch", "owner", "seq", "shared",
-                 "stream")
+                 "digests", "error", "event", "ids", "keep", "mismatch", "owner", "seq",
+                 "shared", "stream")
 
     def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
@@ -207,6 +207,9 @@ class Pending:
         #: found none), and where in ``buf`` its kernel says so (then whether any unit missed)
         self.compared_at = 0
         self.compared = 0
+        #: a lane's launch through the C launcher: the ids it launched with (source ids, then
+        #: destination ids; int64, ours), whatever form the caller handed them in
+        self.ids: npt.NDArray[np.int64] | None = None
         self._done = self._failed = False
 
     def done(self) -> bool:
@@ -578,6 +581,12 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")
 
+    @property
+    def takes_lists(self) -> bool:
+        """Whether :meth:`copy_lane` takes ids as lists of ints too (the C launcher copies
+        them into the launch itself; kvlink.native)."""
+        return self._cuda is not None and self._cuda.launcher is not None
+
     def lane(self, src_base: npt.NDArray[np.uint64], dst_base: npt.NDArray[np.uint64],
              unit: int, limits: tuple[int, int], smap: RegionMap, dmap: RegionMap,
              digest: BoardDigest | None = None) -> Lane | None:
@@ -602,7 +611,9 @@ class BatchCopier:
         ``generation`` (a digest lane): the hold whose rows its kernel finds on the producer's
         board and compares — :attr:`Pending.mismatch` and :attr:`Pending.compared` say once
         done; ``sample``: it checks the blocks ``sample`` picks (kvlink.integrity.checked, by
-        the generation), else every block."""
+        the generation), else every block. With the C launcher (``takes_lists``) the ids may
+        also be lists of ints; ids it does not take raise TypeError, ValueError or
+        OverflowError, and nothing was enqueued."""
         with self._lock:
             buf: _Pinned | None = None
             try:
@@ -652,7 +663,12 @@ class BatchCopier:
         except RuntimeError:  # (copy_lane fails the copy, recording an event after it)
             events.recycle(done)  # not recorded: nothing waits on it
             raise
+        except (TypeError, ValueError, OverflowError):  # ids it does not take: nothing made
+            events.recycle(done)
+            self._pinned[buf.size].append(buf)
+            raise
         pending = self._track(stream, buf, seq, done)
+        pending.ids = lane.posted(len(src_ids))
         if check is not None:
             pending.digest_at = (1, 0, 0)
             pending.compared_at = 2

@@ -186,17 +186,26 @@ class Lane:
              dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
              after: int | None, order: int, done: int,
              check: tuple[int, int, bool] | None = None) -> None:
-        """:meth:`launch` through the C launcher (kvlink.gpu.native: ``launcher``), which also
+        """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
-        has work pending) and records the event ``done`` after the kernel — one call. Raises
-        RuntimeError naming the driver step that refused (before the launch: nothing of this
-        copy was enqueued)."""
-        n = src_ids.shape[0]
+        has work pending) and records the event ``done`` after the kernel — one call. The ids
+        may be lists of ints too (the launcher converts them); others raise TypeError,
+        ValueError or OverflowError before any driver call. Raises RuntimeError naming the
+        driver step that refused (before the launch: nothing of this copy was enqueued)."""
+        n = len(src_ids)
         got = self._forms.get(n) or self._form(n)
         form, g = got
         values: tuple[int, ...] = ((n, status, seq, g) if check is None else
                                    (n, status, seq, check[0], check[1], int(check[2])))
         launcher.post(form, src_ids, dst_ids, stream, after, order, done, values)
+
+    def posted(self, n: int) -> npt.NDArray[np.int64]:
+        """The ids the last post of ``n`` blocks launched with (source ids, then destination
+        ids), as they are in its launch's table: a copy of our own, one numpy call however
+        the caller handed them (lists converted by the launcher)."""
+        launch = self._by_blocks[n][0]
+        at = 2 * self.segments
+        return launch.ids[at:at + 2 * n].copy()
 
     def _form(self, n: int) -> tuple[tuple[Any, ...], int]:
         got = self._by_blocks.get(n) or self._bound(n)

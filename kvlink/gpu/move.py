@@ -543,7 +543,7 @@ class TableLaunch:
         self.ids: npt.NDArray[np.int64] = self.table.view(np.int64)
         #: the kernel's arguments after the table, one int64 slot each
         self.vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
-        #: cuLaunchKernel's array of pointers to them (for the C launcher: kvlink.gpu.native)
+        #: cuLaunchKernel's array of pointers to them (for the C launcher: kvlink.native)
         self.params = ctypes.addressof(self._ptrs)
 
     def __call__(self, lib: Any, grid: int, threads: int, table: npt.NDArray[np.uint64],
@@ -574,7 +574,7 @@ class CudaMove:
         self._dvals, self._dptrs = _arg_block(DIGEST_NARGS)
         self._tables: dict[tuple[str, tuple[int, int, int], int], TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
-        #: the C launcher lanes post through (kvlink.gpu.native), bound to this driver; None:
+        #: the C launcher lanes post through (kvlink.native), bound to this driver; None:
         #: they launch through ctypes
         self.launcher = _bind_launcher(self._lib)
 
@@ -683,8 +683,8 @@ class CudaMove:
 
 def _bind_launcher(lib: Any) -> Any:
     """The C launcher, given the addresses of the driver functions it calls (those of
-    ``lib``), or None where it cannot be built here (kvlink.gpu.native says why)."""
-    from kvlink.gpu import native
+    ``lib``), or None where it cannot be built here (kvlink.native says why)."""
+    from kvlink import native
 
     launcher = native.load()
     if launcher is not None:

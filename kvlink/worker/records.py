@@ -114,6 +114,9 @@ class _Route:
     epoch: int
     digests: bool
     legs: tuple[_Leg, ...]
+    #: every leg's lane takes the caller's ids as they come (lists of ints, int64 arrays),
+    #: converting them in its launch (kvlink_transports.cuda_ipc: ``_Lane.takes_lists``)
+    lists: bool = False
 
 
 @dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster

@@ -98,25 +98,32 @@ class _Requests(_Parts):
                 or req_id in self._requests):
             return False
         wire.check_id(req_id, "request id")
-        lids, rids = _int_ids(local_ids), _int_ids(remote_ids)
-        if lids is None or rids is None or lids.shape[0] != rids.shape[0]:
-            return False
-        n = lids.shape[0]
-        gos = [_Go(leg.peer, generation) for leg in route.legs]
         # a digest lane's kernel finds the hold's rows on the producer's board by generation,
         # and picks the blocks it checks as the producer did (sample: by the generation too)
         checked, sample = ((generation, self.integrity.level is Level.SAMPLE) if digests
                            else (0, False))
         t0 = time.perf_counter()
-        handles = [leg.lane.lane.post(lids, rids, checked, sample) for leg in route.legs]
+        handles = (self._post_as_given(route, local_ids, remote_ids, checked, sample)
+                   if route.lists else None)
+        if handles is None:  # converted first (our copies: the caller may reuse theirs)
+            lids, rids = _int_ids(local_ids), _int_ids(remote_ids)
+            if lids is None or rids is None or lids.shape[0] != rids.shape[0]:
+                return False
+            t0 = time.perf_counter()
+            handles = [leg.lane.lane.post(lids, rids, checked, sample) for leg in route.legs]
+        else:  # the lanes took the caller's ids as they came: what they launched with (int64,
+            # theirs), or our copies, now that the bytes move
+            lids, rids = _launched_ids(route, handles, local_ids, remote_ids)
+        n = lids.shape[0]
         # launched (a declined leg is posted the general way below): from here on nothing
         # may raise to the caller, whose blocks now take bytes
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
         req = _Request(req_id, Op.READ, remote, lids, rids, parts, t0, generation=generation)
         self._requests[req_id] = req
-        for part, leg, go, handle in zip(parts, route.legs, gos, handles):
+        for part, leg, handle in zip(parts, route.legs, handles):
             if handle is None:  # (no go yet: the step below posts it)
                 continue
+            go = _Go(leg.peer, generation)
             part.go, part.handle, part.t_post, part.fusing = go, handle, t0, digests
             try:  # (as _step: a bug here fails the part, reported once its copy has ended)
                 nbytes, descriptors, raw = leg.per_block
@@ -129,6 +136,24 @@ class _Requests(_Parts):
             self._step(req)
             self._chan.flush()
         return True
+
+    @staticmethod
+    def _post_as_given(route: _Route, local_ids: object, remote_ids: object, checked: int,
+                       sample: bool) -> list[int | None] | None:
+        """Each leg's post with the caller's ids as they came, converted by the lanes' launch
+        (:attr:`_Route.lists`): on a serving host converting them here first cost 31 us
+        before the launch (bench/results/gpu_checks_61d7f7e_stamps). None where the first
+        lane does not take them (nothing was posted: convert them and post again); a later
+        leg that refuses what the first took is posted the general way."""
+        handles: list[int | None] = []
+        for leg in route.legs:
+            try:
+                handles.append(leg.lane.lane.post(local_ids, remote_ids, checked, sample))
+            except (TypeError, ValueError, OverflowError):
+                if not handles:
+                    return None
+                handles.append(None)
+        return handles
 
     def _bind_route(self, req: _Request, epoch: int) -> None:
         """After a READ told its generation was posted the general way: where every part took
@@ -149,7 +174,9 @@ class _Requests(_Parts):
                              (one.nbytes, one.descriptors, one.raw_descriptors)))
         if len(self._routes) > 1024:
             self._routes.clear()
-        route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs))
+        lists = all(getattr(leg.lane.lane, "takes_lists", False) for leg in legs)
+        route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs),
+                                                             lists)
         self._last_route = (req.remote, route)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -289,6 +316,26 @@ class _Requests(_Parts):
         assert req.push is not None
         self._tell(req.push.host, req.push.port + req.push.tp_rank,
                    self._written(req, ok, detail))
+
+
+def _launched_ids(route: _Route, handles: list[int | None], local_ids: object,
+                  remote_ids: object) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The (local, remote) ids a READ handed as given was launched with, as the first lane
+    that took them keeps them (``posted_ids``: one copy, made by its launch), else ours."""
+    for leg, handle in zip(route.legs, handles):
+        if handle is not None:
+            got = getattr(leg.lane.lane, "posted_ids", lambda h: None)(handle)
+            if got is not None:
+                return got  # type: ignore[no-any-return]
+            break
+    return _own_ids(local_ids), _own_ids(remote_ids)
+
+
+def _own_ids(ids: object) -> npt.NDArray[np.int64]:
+    """Our int64 copy of ids a lane took as they came (a list of ints, an int64 array: what
+    :func:`_int_ids` takes too, or anything ``np.array`` converts as the launch did)."""
+    got = _int_ids(ids)
+    return got if got is not None else np.array(ids, dtype=np.int64)
 
 
 def _int_ids(ids: object) -> npt.NDArray[np.int64] | None:

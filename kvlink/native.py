@@ -1,14 +1,17 @@
-"""The lane's launcher in C (``_launch.c``), built on first use with the host's C compiler.
+"""kvlink's C helpers (``_native.c``), built on first use with the host's C compiler.
 
-A lane's post through numpy and ctypes costs ~30 us of cold host time before its kernel
-starts; the C launcher does the same writes and driver calls in one call of a few
-microseconds (the file's header says why that matters). It is built the way Triton builds
-its launchers: at first use, with the compiler Python was built with (``sysconfig``'s
-``CC``) and Python's headers, into a cache keyed by the source and the interpreter
-(``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink``, else ``~/.cache/kvlink``), so a
-process after the first only imports it. Where it cannot be built (no compiler, no headers,
-a read-only cache) :func:`load` says why once and returns None: lanes then launch through
-ctypes, as before. ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
+Two steps of a READ's path are cheaper in C than through numpy and ctypes, cold, by tens of
+microseconds each (bench/results/gpu_checks_61d7f7e_stamps): a cuda_ipc lane's launch (the
+ids into its parameters, the order after the caller's stream, the kernel, its completion
+event: ``post``) and the fingerprint of a block-id list (``fingerprint``, what the hold
+board compares; :func:`kvlink.holdboard.fingerprint` computes the same in numpy where the
+module cannot be built). The module is built the way Triton builds its launchers: at first
+use, with the compiler Python was built with (``sysconfig``'s ``CC``) and Python's headers,
+into a cache keyed by the source and the interpreter (``$KVLINK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/kvlink``, else ``~/.cache/kvlink``), so a process after the first only
+imports it. Where it cannot be built (no compiler, no headers, a read-only cache)
+:func:`load` says why once and returns None: lanes then launch through ctypes and the
+fingerprint is numpy's. ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from types import ModuleType
 
 log = logging.getLogger("kvlink.gpu")
 
-_SOURCE = Path(__file__).with_name("_launch.c")
-_NAME = "_kvlink_launch"  # PyInit__kvlink_launch
+_SOURCE = Path(__file__).with_name("_native.c")
+_NAME = "_kvlink_native"  # PyInit__kvlink_native
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 _why: dict[str, str] = {}
@@ -45,7 +48,7 @@ def cache_dir() -> Path:
 
 
 def enabled() -> bool:
-    """Whether the C launcher may be used (``KVLINK_NATIVE=0`` says no)."""
+    """Whether the C helpers may be used (``KVLINK_NATIVE=0`` says no)."""
     return os.environ.get("KVLINK_NATIVE", "1").strip().lower() not in ("0", "false", "no",
                                                                           "off")
 
@@ -56,8 +59,8 @@ def why_not() -> str:
 
 
 def load() -> ModuleType | None:
-    """The built launcher module (bind/post, see ``_launch.c``), or None (said once, in the
-    log): lanes then launch through ctypes."""
+    """The built module (``bind``/``post``/``fingerprint``, see ``_native.c``), or None (said
+    once, in the log): lanes then launch through ctypes, fingerprints are numpy's."""
     with _lock:
         if "launch" in _loaded:
             return _loaded["launch"]
@@ -69,8 +72,9 @@ def load() -> ModuleType | None:
                 mod = _import(_build())
             except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
                 _why["launch"] = f"{type(exc).__name__}: {exc}"
-                log.warning("the C lane launcher is unavailable (%s); lanes launch through "
-                            "ctypes (~30 us more a request, cold)", _why["launch"])
+                log.warning("kvlink's C helpers are unavailable (%s); lanes launch through "
+                            "ctypes and fingerprints are numpy's (tens of us more a request, "
+                            "cold)", _why["launch"])
         _loaded["launch"] = mod
         return mod
 
