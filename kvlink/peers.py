@@ -120,6 +120,12 @@ class PeerTable:
             self.epoch += 1
         _disconnect(fut, "it restarted")
 
+    def live(self) -> list[Peer]:
+        """The peers of the cached handshakes that succeeded."""
+        with self._lock:
+            futs = list(self._peers.values())
+        return [f.result() for f in futs if _ok(f)]
+
     def connected(self) -> list[str]:
         """Agent names of peers with live handshake state."""
         with self._lock:
@@ -192,8 +198,14 @@ def _ok(fut: cf.Future[Peer]) -> bool:
 
 
 def _disconnect(fut: cf.Future[Peer] | None, why: str) -> None:
-    """Tear down a dropped peer's data path (its transfers turn FAILED once quiescent)."""
+    """Tear down a dropped peer's data path (its transfers turn FAILED once quiescent), and
+    let its hold board's mapping go: a transport that registered it for its device (cuda_ipc,
+    with integrity on: 66 MiB pinned) unregisters it once no copy of ours can read it, or a
+    producer that restarts leaves one more registration behind each time."""
     if fut is not None and _ok(fut):
         peer = fut.result()
         log.info("dropping handshake state of %s (%s:%d): %s", peer.agent, *peer.endpoint, why)
         peer.transport.disconnect(peer.agent)
+        forget = getattr(peer.transport, "forget_host_region", None)
+        if peer.board is not None and forget is not None:
+            forget(peer.board.region)

@@ -295,6 +295,9 @@ class CudaIpcTransport(Transport):
         self._copier: Any = None
         self._local_map: Any = None
         self._host_maps: dict[int, int] = {}  # landing boards registered: host base -> device
+        #: hold boards let go (forget_host_region): (host base, an event after every copy
+        #: that may read it), unregistered once it has passed
+        self._retiring: list[tuple[int, int | None]] = []
 
     def register(self, regions: Sequence[Region]) -> None:
         from kvlink.gpu import ipc
@@ -479,10 +482,55 @@ class CudaIpcTransport(Transport):
                              "end by note")
         return (dev + signal.offset, signal.expect, signal.value) if dev else None
 
+    def forget_host_region(self, region: tuple[int, int]) -> None:
+        """Optional hook (kvlink.peers, for a dropped peer's hold board): a host mapping
+        registered for the device is let go. Unregistered once every copy posted before now
+        has ended — an event on our stream: a copy still running may read it, and a device
+        read of an unregistered page kills the context — so at a later poll (or close) where
+        one still runs. A producer that restarts would otherwise leave its old board pinned
+        (66 MiB) for good, each time."""
+        with self._lock:
+            dev = self._host_maps.pop(region[0], None)
+        if not dev:
+            return
+        event = None
+        if self._copier is not None:
+            try:
+                event = self._copier.mark(self._stream)
+            except RuntimeError as exc:  # no way to know when its readers end: keep it
+                log.warning("cuda_ipc: a let-go hold board stays registered (%s)", exc)
+                return
+        with self._lock:
+            self._retiring.append((region[0], event))
+        self._retire_host_maps()
+
+    def _retire_host_maps(self) -> None:
+        """Unregister the host mappings let go whose readers have all ended."""
+        with self._lock:
+            ready: list[tuple[int, int | None]] = []
+            keep: list[tuple[int, int | None]] = []
+            for base, event in self._retiring:
+                done = event is None or self._copier is None or self._copier.passed(event)
+                (ready if done else keep).append((base, event))
+            self._retiring = keep
+        if not ready:
+            return
+        from kvlink.gpu import ipc
+
+        for base, _ in ready:
+            try:
+                ipc.host_unregister(base)
+            except KVLinkError as exc:
+                log.warning("cuda_ipc: unregistering a hold board: %s", exc)
+
     def _host_map(self, region: tuple[int, int], read_only: bool, why: str) -> int:
         """The device pointer of a shared host mapping (a landing board, a producer's hold
         board), registered with CUDA on first use; 0 (``why`` logged once) where it cannot."""
         base, nbytes = region
+        if self._retiring and any(b == base for b, _ in self._retiring):
+            self._retire_host_maps()  # a new mapping where a let-go one was: not till it goes
+            if any(b == base for b, _ in self._retiring):
+                return 0
         dev = self._host_maps.get(base)
         if dev is None:
             from kvlink.gpu import ipc
@@ -783,6 +831,8 @@ class CudaIpcTransport(Transport):
                 self._account_done(x.nbytes, time.perf_counter() - x.t_post)
             else:
                 self._account(failed=1)
+            if self._retiring:
+                self._retire_host_maps()
         return x.state
 
     def release(self, handle: int) -> None:
@@ -833,13 +883,16 @@ class CudaIpcTransport(Transport):
         if left:
             log.warning("cuda_ipc: closed with %d peer(s) still mapped under copies in flight",
                         left)
-        elif self._host_maps:  # no copy (nor its signal) can touch a board any more
+        elif self._host_maps or self._retiring:  # no copy (nor its signal) can touch a
+            # board any more
             from kvlink.gpu import ipc
 
-            for base, dev in self._host_maps.items():
-                if dev:
-                    try:
-                        ipc.host_unregister(base)
-                    except KVLinkError as exc:
-                        log.warning("cuda_ipc: unregistering a landing board: %s", exc)
+            bases = [b for b, dev in self._host_maps.items() if dev]
+            bases += [b for b, _ in self._retiring]
+            for base in bases:
+                try:
+                    ipc.host_unregister(base)
+                except KVLinkError as exc:
+                    log.warning("cuda_ipc: unregistering a landing board: %s", exc)
             self._host_maps.clear()
+            self._retiring = []

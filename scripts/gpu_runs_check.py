@@ -166,6 +166,16 @@ def main() -> None:
                      if side == "src" else not bool(head.any().item()))
         others = bool(dst.view(SEGS, NB * UNIT)[:, lids[0] * UNIT].any().item())
         out[f"lane_{side}_id_refused"] = p.failed() and untouched and others
+    # a mark after the copies enqueued so far (what a let-go hold board waits for before it
+    # is unregistered): not passed while a copy before it still runs, passed once it ended
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # (~25 ms: the copy below queues behind it)
+    p = copier.copy_lane(lane, rids, lids, stream, None)
+    mark = copier.mark(stream)
+    out["mark_waits_for_the_copy"] = not copier.passed(mark) and not p.done()
+    p.wait()
+    stream.synchronize()
+    out["mark_passed_after_it"] = copier.passed(mark)
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
     kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane",
              "copy_lane_ctypes", "device_copy")
@@ -219,7 +229,8 @@ def main() -> None:
     ok = all(out[f"{f}_{k}"] for f in forms for k in ("verified", "refused_failed",
                                                       "refused_wrote_nothing")
              if f"{f}_{k}" in out) and out["lane_ctypes_verified"] and out.get(
-        "lane_lists_verified", True) and not out.get("lane_lists_failed") and not any(
+        "lane_lists_verified", True) and not out.get("lane_lists_failed") and bool(
+        out["mark_waits_for_the_copy"]) and bool(out["mark_passed_after_it"]) and not any(
         out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
                                                     for s in ("src", "dst")) and bool(
         out["lane_translated"]) and bool(out["far_lane_not_translated"])

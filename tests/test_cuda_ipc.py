@@ -873,3 +873,58 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     # an injected fault: CUDA refuses to map the board (the transport then says 0)
     monkeypatch.setattr(t, "_host_map", lambda region, ro, why: 0)
     assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests) is None
+
+
+class _MarkingCopier(_FakeLaneCopier):
+    """The copier's marks (kvlink.gpu.copy.BatchCopier.mark/passed): an event after every copy
+    enqueued so far, passed once all of those copies ended (a stand-in, as the other fakes
+    here: no GPU; scripts/gpu_runs_check.py runs the real events)."""
+
+    def mark(self, stream: object) -> int:
+        self.marks = getattr(self, "marks", [])
+        self.marks.append(list(self.copies))
+        return len(self.marks) - 1
+
+    def passed(self, event: int) -> bool:
+        return all(c.event.done for c in self.marks[event])
+
+
+def test_a_let_go_hold_board_is_unregistered_once_no_copy_can_read_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped peer's hold board (kvlink.peers hands it to forget_host_region) was
+    registered with CUDA for its digest lane: 66 MiB pinned, left behind at every producer
+    restart before. It is unregistered once the copies posted before the drop ended — not
+    under one still running, which may read it — at the poll that sees them end, once; and
+    a board mapped anew at the same address waits for that."""
+    from kvlink.gpu import ipc
+    from kvlink.holdboard import LAYOUT
+    from kvlink.transport import LaneDigests, XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t._copier = _MarkingCopier()
+    # stand-ins for CUDA's host registration (no GPU here): they record what is (un)mapped
+    registered: list[int] = []
+    unregistered: list[int] = []
+    monkeypatch.setattr(ipc, "host_register",
+                        lambda base, n, ro=False: registered.append(base) or base + 0xD000)
+    monkeypatch.setattr(ipc, "host_unregister", unregistered.append)
+    t.connect("p", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    board = (0x7000_0000, 1 << 20)
+    digests = LaneDigests(4096, 0x6E0, 0x3E1, 2, 1, board, LAYOUT)
+    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests)
+    assert lane is not None and registered == [board[0]]
+    h = lane.post(np.array([3, 1], dtype=np.int64), np.array([0, 5], dtype=np.int64), 77)
+    t.disconnect("p")  # the producer restarted: dropped, with its board
+    t.forget_host_region(board)
+    assert unregistered == []  # its copy still runs and may read the board
+    assert t._host_map(board, True, "%s") == 0  # nor is it mapped anew meanwhile
+    t._copier.copies[-1].event.done = True
+    assert t.poll(h).status is XferStatus.FAILED  # (its peer was dropped under it)
+    assert unregistered == [board[0]]
+    assert t._host_map(board, True, "%s") == board[0] + 0xD000  # a new board there: mapped
+    assert registered == [board[0], board[0]]
+    t.forget_host_region((0x5000_0000, 4096))  # never registered: nothing to do
+    t.close()
+    assert unregistered == [board[0], board[0]]  # the new one at close, the old not again

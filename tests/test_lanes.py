@@ -12,9 +12,11 @@ one.
 
 from __future__ import annotations
 
+import gc
 import operator
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -94,12 +96,17 @@ class LaneTcp(TcpTransport):
         #: at each lane post, the worker's requests in flight then (in_flight: set by a test)
         self.posted: list[set[str]] = []
         self.in_flight: Any = set
+        self.forgotten: list[tuple[int, int]] = []  # forget_host_region's regions
 
     def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
              blocks: tuple[int, int], digests: Any = None) -> _Lane:
         made = _Lane(self, op, peer, local_base, remote_base, unit, blocks, digests)
         self.lanes.append(made)
         return made
+
+    def forget_host_region(self, region: tuple[int, int]) -> None:
+        """The hook cuda_ipc unregisters a dropped peer's hold board with: recorded."""
+        self.forgotten.append(region)
 
     def _finish(self, xfer: _Xfer, state: XferState) -> None:
         super()._finish(xfer, state)
@@ -426,6 +433,32 @@ def test_a_peer_handshaken_anew_is_read_through_its_new_lane() -> None:
         _read(decode, prefill, "r4", [3], [5])
         assert [ln.posts for ln in t.lanes] == [2, 3]
         assert ["r3" in t.posted[-2], "r4" in t.posted[-1]] == [True, False]  # r4: first
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_dropped_peers_board_is_let_go_with_its_lanes() -> None:
+    """A peer dropped (forgotten here; a producer that restarted alike) hands its hold
+    board's mapping to its transport to let go (cuda_ipc unregisters it from the device:
+    66 MiB pinned a producer restart, kept for good before), and once the next lane is made
+    nothing of ours holds the dropped peer or its board: its lanes and routes go too (at
+    ec598d2 they kept it, and its mapping, alive)."""
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        (old,) = decode.peers.live()
+        assert old.board is not None
+        board, region = weakref.ref(old.board), old.board.region
+        del old
+        decode.forget_peer(prefill.config.engine_id, 0)
+        assert t.forgotten == [region]
+        _read(decode, prefill, "r2", [1, 7], [8, 0])  # a new handshake, a new lane
+        _read(decode, prefill, "r3", [9], [1])  # and its route
+        decode.poll()  # (what the READs owed the producer leaves: it held the old peer too)
+        gc.collect()
+        assert board() is None and len(t.lanes) == 2
     finally:
         decode.close()
         prefill.close()

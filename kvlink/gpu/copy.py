@@ -581,6 +581,21 @@ class BatchCopier:
                 return self._enqueue(stream, None, 0, tuple(held),
                                      error=f"{type(exc).__name__}: {exc}")
 
+    def mark(self, stream: Any) -> int:
+        """An event after every copy enqueued on ``stream`` so far (ask :meth:`passed`):
+        what a buffer those copies may read waits for before it is let go."""
+        with self._lock:
+            return self._events.record(stream.cuda_stream)
+
+    def passed(self, event: int) -> bool:
+        """Whether the copies before ``event`` (:meth:`mark`) have all ended; once they have,
+        the event is recycled (not to be asked again)."""
+        with self._lock:
+            if not self._events.query(event):
+                return False
+            self._events.recycle(event)
+            return True
+
     @property
     def takes_lists(self) -> bool:
         """Whether :meth:`copy_lane` takes ids as lists of ints too (the C launcher copies

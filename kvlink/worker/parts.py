@@ -266,6 +266,10 @@ class _Parts(_Holds):
         none."""
         if len(self._lanes) > 1024:
             self._lanes.clear()
+        # a new lane: a peer handshaken (anew); those of dropped peers go, with what they
+        # hold (the peer's board mapping, its registration with a device)
+        live = {id(p) for p in self.peers.live()}
+        self._lanes = {k: v for k, v in self._lanes.items() if id(v.peer) in live}
         make = getattr(transport, "lane", None)
         ours = self._require_spec()
         try:

@@ -174,6 +174,8 @@ class _Requests(_Parts):
                              (one.nbytes, one.descriptors, one.raw_descriptors)))
         if len(self._routes) > 1024:
             self._routes.clear()
+        # (routes bound under other handshakes are stale, and hold their peers)
+        self._routes = {k: r for k, r in self._routes.items() if r.epoch == epoch}
         lists = all(getattr(leg.lane.lane, "takes_lists", False) for leg in legs)
         route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs),
                                                              lists)
