@@ -288,6 +288,15 @@ def cuda_section() -> dict[str, Any]:
 # ------------------------------------------------------------------ verdicts
 
 
+def native_section() -> dict[str, Any]:
+    """kvlink's C helpers (kvlink.native): built here, or why not, and where they are kept."""
+    from kvlink import native
+
+    built = native.load() is not None
+    return {"built": built, "why_not": "" if built else native.why_not(),
+            "cache": str(native.cache_dir())}
+
+
 def _verdicts(rep: dict[str, Any]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {"tcp": {"verdict": "usable", "why": "kvlink's own, "
                                               "always there (host memory, any host)"}}
@@ -390,6 +399,11 @@ def warnings_of(rep: dict[str, Any]) -> list[str]:
             out.append(f"{name} transport missing: {v['fix']}")
     if ucx.get("ucx_info") is None:
         out.append(f"ucx_info not found: predictions skipped ({PIP['ucx_tools']})")
+    nat = rep.get("native") or {}
+    if nat.get("built") is False:
+        out.append(f"kvlink's C helpers not built ({nat.get('why_not')}): cuda_ipc READs launch "
+                   "through ctypes and check the hold board in Python, tens of us more a "
+                   "request (install a C compiler and Python's headers)")
     return out
 
 
@@ -412,6 +426,7 @@ def collect(probe: bool = True) -> dict[str, Any]:
         "ucx": safe(ucx_section, probe),
         "cuda": safe(cuda_section),
         "system": safe(system_section),
+        "native": safe(native_section),
     }
     rep["verdicts"] = safe(_verdicts, rep)
     rep["warnings"] = safe(warnings_of, rep)
@@ -496,6 +511,11 @@ def render(rep: dict[str, Any]) -> str:
     add(f"  GPU/NIC affinity    {_fmt(aff.get('pairs')) if aff.get('pairs') else aff.get('note')}")
     add(f"  nvidia_peermem      {_fmt(s['nvidia_peermem'])}")
     add(f"  dma-buf             {_fmt(s['dma_buf'])}")
+    nat = rep.get("native") or {}
+    add("")
+    add("C helpers (kvlink.native) "
+        + (f"built, kept in {nat.get('cache')}" if nat.get("built")
+           else f"not built: {nat.get('why_not') or nat.get('error')}"))
     cuda = rep["cuda"]
     add("")
     add("CUDA                  "

@@ -39,3 +39,23 @@ def test_staging_warning_can_fire() -> None:
         "memory through host buffers), not cuda_ipc"}}
     ws = doctor.warnings_of(rep)
     assert any("VRAM" in w and "cuda_copy" in w for w in ws), ws
+
+
+def test_the_c_helpers_are_reported_and_their_absence_warned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvlink.native's helpers: built here (this machine has a compiler), shown with their
+    cache; where they cannot be built (KVLINK_NATIVE=0 stands in for a host without a
+    compiler), the report says why and warns what it costs."""
+    from kvlink import native
+
+    rep = doctor.collect(probe=False)
+    assert rep["native"]["built"] is True and "C helpers (kvlink.native) built" in doctor.render(
+        rep)
+    assert not any("C helpers" in w for w in rep["warnings"])
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("KVLINK_NATIVE", "0")
+    rep = doctor.collect(probe=False)
+    assert rep["native"] == {"built": False, "why_not": "KVLINK_NATIVE=0",
+                             "cache": str(native.cache_dir())}
+    assert any("C helpers not built (KVLINK_NATIVE=0)" in w for w in rep["warnings"])
+    assert "not built: KVLINK_NATIVE=0" in doctor.render(rep)
