@@ -71,45 +71,55 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * ids itself (kvlink.worker: a general READ says what is wrong with them). A list is what a
  * scheduler hands over, and converting it here costs less than numpy's conversion before the
  * call, cold (bench/results/gpu_checks_61d7f7e_stamps: 31 us for both lists). */
-static int write_ids(PyObject *o, int64_t *out, Py_ssize_t n, const char *side) {
-  if (PyList_CheckExact(o)) {
-    if (PyList_GET_SIZE(o) != n) {
-      PyErr_Format(PyExc_ValueError, "%s ids: expected %zd, got a list of %zd", side, n,
-                   PyList_GET_SIZE(o));
-      return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (i >= PyList_GET_SIZE(o)) {  // an __index__ that shrank the list under us
-        PyErr_Format(PyExc_ValueError, "%s ids: the list changed while read", side);
-        return -1;
-      }
-      PyObject *item = PyList_GET_ITEM(o, i);
-      Py_INCREF(item);  // (an __index__ runs Python code)
-      long long v = PyLong_AsLongLong(item);
-      Py_DECREF(item);
-      if (v == -1 && PyErr_Occurred()) return -1;
-      out[i] = v;
-    }
-    return 0;
-  }
-  Py_buffer view;
-  if (PyObject_GetBuffer(o, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+/* How many ids `o` holds (a list: its length; a buffer: its int64 count, `view` then held:
+ * release it), or -1 with ValueError where it is neither a list nor a 1-D C-contiguous
+ * buffer of 8-byte signed integers. */
+static Py_ssize_t count_ids(PyObject *o, Py_buffer *view, const char *side) {
+  if (PyList_CheckExact(o)) return PyList_GET_SIZE(o);
+  if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
     PyErr_Clear();
     PyErr_Format(PyExc_ValueError, "%s ids: a list of ints or an int64 array, not %s", side,
                  Py_TYPE(o)->tp_name);
     return -1;
   }
-  const char *f = view.format ? view.format : "B";
+  const char *f = view->format ? view->format : "B";
   if (*f == '<' || *f == '=' || *f == '@') ++f;
-  if (view.ndim != 1 || view.itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l")) ||
-      view.len != n * 8) {
-    PyErr_Format(PyExc_ValueError, "%s ids: expected %zd int64, got a buffer of %zd bytes "
-                 "(format %s, %d dimensions)", side, n, view.len, f, view.ndim);
-    PyBuffer_Release(&view);
+  if (view->ndim != 1 || view->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+    PyErr_Format(PyExc_ValueError, "%s ids: expected int64, got a buffer of format %s and "
+                 "%d dimensions", side, f, view->ndim);
+    PyBuffer_Release(view);
     return -1;
   }
-  memcpy(out, view.buf, (size_t)n * 8);
-  PyBuffer_Release(&view);
+  return view->len / 8;
+}
+
+static int write_ids(PyObject *o, int64_t *out, Py_ssize_t n, const char *side) {
+  Py_buffer view;
+  Py_ssize_t got = count_ids(o, &view, side);
+  if (got < 0) return -1;
+  int list = PyList_CheckExact(o);
+  if (got != n) {
+    PyErr_Format(PyExc_ValueError, "%s ids: expected %zd, got %zd", side, n, got);
+    if (!list) PyBuffer_Release(&view);
+    return -1;
+  }
+  if (!list) {
+    memcpy(out, view.buf, (size_t)n * 8);
+    PyBuffer_Release(&view);
+    return 0;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i >= PyList_GET_SIZE(o)) {  // an __index__ that shrank the list under us
+      PyErr_Format(PyExc_ValueError, "%s ids: the list changed while read", side);
+      return -1;
+    }
+    PyObject *item = PyList_GET_ITEM(o, i);
+    Py_INCREF(item);  // (an __index__ runs Python code)
+    long long v = PyLong_AsLongLong(item);
+    Py_DECREF(item);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    out[i] = v;
+  }
   return 0;
 }
 
@@ -125,42 +135,22 @@ static inline uint64_t mix64(uint64_t x) {
 /* fingerprint(ids) -> int: sum over positions i of mix(id_i ^ mix(i ^ SEED)) (mod 2**64),
  * then mix(sum ^ n) — ids as a list of ints or a 1-D int64 buffer (write_ids' rules) */
 static PyObject *fingerprint(PyObject *self, PyObject *ids) {
-  Py_ssize_t n = PyList_CheckExact(ids) ? PyList_GET_SIZE(ids) : -1;
-  if (n < 0) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(ids, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-      PyErr_Clear();
-      PyErr_Format(PyExc_ValueError, "ids: a list of ints or an int64 array, not %s",
-                   Py_TYPE(ids)->tp_name);
-      return NULL;
-    }
-    const char *f = view.format ? view.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@') ++f;
-    if (view.ndim != 1 || view.itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
-      PyErr_Format(PyExc_ValueError, "ids: expected int64, got format %s", f);
-      PyBuffer_Release(&view);
-      return NULL;
-    }
-    const int64_t *v = (const int64_t *)view.buf;
-    n = view.len / 8;
-    uint64_t h = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) h += mix64((uint64_t)v[i] ^ mix64((uint64_t)i ^ FP_SEED));
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(mix64(h ^ (uint64_t)n));
+  Py_buffer view;
+  Py_ssize_t n = count_ids(ids, &view, "fingerprint:");
+  if (n < 0) return NULL;
+  int list = PyList_CheckExact(ids);
+  int64_t *v = list ? PyMem_Malloc((size_t)(n ? n : 1) * 8) : (int64_t *)view.buf;
+  if (!v) return PyErr_NoMemory();
+  if (list && write_ids(ids, v, n, "fingerprint:") < 0) {
+    PyMem_Free(v);
+    return NULL;
   }
   uint64_t h = 0;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i >= PyList_GET_SIZE(ids)) {
-      PyErr_SetString(PyExc_ValueError, "ids: the list changed while read");
-      return NULL;
-    }
-    PyObject *item = PyList_GET_ITEM(ids, i);
-    Py_INCREF(item);
-    long long x = PyLong_AsLongLong(item);
-    Py_DECREF(item);
-    if (x == -1 && PyErr_Occurred()) return NULL;
-    h += mix64((uint64_t)x ^ mix64((uint64_t)i ^ FP_SEED));
-  }
+  for (Py_ssize_t i = 0; i < n; ++i) h += mix64((uint64_t)v[i] ^ mix64((uint64_t)i ^ FP_SEED));
+  if (list)
+    PyMem_Free(v);
+  else
+    PyBuffer_Release(&view);
   return PyLong_FromUnsignedLongLong(mix64(h ^ (uint64_t)n));
 }
 

@@ -166,7 +166,7 @@ def test_ids_that_are_not_int64_or_do_not_fit_are_refused_before_any_driver_call
                           (np.array([1.0, 2.0]), ValueError, "source ids"),
                           (np.array([[1], [2]], dtype=np.int64), ValueError, "source ids"),
                           ((1, 2), ValueError, "a list of ints or an int64 array"),
-                          ([1, 2, 3], ValueError, "expected 2, got a list of 3"),
+                          ([1, 2, 3], ValueError, "expected 2, got 3"),
                           ([1, 2.5], TypeError, "float"),
                           ([1, "2"], TypeError, "str"),
                           ([1, 2**64], OverflowError, "too large|too big")):
