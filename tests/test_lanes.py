@@ -159,6 +159,9 @@ class _ListLane(_Lane):
              sample: bool = False) -> int | None:
         self.handed.append((local_ids, remote_ids))
         n = len(local_ids)
+        if n > self.owner.lane_limit:  # as cuda_ipc: past its launch, declined unread
+            self.declined += 1
+            return None
         ids = [self._taken(x, n) for x in (remote_ids, local_ids)]  # (source first, as C)
         handle = super().post(ids[1], ids[0], generation, sample)
         if handle is not None:
@@ -362,17 +365,21 @@ def test_an_id_out_of_range_fails_a_launched_read_naming_it(side: str) -> None:
         prefill.close()
 
 
+@pytest.mark.parametrize("declines", [False, True])
 @pytest.mark.parametrize("transport", ["lane_tcp", "list_lane_tcp"])
 @pytest.mark.parametrize("bad", [[1.5, 2.0], ["1", "2"], [[1], [2]], [1, 2, 3], [1, 2**64]])
-def test_ids_the_lane_cannot_take_are_refused_before_anything_moves(bad: Any,
-                                                                     transport: str) -> None:
+def test_ids_the_lane_cannot_take_are_refused_before_anything_moves(
+        bad: Any, transport: str, declines: bool) -> None:
     """Floats, strings, nested lists, lengths that disagree, an id past 64 bits: raised at
     read(), as on the general path, and nothing was posted (numpy would have truncated 1.5
-    to 1) — also where the lane is handed the caller's ids as they came."""
+    to 1) — also where the lane is handed the caller's ids as they came, and where it
+    declines the request without reading them (too many blocks for its launch)."""
     prefill, decode = _pair(transport)
     try:
         t = decode.transports[transport]
         _routed(decode, prefill)
+        if declines:
+            t.lane_limit = 1
         gen = prefill.hold("bad", [8, 9])
         with pytest.raises(KVLinkError):
             decode.read("bad", remote(prefill), bad, [8, 9], generation=gen)

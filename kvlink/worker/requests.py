@@ -143,8 +143,9 @@ class _Requests(_Parts):
         """Each leg's post with the caller's ids as they came, converted by the lanes' launch
         (:attr:`_Route.lists`): on a serving host converting them here first cost 31 us
         before the launch (bench/results/gpu_checks_61d7f7e_stamps). None where the first
-        lane does not take them (nothing was posted: convert them and post again); a later
-        leg that refuses what the first took is posted the general way."""
+        lane does not take them, and where no lane posted them (a lane that declines a
+        request has not read its ids: nothing checked them): convert them and post again. A
+        later leg that refuses what an earlier one took is posted the general way."""
         handles: list[int | None] = []
         for leg in route.legs:
             try:
@@ -153,7 +154,7 @@ class _Requests(_Parts):
                 if not handles:
                     return None
                 handles.append(None)
-        return handles
+        return handles if any(h is not None for h in handles) else None
 
     def _bind_route(self, req: _Request, epoch: int) -> None:
         """After a READ told its generation was posted the general way: where every part took
@@ -334,10 +335,10 @@ def _launched_ids(route: _Route, handles: list[int | None], local_ids: object,
 
 
 def _own_ids(ids: object) -> npt.NDArray[np.int64]:
-    """Our int64 copy of ids a lane took as they came (a list of ints, an int64 array: what
-    :func:`_int_ids` takes too, or anything ``np.array`` converts as the launch did)."""
+    """Our int64 copy of ids a lane took as they came: a list of ints or an int64 array (what
+    :func:`_int_ids` takes), or another buffer of int64 (array.array('q'), a memoryview)."""
     got = _int_ids(ids)
-    return got if got is not None else np.array(ids, dtype=np.int64)
+    return got if got is not None else np.frombuffer(ids, dtype=np.int64).copy()  # type: ignore[call-overload]
 
 
 def _int_ids(ids: object) -> npt.NDArray[np.int64] | None:
