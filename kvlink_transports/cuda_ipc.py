@@ -177,15 +177,23 @@ def _job_fits(digest: DigestJob, blocks: int, segments: int, pages: int) -> bool
     return digest.blocks == blocks and _views_fit(digest.planes, digest.heads, segments, pages)
 
 
-def _launched_ids(launched: npt.NDArray[np.int64] | None, n: int, op: Op, local_ids: Any,
-                  remote_ids: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """(local, remote) ids of a lane's post as int64 arrays of ours (the caller may reuse
-    theirs): views of what the launch took (source ids, then destination ids), else
-    converted here (the ctypes launch, or a copy that failed before its launch)."""
-    if launched is None:
-        return np.array(local_ids, dtype=np.int64), np.array(remote_ids, dtype=np.int64)
+def _launched_ids(launched: npt.NDArray[np.int64], n: int, op: Op
+                  ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(local, remote) ids of a lane's post: views of what its launch took (source ids, then
+    destination ids; int64, ours)."""
     src, dst = launched[:n], launched[n:]
     return (dst, src) if op is Op.READ else (src, dst)
+
+
+def _explained_ids(local_ids: Any, remote_ids: Any
+                   ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Our copies of a post's ids, to explain its refusal (the caller may reuse theirs), where
+    no launch took them (the ctypes launch, or a copy that failed before its launch: then
+    they may not even be ids, and its handle FAILED says why anyway)."""
+    try:
+        return np.array(local_ids, dtype=np.int64), np.array(remote_ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
 
 def _device_index(device: str) -> int:
@@ -223,7 +231,8 @@ class _Lane:
     def posted_ids(self, handle: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """The (local, remote) block ids ``handle``'s post launched with: int64 arrays of the
         transport's own (not to be written), so a caller that handed lists needs no copy of
-        its own (None: not a lane's post, or released)."""
+        its own (None: not a lane's post, released, or no launch took them — its copy failed
+        before one)."""
         x = self._owner._xfers.get(handle)
         return None if x is None else x.ids
 
@@ -713,9 +722,10 @@ class CudaIpcTransport(Transport):
                 pending = copier.copy_lane(moves, src, dst, self._stream, after, generation,
                                            sample)  # (its launch's errors make it fail)
                 handle = next(self._handles)
-                ids = _launched_ids(pending.ids, n, lane.op, local_ids, remote_ids)
-                x = _Xfer(pending, nbytes, t0, None, None, target,
-                          runs=functools.partial(lane.runs, *ids), ids=ids)
+                ids = (None if pending.ids is None else _launched_ids(pending.ids, n, lane.op))
+                x = _Xfer(pending, nbytes, t0, None, None, target, ids=ids,
+                          runs=functools.partial(lane.runs, *(ids or _explained_ids(
+                              local_ids, remote_ids))))
                 target.live.add(x)
                 self._xfers[handle] = x
                 closable = self._reap_locked() if self._released else []
@@ -732,8 +742,7 @@ class CudaIpcTransport(Transport):
             return copier.copy_lane(moves, src, dst, self._stream, after, generation, sample)
 
         return self._post(lane.peer, copy, None, None,
-                          functools.partial(lane.runs, np.array(local_ids, dtype=np.int64),
-                                            np.array(remote_ids, dtype=np.int64)),
+                          functools.partial(lane.runs, *_explained_ids(local_ids, remote_ids)),
                           nbytes, n * moves.segments)
 
     def _post(self, peer: str, copy: Callable[[Any, _Peer, int | None], Any],

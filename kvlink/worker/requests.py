@@ -335,10 +335,17 @@ def _launched_ids(route: _Route, handles: list[int | None], local_ids: object,
 
 
 def _own_ids(ids: object) -> npt.NDArray[np.int64]:
-    """Our int64 copy of ids a lane took as they came: a list of ints or an int64 array (what
-    :func:`_int_ids` takes), or another buffer of int64 (array.array('q'), a memoryview)."""
+    """Our int64 copy of ids a lane was handed as they came: a list of ints or an int64 array
+    (what :func:`_int_ids` takes), or another buffer of int64 (array.array('q')). Empty where
+    they are none of these: then no launch took them (its copy failed before one, and its
+    handle says why), and nothing may raise now that a part is posted."""
     got = _int_ids(ids)
-    return got if got is not None else np.frombuffer(ids, dtype=np.int64).copy()  # type: ignore[call-overload]
+    if got is not None:
+        return got
+    try:
+        return np.frombuffer(ids, dtype=np.int64).copy()  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError):
+        return np.zeros(0, dtype=np.int64)
 
 
 def _int_ids(ids: object) -> npt.NDArray[np.int64] | None:
