@@ -56,7 +56,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -79,8 +79,19 @@ TOKEN_BYTES = shmfile.TOKEN_BYTES
 
 
 _FP_SEED = np.uint64(0x6B766C696E6B6670)  # "kvlinkfp"
-_UNSET = object()
-_c_fingerprint: object = _UNSET  # kvlink.native's, once looked up (None: numpy's)
+_UNSET: Any = object()
+_c_helpers: Any = _UNSET  # kvlink.native's module, once looked up (None: not built)
+
+
+def _helpers() -> Any:
+    """kvlink.native's built module or None, looked up once: both its uses here are on a
+    READ's path, where native.load()'s lock and lookup would be a step more each."""
+    global _c_helpers
+    if _c_helpers is _UNSET:
+        from kvlink import native
+
+        _c_helpers = native.load()
+    return _c_helpers
 
 
 def fingerprint(block_ids: npt.ArrayLike) -> int:
@@ -90,16 +101,10 @@ def fingerprint(block_ids: npt.ArrayLike) -> int:
     hold's, which a same-host reader could read anyway. Computed in C where kvlink's helpers
     build (kvlink.native: one call, where numpy's steps and blake2b cost 26 us of a READ's
     path cold on one H200 host), else by numpy, to the same value."""
-    global _c_fingerprint
-    fp = _c_fingerprint
-    if fp is _UNSET:
-        from kvlink import native
-
-        mod = native.load()
-        fp = _c_fingerprint = None if mod is None else mod.fingerprint
-    if fp is not None:
+    helpers = _helpers()
+    if helpers is not None:
         try:
-            return int(fp(block_ids))  # type: ignore[operator]
+            return int(helpers.fingerprint(block_ids))
         except (TypeError, ValueError, OverflowError):  # not a list or int64: numpy's below
             pass
     return fingerprint_numpy(block_ids)
@@ -403,7 +408,7 @@ class AfterCheck:
     def __init__(self, view: BoardView, generation: int, fp: int) -> None:
         self._view, self._want, self._at = view, (generation, fp), _slot_at(generation)
         self._read: Callable[[], tuple[int, ...]] | None = None
-        if _board_shows() is None:  # Python's: the slot's reader now, and its page
+        if _helpers() is None:  # Python's: the slot's reader now, and its page
             self._read = view.reader(generation)
             if self._read is not None:
                 self._read()
@@ -411,24 +416,10 @@ class AfterCheck:
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""
         view = self._view
-        shows = _board_shows()
+        helpers = _helpers()
         try:
-            if shows is not None:
-                return bool(shows(view._map, self._at, view._fd, *self._want))
+            if helpers is not None:
+                return bool(helpers.board_shows(view._map, self._at, view._fd, *self._want))
             return self._read is not None and view.alive() and self._read() == self._want
         except ValueError:  # the view was closed under us
             return False
-
-
-_c_board_shows: object = _UNSET  # kvlink.native's, once looked up (None: Python's)
-
-
-def _board_shows() -> Callable[..., bool] | None:
-    global _c_board_shows
-    got = _c_board_shows
-    if got is _UNSET:
-        from kvlink import native
-
-        mod = native.load()
-        got = _c_board_shows = None if mod is None else mod.board_shows
-    return got  # type: ignore[return-value]

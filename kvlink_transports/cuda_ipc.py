@@ -723,15 +723,12 @@ class CudaIpcTransport(Transport):
                                            sample)  # (its launch's errors make it fail)
                 handle = next(self._handles)
                 ids = (None if pending.ids is None else _launched_ids(pending.ids, n, lane.op))
-                x = _Xfer(pending, nbytes, t0, None, None, target, ids=ids,
-                          runs=functools.partial(lane.runs, *(ids or _explained_ids(
-                              local_ids, remote_ids))))
-                target.live.add(x)
-                self._xfers[handle] = x
-                closable = self._reap_locked() if self._released else []
+                closable = self._keep_locked(handle, _Xfer(
+                    pending, nbytes, t0, None, None, target, ids=ids,
+                    runs=functools.partial(lane.runs, *(ids or _explained_ids(
+                        local_ids, remote_ids)))))
         if common:
-            self._unmap(closable)
-            self._account_post(time.perf_counter() - t0, n * moves.segments)
+            self._posted(closable, t0, n * moves.segments)
             return handle
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:
@@ -780,13 +777,23 @@ class CudaIpcTransport(Transport):
                 return handle
             assert target is not None
             # the copy is running: bookkeeping from here on is off the transfer's critical path
-            x = _Xfer(pending, nbytes, t0, local, remote, target, runs=runs)
-            target.live.add(x)
-            self._xfers[handle] = x
-            closable = self._reap_locked() if self._released else []
+            closable = self._keep_locked(handle, _Xfer(pending, nbytes, t0, local, remote,
+                                                       target, runs=runs))
+        self._posted(closable, t0, descriptors)
+        return handle
+
+    def _keep_locked(self, handle: int, x: _Xfer) -> list[_Peer]:
+        """A post whose copy is enqueued: its handle, its reference on the peer's mappings;
+        returns the peers whose released copies ended meanwhile (to unmap)."""
+        assert x.peer is not None
+        x.peer.live.add(x)
+        self._xfers[handle] = x
+        return self._reap_locked() if self._released else []
+
+    def _posted(self, closable: list[_Peer], t0: float, descriptors: int) -> None:
+        """After the lock: unmap what :meth:`_keep_locked` found, count the post."""
         self._unmap(closable)
         self._account_post(time.perf_counter() - t0, descriptors)
-        return handle
 
     def completion_event(self, handle: int) -> torch.cuda.Event | None:
         """Optional hook: the CUDA event recorded after this post's copy, for a caller that

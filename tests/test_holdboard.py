@@ -329,9 +329,9 @@ def test_an_after_check_bound_at_post_answers_as_still_holds(
     "alive" off a descriptor that is no longer ours. Made in one C call (kvlink.native's
     board_shows) or, where the helpers are not built, through Python: the same answers."""
     if made_by == "python":
-        monkeypatch.setattr(holdboard, "_c_board_shows", None)
+        monkeypatch.setattr(holdboard, "_c_helpers", None)
     else:
-        assert holdboard._board_shows() is not None, f"not built: {native.why_not()}"
+        assert holdboard._helpers() is not None, f"not built: {native.why_not()}"
     board = HoldBoard()
     view = BoardView.open(board.name, board.token)
     assert view is not None

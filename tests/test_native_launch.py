@@ -229,5 +229,5 @@ def test_fingerprint_takes_numpys_form_where_c_does_not_take_the_ids(
     for ids in (np.array([5, 1, 7, 3], np.int32), (5, 1, 7, 3), np.array([[5, 1], [7, 3]]),
                 [5, 1, 7, 3], np.array([5, 1, 7, 3])):
         assert holdboard.fingerprint(ids) == want
-    monkeypatch.setattr(holdboard, "_c_fingerprint", None)  # (the helpers not built)
+    monkeypatch.setattr(holdboard, "_c_helpers", None)  # (the helpers not built)
     assert holdboard.fingerprint([5, 1, 7, 3]) == want

@@ -636,22 +636,23 @@ class BatchCopier:
                 buf = self._take(32)
                 buf.status.value = 0
                 raw = stream.cuda_stream
+                check = None
+                if lane.digest is not None:
+                    # the kernel's words: the first differing index, the rows it compared,
+                    # and whether any unit found none (kv_move_digest, KV_BOARD)
+                    buf.words[1:4] = _LANE_CHECK
+                    check = (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
                 if launcher is not None:
-                    return self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
-                                             after, buf, seq, generation, sample)
-                self._after(raw, after)
-                if lane.digest is None:
-                    lane.launch(src_ids, dst_ids, buf.ptr, seq, raw)
-                    return self._enqueue(stream, buf, seq)
-                # the kernel's words: the first differing index, the rows it compared, and
-                # whether any unit found none (kv_move_digest, KV_BOARD)
-                buf.words[1:4] = _LANE_CHECK
-                lane.launch(src_ids, dst_ids, buf.ptr, seq, raw,
-                            (generation, buf.ptr + 8, sample))
-                pending = self._enqueue(stream, buf, seq)
-                pending.digest_at = (1, 0, 0)
-                pending.compared_at = 2
+                    pending = self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
+                                                after, buf, seq, check)
+                else:
+                    self._after(raw, after)
+                    lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
+                    pending = self._enqueue(stream, buf, seq)
+                if check is not None:
+                    pending.digest_at = (1, 0, 0)
+                    pending.compared_at = 2
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
                 held: tuple[Any, ...] = () if buf is None else (buf,)
@@ -660,18 +661,14 @@ class BatchCopier:
 
     def _lane_native(self, launcher: Any, lane: Lane, src_ids: npt.NDArray[np.int64],
                      dst_ids: npt.NDArray[np.int64], stream: Any, raw: int,
-                     after: int | None, buf: _Pinned, seq: int, generation: int,
-                     sample: bool) -> Pending:
+                     after: int | None, buf: _Pinned, seq: int,
+                     check: tuple[int, int, bool] | None) -> Pending:
         """:meth:`copy_lane`'s launch through the C launcher: the ids, the order after the
         caller's stream, the kernel and its completion event in one call (under the lock)."""
         events = self._events
         if self._order_event is None:
             self._order_event = events.take()  # ours for good: one serves every order
         done = events.take()
-        check = None
-        if lane.digest is not None:
-            buf.words[1:4] = _LANE_CHECK
-            check = (generation, buf.ptr + 8, sample)
         try:
             lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
                       self._order_event, done, check)
@@ -684,9 +681,6 @@ class BatchCopier:
             raise
         pending = self._track(stream, buf, seq, done)
         pending.ids = lane.posted(len(src_ids))
-        if check is not None:
-            pending.digest_at = (1, 0, 0)
-            pending.compared_at = 2
         return pending
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,

@@ -37,6 +37,14 @@ _PLAIN_SLOTS = (1, 6, 7, 8)
 _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
 
 
+def _values(n: int, status: int, seq: int, g: int, check: tuple[int, int, bool] | None
+            ) -> tuple[int, ...]:
+    """What a post writes into its launch's slots (``_PLAIN_SLOTS`` / ``_DIGEST_SLOTS``, in
+    that order), whichever launches it: the C launcher or ctypes."""
+    return ((n, status, seq, g) if check is None else
+            (n, status, seq, check[0], check[1], int(check[2])))
+
+
 class Regions(Protocol):
     """What a lane needs of a side's region map (kvlink.gpu.copy.RegionMap)."""
 
@@ -193,11 +201,9 @@ class Lane:
         ValueError or OverflowError before any driver call. Raises RuntimeError naming the
         driver step that refused (before the launch: nothing of this copy was enqueued)."""
         n = len(src_ids)
-        got = self._forms.get(n) or self._form(n)
-        form, g = got
-        values: tuple[int, ...] = ((n, status, seq, g) if check is None else
-                                   (n, status, seq, check[0], check[1], int(check[2])))
-        launcher.post(form, src_ids, dst_ids, stream, after, order, done, values)
+        form, g = self._forms.get(n) or self._form(n)
+        launcher.post(form, src_ids, dst_ids, stream, after, order, done,
+                      _values(n, status, seq, g, check))
 
     def posted(self, n: int) -> npt.NDArray[np.int64]:
         """The ids the last post of ``n`` blocks launched with (source ids, then destination
@@ -242,11 +248,8 @@ class Lane:
         t[at:at + n] = src_ids  # (a negative id: past every block count, as the kernel reads)
         t[at + n:at + 2 * n] = dst_ids
         v = launch.vals
-        v[1] = n
-        if check is None:
-            v[6], v[7], v[8] = status, seq, g
-        else:
-            v[7], v[8], v[11], v[16], v[23] = status, seq, check[0], check[1], check[2]
+        for slot, value in zip(self._slots, _values(n, status, seq, g, check)):
+            v[slot] = value
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "
