@@ -52,7 +52,7 @@ def test_the_c_helpers_are_reported_and_their_absence_warned(
     assert rep["native"]["built"] is True and "C helpers (kvlink.native) built" in doctor.render(
         rep)
     assert not any("C helpers" in w for w in rep["warnings"])
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_loaded", {})  # (load() looks again, under the variable)
     monkeypatch.setenv("KVLINK_NATIVE", "0")
     rep = doctor.collect(probe=False)
     assert rep["native"] == {"built": False, "why_not": "KVLINK_NATIVE=0",

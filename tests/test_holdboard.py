@@ -328,7 +328,7 @@ def test_an_after_check_bound_at_post_answers_as_still_holds(
     (its lock gone) → False; a view closed under it → False, never an error — and never
     "alive" off a descriptor that is no longer ours. Made in one C call (kvlink.native's
     board_shows) or, where the helpers are not built, through Python: the same answers."""
-    if made_by == "python":
+    if made_by == "python":  # not a fake: kvlink's own path where the helpers are not built
         monkeypatch.setattr(holdboard, "_c_helpers", None)
     else:
         assert holdboard._helpers() is not None, f"not built: {native.why_not()}"

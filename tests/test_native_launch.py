@@ -58,6 +58,7 @@ class StandInDriver:
 
 @pytest.fixture
 def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    # a real build, in a cache of this test's own (not a fake: load() forgets what it loaded)
     monkeypatch.setenv("KVLINK_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_loaded", {})
     mod = native.load()
@@ -229,5 +230,6 @@ def test_fingerprint_takes_numpys_form_where_c_does_not_take_the_ids(
     for ids in (np.array([5, 1, 7, 3], np.int32), (5, 1, 7, 3), np.array([[5, 1], [7, 3]]),
                 [5, 1, 7, 3], np.array([5, 1, 7, 3])):
         assert holdboard.fingerprint(ids) == want
-    monkeypatch.setattr(holdboard, "_c_helpers", None)  # (the helpers not built)
+    # not a fake: kvlink's own numpy path, taken where the helpers are not built
+    monkeypatch.setattr(holdboard, "_c_helpers", None)
     assert holdboard.fingerprint([5, 1, 7, 3]) == want
