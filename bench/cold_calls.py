@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/cold_calls.py [--reps 200] [--out bench/results/cold_calls.json]
 
+Also a READ's after-check on the hold board and its system calls (the flock that says the
+producer is alive), against a plain system call.
+
 Why: stamps along a cuda_ipc READ on the H200 host (docs/e2e.md, "Lanes") put 40 us in the
 local ids' range check and 30 us in the writes of a launch table, where each is a microsecond
 back to back. Between two requests a serving process runs other code (here: a pass over 64
@@ -43,6 +46,42 @@ def _sweep(torch: Any, a: Any, b: Any) -> None:
     _ = {i: str(i) for i in range(2000)}
 
 
+def _after_check_calls() -> dict[str, Callable[[], Any]]:
+    """A READ's after-check and the system calls it is made of: the producer's flock refused
+    to us (it is alive), the slot's words, and a plain system call for scale."""
+    import fcntl
+    import os
+
+    from kvlink.holdboard import BoardView, HoldBoard, fingerprint
+
+    board = HoldBoard()
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    gen, fp = (7 << 16) | 3, fingerprint(list(range(256)))
+    board.publish(gen, list(range(256)))
+    check = view.after_check(gen, fp)
+    assert check()
+    fd = view._fd  # (our own descriptor of the board's file: the producer holds its lock)
+
+    def refused() -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+
+    _KEEP.extend((board, view))
+    return {
+        "syscall: os.getppid": os.getppid,
+        "after-check: flock(LOCK_SH | LOCK_NB), refused": refused,
+        "after-check: the whole check (C where built)": check,
+    }
+
+
+_KEEP: list[Any] = []  # the board and view the after-check calls use, open until exit
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
@@ -74,6 +113,7 @@ def main() -> None:
         "fingerprint: blake2b of the ids": (
             lambda: hashlib.blake2b(ids.data, digest_size=8).digest()),
     }
+    calls.update(_after_check_calls())
     out: dict[str, dict[str, float]] = {}
     for name, fn in calls.items():
         cold, hot = [], []

@@ -15,6 +15,17 @@
  * form (tests/test_native_launch.py compares them): 26 us of a READ's path cold through
  * numpy and blake2b on one H200 host (bench/results/gpu_checks_launched_ids).
  *
+ * move_extents: tcp's bytes between registered host memory and a socket, straight from the
+ * extent array (its (addr, len) records are struct iovec's layout) through writev/readv with
+ * the GIL released: the same through CPython's sendmsg/recvmsg_into made and took a
+ * memoryview per extent and the GIL per call, which made a 16-block request (2560 extents of
+ * 4 KiB) twice a plain socket's time (bench/results/e2e_request_cpu_tcp_d60d63b).
+ *
+ * sentinel_arm / sentinel_disarm: a hold board's alive word, which the kernel itself marks
+ * when the producer dies (a robust futex of the board's sentinel thread), so the after-check
+ * reads a word where it made a system call (flock, ~20 us cold on a serving host:
+ * bench/cold_calls.py).
+ *
  * board_shows: kvlink.holdboard's after-check of one READ (the producer alive, its hold
  * still shown) in one call: 25 us to bind it and 26 to make it, cold, through Python's
  * steps on that host.
@@ -22,9 +33,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <linux/futex.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
 
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                          unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -43,7 +61,7 @@ static wait_fn cu_wait;
 static void *as_ptr(PyObject *o) { return (void *)(uintptr_t)PyLong_AsUnsignedLongLong(o); }
 
 /* bind(cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent): their addresses */
-static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *bind_driver(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
     PyErr_SetString(PyExc_TypeError, "bind takes the four driver functions' addresses");
     return NULL;
@@ -154,8 +172,75 @@ static PyObject *fingerprint(PyObject *self, PyObject *ids) {
   return PyLong_FromUnsignedLongLong(mix64(h ^ (uint64_t)n));
 }
 
-/* board_shows(map, offset, fd, generation, fingerprint) -> bool: whether the producer still
- * holds its board's lock (a shared flock of ours would be refused: it is alive) and the slot
+/* A hold board's alive word (kvlink.holdboard.ALIVE_AT in its header): the producer's
+ * sentinel thread's id while it lives. The thread registers the word with the kernel as a
+ * robust futex it owns (set_robust_list): whenever that thread ends — the process killed,
+ * however — the kernel, on its way out and before the process's files (its GPU memory, its
+ * flock) are released, replaces the id with FUTEX_OWNER_DIED. So a word that shows an id
+ * and no FUTEX_OWNER_DIED means the producer has not begun to die; anything else (0: no
+ * sentinel, a closed board, an older producer) is settled by the flock. */
+#define ALIVE_AT 32
+
+static int alive_word(const char *map) {
+  uint32_t a = __atomic_load_n((const uint32_t *)(map + ALIVE_AT), __ATOMIC_ACQUIRE);
+  return (a & FUTEX_TID_MASK) != 0 && !(a & FUTEX_OWNER_DIED);
+}
+
+/* sentinel_arm(map) -> thread id: on the board's sentinel thread (kvlink.holdboard), which
+ * then only waits: registers the alive word of `map` (the producer's writable mapping) as
+ * this thread's robust list and stores the thread's id in it. The mapping must stay mapped
+ * until sentinel_disarm, on the same thread (the kernel reads the list when the thread
+ * ends). The thread must hold no robust pthread mutex: its list is replaced. */
+static PyObject *sentinel_arm(PyObject *self, PyObject *map) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(map, &view, PyBUF_WRITABLE) < 0) return NULL;
+  if (view.len < ALIVE_AT + 4) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "the mapping is shorter than a board's header");
+    return NULL;
+  }
+  uint32_t *word = (uint32_t *)((char *)view.buf + ALIVE_AT);
+  PyBuffer_Release(&view);  // (the caller keeps it mapped: see above)
+  struct robust_list_head *head = malloc(sizeof *head + sizeof(struct robust_list));
+  if (!head) return PyErr_NoMemory();
+  struct robust_list *entry = (struct robust_list *)(head + 1);
+  head->list.next = entry;
+  entry->next = &head->list;
+  head->futex_offset = (long)((char *)word - (char *)entry);
+  head->list_op_pending = NULL;
+  if (syscall(SYS_set_robust_list, head, sizeof *head)) {
+    free(head);
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  long tid = syscall(SYS_gettid);
+  __atomic_store_n(word, (uint32_t)tid & FUTEX_TID_MASK, __ATOMIC_RELEASE);
+  return PyLong_FromLong(tid);  // (head: this thread's for as long as it is registered)
+}
+
+/* sentinel_disarm(): on the sentinel thread, before the board's mapping goes: an empty robust
+ * list, so the kernel reads nothing of the mapping when the thread ends. */
+static PyObject *sentinel_disarm(PyObject *self, PyObject *unused) {
+  static __thread struct robust_list_head empty;
+  empty.list.next = &empty.list;
+  empty.futex_offset = 0;
+  empty.list_op_pending = NULL;
+  if (syscall(SYS_set_robust_list, &empty, sizeof empty))
+    return PyErr_SetFromErrno(PyExc_OSError);
+  Py_RETURN_NONE;
+}
+
+/* alive_shown(map) -> bool: whether the board's alive word shows a live sentinel */
+static PyObject *alive_shown(PyObject *self, PyObject *map) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(map, &view, PyBUF_SIMPLE) < 0) return NULL;
+  int alive = view.len >= ALIVE_AT + 4 && alive_word(view.buf);
+  PyBuffer_Release(&view);
+  return PyBool_FromLong(alive);
+}
+
+/* board_shows(map, offset, fd, generation, fingerprint) -> bool: whether the producer is
+ * alive — its alive word says so, else it still holds its board's lock (a shared flock of
+ * ours would be refused) — and the slot
  * at `offset` of the board mapping `map` (an mmap: a closed one raises ValueError, and it
  * cannot be closed while this runs) shows (generation, fingerprint). Alive first, then the
  * generation loaded with acquire order before the fingerprint: the producer stores the
@@ -173,17 +258,18 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
   if (fd < 0) Py_RETURN_FALSE;
   Py_buffer view;
   if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-  if (off < 0 || off % 8 || off + 16 > view.len) {
+  if (off < 0 || off % 8 || off + 16 > view.len || view.len < ALIVE_AT + 4) {
     PyBuffer_Release(&view);
     PyErr_Format(PyExc_ValueError, "slot offset %zd outside the board", off);
     return NULL;
   }
-  int alive;
-  if (flock((int)fd, LOCK_SH | LOCK_NB) == 0) {  // we got it: nobody holds it any more
-    flock((int)fd, LOCK_UN);
-    alive = 0;
-  } else {
-    alive = errno == EWOULDBLOCK || errno == EAGAIN;
+  int alive = alive_word(view.buf);  // (the offset check above covers the header)
+  if (!alive) {
+    if (flock((int)fd, LOCK_SH | LOCK_NB) == 0) {  // we got it: nobody holds it any more
+      flock((int)fd, LOCK_UN);
+    } else {
+      alive = errno == EWOULDBLOCK || errno == EAGAIN;
+    }
   }
   int shown = 0;
   if (alive) {
@@ -290,13 +376,163 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+
+#define IOV_WINDOW 1024 /* IOV_MAX on Linux */
+/* buffers handed to one sendmsg/readv: the kernel takes (copies, checks) every one it is
+ * handed while a call moves at most a socket buffer's worth, so more cost more than they
+ * move: 64 was the best of 16-256 for tcp's memoryview path (bench/results/tcp_window_ab) */
+#define IOV_PER_CALL 64
+
+/* move_extents(fd, send, extents, index, offset, budget, timeout_ms) -> (index, offset) | None
+ *
+ * Moves the bytes of `extents` (a C-contiguous buffer of (addr, len) pairs of uint64: one
+ * struct iovec each on LP64 Linux; kvlink_transports.tcp checked every one against its
+ * registered memory first) from extent `index`, byte `offset` of it: written to the socket
+ * `fd` (send true) or read from it into them. Returns where it stopped: at the end, or once
+ * `budget` bytes moved (the caller checks whether to stop between calls), or at EINTR (the
+ * caller's Python then runs its signal handlers). None where the peer closed the connection
+ * (a read of 0 bytes). The GIL is released throughout. A non-blocking socket (one with a
+ * Python timeout) waits up to timeout_ms (-1: forever) in poll() for each call, then raises
+ * TimeoutError; a socket error raises OSError. */
+static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                     "move_extents(fd, send, extents, index, offset, budget, timeout_ms)");
+    return NULL;
+  }
+  int fd = (int)PyLong_AsLong(args[0]);
+  int send = PyObject_IsTrue(args[1]);
+  Py_ssize_t index = PyLong_AsSsize_t(args[3]);
+  unsigned long long offset = PyLong_AsUnsignedLongLong(args[4]);
+  long long budget = PyLong_AsLongLong(args[5]);
+  int timeout_ms = (int)PyLong_AsLong(args[6]);
+  if (PyErr_Occurred() || send < 0) return NULL;
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  if (view.len % 16) {
+    PyBuffer_Release(&view);
+    PyErr_Format(PyExc_ValueError, "extents: %zd bytes is not a whole number of (addr, len) "
+                 "pairs", view.len);
+    return NULL;
+  }
+  const uint64_t *ext = (const uint64_t *)view.buf;
+  Py_ssize_t n = view.len / 16;
+  if (index < 0 || index > n || (index < n && offset > ext[2 * index + 1])) {
+    PyBuffer_Release(&view);
+    PyErr_Format(PyExc_ValueError, "extent %zd byte %llu is outside %zd extents", index,
+                 offset, n);
+    return NULL;
+  }
+  struct iovec iov[IOV_WINDOW];  // the window: iov[at..k) still to move
+  int at = 0, k = 0;
+  Py_ssize_t fill = index;  // the next extent not in the window yet
+  uint64_t skip = offset;   // (of the first one only)
+  int err = 0, closed = 0, timed_out = 0;
+  long long moved = 0;
+  Py_BEGIN_ALLOW_THREADS
+  while (index < n && moved < budget) {
+    if (k - at < IOV_WINDOW / 4 && fill < n) {  // topped up, not rebuilt: a call may move
+      if (at) {                                  // only a few of its buffers
+        memmove(iov, iov + at, (size_t)(k - at) * sizeof *iov);
+        k -= at;
+        at = 0;
+      }
+      for (; fill < n && k < IOV_WINDOW; ++fill, skip = 0) {  // (empty extents skipped)
+        if (ext[2 * fill + 1] == skip) continue;
+        iov[k].iov_base = (char *)(uintptr_t)ext[2 * fill] + skip;
+        iov[k].iov_len = (size_t)(ext[2 * fill + 1] - skip);
+        ++k;
+      }
+    }
+    if (at == k) {  // only empty extents left
+      index = n;
+      offset = 0;
+      break;
+    }
+    ssize_t got;
+    if (send) {  // (MSG_NOSIGNAL: a closed peer is EPIPE, not a signal)
+      struct msghdr msg = {0};
+      msg.msg_iov = iov + at;
+      msg.msg_iovlen = (size_t)(k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
+      got = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    } else {
+      got = readv(fd, iov + at, k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
+    }
+    if (got < 0) {
+      if (errno == EINTR) break;  // back to Python: its signal handlers run
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        struct pollfd p = {fd, send ? POLLOUT : POLLIN, 0};
+        int r = poll(&p, 1, timeout_ms);
+        if (r == 0) {
+          timed_out = 1;
+          break;
+        }
+        if (r < 0 && errno != EINTR) {
+          err = errno;
+          break;
+        }
+        if (r < 0) break;
+        continue;
+      }
+      err = errno;
+      break;
+    }
+    if (got == 0) {  // (a send of nonempty buffers never moves nothing: as closed)
+      closed = 1;
+      break;
+    }
+    moved += got;
+    for (size_t g = (size_t)got; g;) {  // the window past what moved
+      if (g >= iov[at].iov_len) {
+        g -= iov[at++].iov_len;
+      } else {
+        iov[at].iov_base = (char *)iov[at].iov_base + g;
+        iov[at].iov_len -= g;
+        g = 0;
+      }
+    }
+    while (got > 0 && index < n) {  // past what moved: whole extents, then into one
+      uint64_t left = ext[2 * index + 1] - offset;
+      if ((uint64_t)got >= left) {
+        got -= (ssize_t)left;
+        ++index;
+        offset = 0;
+      } else {
+        offset += (uint64_t)got;
+        got = 0;
+      }
+    }
+    while (index < n && ext[2 * index + 1] == 0) ++index;  // (empty ones after the last)
+  }
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&view);
+  if (err) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  if (timed_out) {
+    PyErr_SetString(PyExc_TimeoutError, "timed out");
+    return NULL;
+  }
+  if (closed) Py_RETURN_NONE;
+  return Py_BuildValue("(nK)", index, offset);
+}
+
 static PyMethodDef methods[] = {
-    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+    {"bind", (PyCFunction)(void (*)(void))bind_driver, METH_FASTCALL,
      "bind(launch, query, record, wait): the driver functions' addresses"},
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
      "post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,
      "board_shows(map, offset, fd, generation, fingerprint): a READ's after-check"},
+    {"move_extents", (PyCFunction)(void (*)(void))move_extents, METH_FASTCALL,
+     "move_extents(fd, send, extents, index, offset, budget, timeout_ms): tcp's bytes"},
+    {"sentinel_arm", (PyCFunction)sentinel_arm, METH_O,
+     "sentinel_arm(map): this thread's robust futex is the board's alive word"},
+    {"sentinel_disarm", (PyCFunction)sentinel_disarm, METH_NOARGS,
+     "sentinel_disarm(): this thread's robust list emptied"},
+    {"alive_shown", (PyCFunction)alive_shown, METH_O,
+     "alive_shown(map): whether a board's alive word shows a live sentinel"},
     {"fingerprint", (PyCFunction)fingerprint, METH_O,
      "fingerprint(ids): kvlink.holdboard.fingerprint of a list of ints or an int64 array"},
     {NULL, NULL, 0, NULL}};

@@ -20,9 +20,16 @@ answer, a seqlock over shared memory:
 
 A dead producer cannot withdraw: it holds an exclusive ``flock`` on the board for as long as it
 lives (the kernel drops it at exit, however the process ends), and the after-check first checks
-that lock is still held. Anything the board cannot answer — another host, a slot taken by
-another hold (:data:`SLOTS` slots, chosen by the generation's low bits), a subset of the held
-blocks, a board that cannot be opened — falls back to the round trip, never to "intact".
+that lock is still held. Where kvlink's C helpers build, the board's header also has an alive
+word the kernel itself marks when the producer dies (:class:`_Sentinel`: a robust futex of a
+thread that only waits), so the after-check reads a word where it made a system call — a
+flock refused to us took ~20 us cold on a serving host, a third of what a READ spends past its
+DONE (bench/results/cold_calls_alive). A word that does not show a live sentinel (none, a
+closed board, an older producer) is settled by the flock, as before.
+
+Anything the board cannot answer — another host, a slot taken by another hold (:data:`SLOTS`
+slots, chosen by the generation's low bits), a subset of the held blocks, a board that cannot
+be opened — falls back to the round trip, never to "intact".
 The reader still reports its READ (without waiting for the answer, with a later poll) so the
 producer counts it done and releases.
 
@@ -66,7 +73,12 @@ from kvlink import shmfile
 log = logging.getLogger("kvlink.holdboard")
 
 SLOTS = 1 << 16  # power of two: a generation's low bits pick its slot
-_HEADER = 64  # magic (8), slots (8), token (16), reserved
+_HEADER = 64  # magic (8), slots (8), token (16), the alive word (4), reserved
+#: the header's alive word: the sentinel thread's id while it lives, FUTEX_OWNER_DIED once the
+#: kernel saw it end (kvlink.native's ``sentinel_arm``; ``_native.c``'s ALIVE_AT)
+ALIVE_AT = 32
+_TID_MASK, _OWNER_DIED = 0x3FFFFFFF, 0x40000000  # linux/futex.h
+_ALIVE = struct.Struct("<I")
 _WORDS = 4  # per slot: generation, fingerprint, digests' arena offset, their length
 PAGE = 4096  # the arena's unit: a hold's digests take whole pages
 ARENA_PAGES = 1 << 14  # 64 MiB (tmpfs: only pages written take memory), e.g. 200 holds of
@@ -148,6 +160,8 @@ class HoldBoard:
         self._next = 0  # where the next hold's digests go if the pages there are free
         self._pages: dict[int, tuple[int, int]] = {}  # generation -> its (first page, count)
         self._lock = threading.Lock()
+        helpers = _helpers()
+        self._sentinel = _Sentinel(helpers, self._map) if helpers is not None else None
         self.published = 0
         self.collisions = 0  # holds whose slot another live hold had: readers ask instead
         self.arena_full = 0  # holds published without their digests: readers ask for them
@@ -227,9 +241,54 @@ class HoldBoard:
             except OSError:
                 pass
             self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
-            shmfile.unmap(self._map)
+            _ALIVE.pack_into(self._map, ALIVE_AT, 0)  # readers trust the word no more
+            if self._sentinel is None or self._sentinel.stop():
+                shmfile.unmap(self._map)
+            # (else its thread did not let the word go: the mapping stays, lest the kernel
+            # write into whatever is mapped there next when that thread ends)
             os.close(self._fd)  # releases the flock
             self._fd = -1
+
+
+class _Sentinel:
+    """The board's sentinel: a thread that arms the alive word (kvlink.native's
+    ``sentinel_arm``: the word is its robust futex, which the kernel marks FUTEX_OWNER_DIED
+    when the thread ends — with the process, however it is killed — before the process's
+    files and GPU memory are let go) and then only waits, until :meth:`stop` disarms it
+    before the mapping goes. A thread of its own: a robust futex belongs to the thread that
+    took it, and the caller's (a serving loop's, a pool's) may end before the process does.
+    Where arming fails, the word stays 0 and readers use the flock."""
+
+    def __init__(self, helpers: Any, view: mmap.mmap) -> None:
+        self._stop = threading.Event()
+        armed = threading.Event()
+        self.tid = 0
+        self._thread = threading.Thread(target=self._run, args=(helpers, view, armed),
+                                        name="kvlink-board-sentinel", daemon=True)
+        self._thread.start()
+        armed.wait(5.0)
+
+    def _run(self, helpers: Any, view: mmap.mmap, armed: threading.Event) -> None:
+        try:
+            self.tid = int(helpers.sentinel_arm(view))
+        except (OSError, ValueError) as exc:
+            log.info("hold board: no alive word (%s); readers check its flock", exc)
+            return
+        finally:
+            armed.set()
+            del view  # (the board's close unmaps it)
+        self._stop.wait()
+        helpers.sentinel_disarm()
+
+    def stop(self) -> bool:
+        """Disarm and end the thread; False if it did not end in time (then the word's
+        mapping must stay: the kernel reads it when the thread ends)."""
+        self._stop.set()
+        self._thread.join(5.0)
+        if self._thread.is_alive():
+            log.warning("hold board: its sentinel thread did not end; keeping its mapping")
+            return False
+        return True
 
 
 _SLOT = struct.Struct(f"<{_WORDS}Q")
@@ -286,6 +345,7 @@ def _forget_in_child(ref: weakref.ref[HoldBoard]) -> None:
     if board is not None and board._fd >= 0:
         os.close(board._fd)
         board._fd = -1
+        board._sentinel = None  # (the parent's thread: none here)
 
 
 class BoardView:
@@ -359,10 +419,13 @@ class BoardView:
         return np.frombuffer(self._map, dtype="<i8", count=count, offset=at).copy()
 
     def alive(self) -> bool:
-        """Whether the producer still holds its board's lock (it is alive and has not closed
-        its worker)."""
+        """Whether the producer is alive and has not closed its worker: its alive word shows
+        its sentinel, else it still holds its board's lock."""
         if self._fd < 0:
             return False
+        word = _ALIVE.unpack_from(self._map, ALIVE_AT)[0]
+        if word & _TID_MASK and not word & _OWNER_DIED:
+            return True
         if _FLOCK is not None:
             if _FLOCK(self._fd, _SHARED_NB) != 0:
                 return ctypes.get_errno() in (errno.EWOULDBLOCK, errno.EAGAIN)

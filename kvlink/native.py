@@ -1,17 +1,25 @@
 """kvlink's C helpers (``_native.c``), built on first use with the host's C compiler.
 
-Two steps of a READ's path are cheaper in C than through numpy and ctypes, cold, by tens of
-microseconds each (bench/results/gpu_checks_61d7f7e_stamps): a cuda_ipc lane's launch (the
-ids into its parameters, the order after the caller's stream, the kernel, its completion
-event: ``post``) and the fingerprint of a block-id list (``fingerprint``, what the hold
-board compares; :func:`kvlink.holdboard.fingerprint` computes the same in numpy where the
-module cannot be built). The module is built the way Triton builds its launchers: at first
-use, with the compiler Python was built with (``sysconfig``'s ``CC``) and Python's headers,
-into a cache keyed by the source and the interpreter (``$KVLINK_CACHE_DIR``, else
-``$XDG_CACHE_HOME/kvlink``, else ``~/.cache/kvlink``), so a process after the first only
-imports it. Where it cannot be built (no compiler, no headers, a read-only cache)
-:func:`load` says why once and returns None: lanes then launch through ctypes and the
-fingerprint is numpy's. ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
+Steps that are cheaper in C than through numpy, ctypes or CPython's socket calls, each by
+tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e_stamps):
+
+- a cuda_ipc lane's launch (``post``: the ids into its parameters, the order after the
+  caller's stream, the kernel, its completion event);
+- the fingerprint of a block-id list (``fingerprint``, what the hold board compares;
+  :func:`kvlink.holdboard.fingerprint` computes the same in numpy where this is not built);
+- the hold board's after-check (``board_shows``), with its alive word (``sentinel_arm``:
+  a word the kernel marks when the producer dies, read where a flock was a system call);
+- tcp's bytes between registered memory and a socket (``move_extents``: sendmsg/readv over
+  the extent array, the GIL released; bench/results/tcp_native_mover).
+
+The module is built the way Triton builds its launchers: at first use, with the compiler
+Python was built with (``sysconfig``'s ``CC``) and Python's headers, into a cache keyed by the
+source and the interpreter (``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink``, else
+``~/.cache/kvlink``), so a process after the first only imports it. Where it cannot be built
+(no compiler, no headers, a read-only cache) :func:`load` says why once and returns None:
+lanes then launch through ctypes, the fingerprint is numpy's, the after-check is Python's
+(the flock only) and tcp moves bytes through memoryviews. ``KVLINK_NATIVE=0`` turns it off
+(an A/B, or a suspect build).
 """
 
 from __future__ import annotations
@@ -59,8 +67,8 @@ def why_not() -> str:
 
 
 def load() -> ModuleType | None:
-    """The built module (``bind``/``post``/``fingerprint``, see ``_native.c``), or None (said
-    once, in the log): lanes then launch through ctypes, fingerprints are numpy's."""
+    """The built module (``bind``/``post``/``fingerprint``/``board_shows``/``move_extents``,
+    see ``_native.c``), or None (said once, in the log): the Python paths are taken."""
     with _lock:
         if "launch" in _loaded:
             return _loaded["launch"]
@@ -72,9 +80,9 @@ def load() -> ModuleType | None:
                 mod = _import(_build())
             except (OSError, ImportError, subprocess.SubprocessError, RuntimeError) as exc:
                 _why["launch"] = f"{type(exc).__name__}: {exc}"
-                log.warning("kvlink's C helpers are unavailable (%s); lanes launch through "
-                            "ctypes and fingerprints are numpy's (tens of us more a request, "
-                            "cold)", _why["launch"])
+                log.warning("kvlink's C helpers are unavailable (%s); falling back to "
+                            "Python: lanes launch through ctypes, fingerprints are numpy's, "
+                            "tcp moves bytes through memoryviews (slower)", _why["launch"])
         _loaded["launch"] = mod
         return mod
 

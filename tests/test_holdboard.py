@@ -293,6 +293,74 @@ def _child_board(q: Any) -> None:
     signal.pause()
 
 
+def _alive_word(view: BoardView) -> int:
+    return int(holdboard._ALIVE.unpack_from(view._map, holdboard.ALIVE_AT)[0])
+
+
+def _helpers_built() -> None:
+    if holdboard._helpers() is None:
+        pytest.skip(f"kvlink's C helpers are not built here: {native.why_not()}")
+
+
+def test_the_kernel_marks_a_killed_producers_alive_word() -> None:
+    """The alive word shows the producer's sentinel thread while it lives and the after-check
+    takes it for alive; SIGKILL the producer and the kernel itself has replaced the thread's
+    id with FUTEX_OWNER_DIED by the time the process is reaped (its robust list), so the
+    word can never say "alive" for a dead producer — the flock then answers, and it is gone
+    too."""
+    _helpers_built()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_board, args=(q,), daemon=True)
+    child.start()
+    try:
+        name, token = q.get(timeout=30)
+        view = BoardView.open(name, token)
+        assert view is not None
+        word = _alive_word(view)
+        assert word & holdboard._TID_MASK and not word & holdboard._OWNER_DIED, hex(word)
+        assert word != threading.get_native_id()  # the child's thread, not one of ours
+        assert view.after_check(42 << 16, fingerprint([1, 2]))()
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(10)
+        assert _alive_word(view) & holdboard._OWNER_DIED, hex(_alive_word(view))
+        assert not view.alive()
+        assert not view.after_check(42 << 16, fingerprint([1, 2]))()
+    finally:
+        if child.is_alive():
+            child.kill()
+        path = os.path.join("/dev/shm", name) if "name" in locals() else ""
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
+def test_the_alive_word_outlives_the_thread_that_made_the_board() -> None:
+    """A robust futex belongs to the thread that took it: a board made on a thread that
+    then ends (a pool's, a short-lived setup thread) still shows its producer alive — its
+    own sentinel thread holds the word — and close() zeroes the word and ends that thread."""
+    _helpers_built()
+    made: list[HoldBoard] = []
+    maker = threading.Thread(target=lambda: made.append(HoldBoard()))
+    maker.start()
+    maker.join(10)
+    board = made[0]
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    try:
+        word = _alive_word(view)
+        assert word & holdboard._TID_MASK and not word & holdboard._OWNER_DIED, hex(word)
+        assert board._sentinel is not None and word == board._sentinel.tid
+        sentinels = [t for t in threading.enumerate() if t.name == "kvlink-board-sentinel"]
+        assert view.alive()
+        board.close()
+        assert _alive_word(view) == 0 and not view.alive()
+        assert not any(t.is_alive() for t in sentinels
+                       if t is board._sentinel._thread)  # ended, disarmed
+    finally:
+        board.close()
+        view.close()
+
+
 def test_a_dead_producers_board_answers_nothing() -> None:
     """SIGKILLed with its hold still shown: the words stay, the lock goes with the process,
     so the after-check fails."""
@@ -374,6 +442,9 @@ def test_the_liveness_check_keeps_the_gil(monkeypatch: pytest.MonkeyPatch) -> No
     board = HoldBoard()
     view = BoardView.open(board.name, board.token)
     assert view is not None
+    # the flock's path: a board whose alive word shows no sentinel (as an older producer's,
+    # or one whose helpers are not built), so alive() asks the lock
+    holdboard._ALIVE.pack_into(board._map, holdboard.ALIVE_AT, 0)
     ticks, stop = [0], threading.Event()
 
     def spin() -> None:

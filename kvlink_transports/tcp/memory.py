@@ -1,8 +1,11 @@
 """Our registered memory, and moving bytes between it and a socket, direct or staged.
 
-Host memory moves straight between registered memory and the socket: ``sendmsg`` over
-memoryviews (the kernel gathers, no user-space copy) and ``recvmsg_into`` (the kernel
-scatters), ``_IOV`` buffers a call. Device memory (or, for tests, host memory with option
+Host memory moves straight between registered memory and the socket, the kernel gathering
+and scattering (no user-space copy): through kvlink's C helper ``move_extents``
+(:mod:`kvlink.native`: ``sendmsg``/``readv`` over the extent array itself, the GIL released
+for up to ``_STOP_EVERY`` bytes at a time), or where it is not built through CPython's
+``sendmsg``/``recvmsg_into`` over memoryviews, ``_IOV`` made at a time and ``_WINDOW`` handed
+to a call. Device memory (or, for tests, host memory with option
 ``stage_host_memory``) moves through a bounded pool of pinned host buffers
 (:mod:`kvlink.staging`). Every extent is bounds-checked against the registered regions before
 a byte moves, ``_CHECK`` extents a numpy pass. Separate because both sides use it, the
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 
-from kvlink import hostmem, staging
+from kvlink import hostmem, native, staging
 from kvlink.errors import ExtentOutOfBounds, TransportUnavailable
-from kvlink.transport import Extents, Region, RegionTable, Transport
+from kvlink.transport import EXTENT_DTYPE, Extents, Region, RegionTable, Transport
 from kvlink_transports.tcp.wire import _PeerGone
 
 _IOV = 512  # memoryviews made at a time (IOV_MAX is 1024 on Linux)
@@ -27,24 +31,41 @@ _IOV = 512  # memoryviews made at a time (IOV_MAX is 1024 on Linux)
 #: (and gives back) every buffer it is handed — 512 each time cost more than the bytes
 _WINDOW = 64
 _CHECK = 1 << 16  # extents per numpy pass of a check: its temporaries are O(this), not O(request)
+#: bytes one call of the C helper moves before ``stop`` is asked again: how much of our memory
+#: a revoked connection may still write (a revoke that waits past tcp's grace shuts the socket,
+#: which ends the call); each call takes the GIL back once, which a busy caller's thread holds
+#: for up to a switch interval
+_STOP_EVERY = 4 << 20
 
 
 class _Memory:
-    """Registered regions as memoryviews, so an extent becomes a slice (no per-extent ctypes)."""
+    """Registered regions: as memoryviews, so an extent becomes a slice (no per-extent
+    ctypes), or (the C helper) as the addresses the bounds check vouched for."""
 
     def __init__(self, regions: Sequence[Region]) -> None:
         self.table = RegionTable(regions)
         self.views = [hostmem.view(r.addr, r.nbytes) for r in self.table.regions]
+        self._native: ModuleType | None = native.load()
 
-    def batches(self, ext: Extents, what: str) -> Iterator[list[memoryview]]:
-        """Bounds-check all of ``ext`` now (raising before any byte moves), then give its
-        slices ``_IOV`` at a time as they are consumed: O(batch) Python objects and O(_CHECK)
-        numpy temporaries, not one memoryview per extent for the whole request."""
-        for k in range(0, ext.shape[0], _CHECK):
-            self.table.locate(ext[k : k + _CHECK], what if not k else f"{what} {k}+")
-        return self._batches(ext)
+    def send(self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None) -> None:
+        """Send the bytes of ``ext``, every extent checked in registered memory
+        (:meth:`_LocalMemory._is_staged`, before anything moves)."""
+        if self._native is not None and ext.dtype == EXTENT_DTYPE:
+            _move_native(self._native, sock, ext, True, stop)
+        else:
+            _send_views(sock, self._batches(ext), stop)
+
+    def recv(self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None) -> None:
+        """Receive straight into ``ext``, every extent checked in registered memory."""
+        if self._native is not None and ext.dtype == EXTENT_DTYPE:
+            _move_native(self._native, sock, ext, False, stop)
+        else:
+            _recv_views(sock, self._batches(ext), stop)
 
     def _batches(self, ext: Extents) -> Iterator[list[memoryview]]:
+        """The slices of ``ext`` (checked), ``_IOV`` at a time as they are consumed: O(batch)
+        Python objects and O(_CHECK) numpy temporaries, not one memoryview per extent for the
+        whole request."""
         starts, views = self.table.starts, self.views
         for k in range(0, ext.shape[0], _CHECK):
             chunk = ext[k : k + _CHECK]
@@ -54,6 +75,26 @@ class _Memory:
                 off = (part["addr"] - starts[at]).tolist()
                 yield [views[i][o : o + n]
                        for i, o, n in zip(at.tolist(), off, part["len"].tolist())]
+
+
+def _move_native(
+    helpers: ModuleType, sock: socket.socket, ext: Extents, send: bool,
+    stop: Callable[[], bool] | None,
+) -> None:
+    """Move ``ext``'s bytes (checked) through the C helper, ``_STOP_EVERY`` bytes a call where
+    ``stop`` may end it early, with the socket's timeout for each wait."""
+    ext = np.ascontiguousarray(ext)  # (a view of a request's header already is)
+    timeout = sock.gettimeout()
+    ms = -1 if timeout is None else max(1, int(timeout * 1000))
+    budget = _STOP_EVERY if stop is not None else 1 << 62
+    fd, n = sock.fileno(), ext.shape[0]
+    at: tuple[int, int] | None = (0, 0)
+    while at is not None and at[0] < n:
+        if stop is not None and stop():
+            raise _PeerGone("access revoked mid-transfer")
+        at = helpers.move_extents(fd, send, ext, at[0], at[1], budget, ms)
+    if at is None:
+        raise _PeerGone("connection closed by peer mid-transfer")
 
 
 def _send_views(
@@ -141,11 +182,14 @@ class _LocalMemory(Transport):
         self._chunk = chunk
 
     def _is_staged(self, ext: Extents, what: str = "extent") -> bool:
-        """Bounds-check ``ext`` against registered memory; True if it moves through staging."""
+        """Bounds-check ``ext`` against registered memory; True if it moves through staging.
+        The check every byte mover relies on (each side runs it once a request)."""
         table, kinds = self._memory.table, set[str]()
+        one = len({r.memory_kind for r in table.regions}) == 1  # (the kind is known)
         for k in range(0, ext.shape[0], _CHECK):
             idx = table.locate(ext[k : k + _CHECK], what if not k else f"{what} {k}+")
-            kinds.update(table.regions[int(i)].memory_kind for i in np.unique(idx))
+            kinds.update(table.regions[int(i)].memory_kind
+                         for i in (idx[:1] if one else np.unique(idx)))
         if not kinds:
             return False
         if len(kinds) > 1:
@@ -154,9 +198,12 @@ class _LocalMemory(Transport):
         return self._copier is not None and (device or bool(self.options.get("stage_host_memory")))
 
     def _send_ext(
-        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
+        staged: bool | None = None,
     ) -> None:
-        if self._is_staged(ext):
+        """Send ``ext``'s bytes; ``staged``: what :meth:`_is_staged` answered for it (None:
+        check it now)."""
+        if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
 
             def send(mv: memoryview) -> None:
@@ -166,14 +213,16 @@ class _LocalMemory(Transport):
 
             staging.send_staged(send, ext, self._copier, self._pool, self._chunk, self.timeout)
         else:
-            _send_views(sock, self._memory.batches(ext, "extent"), stop)
+            self._memory.send(sock, ext, stop)
 
     def _recv_ext(
-        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
+        staged: bool | None = None,
     ) -> None:
-        if self._is_staged(ext):
+        """Receive into ``ext``; ``staged`` as for :meth:`_send_ext`."""
+        if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
             staging.recv_staged(lambda mv: _recv_views(sock, [[mv]], stop), ext, self._copier,
                                 self._pool, self._chunk, self.timeout)
         else:
-            _recv_views(sock, self._memory.batches(ext, "extent"), stop)
+            self._memory.recv(sock, ext, stop)

@@ -381,7 +381,8 @@ class _Server(_LocalMemory):
         with self._lock:  # before the grant check, so revoke() sees it or the check fails
             inb.serving, inb.cut = hdr.ticket, False
         try:
-            why = self._refusal(op, hdr.ticket, ext)
+            verdict = self._refusal(op, hdr.ticket, ext)
+            why = verdict if isinstance(verdict, str) else None
             if why is None:
 
                 def stop() -> bool:
@@ -389,9 +390,9 @@ class _Server(_LocalMemory):
 
                 if op is Op.READ:
                     _send_hdr(conn, _Hdr(_VERSION, "A"))
-                    self._send_ext(conn, ext, stop)
+                    self._send_ext(conn, ext, stop, staged=bool(verdict))
                 else:
-                    self._recv_ext(conn, ext, stop)
+                    self._recv_ext(conn, ext, stop, staged=bool(verdict))
         finally:
             # done with our memory before any answer goes out: a peer (or the owner, seeing
             # the notification) that revokes once it has the answer finds nothing to wait for
@@ -414,15 +415,15 @@ class _Server(_LocalMemory):
             if hdr.notify is not None:
                 self._notifs.append((hdr.agent, hdr.notify))
 
-    def _refusal(self, op: Op, ticket: bytes, ext: Extents) -> str | None:
-        """Why a peer's ``op`` on ``ext`` under ``ticket`` is not served (None: it is)."""
+    def _refusal(self, op: Op, ticket: bytes, ext: Extents) -> str | bool:
+        """Why a peer's ``op`` on ``ext`` under ``ticket`` is not served; where it is, whether
+        its bytes move through staging (the bounds and memory-kind check, made once here)."""
         if self.ctx.require_grants:
             for k in range(0, max(ext.shape[0], 1), _CHECK):
                 why = self._grants.check(ticket, op, ext[k : k + _CHECK])
                 if why is not None:
                     return why
         try:
-            self._is_staged(ext, "requested extent")  # bounds and memory-kind check
+            return self._is_staged(ext, "requested extent")
         except ExtentOutOfBounds as exc:
             return str(exc)
-        return None
