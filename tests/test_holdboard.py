@@ -8,12 +8,13 @@ thing does not do on demand.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -302,6 +303,33 @@ def _helpers_built() -> None:
         pytest.skip(f"kvlink's C helpers are not built here: {native.why_not()}")
 
 
+@contextlib.contextmanager
+def _board_of_a_child() -> Iterator[tuple[BoardView, Callable[[], None]]]:
+    """A producer process showing 42 << 16 held over [1, 2] on its board: our view of the
+    board, and a call that SIGKILLs the producer and reaps it."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_board, args=(q,), daemon=True)
+    child.start()
+    name = ""
+    try:
+        name, token = q.get(timeout=30)
+        view = BoardView.open(name, token)
+        assert view is not None
+
+        def kill() -> None:
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(10)
+
+        yield view, kill
+    finally:
+        if child.is_alive():
+            child.kill()
+        path = os.path.join("/dev/shm", name) if name else ""
+        if path and os.path.exists(path):
+            os.unlink(path)
+
+
 def test_the_kernel_marks_a_killed_producers_alive_word() -> None:
     """The alive word shows the producer's sentinel thread while it lives and the after-check
     takes it for alive; SIGKILL the producer and the kernel itself has replaced the thread's
@@ -309,29 +337,15 @@ def test_the_kernel_marks_a_killed_producers_alive_word() -> None:
     word can never say "alive" for a dead producer — the flock then answers, and it is gone
     too."""
     _helpers_built()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=_child_board, args=(q,), daemon=True)
-    child.start()
-    try:
-        name, token = q.get(timeout=30)
-        view = BoardView.open(name, token)
-        assert view is not None
+    with _board_of_a_child() as (view, kill):
         word = _alive_word(view)
         assert word & holdboard._TID_MASK and not word & holdboard._OWNER_DIED, hex(word)
         assert word != threading.get_native_id()  # the child's thread, not one of ours
         assert view.after_check(42 << 16, fingerprint([1, 2]))()
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        child.join(10)
+        kill()
         assert _alive_word(view) & holdboard._OWNER_DIED, hex(_alive_word(view))
         assert not view.alive()
         assert not view.after_check(42 << 16, fingerprint([1, 2]))()
-    finally:
-        if child.is_alive():
-            child.kill()
-        path = os.path.join("/dev/shm", name) if "name" in locals() else ""
-        if path and os.path.exists(path):
-            os.unlink(path)
 
 
 def test_the_alive_word_outlives_the_thread_that_made_the_board() -> None:
@@ -364,27 +378,14 @@ def test_the_alive_word_outlives_the_thread_that_made_the_board() -> None:
 def test_a_dead_producers_board_answers_nothing() -> None:
     """SIGKILLed with its hold still shown: the words stay, the lock goes with the process,
     so the after-check fails."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=_child_board, args=(q,), daemon=True)
-    child.start()
-    try:
-        name, token = q.get(timeout=30)
-        view = BoardView.open(name, token)
-        assert view is not None and view.still_holds(42 << 16, fingerprint([1, 2]))
+    with _board_of_a_child() as (view, kill):
+        assert view.still_holds(42 << 16, fingerprint([1, 2]))
         check = view.after_check(42 << 16, fingerprint([1, 2]))  # (in C where built)
         assert check()
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        child.join(10)
+        kill()
         assert view.holds(42 << 16, fingerprint([1, 2]))  # the dead words
         assert not view.alive() and not view.still_holds(42 << 16, fingerprint([1, 2]))
         assert not check()
-    finally:
-        if child.is_alive():
-            child.kill()
-        path = os.path.join("/dev/shm", name) if "name" in locals() else ""
-        if path and os.path.exists(path):
-            os.unlink(path)
 
 
 @pytest.mark.parametrize("made_by", ["c", "python"])
