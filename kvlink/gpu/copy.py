@@ -425,15 +425,21 @@ class BatchCopier:
         if p.buf is not None:
             p._failed = p.buf.status.value == p.seq
             bad, at, count = p.digest_at
-            if bad and not p._failed:
-                p.mismatch = int(p.buf.words[bad])
-            if count and not p._failed:
-                p.digests = p.buf.words[at:at + count].copy()
             if p.compared_at and not p._failed:
-                rows, missed = p.buf.words[p.compared_at:p.compared_at + 2].tolist()
+                # a digest lane's words side by side — the first index that differed, the rows
+                # compared, whether a unit found none: one read (this is a READ's DONE poll)
+                first = bad if bad == p.compared_at - 1 else p.compared_at
+                got = p.buf.words[first:p.compared_at + 2].tolist()
+                if bad:
+                    p.mismatch = int(got[0]) if first == bad else int(p.buf.words[bad])
+                rows, missed = got[-2:]
                 p.compared = 0 if missed else rows
                 if not p.compared and p.mismatch == NO_MISMATCH:
                     p.mismatch = None  # a unit found no rows to compare: the caller digests
+            elif bad and not p._failed:
+                p.mismatch = int(p.buf.words[bad])
+            if count and not p._failed:
+                p.digests = p.buf.words[at:at + count].copy()
             self._pinned[p.buf.size].append(p.buf)
             p.buf = None
         p._failed = p._failed or bool(p.error)
