@@ -52,6 +52,7 @@ def _after_check_calls() -> dict[str, Callable[[], Any]]:
     import fcntl
     import os
 
+    from kvlink import holdboard
     from kvlink.holdboard import BoardView, HoldBoard, fingerprint
 
     board = HoldBoard()
@@ -71,11 +72,21 @@ def _after_check_calls() -> dict[str, Callable[[], Any]]:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
 
-    _KEEP.extend((board, view))
+    # the same check of a board whose alive word shows no sentinel (an older producer's):
+    # the flock answers
+    old = HoldBoard()
+    old_view = BoardView.open(old.name, old.token)
+    assert old_view is not None
+    holdboard._ALIVE.pack_into(old._map, holdboard.ALIVE_AT, 0)
+    old.publish(gen, list(range(256)))
+    old_check = old_view.after_check(gen, fp)
+    assert old_check()
+    _KEEP.extend((board, view, old, old_view))
     return {
         "syscall: os.getppid": os.getppid,
         "after-check: flock(LOCK_SH | LOCK_NB), refused": refused,
-        "after-check: the whole check (C where built)": check,
+        "after-check: the whole check, alive word (C where built)": check,
+        "after-check: the whole check, by the flock (C where built)": old_check,
     }
 
 
