@@ -22,6 +22,7 @@ import argparse
 import ctypes
 import hashlib
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +45,15 @@ def _sweep(torch: Any, a: Any, b: Any) -> None:
         (a == b).sum()
     np.sort(np.random.default_rng(0).random(20000))
     _ = {i: str(i) for i in range(2000)}
+
+
+_CHECK3 = struct.Struct("<3Q")
+
+
+def _set3(c: Any) -> None:
+    c[0] = 2**64 - 1
+    c[1] = 0
+    c[2] = 0
 
 
 def _after_check_calls() -> dict[str, Callable[[], Any]]:
@@ -82,8 +92,12 @@ def _after_check_calls() -> dict[str, Callable[[], Any]]:
     old_check = old_view.after_check(gen, fp)
     assert old_check()
     _KEEP.extend((board, view, old, old_view))
+    libc = ctypes.CDLL(None)
+    ppid = libc.getppid
+    ppid.argtypes, ppid.restype = [], ctypes.c_int
     return {
         "syscall: os.getppid": os.getppid,
+        "syscall: getppid through ctypes (a driver call's way)": ppid,
         "after-check: flock(LOCK_SH | LOCK_NB), refused": refused,
         "after-check: the whole check, alive word (C where built)": check,
         "after-check: the whole check, by the flock (C where built)": old_check,
@@ -109,6 +123,10 @@ def main() -> None:
     words = (ctypes.c_longlong * 1536)()
     table = np.frombuffer(memoryview(words).cast("B"), dtype=np.uint64)
     unit = np.uint64(4096)
+    check_words = np.array([2**64 - 1, 0, 0], dtype=np.uint64)  # a digest lane's check words
+    check_bytes = check_words.tobytes()
+    table_bytes = memoryview(words).cast("B")
+    check_c = (ctypes.c_uint64 * 3).from_address(ctypes.addressof(words) + 8)
     calls: dict[str, Callable[[], Any]] = {
         "range check: ndarray.max (numpy reduction)": lambda: ids.view(np.uint64).max() >= 600,
         "range check: builtin max over the buffer": (
@@ -121,6 +139,15 @@ def main() -> None:
         "table: copy the ids into a slice": (
             lambda: table.__setitem__(slice(320, 576), ids.view(np.uint64))),
         "table: ctypes slice from a list": lambda: words.__setitem__(slice(320, 576), lst),
+        "3 words: numpy slice assignment": (
+            lambda: table.__setitem__(slice(1, 4), check_words)),
+        "3 words: ctypes.memmove of bytes": (
+            lambda: ctypes.memmove(table.ctypes.data + 8, check_bytes, 24)),
+        "3 words: struct.pack_into a memoryview": (
+            lambda: _CHECK3.pack_into(table_bytes, 8, 2**64 - 1, 0, 0)),
+        "3 words: a memoryview's slice from bytes": (
+            lambda: table_bytes.__setitem__(slice(8, 32), check_bytes)),
+        "3 words: a ctypes array, item by item": lambda: _set3(check_c),
         "fingerprint: blake2b of the ids": (
             lambda: hashlib.blake2b(ids.data, digest_size=8).digest()),
     }

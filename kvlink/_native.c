@@ -55,6 +55,7 @@ typedef int (*wait_fn)(void *stream, void *event, unsigned flags);
 
 static launch_fn cu_launch;
 static query_fn cu_query;
+static query_fn cu_event_query;
 static record_fn cu_record;
 static wait_fn cu_wait;
 
@@ -80,6 +81,32 @@ static PyObject *bind_driver(PyObject *self, PyObject *const *args, Py_ssize_t n
   cu_record = (record_fn)p[2];
   cu_wait = (wait_fn)p[3];
   Py_RETURN_NONE;
+}
+
+/* bind_event_query(cuEventQuery's address) */
+static PyObject *bind_event_query(PyObject *self, PyObject *addr) {
+  void *p = as_ptr(addr);
+  if (PyErr_Occurred()) return NULL;
+  if (!p) {
+    PyErr_SetString(PyExc_ValueError, "cuEventQuery's address is null");
+    return NULL;
+  }
+  cu_event_query = (query_fn)p;
+  Py_RETURN_NONE;
+}
+
+/* event_query(event) -> CUresult: cuEventQuery of a copy's completion event, the call every
+ * poll of a READ in flight makes. Through ctypes it is a foreign call that converts its
+ * argument; cold, such a call cost tens of microseconds on a serving host where this one
+ * costs a few (bench/cold_calls.py). */
+static PyObject *event_query(PyObject *self, PyObject *ev) {
+  if (!cu_event_query) {
+    PyErr_SetString(PyExc_RuntimeError, "event_query before bind_event_query()");
+    return NULL;
+  }
+  void *e = as_ptr(ev);
+  if (PyErr_Occurred()) return NULL;
+  return PyLong_FromLong(cu_event_query(e));
 }
 
 /* n ids into out: from a list of ints (converted here, each through __index__: a float or a
@@ -521,6 +548,10 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind_driver, METH_FASTCALL,
      "bind(launch, query, record, wait): the driver functions' addresses"},
+    {"bind_event_query", (PyCFunction)bind_event_query, METH_O,
+     "bind_event_query(address): cuEventQuery's address"},
+    {"event_query", (PyCFunction)event_query, METH_O,
+     "event_query(event) -> CUresult of cuEventQuery"},
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
      "post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,

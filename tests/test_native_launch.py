@@ -233,3 +233,28 @@ def test_fingerprint_takes_numpys_form_where_c_does_not_take_the_ids(
     # not a fake: kvlink's own numpy path, taken where the helpers are not built
     monkeypatch.setattr(holdboard, "_c_helpers", None)
     assert holdboard.fingerprint([5, 1, 7, 3]) == want
+
+
+def test_event_query_asks_the_bound_driver_function_and_hands_back_its_answer(
+        launcher: Any) -> None:
+    """A poll's completion query (kvlink.gpu.move.DriverEvents.query) through C: the event's
+    handle reaches cuEventQuery as it is, and its CUresult comes back (0 done, 600 not
+    ready, anything else an error the caller names) — with a stand-in for the driver's
+    function, as for the launch."""
+    asked: list[int] = []
+    answer = [NOT_READY]
+
+    def query(ev: int) -> int:
+        asked.append(ev)
+        return answer[0]
+
+    fn = QUERY(query)
+    launcher.bind_event_query(int(ctypes.cast(fn, vp).value or 0))
+    assert launcher.event_query(0xE1) == NOT_READY
+    answer[0] = 0
+    assert launcher.event_query(0xE2) == 0
+    answer[0] = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the copy's fault, named by its caller
+    assert launcher.event_query(0xE3) == 700
+    assert asked == [0xE1, 0xE2, 0xE3]
+    with pytest.raises(ValueError, match="null"):
+        launcher.bind_event_query(0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -694,6 +695,18 @@ def _bind_launcher(lib: Any) -> Any:
     return launcher
 
 
+def _bind_event_query(lib: Any) -> Callable[[int], int] | None:
+    """kvlink's C ``event_query`` bound to ``lib``'s cuEventQuery, or None where the C
+    helpers are not built here (then the query goes through ctypes)."""
+    from kvlink import native
+
+    helpers = native.load()
+    if helpers is None:
+        return None
+    helpers.bind_event_query(ctypes.cast(lib.cuEventQuery, ctypes.c_void_p).value)
+    return helpers.event_query  # type: ignore[no-any-return]
+
+
 def _signed(v: int) -> int:
     """A 64-bit word as the c_longlong slots take it."""
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -756,11 +769,14 @@ class StreamOrder:
 
 class DriverEvents:
     """A copy's completion: driver events (no timing) recorded, queried and recycled through
-    ctypes. torch's Event objects cost several microseconds a call cold, and a request pays
-    one record as it is posted and a query at every poll that looks at it. ``device``: the
-    index whose primary context a thread without a current one takes (a poll may come from
-    a thread that never touched CUDA: the driver then refuses with no context). Not
-    thread-safe: the owning BatchCopier serialises its calls."""
+    ctypes — queried through kvlink's C helper where it builds (``event_query``: a poll of a
+    READ in flight makes one, and a ctypes foreign call cost tens of microseconds cold where
+    a C function's call costs a few: bench/cold_calls.py). torch's Event objects cost
+    several microseconds a call cold, and a request pays one record as it is posted and a
+    query at every poll that looks at it. ``device``: the index whose primary context a
+    thread without a current one takes (a poll may come from a thread that never touched
+    CUDA: the driver then refuses with no context). Not thread-safe: the owning BatchCopier
+    serialises its calls."""
 
     def __init__(self, device: int) -> None:
         vp = ctypes.c_void_p
@@ -769,6 +785,7 @@ class DriverEvents:
                                   cuEventSynchronize=[vp])
         self._device = device
         self._free: list[int] = []
+        self._query: Callable[[int], int] | None = _bind_event_query(self._lib)
 
     def take(self) -> int:
         """An event to record (recycled, or new); :meth:`recycle` it if it was not recorded."""
@@ -784,7 +801,10 @@ class DriverEvents:
         return ev
 
     def query(self, ev: int) -> bool:
-        rc = self._call(self._lib.cuEventQuery, ev)
+        fast = self._query
+        rc = fast(ev) if fast is not None else _NO_CONTEXT
+        if rc == _NO_CONTEXT:  # (or no C helper) through ctypes, which takes a context
+            rc = self._call(self._lib.cuEventQuery, ev)
         if rc == 0:
             return True
         if rc == _NOT_READY:
