@@ -627,12 +627,19 @@ def test_copier_waits_for_the_callers_stream_and_reports_failed_launches() -> No
     assert order == ["launch", "launch"]
 
 
-def test_driver_events_record_query_and_recycle() -> None:
+@pytest.mark.parametrize("queried_by", ["ctypes", "c"])
+def test_driver_events_record_query_and_recycle(queried_by: str, tmp_path: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """kvlink.gpu.move.DriverEvents through a fake driver: an event is created once and
     recycled; a query is True at 0, False at CUDA_ERROR_NOT_READY, raises on anything else; a
-    record the driver refuses raises and keeps its event for the next."""
+    record the driver refuses raises and keeps its event for the next. Queried through ctypes
+    or through kvlink's C helper (``event_query``, bound to a stand-in for cuEventQuery, in a
+    build of this test's own); a C query that finds no context on its thread is asked again
+    through ctypes, whose call makes one current."""
+    import ctypes
     import types
 
+    from kvlink import native
     from kvlink.gpu import move
 
     calls: list[str] = []
@@ -650,17 +657,36 @@ def test_driver_events_record_query_and_recycle() -> None:
         return fn
 
     ev: Any = object.__new__(move.DriverEvents)
-    ev._free, ev._device = [], 0
+    ev._free, ev._device, ev._query = [], 0, None
     ev._lib = types.SimpleNamespace(cuEventCreate=create, cuEventRecord=call("record"),
                                     cuEventQuery=call("query"))
+    if queried_by == "c":
+        monkeypatch.setenv("KVLINK_CACHE_DIR", str(tmp_path))  # (a module of its own)
+        monkeypatch.setattr(native, "_loaded", {})
+        helpers = native.load()
+        assert helpers is not None, native.why_not()
+
+        def c_query(e: int) -> int:
+            calls.append(f"c_query {e:#x}")
+            return rc.get("c_query", rc["query"])
+
+        fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(c_query)
+        helpers.bind_event_query(int(ctypes.cast(fn, ctypes.c_void_p).value or 0))
+        ev._query = helpers.event_query
     e = ev.record(5)
     assert e == 0x77 and calls == ["create", "record"]
+    calls.clear()
     assert ev.query(e) is True
+    assert calls == (["c_query 0x77"] if queried_by == "c" else ["query"])
     rc["query"] = 600
     assert ev.query(e) is False
     rc["query"] = 700
     with pytest.raises(RuntimeError, match="700"):
         ev.query(e)
+    if queried_by == "c":  # no context on this thread: asked again through ctypes' call
+        rc["c_query"], rc["query"] = 201, 0  # (which makes one current where it gets 201)
+        calls.clear()
+        assert ev.query(e) is True and calls == ["c_query 0x77", "query"]
     ev.recycle(e)
     calls.clear()
     rc["record"] = 400
