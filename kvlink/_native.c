@@ -23,8 +23,8 @@
  *
  * sentinel_arm / sentinel_disarm: a hold board's alive word, which the kernel itself marks
  * when the producer dies (a robust futex of the board's sentinel thread), so the after-check
- * reads a word where it made a system call (flock, ~20 us cold on a serving host:
- * bench/cold_calls.py).
+ * reads a word where it made a system call (the check cold 9.1 us against 12.8 by the
+ * flock on one H200 host: bench/results/gpu_checks_alive_word/cold_calls.json).
  *
  * board_shows: kvlink.holdboard's after-check of one READ (the producer alive, its hold
  * still shown) in one call: 25 us to bind it and 26 to make it, cold, through Python's
