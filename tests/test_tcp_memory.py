@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,25 +34,34 @@ def test_scattered_buffers_cross_windows_and_partial_calls() -> None:
     total = sum(sizes)
     src = rng.integers(0, 256, size=total, dtype=np.uint8)
     dst = np.zeros(total, dtype=np.uint8)
+    # the receiver scatters into other cut points than the sender gathers from
+    recv_sizes = rng.integers(1, 5000, size=2 * total // 5000 + 8).tolist()
+    cut = np.cumsum(recv_sizes)
+    recv_sizes = [int(x) for x in np.diff(np.concatenate(([0], cut[cut < total], [total])))]
+    views = _views(dst, recv_sizes)
+    _across(lambda a: _send_views(a, [_views(src, sizes)]),
+            lambda b: _recv_views(b, [views[:len(views) // 2], views[len(views) // 2:]]))
+    assert np.array_equal(src, dst)
+
+
+def _across(send: Callable[[socket.socket], None], recv: Callable[[socket.socket], None],
+            timeout: float | None = None) -> None:
+    """``send`` on one end of a socket pair (on a thread of its own), ``recv`` on the other;
+    small socket buffers, so every call stops inside a buffer and windows move on."""
     a, b = socket.socketpair()
     try:
-        for s in (a, b):  # small buffers: calls stop inside a buffer, windows move on
+        for s in (a, b):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        # the receiver scatters into other cut points than the sender gathers from
-        recv_sizes = rng.integers(1, 5000, size=2 * total // 5000 + 8).tolist()
-        cut = np.cumsum(recv_sizes)
-        recv_sizes = [int(x) for x in np.diff(np.concatenate(([0], cut[cut < total], [total])))]
-        sender = threading.Thread(target=_send_views, args=(a, [_views(src, sizes)]))
+        b.settimeout(timeout)
+        sender = threading.Thread(target=send, args=(a,))
         sender.start()
-        views = _views(dst, recv_sizes)
-        _recv_views(b, [views[:len(views) // 2], views[len(views) // 2:]])  # two batches
+        recv(b)
         sender.join(10)
         assert not sender.is_alive()
     finally:
         a.close()
         b.close()
-    assert np.array_equal(src, dst)
 
 
 # ------------------------------------------------------------------ the C helper (kvlink.native)
@@ -88,20 +98,8 @@ def test_the_c_mover_scatters_and_gathers_like_the_views(monkeypatch: pytest.Mon
     table = memory._Memory([Region(int(src.__array_interface__["data"][0]), total),
                             Region(int(dst.__array_interface__["data"][0]), total)])
     asks = (lambda: False) if stop else None
-    a, b = socket.socketpair()
-    try:
-        for s in (a, b):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
-        b.settimeout(10.0)
-        sender = threading.Thread(target=table.send, args=(a, _extents(src, sizes), asks))
-        sender.start()
-        table.recv(b, _extents(dst, recv_sizes), asks)
-        sender.join(10)
-        assert not sender.is_alive()
-    finally:
-        a.close()
-        b.close()
+    _across(lambda a: table.send(a, _extents(src, sizes), asks),
+            lambda b: table.recv(b, _extents(dst, recv_sizes), asks), timeout=10.0)
     assert np.array_equal(src, dst)
 
 
