@@ -61,6 +61,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -161,7 +162,9 @@ class HoldBoard:
         self._pages: dict[int, tuple[int, int]] = {}  # generation -> its (first page, count)
         self._lock = threading.Lock()
         helpers = _helpers()
-        self._sentinel = _Sentinel(helpers, self._map) if helpers is not None else None
+        self._sentinel = (_Sentinel(helpers, self._map)
+                          if helpers is not None and _kernel_marks_dead_owners(helpers)
+                          else None)
         self.published = 0
         self.collisions = 0  # holds whose slot another live hold had: readers ask instead
         self.arena_full = 0  # holds published without their digests: readers ask for them
@@ -289,6 +292,43 @@ class _Sentinel:
             log.warning("hold board: its sentinel thread did not end; keeping its mapping")
             return False
         return True
+
+
+@functools.cache
+def _kernel_marks_dead_owners(helpers: Any) -> bool:
+    """Whether this kernel marks a robust futex whose owner thread ended (what the alive
+    word rests on: a kernel or sandbox that did not would leave a dead producer's word
+    showing it alive). Tried once a process: a thread arms a word of a scratch mapping and
+    ends without disarming it; the kernel must mark the word FUTEX_OWNER_DIED as the thread
+    exits — looked for until a second after the thread is joined (a join returns before the
+    OS thread has quite exited). Where it does not, boards get no sentinel (readers check
+    the flock)."""
+    scratch = mmap.mmap(-1, ALIVE_AT + 8)
+    prober = threading.Thread(target=_arm_and_end, args=(helpers, scratch),
+                              name="kvlink-robust-probe", daemon=True)
+    prober.start()
+    prober.join(5.0)
+    if prober.is_alive():  # (its word stays mapped: the kernel reads it when it ends)
+        return False
+    word = _ALIVE.unpack_from(scratch, ALIVE_AT)[0]
+    deadline = time.monotonic() + 1.0
+    while word & _TID_MASK and not word & _OWNER_DIED and time.monotonic() < deadline:
+        time.sleep(0.001)  # armed, the thread on its way out: the kernel marks it there
+        word = _ALIVE.unpack_from(scratch, ALIVE_AT)[0]
+    marked = bool(word & _OWNER_DIED)
+    if marked or not word & _TID_MASK:
+        scratch.close()  # (else a thread that is somehow still there keeps it mapped)
+    if not marked:
+        log.info("hold board: no alive word here (a dead thread's robust futex was not "
+                 "marked); readers check the producer's flock")
+    return marked
+
+
+def _arm_and_end(helpers: Any, scratch: mmap.mmap) -> None:
+    try:
+        helpers.sentinel_arm(scratch)
+    except (OSError, ValueError):
+        pass  # (the word stays 0: not marked)
 
 
 _SLOT = struct.Struct(f"<{_WORDS}Q")

@@ -348,6 +348,30 @@ def test_the_kernel_marks_a_killed_producers_alive_word() -> None:
         assert not view.after_check(42 << 16, fingerprint([1, 2]))()
 
 
+def test_boards_get_an_alive_word_only_where_the_kernel_marks_dead_owners(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe (a thread arms a scratch word and ends without disarming it) finds this
+    kernel marks it; where a kernel or sandbox did not, a board gets no sentinel — its word
+    stays 0 — and the after-check answers by the flock, the same answers."""
+    _helpers_built()
+    assert holdboard._kernel_marks_dead_owners(holdboard._helpers())
+    # not a fake: kvlink's own path for a kernel that does not mark them, chosen here
+    monkeypatch.setattr(holdboard, "_kernel_marks_dead_owners", lambda helpers: False)
+    board = HoldBoard()
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    try:
+        assert board._sentinel is None and _alive_word(view) == 0
+        board.publish(5 << 16, [3])
+        check = view.after_check(5 << 16, fingerprint([3]))
+        assert check() and view.alive()
+        board.close()
+        assert not check() and not view.alive()
+    finally:
+        board.close()
+        view.close()
+
+
 def test_the_alive_word_outlives_the_thread_that_made_the_board() -> None:
     """A robust futex belongs to the thread that took it: a board made on a thread that
     then ends (a pool's, a short-lived setup thread) still shows its producer alive — its
