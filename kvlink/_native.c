@@ -97,8 +97,7 @@ static PyObject *bind_event_query(PyObject *self, PyObject *addr) {
 
 /* event_query(event) -> CUresult: cuEventQuery of a copy's completion event, the call every
  * poll of a READ in flight makes. Through ctypes it is a foreign call that converts its
- * argument; cold, such a call cost tens of microseconds on a serving host where this one
- * costs a few (bench/cold_calls.py). */
+ * argument: cold, about twice a C function's call (bench/results/cold_calls_alive). */
 static PyObject *event_query(PyObject *self, PyObject *ev) {
   if (!cu_event_query) {
     PyErr_SetString(PyExc_RuntimeError, "event_query before bind_event_query()");
