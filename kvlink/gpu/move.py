@@ -772,12 +772,11 @@ class DriverEvents:
     ctypes — queried through kvlink's C helper where it builds (``event_query``: a poll of a
     READ in flight makes one, and a ctypes foreign call costs about twice a C function's
     cold, 12 against 6.5 us for getppid on the CPU VM: bench/results/cold_calls_alive).
-    torch's Event objects cost
-    several microseconds a call cold, and a request pays one record as it is posted and a
-    query at every poll that looks at it. ``device``: the index whose primary context a
-    thread without a current one takes (a poll may come from a thread that never touched
-    CUDA: the driver then refuses with no context). Not thread-safe: the owning BatchCopier
-    serialises its calls."""
+    torch's Event objects cost several microseconds a call cold, and a request pays one
+    record as it is posted and a query at every poll that looks at it. ``device``: the index
+    whose primary context a thread without a current one takes (a poll may come from a
+    thread that never touched CUDA: the driver then refuses with no context). Not
+    thread-safe: the owning BatchCopier serialises its calls."""
 
     def __init__(self, device: int) -> None:
         vp = ctypes.c_void_p
