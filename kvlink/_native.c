@@ -212,6 +212,8 @@ static int alive_word(const char *map) {
   return (a & FUTEX_TID_MASK) != 0 && !(a & FUTEX_OWNER_DIED);
 }
 
+static __thread struct robust_list_head *armed_head;  // the sentinel's, freed at disarm
+
 /* sentinel_arm(map) -> thread id: on the board's sentinel thread (kvlink.holdboard), which
  * then only waits: registers the alive word of `map` (the producer's writable mapping) as
  * this thread's robust list and stores the thread's id in it. The mapping must stay mapped
@@ -238,9 +240,11 @@ static PyObject *sentinel_arm(PyObject *self, PyObject *map) {
     free(head);
     return PyErr_SetFromErrno(PyExc_OSError);
   }
+  free(armed_head);  // (one armed before on this thread: no longer registered)
+  armed_head = head;  // the kernel reads it until disarm, or when the thread ends
   long tid = syscall(SYS_gettid);
   __atomic_store_n(word, (uint32_t)tid & FUTEX_TID_MASK, __ATOMIC_RELEASE);
-  return PyLong_FromLong(tid);  // (head: this thread's for as long as it is registered)
+  return PyLong_FromLong(tid);
 }
 
 /* sentinel_disarm(): on the sentinel thread, before the board's mapping goes: an empty robust
@@ -252,6 +256,8 @@ static PyObject *sentinel_disarm(PyObject *self, PyObject *unused) {
   empty.list_op_pending = NULL;
   if (syscall(SYS_set_robust_list, &empty, sizeof empty))
     return PyErr_SetFromErrno(PyExc_OSError);
+  free(armed_head);
+  armed_head = NULL;
   Py_RETURN_NONE;
 }
 

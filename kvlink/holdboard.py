@@ -80,6 +80,11 @@ _HEADER = 64  # magic (8), slots (8), token (16), the alive word (4), reserved
 ALIVE_AT = 32
 _TID_MASK, _OWNER_DIED = 0x3FFFFFFF, 0x40000000  # linux/futex.h
 _ALIVE = struct.Struct("<I")
+
+
+def _shows_live(word: int) -> bool:
+    """Whether an alive word shows a thread id the kernel has not marked dead."""
+    return bool(word & _TID_MASK) and not word & _OWNER_DIED
 _WORDS = 4  # per slot: generation, fingerprint, digests' arena offset, their length
 PAGE = 4096  # the arena's unit: a hold's digests take whole pages
 ARENA_PAGES = 1 << 14  # 64 MiB (tmpfs: only pages written take memory), e.g. 200 holds of
@@ -312,7 +317,7 @@ def _kernel_marks_dead_owners(helpers: Any) -> bool:
         return False
     word = _ALIVE.unpack_from(scratch, ALIVE_AT)[0]
     deadline = time.monotonic() + 1.0
-    while word & _TID_MASK and not word & _OWNER_DIED and time.monotonic() < deadline:
+    while _shows_live(word) and time.monotonic() < deadline:
         time.sleep(0.001)  # armed, the thread on its way out: the kernel marks it there
         word = _ALIVE.unpack_from(scratch, ALIVE_AT)[0]
     marked = bool(word & _OWNER_DIED)
@@ -463,8 +468,7 @@ class BoardView:
         its sentinel, else it still holds its board's lock."""
         if self._fd < 0:
             return False
-        word = _ALIVE.unpack_from(self._map, ALIVE_AT)[0]
-        if word & _TID_MASK and not word & _OWNER_DIED:
+        if _shows_live(_ALIVE.unpack_from(self._map, ALIVE_AT)[0]):
             return True
         if _FLOCK is not None:
             if _FLOCK(self._fd, _SHARED_NB) != 0:

@@ -86,6 +86,7 @@ def test_the_c_mover_scatters_and_gathers_like_the_views(monkeypatch: pytest.Mon
     and (asks-stop) a budget of a few KiB a call: each call stops inside an extent and the
     next resumes at its byte; a non-blocking socket (a Python timeout) waits in poll()."""
     _helpers()
+    # not a fake: a smaller setting of kvlink's own budget, so one transfer takes many calls
     monkeypatch.setattr(memory, "_STOP_EVERY", 3000)
     rng = np.random.default_rng(11)
     sizes = rng.integers(0, 9000, size=3 * 1024 + 5).tolist()  # more than one iovec window
@@ -98,8 +99,8 @@ def test_the_c_mover_scatters_and_gathers_like_the_views(monkeypatch: pytest.Mon
     table = memory._Memory([Region(int(src.__array_interface__["data"][0]), total),
                             Region(int(dst.__array_interface__["data"][0]), total)])
     asks = (lambda: False) if stop else None
-    _across(lambda a: table.send(a, _extents(src, sizes), asks),
-            lambda b: table.recv(b, _extents(dst, recv_sizes), asks), timeout=10.0)
+    _across(lambda a: table.move(a, _extents(src, sizes), True, asks),
+            lambda b: table.move(b, _extents(dst, recv_sizes), False, asks), timeout=10.0)
     assert np.array_equal(src, dst)
 
 
@@ -115,7 +116,7 @@ def test_the_c_mover_says_closed_timed_out_and_stopped() -> None:
         a.sendall(b"x" * 100)
         a.close()
         with pytest.raises(_PeerGone, match="closed by peer"):
-            table.recv(b, ext, None)
+            table.move(b, ext, False, None)
         assert dst[:100].tolist() == [ord("x")] * 100
     finally:
         b.close()
@@ -123,9 +124,9 @@ def test_the_c_mover_says_closed_timed_out_and_stopped() -> None:
     try:
         b.settimeout(0.05)
         with pytest.raises(TimeoutError):
-            table.recv(b, ext, None)
+            table.move(b, ext, False, None)
         with pytest.raises(_PeerGone, match="revoked"):
-            table.recv(b, ext, lambda: True)
+            table.move(b, ext, False, lambda: True)
     finally:
         a.close()
         b.close()

@@ -771,7 +771,7 @@ class DriverEvents:
     """A copy's completion: driver events (no timing) recorded, queried and recycled through
     ctypes — queried through kvlink's C helper where it builds (``event_query``: a poll of a
     READ in flight makes one, and a ctypes foreign call costs about twice a C function's
-    cold, 12 against 6.5 us for getppid on the CPU VM: bench/results/cold_calls_alive).
+    cold, 11.9 against 6.5 us for getppid on the CPU VM: bench/results/cold_calls_alive).
     torch's Event objects cost several microseconds a call cold, and a request pays one
     record as it is posted and a query at every poll that looks at it. ``device``: the index
     whose primary context a thread without a current one takes (a poll may come from a

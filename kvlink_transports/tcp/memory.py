@@ -45,20 +45,18 @@ class _Memory:
     def __init__(self, regions: Sequence[Region]) -> None:
         self.table = RegionTable(regions)
         self.views = [hostmem.view(r.addr, r.nbytes) for r in self.table.regions]
+        #: every region of one memory kind: an extent's kind is known once it is located
+        self.one_kind = len({r.memory_kind for r in self.table.regions}) == 1
         self._native: ModuleType | None = native.load()
 
-    def send(self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None) -> None:
-        """Send the bytes of ``ext``, every extent checked in registered memory
-        (:meth:`_LocalMemory._is_staged`, before anything moves)."""
+    def move(self, sock: socket.socket, ext: Extents, send: bool,
+             stop: Callable[[], bool] | None) -> None:
+        """Send the bytes of ``ext`` (``send``), or receive straight into them; every extent
+        checked in registered memory first (:meth:`_LocalMemory._is_staged`)."""
         if self._native is not None and ext.dtype == EXTENT_DTYPE:
-            _move_native(self._native, sock, ext, True, stop)
-        else:
+            _move_native(self._native, sock, ext, send, stop)
+        elif send:
             _send_views(sock, self._batches(ext), stop)
-
-    def recv(self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None) -> None:
-        """Receive straight into ``ext``, every extent checked in registered memory."""
-        if self._native is not None and ext.dtype == EXTENT_DTYPE:
-            _move_native(self._native, sock, ext, False, stop)
         else:
             _recv_views(sock, self._batches(ext), stop)
 
@@ -184,8 +182,7 @@ class _LocalMemory(Transport):
     def _is_staged(self, ext: Extents, what: str = "extent") -> bool:
         """Bounds-check ``ext`` against registered memory; True if it moves through staging.
         The check every byte mover relies on (each side runs it once a request)."""
-        table, kinds = self._memory.table, set[str]()
-        one = len({r.memory_kind for r in table.regions}) == 1  # (the kind is known)
+        table, kinds, one = self._memory.table, set[str](), self._memory.one_kind
         for k in range(0, ext.shape[0], _CHECK):
             idx = table.locate(ext[k : k + _CHECK], what if not k else f"{what} {k}+")
             kinds.update(table.regions[int(i)].memory_kind
@@ -213,7 +210,7 @@ class _LocalMemory(Transport):
 
             staging.send_staged(send, ext, self._copier, self._pool, self._chunk, self.timeout)
         else:
-            self._memory.send(sock, ext, stop)
+            self._memory.move(sock, ext, True, stop)
 
     def _recv_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
@@ -225,4 +222,4 @@ class _LocalMemory(Transport):
             staging.recv_staged(lambda mv: _recv_views(sock, [[mv]], stop), ext, self._copier,
                                 self._pool, self._chunk, self.timeout)
         else:
-            self._memory.recv(sock, ext, stop)
+            self._memory.move(sock, ext, False, stop)
