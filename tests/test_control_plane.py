@@ -330,3 +330,49 @@ def test_a_push_request_sent_again_is_queued_once() -> None:
         assert [m.push_id for m in prefill.push_requests()] == [7]
     finally:
         prefill.close()
+
+
+def test_what_callers_read_back_is_written_off_the_reporting_poll() -> None:
+    """The poll that reports a request only notes what ended (kvlink.worker.ledger): its
+    records are written by a later poll, before any of them is read, or at close — never
+    lost, never read stale, and the transport's handles are released all the same."""
+    from kvlink.worker.ledger import OWED_MAX
+
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d", serve=False)
+    tcp = decode.transports["tcp"]
+    try:
+        _warm(decode, prefill)
+        decode.take_transfers()
+        before = decode.finished_bytes
+        rids = [f"r{i}" for i in range(OWED_MAX + 8)]
+        most = 0
+        for i, rid in enumerate(rids):
+            gen = prefill.hold(rid, [i % 8])
+            decode.read(rid, remote(prefill), [8 + i % 8], [i % 8], generation=gen)
+            ok, reason = outcome(decode, rid, 10, step=prefill.poll)
+            assert ok, reason
+            most = max(most, decode._ledger.owed())  # read off the worker: no settling
+        assert 0 < most <= 2 * (OWED_MAX + 1)  # owed for a while, and bounded
+        # read back as if each had been written at its report
+        assert set(rids) <= set(decode.xfer_seconds) and set(rids) <= set(decode.phases)
+        assert all(decode.phases[r].transfer > 0 for r in rids)
+        nbytes = decode.spec.num_layers * 2 * decode.spec.page_bytes
+        assert decode.finished_bytes - before == len(rids) * nbytes
+        transfers = decode.take_transfers()
+        assert len(transfers) == len(rids) and all(t.ok and t.nbytes == nbytes
+                                                   for t in transfers)
+        assert not tcp._xfers  # every handle released once written down
+        released: list[int] = []
+        release = tcp.release
+        tcp.release = lambda h: (released.append(h), release(h))[1]  # type: ignore[method-assign]
+        gen = prefill.hold("last", [1])
+        decode.read("last", remote(prefill), [15], [1], generation=gen)
+        ok, reason = outcome(decode, "last", 10, step=prefill.poll)
+        assert ok, reason
+        owed = decode._ledger.owed()
+    finally:
+        prefill.close()
+        decode.close()
+    assert decode._ledger.owed() == 0 and len(released) == 1  # close wrote it down (owed
+    assert owed >= 0  # or not by then), releasing its handle once

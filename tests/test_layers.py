@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "kvlink_transports.mooncake.peer": 7, "kvlink_transports.mooncake.transport": 7,
     # 8: the control plane's engine (reaches plugins only through the registry)
     "kvlink.worker": 8, "kvlink.worker.config": 8, "kvlink.worker.records": 8,
+    "kvlink.worker.ledger": 8,
     "kvlink.worker.peering": 8, "kvlink.worker.holds": 8, "kvlink.worker.parts": 8,
     "kvlink.worker.requests": 8, "kvlink.worker.decode_push": 8,
     "kvlink.worker.prefill_push": 8, "kvlink.worker.engine": 8,
@@ -91,7 +92,7 @@ PACKAGES: dict[str, tuple[str, ...]] = {
                                "transfers", "lanes", "transport"),
     "kvlink_transports.tcp": ("wire", "memory", "client", "server", "transport"),
     "kvlink_transports.mooncake": ("wire", "peer", "transport"),
-    "kvlink.worker": ("config", "records", "peering", "holds", "parts", "requests",
+    "kvlink.worker": ("config", "records", "ledger", "peering", "holds", "parts", "requests",
                       "decode_push", "prefill_push", "engine"),
     "kvlink.integrations.vllm": ("config", "metadata", "layout", "layerwise", "worker",
                                  "scheduler", "metrics", "connector"),

@@ -40,9 +40,9 @@ from kvlink.push import PushSlots
 from kvlink.transport import Op, Transport, TransportContext, TransportStats, create_transport
 from kvlink.worker.config import WorkerConfig
 from kvlink.worker.decode_push import _DecodePush
+from kvlink.worker.ledger import OWED_MAX, Ledger
 from kvlink.worker.prefill_push import _PrefillPush
 from kvlink.worker.records import (
-    _TRANSFERS_KEPT,
     Phases,
     Transfer,
     _Awaiting,
@@ -139,19 +139,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._later: list[Callable[[], None]] = []  # reports for a later poll (_tell_later)
         self._later_since = 0.0
         self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
-        self.finished_bytes = 0
-        self.raw_descriptors = 0  # before coalescing, over finished requests
-        self.descriptors = 0
-        #: finished request id -> transport-level seconds, post to completion (the slowest
-        #: part): the transport's own timing where it has one (NIXL telemetry ``xferDuration``,
-        #: with the nixl option ``telemetry``), else post() call to DONE seen by poll().
-        #: Excludes handshake, read intents and the step loop. Callers pop what they read.
-        self.xfer_seconds: dict[str, float] = {}
-        #: finished request id -> where its time went (:class:`Phases`). Callers pop them.
-        self.phases: dict[str, Phases] = {}
-        #: every transfer posted that ended, in order (:class:`Transfer`), for per-transport
-        #: metrics; :meth:`take_transfers` drains it. Bounded: the oldest drop if nobody does
-        self.transfers: collections.deque[Transfer] = collections.deque(maxlen=_TRANSFERS_KEPT)
+        #: what callers read back (transfers, xfer_seconds, phases, counts; see the
+        #: properties below), written off the request's path
+        self._ledger = Ledger()
         #: reports nobody waits for (releases, read reports, "written" notes) that could not
         #: be delivered, since start (each is logged)
         self.reports_failed = 0
@@ -253,6 +243,8 @@ class KVWorker(_PrefillPush, _DecodePush):
             # other request.) With nothing else to do (quiet), for _QUIET_FOR: a caller
             # polling in a tight loop then sees a copy land within one short poll, and a
             # caller that polls only now and then (each poll past the window) too
+            if not ended and self._ledger.owed():  # its requests' copies are running: the
+                self._ledger.settle()  # records of those before them are written meanwhile
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
         self._full_by = now + _FULL_EVERY
@@ -291,6 +283,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         if self._later and ((not finished and not self._requests) or self._later_overdue()):
             self._send_later()  # what earlier polls' requests owe peers (_tell_later)
         self._chan.flush()
+        self._ledger.settle()
         if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
             # may be served by a transport's own threads too
             threads = any(t.capabilities.python_threads for t in self.transports.values())
@@ -303,9 +296,10 @@ class KVWorker(_PrefillPush, _DecodePush):
         the others it reported) was all there is to do: every request left is with its
         transport, moved by no Python thread of a transport (those need the GIL handed over:
         a whole poll does), and nothing else waits — no push, no layer-wise range, no report
-        overdue, no answer or session on the side channel."""
+        overdue, no answer or session on the side channel, not many records owed."""
         requests = self._requests
         return (len(stepped) == len(requests) and not self._awaiting
+                and self._ledger.owed() < OWED_MAX
                 and not self._layered and not self._landings_ended
                 and not (self._later and self._later_overdue()) and self._chan.idle()
                 and not (requests and any(self._moved_by_threads(r)
@@ -344,13 +338,56 @@ class KVWorker(_PrefillPush, _DecodePush):
     def take_transfers(self) -> list[Transfer]:
         """The transfers that ended since the last call (:attr:`transfers`), oldest first.
         Call it on the thread that polls (the deque is filled there)."""
-        out = list(self.transfers)
-        self.transfers.clear()
+        transfers = self.transfers
+        out = list(transfers)
+        transfers.clear()
         return out
 
     def descriptor_counts(self) -> tuple[int, int]:
         """(before, after) coalescing, summed over finished requests."""
         return self.raw_descriptors, self.descriptors
+
+    # what callers read back: written by the ledger off the request's path, settled here first
+    @property
+    def transfers(self) -> collections.deque[Transfer]:
+        """Every transfer posted that ended, in order (:class:`Transfer`), for per-transport
+        metrics; :meth:`take_transfers` drains it. Bounded: the oldest drop if nobody does."""
+        self._ledger.settle()
+        return self._ledger.transfers
+
+    @property
+    def xfer_seconds(self) -> dict[str, float]:
+        """Finished request id -> transport-level seconds, post to completion (the slowest
+        transfer): the transport's own timing where it has one (NIXL telemetry
+        ``xferDuration``, with the nixl option ``telemetry``), else post() call to the end
+        seen by poll(). Excludes handshake, read intents and the step loop. Callers pop what
+        they read (bounded: the oldest drop)."""
+        self._ledger.settle()
+        return self._ledger.xfer_seconds
+
+    @property
+    def phases(self) -> dict[str, Phases]:
+        """Finished request id -> where its time went (:class:`Phases`). Callers pop them."""
+        self._ledger.settle()
+        return self._ledger.phases
+
+    @property
+    def finished_bytes(self) -> int:
+        """Bytes of the requests reported finished, since start."""
+        self._ledger.settle()
+        return self._ledger.finished_bytes
+
+    @property
+    def raw_descriptors(self) -> int:
+        """Extents before coalescing, over finished requests."""
+        self._ledger.settle()
+        return self._ledger.raw_descriptors
+
+    @property
+    def descriptors(self) -> int:
+        """Extents posted (after coalescing), over finished requests."""
+        self._ledger.settle()
+        return self._ledger.descriptors
 
     def pending(self) -> int:
         """Requests in flight, pushes awaited, and reports owed to peers (a poll sends them)."""
@@ -369,6 +406,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         if self.board is not None:  # readers' after-checks fail from now: our holds end
             self.board.close()
         self._pool.shutdown(wait=False)
+        self._ledger.settle()  # (releases its handles: before the transports close)
         self._send_later()
         self._chan.flush()
         while self._chan.busy() and (left := end - time.monotonic()) > 0:

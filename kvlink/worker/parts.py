@@ -14,7 +14,6 @@ READ or WRITE, pull or push, and it knows nothing of how a request begins or is 
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import time
@@ -35,7 +34,8 @@ from kvlink.plan import Plan, PlanPath, PlanTable
 from kvlink.push import PushSlots
 from kvlink.transport import DigestJob, LaneDigests, Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
-from kvlink.worker.records import Moved, Transfer, _Go, _Part, _PeerLane, _Request
+from kvlink.worker.ledger import Ledger, _Spent
+from kvlink.worker.records import Moved, _Go, _Part, _PeerLane, _Request
 
 log = logging.getLogger("kvlink.worker")
 
@@ -44,8 +44,7 @@ class _Parts(_Holds):
     """The steps of one part, as methods of the worker (the caller's thread)."""
 
     _push_slots: PushSlots  # who may still post a push (kvlink.push)
-    #: every transfer posted that ended, in order (see KVWorker.transfers)
-    transfers: collections.deque[Transfer]
+    _ledger: Ledger  # what callers read back, written off the request's path
     board_validated: int  # reader: READs validated on a producer's hold board
     _slices: dict[tuple[int, int, int], tuple[KVCacheSpec, KVCacheSpec]]
     #: (id of the peer, heads, op, digests) -> its lane, or none (see _post_lane); a new
@@ -322,18 +321,14 @@ class _Parts(_Holds):
         state = transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
+        handle, part.handle = part.handle, None
         part.t_done = time.perf_counter()
-        req.phases.transfer = max(req.phases.transfer, part.t_done - part.t_post)
-        part.xfer_seconds = self._transport_seconds(part, part.t_done)
-        self.transfers.append(Transfer(
-            transport.name, part.post_seconds, part.nbytes,
-            part.plan.descriptors if part.plan is not None else 0, part.xfer_seconds,
-            state.status is XferStatus.DONE))
-        if part.fusing:  # the copy kernel digested what it landed, and compared
-            got = getattr(transport, "landed_check", lambda h: None)(part.handle)
+        ok = state.status is XferStatus.DONE
+        if part.fusing and ok:  # the copy kernel digested what it landed, and compared
+            got = getattr(transport, "landed_check", lambda h: None)(handle)
             part.fused, part.fused_rows = got if got is not None else (None, 0)
-        transport.release(part.handle)
-        part.handle = None
+        self._ledger.spent(_Spent(req, transport, handle, ok, part.t_post, part.t_done,
+                                  part.post_seconds, part.nbytes, part.plan))
         reason = (f"{self._where(req, part)}: {state.reason}"
                   if state.status is XferStatus.FAILED else "")
         if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
@@ -547,24 +542,6 @@ class _Parts(_Holds):
     def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
         return self._send(req.remote.host, req.remote.port + part.read.remote_rank,
                           self._read_done(req, part, ok))
-
-    @staticmethod
-    def _transport_seconds(part: _Part, done: float) -> float:
-        """Post to completion of one finished part: the transport's own timing if it keeps one
-        (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
-        ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw DONE
-        (``done``, perf_counter)."""
-        transport = part.go.peer.transport if part.go is not None else None
-        telemetry = getattr(transport, "xfer_telemetry", None)
-        if telemetry is not None and part.handle is not None:
-            try:
-                entries = telemetry(part.handle)
-            except KVLinkError:
-                entries = []
-            us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
-            if us > 0:
-                return us / 1e6
-        return done - part.t_post
 
     # ------------------------------------------------------------------ a WRITE's notes
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:

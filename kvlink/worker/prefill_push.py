@@ -294,7 +294,7 @@ class _PrefillPush(_Requests):
             lay.error = lay.error or (f"layers [{req.layers[0]}, {req.layers[1]}): "
                                       + "; ".join(errors))
         else:
-            self.finished_bytes += req.nbytes
+            self._ledger.finished_bytes += req.nbytes
             lay.landed.append(req.layers)
         self._finish_layered(req.layered, finished, failed)
 

@@ -28,9 +28,7 @@ from kvlink.plan import Plan, PlanTable
 from kvlink.push import PushKey, PushWait
 from kvlink.transport import Op, Runs
 
-_XFER_SECONDS_KEPT = 4096  # finished requests whose transport time KVWorker.xfer_seconds keeps
 _NOTES_KEPT = 65536  # "written" notifications waiting for poll()
-_TRANSFERS_KEPT = 65536  # ended transfers KVWorker.transfers keeps until a caller takes them
 
 
 class _Go(NamedTuple):
@@ -117,6 +115,8 @@ class _Route:
     #: every leg's lane takes the caller's ids as they come (lists of ints, int64 arrays),
     #: converting them in its launch (kvlink_transports.cuda_ipc: ``_Lane.takes_lists``)
     lists: bool = False
+    #: the remote's ranks holding our heads that no leg reads (told "released" at the end)
+    others: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
@@ -147,8 +147,7 @@ class _Part:
     nbytes: int = 0  # bytes this part's post moves
     t_post: float = 0.0
     post_seconds: float = 0.0  # inside the transport's post call
-    t_done: float = 0.0
-    xfer_seconds: float = 0.0  # transport post to completion (see KVWorker.xfer_seconds)
+    t_done: float = 0.0  # perf_counter at the poll that saw its last transfer end
 
     @property
     def settled(self) -> bool:
@@ -183,6 +182,14 @@ class _Request:
     #: WRITE is posted with a signal where it is one part on a transport that signals
     landing: tuple[LandingView, int, int] | None = None
     signalled: bool = False  # its WRITE was posted with that signal
+    #: a READ on a route: the remote's ranks holding our heads it does not read, as the
+    #: route knows them (None: worked out at its report)
+    others: frozenset[int] | None = None
+    #: over its transfers, as written down (kvlink.worker.ledger): the slowest one's
+    #: transport seconds, and the descriptors of those that were DONE
+    xfer_seconds: float = 0.0
+    descriptors: int = 0
+    raw_descriptors: int = 0
 
 
 @dataclasses.dataclass

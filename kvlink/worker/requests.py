@@ -4,8 +4,8 @@
 :meth:`_Requests._start`) check the block ids, map heads to remote ranks, make a part per rank
 and post at once where the peer's handshake is cached. :meth:`_Requests._report` runs once
 every part is settled: it releases the replicas not read, validates a push's WRITE against the
-lease it ran under, tells a decode its push ended, and keeps the accounting callers read
-(:attr:`KVWorker.xfer_seconds`, :attr:`KVWorker.phases`, descriptor counts). Separate from the
+lease it ran under, tells a decode its push ended, and hands the request to the ledger
+(:mod:`kvlink.worker.ledger`), which counts it off its path. Separate from the
 per-part steps (:mod:`kvlink.worker.parts`) because this is where a request's outcome is
 decided and counted, once; the push modules above begin their requests here.
 """
@@ -17,7 +17,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,9 +32,7 @@ from kvlink.push import PushKey
 from kvlink.transport import Op
 from kvlink.worker.parts import _Parts
 from kvlink.worker.records import (
-    _XFER_SECONDS_KEPT,
     Moved,
-    Phases,
     _Go,
     _Leg,
     _Part,
@@ -44,7 +41,6 @@ from kvlink.worker.records import (
 )
 
 log = logging.getLogger("kvlink.worker")
-V = TypeVar("V")
 
 
 class _Requests(_Parts):
@@ -53,11 +49,6 @@ class _Requests(_Parts):
     _requests: dict[str, _Request]  # in flight, by id
     _routes: dict[tuple[RemoteEngine, bool], _Route]  # (remote, digests) -> see _read_now
     _last_route: tuple[RemoteEngine | None, _Route | None]  # the last one _read_now took
-    finished_bytes: int
-    raw_descriptors: int  # before coalescing, over finished requests
-    descriptors: int
-    xfer_seconds: dict[str, float]  # finished request id -> transport seconds
-    phases: dict[str, Phases]  # finished request id -> where its time went
     #: one range of a layer-wise push ended (kvlink.worker.prefill_push, above this module)
     _report_layers: Callable[[_Request, set[str], dict[str, str]], None]
 
@@ -118,7 +109,8 @@ class _Requests(_Parts):
         # launched (a declined leg is posted the general way below): from here on nothing
         # may raise to the caller, whose blocks now take bytes
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
-        req = _Request(req_id, Op.READ, remote, lids, rids, parts, t0, generation=generation)
+        req = _Request(req_id, Op.READ, remote, lids, rids, parts, t0, generation=generation,
+                       others=route.others)
         self._requests[req_id] = req
         for part, leg, handle in zip(parts, route.legs, handles):
             if handle is None:  # (no go yet: the step below posts it)
@@ -178,8 +170,9 @@ class _Requests(_Parts):
         # (routes bound under other handshakes are stale, and hold their peers)
         self._routes = {k: r for k, r in self._routes.items() if r.epoch == epoch}
         lists = all(getattr(leg.lane.lane, "takes_lists", False) for leg in legs)
+        others = self._holders(req.remote, {leg.read.remote_rank for leg in legs})
         route = self._routes[(req.remote, digests)] = _Route(epoch, digests, tuple(legs),
-                                                             lists)
+                                                             lists, others)
         self._last_route = (req.remote, route)
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
@@ -228,7 +221,10 @@ class _Requests(_Parts):
             except Exception as exc:  # a transport's bug must not kill the caller's loop
                 log.exception("request %s: advancing a part failed", req.req_id)
                 self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
-        return all(p.settled for p in req.parts)
+        for part in req.parts:  # noqa: SIM110 (not all() over a generator: the DONE poll)
+            if not part.settled:
+                return False
+        return True
 
     def _report(self, req: _Request, finished: set[str], failed: dict[str, str]) -> None:
         del self._requests[req.req_id]
@@ -239,7 +235,8 @@ class _Requests(_Parts):
         if req.op is Op.READ:  # replicas holding our heads that we did not read: a producer
             # takes a release only with the hold's generation (the one we read under, where
             # the producer ranks share it, as a generation minted by the caller is shared)
-            rest = self._holders(req.remote, {p.read.remote_rank for p in req.parts})
+            rest = (req.others if req.others is not None else
+                    self._holders(req.remote, {p.read.remote_rank for p in req.parts}))
             if rest:  # (none where the TP sizes are equal)
                 granted = [p.go.generation for p in req.parts if p.go is not None and
                            p.go.generation]
@@ -266,28 +263,10 @@ class _Requests(_Parts):
                               if req.push is not None else
                               (req.remote.host, req.remote.port + rank))
                 self._tell(host, port, self._written(req, True))
-            self.finished_bytes += req.nbytes
-            now = time.perf_counter()
-            xfer = verdict = 0.0  # one loop: on a request's reporting poll, every step is cold
-            for p in req.parts:
-                xfer = max(xfer, p.xfer_seconds)
-                if p.t_done:
-                    verdict = max(verdict, now - p.t_done)
-                if p.plan:
-                    self.raw_descriptors += p.plan.raw_descriptors
-                    self.descriptors += p.plan.descriptors
-            self._remember(self.xfer_seconds, req.req_id, xfer)
-            req.phases.verdict = verdict
-            self._remember(self.phases, req.req_id, req.phases)
+            self._ledger.finished(req, time.perf_counter())  # counted off its path
         if req.push_key is not None:
             with self._lock:
                 self._push_slots.finish(req.push_key, not errors)
-
-    @staticmethod
-    def _remember(kept: dict[str, V], key: str, value: V) -> None:
-        kept[key] = value
-        if len(kept) > _XFER_SECONDS_KEPT:  # nobody reads them: bounded
-            del kept[next(iter(kept))]
 
     def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None,
                 generation: int | None = None) -> None:

@@ -1,0 +1,133 @@
+"""What callers read back about ended transfers and finished requests, written off their path.
+
+A request is over for its caller once :meth:`KVWorker.poll` reports it; the records of it
+(:class:`Transfer` per transfer, :attr:`KVWorker.xfer_seconds`, :attr:`KVWorker.phases`, the
+byte and descriptor counts) and the release of its transports' handles change nothing about
+that outcome. Made on the poll that reports the request, they were about a third of its time
+past the copy's end on one H200 host (the stamps in bench/results/gpu_stamps_head/: 20 us of
+records and accounting of ~75, cold). So that poll only notes what ended (:meth:`spent`,
+:meth:`finished`), and :meth:`settle` writes it all later: on a poll that finds its requests
+still moving (their copies are running), on a whole poll, before any of it is read (the
+worker's properties call it), and at close. Separate because it is the one place that
+decides what a caller reads back, and when it is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import NamedTuple, TypeVar
+
+from kvlink.errors import KVLinkError
+from kvlink.plan import Plan
+from kvlink.transport import Runs, Transport
+from kvlink.worker.records import Moved, Phases, Transfer, _Request
+
+log = logging.getLogger("kvlink.worker")
+V = TypeVar("V")
+
+_XFER_SECONDS_KEPT = 4096  # finished requests whose times xfer_seconds and phases keep
+_TRANSFERS_KEPT = 65536  # ended transfers kept until a caller takes them
+#: entries owed past which a poll runs whole, so they are written (bench/e2e_request.py's
+#: sleeping caller has no poll that finds its request still moving: each first poll sees it
+#: DONE)
+OWED_MAX = 64
+
+
+class _Spent(NamedTuple):
+    """One transfer that ended, as it was when its poll saw it (a part may be posted again
+    before it is written down: its fields then describe the new post)."""
+
+    req: _Request
+    transport: Transport
+    handle: int
+    ok: bool
+    t_post: float  # perf_counter at the post, and at the poll that saw it end
+    t_done: float
+    post_seconds: float
+    nbytes: int
+    plan: Plan | Runs | Moved | None  # what it posted (read for its descriptor counts)
+
+
+class Ledger:
+    """The records callers read, and those owed to them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        #: every transfer posted that ended, in order (see KVWorker.transfers)
+        self.transfers: collections.deque[Transfer] = collections.deque(maxlen=_TRANSFERS_KEPT)
+        self.xfer_seconds: dict[str, float] = {}  # see KVWorker.xfer_seconds
+        self.phases: dict[str, Phases] = {}  # see KVWorker.phases
+        self.finished_bytes = 0
+        self.raw_descriptors = 0  # before coalescing, over finished requests
+        self.descriptors = 0
+        self._spent: list[_Spent] = []
+        self._finished: list[tuple[_Request, float]] = []  # (request, perf_counter reported)
+
+    def spent(self, entry: _Spent) -> None:
+        """A transfer ended (DONE or FAILED, quiescent): record it and release its handle."""
+        self._spent.append(entry)
+
+    def finished(self, req: _Request, now: float) -> None:
+        """``req`` was reported finished at ``now`` (perf_counter): count it."""
+        self._finished.append((req, now))
+
+    def owed(self) -> int:
+        return len(self._spent) + len(self._finished)
+
+    def settle(self) -> None:
+        """Write down everything owed, in the order it happened; release the handles."""
+        if self._spent:
+            spent, self._spent = self._spent, []
+            for s in spent:
+                self._record(s)
+        if self._finished:
+            finished, self._finished = self._finished, []
+            for req, now in finished:
+                self._count(req, now)
+
+    def _record(self, s: _Spent) -> None:
+        xfer = _transport_seconds(s)
+        req = s.req
+        req.phases.transfer = max(req.phases.transfer, s.t_done - s.t_post)
+        req.xfer_seconds = max(req.xfer_seconds, xfer)
+        descriptors = s.plan.descriptors if s.plan is not None else 0
+        if s.ok and s.plan is not None:
+            req.raw_descriptors += s.plan.raw_descriptors
+            req.descriptors += descriptors
+        self.transfers.append(Transfer(s.transport.name, s.post_seconds, s.nbytes,
+                                       descriptors, xfer, s.ok))
+        try:
+            s.transport.release(s.handle)
+        except Exception:  # a plugin's bug: the handle leaks, nothing else is lost
+            log.exception("%s: releasing a transfer's handle failed", s.transport.name)
+
+    def _count(self, req: _Request, now: float) -> None:
+        self.finished_bytes += req.nbytes
+        self.raw_descriptors += req.raw_descriptors
+        self.descriptors += req.descriptors
+        req.phases.verdict = max((now - p.t_done for p in req.parts if p.t_done), default=0.0)
+        _remember(self.xfer_seconds, req.req_id, req.xfer_seconds)
+        _remember(self.phases, req.req_id, req.phases)
+
+
+def _transport_seconds(s: _Spent) -> float:
+    """Post to completion of one transfer: the transport's own timing if it keeps one
+    (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
+    ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw it
+    end."""
+    telemetry = getattr(s.transport, "xfer_telemetry", None)
+    if telemetry is not None:
+        try:
+            entries = telemetry(s.handle)
+        except KVLinkError:
+            entries = []
+        us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
+        if us > 0:
+            return us / 1e6
+    return s.t_done - s.t_post
+
+
+def _remember(kept: dict[str, V], key: str, value: V) -> None:
+    kept[key] = value
+    if len(kept) > _XFER_SECONDS_KEPT:  # nobody reads them: bounded
+        del kept[next(iter(kept))]
