@@ -203,30 +203,30 @@ def _device_index(device: str) -> int:
 class _Lane:
     """:meth:`CudaIpcTransport.lane`: what one peer pair's posts of whole blocks bind once.
     A post after the peer connected anew rebinds its mappings; one after it disconnected
-    fails like any post to an unknown peer."""
+    fails like any post to an unknown peer.
 
-    __slots__ = ("_owner", "blocks", "local_base", "moves", "op", "peer", "remote_base",
-                 "target")
+    ``post(local_ids, remote_ids, generation=0, sample=False) -> int | None``: post blocks
+    ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64 (an id out of
+    range is refused on the device: the handle polls FAILED naming it): a handle (the
+    transport's contract: never raises, FAILED says why), or None where this lane cannot
+    take the request (too many blocks for a launch's table; a digest lane without the hold's
+    ``generation``): post it the general way. ``sample`` (a digest lane): its kernel checks
+    the blocks ``sample`` picks, as the producer picked them (kvlink.integrity.checked, by
+    the generation), else every block. Where :attr:`takes_lists`, the ids may also be lists
+    of ints, converted by the launch itself; ids it cannot take then raise TypeError,
+    ValueError or OverflowError, and nothing was posted. It is
+    :meth:`CudaIpcTransport._post_lane` bound to the lane, one call: a READ's host time
+    before its launch is its latency, cold (a method calling it was one frame more)."""
+
+    __slots__ = ("_owner", "blocks", "local_base", "moves", "op", "peer", "post",
+                 "remote_base", "target")
 
     def __init__(self, owner: CudaIpcTransport, op: Op, peer: str, target: _Peer,
                  moves: Lane, local_base: npt.NDArray[np.uint64],
                  remote_base: npt.NDArray[np.uint64], blocks: tuple[int, int]) -> None:
         self._owner, self.op, self.peer, self.target, self.moves = owner, op, peer, target, moves
         self.local_base, self.remote_base, self.blocks = local_base, remote_base, blocks
-
-    def post(self, local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64],
-             generation: int = 0, sample: bool = False) -> int | None:
-        """Post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64
-        (an id out of range is refused on the device: the handle polls FAILED naming it): a
-        handle (the transport's contract: never raises, FAILED says why), or None where this
-        lane cannot take the request (too many blocks for a launch's table; a digest lane
-        without the hold's ``generation``): post it the general way. ``sample`` (a digest
-        lane): its kernel checks the blocks ``sample`` picks, as the producer picked them
-        (kvlink.integrity.checked, by the generation), else every block. Where
-        :attr:`takes_lists`, the ids may also be lists of ints, converted by the launch
-        itself; ids it cannot take then raise TypeError, ValueError or OverflowError, and
-        nothing was posted."""
-        return self._owner._post_lane(self, local_ids, remote_ids, generation, sample)
+        self.post: Callable[..., int | None] = functools.partial(owner._post_lane, self)
 
     def posted_ids(self, handle: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
         """The (local, remote) block ids ``handle``'s post launched with: int64 arrays of the
@@ -693,9 +693,9 @@ class CudaIpcTransport(Transport):
                                                remote_base, blocks)
 
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
-                   remote_ids: npt.NDArray[np.int64], generation: int,
-                   sample: bool) -> int | None:
-        """:meth:`_Lane.post`: one post through ``lane`` (None: it cannot take this one).
+                   remote_ids: npt.NDArray[np.int64], generation: int = 0,
+                   sample: bool = False) -> int | None:
+        """``_Lane.post``: one post through ``lane`` (None: it cannot take this one).
 
         The common case — the peer as the lane bound it, our device current — takes a path
         of its own, the launch first and the bookkeeping after: a READ's host time before its
