@@ -1,0 +1,10 @@
+#!/bin/bash
+# where a 70B READ's host time goes at 8b84bfa (perf_counter stamps, stamp_tree6.py.txt on this
+# tree: .gpu_st6; the same points as ../gpu_stamps_head/, the records now the ledger's)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl2/msgspec*.whl || exit 1
+export PYTHONUNBUFFERED=1 KVLINK_COMMIT=$1 KVLINK_CACHE_DIR=/tmp/kvc
+O=/tmp/ost6; rm -rf $O; mkdir -p $O
+R=bench/results/gpu_stamps_flat/stamps_report3.py.txt
+(cd .gpu_st6 && PYTHONPATH=/tmp/site:$PWD KVST_NOEV=1 KVST_OUT=$O/st timeout 150 python3 bench/e2e_request.py --device cuda --cases 70b-tp8 --requests 60 --inflight-rounds 1 --layer-gap --out $O/e2e_stamped.json > $O/e2e_stamped.log 2>&1; echo "stamped rc=$?")
+for f in $O/st.*.json; do python3 $R $f > $f.txt 2>&1; done; sed -n '1,32p' $O/st.*.txt | cut -c1-60
+tar czf $OUT/results.tgz -C $O .
