@@ -36,7 +36,8 @@ Block ownership (the invariant: a block is reused only when no peer can still to
 get until then, the rest are cancelled.
 
 The jobs are split by module, bottom to top, each importing only those below it: ``config``
-(:class:`WorkerConfig`), ``records`` (what is kept per request, part and push), ``peering``
+(:class:`WorkerConfig`), ``records`` (what is kept per request, part and push), ``ledger``
+(what callers read back about ended transfers, written off the reporting poll), ``peering``
 (the side channel both ways: handshakes, kept-open sessions, our handshake answer), ``holds``
 (producer side of a pull: holds, leases, grants, the answers to readers), ``parts`` (one part
 of a transfer, handshake to verdict), ``requests`` (a request begun, stepped and reported),
