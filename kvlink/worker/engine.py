@@ -361,6 +361,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         return self.raw_descriptors, self.descriptors
 
     # what callers read back: written by the ledger off the request's path, settled here first
+    # (read them on the thread that polls: settling releases the transports' handles)
     @property
     def transfers(self) -> collections.deque[Transfer]:
         """Every transfer posted that ended, in order (:class:`Transfer`), for per-transport
