@@ -510,16 +510,12 @@ class AfterCheck:
     the poll that sees the READ DONE, cold, on one H200 host
     (bench/results/gpu_checks_native_fp)."""
 
-    __slots__ = ("_at", "_read", "_shows", "_view", "_want")
+    __slots__ = ("_at", "_read", "_view", "_want")
 
     def __init__(self, view: BoardView, generation: int, fp: int) -> None:
         self._view, self._want, self._at = view, (generation, fp), _slot_at(generation)
         self._read: Callable[[], tuple[int, ...]] | None = None
-        helpers = _helpers()
-        #: the C check, looked up now: the call is on the poll that sees the READ DONE
-        self._shows: Callable[..., int] | None = (None if helpers is None
-                                                  else helpers.board_shows)
-        if helpers is None:  # Python's: the slot's reader now, and its page
+        if _helpers() is None:  # Python's: the slot's reader now, and its page
             self._read = view.reader(generation)
             if self._read is not None:
                 self._read()
@@ -527,9 +523,10 @@ class AfterCheck:
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""
         view = self._view
+        helpers = _helpers()
         try:
-            if self._shows is not None:
-                return bool(self._shows(view._map, self._at, view._fd, *self._want))
+            if helpers is not None:
+                return bool(helpers.board_shows(view._map, self._at, view._fd, *self._want))
             return self._read is not None and view.alive() and self._read() == self._want
         except ValueError:  # the view was closed under us
             return False

@@ -368,24 +368,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
   int key = -1;
   u64 part = 0;
-  // per plane of the unit (Q <= 2), once a unit, not per vector: where the views' block
-  // starts relative to the unit's first byte, and the views' strides
-  i64 base0 = 0, base1 = 0;
-  unsigned sh0 = 0, st0 = 1, sh1 = 0, st1 = 1;
-  if (slot >= 0) {
-    const i64* r0 = geo + 8 + 4 * (seg * Q);
-    base0 = d - (r0[0] + lid * r0[1]);
-    sh0 = (unsigned)r0[2];
-    st0 = (unsigned)r0[3];
-    if (Q > 1) {
-      const i64* r1 = r0 + 4;
-      base1 = d - (r1[0] + lid * r1[1]);
-      sh1 = (unsigned)r1[2];
-      st1 = (unsigned)r1[3];
-    }
-  }
-  // a vector's two weights in one load where they are 16-byte aligned (rows of even words)
-  const bool wide = (W & 1) == 0 && (reinterpret_cast<unsigned long long>(wt) & 15) == 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
     const i64 j0 = base + lane;
     int4 v[KV_U];
@@ -408,9 +390,10 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       if (j < nv) {
         const i64 off = j << 4;
         const int q = off >= page ? 1 : 0;  // Q is 1 or 2
-        const i64 rel = off + (q ? base1 : base0);
+        const i64* row = geo + 8 + 4 * (seg * Q + q);
+        const i64 rel = d + off - (row[0] + lid * row[1]);
         if (rel >= 0 && rel < ((i64)1 << 31)) {
-          const unsigned ur = (unsigned)rel, sh = q ? sh1 : sh0, st = q ? st1 : st0;
+          const unsigned ur = (unsigned)rel, sh = (unsigned)row[2], st = (unsigned)row[3];
           unsigned head, token, wb;
           if (sh == 0) {  // one head
             head = 0; token = ur / st; wb = ur - token * st;
@@ -424,16 +407,7 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
           if (head < (unsigned)H && token < (unsigned)N && wb + 16 <= (unsigned)hb) {
             k = q * H + (int)head;
             const unsigned wi = token * (unsigned)W + (wb >> 3);
-            u64 w0, w1;
-            if (wide && !(wi & 1)) {  // (a view offset by 8 bytes: two loads)
-              const ulonglong2 w = *reinterpret_cast<const ulonglong2*>(wt + wi);
-              w0 = w.x;
-              w1 = w.y;
-            } else {
-              w0 = wt[wi];
-              w1 = wt[wi + 1];
-            }
-            x = kv_word(v[u].x, v[u].y) * w0 + kv_word(v[u].z, v[u].w) * w1;
+            x = kv_word(v[u].x, v[u].y) * wt[wi] + kv_word(v[u].z, v[u].w) * wt[wi + 1];
           }
         }
       }

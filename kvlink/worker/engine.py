@@ -42,7 +42,6 @@ from kvlink.transport import (
     Transport,
     TransportContext,
     TransportStats,
-    XferState,
     XferStatus,
     create_transport,
 )
@@ -322,20 +321,17 @@ class KVWorker(_PrefillPush, _DecodePush):
         for req in list(self._requests.values()):
             if req.layered is not None:
                 continue
-            # each part's transport asked here, not through the steps: a poll that finds the
-            # copies still moving is a few calls, and the one that finds one ended (on the
-            # request's path) is at the completion's query sooner, then straight at the part
-            states: list[XferState] = []
-            moving = True
+            ended = False  # a part's transport says it is no longer moving
             for p in req.parts:  # (a loop, not any() over a generator: calls are cold here)
                 if p.handle is None or p.go is None:
                     break
-                state = p.go.peer.transport.poll(p.handle)
-                states.append(state)
-                if state.status is not XferStatus.PENDING:
-                    moving = False
+                # asked here first, not through the steps: a poll that finds every copy still
+                # moving is a few calls, and the one that finds one done (on the request's
+                # path) is at the completion's query sooner (the step asks again: cheap)
+                if not ended:
+                    ended = p.go.peer.transport.poll(p.handle).status is not XferStatus.PENDING
             else:
-                if not moving and self._step(req, states):
+                if ended and self._step(req):
                     self._report(req, finished, failed)
                 else:
                     stepped.add(req.req_id)

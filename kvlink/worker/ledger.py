@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from kvlink.errors import KVLinkError
 from kvlink.plan import Plan
@@ -34,12 +34,19 @@ _TRANSFERS_KEPT = 65536  # ended transfers kept until a caller takes them
 OWED_MAX = 64
 
 
-#: one transfer that ended, as it was when its poll saw it (a part may be posted again before
-#: it is written down: its fields then describe the new post): (request, transport, handle,
-#: DONE, perf_counter at the post and at the poll that saw it end, seconds inside the post,
-#: bytes, what it posted). A plain tuple: made on the poll that reports the request
-_Spent = tuple[_Request, Transport, int, bool, float, float, float, int,
-               Plan | Runs | Moved | None]
+class _Spent(NamedTuple):
+    """One transfer that ended, as it was when its poll saw it (a part may be posted again
+    before it is written down: its fields then describe the new post)."""
+
+    req: _Request
+    transport: Transport
+    handle: int
+    ok: bool
+    t_post: float  # perf_counter at the post, and at the poll that saw it end
+    t_done: float
+    post_seconds: float
+    nbytes: int
+    plan: Plan | Runs | Moved | None  # what it posted (read for its descriptor counts)
 
 
 class Ledger:
@@ -56,13 +63,9 @@ class Ledger:
         self._spent: list[_Spent] = []
         self._finished: list[tuple[_Request, float]] = []  # (request, perf_counter reported)
 
-    def spent(self, req: _Request, transport: Transport, handle: int, ok: bool, t_post: float,
-              t_done: float, post_seconds: float, nbytes: int,
-              plan: Plan | Runs | Moved | None) -> None:
-        """A transfer ended (DONE or FAILED, quiescent): record it and release its handle
-        (``_Spent``'s fields)."""
-        self._spent.append((req, transport, handle, ok, t_post, t_done, post_seconds, nbytes,
-                            plan))
+    def spent(self, entry: _Spent) -> None:
+        """A transfer ended (DONE or FAILED, quiescent): record it and release its handle."""
+        self._spent.append(entry)
 
     def finished(self, req: _Request, now: float) -> None:
         """``req`` was reported finished at ``now`` (perf_counter): count it."""
@@ -83,20 +86,20 @@ class Ledger:
                 self._count(req, now)
 
     def _record(self, s: _Spent) -> None:
-        req, transport, handle, ok, t_post, t_done, post_seconds, nbytes, plan = s
-        xfer = _transport_seconds(transport, handle, t_done - t_post)
-        req.phases.transfer = max(req.phases.transfer, t_done - t_post)
+        xfer = _transport_seconds(s)
+        req = s.req
+        req.phases.transfer = max(req.phases.transfer, s.t_done - s.t_post)
         req.xfer_seconds = max(req.xfer_seconds, xfer)
-        descriptors = plan.descriptors if plan is not None else 0
-        if ok and plan is not None:
-            req.raw_descriptors += plan.raw_descriptors
+        descriptors = s.plan.descriptors if s.plan is not None else 0
+        if s.ok and s.plan is not None:
+            req.raw_descriptors += s.plan.raw_descriptors
             req.descriptors += descriptors
-        self.transfers.append(Transfer(transport.name, post_seconds, nbytes, descriptors, xfer,
-                                       ok))
+        self.transfers.append(Transfer(s.transport.name, s.post_seconds, s.nbytes,
+                                       descriptors, xfer, s.ok))
         try:
-            transport.release(handle)
+            s.transport.release(s.handle)
         except Exception:  # a plugin's bug: the handle leaks, nothing else is lost
-            log.exception("%s: releasing a transfer's handle failed", transport.name)
+            log.exception("%s: releasing a transfer's handle failed", s.transport.name)
 
     def _count(self, req: _Request, now: float) -> None:
         self.finished_bytes += req.nbytes
@@ -107,21 +110,21 @@ class Ledger:
         _remember(self.phases, req.req_id, req.phases)
 
 
-def _transport_seconds(transport: Transport, handle: int, ours: float) -> float:
+def _transport_seconds(s: _Spent) -> float:
     """Post to completion of one transfer: the transport's own timing if it keeps one
     (``xfer_telemetry``: NIXL's ``xferDuration``, what vLLM's NixlConnector reports as
-    ``vllm:nixl_xfer_time_seconds``), else ``ours``: our clock from post() to the poll that
-    saw it end."""
-    telemetry = getattr(transport, "xfer_telemetry", None)
+    ``vllm:nixl_xfer_time_seconds``), else our clock from post() to the poll that saw it
+    end."""
+    telemetry = getattr(s.transport, "xfer_telemetry", None)
     if telemetry is not None:
         try:
-            entries = telemetry(handle)
+            entries = telemetry(s.handle)
         except KVLinkError:
             entries = []
         us = sum(float(e.get("xfer_us", 0.0)) for e in entries)
         if us > 0:
             return us / 1e6
-    return ours
+    return s.t_done - s.t_post
 
 
 def _remember(kept: dict[str, V], key: str, value: V) -> None:

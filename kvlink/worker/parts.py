@@ -32,9 +32,9 @@ from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
 from kvlink.plan import Plan, PlanPath, PlanTable
 from kvlink.push import PushSlots
-from kvlink.transport import DigestJob, LaneDigests, Op, Runs, Transport, XferState, XferStatus
+from kvlink.transport import DigestJob, LaneDigests, Op, Runs, Transport, XferStatus
 from kvlink.worker.holds import _Holds
-from kvlink.worker.ledger import Ledger
+from kvlink.worker.ledger import Ledger, _Spent
 from kvlink.worker.records import Moved, _Go, _Part, _PeerLane, _Request
 
 log = logging.getLogger("kvlink.worker")
@@ -315,13 +315,10 @@ class _Parts(_Holds):
         start, stop = req.layers or (0, self._require_spec().num_layers)
         return view.signal(slot, tag, start, stop)
 
-    def _progress(self, req: _Request, part: _Part, state: XferState | None = None) -> None:
-        """A posted part: poll its transport (``state``: what this poll already asked it),
-        and once the transfer ended, the verdict."""
+    def _progress(self, req: _Request, part: _Part) -> None:
         assert part.go is not None and part.handle is not None
         transport = part.go.peer.transport
-        if state is None:
-            state = transport.poll(part.handle)
+        state = transport.poll(part.handle)
         if state.status is XferStatus.PENDING:
             return
         handle, part.handle = part.handle, None
@@ -330,8 +327,8 @@ class _Parts(_Holds):
         if part.fusing and ok:  # the copy kernel digested what it landed, and compared
             got = getattr(transport, "landed_check", lambda h: None)(handle)
             part.fused, part.fused_rows = got if got is not None else (None, 0)
-        self._ledger.spent(req, transport, handle, ok, part.t_post, part.t_done,
-                           part.post_seconds, part.nbytes, part.plan)
+        self._ledger.spent(_Spent(req, transport, handle, ok, part.t_post, part.t_done,
+                                  part.post_seconds, part.nbytes, part.plan))
         reason = (f"{self._where(req, part)}: {state.reason}"
                   if state.status is XferStatus.FAILED else "")
         if (state.status is XferStatus.FAILED and state.refused and req.generation is not None

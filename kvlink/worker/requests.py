@@ -29,7 +29,7 @@ from kvlink.integrity import Level
 from kvlink.landing import LandingView
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
-from kvlink.transport import Op, XferState
+from kvlink.transport import Op
 from kvlink.worker.parts import _Parts
 from kvlink.worker.records import (
     Moved,
@@ -213,16 +213,11 @@ class _Requests(_Parts):
             self._bind_route(req, epoch)
         self._chan.flush()  # (not what earlier requests owe: see _tell_later)
 
-    def _step(self, req: _Request, states: list[XferState] | None = None) -> bool:
-        """Advance every part of ``req``; True once all of them are settled. ``states``: every
-        part is posted, and this poll asked each one's transport already (in order): each
-        part's progress takes its answer (a posted part's only step)."""
-        for i, part in enumerate(req.parts):
+    def _step(self, req: _Request) -> bool:
+        """Advance every part of ``req``; True once all of them are settled."""
+        for part in req.parts:
             try:
-                if states is None:
-                    self._advance(req, part)
-                else:
-                    self._progress(req, part, states[i])
+                self._advance(req, part)
             except Exception as exc:  # a transport's bug must not kill the caller's loop
                 log.exception("request %s: advancing a part failed", req.req_id)
                 self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
