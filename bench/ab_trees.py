@@ -11,7 +11,8 @@ add``, or ``git archive REV kvlink kvlink_transports | tar -x -C DIR``) — gets
 its own, bench/e2e_request.py's producer and consumer importing that tree, side by side on the
 same machine; the driver asks them in turn, in a fresh random order every round, for one
 request each (the producer holds it, the consumer ``read(..., generation)`` -> ``poll`` until
-finished; every request verified afterwards, untimed) and keeps the consumer's timed window.
+finished; every request verified afterwards, untimed) and keeps the consumer's timed window
+(``--inflight N``: N requests read at once, then polled until all are finished).
 Between turns both wait on a pipe, so neither runs while the other is timed. What it reports:
 each tree's median, and (median b - median a) / median a with a 90 % bootstrap interval. Run
 it with ``--b`` the same as ``--a`` for the floor (an A/A), which should hold 0.
@@ -67,8 +68,8 @@ def child(spec: dict[str, Any]) -> None:
             for line in sys.stdin:
                 if line.strip() != "go":
                     break
-                held = cons._hold("ab", 1)
-                lids = cons._local_ids(1)
+                held = cons._hold("ab", args.inflight)
+                lids = cons._local_ids(args.inflight)
                 exps = [cons._expected(no, rids) for _, no, rids, _ in held]
                 cons._sentinel(lids)
                 dt = cons.kvlink(held, lids, args.spin, None)
@@ -145,7 +146,9 @@ def main() -> None:
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--case", default=None, help="a bench/e2e_request.py case "
                     "(default: 70b-tp8 on cuda, 16-blocks on cpu)")
-    ap.add_argument("--requests", type=int, default=40, help="rounds (one request a tree each)")
+    ap.add_argument("--requests", type=int, default=40, help="rounds (one window a tree each)")
+    ap.add_argument("--inflight", type=int, default=1,
+                    help="requests posted at once in each window (read all, then poll)")
     ap.add_argument("--spin", action="store_true",
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -163,7 +166,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     spec = {"device": args.device, "gpu": args.gpu,
             "device_name": f"cuda:{args.gpu}" if cuda else "cpu",
-            "transport": "cuda_ipc" if cuda else "tcp", "options": {}, "inflight": 1,
+            "transport": "cuda_ipc" if cuda else "tcp", "options": {}, "inflight": args.inflight,
             "integrity": "off", "op": "read", "case": args.case or
             ("70b-tp8" if cuda else "16-blocks"), "spin": args.spin,
             "timeout": args.timeout, "seed": args.seed, "profile": None,
@@ -184,12 +187,14 @@ def main() -> None:
     med = {t.name: float(np.median(t.samples)) for t in trees}
     change = (med[b.name] - med[a.name]) / med[a.name]
     lo, hi = change_interval(a.samples, b.samples, args.seed)
-    print(f"{spec['case']} ({args.device}, {'spin' if args.spin else 'sleep'}): "
+    window = "" if args.inflight == 1 else f", {args.inflight} in flight"
+    print(f"{spec['case']} ({args.device}, {'spin' if args.spin else 'sleep'}{window}): "
           f"a {a.name} {med[a.name] * 1e3:.3f} ms, b {b.name} {med[b.name] * 1e3:.3f} ms, "
           f"b vs a {change * 100:+.1f} % [{lo * 100:+.1f}, {hi * 100:+.1f}]"
           f"{'' if a.bad + b.bad == 0 else f'; MISMATCHES a {a.bad}, b {b.bad}'}", flush=True)
     write_result(f"ab_trees_{args.device}", {
         "case": spec["case"], "device": args.device, "transport": spec["transport"],
+        "in_flight": args.inflight,
         "registered_regions": regions_label(),
         "idle_poll_after_each_window": not args.no_idle_poll,
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",

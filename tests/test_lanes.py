@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
-from test_lifecycle import blocks, make, outcome, remote, sleep_until
+from test_lifecycle import blocks, make, outcome, remote, sleep_until, until
 
 from kvlink.errors import BlockIdOutOfRange, KVLinkError
 from kvlink.integrity import Level
@@ -307,8 +307,11 @@ def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted(routed: bool) -> No
         gen = prefill.hold("r0", [2, 3])
         decode.read("r0", remote(prefill), [7, 8], [2, 3], generation=gen)
         assert ("r0" in t.posted[-1]) is not routed  # records first, or launched first
-        part = decode._requests["r0"].parts[0]
-        assert part.check is not None and part.handle is not None  # on the board; posted
+        req = decode._requests["r0"]
+        part = req.parts[0]
+        assert part.handle is not None  # posted; on the board: its after-check bound at the
+        # post, or (launched first) by the first look at it, its records owed till then
+        assert (part.check is not None) is not routed and (req.route is not None) is routed
         assert t.lanes[0].posts == (3 if routed else 2)  # through the lane
         sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
         assert "r0" in [r.req_id for r in prefill.released()]
@@ -342,6 +345,37 @@ def test_a_read_told_its_generation_launches_before_its_records(transport: str) 
         planes = decode.spec.num_layers * 2  # what the launched ones moved, counted as posted
         assert decode.finished_bytes == 8 * planes * decode.spec.page_bytes
         assert decode.descriptor_counts() == (8 * planes, 8 * planes)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_reads_launched_at_once_are_launched_back_to_back() -> None:
+    """A caller reading several requests at once (vLLM's start_load_kv) gets them launched one
+    after the other: read() makes no record of a route's READ after its launch (what it
+    moves, its after-check's binding) — the first look at it does, a poll, while the bytes
+    move. Before, each read() made them between two launches, the device idle meanwhile.
+    Every request is still validated on the board and its bytes land."""
+    prefill, decode = _pair()
+    try:
+        _routed(decode, prefill)
+        rids = ["a", "b", "c"]
+        ours, theirs = [[1, 2], [3, 4], [5, 6]], [[8, 9], [10, 11], [12, 13]]
+        for rid, o, th in zip(rids, ours, theirs):
+            decode.read(rid, remote(prefill), o, th, generation=prefill.hold(rid, th))
+        reqs = [decode._requests[r] for r in rids]
+        assert all(r.route is not None and r.fingerprint is None and r.nbytes == 0
+                   and r.parts[0].check is None and r.parts[0].handle is not None
+                   for r in reqs)  # launched, nothing recorded yet
+        validated = decode.board_validated
+        done: set[str] = set()
+        until(lambda: not done.update(decode.poll()[0]) and done == set(rids), 20,
+              "all three finished")
+        for o, th in zip(ours, theirs):
+            assert np.array_equal(blocks(decode, o), blocks(prefill, th))
+        assert all(r.route is None and r.fingerprint is not None and r.nbytes > 0
+                   for r in reqs)  # recorded by the polls
+        assert decode.board_validated == validated + 3  # each after-checked on the board
     finally:
         decode.close()
         prefill.close()

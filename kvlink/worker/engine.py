@@ -321,6 +321,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         for req in list(self._requests.values()):
             if req.layered is not None:
                 continue
+            if req.route is not None:  # launched on a route: its records, while it moves
+                self._record_launch(req)
             ended = False  # a part's transport says it is no longer moving
             for p in req.parts:  # (a loop, not any() over a generator: calls are cold here)
                 if p.handle is None or p.go is None:

@@ -202,10 +202,13 @@ class _Parts(_Holds):
             return
         self._posted(req, part, go, plan.nbytes)
 
-    def _posted(self, req: _Request, part: _Part, go: _Go, nbytes: int) -> None:
-        """After a part's post: its time, and (a READ validated on the hold board) its
-        after-check bound — while the bytes move."""
-        part.post_seconds = time.perf_counter() - part.t_post
+    def _posted(self, req: _Request, part: _Part, go: _Go, nbytes: int,
+                post_seconds: float | None = None) -> None:
+        """After a part's post: its time (``post_seconds``: taken at the post, where these
+        records come later), and (a READ validated on the hold board) its after-check bound
+        — while the bytes move."""
+        part.post_seconds = (time.perf_counter() - part.t_post if post_seconds is None
+                             else post_seconds)
         req.phases.post += part.post_seconds
         if self._on_board(req, go):
             assert go.peer.board is not None and req.fingerprint is not None

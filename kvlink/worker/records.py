@@ -185,6 +185,9 @@ class _Request:
     #: a READ on a route: the remote's ranks holding our heads it does not read, as the
     #: route knows them (None: worked out at its report)
     others: frozenset[int] | None = None
+    #: a READ launched on this route whose records (what it moves, its after-check) are owed:
+    #: made by the first look at it (kvlink.worker.requests._Requests._record_launch)
+    route: _Route | None = None
     #: over its transfers, as written down (kvlink.worker.ledger): the slowest one's
     #: transport seconds, and the descriptors of those that were DONE
     xfer_seconds: float = 0.0

@@ -105,29 +105,45 @@ class _Requests(_Parts):
         else:  # the lanes took the caller's ids as they came: what they launched with (int64,
             # theirs), or our copies, now that the bytes move
             lids, rids = _launched_ids(route, handles, local_ids, remote_ids)
-        n = lids.shape[0]
+        posted = time.perf_counter()
         # launched (a declined leg is posted the general way below): from here on nothing
-        # may raise to the caller, whose blocks now take bytes
+        # may raise to the caller, whose blocks now take bytes. Its records are owed: made by
+        # the first look at it (_record_launch), while the bytes move
         parts = [_Part(leg.read, leg.future) for leg in route.legs]
         req = _Request(req_id, Op.READ, remote, lids, rids, parts, t0, generation=generation,
-                       others=route.others)
+                       others=route.others, route=route)
         self._requests[req_id] = req
         for part, leg, handle in zip(parts, route.legs, handles):
-            if handle is None:  # (no go yet: the step below posts it)
-                continue
-            go = _Go(leg.peer, generation)
-            part.go, part.handle, part.t_post, part.fusing = go, handle, t0, digests
-            try:  # (as _step: a bug here fails the part, reported once its copy has ended)
-                nbytes, descriptors, raw = leg.per_block
-                part.plan = Moved(n * nbytes, n * descriptors, n * raw)
-                self._posted(req, part, go, part.plan.nbytes)
-            except Exception as exc:
-                log.exception("request %s: recording a launched part failed", req_id)
-                self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
+            if handle is not None:  # (no go yet: the step below posts it)
+                part.go, part.handle, part.t_post = _Go(leg.peer, generation), handle, t0
+                part.fusing, part.post_seconds = digests, posted - t0
         if None in handles:
             self._step(req)
             self._chan.flush()
         return True
+
+    def _record_launch(self, req: _Request) -> None:
+        """The records of a READ :meth:`_read_now` launched on a route: what each part moves,
+        and its after-check's binding (the block ids' fingerprint). Made by the first look at
+        the request — a poll, while its copy runs — not by ``read()``. A caller that reads
+        several requests at once then launches them back to back: made inside ``read()``,
+        each one's records (~50 us cold on one H200 host: bench/results/gpu_stamps_flat/)
+        stood between two launches, with the device idle. A fault here fails the part (as
+        any fault of a step), never the caller."""
+        route, req.route = req.route, None
+        assert route is not None
+        n = int(req.remote_ids.shape[0])
+        for part, leg in zip(req.parts, route.legs):
+            go = part.go
+            if go is None or part.plan is not None:
+                continue
+            try:  # (as _step: a bug here fails the part, reported once its copy has ended)
+                nbytes, descriptors, raw = leg.per_block
+                part.plan = Moved(n * nbytes, n * descriptors, n * raw)
+                self._posted(req, part, go, part.plan.nbytes, part.post_seconds)
+            except Exception as exc:
+                log.exception("request %s: recording a launched part failed", req.req_id)
+                self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def _post_as_given(route: _Route, local_ids: object, remote_ids: object, checked: int,
@@ -215,6 +231,8 @@ class _Requests(_Parts):
 
     def _step(self, req: _Request) -> bool:
         """Advance every part of ``req``; True once all of them are settled."""
+        if req.route is not None:  # launched on a route: its records first
+            self._record_launch(req)
         for part in req.parts:
             try:
                 self._advance(req, part)
