@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40, help="rounds (one window a tree each)")
     ap.add_argument("--inflight", type=int, default=1,
                     help="requests posted at once in each window (read all, then poll)")
+    ap.add_argument("--transport", default=None,
+                    help="the transport both trees use (default: cuda_ipc on cuda, else tcp)")
     ap.add_argument("--spin", action="store_true",
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -166,7 +168,8 @@ def main() -> None:
     cuda = args.device == "cuda"
     spec = {"device": args.device, "gpu": args.gpu,
             "device_name": f"cuda:{args.gpu}" if cuda else "cpu",
-            "transport": "cuda_ipc" if cuda else "tcp", "options": {}, "inflight": args.inflight,
+            "transport": args.transport or ("cuda_ipc" if cuda else "tcp"), "options": {},
+            "inflight": args.inflight,
             "integrity": "off", "op": "read", "case": args.case or
             ("70b-tp8" if cuda else "16-blocks"), "spin": args.spin,
             "timeout": args.timeout, "seed": args.seed, "profile": None,
