@@ -285,9 +285,6 @@ def _size_class(nbytes: int) -> int:
     return max(4096, 1 << (nbytes - 1).bit_length())
 
 
-_STATUS_CLASS = _size_class(32)  # a lane's post: its status and check words
-
-
 def _records(ext: Extents) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(ext).view(np.uint64)
 
@@ -642,8 +639,7 @@ class BatchCopier:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                free = self._pinned[_STATUS_CLASS]  # (_take, inline: this is before a launch)
-                buf = free.pop() if free else self._take(32)
+                buf = self._take(32)
                 buf.status.value = 0
                 raw = stream.cuda_stream
                 check = None

@@ -118,7 +118,7 @@ class Lane:
     def fits(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` travels with its launch (else: post it the general
         way). Also builds what such a launch needs, so the first post pays for it."""
-        return blocks in self._by_blocks or self._bound(blocks) is not None
+        return self._bound(blocks) is not None
 
     @property
     def translated(self) -> bool:
@@ -203,8 +203,7 @@ class Lane:
         n = len(src_ids)
         form, g = self._forms.get(n) or self._form(n)
         launcher.post(form, src_ids, dst_ids, stream, after, order, done,
-                      (n, status, seq, g) if check is None else  # (_values, inline: cold)
-                      (n, status, seq, check[0], check[1], int(check[2])))
+                      _values(n, status, seq, g, check))
 
     def posted(self, n: int) -> npt.NDArray[np.int64]:
         """The ids the last post of ``n`` blocks launched with (source ids, then destination

@@ -37,14 +37,7 @@ from kvlink.layout import KVCacheSpec
 from kvlink.leases import BlockLeases
 from kvlink.peers import PeerTable, RemoteEngine
 from kvlink.push import PushSlots
-from kvlink.transport import (
-    Op,
-    Transport,
-    TransportContext,
-    TransportStats,
-    XferStatus,
-    create_transport,
-)
+from kvlink.transport import Op, Transport, TransportContext, TransportStats, create_transport
 from kvlink.worker.config import WorkerConfig
 from kvlink.worker.decode_push import _DecodePush
 from kvlink.worker.ledger import OWED_MAX, Ledger
@@ -321,19 +314,11 @@ class KVWorker(_PrefillPush, _DecodePush):
         for req in list(self._requests.values()):
             if req.layered is not None:
                 continue
-            if req.route is not None:  # launched on a route: its records, while it moves
-                self._record_launch(req)
-            ended = False  # a part's transport says it is no longer moving
             for p in req.parts:  # (a loop, not any() over a generator: calls are cold here)
-                if p.handle is None or p.go is None:
+                if p.handle is None:
                     break
-                # asked here first, not through the steps: a poll that finds every copy still
-                # moving is a few calls, and the one that finds one done (on the request's
-                # path) is at the completion's query sooner (the step asks again: cheap)
-                if not ended:
-                    ended = p.go.peer.transport.poll(p.handle).status is not XferStatus.PENDING
-            else:
-                if ended and self._step(req):
+            else:  # (a READ launched on a route makes its records here: _step, first)
+                if self._step(req):
                     self._report(req, finished, failed)
                 else:
                     stepped.add(req.req_id)
