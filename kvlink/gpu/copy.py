@@ -176,6 +176,7 @@ class DigestLaunch:
 NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
 #: a digest lane's words as the kernel starts: no mismatch, no rows compared, none missed
 _LANE_CHECK = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
+_LANE_CHECK_AT = _LANE_CHECK.ctypes.data  # (one memmove a post: numpy's slice path is cold)
 
 
 class Pending:
@@ -646,7 +647,7 @@ class BatchCopier:
                 if lane.digest is not None:
                     # the kernel's words: the first differing index, the rows it compared,
                     # and whether any unit found none (kv_move_digest, KV_BOARD)
-                    buf.words[1:4] = _LANE_CHECK
+                    ctypes.memmove(buf.ptr + 8, _LANE_CHECK_AT, 24)
                     check = (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
                 if launcher is not None:

@@ -282,6 +282,19 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     if (lane == 0) *(volatile i64*)status = seq;
     return;
   }
+  const int4* src = reinterpret_cast<const int4*>(s);
+  int4* dst = reinterpret_cast<int4*>(d);
+  const i64 nv = unit >> 4;
+  // The unit's first trip, loading while a checked unit looks its rows up on the board
+  // below (PCIe round trips). Only together with the dense path further down did it pay:
+  // either alone made `full` slower (122 us: 141 or 136), both 112-114
+  // (bench/results/gpu_digest_decode/)
+  int4 v[KV_U];
+#pragma unroll
+  for (int u = 0; u < KV_U; ++u) {
+    const i64 j = lane + (i64)u * 32;
+    if (j < nv) v[u] = src[j];
+  }
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
 #if KV_BOARD
@@ -362,19 +375,26 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const i64 lid = slot < 0 ? 0 : (((dat | unit) >> 32) == 0 ?
                                   (i64)((unsigned)dat / (unsigned)unit) : dat / unit);
 #endif
-  const int4* src = reinterpret_cast<const int4*>(s);
-  int4* dst = reinterpret_cast<int4*>(d);
-  const i64 nv = unit >> 4;
   for (int i = lane; i < keys; i += 32) acc[group][i] = 0;
-  int key = -1;
+  // One key, and the page dense in the digest's order (one head, the token stride the head
+  // row, one page a unit, the unit the view's block): each 8-byte word's weight is the one at
+  // its own index, and every vector counts — no place worked out a vector, no flush when the
+  // head changes. The 70B TP8-rank request's pages (one KV head a rank) and MLA's latent
+  // pages are all like this; the general path below cost their `full` digest 13 us more (of
+  // the kernel's 121, bench/results/gpu_digest_decode/exp/).
+  const i64* row0 = geo + 8 + 4 * (seg * Q);
+  const bool dense = Q == 1 && H == 1 && row0[2] == 0 && row0[3] == hb && (hb & 15) == 0 &&
+                     W == hb >> 3 && unit == (i64)N * hb && d == row0[0] + lid * row0[1];
+  int key = dense && slot >= 0 ? 0 : -1;
   u64 part = 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
     const i64 j0 = base + lane;
-    int4 v[KV_U];
+    if (base > 0) {  // (the first trip was loaded above)
 #pragma unroll
-    for (int u = 0; u < KV_U; ++u) {
-      const i64 j = j0 + (i64)u * 32;
-      if (j < nv) v[u] = src[j];
+      for (int u = 0; u < KV_U; ++u) {
+        const i64 j = j0 + (i64)u * 32;
+        if (j < nv) v[u] = src[j];
+      }
     }
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
@@ -382,6 +402,15 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       if (j < nv) dst[j] = v[u];
     }
     if (slot < 0) continue;  // the same for the whole warp
+    if (dense) {
+#pragma unroll
+      for (int u = 0; u < KV_U; ++u) {
+        const i64 j = j0 + (i64)u * 32;
+        if (j < nv)
+          part += kv_word(v[u].x, v[u].y) * wt[2 * j] + kv_word(v[u].z, v[u].w) * wt[2 * j + 1];
+      }
+      continue;
+    }
 #pragma unroll
     for (int u = 0; u < KV_U; ++u) {
       const i64 j = j0 + (i64)u * 32;
