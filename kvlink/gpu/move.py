@@ -383,9 +383,10 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   // pages are all like this; the general path below cost their `full` digest 13 us more (of
   // the kernel's 121, bench/results/gpu_digest_decode/exp/).
   const i64* row0 = geo + 8 + 4 * (seg * Q);
-  const bool dense = Q == 1 && H == 1 && row0[2] == 0 && row0[3] == hb && (hb & 15) == 0 &&
-                     W == hb >> 3 && unit == (i64)N * hb && d == row0[0] + lid * row0[1];
-  int key = dense && slot >= 0 ? 0 : -1;
+  const bool dense = slot >= 0 && Q == 1 && H == 1 && row0[2] == 0 && row0[3] == hb &&
+                     (hb & 15) == 0 && W == hb >> 3 && unit == (i64)N * hb &&
+                     d == row0[0] + lid * row0[1];  // (an unchecked unit reads none of it)
+  int key = dense ? 0 : -1;
   u64 part = 0;
   for (i64 base = 0; base < nv; base += 32 * KV_U) {  // the same trips for every lane
     const i64 j0 = base + lane;

@@ -114,7 +114,7 @@ class _Requests(_Parts):
                        others=route.others, route=route)
         self._requests[req_id] = req
         for part, leg, handle in zip(parts, route.legs, handles):
-            if handle is not None:  # (no go yet: the step below posts it)
+            if handle is not None:  # (None: no go yet, the step below posts it)
                 part.go, part.handle, part.t_post = _Go(leg.peer, generation), handle, t0
                 part.fusing, part.post_seconds = digests, posted - t0
         if None in handles:
