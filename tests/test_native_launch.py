@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvlink import native
-from kvlink.gpu.lane import _DIGEST_SLOTS, _PLAIN_SLOTS
+from kvlink.gpu.lane import _DIGEST_CHECK, _DIGEST_SLOTS, _PLAIN_SLOTS
 
 NOT_READY = 600
 vp = ctypes.c_void_p
@@ -67,9 +67,9 @@ def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _form(table: Any, slots: Any, params: int, n: int, which: tuple[int, ...],
-          at: int = 2) -> tuple[int, ...]:
+          at: int = 2, check: int = -1) -> tuple[int, ...]:
     return (0xF00, ctypes.addressof(table), ctypes.addressof(slots), params, 7, 256, at, n,
-            len(table), which)
+            len(table), which, check)
 
 
 def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
@@ -99,11 +99,24 @@ def test_a_post_writes_the_ids_and_slots_then_launches_and_records_completion(
 def test_a_digest_post_writes_the_generation_the_check_and_sample(launcher: Any) -> None:
     table, slots, drv = _setup(launcher)
     ids = [4, 3]
-    form = _form(table, slots, 1, 2, _DIGEST_SLOTS)
+    words = (ctypes.c_uint64 * 3)(5, 6, 7)  # what the last copy's kernel left there
+    at = ctypes.addressof(words)
+    form = _form(table, slots, 1, 2, _DIGEST_SLOTS, check=_DIGEST_CHECK)
     launcher.post(form, np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int64), 9, None,
-                  1, 2, (2, 0x70, 5, (1 << 62) + 3, 0x78, True))
+                  1, 2, (2, 0x70, 5, (1 << 62) + 3, at, True))
     vals = drv.calls[0][7]
-    assert [vals[i] for i in _DIGEST_SLOTS] == [2, 0x70, 5, (1 << 62) + 3, 0x78, 1]
+    assert [vals[i] for i in _DIGEST_SLOTS] == [2, 0x70, 5, (1 << 62) + 3, at, 1]
+    # the kernel's words as it starts from them: no mismatch, no rows compared, none missed
+    assert list(words) == [2**64 - 1, 0, 0]
+
+
+def test_a_form_naming_no_value_for_its_check_words_is_refused(launcher: Any) -> None:
+    table, slots, drv = _setup(launcher)
+    one = np.array([1], dtype=np.int64)
+    with pytest.raises(ValueError, match="check words at value 6 of 6"):
+        launcher.post(_form(table, slots, 1, 1, _DIGEST_SLOTS, check=6), one, one, 9, None,
+                      1, 2, (1, 0, 1, 3, 0, False))
+    assert drv.calls == []
 
 
 @pytest.mark.parametrize("pending", [False, True])

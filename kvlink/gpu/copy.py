@@ -175,8 +175,9 @@ class DigestLaunch:
 
 NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
 #: a digest lane's words as the kernel starts: no mismatch, no rows compared, none missed
+#: (the C launcher sets them itself; copied from here where lanes launch through ctypes)
 _LANE_CHECK = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
-_LANE_CHECK_AT = _LANE_CHECK.ctypes.data  # (one memmove a post: numpy's slice path is cold)
+_LANE_CHECK_AT = _LANE_CHECK.ctypes.data
 
 
 class Pending:
@@ -184,7 +185,7 @@ class Pending:
     on the device where they were uploaded). Once seen complete, its status is kept and the
     event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
 
-    __slots__ = ("_done", "_failed", "buf", "compared", "compared_at", "dbuf", "digest_at",
+    __slots__ = ("_done", "_failed", "buf", "checks_lane", "compared", "dbuf", "digest_at",
                  "digests", "error", "event", "ids", "keep", "mismatch", "owner", "seq",
                  "shared", "stream")
 
@@ -205,8 +206,8 @@ class Pending:
         #: NO_MISMATCH if none did; None where nothing was compared (or the copy failed)
         self.mismatch: int | None = None
         #: the producer's rows compared (a digest lane's copy: known once done, 0 where a unit
-        #: found none), and where in ``buf`` its kernel says so (then whether any unit missed)
-        self.compared_at = 0
+        #: found none); ``checks_lane``: its kernel reports in ``buf``'s check words
+        self.checks_lane = False
         self.compared = 0
         #: a lane's launch through the C launcher: the ids it launched with (source ids, then
         #: destination ids; int64, ours), whatever form the caller handed them in
@@ -243,7 +244,7 @@ class Pending:
 class _Pinned:
     """A pinned host buffer and its uint64 view (making the view costs as much as a launch)."""
 
-    __slots__ = ("bytes", "ptr", "size", "status", "tensor", "words")
+    __slots__ = ("bytes", "check", "ptr", "size", "status", "tensor", "words")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
@@ -254,6 +255,10 @@ class _Pinned:
         #: word 0, the copy's status, as a ctypes scalar: read and cleared once per post, where
         #: numpy's per-scalar path costs several microseconds cold
         self.status = ctypes.c_longlong.from_address(self.ptr)
+        #: words 1-3, a digest lane's check words (BatchCopier.copy_lane), read at its DONE
+        #: poll in one call, where numpy's slice and list cost several microseconds cold
+        self.check: Any = ((ctypes.c_uint64 * 3).from_address(self.ptr + 8)
+                           if self.size >= 32 else None)
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
@@ -426,14 +431,11 @@ class BatchCopier:
         if p.buf is not None:
             p._failed = p.buf.status.value == p.seq
             bad, at, count = p.digest_at
-            if p.compared_at and not p._failed:
+            if p.checks_lane and not p._failed:
                 # a digest lane's words side by side — the first index that differed, the rows
                 # compared, whether a unit found none: one read (this is a READ's DONE poll)
-                first = bad if bad == p.compared_at - 1 else p.compared_at
-                got = p.buf.words[first:p.compared_at + 2].tolist()
-                if bad:
-                    p.mismatch = int(got[0]) if first == bad else int(p.buf.words[bad])
-                rows, missed = got[-2:]
+                first, rows, missed = p.buf.check[:]
+                p.mismatch = first
                 p.compared = 0 if missed else rows
                 if not p.compared and p.mismatch == NO_MISMATCH:
                     p.mismatch = None  # a unit found no rows to compare: the caller digests
@@ -643,23 +645,21 @@ class BatchCopier:
                 buf = self._take(32)
                 buf.status.value = 0
                 raw = stream.cuda_stream
-                check = None
-                if lane.digest is not None:
-                    # the kernel's words: the first differing index, the rows it compared,
-                    # and whether any unit found none (kv_move_digest, KV_BOARD)
-                    ctypes.memmove(buf.ptr + 8, _LANE_CHECK_AT, 24)
-                    check = (generation, buf.ptr + 8, sample)
+                # a digest lane's kernel reports in three words: the first differing index,
+                # the rows it compared, whether any unit found none (kv_move_digest,
+                # KV_BOARD); the C launcher sets them to where the kernel starts from
+                check = None if lane.digest is None else (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
                 if launcher is not None:
                     pending = self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
                                                 after, buf, seq, check)
                 else:
+                    if check is not None:
+                        ctypes.memmove(buf.ptr + 8, _LANE_CHECK_AT, 24)
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
                     pending = self._enqueue(stream, buf, seq)
-                if check is not None:
-                    pending.digest_at = (1, 0, 0)
-                    pending.compared_at = 2
+                pending.checks_lane = check is not None
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
                 held: tuple[Any, ...] = () if buf is None else (buf,)

@@ -35,6 +35,9 @@ U64 = npt.NDArray[np.uint64]
 #: (n, status, seq, G), digest (n, status, seq, generation, check words, sample)
 _PLAIN_SLOTS = (1, 6, 7, 8)
 _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
+#: which of a digest post's values is the address of its check words, which the C launcher
+#: sets before the launch (kvlink.gpu.copy.copy_lane: no mismatch, no rows, none missed)
+_DIGEST_CHECK = 4
 
 
 def _values(n: int, status: int, seq: int, g: int, check: tuple[int, int, bool] | None
@@ -196,7 +199,8 @@ class Lane:
              check: tuple[int, int, bool] | None = None) -> None:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
-        has work pending) and records the event ``done`` after the kernel — one call. The ids
+        has work pending) and records the event ``done`` after the kernel — one call; on a
+        digest lane it also sets ``check``'s words to what the kernel starts from. The ids
         may be lists of ints too (the launcher converts them); others raise TypeError,
         ValueError or OverflowError before any driver call. Raises RuntimeError naming the
         driver step that refused (before the launch: nothing of this copy was enqueued)."""
@@ -222,7 +226,8 @@ class Lane:
         form: tuple[Any, ...] = (
             int(getattr(fn, "value", fn) or 0), launch.table.ctypes.data,
             ctypes.addressof(launch.vals), launch.params, grid, launch.threads,
-            2 * self.segments, n, int(launch.table.shape[0]), self._slots)
+            2 * self.segments, n, int(launch.table.shape[0]), self._slots,
+            -1 if self.digest is None else _DIGEST_CHECK)
         if len(self._forms) > 4096:
             self._forms.clear()
         self._forms[n] = (form, g)

@@ -285,6 +285,28 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int4* src = reinterpret_cast<const int4*>(s);
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
+#if KV_BOARD
+  // Which blocks are checked, the kernel works out as the producer did (bpick 0: every one;
+  // else `sample`: kvlink.integrity.checked, salted with the generation), so a block it does
+  // not check reads nothing more than the plain copy — nothing of the board, whose words are
+  // each a PCIe round trip away. A checked unit's row is its block's rank among the checked
+  // ones. It reads the hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes)
+  // — one round trip — then, at its offset, kvlink.integrity.pack's header (rows k, folded,
+  // positions, words a row), the row the producer gave that block and the unit's own digests,
+  // all in a second round trip: where the rows lie is worked out from what this request must
+  // show (as many rows as it picked, of its shape) and bounded by the slot's bytes, and the
+  // header read with them must say the same, or nothing is compared. (A third round trip,
+  // the header first, cost 2-3 us of the 70B request's `sample` and `full`; the two left
+  // kept in flight through the copy spilled registers and cost 15-20:
+  // bench/results/gpu_digest_pipelined/.) A unit that finds otherwise says so (bad[2], a
+  // plain store: no atomics to host memory), and the host digests itself
+  // (kvlink.gpu.copy.Pending.mismatch); the last block's first unit (checked at every level)
+  // says how many rows (bad[1]). What is read here counts only if the reader's after-check
+  // finds the hold still shown once the copy is done (its pages are reused only after it is
+  // withdrawn).
+  const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
+  const bool mine = !bpick || r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
+#endif
   // The unit's first trip, loading while a checked unit looks its rows up on the board
   // below (PCIe round trips). Only together with the dense path further down did it pay:
   // either alone made `full` slower (122 us: 141 or 136), both 112-114
@@ -297,77 +319,59 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   }
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
+  u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
 #if KV_BOARD
-  // Which blocks are checked, the kernel works out as the producer did (bpick 0: every one;
-  // else `sample`: kvlink.integrity.checked, salted with the generation), so a block it does
-  // not check reads nothing more than the plain copy — nothing of the board, whose words are
-  // each a PCIe round trip away. A checked unit's row is its block's rank among the checked ones;
-  // it reads the hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes), then
-  // at its offset kvlink.integrity.pack's (rows k, folded, positions, words a row) and the
-  // row the producer gave that block, and compares only where all of it is this request's:
-  // the generation, as many rows as it picked, the same row, the shape and bounds. A unit
-  // that finds otherwise compares nothing and says so (bad[2], a plain store: no atomics to
-  // host memory), and the host digests itself (kvlink.gpu.copy.Pending.mismatch); the last
-  // block's first unit (checked at every level) says how many rows (bad[1]). What is read
-  // here counts only if the reader's after-check finds the hold still shown once the copy is
-  // done (its pages are reused only after it is withdrawn).
-  i64 slot = -1;
-  {
-    const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
-    i64 rank = r, picked = n;  // every block: rows in order
-    bool mine = true;
-    if (bpick) {  // the same for the whole warp (one unit)
-      mine = r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
-      if (mine) {  // its rank, and how many are picked: the ids travel with the launch
-        rank = picked = 0;
-        for (i64 p0 = 0; p0 < n; p0 += 32) {
-          const i64 p = p0 + lane;
-          const bool pk = p < n && (p == n - 1 ||
-                                    (kv_mix((u64)t[2 * S + p] ^ gen) & 63) == 0);
-          const unsigned m = __ballot_sync(0xffffffffu, pk);
-          picked += __popc(m);
-          if (p0 + 32 <= r) rank += __popc(m);
-          else if (p0 < r) rank += __popc(m & ((1u << (unsigned)(r - p0)) - 1u));
-        }
-      }
+  i64 slot = -1, rank = r, picked = n;  // every block: rows in order
+  if (mine && bpick) {  // its rank, and how many are picked: the ids travel with the launch
+    rank = picked = 0;
+    for (i64 p0 = 0; p0 < n; p0 += 32) {
+      const i64 p = p0 + lane;
+      const bool pk = p < n && (p == n - 1 || (kv_mix((u64)t[2 * S + p] ^ gen) & 63) == 0);
+      const unsigned m = __ballot_sync(0xffffffffu, pk);
+      picked += __popc(m);
+      if (p0 + 32 <= r) rank += __popc(m);
+      else if (p0 < r) rank += __popc(m & ((1u << (unsigned)(r - p0)) - 1u));
     }
-    if (mine) {
-      const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
-      const u64 at = sw[2], len = sw[3];
-      nrows = 0;
-      bool found = sw[0] == gen && (at & 7) == 0 && at >= (u64)blo && at <= (u64)bhi &&
-                   len >= 32 && len <= (u64)bhi - at;
-      if (found) {
-        const u64* h = expect + at / 8;
-        const u64 k = h[0], per = h[3];
-        // the producer's row for this block (inside the hold's bytes); every block checked:
-        // rows in order (kvlink.integrity.pack), one read less a unit
-        const u64 row = !bpick ? (u64)rank : 8 * (u64)r + 40 <= len ? h[4 + r] : ~0ULL;
-        found = h[1] == 0 && h[2] == (u64)n && per == (u64)(S * keys) && k == (u64)picked &&
-                k > 0 && row == (u64)rank && 32 + 8 * ((u64)n + k) + 8 * k * per <= len;
-        if (found) {
-          slot = rank;
-          nrows = (i64)k;
-          expect = h + 4 + n + k;
-          if (seg == 0 && r == n - 1 && lane == 0) bad[1] = k;
-        }
-      }
-      if (!found && lane == 0) bad[2] = 1;
-    }
+  }
+  const u64 per = (u64)(S * keys);  // digest words a row
+  u64 sgen = 0, soff = 0, slen = 0;
+  if (mine) {  // the first round trip: the hold's slot
+    const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
+    sgen = sw[0]; soff = sw[2]; slen = sw[3];
+  }
+  bool found = false;
+  if (mine && sgen == gen && (soff & 7) == 0 && soff >= (u64)blo && soff <= (u64)bhi &&
+      slen >= 32 && slen <= (u64)bhi - soff &&
+      32 + 8 * ((u64)n + (u64)picked) + 8 * (u64)picked * per <= slen) {
+    // the second round trip: the header, the block's row and the unit's digests at once
+    const u64* h = expect + soff / 8;
+    const u64* rows = h + 4 + n + picked;
+    const i64 at = (rank * S * Q + seg * Q) * H;
+    if (lane < keys) want0 = rows[at + lane];
+    if (lane + 32 < keys) want1 = rows[at + lane + 32];
+    const u64 row = bpick ? h[4 + r] : (u64)rank;
+    found = h[0] == (u64)picked && h[1] == 0 && h[2] == (u64)n && h[3] == per &&
+            row == (u64)rank;
+  }
+  if (found) {
+    slot = rank;
+    if (seg == 0 && r == n - 1 && lane == 0) bad[1] = picked;
+  } else if (mine && lane == 0) {
+    bad[2] = 1;
   }
 #else
   i64 slot = t[2 * S + 2 * n + r];
-#endif
   // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
   // after-check then rejects the READ), and a row past the expected ones must not send the
   // reads below out of the board
   if (slot >= nrows) slot = -1;
-  const i64 first = (slot * S * Q + seg * Q) * H;
-  u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
   if (slot >= 0 && expect) {
-    if (lane < keys) want0 = expect[first + lane];
-    if (lane + 32 < keys) want1 = expect[first + lane + 32];
+    const i64 at = (slot * S * Q + seg * Q) * H;
+    if (lane < keys) want0 = expect[at + lane];
+    if (lane + 32 < keys) want1 = expect[at + lane + 32];
   }
+#endif
+  const i64 first = (slot * S * Q + seg * Q) * H;
   // our block id (offsets are id x unit)
 #if KV_IDS
   const i64 lid = did;
