@@ -322,21 +322,25 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   parameter table (int64 words), of the argument slots (int64) and of cuLaunchKernel's
  *   pointer array; the grid and block size; where the ids go in the table (source ids at
  *   `at`, destination ids after them) and how many (n); the table's size in words; a
- *   tuple of the slot indices `values` are written to, in order; and which of `values`
- *   is the address of a digest lane's three check words (-1: none), set here to (all
- *   ones, 0, 0) before the launch (no mismatch, no rows compared, none missed) — from
- *   Python a foreign call of its own, ~13 us of a READ's post cold on one H200 host.
+ *   tuple of the slot indices `values` are written to, in order; which of `values` is the
+ *   address of a digest lane's three check words (-1: none), set here to (all ones, 0, 0)
+ *   before the launch (no mismatch, no rows compared, none missed) — from Python a foreign
+ *   call of its own, ~13 us of a READ's post cold on one H200 host; and, for a digest lane,
+ *   its hold board (else None): (the address here of the board's first slot, the slots'
+ *   mask, which of `values` is the hold's generation, the argument slots for the hold's
+ *   offset and bytes), which are read from the generation's slot (bytes 0 where it shows
+ *   another), as kvlink.gpu.lane.board_slot reads them — so the kernel's units do not.
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
  *   order_event only where it has work pending (cuStreamQuery); done_event: recorded after
  *   the kernel. Raises RuntimeError naming the step where the driver refused one: before the
  *   launch nothing of this copy was enqueued; "recording the completion" comes after it.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 11 ||
+  if (nargs != 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 12 ||
       !PyTuple_Check(args[7])) {
     PyErr_SetString(PyExc_TypeError,
                     "post(form, src_ids, dst_ids, stream, after, order_event, done_event, "
-                    "values)");
+                    "values), form a 12-tuple");
     return NULL;
   }
   if (!cu_launch) {
@@ -354,6 +358,21 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_ssize_t words = PyLong_AsSsize_t(form[8]);
   PyObject *which = form[9];
   Py_ssize_t check = PyLong_AsSsize_t(form[10]);
+  const uint64_t *slots0 = NULL;  // a digest lane's hold board: see above
+  uint64_t mask = 0;
+  Py_ssize_t gen_at = -1, at_slot = -1, len_slot = -1;
+  if (form[11] != Py_None) {
+    PyObject *b = form[11];
+    if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 5) {
+      PyErr_SetString(PyExc_TypeError, "the form's board: (slots, mask, generation, at, len)");
+      return NULL;
+    }
+    slots0 = (const uint64_t *)as_ptr(PyTuple_GET_ITEM(b, 0));
+    mask = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(b, 1));
+    gen_at = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 2));
+    at_slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 3));
+    len_slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 4));
+  }
   void *stream = as_ptr(args[3]);
   void *order = as_ptr(args[5]);
   void *done = as_ptr(args[6]);
@@ -365,6 +384,12 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (check < -1 || check >= PyTuple_GET_SIZE(which)) {
     PyErr_Format(PyExc_ValueError, "check words at value %zd of %zd", check,
                  PyTuple_GET_SIZE(which));
+    return NULL;
+  }
+  if (slots0 && (gen_at < 0 || gen_at >= PyTuple_GET_SIZE(which) || at_slot < 0 ||
+                 len_slot < 0)) {
+    PyErr_Format(PyExc_ValueError, "the board's generation at value %zd, offset and bytes "
+                 "at slots %zd and %zd", gen_at, at_slot, len_slot);
     return NULL;
   }
   if (at < 0 || n <= 0 || at + 2 * n > words) {
@@ -393,6 +418,13 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     uint64_t *words = (uint64_t *)(uintptr_t)vals[check];
     words[0] = ~(uint64_t)0;
     words[1] = words[2] = 0;
+  }
+  if (slots0) {  // where the hold lies, as its slot shows now (the producer's shared memory)
+    const uint64_t gen = (uint64_t)vals[gen_at];
+    const uint64_t *w = slots0 + 4 * (gen & mask);
+    const int shown = __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) == gen;
+    slots[at_slot] = shown ? (int64_t)w[2] : 0;
+    slots[len_slot] = shown ? (int64_t)w[3] : 0;
   }
   const char *step = NULL;
   int rc = 0;

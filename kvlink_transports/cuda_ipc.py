@@ -684,7 +684,7 @@ class CudaIpcTransport(Transport):
             if not board:
                 return None
             digest = BoardDigest(pages, digests.page_bytes, digests.geometry, digests.weights,
-                                 board, digests.layout)
+                                 board, digests.layout, digests.board[0])
         ours, theirs = (local_base, self._local_map, blocks[0]), (remote_base, target.map,
                                                                    blocks[1])
         (src, smap, sb), (dst, dmap, db) = (theirs, ours) if op is Op.READ else (ours, theirs)

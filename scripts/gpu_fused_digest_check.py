@@ -306,7 +306,8 @@ class BoardLane:
         fused = integrity._table(case.planes).fused(
             integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
         assert fused is not None, "the views' geometry was not taken"
-        digest = BoardDigest(case.pages, case.page, fused[0], fused[1], dev_board, LAYOUT)
+        digest = BoardDigest(case.pages, case.page, fused[0], fused[1], dev_board, LAYOUT,
+                             base)
         nb = case.src[0].shape[0 if case.kind == "joined" else 1]
         lane = copier.lane(np.array(case.sbase, dtype=np.uint64),
                            np.array(case.dbase, dtype=np.uint64), case.unit, (nb, nb),

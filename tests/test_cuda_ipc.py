@@ -884,7 +884,8 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     digests = LaneDigests(4096, 0x6E0, 0x3E1, 2, 1, (0x7000_0000, 1 << 20), LAYOUT)
     lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests)
     assert lane is not None and mapped == [(0x7000_0000, 1 << 20)]
-    assert lane.moves.digest == BoardDigest(1, 4096, 0x6E0, 0x3E1, 0xB0A4D, LAYOUT)
+    # (the board as the device sees it, and as we do: where a post reads its hold's slot)
+    assert lane.moves.digest == BoardDigest(1, 4096, 0x6E0, 0x3E1, 0xB0A4D, LAYOUT, 0x7000_0000)
     lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
     assert lane.post(lids, rids) is None  # no hold to compare with: the general path
     h = lane.post(lids, rids, 77, True)

@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 
 from kvlink import native
-from kvlink.gpu.lane import _DIGEST_CHECK, _DIGEST_SLOTS, _PLAIN_SLOTS
+from kvlink.gpu.lane import (
+    _BOARD_AT,
+    _BOARD_LEN,
+    _DIGEST_CHECK,
+    _DIGEST_GENERATION,
+    _DIGEST_SLOTS,
+    _PLAIN_SLOTS,
+    BoardDigest,
+    board_slot,
+)
+from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
 
 NOT_READY = 600
 vp = ctypes.c_void_p
@@ -67,9 +77,10 @@ def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _form(table: Any, slots: Any, params: int, n: int, which: tuple[int, ...],
-          at: int = 2, check: int = -1) -> tuple[int, ...]:
+          at: int = 2, check: int = -1, board: tuple[int, ...] | None = None
+          ) -> tuple[Any, ...]:
     return (0xF00, ctypes.addressof(table), ctypes.addressof(slots), params, 7, 256, at, n,
-            len(table), which, check)
+            len(table), which, check, board)
 
 
 def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
@@ -108,6 +119,33 @@ def test_a_digest_post_writes_the_generation_the_check_and_sample(launcher: Any)
     assert [vals[i] for i in _DIGEST_SLOTS] == [2, 0x70, 5, (1 << 62) + 3, at, 1]
     # the kernel's words as it starts from them: no mismatch, no rows compared, none missed
     assert list(words) == [2**64 - 1, 0, 0]
+
+
+def test_a_digest_post_reads_where_its_hold_lies_from_the_board(launcher: Any) -> None:
+    """The launcher reads the hold's slot on the producer's board (a real one: HoldBoard,
+    mapped here by BoardView) and hands the kernel its offset and bytes; a generation the
+    slot does not show gets bytes 0 (the kernel then compares nothing). The same as
+    :func:`kvlink.gpu.lane.board_slot`, the ctypes launch's reader."""
+    table, slots, _ = _setup(launcher)
+    board = HoldBoard()
+    view = BoardView.open(board.name, board.token)
+    assert view is not None
+    try:
+        ids = np.array([4, 3], dtype=np.int64)
+        assert board.publish(7, ids, b"\x01" * 96)
+        host = view.region[0]
+        spec = (host + 8 * LAYOUT.slot0, LAYOUT.mask, _DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN)
+        form = _form(table, slots, 1, 2, _DIGEST_SLOTS, check=_DIGEST_CHECK, board=spec)
+        digest = BoardDigest(1, 4096, 0, 0, 0, LAYOUT, host)
+        at, nbytes = board_slot(digest, 7)
+        assert nbytes == 96 and LAYOUT.lo <= at < LAYOUT.hi
+        for gen, want in ((7, (at, 96)), (7 + LAYOUT.mask + 1, (0, 0)), (8, (0, 0))):
+            launcher.post(form, ids, ids, 9, None, 1, 2, (2, 0x70, 5, gen, 0, False))
+            assert (slots[_BOARD_AT], slots[_BOARD_LEN]) == want, gen
+            assert board_slot(digest, gen) == want
+    finally:
+        view.close()
+        board.close()
 
 
 def test_a_form_naming_no_value_for_its_check_words_is_refused(launcher: Any) -> None:

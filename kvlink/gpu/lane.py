@@ -38,6 +38,9 @@ _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
 #: which of a digest post's values is the address of its check words, which the C launcher
 #: sets before the launch (kvlink.gpu.copy.copy_lane: no mismatch, no rows, none missed)
 _DIGEST_CHECK = 4
+#: a digest post's value that is the hold's generation, and the argument slots where the hold's
+#: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher)
+_DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN = 3, 19, 20
 
 
 def _values(n: int, status: int, seq: int, g: int, check: tuple[int, int, bool] | None
@@ -61,7 +64,8 @@ class BoardDigest(NamedTuple):
     """What a digest lane's kernel needs besides the blocks (kvlink.transport.LaneDigests, in
     device terms): the consumer's views and weights, the unit's pages, and the producer's hold
     board as the device sees it (``board``: the mapping's device address; ``layout``: where
-    a hold lies on it, kvlink.holdboard.DeviceLayout)."""
+    a hold lies on it, kvlink.holdboard.DeviceLayout) and as we do (``host``: the same
+    mapping's address here, where a post reads its hold's slot)."""
 
     pages: int  # per unit: 1, or K and V side by side: 2
     page_bytes: int
@@ -69,6 +73,18 @@ class BoardDigest(NamedTuple):
     weights: int
     board: int
     layout: tuple[int, int, int, int]
+    host: int
+
+
+def board_slot(digest: BoardDigest, generation: int) -> tuple[int, int]:
+    """Where the hold ``generation`` lies on the board as its slot shows it now (offset,
+    bytes); (0, 0) where the slot shows another generation. What the C launcher reads for a
+    post (kvlink/_native.c): a torn read is harmless, as for the kernel's own reads — what the
+    kernel compares counts only if the after-check finds the hold still shown."""
+    slot0, mask = digest.layout[0], digest.layout[1]
+    words = (ctypes.c_uint64 * 4).from_address(digest.host + 8 * slot0
+                                               + 32 * (generation & mask))
+    return (int(words[2]), int(words[3])) if words[0] == generation else (0, 0)
 
 
 class Lane:
@@ -187,11 +203,11 @@ class Lane:
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
             v[9], v[10], v[11] = self.unit, sb, db
         else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, generation, out, Q,
-            # page, board, bad, snb, dnb, slot0, mask, lo, hi, sample)
+            # page, board, bad, snb, dnb, at, bytes, lo, hi, sample)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
             v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
                                                        d.page_bytes, d.board)
-            v[17], v[18], v[19], v[20], v[21], v[22] = (sb, db, *d.layout)
+            v[17], v[18], v[21], v[22] = sb, db, d.layout[2], d.layout[3]
 
     def post(self, launcher: Any, src_ids: npt.NDArray[np.int64],
              dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
@@ -200,7 +216,8 @@ class Lane:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
         has work pending) and records the event ``done`` after the kernel — one call; on a
-        digest lane it also sets ``check``'s words to what the kernel starts from. The ids
+        digest lane it also sets ``check``'s words to what the kernel starts from, and reads
+        where the hold lies from its slot on the board (:func:`board_slot`). The ids
         may be lists of ints too (the launcher converts them); others raise TypeError,
         ValueError or OverflowError before any driver call. Raises RuntimeError naming the
         driver step that refused (before the launch: nothing of this copy was enqueued)."""
@@ -227,11 +244,21 @@ class Lane:
             int(getattr(fn, "value", fn) or 0), launch.table.ctypes.data,
             ctypes.addressof(launch.vals), launch.params, grid, launch.threads,
             2 * self.segments, n, int(launch.table.shape[0]), self._slots,
-            -1 if self.digest is None else _DIGEST_CHECK)
+            -1 if self.digest is None else _DIGEST_CHECK, self._board_form())
         if len(self._forms) > 4096:
             self._forms.clear()
         self._forms[n] = (form, g)
         return form, g
+
+    def _board_form(self) -> tuple[int, int, int, int, int] | None:
+        """What the C launcher needs to read a digest post's hold slot (:func:`board_slot`):
+        the board's first slot here, the slots' mask, which value is the generation, and the
+        argument slots for the hold's offset and bytes."""
+        d = self.digest
+        if d is None:
+            return None
+        return (d.host + 8 * d.layout[0], d.layout[1], _DIGEST_GENERATION, _BOARD_AT,
+                _BOARD_LEN)
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
                status: int, seq: int, stream: int,
@@ -255,6 +282,8 @@ class Lane:
         v = launch.vals
         for slot, value in zip(self._slots, _values(n, status, seq, g, check)):
             v[slot] = value
+        if check is not None and self.digest is not None:
+            v[_BOARD_AT], v[_BOARD_LEN] = board_slot(self.digest, check[0])
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "

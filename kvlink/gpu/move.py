@@ -157,11 +157,13 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 #define KV_DIGEST_IDS
 #endif
 // KV_BOARD (a digest lane's launch, with KV_IDS): the producer's rows are found on its hold
-// board by the kernel itself, so the host reads nothing of them before the launch: `nrows`
-// is the hold's generation, `expect` the board mapping's first word, and the board's layout
-// follows (kvlink.holdboard.DeviceLayout)
+// board by the kernel itself, so the host reads none of them before the launch: `nrows` is
+// the hold's generation, `expect` the board mapping's first word; bat and blen are where the
+// hold lies on it as its slot showed at the launch (the launcher reads the slot: blen 0, it
+// showed another generation), and [blo, bhi) the bytes holds may lie in
+// (kvlink.holdboard.DeviceLayout)
 #if KV_BOARD
-#define KV_BOARD_ARGS , i64 bslot0, i64 bmask, i64 blo, i64 bhi, i64 bpick
+#define KV_BOARD_ARGS , i64 bat, i64 blen, i64 blo, i64 bhi, i64 bpick
 #else
 #define KV_BOARD_ARGS
 #endif
@@ -290,15 +292,17 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   // else `sample`: kvlink.integrity.checked, salted with the generation), so a block it does
   // not check reads nothing more than the plain copy — nothing of the board, whose words are
   // each a PCIe round trip away. A checked unit's row is its block's rank among the checked
-  // ones. It reads the hold's slot (kvlink.holdboard: generation, fingerprint, offset, bytes)
-  // — one round trip — then, at its offset, kvlink.integrity.pack's header (rows k, folded,
-  // positions, words a row), the row the producer gave that block and the unit's own digests,
-  // all in a second round trip: where the rows lie is worked out from what this request must
-  // show (as many rows as it picked, of its shape) and bounded by the slot's bytes, and the
-  // header read with them must say the same, or nothing is compared. (A third round trip,
-  // the header first, cost 2-3 us of the 70B request's `sample` and `full`; the two left
-  // kept in flight through the copy spilled registers and cost 15-20:
-  // bench/results/gpu_digest_pipelined/.) A unit that finds otherwise says so (bad[2], a
+  // ones. Where the hold lies (its slot's offset and bytes, kvlink.holdboard) the launcher
+  // read at the launch; at that offset the unit reads kvlink.integrity.pack's header (rows k,
+  // folded, positions, words a row), the row the producer gave its block and its own digests
+  // in one round trip: where the rows lie is worked out from what this request must show (as
+  // many rows as it picked, of its shape) and bounded by the hold's bytes, and the header read
+  // with them must say the same, or nothing is compared. (Each round trip a checked unit
+  // waits on lengthens it, and the last unit of the grid is always checked. On the 70B
+  // request the header read before the rows cost `sample` and `full` 2-3 us; the slot read
+  // here, `full` 5; loads kept in flight through the copy spilled registers and cost 15-20:
+  // bench/results/gpu_digest_pipelined/, gpu_digest_slot/.) A unit that finds otherwise
+  // says so (bad[2], a
   // plain store: no atomics to host memory), and the host digests itself
   // (kvlink.gpu.copy.Pending.mismatch); the last block's first unit (checked at every level)
   // says how many rows (bad[1]). What is read here counts only if the reader's after-check
@@ -307,16 +311,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
   const bool mine = !bpick || r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
 #endif
-  // The unit's first trip, loading while a checked unit looks its rows up on the board
-  // below (PCIe round trips). Only together with the dense path further down did it pay:
-  // either alone made `full` slower (122 us: 141 or 136), both 112-114
-  // (bench/results/gpu_digest_decode/)
-  int4 v[KV_U];
-#pragma unroll
-  for (int u = 0; u < KV_U; ++u) {
-    const i64 j = lane + (i64)u * 32;
-    if (j < nv) v[u] = src[j];
-  }
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
   u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
@@ -334,16 +328,12 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     }
   }
   const u64 per = (u64)(S * keys);  // digest words a row
-  u64 sgen = 0, soff = 0, slen = 0;
-  if (mine) {  // the first round trip: the hold's slot
-    const u64* sw = expect + bslot0 + 4 * (i64)(gen & (u64)bmask);
-    sgen = sw[0]; soff = sw[2]; slen = sw[3];
-  }
+  const u64 soff = (u64)bat, slen = (u64)blen;
   bool found = false;
-  if (mine && sgen == gen && (soff & 7) == 0 && soff >= (u64)blo && soff <= (u64)bhi &&
-      slen >= 32 && slen <= (u64)bhi - soff &&
+  if (mine && slen >= 32 && (soff & 7) == 0 && soff >= (u64)blo && soff <= (u64)bhi &&
+      slen <= (u64)bhi - soff &&
       32 + 8 * ((u64)n + (u64)picked) + 8 * (u64)picked * per <= slen) {
-    // the second round trip: the header, the block's row and the unit's digests at once
+    // one round trip: the header, the block's row and the unit's digests at once
     const u64* h = expect + soff / 8;
     const u64* rows = h + 4 + n + picked;
     const i64 at = (rank * S * Q + seg * Q) * H;
@@ -359,7 +349,17 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   } else if (mine && lane == 0) {
     bad[2] = 1;
   }
-#else
+#endif
+  // The unit's first trip. A checked unit has looked its rows up above, first: with its
+  // loads issued before the lookup (as when the kernel read the slot itself, three round
+  // trips) `sample` took 2 us more (bench/results/gpu_digest_slot/variants/, A against B)
+  int4 v[KV_U];
+#pragma unroll
+  for (int u = 0; u < KV_U; ++u) {
+    const i64 j = lane + (i64)u * 32;
+    if (j < nv) v[u] = src[j];
+  }
+#if !KV_BOARD
   i64 slot = t[2 * S + 2 * n + r];
   // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
   // after-check then rejects the READ), and a row past the expected ones must not send the
