@@ -19,7 +19,8 @@ side shuffled runs of 1-8 consecutive blocks (seeded), disjoint between requests
 
 Modes: ``sleep`` (0.2 ms sleep between polls, a serving loop), ``spin`` (tight poll loop, a busy
 worker), one request at a time and interleaved request by request; ``inflight8`` (``--inflight``
-requests posted at once, timed to the last finished). ``--op write`` times ``write()`` (the
+requests posted at once, timed to the last finished), the caller sleeping between polls, and
+``inflight8_spin``, polling in a tight loop. ``--op write`` times ``write()`` (the
 decode pushes into the producer's blocks) instead; ``--op both`` runs a READ round and a
 WRITE round of the same shape, in a fresh random order each time (modes ``<mode>_write``), so
 the two are compared on the same stretch of the machine's noise; each mode's ``read_vs_write``
@@ -81,6 +82,12 @@ from e2e_report import (
     goals,
     print_table,
 )
+
+#: the modes of --inflight requests posted at once: the caller sleeping 0.2 ms between polls
+#: (a serving loop), and polling in a tight loop. In the first the last request is seen only
+#: at the poll after a sleep: half the sleep's 0.27 ms grain on average, a sixth of the 70B
+#: TP8-rank batch's 0.8 ms (docs/e2e.md, "8 in flight")
+INFLIGHT_MODES = ("inflight8", "inflight8_spin")
 
 
 class Consumer:
@@ -339,7 +346,7 @@ class Consumer:
             self.one_round("warmup", self.inflight, False, {}, count_it=False, op=op)  # timed
         raw: dict[str, dict[str, list[float]]] = {
             f"{m}{'_write' if op == 'write' and len(ops) > 1 else ''}": {}
-            for m in ("sleep", "spin", "inflight8") for op in ops}
+            for m in ("sleep", "spin", *INFLIGHT_MODES) for op in ops}
 
         order_rng = np.random.default_rng(self.args.seed + 1)
 
@@ -360,8 +367,9 @@ class Consumer:
                 rounds(mode, 1, mode == "spin")
             if (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{n_req}", flush=True)
-        for _ in range(self.args.inflight_rounds_for(n_req)):
-            rounds("inflight8", self.inflight, False)
+        for _ in range(self.args.inflight_rounds_for(n_req)):  # both pollers, fresh order
+            for mode in order_rng.permutation(INFLIGHT_MODES).tolist():
+                rounds(mode, self.inflight, mode == "inflight8_spin")
         stats = worker_stats(self.w)
         phases = phase_medians(self.w, self.name)
         stats_prefill = self.prod.ask(("stats",), "stats")
@@ -371,7 +379,7 @@ class Consumer:
         modes = {}
         for mode, r in raw.items():
             base_mode = mode.removesuffix("_write")
-            count = 1 if base_mode != "inflight8" else self.inflight
+            count = self.inflight if base_mode in INFLIGHT_MODES else 1
             nbytes = c.nbytes * count
             row: dict[str, Any] = {
                 "requests_at_once": count, "bytes": nbytes,
@@ -402,7 +410,7 @@ class Consumer:
                 row["ratio_kvlink_over_plain_socket"] = k / b["plain_socket"]["median_s"]
             modes[mode] = row
         if len(ops) > 1:  # READ's time against WRITE's, mode by mode (negative: READ faster)
-            for mode in ("sleep", "spin", "inflight8"):
+            for mode in ("sleep", "spin", *INFLIGHT_MODES):
                 r, w = raw[mode]["kvlink"], raw[f"{mode}_write"]["kvlink"]
                 ra, wa = raw[mode]["transport_alone"], raw[f"{mode}_write"]["transport_alone"]
                 modes[mode]["read_vs_write"] = {
@@ -440,7 +448,7 @@ class Consumer:
             many = {"plain_socket": {**_stats(self.sock["many"]), "raw_s": self.sock["many"],
                                      "chunk_bytes": MiB}}
         out["sleep"] = out["spin"] = one
-        out["inflight8"] = many
+        out["inflight8"] = out["inflight8_spin"] = many
         return out
 
     def _events(self, fn: Callable[[], None], reps: int) -> dict[str, Any]:
