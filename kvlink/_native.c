@@ -167,7 +167,7 @@ static int write_ids(PyObject *o, int64_t *out, Py_ssize_t n, const char *side) 
   return 0;
 }
 
-/* splitmix64's finaliser (kvlink.integrity._mix, the kernels' kv_mix) */
+/* splitmix64's finaliser (kvlink.integrity._mix) */
 static inline uint64_t mix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
@@ -328,8 +328,13 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   call of its own, ~13 us of a READ's post cold on one H200 host; and, for a digest lane,
  *   its hold board (else None): (the address here of the board's first slot, the slots'
  *   mask, which of `values` is the hold's generation, the argument slots for the hold's
- *   offset and bytes), which are read from the generation's slot (bytes 0 where it shows
- *   another), as kvlink.gpu.lane.board_slot reads them — so the kernel's units do not.
+ *   offset and bytes, the argument slot of the pick), which are read from the generation's
+ *   slot (bytes 0 where it shows another), as kvlink.gpu.lane.board_slot reads them — so the
+ *   kernel's units do not. Where that post's pick slot says `sample` (nonzero), the
+ *   launcher also picks the blocks it checks (kvlink.integrity.checked: by the generation,
+ *   the last block always) and writes the order the kernel takes them in after the ids
+ *   (positions of the picked blocks first, then the others, each in order), and the count
+ *   picked into the pick slot: see kvlink.gpu.lane.sample_order.
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
  *   order_event only where it has work pending (cuStreamQuery); done_event: recorded after
  *   the kernel. Raises RuntimeError naming the step where the driver refused one: before the
@@ -360,11 +365,12 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_ssize_t check = PyLong_AsSsize_t(form[10]);
   const uint64_t *slots0 = NULL;  // a digest lane's hold board: see above
   uint64_t mask = 0;
-  Py_ssize_t gen_at = -1, at_slot = -1, len_slot = -1;
+  Py_ssize_t gen_at = -1, at_slot = -1, len_slot = -1, pick_slot = -1;
   if (form[11] != Py_None) {
     PyObject *b = form[11];
-    if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 5) {
-      PyErr_SetString(PyExc_TypeError, "the form's board: (slots, mask, generation, at, len)");
+    if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 6) {
+      PyErr_SetString(PyExc_TypeError,
+                      "the form's board: (slots, mask, generation, at, len, pick)");
       return NULL;
     }
     slots0 = (const uint64_t *)as_ptr(PyTuple_GET_ITEM(b, 0));
@@ -372,6 +378,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     gen_at = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 2));
     at_slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 3));
     len_slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 4));
+    pick_slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(b, 5));
   }
   void *stream = as_ptr(args[3]);
   void *order = as_ptr(args[5]);
@@ -387,12 +394,12 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return NULL;
   }
   if (slots0 && (gen_at < 0 || gen_at >= PyTuple_GET_SIZE(which) || at_slot < 0 ||
-                 len_slot < 0)) {
-    PyErr_Format(PyExc_ValueError, "the board's generation at value %zd, offset and bytes "
-                 "at slots %zd and %zd", gen_at, at_slot, len_slot);
+                 len_slot < 0 || pick_slot < 0)) {
+    PyErr_Format(PyExc_ValueError, "the board's generation at value %zd, offset, bytes and "
+                 "pick at slots %zd, %zd and %zd", gen_at, at_slot, len_slot, pick_slot);
     return NULL;
   }
-  if (at < 0 || n <= 0 || at + 2 * n > words) {
+  if (at < 0 || n <= 0 || at + (slots0 ? 3 : 2) * n > words) {
     PyErr_Format(PyExc_ValueError, "%zd ids at word %zd do not fit a table of %zd words", n,
                  at, words);
     return NULL;
@@ -425,6 +432,16 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const int shown = __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) == gen;
     slots[at_slot] = shown ? (int64_t)w[2] : 0;
     slots[len_slot] = shown ? (int64_t)w[3] : 0;
+    if (slots[pick_slot]) {  // `sample`: the picked blocks' positions first (see above)
+      const int64_t *src = table + at;
+      int64_t *order = table + at + 2 * n, k = 0;
+      for (Py_ssize_t i = 0; i < n; ++i)
+        if (i == n - 1 || mix64((uint64_t)src[i] ^ gen) % 64 == 0) order[k++] = i;
+      Py_ssize_t j = k;
+      for (Py_ssize_t i = 0; i < n - 1; ++i)
+        if (mix64((uint64_t)src[i] ^ gen) % 64 != 0) order[j++] = i;
+      slots[pick_slot] = k;
+    }
   }
   const char *step = NULL;
   int rc = 0;

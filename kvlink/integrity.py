@@ -60,8 +60,8 @@ def checked(level: Level, salt: str | int, remote_ids: npt.ArrayLike) -> npt.NDA
     """Which positions of a request's (remote) block ids are checked at ``level``.
 
     Deterministic in what both sides know — ``salt``: the hold's generation (a pull: what a
-    reader's READ is told, so a cuda_ipc copy kernel picks the same blocks from its launch
-    alone, kvlink/gpu/move.py ``kv_mix``) or the request id (a push without a hold) — and
+    reader's READ is told, so a cuda_ipc READ's launcher picks the same blocks from what it
+    launches with, kvlink.gpu.lane.sample_order) or the request id (a push without a hold) — and
     the block ids, so the producer digests exactly what the consumer will check. ``sample``
     always keeps the last block (every reader reads the request's tail, whatever its own
     prefix hits)."""

@@ -433,11 +433,12 @@ def test_the_copy_kernel_digests_what_it_lands() -> None:
 
 
 def test_a_pull_samples_by_the_holds_generation_as_a_copy_kernel_can() -> None:
-    """A cuda_ipc digest lane's kernel picks the blocks ``sample`` checks itself, from its
-    launch alone (so a block it does not check reads nothing of the producer's board): the
-    producer picks by the hold's generation, which the READ is told — written out here as the
-    kernel computes it (kvlink/gpu/move.py, ``kv_mix``) — and publishes the rows of exactly
-    those blocks, in order. A push without a hold picks by its request id."""
+    """A cuda_ipc digest lane's launcher picks the blocks ``sample`` checks itself, from
+    what it launches with (so a block not checked reads nothing of the producer's board): the
+    producer picks by the hold's generation, which the READ is told — written out here as
+    the launcher computes it (kvlink/_native.c's ``mix64``; kvlink.gpu.lane.sample_order) —
+    and publishes the rows of exactly those blocks, in order. A push without a hold picks by
+    its request id."""
     ids = np.random.default_rng(5).permutation(4096)[:700].astype(np.int64)
     buf, layers = data.allocate(GEO, 4096, 1, 0)  # (buf: the memory the views are of)
     planes = spec_planes(data.spec_of(GEO, layers, 1, 0))

@@ -21,10 +21,12 @@ from kvlink.gpu.lane import (
     _BOARD_LEN,
     _DIGEST_CHECK,
     _DIGEST_GENERATION,
+    _DIGEST_PICK,
     _DIGEST_SLOTS,
     _PLAIN_SLOTS,
     BoardDigest,
     board_slot,
+    sample_order,
 )
 from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
 
@@ -134,7 +136,8 @@ def test_a_digest_post_reads_where_its_hold_lies_from_the_board(launcher: Any) -
         ids = np.array([4, 3], dtype=np.int64)
         assert board.publish(7, ids, b"\x01" * 96)
         host = view.region[0]
-        spec = (host + 8 * LAYOUT.slot0, LAYOUT.mask, _DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN)
+        spec = (host + 8 * LAYOUT.slot0, LAYOUT.mask, _DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN,
+                _DIGEST_PICK)
         form = _form(table, slots, 1, 2, _DIGEST_SLOTS, check=_DIGEST_CHECK, board=spec)
         digest = BoardDigest(1, 4096, 0, 0, 0, LAYOUT, host)
         at, nbytes = board_slot(digest, 7)
@@ -146,6 +149,33 @@ def test_a_digest_post_reads_where_its_hold_lies_from_the_board(launcher: Any) -
     finally:
         view.close()
         board.close()
+
+
+def test_a_sample_post_orders_the_blocks_it_checks_first(launcher: Any) -> None:
+    """``sample``: the launcher picks the blocks the producer picked (by the hold's generation,
+    the last one always), writes their positions first after the ids, then the others, each
+    in order, and the count into the pick slot — what :func:`kvlink.gpu.lane.sample_order`
+    computes with kvlink.integrity.checked. ``full`` (pick 0) leaves both alone."""
+    n = 300
+    table = (ctypes.c_longlong * (2 + 3 * n))()
+    slots = (ctypes.c_longlong * 24)()
+    drv = StandInDriver(table, slots)
+    launcher.bind(*drv.addresses())
+    words = (ctypes.c_uint64 * (4 * (LAYOUT.mask + 1)))()
+    spec = (ctypes.addressof(words), LAYOUT.mask, _DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN,
+            _DIGEST_PICK)
+    form = _form(table, slots, 1, n, _DIGEST_SLOTS, check=_DIGEST_CHECK, board=spec)
+    rids = np.random.default_rng(7).permutation(5000)[:n].astype(np.int64)
+    lids = np.arange(n, dtype=np.int64)
+    for gen in (3, 1001, (7 << 40) | 5, 2**63 - 1):
+        launcher.post(form, rids, lids, 9, None, 1, 2, (n, 0, 5, gen, 0, True))
+        order, k = sample_order(rids, gen)
+        assert slots[_DIGEST_PICK] == k and 1 <= k < n
+        assert list(table[2 + 2 * n:2 + 3 * n]) == order.tolist()
+        assert order[k - 1] == n - 1 or (n - 1) in order[:k]  # the last block is checked
+    table[2 + 2 * n] = -5
+    launcher.post(form, rids, lids, 9, None, 1, 2, (n, 0, 5, 77, 0, False))
+    assert slots[_DIGEST_PICK] == 0 and table[2 + 2 * n] == -5  # full: every block, in order
 
 
 def test_a_form_naming_no_value_for_its_check_words_is_refused(launcher: Any) -> None:

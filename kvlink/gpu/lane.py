@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.gpu import move
+from kvlink.integrity import Level, checked
 
 U64 = npt.NDArray[np.uint64]
 #: the argument slots a post writes (see Lane._constants for the kernels' signatures): plain
@@ -39,8 +40,9 @@ _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
 #: sets before the launch (kvlink.gpu.copy.copy_lane: no mismatch, no rows, none missed)
 _DIGEST_CHECK = 4
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
-#: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher)
-_DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN = 3, 19, 20
+#: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher),
+#: and the pick's (sample: how many blocks are checked, see sample_order; 0: every block)
+_DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN, _DIGEST_PICK = 3, 19, 20, 23
 
 
 def _values(n: int, status: int, seq: int, g: int, check: tuple[int, int, bool] | None
@@ -74,6 +76,20 @@ class BoardDigest(NamedTuple):
     board: int
     layout: tuple[int, int, int, int]
     host: int
+
+
+def sample_order(remote_ids: npt.NDArray[np.int64], generation: int
+                 ) -> tuple[npt.NDArray[np.int64], int]:
+    """The order a digest lane's kernel takes a ``sample`` READ's blocks in, and how many it
+    checks: the positions of the blocks ``sample`` picks (kvlink.integrity.checked, by the
+    hold's generation) first, then the others, each in order. What the C launcher writes
+    after the ids (kvlink/_native.c). The kernel goes block by block in that order, so the
+    units it checks run in its first wave: among the last, their round trip to the board
+    lengthened the whole copy (bench/results/gpu_digest_order/). And a unit's rank among the
+    checked blocks is its place in the order: the kernel no longer works the pick out."""
+    keep = checked(Level.SAMPLE, generation, remote_ids)
+    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)]).astype(np.int64)
+    return order, int(keep.sum())
 
 
 def board_slot(digest: BoardDigest, generation: int) -> tuple[int, int]:
@@ -172,7 +188,9 @@ class Lane:
         got = self._by_blocks.get(blocks)
         if got is not None:
             return got
-        words = self._cuda.table_class(2 * self.segments + 2 * blocks)
+        # (a digest lane's table also holds the order its kernel takes the blocks in)
+        per = 2 if self.digest is None else 3
+        words = self._cuda.table_class(2 * self.segments + per * blocks)
         if not words or not blocks:
             return None
         launch = self._classes.get(words)
@@ -250,15 +268,16 @@ class Lane:
         self._forms[n] = (form, g)
         return form, g
 
-    def _board_form(self) -> tuple[int, int, int, int, int] | None:
-        """What the C launcher needs to read a digest post's hold slot (:func:`board_slot`):
-        the board's first slot here, the slots' mask, which value is the generation, and the
-        argument slots for the hold's offset and bytes."""
+    def _board_form(self) -> tuple[int, int, int, int, int, int] | None:
+        """What the C launcher needs to read a digest post's hold slot (:func:`board_slot`)
+        and to order a ``sample`` post's blocks (:func:`sample_order`): the board's first slot
+        here, the slots' mask, which value is the generation, and the argument slots for the
+        hold's offset and bytes and for the pick."""
         d = self.digest
         if d is None:
             return None
         return (d.host + 8 * d.layout[0], d.layout[1], _DIGEST_GENERATION, _BOARD_AT,
-                _BOARD_LEN)
+                _BOARD_LEN, _DIGEST_PICK)
 
     def launch(self, src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64],
                status: int, seq: int, stream: int,
@@ -284,6 +303,9 @@ class Lane:
             v[slot] = value
         if check is not None and self.digest is not None:
             v[_BOARD_AT], v[_BOARD_LEN] = board_slot(self.digest, check[0])
+            if check[2]:  # sample: the blocks it checks first (what the C launcher writes)
+                order, v[_DIGEST_PICK] = sample_order(t[at:at + n], check[0])
+                t[at + 2 * n:at + 3 * n] = order
         rc = launch.launch(self._lib, grid, stream)
         if rc:
             raise RuntimeError(f"cuLaunchKernel({self._name}, a lane's table of "

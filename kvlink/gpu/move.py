@@ -222,13 +222,6 @@ __device__ __forceinline__ u64 kv_word(int lo, int hi) {
 
 #define KV_GROUPS (KV_T / 32)
 
-// splitmix64's finaliser, as kvlink.integrity._mix: which blocks `sample` checks
-__device__ __forceinline__ u64 kv_mix(u64 x) {
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
 // One warp adds each lane's sum into acc[key] (key -1: nothing): lanes with one key in
 // aligned power-of-two groups (a head's run of vectors) reduce by shuffles and their first
 // lane adds; any other pattern adds lane by lane. Called by the whole warp.
@@ -263,12 +256,30 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
   if (item >= S * n) return;  // the whole warp
-  i64 seg, r;
-  if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
-    const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
-    seg = us; r = ui - us * un;
-  } else {
-    seg = item / n; r = item - seg * n;
+  i64 seg, r, q;  // q: the block's place in the order the units are taken in
+#if KV_BOARD
+  if (bpick) {  // `sample`: block by block, in the launcher's order (the checked ones first)
+    if (S * n <= 0x7fffffffLL) {
+      const unsigned ui = (unsigned)item, us = (unsigned)S, uq = ui / us;
+      q = uq; seg = ui - uq * us;
+    } else {
+      q = item / S; seg = item - q * S;
+    }
+    r = t[2 * S + 2 * n + q];
+    if ((u64)r >= (u64)n) {  // (not an order of this request's blocks: refused)
+      if (lane == 0) *(volatile i64*)status = seq;
+      return;
+    }
+  } else
+#endif
+  {
+    if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
+      const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
+      seg = us; r = ui - us * un;
+    } else {
+      seg = item / n; r = item - seg * n;
+    }
+    q = r;
   }
 #if KV_IDS
   const i64 sid = t[2 * S + r], did = t[2 * S + n + r];
@@ -288,45 +299,36 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   int4* dst = reinterpret_cast<int4*>(d);
   const i64 nv = unit >> 4;
 #if KV_BOARD
-  // Which blocks are checked, the kernel works out as the producer did (bpick 0: every one;
-  // else `sample`: kvlink.integrity.checked, salted with the generation), so a block it does
-  // not check reads nothing more than the plain copy — nothing of the board, whose words are
-  // each a PCIe round trip away. A checked unit's row is its block's rank among the checked
-  // ones. Where the hold lies (its slot's offset and bytes, kvlink.holdboard) the launcher
+  // Which blocks are checked the launcher worked out as the producer did (bpick 0: every
+  // one; else `sample`, bpick of them: kvlink.integrity.checked, salted with the generation),
+  // and it put them first in the order the units are taken in (kvlink.gpu.lane.sample_order),
+  // so a checked unit's row is its block's place there. A block not checked reads nothing
+  // more than the plain copy — nothing of the board, whose words are each a PCIe round trip
+  // away. Where the hold lies (its slot's offset and bytes, kvlink.holdboard) the launcher
   // read at the launch; at that offset the unit reads kvlink.integrity.pack's header (rows k,
   // folded, positions, words a row), the row the producer gave its block and its own digests
   // in one round trip: where the rows lie is worked out from what this request must show (as
-  // many rows as it picked, of its shape) and bounded by the hold's bytes, and the header read
-  // with them must say the same, or nothing is compared. (Each round trip a checked unit
-  // waits on lengthens it, and the last unit of the grid is always checked. On the 70B
-  // request the header read before the rows cost `sample` and `full` 2-3 us; the slot read
-  // here, `full` 5; loads kept in flight through the copy spilled registers and cost 15-20:
-  // bench/results/gpu_digest_pipelined/, gpu_digest_slot/.) A unit that finds otherwise
-  // says so (bad[2], a
+  // many rows as were picked, of its shape) and bounded by the hold's bytes, and the header
+  // read with them must say the same, or nothing is compared. (A checked unit's waits
+  // lengthen it, and the whole copy where it runs last: on the 70B request, the header read
+  // before the rows cost `sample` and `full` 2-3 us; the slot read here, `full` 5; the pick
+  // worked out here and the checked units among the last, `sample` 2-3; loads kept in flight
+  // through the copy spilled registers and cost 15-20: bench/results/gpu_digest_pipelined/,
+  // gpu_digest_slot/, gpu_digest_order/.) A unit that finds otherwise says so (bad[2], a
   // plain store: no atomics to host memory), and the host digests itself
   // (kvlink.gpu.copy.Pending.mismatch); the last block's first unit (checked at every level)
   // says how many rows (bad[1]). What is read here counts only if the reader's after-check
   // finds the hold still shown once the copy is done (its pages are reused only after it is
   // withdrawn).
-  const u64 gen = (u64)nrows;  // the hold's generation: its slot, and sample's salt
-  const bool mine = !bpick || r == n - 1 || (kv_mix((u64)sid ^ gen) & 63) == 0;
+  const bool mine = q < (bpick ? bpick : n);  // (`sample`: the launcher put them first)
 #endif
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
   const int keys = (int)Q * H;
   u64 want0 = 0, want1 = 0;  // the producer's digests of this unit (keys <= 64: two a lane)
 #if KV_BOARD
-  i64 slot = -1, rank = r, picked = n;  // every block: rows in order
-  if (mine && bpick) {  // its rank, and how many are picked: the ids travel with the launch
-    rank = picked = 0;
-    for (i64 p0 = 0; p0 < n; p0 += 32) {
-      const i64 p = p0 + lane;
-      const bool pk = p < n && (p == n - 1 || (kv_mix((u64)t[2 * S + p] ^ gen) & 63) == 0);
-      const unsigned m = __ballot_sync(0xffffffffu, pk);
-      picked += __popc(m);
-      if (p0 + 32 <= r) rank += __popc(m);
-      else if (p0 < r) rank += __popc(m & ((1u << (unsigned)(r - p0)) - 1u));
-    }
-  }
+  // every block: rows in order; `sample`: a checked block's row is its place in the order
+  const i64 rank = q, picked = bpick ? bpick : n;
+  i64 slot = -1;
   const u64 per = (u64)(S * keys);  // digest words a row
   const u64 soff = (u64)bat, slen = (u64)blen;
   bool found = false;
