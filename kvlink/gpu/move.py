@@ -258,12 +258,12 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   if (item >= S * n) return;  // the whole warp
   i64 seg, r, q;  // q: the block's place in the order the units are taken in
 #if KV_BOARD
-  if (bpick) {  // `sample`: block by block, in the launcher's order (the checked ones first)
+  if (bpick) {  // `sample`: each segment's blocks in the launcher's order (checked ones first)
     if (S * n <= 0x7fffffffLL) {
-      const unsigned ui = (unsigned)item, us = (unsigned)S, uq = ui / us;
-      q = uq; seg = ui - uq * us;
+      const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
+      seg = us; q = ui - us * un;
     } else {
-      q = item / S; seg = item - q * S;
+      seg = item / n; q = item - seg * n;
     }
     r = t[2 * S + 2 * n + q];
     if ((u64)r >= (u64)n) {  // (not an order of this request's blocks: refused)
@@ -301,8 +301,10 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
 #if KV_BOARD
   // Which blocks are checked the launcher worked out as the producer did (bpick 0: every
   // one; else `sample`, bpick of them: kvlink.integrity.checked, salted with the generation),
-  // and it put them first in the order the units are taken in (kvlink.gpu.lane.sample_order),
-  // so a checked unit's row is its block's place there. A block not checked reads nothing
+  // and put them first in the order each segment's units are taken in
+  // (kvlink.gpu.lane.sample_order), so a checked unit's row is its block's place there, and
+  // no checked unit is a segment's last (the last block is checked at every level: its
+  // units ended every segment, the grid's last unit too). A block not checked reads nothing
   // more than the plain copy — nothing of the board, whose words are each a PCIe round trip
   // away. Where the hold lies (its slot's offset and bytes, kvlink.holdboard) the launcher
   // read at the launch; at that offset the unit reads kvlink.integrity.pack's header (rows k,
@@ -312,14 +314,15 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   // read with them must say the same, or nothing is compared. (A checked unit's waits
   // lengthen it, and the whole copy where it runs last: on the 70B request, the header read
   // before the rows cost `sample` and `full` 2-3 us; the slot read here, `full` 5; the pick
-  // worked out here and the checked units among the last, `sample` 2-3; loads kept in flight
-  // through the copy spilled registers and cost 15-20: bench/results/gpu_digest_pipelined/,
-  // gpu_digest_slot/, gpu_digest_order/.) A unit that finds otherwise says so (bad[2], a
-  // plain store: no atomics to host memory), and the host digests itself
-  // (kvlink.gpu.copy.Pending.mismatch); the last block's first unit (checked at every level)
-  // says how many rows (bad[1]). What is read here counts only if the reader's after-check
-  // finds the hold still shown once the copy is done (its pages are reused only after it is
-  // withdrawn).
+  // worked out here (a ballot over the ids, per checked unit) with the checked blocks where
+  // they fell, `sample` 2; taking blocks whole, every segment's unit of one after another,
+  // `sample` 4 more; loads kept in flight through the copy spilled registers and cost 15-20:
+  // bench/results/gpu_digest_pipelined/, gpu_digest_slot/, gpu_digest_order/.) A unit that
+  // finds otherwise says so (bad[2], a plain store: no atomics to host memory), and the host
+  // digests itself (kvlink.gpu.copy.Pending.mismatch); the last block's first unit (checked
+  // at every level) says how many rows (bad[1]). What is read here counts only if the
+  // reader's after-check finds the hold still shown once the copy is done (its pages are
+  // reused only after it is withdrawn).
   const bool mine = q < (bpick ? bpick : n);  // (`sample`: the launcher put them first)
 #endif
   const int H = (int)geo[0], N = (int)geo[1], hb = (int)geo[2], W = (int)geo[3];
