@@ -434,12 +434,17 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     slots[len_slot] = shown ? (int64_t)w[3] : 0;
     if (slots[pick_slot]) {  // `sample`: the picked blocks' positions first (see above)
       const int64_t *src = table + at;
-      int64_t *order = table + at + 2 * n, k = 0;
-      for (Py_ssize_t i = 0; i < n; ++i)
+      int64_t *order = table + at + 2 * n;
+      Py_ssize_t k = 0, u = n;  // picked from the front; the others from the back, reversed
+      for (Py_ssize_t i = 0; i < n; ++i) {
         if (i == n - 1 || mix64((uint64_t)src[i] ^ gen) % 64 == 0) order[k++] = i;
-      Py_ssize_t j = k;
-      for (Py_ssize_t i = 0; i < n - 1; ++i)
-        if (mix64((uint64_t)src[i] ^ gen) % 64 != 0) order[j++] = i;
+        else order[--u] = i;
+      }
+      for (Py_ssize_t lo = k, hi = n - 1; lo < hi; ++lo, --hi) {  // (u == k: back in order)
+        const int64_t x = order[lo];
+        order[lo] = order[hi];
+        order[hi] = x;
+      }
       slots[pick_slot] = k;
     }
   }

@@ -328,7 +328,7 @@ class _Parts(_Holds):
         part.t_done = time.perf_counter()
         ok = state.status is XferStatus.DONE
         if part.fusing and ok:  # the copy kernel digested what it landed, and compared
-            got = getattr(transport, "landed_check", lambda h: None)(handle)
+            got = transport.landed_check(handle)  # type: ignore[attr-defined]
             part.fused, part.fused_rows = got if got is not None else (None, 0)
         self._ledger.spent(_Spent(req, transport, handle, ok, part.t_post, part.t_done,
                                   part.post_seconds, part.nbytes, part.plan))
