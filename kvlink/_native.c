@@ -167,7 +167,7 @@ static int write_ids(PyObject *o, int64_t *out, Py_ssize_t n, const char *side) 
   return 0;
 }
 
-/* splitmix64's finaliser (kvlink.integrity._mix) */
+/* splitmix64's finaliser (kvlink.sampling.mix) */
 static inline uint64_t mix64(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;

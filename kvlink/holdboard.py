@@ -70,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import shmfile
+from kvlink.sampling import mix
 
 log = logging.getLogger("kvlink.holdboard")
 
@@ -132,16 +133,11 @@ def fingerprint_numpy(block_ids: npt.ArrayLike) -> int:
     """:func:`fingerprint` by numpy (where the C helpers are not built; and their check)."""
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
     n = ids.shape[0]
-    pos = _mix(np.arange(n, dtype=np.uint64) ^ _FP_SEED)
-    h = _mix(ids.view(np.uint64) ^ pos).sum(dtype=np.uint64)
-    return int(_mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0])
+    pos = mix(np.arange(n, dtype=np.uint64) ^ _FP_SEED)
+    h = mix(ids.view(np.uint64) ^ pos).sum(dtype=np.uint64)
+    return int(mix(np.array([h ^ np.uint64(n)], dtype=np.uint64))[0])
 
 
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser (as kvlink.integrity's; arrays: their arithmetic wraps)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 @dataclasses.dataclass(frozen=True)

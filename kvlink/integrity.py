@@ -13,9 +13,10 @@ check against wrong blocks, wrong layouts, reuse and late writes, not against an
 (docs/integrity.md says what it catches and what it cannot).
 
 Levels: ``off``; ``sample`` — the blocks whose (request, remote block id) hash falls in one of
-:data:`SAMPLE_EVERY` buckets, at least one per request, chosen identically on both sides from
-what both know; ``full`` — every block. CPU caches are hashed with numpy, one vectorised pass per
-plane; CUDA caches with torch on the device (only the digests are copied back).
+:data:`~kvlink.sampling.SAMPLE_EVERY` buckets, at least one per request, chosen identically on
+both sides from what both know (:mod:`kvlink.sampling`); ``full`` — every block. CPU caches
+are hashed with numpy, one vectorised pass per plane; CUDA caches with torch on the device
+(only the digests are copied back).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError
 from kvlink.layout import KVCacheSpec, Layout
+from kvlink.sampling import SAMPLE_EVERY as SAMPLE_EVERY  # (re-exported: docs name it here)
+from kvlink.sampling import mix, picked
 from kvlink.transport import DigestJob
 from kvlink.wire import MAX_DIGEST_BYTES
 
-SAMPLE_EVERY = 64  # ``sample`` checks about one block in this many, and the last one (its
-#: cost: a 1 GiB request over tcp checks ~18 MiB, ~1 % of the transfer; docs/integrity.md)
 U64 = npt.NDArray[np.uint64]
 
 
@@ -70,12 +71,7 @@ def checked(level: Level, salt: str | int, remote_ids: npt.ArrayLike) -> npt.NDA
         return np.zeros(ids.shape, dtype=bool)
     if level is Level.FULL:
         return np.ones(ids.shape, dtype=bool)
-    word = np.uint64(salt if isinstance(salt, int) else _salt(salt))  # (both below 2**64)
-    with np.errstate(over="ignore"):
-        mixed = _mix(ids.view(np.uint64) ^ word)
-    keep: npt.NDArray[np.bool_] = np.asarray(mixed % np.uint64(SAMPLE_EVERY) == 0)
-    keep[-1] = True
-    return keep
+    return picked(salt if isinstance(salt, int) else _salt(salt), ids)  # (both below 2**64)
 
 
 Planes = Sequence[Sequence[Any]]  # [layer][plane] -> (blocks, heads, tokens, head bytes) uint8
@@ -164,13 +160,6 @@ def _salt(req_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little")
 
 
-def _mix(x: U64) -> U64:
-    """splitmix64's finaliser: spreads consecutive ids over the buckets."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _word(head_bytes: int) -> int:
     return next(w for w in (8, 4, 2, 1) if head_bytes % w == 0)
 
@@ -180,7 +169,7 @@ def _weights(tokens: int, words: int) -> U64:
     """Odd weights, one per (token, word) of a head: fixed, so both sides agree."""
     with np.errstate(over="ignore"):
         seq = np.arange(1, tokens * words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        w = _mix(seq) | np.uint64(1)
+        w = mix(seq) | np.uint64(1)
     w.setflags(write=False)
     return w.reshape(tokens, words)
 

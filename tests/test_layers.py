@@ -18,7 +18,7 @@ LAYERS: dict[str, int] = {
     # 0: leaves — errors, facts about the host, state machines without I/O
     "kvlink": 0, "kvlink.errors": 0, "kvlink.hostid": 0, "kvlink.sockets": 0,
     "kvlink.holdboard": 0, "kvlink.leases": 0, "kvlink.options": 0, "kvlink.localkey": 0,
-    "kvlink.shmfile": 0, "kvlink.integrity_cuda": 0, "kvlink.native": 0,
+    "kvlink.shmfile": 0, "kvlink.integrity_cuda": 0, "kvlink.native": 0, "kvlink.sampling": 0,
     # 1: the transport contract's types (regions, extents, runs); the landing board (over the
     # hold board) a transport signals on
     "kvlink.transport": 1, "kvlink.landing": 1,

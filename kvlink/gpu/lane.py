@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.gpu import move
-from kvlink.integrity import Level, checked
+from kvlink.sampling import picked
 
 U64 = npt.NDArray[np.uint64]
 #: the argument slots a post writes (see Lane._constants for the kernels' signatures): plain
@@ -81,15 +81,15 @@ class BoardDigest(NamedTuple):
 def sample_order(remote_ids: npt.NDArray[np.int64], generation: int
                  ) -> tuple[npt.NDArray[np.int64], int]:
     """The order a digest lane's kernel takes a ``sample`` READ's blocks in, and how many it
-    checks: the positions of the blocks ``sample`` picks (kvlink.integrity.checked, by the
-    hold's generation) first, then the others, each in order. What the C launcher writes
-    after the ids (kvlink/_native.c). The kernel takes each segment's units in that order:
-    a checked unit's row is its place in it (the kernel works no pick out), and none ends a
-    segment — the last block, checked at every level, ended every one, the grid's last unit
-    too. Its round trip to the board then lengthened the whole copy: with both, the 70B
-    request's `sample` costs 2.3 us over the plain lane, 3.9 before
-    (bench/results/gpu_digest_order/)."""
-    keep = checked(Level.SAMPLE, generation, remote_ids)
+    checks: the positions of the blocks ``sample`` picks (:func:`kvlink.sampling.picked`, by
+    the hold's generation, as the producer picked them) first, then the others, each in
+    order. What the C launcher writes after the ids (kvlink/_native.c). The kernel takes
+    each segment's units in that order: a checked unit's row is its place in it (the kernel
+    works no pick out), and none ends a segment — the last block, checked at every level,
+    ended every one, the grid's last unit too. Its round trip to the board then lengthened
+    the whole copy: with both, the 70B request's `sample` costs 2.3 us over the plain lane,
+    3.9 before (bench/results/gpu_digest_order/)."""
+    keep = picked(generation, remote_ids)
     order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)]).astype(np.int64)
     return order, int(keep.sum())
 
