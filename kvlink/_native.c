@@ -331,7 +331,7 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   offset and bytes, the argument slot of the pick), which are read from the generation's
  *   slot (bytes 0 where it shows another), as kvlink.gpu.lane.board_slot reads them — so the
  *   kernel's units do not. Where that post's pick slot says `sample` (nonzero), the
- *   launcher also picks the blocks it checks (kvlink.integrity.checked: by the generation,
+ *   launcher also picks the blocks it checks (kvlink.sampling.picked: by the generation,
  *   the last block always) and writes the order the kernel takes them in after the ids
  *   (positions of the picked blocks first, then the others, each in order), and the count
  *   picked into the pick slot: see kvlink.gpu.lane.sample_order.

@@ -257,8 +257,8 @@ class _Pinned:
         self.status = ctypes.c_longlong.from_address(self.ptr)
         #: words 1-3, a digest lane's check words (BatchCopier.copy_lane), read at its DONE
         #: poll in one call, where numpy's slice and list cost several microseconds cold
-        self.check: Any = ((ctypes.c_uint64 * 3).from_address(self.ptr + 8)
-                           if self.size >= 32 else None)
+        #: (every buffer is a page at least: _size_class)
+        self.check: Any = (ctypes.c_uint64 * 3).from_address(self.ptr + 8)
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,

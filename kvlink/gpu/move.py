@@ -157,11 +157,12 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 #define KV_DIGEST_IDS
 #endif
 // KV_BOARD (a digest lane's launch, with KV_IDS): the producer's rows are found on its hold
-// board by the kernel itself, so the host reads none of them before the launch: `nrows` is
-// the hold's generation, `expect` the board mapping's first word; bat and blen are where the
-// hold lies on it as its slot showed at the launch (the launcher reads the slot: blen 0, it
-// showed another generation), and [blo, bhi) the bytes holds may lie in
-// (kvlink.holdboard.DeviceLayout)
+// board by the kernel itself, so the host reads none of them before the launch: `expect`
+// is the board mapping's first word; bat and blen are where the hold lies on it as its slot
+// showed at the launch (the launcher reads the slot: blen 0, it showed another generation),
+// and [blo, bhi) the bytes holds may lie in (kvlink.holdboard.DeviceLayout). `nrows` carries
+// the hold's generation, which the kernel no longer reads: the launcher read the slot and
+// picked `sample`'s blocks with it
 #if KV_BOARD
 #define KV_BOARD_ARGS , i64 bat, i64 blen, i64 blo, i64 bhi, i64 bpick
 #else
