@@ -174,10 +174,6 @@ class DigestLaunch:
 
 
 NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
-#: a digest lane's words as the kernel starts: no mismatch, no rows compared, none missed
-#: (the C launcher sets them itself; copied from here where lanes launch through ctypes)
-_LANE_CHECK = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
-_LANE_CHECK_AT = _LANE_CHECK.ctypes.data
 
 
 class Pending:
@@ -647,15 +643,13 @@ class BatchCopier:
                 raw = stream.cuda_stream
                 # a digest lane's kernel reports in three words: the first differing index,
                 # the rows it compared, whether any unit found none (kv_move_digest,
-                # KV_BOARD); the C launcher sets them to where the kernel starts from
+                # KV_BOARD); the launch sets them to where the kernel starts from
                 check = None if lane.digest is None else (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
                 if launcher is not None:
                     pending = self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
                                                 after, buf, seq, check)
                 else:
-                    if check is not None:
-                        ctypes.memmove(buf.ptr + 8, _LANE_CHECK_AT, 24)
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
                     pending = self._enqueue(stream, buf, seq)

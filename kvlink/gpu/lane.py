@@ -36,9 +36,11 @@ U64 = npt.NDArray[np.uint64]
 #: (n, status, seq, G), digest (n, status, seq, generation, check words, sample)
 _PLAIN_SLOTS = (1, 6, 7, 8)
 _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
-#: which of a digest post's values is the address of its check words, which the C launcher
-#: sets before the launch (kvlink.gpu.copy.copy_lane: no mismatch, no rows, none missed)
+#: which of a digest post's values is the address of its check words, which the launch sets
+#: to where the kernel starts from (C launcher and Lane.launch alike): no mismatch
+#: (kvlink.gpu.copy.NO_MISMATCH), no rows compared, none missed
 _DIGEST_CHECK = 4
+_CHECK_START = np.array([(1 << 64) - 1, 0, 0], dtype=np.uint64)
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
 #: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher),
 #: and the pick's (sample: how many blocks are checked, see sample_order; 0: every block)
@@ -304,6 +306,7 @@ class Lane:
         for slot, value in zip(self._slots, _values(n, status, seq, g, check)):
             v[slot] = value
         if check is not None and self.digest is not None:
+            ctypes.memmove(check[1], _CHECK_START.ctypes.data, 24)
             v[_BOARD_AT], v[_BOARD_LEN] = board_slot(self.digest, check[0])
             if check[2]:  # sample: the blocks it checks first (what the C launcher writes)
                 order, v[_DIGEST_PICK] = sample_order(t[at:at + n], check[0])

@@ -257,31 +257,23 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
   if (item >= S * n) return;  // the whole warp
-  i64 seg, r, q;  // q: the block's place in the order the units are taken in
+  i64 seg, q;  // q: the block's place in the order the units are taken in
+  if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
+    const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
+    seg = us; q = ui - us * un;
+  } else {
+    seg = item / n; q = item - seg * n;
+  }
+  i64 r = q;  // the block's index among the request's
 #if KV_BOARD
   if (bpick) {  // `sample`: each segment's blocks in the launcher's order (checked ones first)
-    if (S * n <= 0x7fffffffLL) {
-      const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
-      seg = us; q = ui - us * un;
-    } else {
-      seg = item / n; q = item - seg * n;
-    }
     r = t[2 * S + 2 * n + q];
     if ((u64)r >= (u64)n) {  // (not an order of this request's blocks: refused)
       if (lane == 0) *(volatile i64*)status = seq;
       return;
     }
-  } else
-#endif
-  {
-    if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
-      const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
-      seg = us; r = ui - us * un;
-    } else {
-      seg = item / n; r = item - seg * n;
-    }
-    q = r;
   }
+#endif
 #if KV_IDS
   const i64 sid = t[2 * S + r], did = t[2 * S + n + r];
   const i64 sat = sid * unit, dat = did * unit;
