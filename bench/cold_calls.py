@@ -63,14 +63,14 @@ def _after_check_calls() -> dict[str, Callable[[], Any]]:
     import os
 
     from kvlink import holdboard
-    from kvlink.holdboard import BoardView, HoldBoard, fingerprint
+    from kvlink.holdboard import BoardView, HoldBoard
 
     board = HoldBoard()
     view = BoardView.open(board.name, board.token)
     assert view is not None
-    gen, fp = (7 << 16) | 3, fingerprint(list(range(256)))
+    gen, ids = (7 << 16) | 3, np.arange(256, dtype=np.int64)  # (as a READ's: its own int64)
     board.publish(gen, list(range(256)))
-    check = view.after_check(gen, fp)
+    check = view.after_check(gen, ids)
     assert check()
     fd = view._fd  # (our own descriptor of the board's file: the producer holds its lock)
 
@@ -89,7 +89,7 @@ def _after_check_calls() -> dict[str, Callable[[], Any]]:
     assert old_view is not None
     holdboard._ALIVE.pack_into(old._map, holdboard.ALIVE_AT, 0)
     old.publish(gen, list(range(256)))
-    old_check = old_view.after_check(gen, fp)
+    old_check = old_view.after_check(gen, ids)
     assert old_check()
     _KEEP.extend((board, view, old, old_view))
     libc = ctypes.CDLL(None)

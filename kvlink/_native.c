@@ -176,18 +176,20 @@ static inline uint64_t mix64(uint64_t x) {
 
 #define FP_SEED 0x6B766C696E6B6670ULL /* "kvlinkfp" (kvlink.holdboard._FP_SEED) */
 
-/* fingerprint(ids) -> int: sum over positions i of mix(id_i ^ mix(i ^ SEED)) (mod 2**64),
- * then mix(sum ^ n) — ids as a list of ints or a 1-D int64 buffer (write_ids' rules) */
-static PyObject *fingerprint(PyObject *self, PyObject *ids) {
+/* the fingerprint of `ids` into *out (ids as write_ids takes them); -1 with an exception set */
+static int fingerprint_of(PyObject *ids, uint64_t *out) {
   Py_buffer view;
   Py_ssize_t n = count_ids(ids, &view, "fingerprint:");
-  if (n < 0) return NULL;
+  if (n < 0) return -1;
   int list = PyList_CheckExact(ids);
   int64_t *v = list ? PyMem_Malloc((size_t)(n ? n : 1) * 8) : (int64_t *)view.buf;
-  if (!v) return PyErr_NoMemory();
+  if (!v) {
+    PyErr_NoMemory();
+    return -1;
+  }
   if (list && write_ids(ids, v, n, "fingerprint:") < 0) {
     PyMem_Free(v);
-    return NULL;
+    return -1;
   }
   uint64_t h = 0;
   for (Py_ssize_t i = 0; i < n; ++i) h += mix64((uint64_t)v[i] ^ mix64((uint64_t)i ^ FP_SEED));
@@ -195,7 +197,16 @@ static PyObject *fingerprint(PyObject *self, PyObject *ids) {
     PyMem_Free(v);
   else
     PyBuffer_Release(&view);
-  return PyLong_FromUnsignedLongLong(mix64(h ^ (uint64_t)n));
+  *out = mix64(h ^ (uint64_t)n);
+  return 0;
+}
+
+/* fingerprint(ids) -> int: sum over positions i of mix(id_i ^ mix(i ^ SEED)) (mod 2**64),
+ * then mix(sum ^ n) — ids as a list of ints or a 1-D int64 buffer (write_ids' rules) */
+static PyObject *fingerprint(PyObject *self, PyObject *ids) {
+  uint64_t fp;
+  if (fingerprint_of(ids, &fp) < 0) return NULL;
+  return PyLong_FromUnsignedLongLong(fp);
 }
 
 /* A hold board's alive word (kvlink.holdboard.ALIVE_AT in its header): the producer's
@@ -270,23 +281,24 @@ static PyObject *alive_shown(PyObject *self, PyObject *map) {
   return PyBool_FromLong(alive);
 }
 
-/* board_shows(map, offset, fd, generation, fingerprint) -> bool: whether the producer is
+/* board_shows(map, offset, fd, generation, ids) -> bool: whether the producer is
  * alive — its alive word says so, else it still holds its board's lock (a shared flock of
  * ours would be refused) — and the slot
  * at `offset` of the board mapping `map` (an mmap: a closed one raises ValueError, and it
- * cannot be closed while this runs) shows (generation, fingerprint). Alive first, then the
+ * cannot be closed while this runs) shows (generation, the fingerprint of the block ids
+ * `ids`, taken here: one call where the READ's records made two). Alive first, then the
  * generation loaded with acquire order before the fingerprint: the producer stores the
  * fingerprint first and clears the generation first (kvlink.holdboard's docstring). */
 static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "board_shows(map, offset, fd, generation, fingerprint)");
+    PyErr_SetString(PyExc_TypeError, "board_shows(map, offset, fd, generation, ids)");
     return NULL;
   }
   Py_ssize_t off = PyLong_AsSsize_t(args[1]);
   long fd = PyLong_AsLong(args[2]);
   uint64_t gen = PyLong_AsUnsignedLongLong(args[3]);
-  uint64_t fp = PyLong_AsUnsignedLongLong(args[4]);
-  if (PyErr_Occurred()) return NULL;
+  uint64_t fp;
+  if (PyErr_Occurred() || fingerprint_of(args[4], &fp) < 0) return NULL;
   if (fd < 0) Py_RETURN_FALSE;
   Py_buffer view;
   if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
@@ -628,7 +640,7 @@ static PyMethodDef methods[] = {
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
      "post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,
-     "board_shows(map, offset, fd, generation, fingerprint): a READ's after-check"},
+     "board_shows(map, offset, fd, generation, ids): a READ's after-check"},
     {"move_extents", (PyCFunction)(void (*)(void))move_extents, METH_FASTCALL,
      "move_extents(fd, send, extents, index, offset, budget, timeout_ms): tcp's bytes"},
     {"sentinel_arm", (PyCFunction)sentinel_arm, METH_O,

@@ -493,36 +493,36 @@ class BoardView:
         dead producer's board keeps its last words (see the module docstring)."""
         return self.alive() and self.holds(generation, fp)
 
-    def after_check(self, generation: int, fp: int) -> AfterCheck:
-        """:meth:`still_holds` of one READ, bound when it is posted (see :class:`AfterCheck`)."""
-        return AfterCheck(self, generation, fp)
+    def after_check(self, generation: int, block_ids: npt.ArrayLike) -> AfterCheck:
+        """:meth:`still_holds` of one READ of ``block_ids`` (the producer's, in the order
+        held), bound when it is posted (see :class:`AfterCheck`)."""
+        return AfterCheck(self, generation, block_ids)
 
 
 class AfterCheck:
     """:meth:`BoardView.still_holds` for one READ, bound when it is posted (see the module
-    docstring: alive first, then the slot). Made in one C call where kvlink's helpers build
-    (kvlink.native's ``board_shows``: the flock and both loads); through Python, binding the
-    slot's reader at the post and touching its page, it cost 25 us to bind and 26 to make on
-    the poll that sees the READ DONE, cold, on one H200 host
-    (bench/results/gpu_checks_native_fp)."""
+    docstring: alive first, then the slot) over the block ids it read. Made in one C call
+    where kvlink's helpers build (kvlink.native's ``board_shows``: the ids' fingerprint, the
+    flock and both loads), else by :meth:`BoardView.still_holds`. Nothing is taken at the
+    bind but the slot's place: where a READ's host steps outrun its copy, every step before
+    the poll that sees it DONE is on its path (bench/results/gpu_stamps_e98e4fa/); the
+    fingerprint and the bound check's own steps cost ~5 us of that poll cold on a 2-core VM
+    (bench/worker_host.py)."""
 
-    __slots__ = ("_at", "_read", "_view", "_want")
+    __slots__ = ("_args", "_view")
 
-    def __init__(self, view: BoardView, generation: int, fp: int) -> None:
-        self._view, self._want, self._at = view, (generation, fp), _slot_at(generation)
-        self._read: Callable[[], tuple[int, ...]] | None = None
-        if _helpers() is None:  # Python's: the slot's reader now, and its page
-            self._read = view.reader(generation)
-            if self._read is not None:
-                self._read()
+    def __init__(self, view: BoardView, generation: int, block_ids: npt.ArrayLike) -> None:
+        self._view = view
+        self._args = (_slot_at(generation), generation, block_ids)  # (board_shows' own)
 
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""
         view = self._view
+        at, generation, ids = self._args
         helpers = _helpers()
         try:
             if helpers is not None:
-                return bool(helpers.board_shows(view._map, self._at, view._fd, *self._want))
-            return self._read is not None and view.alive() and self._read() == self._want
+                return bool(helpers.board_shows(view._map, at, view._fd, generation, ids))
+            return view.still_holds(generation, fingerprint(ids))
         except ValueError:  # the view was closed under us
             return False

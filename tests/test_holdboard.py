@@ -341,11 +341,11 @@ def test_the_kernel_marks_a_killed_producers_alive_word() -> None:
         word = _alive_word(view)
         assert word & holdboard._TID_MASK and not word & holdboard._OWNER_DIED, hex(word)
         assert word != threading.get_native_id()  # the child's thread, not one of ours
-        assert view.after_check(42 << 16, fingerprint([1, 2]))()
+        assert view.after_check(42 << 16, [1, 2])()
         kill()
         assert _alive_word(view) & holdboard._OWNER_DIED, hex(_alive_word(view))
         assert not view.alive()
-        assert not view.after_check(42 << 16, fingerprint([1, 2]))()
+        assert not view.after_check(42 << 16, [1, 2])()
 
 
 def test_boards_get_an_alive_word_only_where_the_kernel_marks_dead_owners(
@@ -363,7 +363,7 @@ def test_boards_get_an_alive_word_only_where_the_kernel_marks_dead_owners(
     try:
         assert board._sentinel is None and _alive_word(view) == 0
         board.publish(5 << 16, [3])
-        check = view.after_check(5 << 16, fingerprint([3]))
+        check = view.after_check(5 << 16, [3])
         assert check() and view.alive()
         board.close()
         assert not check() and not view.alive()
@@ -404,7 +404,7 @@ def test_a_dead_producers_board_answers_nothing() -> None:
     so the after-check fails."""
     with _board_of_a_child() as (view, kill):
         assert view.still_holds(42 << 16, fingerprint([1, 2]))
-        check = view.after_check(42 << 16, fingerprint([1, 2]))  # (in C where built)
+        check = view.after_check(42 << 16, [1, 2])  # (in C where built)
         assert check()
         kill()
         assert view.holds(42 << 16, fingerprint([1, 2]))  # the dead words
@@ -415,8 +415,9 @@ def test_a_dead_producers_board_answers_nothing() -> None:
 @pytest.mark.parametrize("made_by", ["c", "python"])
 def test_an_after_check_bound_at_post_answers_as_still_holds(
         made_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The READ's after-check, bound at its post (kvlink.holdboard.AfterCheck), answers what
-    still_holds answers at the end: held → True; another hold's fingerprint → False;
+    """The READ's after-check, bound at its post (kvlink.holdboard.AfterCheck) to the block ids
+    it read (an int64 array or a list), answers what still_holds answers with their
+    fingerprint at the end: held → True; other ids, or the same in another order → False;
     withdrawn → False (and a generation never comes back); a producer that closed its board
     (its lock gone) → False; a view closed under it → False, never an error — and never
     "alive" off a descriptor that is no longer ours. Made in one C call (kvlink.native's
@@ -431,13 +432,13 @@ def test_an_after_check_bound_at_post_answers_as_still_holds(
     try:
         gen, fp = (7 << 16) | 3, fingerprint([4, 5])
         board.publish(gen, [4, 5])
-        check, other = view.after_check(gen, fp), view.after_check(gen, fingerprint([5, 4]))
+        check, other = view.after_check(gen, np.array([4, 5])), view.after_check(gen, [5, 4])
         assert check() and view.still_holds(gen, fp)
         assert not other()
         board.withdraw(gen)
         assert not check()
         board.publish(gen + (1 << 16), [4, 5])  # the same slot, another hold
-        late = view.after_check(gen + (1 << 16), fp)
+        late = view.after_check(gen + (1 << 16), [4, 5])
         assert late() and not check()
         board.close()
         assert not late() and not view.alive()

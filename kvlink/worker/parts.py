@@ -210,9 +210,9 @@ class _Parts(_Holds):
         part.post_seconds = (time.perf_counter() - part.t_post if post_seconds is None
                              else post_seconds)
         req.phases.post += part.post_seconds
-        if self._on_board(req, go):
-            assert go.peer.board is not None and req.fingerprint is not None
-            part.check = go.peer.board.after_check(go.generation, req.fingerprint)
+        if self._boarded(req, go):  # (the ids are fingerprinted by the check itself)
+            assert go.peer.board is not None
+            part.check = go.peer.board.after_check(go.generation, req.remote_ids)
         part.nbytes = nbytes  # read now: a transport may recycle the extents once done
         req.nbytes += nbytes
 
@@ -392,23 +392,14 @@ class _Parts(_Holds):
         if go is None or not self._boarded(req, go) or self._lane_digests(
                 go, part.read, transport, spec) is None:
             return None
-        # the hold's rows by its generation alone: the block ids' fingerprint is taken after
-        # the launch, as without integrity — the after-check compares it, and a hold over
-        # other blocks fails the READ whatever digests it showed
+        # the hold's rows by its generation alone: the block ids' fingerprint is compared by
+        # the after-check, as without integrity, and a hold over other blocks fails the READ
+        # whatever digests it showed
         assert go.peer.board is not None
         on_board = board_rows(go.peer.board, go.generation)
         if on_board is None or on_board.blocks != len(req.remote_ids):
             return None
         return self.integrity.fused_job(on_board, spec.page_bytes)
-
-    def _on_board(self, req: _Request, go: _Go) -> bool:
-        """:meth:`_boarded`, with the block ids' fingerprint (what the after-check compares)
-        taken once it is."""
-        if not self._boarded(req, go):
-            return False
-        if req.fingerprint is None:
-            req.fingerprint = fingerprint(req.remote_ids)
-        return True
 
     def _boarded(self, req: _Request, go: _Go) -> bool:
         """Whether this READ will be validated on the producer's hold board: one is open (with
@@ -420,8 +411,10 @@ class _Parts(_Holds):
     def _board_digests(req: _Request, go: _Go) -> Digests | None:
         """The digests the producer published with the hold we just read (None: ask)."""
         board = go.peer.board
-        if board is None or req.fingerprint is None:
+        if board is None:
             return None
+        if req.fingerprint is None:
+            req.fingerprint = fingerprint(req.remote_ids)
         raw = board.digests(go.generation, req.fingerprint)
         return unpack(raw) if raw is not None else None
 

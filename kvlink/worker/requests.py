@@ -124,7 +124,7 @@ class _Requests(_Parts):
 
     def _record_launch(self, req: _Request) -> None:
         """The records of a READ :meth:`_read_now` launched on a route: what each part moves,
-        and its after-check's binding (the block ids' fingerprint). Made by the first look at
+        and its after-check's binding (board, generation, ids). Made by the first look at
         the request — a poll, while its copy runs — not by ``read()``. A caller that reads
         several requests at once then launches them back to back: made inside ``read()``,
         each one's records (~50 us cold on one H200 host: bench/results/gpu_stamps_flat/)
