@@ -240,9 +240,11 @@ class Channels:
     def idle(self) -> bool:
         """Whether a :meth:`pump` has nothing to do now: no call awaits its answer, no session
         is opening, nothing is queued or broken."""
-        with self._lock:
-            return not any(c.waiting or c.nonce or c.queued or c.broken
-                           for c in self._conns.values())
+        with self._lock:  # (a loop, not any() over a generator: a poll's path, cold)
+            for c in self._conns.values():
+                if c.waiting or c.nonce or c.queued or c.broken:
+                    return False
+            return True
 
     def flush(self) -> None:
         """Send every queued message, one frame per peer (a session opens first if needed)."""

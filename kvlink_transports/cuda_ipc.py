@@ -843,7 +843,8 @@ class CudaIpcTransport(Transport):
                                             x.pending.error or self._refusal(x))
                     else:
                         x.state = DONE
-            self._unmap(closable)
+            if closable:  # (the last copy of a peer gone meanwhile)
+                self._unmap(closable)
             if x.state is DONE:
                 self._account_done(x.nbytes, time.perf_counter() - x.t_post)
             else:

@@ -81,6 +81,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         self.transports: dict[str, Transport] = {}
         self._server: sidechannel.SideChannelServer | None = None
         self._requests: dict[str, _Request] = {}
+        #: whether a transport of ours moves its transfers on Python threads of its own (a
+        #: poll then lets them run: _moved_by_threads), fixed by register()
+        self._threaded = False
         self._lock = threading.Lock()  # what the side channel thread shares with the caller's
         self._side_notifs: list[wire.Notification] = []
         self._push_inbox: list[wire.PushRequest] = []
@@ -174,6 +177,7 @@ class KVWorker(_PrefillPush, _DecodePush):
                 log.info("transport %s unavailable: %s", name, exc)
                 continue
             self.transports[name] = t
+        self._threaded = any(t.capabilities.python_threads for t in self.transports.values())
         if not self.transports:
             raise TransportUnavailable("no configured transport can serve this cache: "
                                        + "; ".join(reasons))
@@ -286,7 +290,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._ledger.settle()
         if self._awaiting and not threads:  # a push comes in: a peer's WRITE into our blocks
             # may be served by a transport's own threads too
-            threads = any(t.capabilities.python_threads for t in self.transports.values())
+            threads = self._threaded
         if threads:  # let a transport's own threads move our bytes (see Capabilities)
             time.sleep(0)
         return finished, failed
@@ -302,8 +306,8 @@ class KVWorker(_PrefillPush, _DecodePush):
                 and self._ledger.owed() < OWED_MAX
                 and not self._layered and not self._landings_ended
                 and not (self._later and self._later_overdue()) and self._chan.idle()
-                and not (requests and any(self._moved_by_threads(r)
-                                          for r in requests.values())))
+                and not (self._threaded and requests and any(self._moved_by_threads(r)
+                                                             for r in requests.values())))
 
     def _poll_moving(self, finished: set[str], failed: dict[str, str]) -> set[str]:
         """A poll's first look: requests whose every part is with its transport (posted, not
