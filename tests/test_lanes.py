@@ -598,6 +598,59 @@ def test_a_poll_past_the_window_reports_at_once_when_nothing_else_waits(
         prefill.close()
 
 
+def test_the_poll_that_sees_a_copy_land_does_not_ask_again_what_a_poll_just_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller polling in a loop: one poll finds the READ still moving and nothing else to do
+    (KVWorker._quiet), the next finds it DONE. That one reports it at once without asking
+    again — a quiet answer counts like a whole poll for _FULL_EVERY — and without serving the
+    inbox. At 959a4b7 it asked again past the whole poll's window: ~10 us of a 70B request's
+    window, cold, on one H200 host (bench/results/gpu_stamps_e98e4fa/). Past that time, it
+    asks again."""
+    from kvlink.transport import PENDING
+    from kvlink.worker import engine
+
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.3, raising=False)  # a knob, widened
+    _threadless(monkeypatch)
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        real = t.poll
+        asked: list[bool] = []  # a spy, not a stand-in: the real _quiet runs, its answers kept
+        quiet = decode._quiet
+        monkeypatch.setattr(decode, "_quiet", lambda *a: asked.append(quiet(*a)) or asked[-1])
+        served = []  # a spy: the real pump (a whole poll's) runs, counted
+        pump = decode._chan.pump
+        monkeypatch.setattr(decode._chan, "pump", lambda: served.append(1) or pump())
+        for rid, wait in (("near", 0.0), ("far", 0.35)):
+            decode.poll()  # idle, so whole (the report the last READ owes leaves)
+            sleep_until(time.monotonic() + 0.35)  # past the whole poll's window
+            gen = prefill.hold(rid, [8, 9])
+            decode.read(rid, remote(prefill), [1, 2], [8, 9], generation=gen)
+            # an injected fault: a copy that has not ended (tcp cannot be held mid-transfer
+            # on demand), until the test lets it; everything else is the real transport
+            stuck = {decode._requests[rid].parts[0].handle}
+            monkeypatch.setattr(t, "poll", lambda h, s=stuck: PENDING if h in s else real(h))
+            asked.clear()
+            served.clear()
+            assert decode.poll() == (set(), {})  # still moving, nothing else: quiet
+            assert asked == [True] and not served
+            stuck.clear()
+            with t.ended:  # its bytes, not our poll: woken by the transport as each ends
+                assert t.ended.wait_for(
+                    lambda h=decode._requests[rid].parts[0].handle: real(h).status
+                    is not XferStatus.PENDING, timeout=10), f"{rid}'s transfer never ended"
+            sleep_until(time.monotonic() + wait)
+            done, failed = decode.poll()
+            assert rid in done, failed
+            assert not served  # reported at once either way (nothing else waits)
+            assert asked == ([True] if rid == "near" else [True, True]), (rid, asked)
+            monkeypatch.setattr(t, "poll", real)
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def _threadless(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in says its transfers are moved by no Python thread, as cuda_ipc's are (tcp's
     threads move the bytes: the flag only decides whether a poll hands the GIL over)."""

@@ -54,9 +54,11 @@ from kvlink.worker.records import (
 
 log = logging.getLogger("kvlink.worker")
 #: seconds a poll that finished requests may skip the rest of its work (the inbox, the other
-#: requests) after one that did all of it: a serving loop polls every step, and a reply or a
-#: report waiting 2 ms more costs nobody; a request reported a whole poll later costs its
-#: caller that poll (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first")
+#: requests) after one that did all of it, or after one that found nothing else to do
+#: (KVWorker._quiet): a serving loop polls every step, and a reply or a report waiting 2 ms
+#: more costs nobody; a request reported a whole poll later costs its caller that poll
+#: (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first"), and asking again on the
+#: poll that finishes it ~10 us (bench/results/gpu_stamps_e98e4fa/)
 _FULL_EVERY = 0.002
 #: seconds a poll with nothing else to do may go without a whole one: its requests all
 #: with their transports or just reported, the side channel idle, no push, no layer-wise
@@ -91,8 +93,10 @@ class KVWorker(_PrefillPush, _DecodePush):
         # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
         self._handshook: dict[tuple[str, int], set[str]] = {}
         self._awaiting: dict[str, _Awaiting] = {}
-        #: until when a poll that reports requests may return before the rest of its work
+        #: until when a poll that reports requests may return before the rest of its work:
+        #: after a whole poll, and after one that found nothing else to do (_quiet)
         self._full_by = 0.0
+        self._quiet_by = 0.0
         self._landings_ended: list[_Awaiting] = []  # their slots, given back at the next poll
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
@@ -237,8 +241,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
         now = time.monotonic()
         ended = finished or failed
-        if (ended or stepped) and ((ended and now < self._full_by) or (
-                now < self._full_by + _QUIET_FOR and self._quiet(stepped))):
+        if (ended or stepped) and ((ended and now < max(self._full_by, self._quiet_by)) or (
+                now < self._full_by + _QUIET_FOR and self._quiet(stepped, now))):
             # reported at once: the rest of a poll (the inbox, every other request) is
             # most of its time, and a request's (a layer-wise push's exposed) time ends
             # here — as long as a whole poll ran within _FULL_EVERY, so nothing else waits
@@ -246,7 +250,9 @@ class KVWorker(_PrefillPush, _DecodePush):
             # one request at a time, each finished by its first poll, paid for it every
             # other request.) With nothing else to do (quiet), for _QUIET_FOR: a caller
             # polling in a tight loop then sees a copy land within one short poll, and a
-            # caller that polls only now and then (each poll past the window) too
+            # caller that polls only now and then (each poll past the window) too. A quiet
+            # answer counts like a whole poll for the polls that finish requests within
+            # _FULL_EVERY of it (the one that sees a copy land, after one that saw it moving)
             if not ended and self._ledger.owed():  # its requests' copies are running: the
                 self._ledger.settle()  # records of those before them are written meanwhile
             self._chan.flush()  # what ending them queued (a release to replicas)
@@ -295,19 +301,23 @@ class KVWorker(_PrefillPush, _DecodePush):
             time.sleep(0)
         return finished, failed
 
-    def _quiet(self, stepped: set[str] | tuple[()]) -> bool:
+    def _quiet(self, stepped: set[str] | tuple[()], now: float) -> bool:
         """Whether this poll's first look (``stepped``: the requests it found still moving,
         the others it reported) was all there is to do: every request left is with its
         transport, moved by no Python thread of a transport (those need the GIL handed over:
         a whole poll does), and nothing else waits — no push, no layer-wise range, no report
-        overdue, no answer or session on the side channel, not many records owed."""
+        overdue, no answer or session on the side channel, not many records owed. A quiet
+        answer stands for _FULL_EVERY from ``now``, as a whole poll does (see :meth:`poll`)."""
         requests = self._requests
-        return (len(stepped) == len(requests) and not self._awaiting
-                and self._ledger.owed() < OWED_MAX
-                and not self._layered and not self._landings_ended
-                and not (self._later and self._later_overdue()) and self._chan.idle()
-                and not (self._threaded and requests and any(self._moved_by_threads(r)
-                                                             for r in requests.values())))
+        quiet = (len(stepped) == len(requests) and not self._awaiting
+                 and self._ledger.owed() < OWED_MAX
+                 and not self._layered and not self._landings_ended
+                 and not (self._later and self._later_overdue()) and self._chan.idle()
+                 and not (self._threaded and requests and any(self._moved_by_threads(r)
+                                                              for r in requests.values())))
+        if quiet:
+            self._quiet_by = now + _FULL_EVERY
+        return quiet
 
     def _poll_moving(self, finished: set[str], failed: dict[str, str]) -> set[str]:
         """A poll's first look: requests whose every part is with its transport (posted, not
