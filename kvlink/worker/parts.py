@@ -332,9 +332,9 @@ class _Parts(_Holds):
             part.fused, part.fused_rows = got if got is not None else (None, 0)
         self._ledger.spent(_Spent(req, transport, handle, ok, part.t_post, part.t_done,
                                   part.post_seconds, part.nbytes, part.plan))
-        reason = (f"{self._where(req, part)}: {state.reason}"
-                  if state.status is XferStatus.FAILED else "")
-        if (state.status is XferStatus.FAILED and state.refused and req.generation is not None
+        failed = state.status is XferStatus.FAILED
+        reason = f"{self._where(req, part)}: {state.reason}" if failed else ""
+        if (failed and state.refused and req.generation is not None
                 and part.t_post - req.t_start < self.config.intent_timeout):
             # nothing moved: the producer had not held it yet (we were told the generation
             # first), or no longer does. Ask which (an intent answers with the generation)
@@ -346,8 +346,7 @@ class _Parts(_Holds):
                                                       tp_rank=self.config.tp_rank,
                                                       incarnation=part.go.peer.incarnation,
                                                       block_ids=req.remote_ids.tolist()))
-        elif state.status is XferStatus.FAILED and req.generation is not None and (
-                part.restarts < 2):
+        elif failed and req.generation is not None and part.restarts < 2:
             # quiescent by contract. Nothing asked the producer before this READ, so it may
             # have restarted since our handshake: its answer to the release says ("stale":
             # READ again after a new handshake); a dead one fails it within the report timeout
@@ -355,7 +354,7 @@ class _Parts(_Holds):
             part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
                                       self._read_done(req, part, False),
                                       min(2.0, self.config.handshake_timeout))
-        elif state.status is XferStatus.FAILED:  # quiescent by contract: safe to report
+        elif failed:  # quiescent by contract: safe to report
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
             shown = part.check is not None and part.check()
