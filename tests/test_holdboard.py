@@ -242,6 +242,48 @@ def test_digests_ride_with_the_hold_and_their_pages_come_back() -> None:
         board.close()
 
 
+def test_a_standing_hold_does_not_leave_later_holds_without_their_digests() -> None:
+    """A hold that stays (a whole-cache hold, a long lease) at the arena's start, and holds
+    of 80 pages (a 70B `full` request's digests) coming and going one at a time, five times
+    more than the arena holds: every one is shown with its digests, each readable. At
+    c5e9b5e a hold looked only at the next pages and at the arena's start: after the first
+    pass every one went without (arena_full 195 of 400), and its readers asked for a verdict
+    and digested on the host — 70B requests 0.3 -> 2-3 ms on one H200 after ~190 `full`
+    holds (bench/results/gpu_arena_c5e9b5e/). Where the free pages lie in pieces, a hold
+    takes the first run after the next page that is long enough; none: shown without."""
+    board = HoldBoard()
+    try:
+        view = BoardView.open(board.name, board.token)
+        assert view is not None
+        page, pages = holdboard.PAGE, holdboard.ARENA_PAGES
+        standing = (1 << 20) | 1
+        assert board.publish(standing, [0], b"s" * (80 * page))
+        for i in range(2, 2 + 5 * pages // 80):
+            gen = (i << 20) | i
+            blob = i.to_bytes(4, "little") * (20 * page)  # 80 pages
+            assert board.publish(gen, [i], blob)
+            assert view.digests(gen, fingerprint([i])) == blob, (i, board.arena_full)
+            board.withdraw(gen)
+        assert board.arena_full == 0
+        assert view.digests(standing, fingerprint([0])) == b"s" * (80 * page)
+        # pieces: the arena filled by 2-page holds, every other one withdrawn
+        board.withdraw(standing)
+        small = [(j << 20) | j for j in range(10, 10 + pages // 2)]  # (each its own slot)
+        for j, gen in enumerate(small):
+            assert board.publish(gen, [j], b"p" * (2 * page)), j
+        assert board.arena_full == 0 and board._used.all()
+        for gen in small[::2]:
+            board.withdraw(gen)
+        three = (5 << 20) | 5  # no run of three free pages anywhere: shown without
+        assert board.publish(three, [5], b"t" * (3 * page))
+        assert board.arena_full == 1 and view.digests(three, fingerprint([5])) is None
+        two = (6 << 20) | 6  # a run of two: the first after the next page
+        assert board.publish(two, [6], b"w" * (2 * page))
+        assert view.digests(two, fingerprint([6])) == b"w" * (2 * page)
+    finally:
+        board.close()
+
+
 def test_board_rows_locate_the_digests_in_the_readers_mapping() -> None:
     """What the copy kernel reads in place: the row per held position and the digest rows,
     at the addresses board_rows gives in the reader's own mapping; nothing once withdrawn."""
