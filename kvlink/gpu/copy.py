@@ -37,6 +37,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.gpu import move
+from kvlink.gpu.lane import NO_MISMATCH as NO_MISMATCH  # (Pending.mismatch: all matched)
 from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import parts_per_extent
 from kvlink.transport import Extents
@@ -173,7 +174,6 @@ class DigestLaunch:
     expect: int = 0
 
 
-NO_MISMATCH = (1 << 64) - 1  # Pending.mismatch where every compared digest matched
 
 
 class Pending:

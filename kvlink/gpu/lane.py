@@ -36,11 +36,13 @@ U64 = npt.NDArray[np.uint64]
 #: (n, status, seq, G), digest (n, status, seq, generation, check words, sample)
 _PLAIN_SLOTS = (1, 6, 7, 8)
 _DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
+#: a digest kernel's first differing index where every compared digest matched
+NO_MISMATCH = (1 << 64) - 1
 #: which of a digest post's values is the address of its check words, which the launch sets
-#: to where the kernel starts from (C launcher and Lane.launch alike): no mismatch
-#: (kvlink.gpu.copy.NO_MISMATCH), no rows compared, none missed
+#: to where the kernel starts from (C launcher and Lane.launch alike): no mismatch, no rows
+#: compared, none missed
 _DIGEST_CHECK = 4
-_CHECK_START = np.array([(1 << 64) - 1, 0, 0], dtype=np.uint64)
+_CHECK_START = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
 #: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher),
 #: and the pick's (sample: how many blocks are checked, see sample_order; 0: every block)
