@@ -651,6 +651,58 @@ def test_the_poll_that_sees_a_copy_land_does_not_ask_again_what_a_poll_just_answ
         prefill.close()
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["quiet", "whole"])
+def test_a_copy_that_lands_during_the_poll_that_made_its_records_is_reported_by_that_poll(
+        monkeypatch: pytest.MonkeyPatch, whole: bool) -> None:
+    """The first poll after a route's launch makes the READ's records while its copy runs,
+    then the rest of its work (the quiet check; or, whole, the inbox and the rest). A copy that
+    lands meanwhile is reported by that poll, which looks again as it ends — for a caller that
+    sleeps between polls, a sleep sooner. At 6594195 the poll looked once, first, and left it
+    to the next. The copy's end is placed inside the poll: held PENDING (an injected fault:
+    tcp cannot be held mid-transfer on demand) until the poll's later step lets it end."""
+    from kvlink.transport import PENDING
+    from kvlink.worker import engine
+
+    monkeypatch.setattr(engine, "_FULL_EVERY", 0.3, raising=False)  # knobs, widened
+    monkeypatch.setattr(engine, "_QUIET_FOR", 0.05, raising=False)
+    _threadless(monkeypatch)
+    prefill, decode = _pair()
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        decode.poll()  # (what the warm-up READs owe leaves)
+        if whole:
+            sleep_until(time.monotonic() + 0.4)  # past the window and the quiet time
+        gen = prefill.hold("landing", [8, 9])
+        decode.read("landing", remote(prefill), [1, 2], [8, 9], generation=gen)
+        handle = decode._requests["landing"].parts[0].handle
+        stuck = {handle}
+        real = t.poll
+        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        landed: list[bool] = []
+
+        def land() -> None:  # after the poll's first look: the copy ends now
+            if stuck:
+                stuck.clear()
+                with t.ended:
+                    landed.append(t.ended.wait_for(
+                        lambda: real(handle).status is not XferStatus.PENDING, timeout=10))
+
+        if whole:  # spies: the real steps run, after the copy is let end
+            serve = decode._server.serve_ready
+            monkeypatch.setattr(decode._server, "serve_ready", lambda: land() or serve())
+        else:
+            quiet = decode._quiet
+            monkeypatch.setattr(decode, "_quiet", lambda *a: land() or quiet(*a))
+        done, failed = decode.poll()
+        assert landed == [True], "the poll did not take the step that lets the copy end"
+        assert "landing" in done, (done, failed)
+        assert np.array_equal(blocks(decode, [1, 2]), blocks(prefill, [8, 9]))
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def _threadless(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in says its transfers are moved by no Python thread, as cuda_ipc's are (tcp's
     threads move the bytes: the flag only decides whether a poll hands the GIL over)."""
