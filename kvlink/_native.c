@@ -334,7 +334,8 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   parameter table (int64 words), of the argument slots (int64) and of cuLaunchKernel's
  *   pointer array; the grid and block size; where the ids go in the table (source ids at
  *   `at`, destination ids after them) and how many (n); the table's size in words; a
- *   tuple of the slot indices `values` are written to, in order; which of `values` is the
+ *   tuple of the slot indices `values` are written to, in order (-1: a value read here and
+ *   written to no slot, as a digest lane's generation); which of `values` is the
  *   address of a digest lane's three check words (-1: none), set here to (all ones, 0, 0)
  *   before the launch (no mismatch, no rows compared, none missed) — from Python a foreign
  *   call of its own, ~13 us of a READ's post cold on one H200 host; and, for a digest lane,
@@ -432,7 +433,8 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (write_ids(args[1], table + at, n, "source") < 0 ||
       write_ids(args[2], table + at + n, n, "destination") < 0)
     return NULL;  // (the table's ids only: written again by the next post)
-  for (Py_ssize_t i = 0; i < k; ++i) slots[idx[i]] = vals[i];
+  for (Py_ssize_t i = 0; i < k; ++i)  // (-1: a value read here only, see the form)
+    if (idx[i] >= 0) slots[idx[i]] = vals[i];
   if (check >= 0 && vals[check]) {  // (pinned host memory the kernel reads and writes)
     uint64_t *words = (uint64_t *)(uintptr_t)vals[check];
     words[0] = ~(uint64_t)0;

@@ -109,16 +109,29 @@ def test_a_post_writes_the_ids_and_slots_then_launches_and_records_completion(
     assert drv.calls[1] == ("record", 0xE2, 0x51)  # after the kernel, on the copy's stream
 
 
-def test_a_digest_post_writes_the_generation_the_check_and_sample(launcher: Any) -> None:
+def test_a_digest_post_writes_the_check_and_sample_and_keeps_the_generation(
+        launcher: Any) -> None:
+    """The hold's generation is the launcher's (the board's slot, sample's pick), not an
+    argument of the kernel: written to no slot (-1 in the form) — nor before them, where
+    an index of -1 written as given would land (a guard word here). Until c7c7120 the
+    kernel took it in an argument it did not read."""
+    guarded = (ctypes.c_longlong * 25)()
+    guarded[0] = 0x5AFE
     table, slots, drv = _setup(launcher)
+    slots = (ctypes.c_longlong * 24).from_address(ctypes.addressof(guarded) + 8)
+    drv._slots = slots
     ids = [4, 3]
     words = (ctypes.c_uint64 * 3)(5, 6, 7)  # what the last copy's kernel left there
     at = ctypes.addressof(words)
     form = _form(table, slots, 1, 2, _DIGEST_SLOTS, check=_DIGEST_CHECK)
+    gen = (1 << 62) + 3
     launcher.post(form, np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int64), 9, None,
-                  1, 2, (2, 0x70, 5, (1 << 62) + 3, at, True))
+                  1, 2, (2, 0x70, 5, gen, at, True))
     vals = drv.calls[0][7]
-    assert [vals[i] for i in _DIGEST_SLOTS] == [2, 0x70, 5, (1 << 62) + 3, at, 1]
+    assert _DIGEST_SLOTS[_DIGEST_GENERATION] == -1
+    written = [(i, v) for i, v in zip(_DIGEST_SLOTS, (2, 0x70, 5, gen, at, 1)) if i >= 0]
+    assert [vals[i] for i, _ in written] == [v for _, v in written]
+    assert gen not in vals and guarded[0] == 0x5AFE
     # the kernel's words as it starts from them: no mismatch, no rows compared, none missed
     assert list(words) == [2**64 - 1, 0, 0]
 

@@ -33,9 +33,11 @@ from kvlink.sampling import picked
 
 U64 = npt.NDArray[np.uint64]
 #: the argument slots a post writes (see Lane._constants for the kernels' signatures): plain
-#: (n, status, seq, G), digest (n, status, seq, generation, check words, sample)
+#: (n, status, seq, G), digest (n, status, seq, generation, check words, sample). -1: a value
+#: the launch reads and the kernel does not take (the hold's generation: the launch finds its
+#: slot on the board, and sample's blocks, with it)
 _PLAIN_SLOTS = (1, 6, 7, 8)
-_DIGEST_SLOTS = (1, 7, 8, 11, 16, 23)
+_DIGEST_SLOTS = (1, 7, 8, -1, 16, 23)
 #: a digest kernel's first differing index where every compared digest matched
 NO_MISMATCH = (1 << 64) - 1
 #: which of a digest post's values is the address of its check words, which the launch sets
@@ -226,11 +228,12 @@ class Lane:
         if d is None:  # (S, R, smap, ns, dmap, nd, status, seq, G, unit, snb, dnb)
             v[0], v[2], v[3], v[4], v[5] = self.segments, sp, sn, dp, dn
             v[9], v[10], v[11] = self.unit, sb, db
-        else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, generation, out, Q,
-            # page, board, bad, snb, dnb, at, bytes, lo, hi, sample)
+        else:  # (S, n, unit, smap, ns, dmap, nd, status, seq, geo, wt, nrows, out, Q,
+            # page, board, bad, snb, dnb, at, bytes, lo, hi, sample; nrows: not read where
+            # the kernel finds the hold's rows on its board, as here)
             v[0], v[2], v[3], v[4], v[5], v[6] = self.segments, self.unit, sp, sn, dp, dn
-            v[9], v[10], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, d.pages,
-                                                       d.page_bytes, d.board)
+            v[9], v[10], v[11], v[12], v[13], v[14], v[15] = (d.geometry, d.weights, 0, 0,
+                                                              d.pages, d.page_bytes, d.board)
             v[17], v[18], v[21], v[22] = sb, db, d.layout[2], d.layout[3]
 
     def post(self, launcher: Any, src_ids: npt.NDArray[np.int64],
@@ -306,7 +309,8 @@ class Lane:
         t[at + n:at + 2 * n] = dst_ids
         v = launch.vals
         for slot, value in zip(self._slots, _values(n, status, seq, g, check)):
-            v[slot] = value
+            if slot >= 0:
+                v[slot] = value
         if check is not None and self.digest is not None:
             ctypes.memmove(check[1], _CHECK_START.ctypes.data, 24)
             v[_BOARD_AT], v[_BOARD_LEN] = board_slot(self.digest, check[0])

@@ -160,9 +160,9 @@ extern "C" __global__ void __launch_bounds__(KV_T) kv_move(
 // board by the kernel itself, so the host reads none of them before the launch: `expect`
 // is the board mapping's first word; bat and blen are where the hold lies on it as its slot
 // showed at the launch (the launcher reads the slot: blen 0, it showed another generation),
-// and [blo, bhi) the bytes holds may lie in (kvlink.holdboard.DeviceLayout). `nrows` carries
-// the hold's generation, which the kernel no longer reads: the launcher read the slot and
-// picked `sample`'s blocks with it
+// and [blo, bhi) the bytes holds may lie in (kvlink.holdboard.DeviceLayout). `nrows` is not
+// read (0): the rows are bounded by the hold's bytes, and the launcher, which read the slot by
+// the hold's generation, picked `sample`'s blocks with it too
 #if KV_BOARD
 #define KV_BOARD_ARGS , i64 bat, i64 blen, i64 blo, i64 bhi, i64 bpick
 #else
