@@ -174,8 +174,6 @@ class DigestLaunch:
     expect: int = 0
 
 
-
-
 class Pending:
     """One enqueued copy: its completion event and the records its kernels read (pinned, and
     on the device where they were uploaded). Once seen complete, its status is kept and the

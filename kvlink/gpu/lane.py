@@ -45,6 +45,7 @@ NO_MISMATCH = (1 << 64) - 1
 #: compared, none missed
 _DIGEST_CHECK = 4
 _CHECK_START = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
+_CHECK_START_AT = _CHECK_START.ctypes.data  # (numpy's ctypes address costs a call per use)
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
 #: offset and bytes on the board go, as its slot shows them at the launch (read by the launcher),
 #: and the pick's (sample: how many blocks are checked, see sample_order; 0: every block)
@@ -312,7 +313,7 @@ class Lane:
             if slot >= 0:
                 v[slot] = value
         if check is not None and self.digest is not None:
-            ctypes.memmove(check[1], _CHECK_START.ctypes.data, 24)
+            ctypes.memmove(check[1], _CHECK_START_AT, 24)
             v[_BOARD_AT], v[_BOARD_LEN] = board_slot(self.digest, check[0])
             if check[2]:  # sample: the blocks it checks first (what the C launcher writes)
                 order, v[_DIGEST_PICK] = sample_order(t[at:at + n], check[0])
