@@ -297,6 +297,62 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
         b.close()
 
 
+@pytest.mark.fault("the caller is descheduled inside its header send (a spy holds the real "
+                   "send until the peer's thread is seen waiting)")
+def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On two cores the owner's thread, woken by a READ's header, took the CPU from the caller
+    for ~2 ms in a third of the 16-block READs — while the caller still held the peer's lock,
+    so the thread that takes the bytes could not start until it ran again
+    (bench/results/e2e_request_cpu_tcp_85e8581/probe/). Now the thread is woken before the
+    send: here the caller's send waits (a spy, the real send after it) until the thread has
+    taken the READ off its queue, which the old code never let it do (a 5 s timeout says so),
+    and the READ still completes with the right bytes."""
+    import threading
+
+    import kvlink_transports.tcp.client as tcp_client
+
+    a, abuf = _transport("a")
+    b, bbuf = _transport("b")
+    try:
+        b.connect("a", a.descriptor())
+        abase = int(abuf.__array_interface__["data"][0])
+        bbase = int(bbuf.__array_interface__["data"][0])
+
+        def read(off: int) -> XferStatus:
+            h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
+                       make_extents([abase + off], [4096]))
+            st = b.wait(h, 10)
+            b.release(h)
+            return st.status
+
+        assert read(0) is XferStatus.DONE  # connects
+        peer = b._peers["a"]
+        with peer.cv:
+            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+        real, caller = tcp_client._send_hdr, threading.get_ident()
+        taken = []
+
+        def descheduled(sock: Any, hdr: Any) -> None:
+            if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and not taken:
+                    with peer.cv:  # the thread took the READ: its queue is empty, it is busy
+                        if not peer.queue and not peer.idle:
+                            taken.append(True)
+                    time.sleep(0.001)  # (polling what the other thread did: a deadline)
+            real(sock, hdr)
+
+        monkeypatch.setattr(tcp_client, "_send_hdr", descheduled)
+        bbuf[4096:8192] = 0
+        assert read(4096) is XferStatus.DONE
+        assert taken, "the peer's thread could not take the READ while the caller was sending"
+        assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
+    finally:
+        a.close()
+        b.close()
+
+
 # 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
 @pytest.mark.parametrize("ptp,dtp", [(1, 1), (2, 4), (4, 2), (8, 2)])
 def test_demo_push_mode_verified(ptp: int, dtp: int) -> None:

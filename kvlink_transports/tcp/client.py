@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvlink.errors import KVLinkError, TransportUnavailable, WireError
+from kvlink.sockets import shutdown
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -60,8 +61,9 @@ class _Xfer:
     mark: Any = None
     ticket: bytes = b""  # the grant its owner checks (contract rule 8)
     signal: Any = None  # kvlink.landing.Signal: applied once the owner acknowledged the bytes
-    #: its first request's header went out on the caller's thread (_Peer.submit): True sent,
-    #: a reason string if that send failed (the connection is then broken), False not tried
+    #: its first request's header goes out on the caller's thread (_Peer.submit): True until
+    #: its answer came, a reason string if that send failed (the connection is then broken),
+    #: False not tried
     sent: bool | str = False
 
 
@@ -99,6 +101,7 @@ class _Peer:
         self.closed = False
         self.sock: socket.socket | None = None
         self.idle = False  # the thread waits for work, on a connection it opened (under cv)
+        self._sending = threading.Lock()  # held while the caller sends a header (submit)
         self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
         self.thread.start()
 
@@ -106,22 +109,37 @@ class _Peer:
         """Queue ``item`` for this peer's thread. A READ of one request that finds the thread
         idle on an open connection sends its request header here, on the caller's thread: the
         owner starts on it while our thread wakes up (a wake-up is a good part of a small
-        READ's time on a busy host), and the thread then only takes the answer and the bytes."""
+        READ's time on a busy host), and the thread then only takes the answer and the bytes.
+
+        The thread is woken before that send, not after it: the owner's thread, woken by the
+        header, may take this CPU from the caller (on two cores, for ~2 ms in a third of the
+        16-block READs: bench/results/e2e_request_cpu_tcp_85e8581/probe/), and our thread
+        then already waits for the answer instead of for the caller. Both may use the socket
+        at once: the caller only sends this header, and the thread only reads until the
+        answer, which the owner sends once the whole header is in."""
         with self.cv:
             if self.closed:
                 raise TransportUnavailable(f"peer {self.name} is disconnected")
             _, xfer = item
-            if (self.idle and not self.queue and self.sock is not None
+            sock = self.sock
+            send = (self.idle and not self.queue and sock is not None
                     and isinstance(xfer, _Xfer) and xfer.op is Op.READ
-                    and xfer.remote.shape[0] <= _MAX_EXTENTS):
-                # under cv: the thread touches the socket only once it has taken an item
-                try:
-                    _send_hdr(self.sock, self._header(xfer, slice(0, _MAX_EXTENTS), True))
-                    xfer.sent = True
-                except OSError as exc:
-                    xfer.sent = f"sending its request: {exc}"
+                    and xfer.remote.shape[0] <= _MAX_EXTENTS)
+            if send:
+                assert isinstance(xfer, _Xfer)
+                xfer.sent = True
+                self._sending.acquire()  # (released once the send returned: _run's failures)
             self.queue.append(item)
             self.cv.notify()
+        if send:
+            assert sock is not None and isinstance(xfer, _Xfer)
+            try:
+                _send_hdr(sock, self._header(xfer, slice(0, _MAX_EXTENTS), True))
+            except OSError as exc:
+                xfer.sent = f"sending its request: {exc}"
+                shutdown(sock)  # the thread's read of the answer ends, with this reason
+            finally:
+                self._sending.release()
 
     def close(self, reason: str) -> None:
         """Fail what is queued and break the connection; the transfer in progress (if any)
@@ -188,7 +206,12 @@ class _Peer:
                     self._transfer(sock, item)
             except (OSError, _PeerGone, KVLinkError) as exc:
                 where = f"{self.desc.host}:{self.desc.port}"
-                reason = f"peer {self.name} ({where}): {_why(exc, self.owner.timeout)}"
+                why = _why(exc, self.owner.timeout)
+                if isinstance(item, _Xfer) and item.sent is not False:
+                    with self._sending:  # the caller's send of its header has returned:
+                        if isinstance(item.sent, str):  # its failure is the first cause
+                            why = item.sent
+                reason = f"peer {self.name} ({where}): {why}"
                 # the broken connection is dropped, and what was queued on it failed, before
                 # the caller hears of this transfer's failure: a transfer it submits once it
                 # has (the next READ) opens a new connection, and is never failed with this
@@ -223,9 +246,7 @@ class _Peer:
         local = xfer.local[part]
         if isinstance(xfer.sent, str):  # the caller's send broke the connection midway
             raise _PeerGone(xfer.sent)
-        if xfer.sent:  # the caller sent it (submit): this request's answer is next
-            xfer.sent = False
-        else:
+        if not xfer.sent:  # (else the caller sends it, submit: this request's answer is next)
             _send_hdr(sock, self._header(xfer, part, last))
         if xfer.op is Op.WRITE:
             try:
@@ -238,6 +259,7 @@ class _Peer:
                 self._refused(xfer, reply, reconnect=True)
                 return False
         reply = _recv_hdr(sock)
+        xfer.sent = False  # (the owner answers once the whole header is in)
         if reply.op == "E":
             self._refused(xfer, reply, reconnect=xfer.op is Op.WRITE)
             return False
