@@ -26,6 +26,11 @@
  * reads a word where it made a system call (the check cold 9.1 us against 12.8 by the
  * flock on one H200 host: bench/results/gpu_checks_alive_word/cold_calls.json).
  *
+ * inside: the bounds check of an extent array against sorted ranges (registered regions,
+ * a grant's window), which both sides of a tcp READ make before a byte moves: ~10 numpy
+ * calls through kvlink.transport.RegionTable.locate, 25-60 us warm for a 16-block READ's
+ * 633 extents and several times that cold, where this is one call.
+ *
  * board_shows: kvlink.holdboard's after-check of one READ (the producer alive, its hold
  * still shown) in one call: 25 us to bind it and 26 to make it, cold, through Python's
  * steps on that host.
@@ -632,6 +637,93 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   return Py_BuildValue("(nK)", index, offset);
 }
 
+
+/* `o` as a C-contiguous buffer (`view`: release it) of whole `itemsize`-byte items, writable
+ * where asked (its format is not checked: the callers' numpy arrays); -1 with an exception
+ * otherwise (ValueError naming `what` for a partial item). */
+static int contiguous(PyObject *o, Py_buffer *view, Py_ssize_t itemsize, const char *what,
+                      int writable) {
+  if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+    return -1;
+  if (view->len % itemsize) {
+    PyErr_Format(PyExc_ValueError, "%s: %zd bytes are not whole %zd-byte items", what,
+                 view->len, itemsize);
+    PyBuffer_Release(view);
+    return -1;
+  }
+  return 0;
+}
+
+/* inside(starts, ends, extents, out) -> int
+ *
+ * Where each extent (addr, len: uint64 pairs, kvlink.transport.EXTENT_DTYPE) lies among the
+ * ranges [starts[r], ends[r]) (uint64, sorted by start, disjoint: kvlink.transport.RegionTable,
+ * kvlink.grants.Window): the last range starting at or before its address, which must hold
+ * its end too (an end that wraps past 2**64 is outside). Writes each extent's range into `out`
+ * (intp, one per extent; None: not wanted) and returns -1, or returns the index of the first
+ * extent that lies in none (what `out` then holds is not to be used). The same answer as
+ * RegionTable.locate's numpy path (tests/test_native_launch.py compares them). */
+static PyObject *inside(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "inside(starts, ends, extents, out)");
+    return NULL;
+  }
+  Py_buffer sv, ev, xv, ov;
+  int have_out = args[3] != Py_None;
+  if (contiguous(args[0], &sv, 8, "starts", 0) < 0) return NULL;
+  if (contiguous(args[1], &ev, 8, "ends", 0) < 0) {
+    PyBuffer_Release(&sv);
+    return NULL;
+  }
+  if (contiguous(args[2], &xv, 16, "extents", 0) < 0) {
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ev);
+    return NULL;
+  }
+  if (have_out && contiguous(args[3], &ov, sizeof(Py_ssize_t), "out", 1) < 0) {
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&xv);
+    return NULL;
+  }
+  const Py_ssize_t nr = sv.len / 8, nx = xv.len / 16;
+  Py_ssize_t bad = -1;
+  if (ev.len / 8 != nr) {
+    PyErr_Format(PyExc_ValueError, "%zd starts but %zd ends", nr, ev.len / 8);
+    bad = -2;
+  } else if (have_out && ov.len / (Py_ssize_t)sizeof(Py_ssize_t) != nx) {
+    PyErr_Format(PyExc_ValueError, "out holds %zd, not one per extent (%zd)",
+                 ov.len / (Py_ssize_t)sizeof(Py_ssize_t), nx);
+    bad = -2;
+  } else {
+    const uint64_t *lo = sv.buf, *hi = ev.buf, *x = xv.buf;
+    Py_ssize_t *out = have_out ? ov.buf : NULL;
+    Py_ssize_t r = -1;  // the last extent's range: requests run through ranges in order
+    for (Py_ssize_t i = 0; i < nx; ++i) {
+      const uint64_t a = x[2 * i], end = a + x[2 * i + 1];
+      if (!(r >= 0 && a >= lo[r] && (r + 1 == nr || a < lo[r + 1]))) {
+        Py_ssize_t l = 0, h = nr;  // the first range starting past a
+        while (l < h) {
+          const Py_ssize_t m = (l + h) >> 1;
+          if (lo[m] <= a) l = m + 1; else h = m;
+        }
+        r = l - 1;
+      }
+      if (r < 0 || end < a || end > hi[r]) {
+        bad = i;
+        break;
+      }
+      if (out) out[i] = r;
+    }
+  }
+  PyBuffer_Release(&sv);
+  PyBuffer_Release(&ev);
+  PyBuffer_Release(&xv);
+  if (have_out) PyBuffer_Release(&ov);
+  if (bad == -2) return NULL;
+  return PyLong_FromSsize_t(bad);
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind_driver, METH_FASTCALL,
      "bind(launch, query, record, wait): the driver functions' addresses"},
@@ -651,6 +743,8 @@ static PyMethodDef methods[] = {
      "sentinel_disarm(): this thread's robust list emptied"},
     {"alive_shown", (PyCFunction)alive_shown, METH_O,
      "alive_shown(map): whether a board's alive word shows a live sentinel"},
+    {"inside", (PyCFunction)(void (*)(void))inside, METH_FASTCALL,
+     "inside(starts, ends, extents, out) -> index of the first extent outside, or -1"},
     {"fingerprint", (PyCFunction)fingerprint, METH_O,
      "fingerprint(ids): kvlink.holdboard.fingerprint of a list of ints or an int64 array"},
     {NULL, NULL, 0, NULL}};

@@ -29,6 +29,7 @@ import threading
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import native
 from kvlink.layout import KVCacheSpec
 from kvlink.transport import EXTENT_DTYPE, Extents, Op
 
@@ -84,22 +85,41 @@ def merge(addr: npt.NDArray[np.uint64], length: npt.NDArray[np.uint64]) -> Exten
 
 def covers(window: Extents, ext: Extents) -> bool:
     """Whether every extent of ``ext`` lies inside one range of ``window`` (sorted, merged)."""
-    if ext.shape[0] == 0:
-        return True
-    if window.shape[0] == 0:
-        return False
-    addr = ext["addr"]
-    end = addr + ext["len"]  # uint64: a range that wraps past 2**64 ends below its start
-    at = np.searchsorted(window["addr"], addr, side="right") - 1
-    if at.min() < 0:
-        return False
-    return bool(np.all((end >= addr) & (end <= window["addr"][at] + window["len"][at])))
+    return Window(Op.READ, window).covers(ext)
 
 
 @dataclasses.dataclass(frozen=True)
 class Window:
+    """What a ticket may touch: ``extents`` (sorted, merged: see merge) for ``op``."""
+
     op: Op
-    extents: Extents  # sorted and merged (see merge)
+    extents: Extents
+    #: the ranges as RegionTable holds regions (kvlink.native's ``inside`` takes them)
+    starts: npt.NDArray[np.uint64] = dataclasses.field(init=False, repr=False)
+    ends: npt.NDArray[np.uint64] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts = np.ascontiguousarray(self.extents["addr"], dtype=np.uint64)
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "ends", starts + self.extents["len"].astype(np.uint64))
+
+    def covers(self, ext: Extents) -> bool:
+        """Whether every extent of ``ext`` lies inside one of our ranges: one call of the C
+        helper where it is built (the owner checks every READ with it before a byte moves),
+        else numpy."""
+        if ext.shape[0] == 0:
+            return True
+        if self.starts.shape[0] == 0:
+            return False
+        helpers = native.load()
+        if helpers is not None and ext.dtype == EXTENT_DTYPE and ext.flags.c_contiguous:
+            return bool(helpers.inside(self.starts, self.ends, ext, None) < 0)
+        addr = ext["addr"]
+        end = addr + ext["len"]  # uint64: a range that wraps past 2**64 ends below its start
+        at = np.searchsorted(self.starts, addr, side="right") - 1
+        if at.min() < 0:
+            return False
+        return bool(np.all((end >= addr) & (end <= self.ends[at])))
 
 
 class Grants:
@@ -129,7 +149,7 @@ class Grants:
                    "hold was released or the push ended)"
         if window.op is not op:
             return f"the grant is for {window.op.value.upper()}, not {op.value.upper()}"
-        if not covers(window.extents, ext):
+        if not window.covers(ext):
             return "the transfer reaches outside the blocks granted to it"
         return None
 

@@ -94,6 +94,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import native
 from kvlink.errors import ExtentOutOfBounds, TransportUnavailable, UnknownTransportError
 
 log = logging.getLogger("kvlink.transport")
@@ -512,28 +513,41 @@ class RegionTable:
             raise ExtentOutOfBounds("registered regions overlap")
 
     def locate(self, extents: Extents, what: str = "extent") -> npt.NDArray[np.intp]:
-        """Index of the region holding each extent; raises naming the first one that is outside."""
-        if extents.shape[0] == 0:
+        """Index of the region holding each extent; raises naming the first one that is outside.
+        One call of the C helper where it is built (``inside``: both sides of a tcp READ
+        check every extent before a byte moves, and numpy's ~10 calls cost a 16-block READ's
+        633 extents 25-60 us warm), else numpy."""
+        n = extents.shape[0]
+        if n == 0:
             return np.empty(0, dtype=np.intp)
+        helpers = native.load()
+        if helpers is not None and extents.dtype == EXTENT_DTYPE and extents.flags.c_contiguous:
+            idx = np.empty(n, dtype=np.intp)
+            bad = helpers.inside(self.starts, self.ends, extents, idx)
+        else:
+            idx, bad = self._locate_numpy(extents)
+        if bad < 0:
+            return idx
+        raise ExtentOutOfBounds(
+            f"{what} {bad} [0x{int(extents['addr'][bad]):x}, +{int(extents['len'][bad])}) is "
+            f"outside the {len(self.regions)} registered region(s)"
+        )
+
+    def _locate_numpy(self, extents: Extents) -> tuple[npt.NDArray[np.intp], int]:
+        """:meth:`locate`'s answer through numpy: (the regions, -1), or (anything, the first
+        extent outside)."""
         addr = extents["addr"]
-        length = extents["len"]
-        end = addr + length
+        end = addr + extents["len"]
         lo, hi = int(addr.min()), int(end.max())
         one = int(np.searchsorted(self.starts, lo, side="right")) - 1
         if one >= 0 and hi <= int(self.ends[one]) and not np.any(end < addr):
             # common case: the whole request lies in one region — three reductions, no search
-            return np.full(extents.shape[0], one, dtype=np.intp)
+            return np.full(extents.shape[0], one, dtype=np.intp), -1
         idx = np.searchsorted(self.starts, addr, side="right") - 1
         inside = idx >= 0
         safe = np.where(inside, idx, 0)
         ok = inside & (end >= addr) & (end <= self.ends[safe]) if len(self.regions) else inside
-        if not np.all(ok):
-            bad = int(np.flatnonzero(~ok)[0])
-            raise ExtentOutOfBounds(
-                f"{what} {bad} [0x{int(addr[bad]):x}, +{int(length[bad])}) is outside the "
-                f"{len(self.regions)} registered region(s)"
-            )
-        return safe
+        return safe, (-1 if np.all(ok) else int(np.flatnonzero(~ok)[0]))
 
 
 # --------------------------------------------------------------------------- registry

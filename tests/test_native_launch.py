@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvlink import native
+from kvlink.errors import ExtentOutOfBounds
 from kvlink.gpu.lane import (
     _BOARD_AT,
     _BOARD_LEN,
@@ -29,6 +30,7 @@ from kvlink.gpu.lane import (
     sample_order,
 )
 from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
+from kvlink.transport import Op
 
 NOT_READY = 600
 vp = ctypes.c_void_p
@@ -352,3 +354,46 @@ def test_event_query_asks_the_bound_driver_function_and_hands_back_its_answer(
     assert asked == [0xE1, 0xE2, 0xE3]
     with pytest.raises(ValueError, match="null"):
         launcher.bind_event_query(0)
+
+
+def test_the_c_bounds_check_is_numpys(launcher: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvlink.transport.RegionTable.locate and kvlink.grants.Window.covers through C
+    (``inside``, both sides of every tcp READ) give numpy's answers: the same regions, the
+    same first extent outside (starts before every range, in a gap, past the end, across two
+    ranges, wrapping past 2**64, empty), for extents in order and shuffled."""
+    from kvlink.grants import Window, merge
+    from kvlink.transport import EXTENT_DTYPE, Region, RegionTable
+
+    rng = np.random.default_rng(5)
+    # regions of 1-3 pages, apart (a window merges neighbours; regions it keeps apart)
+    starts = np.sort(rng.choice(np.arange(1, 4000, dtype=np.uint64), 40, replace=False)) * 16384
+    table = RegionTable([Region(int(a), 4096 * int(rng.integers(1, 4))) for a in starts])
+    window = Window(Op.READ, merge(table.starts, table.ends - table.starts))
+    cases = []
+    for _ in range(300):
+        n = int(rng.integers(0, 20))
+        at = rng.integers(0, len(table.regions), n)
+        ext = np.zeros(n, dtype=EXTENT_DTYPE)
+        ext["addr"] = table.starts[at] + rng.integers(0, 4096, n).astype(np.uint64)
+        ext["len"] = rng.integers(0, 4096, n).astype(np.uint64)
+        if n and rng.random() < 0.5:  # one extent somewhere else
+            k = int(rng.integers(0, n))
+            ext[k] = [(0, 8), (int(table.ends[-1]), 1), (int(table.ends[-1]) - 8, 16),
+                      (int(table.ends[3]) - 8, 4096 * 3),
+                      (int(table.starts[3]) + 8, 2**64 - 16)][int(rng.integers(0, 5))]
+        cases.append(ext)
+    for ext in cases:
+        idx, bad = table._locate_numpy(ext) if len(ext) else (np.empty(0, np.intp), -1)
+        out = np.empty(len(ext), dtype=np.intp)
+        assert launcher.inside(table.starts, table.ends, ext, out) == bad
+        if bad < 0:
+            assert np.array_equal(out, idx)
+            assert np.array_equal(table.locate(ext), idx)
+        else:
+            with pytest.raises(ExtentOutOfBounds, match=f"extent {bad} "):
+                table.locate(ext)
+        assert window.covers(ext) == (bad < 0) == (launcher.inside(window.starts, window.ends,
+                                                                   ext, None) < 0)
+    monkeypatch.setattr(native, "_loaded", {"launch": None})  # numpy's path, where not built
+    for ext in cases:
+        assert window.covers(ext) == (len(ext) == 0 or table._locate_numpy(ext)[1] < 0)
