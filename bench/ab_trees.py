@@ -40,6 +40,8 @@ from _common import change_interval, write_result  # noqa: E402
 from e2e_producer import (  # noqa: E402
     add_idle_poll_arg,
     add_layer_gap_arg,
+    add_omp_arg,
+    quiet_omp,
     regions_label,
     use_layer_gap,
 )
@@ -157,9 +159,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     add_layer_gap_arg(ap)
     add_idle_poll_arg(ap)
+    add_omp_arg(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     use_layer_gap(args.layer_gap)
+    omp = quiet_omp(args.omp_spin)  # (the trees' processes inherit it)
     if args.child is not None:
         child(json.loads(args.child))
         return
@@ -200,6 +204,7 @@ def main() -> None:
         "in_flight": args.inflight,
         "registered_regions": regions_label(),
         "idle_poll_after_each_window": not args.no_idle_poll,
+        "omp_wait_policy": omp,
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
         "trees": {"a": {"name": a.name, "dir": str(a.root)},
                   "b": {"name": b.name, "dir": str(b.root)}},

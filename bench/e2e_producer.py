@@ -83,6 +83,27 @@ def add_idle_poll_arg(ap: Any) -> None:
                          "worker then sends what it owes peers inside a later window)")
 
 
+def add_omp_arg(ap: Any) -> None:
+    """The benches' ``--omp-spin`` flag (an argparse parser); :func:`quiet_omp` after."""
+    ap.add_argument("--omp-spin", action="store_true",
+                    help="leave OMP_WAIT_POLICY as it is (before 2026-12-04's runs: unset, so "
+                         "the bench's own torch work spun into the timed windows on the CPU)")
+
+
+def quiet_omp(spin: bool) -> str:
+    """Before torch is imported (in this process and every one spawned from here): OpenMP's
+    threads sleep once a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``, unless it is set
+    or ``spin``), and the policy in force. Why: on the CPU each window's requests are filled
+    and verified with torch (untimed), and libgomp's threads, left to spin after those
+    regions, then took one of a 2-core machine's cores inside the next timed window — the
+    plain-socket baseline, run in processes of its own, never met them. The same tree's
+    16-block READ over tcp took 4-12 % longer with them spinning, in each of four pairs
+    (bench/results/e2e_request_cpu_tcp_omp/)."""
+    if not spin:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return os.environ.get("OMP_WAIT_POLICY", "unset")
+
+
 def use_layer_gap(on: bool) -> None:
     """``--layer-gap``: set for :class:`Cache`, in every process spawned from here."""
     if on:

@@ -66,8 +66,10 @@ from e2e_producer import (  # noqa: F401  (integrity_overhead.py uses them throu
     _torch,
     add_idle_poll_arg,
     add_layer_gap_arg,
+    add_omp_arg,
     pattern,
     phase_medians,
+    quiet_omp,
     regions_label,
     run_shuffled,
     use_layer_gap,
@@ -541,6 +543,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     add_layer_gap_arg(ap)
     add_idle_poll_arg(ap)
+    add_omp_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--transport-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an option of the transport (VALUE as JSON, e.g. coalesce_runs=false); "
@@ -550,6 +553,7 @@ def main() -> None:
                          "PREFIX.<case>.txt (the figures then include the profiler's cost)")
     args = ap.parse_args()
     use_layer_gap(args.layer_gap)
+    omp = quiet_omp(args.omp_spin)  # (torch is imported later)
     args.transport = args.transport or ("cuda_ipc" if args.device == "cuda" else "tcp")
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options = {"ucx_probe": False} if args.transport == "nixl" else {}
@@ -633,6 +637,7 @@ def main() -> None:
         "poll_sleep_s": POLL_SLEEP, "poll_sleep_measured_median_s": grain,
         "mode_order": "sleep and spin alternate, in a seeded random order each round",
         "idle_poll_after_each_window": not args.no_idle_poll,
+        "omp_wait_policy": omp,
         "inflight": args.inflight, "transport_options": args.options,
         "op": args.op,
         "timed_window": (f"KVWorker.{'read/write' if args.op == 'both' else args.op}() call "

@@ -42,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_request as e2e
 from _common import change_interval, write_result
-from e2e_producer import add_idle_poll_arg, add_layer_gap_arg, regions_label, use_layer_gap
+from e2e_producer import (
+    add_idle_poll_arg,
+    add_layer_gap_arg,
+    add_omp_arg,
+    quiet_omp,
+    regions_label,
+    use_layer_gap,
+)
 
 LEVELS = ("off", "sample", "full")
 SERIES = (*LEVELS, "off_control")  # timed, interleaved; the control runs at "off"
@@ -219,6 +226,7 @@ def main() -> None:
                     help="poll in a tight loop (default: sleep 0.2 ms between polls)")
     add_layer_gap_arg(ap)
     add_idle_poll_arg(ap)
+    add_omp_arg(ap)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="cProfile each level's timed requests; what each level adds to a "
@@ -226,6 +234,7 @@ def main() -> None:
                          "then include the profiler's cost)")
     args = ap.parse_args()
     use_layer_gap(args.layer_gap)
+    omp = quiet_omp(args.omp_spin)  # (torch is imported later)
     args.transport = "cuda_ipc" if args.device == "cuda" else "tcp"
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options, args.inflight, args.integrity, args.op = {}, 1, "full", "read"
@@ -268,6 +277,7 @@ def main() -> None:
         "levels": "interleaved request by request (Checker.level switched on both sides)",
         "registered_regions": regions_label(),
         "idle_poll_after_each_window": not args.no_idle_poll,
+        "omp_wait_policy": omp,
         "goals": goals, "total_bad": bad, "cases": cases,
     }, args.out or f"bench/results/integrity_overhead_{args.device}{suffix}.json")
     if bad:
