@@ -97,6 +97,7 @@ def main() -> None:
     for name, lane in lanes.items():
         for x in dst:
             x.zero_()
+        torch.cuda.synchronize(dev)  # (the lane's stream is not ordered after the zeroing)
         p = copier.copy_lane(lane, sids, dids, stream, None)
         p.wait()
         si, di = torch.from_numpy(sids).to(dev), torch.from_numpy(dids).to(dev)

@@ -88,6 +88,7 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
         parts[key] = lane._by_blocks[BLOCKS][2]
         for x in dst:
             x.zero_()
+        torch.cuda.synchronize(dev)  # (the lane's stream is not ordered after the zeroing)
         p = copier.copy_lane(lane, sids, dids, stream, None)
         p.wait()
         verified[key] = (not p.failed()) and all(torch.equal(d[:, di], s[:, si])
