@@ -46,6 +46,12 @@ CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: move
 PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
 FIRST = 4096  # extents of the first launch
 SMALL = 64 << 10  # extents up to this size go several to a program
+#: a lane's blocks up to this size go several to a program (move.SMALL_SHAPE), larger ones
+#: a block to each (move.LARGE_SHAPE): the 8B TP1 request's 32 KiB blocks moved in 270.6-272.7
+#: us that way against 278.3-280.2 us several to a program, in two starts of one H200; the
+#: 70B TP8 rank's 4 KiB pages take 3x as long a block to a program
+#: (bench/results/gpu_lane_shapes_530ee35/)
+LANE_SMALL = 16 << 10
 # (rows per program, int64 words per load/store step, warps), tuned on an H200
 # (scripts/gpu_copy_probe.py at 168f41c, since removed): small extents several to a program,
 # long ones in big steps
@@ -616,7 +622,7 @@ class BatchCopier:
         if self._cuda is None:
             return None
         return Lane(self._cuda, src_base, dst_base, unit, limits, (smap, dmap),
-                    chunk=self.chunk, min_programs=self.min_programs, small=SMALL,
+                    chunk=self.chunk, min_programs=self.min_programs, small=LANE_SMALL,
                     digest=digest)
 
     def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
