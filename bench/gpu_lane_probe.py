@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import write_result
+from _lane_cache import plane_bases, region_map, shuffled_ids
 
 LAYERS, SRC_BLOCKS, DST_BLOCKS, TOKENS, HEADS, DIM, BLOCKS = 80, 2048, 2176, 16, 1, 128, 256
 
@@ -48,18 +49,10 @@ class _Lookup:
         return None
 
 
-def _ids(rng: np.random.Generator, n: int) -> tuple[Any, Any]:
-    """(source ids: contiguous, destination ids: shuffled runs of 1-8)."""
-    cuts = np.cumsum(rng.integers(1, 9, size=n))
-    pieces = np.split(np.arange(n), cuts[cuts < n])
-    dst = np.concatenate([pieces[k] for k in rng.permutation(len(pieces))]) + 40
-    return (np.arange(n) + 3).astype(np.int64), dst.astype(np.int64)
-
-
 def main() -> None:
     import torch
 
-    from kvlink.gpu.copy import BatchCopier, RegionMap
+    from kvlink.gpu.copy import BatchCopier
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=60)
@@ -72,19 +65,10 @@ def main() -> None:
            for _ in range(LAYERS)]
     unit = TOKENS * HEADS * DIM * 2
 
-    def regions(layers: list[Any]) -> RegionMap:
-        starts = [x.data_ptr() for x in layers]
-        return RegionMap(starts, [s + x.numel() * 2 for s, x in zip(starts, layers)],
-                         [0] * len(layers), dev)
-
-    def bases(layers: list[Any], blocks: int) -> Any:
-        return np.array([x.data_ptr() + p * blocks * unit for x in layers for p in (0, 1)],
-                        dtype=np.uint64)
-
-    smap, dmap = regions(src), regions(dst)
+    smap, dmap = region_map(src, dev), region_map(dst, dev)
     copier = BatchCopier(dev)
     assert copier.computes_addresses, "the CUDA C kernel did not build"
-    sb, db = bases(src, SRC_BLOCKS), bases(dst, DST_BLOCKS)
+    sb, db = plane_bases(src, SRC_BLOCKS, unit), plane_bases(dst, DST_BLOCKS, unit)
     lanes = {"translated": copier.lane(sb, db, unit, (SRC_BLOCKS, DST_BLOCKS), smap, dmap),
              "lookup": copier.lane(sb, db, unit, (SRC_BLOCKS, DST_BLOCKS), _Lookup(smap),
                                    _Lookup(dmap))}
@@ -92,7 +76,7 @@ def main() -> None:
     assert lanes["translated"].translated and not lanes["lookup"].translated
     stream = torch.cuda.Stream(dev)
     rng = np.random.default_rng(0)
-    sids, dids = _ids(rng, BLOCKS)
+    sids, dids = shuffled_ids(rng, BLOCKS)
     verified = {}
     for name, lane in lanes.items():
         for x in dst:
@@ -133,7 +117,7 @@ def main() -> None:
     sizes: dict[str, dict[str, float]] = {}
     lane = lanes["translated"]
     for n in (8, 64, 256, 1000):
-        s, d = _ids(np.random.default_rng(n), n)
+        s, d = shuffled_ids(np.random.default_rng(n), n)
         if not lane.fits(n):
             continue
         times = []

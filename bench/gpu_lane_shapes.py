@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import write_result
+from _lane_cache import plane_bases, region_map, shuffled_ids
 
 #: (layers, KV heads) of each case; 16 tokens a block, head size 128, bf16, 256 blocks
 CASES = {"70b-tp8": (80, 1), "8b-tp1": (32, 8)}
@@ -38,16 +39,8 @@ SHAPES = [((256, 64, 4), 0), ((256, 32, 4), 0), ((256, 128, 4), 0), ((256, 256, 
           ((256, 128, 8), 0), ((256, 64, 4), 2), ((256, 128, 4), 2), ((256, 256, 2), 0)]
 
 
-def _ids(rng: np.random.Generator, n: int, offset: int) -> tuple[Any, Any]:
-    """(source ids: contiguous, destination ids: shuffled runs of 1-8)."""
-    cuts = np.cumsum(rng.integers(1, 9, size=n))
-    pieces = np.split(np.arange(n), cuts[cuts < n])
-    dst = np.concatenate([pieces[k] for k in rng.permutation(len(pieces))]) + offset
-    return (np.arange(n) + 3).astype(np.int64), dst.astype(np.int64)
-
-
 def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[str, Any]:
-    from kvlink.gpu.copy import BatchCopier, RegionMap
+    from kvlink.gpu.copy import BatchCopier
 
     layers, heads = CASES[name]
     dev = torch.device("cuda:0")
@@ -58,25 +51,16 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
            for _ in range(layers)]
     unit = TOKENS * heads * DIM * 2
 
-    def regions(caches: list[Any]) -> RegionMap:
-        starts = [x.data_ptr() for x in caches]
-        return RegionMap(starts, [s + x.numel() * 2 for s, x in zip(starts, caches)],
-                         [0] * len(caches), dev)
-
-    def bases(caches: list[Any], blocks: int) -> Any:
-        return np.array([x.data_ptr() + p * blocks * unit for x in caches for p in (0, 1)],
-                        dtype=np.uint64)
-
     copier = BatchCopier(dev)
     assert copier.computes_addresses, "the CUDA C kernel did not build"
-    smap, dmap = regions(src), regions(dst)
-    sids, dids = _ids(rng, BLOCKS, 40)
+    smap, dmap = region_map(src, dev), region_map(dst, dev)
+    sids, dids = shuffled_ids(rng, BLOCKS)
     si, di = torch.from_numpy(sids).to(dev), torch.from_numpy(dids).to(dev)
     lanes, verified, parts = {}, {}, {}
     stream = torch.cuda.Stream(dev)
     for shape, g in SHAPES:
-        lane = copier.lane(bases(src, sblocks), bases(dst, dblocks), unit, (sblocks, dblocks),
-                           smap, dmap)
+        lane = copier.lane(plane_bases(src, sblocks, unit), plane_bases(dst, dblocks, unit),
+                           unit, (sblocks, dblocks), smap, dmap)
         assert lane is not None
         lane._shape = shape  # (read once, at the first launch's build: fits() below)
         assert lane.fits(BLOCKS)
@@ -89,9 +73,9 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
         for x in dst:
             x.zero_()
         torch.cuda.synchronize(dev)  # (the lane's stream is not ordered after the zeroing)
-        p = copier.copy_lane(lane, sids, dids, stream, None)
-        p.wait()
-        verified[key] = (not p.failed()) and all(torch.equal(d[:, di], s[:, si])
+        first = copier.copy_lane(lane, sids, dids, stream, None)
+        first.wait()
+        verified[key] = (not first.failed()) and all(torch.equal(d[:, di], s[:, si])
                                                  for s, d in zip(src, dst))
         lanes[key] = lane
     nbytes = BLOCKS * 2 * layers * unit
@@ -104,10 +88,10 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream.synchronize()
             a.record(stream)
+            p: Any = None
             if kind == "device_copy":
                 with torch.cuda.stream(stream):
                     flat_dst.copy_(flat_src)
-                p = None
             else:
                 p = copier.copy_lane(lanes[kind], sids, dids, stream, None)
             b.record(stream)
@@ -119,12 +103,11 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
                 gpu[kind].append(a.elapsed_time(b) * 1e3)
     med = {k: statistics.median(v) for k, v in gpu.items()}
     base = med["device_copy"]
+    ratios = {k: base / v for k, v in med.items() if k != "device_copy"}
     out = {"layers": layers, "kv_heads": heads, "unit_bytes": unit, "blocks": BLOCKS,
            "bytes": nbytes, "verified": verified, "parts_per_block": parts,
-           "gpu_median_us": med,
-           "ratio_device_copy_over_shape": {k: base / v for k, v in med.items()
-                                            if k != "device_copy"}}
-    best = max(out["ratio_device_copy_over_shape"].items(), key=lambda kv: kv[1])
+           "gpu_median_us": med, "ratio_device_copy_over_shape": ratios}
+    best = max(ratios.items(), key=lambda kv: kv[1])
     print(f"[{name}] device copy {base:.1f} us; best {best[0]} {base / best[1]:.1f} us "
           f"({best[1]:.3f}x)")
     for k in lanes:

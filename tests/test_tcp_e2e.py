@@ -20,7 +20,7 @@ from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
 from kvlink.demo.run import Serving, free_port_range, run_demo
 from kvlink.errors import BlockIdOutOfRange, TransportUnavailable
-from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
+from kvlink.transport import Op, Region, TransportContext, XferState, XferStatus, make_extents
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
 
@@ -190,6 +190,29 @@ def _transport(name: str) -> tuple[TcpTransport, np.ndarray]:
     return t, buf
 
 
+def _reader(b: TcpTransport, bbuf: np.ndarray, abuf: np.ndarray) -> Callable[[int], XferState]:
+    """READs by ``b`` of 4 KiB at ``off`` of peer a's buffer into its own, waited for."""
+    abase = int(abuf.__array_interface__["data"][0])
+    bbase = int(bbuf.__array_interface__["data"][0])
+
+    def read(off: int) -> XferState:
+        h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
+                   make_extents([abase + off], [4096]))
+        st = b.wait(h, 10)
+        b.release(h)
+        return st
+
+    return read
+
+
+def _idle_peer(b: TcpTransport) -> Any:
+    """``b``'s peer a, once its thread waits for work on the open connection (it notifies)."""
+    peer = b._peers["a"]
+    with peer.cv:
+        assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+    return peer
+
+
 @pytest.mark.fault("peer requests memory it was never offered (forged descriptor)")
 def test_server_refuses_ranges_it_never_offered(observed: Callable[[str], None]) -> None:
     """A client lying about the peer's regions still cannot read outside them: the server checks."""
@@ -270,27 +293,16 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
     b, bbuf = _transport("b")
     try:
         b.connect("a", a.descriptor())
-        abase = int(abuf.__array_interface__["data"][0])
-        bbase = int(bbuf.__array_interface__["data"][0])
-
-        def read(off: int) -> tuple[XferStatus, str]:
-            h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
-                       make_extents([abase + off], [4096]))
-            st = b.wait(h, 10)
-            b.release(h)
-            return st.status, st.reason
-
-        assert read(0)[0] is XferStatus.DONE  # connects
-        peer = b._peers["a"]
-        with peer.cv:  # its thread back waiting, on the open connection (it notifies)
-            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+        read = _reader(b, bbuf, abuf)
+        assert read(0).status is XferStatus.DONE  # connects
+        peer = _idle_peer(b)
         assert peer.sock is not None
         peer.sock.shutdown(_socket.SHUT_WR)
-        status, reason = read(4096)
-        assert status is XferStatus.FAILED and "sending its request" in reason, reason
-        observed(f"READ failed: {reason}")
+        st = read(4096)
+        assert st.status is XferStatus.FAILED and "sending its request" in st.reason, st.reason
+        observed(f"READ failed: {st.reason}")
         bbuf[8192:12288] = 0
-        assert read(8192)[0] is XferStatus.DONE  # a new connection
+        assert read(8192).status is XferStatus.DONE  # a new connection
         assert np.array_equal(bbuf[8192:12288], abuf[8192:12288])
     finally:
         a.close()
@@ -316,20 +328,9 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
     b, bbuf = _transport("b")
     try:
         b.connect("a", a.descriptor())
-        abase = int(abuf.__array_interface__["data"][0])
-        bbase = int(bbuf.__array_interface__["data"][0])
-
-        def read(off: int) -> XferStatus:
-            h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
-                       make_extents([abase + off], [4096]))
-            st = b.wait(h, 10)
-            b.release(h)
-            return st.status
-
-        assert read(0) is XferStatus.DONE  # connects
-        peer = b._peers["a"]
-        with peer.cv:
-            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+        read = _reader(b, bbuf, abuf)
+        assert read(0).status is XferStatus.DONE  # connects
+        peer = _idle_peer(b)
         real, caller = tcp_client._send_hdr, threading.get_ident()
         taken = []
 
@@ -345,7 +346,7 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
 
         monkeypatch.setattr(tcp_client, "_send_hdr", descheduled)
         bbuf[4096:8192] = 0
-        assert read(4096) is XferStatus.DONE
+        assert read(4096).status is XferStatus.DONE
         assert taken, "the peer's thread could not take the READ while the caller was sending"
         assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
     finally:
