@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,27 +191,34 @@ def _transport(name: str) -> tuple[TcpTransport, np.ndarray]:
     return t, buf
 
 
-def _reader(b: TcpTransport, bbuf: np.ndarray, abuf: np.ndarray) -> Callable[[int], XferState]:
-    """READs by ``b`` of 4 KiB at ``off`` of peer a's buffer into its own, waited for."""
-    abase = int(abuf.__array_interface__["data"][0])
-    bbase = int(bbuf.__array_interface__["data"][0])
+@contextlib.contextmanager
+def _idle_connection() -> Iterator[tuple[np.ndarray, np.ndarray, Callable[[int], XferState],
+                                         Any]]:
+    """Transports a and b, b connected to a by a first READ, b's thread for a back waiting for
+    work on the open connection: (a's buffer, b's buffer, a READ by b of 4 KiB at an offset of
+    a's buffer into its own, waited for, b's peer a)."""
+    a, abuf = _transport("a")
+    b, bbuf = _transport("b")
+    try:
+        b.connect("a", a.descriptor())
+        abase = int(abuf.__array_interface__["data"][0])
+        bbase = int(bbuf.__array_interface__["data"][0])
 
-    def read(off: int) -> XferState:
-        h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
-                   make_extents([abase + off], [4096]))
-        st = b.wait(h, 10)
-        b.release(h)
-        return st
+        def read(off: int) -> XferState:
+            h = b.post(Op.READ, "a", make_extents([bbase + off], [4096]),
+                       make_extents([abase + off], [4096]))
+            st = b.wait(h, 10)
+            b.release(h)
+            return st
 
-    return read
-
-
-def _idle_peer(b: TcpTransport) -> Any:
-    """``b``'s peer a, once its thread waits for work on the open connection (it notifies)."""
-    peer = b._peers["a"]
-    with peer.cv:
-        assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
-    return peer
+        assert read(0).status is XferStatus.DONE  # connects
+        peer = b._peers["a"]
+        with peer.cv:  # (the thread notifies as it goes back to waiting)
+            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+        yield abuf, bbuf, read, peer
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.fault("peer requests memory it was never offered (forged descriptor)")
@@ -289,13 +297,7 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
     connection. The connection is broken for real: our socket's sending side shut down."""
     import socket as _socket
 
-    a, abuf = _transport("a")
-    b, bbuf = _transport("b")
-    try:
-        b.connect("a", a.descriptor())
-        read = _reader(b, bbuf, abuf)
-        assert read(0).status is XferStatus.DONE  # connects
-        peer = _idle_peer(b)
+    with _idle_connection() as (abuf, bbuf, read, peer):
         assert peer.sock is not None
         peer.sock.shutdown(_socket.SHUT_WR)
         st = read(4096)
@@ -304,9 +306,6 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
         bbuf[8192:12288] = 0
         assert read(8192).status is XferStatus.DONE  # a new connection
         assert np.array_equal(bbuf[8192:12288], abuf[8192:12288])
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.fault("the caller is descheduled inside its header send (a spy holds the real "
@@ -324,15 +323,9 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
 
     import kvlink_transports.tcp.client as tcp_client
 
-    a, abuf = _transport("a")
-    b, bbuf = _transport("b")
-    try:
-        b.connect("a", a.descriptor())
-        read = _reader(b, bbuf, abuf)
-        assert read(0).status is XferStatus.DONE  # connects
-        peer = _idle_peer(b)
+    with _idle_connection() as (abuf, bbuf, read, peer):
         real, caller = tcp_client._send_hdr, threading.get_ident()
-        taken = []
+        taken: list[bool] = []
 
         def descheduled(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
@@ -349,9 +342,6 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
         assert read(4096).status is XferStatus.DONE
         assert taken, "the peer's thread could not take the READ while the caller was sending"
         assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
-    finally:
-        a.close()
-        b.close()
 
 
 # 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
