@@ -10,7 +10,9 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
 - the hold board's after-check (``board_shows``), with its alive word (``sentinel_arm``:
   a word the kernel marks when the producer dies, read where a flock was a system call);
 - tcp's bytes between registered memory and a socket (``move_extents``: sendmsg/readv over
-  the extent array, the GIL released; bench/results/tcp_native_mover).
+  the extent array, the GIL released; bench/results/tcp_native_mover);
+- the bounds check of an extent array against sorted ranges (``inside``: registered regions,
+  a grant's window), which both sides of a tcp READ make before a byte moves.
 
 The module is built the way Triton builds its launchers: at first use, with the compiler
 Python was built with (``sysconfig``'s ``CC``) and Python's headers, into a cache keyed by the
