@@ -20,8 +20,8 @@ source and the interpreter (``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink
 ``~/.cache/kvlink``), so a process after the first only imports it. Where it cannot be built
 (no compiler, no headers, a read-only cache) :func:`load` says why once and returns None:
 lanes then launch through ctypes, the fingerprint is numpy's, the after-check is Python's
-(the flock only) and tcp moves bytes through memoryviews. ``KVLINK_NATIVE=0`` turns it off
-(an A/B, or a suspect build).
+(the flock only), tcp moves bytes through memoryviews and bounds checks are numpy's.
+``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
 """
 
 from __future__ import annotations
