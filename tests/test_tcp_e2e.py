@@ -192,11 +192,11 @@ def _transport(name: str) -> tuple[TcpTransport, np.ndarray]:
 
 
 @contextlib.contextmanager
-def _idle_connection() -> Iterator[tuple[np.ndarray, np.ndarray, Callable[[int], XferState],
-                                         Any]]:
+def _idle_connection() -> Iterator[tuple[TcpTransport, np.ndarray, np.ndarray,
+                                         Callable[[int], XferState], Any]]:
     """Transports a and b, b connected to a by a first READ, b's thread for a back waiting for
-    work on the open connection: (a's buffer, b's buffer, a READ by b of 4 KiB at an offset of
-    a's buffer into its own, waited for, b's peer a)."""
+    work on the open connection: (a, a's buffer, b's buffer, a READ by b of 4 KiB at an offset
+    of a's buffer into its own, waited for, b's peer a)."""
     a, abuf = _transport("a")
     b, bbuf = _transport("b")
     try:
@@ -215,7 +215,7 @@ def _idle_connection() -> Iterator[tuple[np.ndarray, np.ndarray, Callable[[int],
         peer = b._peers["a"]
         with peer.cv:  # (the thread notifies as it goes back to waiting)
             assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
-        yield abuf, bbuf, read, peer
+        yield a, abuf, bbuf, read, peer
     finally:
         a.close()
         b.close()
@@ -297,7 +297,7 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
     connection. The connection is broken for real: our socket's sending side shut down."""
     import socket as _socket
 
-    with _idle_connection() as (abuf, bbuf, read, peer):
+    with _idle_connection() as (_, abuf, bbuf, read, peer):
         assert peer.sock is not None
         peer.sock.shutdown(_socket.SHUT_WR)
         st = read(4096)
@@ -323,7 +323,7 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
 
     import kvlink_transports.tcp.client as tcp_client
 
-    with _idle_connection() as (abuf, bbuf, read, peer):
+    with _idle_connection() as (_, abuf, bbuf, read, peer):
         real, caller = tcp_client._send_hdr, threading.get_ident()
         taken: list[bool] = []
 
@@ -342,6 +342,55 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
         assert read(4096).status is XferStatus.DONE
         assert taken, "the peer's thread could not take the READ while the caller was sending"
         assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
+
+
+@pytest.mark.fault("the owner closes while the caller is inside its header send (spies hold "
+                   "the real send until the thread's real read of the answer has failed; the "
+                   "close is real)")
+def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_returned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer's thread waits for a READ's answer while the caller still sends its header
+    (tcp/client.py, _Peer.submit). If the owner goes away meanwhile, the thread's read fails
+    first; it names a cause only once the caller's send has returned, and the READ ends FAILED
+    (quiescent: nothing landed), naming the peer, without waiting for a timeout. On the old
+    code the thread could not read before the caller's send returned (a 5 s deadline says
+    so)."""
+    import threading
+
+    import kvlink_transports.tcp.client as tcp_client
+
+    with _idle_connection() as (a, _, bbuf, read, peer):
+        real_send, real_recv, caller = (tcp_client._send_hdr, tcp_client._recv_hdr,
+                                        threading.get_ident())
+        failed: list[BaseException] = []  # the thread's reads of an answer that raised
+        gone: list[bool] = []
+
+        def recv(sock: Any) -> Any:
+            try:
+                return real_recv(sock)
+            except BaseException as exc:
+                failed.append(exc)
+                raise
+
+        def owner_gone_meanwhile(sock: Any, hdr: Any) -> None:
+            if threading.get_ident() == caller and hdr.op == "R" and not gone:
+                a.close()  # real: its connections shut down, its listener closed
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and not failed:
+                    time.sleep(0.001)  # (polling what the other thread did: a deadline)
+                gone.append(bool(failed))
+            real_send(sock, hdr)
+
+        monkeypatch.setattr(tcp_client, "_recv_hdr", recv)
+        monkeypatch.setattr(tcp_client, "_send_hdr", owner_gone_meanwhile)
+        bbuf[4096:8192] = 0
+        t0 = time.monotonic()
+        st = read(4096)
+        assert gone == [True], "the thread could not read the answer while the caller sent"
+        assert st.status is XferStatus.FAILED and "peer a" in st.reason, st.reason
+        assert time.monotonic() - t0 < 8, "the READ waited for a timeout"
+        assert not bbuf[4096:8192].any()  # nothing landed
+        assert peer.sock is None  # the broken connection was dropped
 
 
 # 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
