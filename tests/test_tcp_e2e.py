@@ -311,7 +311,7 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
 @pytest.mark.fault("the caller is descheduled inside its header send (a spy holds the real "
                    "send until the peer's thread is seen waiting)")
 def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, observed: Callable[[str], None]) -> None:
     """On two cores the owner's thread, woken by a READ's header, took the CPU from the caller
     for ~2 ms in a third of the 16-block READs — while the caller still held the peer's lock,
     so the thread that takes the bytes could not start until it ran again
@@ -342,13 +342,15 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
         assert read(4096).status is XferStatus.DONE
         assert taken, "the peer's thread could not take the READ while the caller was sending"
         assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
+        observed("the peer's thread took the READ while the caller's send was held; the READ "
+                 "finished with every byte right")
 
 
 @pytest.mark.fault("the owner closes while the caller is inside its header send (spies hold "
                    "the real send until the thread's real read of the answer has failed; the "
                    "close is real)")
 def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_returned(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, observed: Callable[[str], None]) -> None:
     """The peer's thread waits for a READ's answer while the caller still sends its header
     (tcp/client.py, _Peer.submit). If the owner goes away meanwhile, the thread's read fails
     first; it names a cause only once the caller's send has returned, and the READ ends FAILED
@@ -391,6 +393,7 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
         assert time.monotonic() - t0 < 8, "the READ waited for a timeout"
         assert not bbuf[4096:8192].any()  # nothing landed
         assert peer.sock is None  # the broken connection was dropped
+        observed(f"READ failed after {time.monotonic() - t0:.2f}s: {st.reason}")
 
 
 # 8 -> 2: replicated heads (each decode rank asks one replica per head; the rest are released)
