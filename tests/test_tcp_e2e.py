@@ -309,38 +309,41 @@ def test_a_read_the_caller_could_not_send_fails_and_the_next_reconnects(
 
 
 @pytest.mark.fault("the caller is descheduled inside its header send (a spy holds the real "
-                   "send until the peer's thread is seen waiting)")
+                   "send until the peer's thread is reading the answer)")
 def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
         monkeypatch: pytest.MonkeyPatch, observed: Callable[[str], None]) -> None:
     """On two cores the owner's thread, woken by a READ's header, took the CPU from the caller
     for ~2 ms in a third of the 16-block READs — while the caller still held the peer's lock,
     so the thread that takes the bytes could not start until it ran again
     (bench/results/e2e_request_cpu_tcp_85e8581/probe/). Now the thread is woken before the
-    send: here the caller's send waits (a spy, the real send after it) until the thread has
-    taken the READ off its queue, which the old code never let it do (a 5 s timeout says so),
-    and the READ still completes with the right bytes."""
+    send: here the caller's send waits (a spy, the real send after it) until the thread waits
+    for the READ's answer (a spy on its read, the real read inside), which the old code never
+    let it do (a 5 s deadline says so), and the READ still completes with the right bytes."""
     import threading
 
     import kvlink_transports.tcp.client as tcp_client
 
-    with _idle_connection() as (_, abuf, bbuf, read, peer):
-        real, caller = tcp_client._send_hdr, threading.get_ident()
+    with _idle_connection() as (_, abuf, bbuf, read, _peer):
+        real_send, real_recv, caller = (tcp_client._send_hdr, tcp_client._recv_hdr,
+                                        threading.get_ident())
+        waiting = threading.Event()  # the thread is reading the answer
         taken: list[bool] = []
+
+        def recv(sock: Any) -> Any:
+            waiting.set()
+            return real_recv(sock)
 
         def descheduled(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and not taken:
-                    with peer.cv:  # the thread took the READ: its queue is empty, it is busy
-                        if not peer.queue and not peer.idle:
-                            taken.append(True)
-                    time.sleep(0.001)  # (polling what the other thread did: a deadline)
-            real(sock, hdr)
+                taken.append(waiting.wait(5))
+            real_send(sock, hdr)
 
+        # spies, not stand-ins: the real read and send run; they only order the two threads
+        monkeypatch.setattr(tcp_client, "_recv_hdr", recv)
         monkeypatch.setattr(tcp_client, "_send_hdr", descheduled)
         bbuf[4096:8192] = 0
         assert read(4096).status is XferStatus.DONE
-        assert taken, "the peer's thread could not take the READ while the caller was sending"
+        assert taken == [True], "the peer's thread could not read while the caller was sending"
         assert np.array_equal(bbuf[4096:8192], abuf[4096:8192])
         observed("the peer's thread took the READ while the caller's send was held; the READ "
                  "finished with every byte right")
@@ -364,25 +367,24 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
     with _idle_connection() as (a, _, bbuf, read, peer):
         real_send, real_recv, caller = (tcp_client._send_hdr, tcp_client._recv_hdr,
                                         threading.get_ident())
-        failed: list[BaseException] = []  # the thread's reads of an answer that raised
+        failed = threading.Event()  # the thread's read of the answer raised
         gone: list[bool] = []
 
         def recv(sock: Any) -> Any:
             try:
                 return real_recv(sock)
-            except BaseException as exc:
-                failed.append(exc)
+            except BaseException:
+                failed.set()
                 raise
 
         def owner_gone_meanwhile(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R" and not gone:
                 a.close()  # real: its connections shut down, its listener closed
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and not failed:
-                    time.sleep(0.001)  # (polling what the other thread did: a deadline)
-                gone.append(bool(failed))
+                gone.append(failed.wait(5))
             real_send(sock, hdr)
 
+        # spies, not stand-ins: the real read and send run; they only order the two threads
+        # (the fault itself, the owner closing, is real)
         monkeypatch.setattr(tcp_client, "_recv_hdr", recv)
         monkeypatch.setattr(tcp_client, "_send_hdr", owner_gone_meanwhile)
         bbuf[4096:8192] = 0
