@@ -516,7 +516,7 @@ class RegionTable:
         """Index of the region holding each extent; raises naming the first one that is outside.
         One call of the C helper where it is built (``inside``: both sides of a tcp READ
         check every extent before a byte moves, and numpy's ~10 calls cost a 16-block READ's
-        633 extents 25-60 us warm), else numpy."""
+        extents 19.5 us warm against 2.2: bench/results/bounds_check_3fc1440/), else numpy."""
         n = extents.shape[0]
         if n == 0:
             return np.empty(0, dtype=np.intp)
