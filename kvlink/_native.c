@@ -334,7 +334,8 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)
  *
  * src_ids, dst_ids: lists of ints or int64 arrays (write_ids).
- * form: (function, table, slots, params, grid, threads, at, n, words, which, check) as
+ * form: (function, table, slots, params, grid, threads, at, n, words, which, check, board,
+ *   status) as
  *   kvlink.gpu.lane.Lane._form builds it: the CUfunction; the addresses of the
  *   parameter table (int64 words), of the argument slots (int64) and of cuLaunchKernel's
  *   pointer array; the grid and block size; where the ids go in the table (source ids at
@@ -352,18 +353,21 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   launcher also picks the blocks it checks (kvlink.sampling.picked: by the generation,
  *   the last block always) and writes the order the kernel takes them in after the ids
  *   (positions of the picked blocks first, then the others, each in order), and the count
- *   picked into the pick slot: see kvlink.gpu.lane.sample_order.
+ *   picked into the pick slot: see kvlink.gpu.lane.sample_order. Last, which of `values`
+ *   is the address of the post's status word (-1: none), set to 0 here before the launch
+ *   (the kernel stores the post's sequence number there where it refuses an extent) — from
+ *   Python a ctypes store of its own on a READ's path before its launch.
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
  *   order_event only where it has work pending (cuStreamQuery); done_event: recorded after
  *   the kernel. Raises RuntimeError naming the step where the driver refused one: before the
  *   launch nothing of this copy was enqueued; "recording the completion" comes after it.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 12 ||
+  if (nargs != 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 13 ||
       !PyTuple_Check(args[7])) {
     PyErr_SetString(PyExc_TypeError,
                     "post(form, src_ids, dst_ids, stream, after, order_event, done_event, "
-                    "values), form a 12-tuple");
+                    "values), form a 13-tuple");
     return NULL;
   }
   if (!cu_launch) {
@@ -381,6 +385,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_ssize_t words = PyLong_AsSsize_t(form[8]);
   PyObject *which = form[9];
   Py_ssize_t check = PyLong_AsSsize_t(form[10]);
+  Py_ssize_t status = PyLong_AsSsize_t(form[12]);
   const uint64_t *slots0 = NULL;  // a digest lane's hold board: see above
   uint64_t mask = 0;
   Py_ssize_t gen_at = -1, at_slot = -1, len_slot = -1, pick_slot = -1;
@@ -406,9 +411,10 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "values: one for each of the form's slots");
     return NULL;
   }
-  if (check < -1 || check >= PyTuple_GET_SIZE(which)) {
-    PyErr_Format(PyExc_ValueError, "check words at value %zd of %zd", check,
-                 PyTuple_GET_SIZE(which));
+  if (check < -1 || check >= PyTuple_GET_SIZE(which) || status < -1 ||
+      status >= PyTuple_GET_SIZE(which)) {
+    PyErr_Format(PyExc_ValueError, "check words at value %zd, status word at %zd, of %zd",
+                 check, status, PyTuple_GET_SIZE(which));
     return NULL;
   }
   if (slots0 && (gen_at < 0 || gen_at >= PyTuple_GET_SIZE(which) || at_slot < 0 ||
@@ -440,6 +446,8 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return NULL;  // (the table's ids only: written again by the next post)
   for (Py_ssize_t i = 0; i < k; ++i)  // (-1: a value read here only, see the form)
     if (idx[i] >= 0) slots[idx[i]] = vals[i];
+  if (status >= 0 && vals[status])  // (pinned host memory the kernel writes)
+    *(volatile int64_t *)(uintptr_t)vals[status] = 0;
   if (check >= 0 && vals[check]) {  // (pinned host memory the kernel reads and writes)
     uint64_t *words = (uint64_t *)(uintptr_t)vals[check];
     words[0] = ~(uint64_t)0;

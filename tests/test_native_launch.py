@@ -81,10 +81,10 @@ def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _form(table: Any, slots: Any, params: int, n: int, which: tuple[int, ...],
-          at: int = 2, check: int = -1, board: tuple[int, ...] | None = None
-          ) -> tuple[Any, ...]:
+          at: int = 2, check: int = -1, board: tuple[int, ...] | None = None,
+          status: int = -1) -> tuple[Any, ...]:
     return (0xF00, ctypes.addressof(table), ctypes.addressof(slots), params, 7, 256, at, n,
-            len(table), which, check, board)
+            len(table), which, check, board, status)
 
 
 def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
@@ -196,7 +196,7 @@ def test_a_sample_post_orders_the_blocks_it_checks_first(launcher: Any) -> None:
 def test_a_form_naming_no_value_for_its_check_words_is_refused(launcher: Any) -> None:
     table, slots, drv = _setup(launcher)
     one = np.array([1], dtype=np.int64)
-    with pytest.raises(ValueError, match="check words at value 6 of 6"):
+    with pytest.raises(ValueError, match="check words at value 6, status word at -1, of 6"):
         launcher.post(_form(table, slots, 1, 1, _DIGEST_SLOTS, check=6), one, one, 9, None,
                       1, 2, (1, 0, 1, 3, 0, False))
     assert drv.calls == []
@@ -242,6 +242,28 @@ def test_a_refused_step_raises_naming_it_and_stops_there(launcher: Any, step: st
                       (1, 0, 1, 1))
     assert [c[0] for c in drv.calls] == made  # no completion recorded for a copy not made
     assert ("cuLaunchKernel" in str(err.value)) == (step == "launch")
+
+
+def test_the_post_clears_its_status_word_before_the_launch(launcher: Any) -> None:
+    """The status word (where a refusing kernel stores the post's sequence number) is
+    cleared by the launcher, before its launch: a word left from an earlier refused post
+    would fail this copy."""
+    table, slots, drv = _setup(launcher)
+    word = 20  # an argument slot no plain lane writes: the launch's record shows it as it was
+    slots[word] = 41  # an earlier post's refusal
+    status = ctypes.addressof(slots) + 8 * word
+    one = np.array([1], dtype=np.int64)
+    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=1), one, one, 1, None, 3, 4,
+                  (1, status, 7, 1))
+    assert [c[0] for c in drv.calls] == ["launch", "record"]
+    assert drv.calls[0][7][word] == 0 and slots[word] == 0
+    slots[word] = 41  # a form without a status word (-1) leaves memory alone
+    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS), one, one, 1, None, 3, 4,
+                  (1, status, 7, 1))
+    assert slots[word] == 41
+    with pytest.raises(ValueError, match="status word at 9"):
+        launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=9), one, one, 1, None,
+                      3, 4, (1, status, 7, 1))
 
 
 def test_lists_of_ints_are_taken_as_int64_arrays_are(launcher: Any) -> None:

@@ -642,8 +642,7 @@ class BatchCopier:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                buf = self._take(32)
-                buf.status.value = 0
+                buf = self._take(32)  # (its status word: cleared by the launch)
                 raw = stream.cuda_stream
                 # a digest lane's kernel reports in three words: the first differing index,
                 # the rows it compared, whether any unit found none (kv_move_digest,
@@ -654,6 +653,7 @@ class BatchCopier:
                     pending = self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
                                                 after, buf, seq, check)
                 else:
+                    buf.status.value = 0
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
                     pending = self._enqueue(stream, buf, seq)

@@ -44,6 +44,9 @@ NO_MISMATCH = (1 << 64) - 1
 #: to where the kernel starts from (C launcher and Lane.launch alike): no mismatch, no rows
 #: compared, none missed
 _DIGEST_CHECK = 4
+#: which of a post's values (plain and digest alike) is the address of its status word, which
+#: the C launcher sets to 0 before the launch (Lane.launch's caller clears it itself)
+_STATUS = 1
 _CHECK_START = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
 _CHECK_START_AT = _CHECK_START.ctypes.data  # (numpy's ctypes address costs a call per use)
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
@@ -243,8 +246,9 @@ class Lane:
              check: tuple[int, int, bool] | None = None) -> None:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
-        has work pending) and records the event ``done`` after the kernel — one call; on a
-        digest lane it also sets ``check``'s words to what the kernel starts from, and reads
+        has work pending) and records the event ``done`` after the kernel — one call. It
+        clears the status word ``status`` before the launch; on a digest lane it also sets
+        ``check``'s words to what the kernel starts from, and reads
         where the hold lies from its slot on the board (:func:`board_slot`). The ids
         may be lists of ints too (the launcher converts them); others raise TypeError,
         ValueError or OverflowError before any driver call. Raises RuntimeError naming the
@@ -272,7 +276,7 @@ class Lane:
             int(getattr(fn, "value", fn) or 0), launch.table.ctypes.data,
             ctypes.addressof(launch.vals), launch.params, grid, launch.threads,
             2 * self.segments, n, int(launch.table.shape[0]), self._slots,
-            -1 if self.digest is None else _DIGEST_CHECK, self._board_form())
+            -1 if self.digest is None else _DIGEST_CHECK, self._board_form(), _STATUS)
         if len(self._forms) > 4096:
             self._forms.clear()
         self._forms[n] = (form, g)
