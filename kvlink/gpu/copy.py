@@ -285,6 +285,10 @@ def piece_cuts(n: int, rows: int, first: int, piece: int) -> list[int]:
     return [*range(first, n, piece), n] if first < n else [n]
 
 
+#: a lane post's pinned buffer: its status word and a digest lane's three check words
+_STATUS_BYTES = 32
+
+
 def _size_class(nbytes: int) -> int:
     """Recycled buffers come in powers of two (at least a page), so posts of similar sizes
     share them."""
@@ -366,6 +370,9 @@ class BatchCopier:
         self._events = move.DriverEvents(self.device.index if self.device.index is not None
                                          else torch.cuda.current_device())
         self._pinned: dict[int, list[_Pinned]] = collections.defaultdict(list)
+        #: the free list of a lane post's own buffer (its status and check words): taken
+        #: without _take's call and size class on a READ's path before its launch
+        self._status_free = self._pinned[_size_class(_STATUS_BYTES)]
         # host_extents' buffers: lent out by id of the array handed out, back once its copy
         # completed (a request's planning allocates nothing in steady state)
         self._records: dict[int, list[_Pinned]] = collections.defaultdict(list)
@@ -642,7 +649,8 @@ class BatchCopier:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                buf = self._take(32)  # (its status word: cleared by the launch)
+                free = self._status_free  # (its status word: cleared by the launch)
+                buf = free.pop() if free else self._take(_STATUS_BYTES)
                 raw = stream.cuda_stream
                 # a digest lane's kernel reports in three words: the first differing index,
                 # the rows it compared, whether any unit found none (kv_move_digest,
