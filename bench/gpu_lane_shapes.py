@@ -65,11 +65,11 @@ def _case(torch: Any, name: str, reps: int, rng: np.random.Generator) -> dict[st
         lane._shape = shape  # (read once, at the first launch's build: fits() below)
         assert lane.fits(BLOCKS)
         if g:
-            launch, _, _ = lane._by_blocks[BLOCKS]
+            launch, _, _ = lane.launches[BLOCKS]
             units = lane.segments * BLOCKS
-            lane._by_blocks[BLOCKS] = (launch, -(-units * g // launch.groups), g)
+            lane.launches[BLOCKS] = (launch, -(-units * g // launch.groups), g)
         key = f"{shape[0]}x{shape[1]}x{shape[2]}" + (f"/g{g}" if g else "")
-        parts[key] = lane._by_blocks[BLOCKS][2]
+        parts[key] = lane.launches[BLOCKS][2]
         for x in dst:
             x.zero_()
         torch.cuda.synchronize(dev)  # (the lane's stream is not ordered after the zeroing)

@@ -703,7 +703,8 @@ class CudaIpcTransport(Transport):
         lane's call to the launcher's through the general post's closure and layers). Any
         other case takes :meth:`_post`, which rebinds or fails the post saying why."""
         moves, n = lane.moves, len(local_ids)
-        if not moves.fits(n) or (moves.digest is not None and not generation):
+        if ((n not in moves.launches and not moves.fits(n))
+                or (moves.digest is not None and not generation)):
             return None
         src, dst = (remote_ids, local_ids) if lane.op is Op.READ else (local_ids, remote_ids)
         copier, nbytes = self._copier, n * moves.segments * moves.unit

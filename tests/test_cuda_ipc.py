@@ -657,7 +657,7 @@ def test_driver_events_record_query_and_recycle(queried_by: str, tmp_path: Any,
         return fn
 
     ev: Any = object.__new__(move.DriverEvents)
-    ev._free, ev._device, ev._query = [], 0, None
+    ev.free, ev._device, ev._query = [], 0, None
     ev._lib = types.SimpleNamespace(cuEventCreate=create, cuEventRecord=call("record"),
                                     cuEventQuery=call("query"))
     if queried_by == "c":
@@ -692,7 +692,7 @@ def test_driver_events_record_query_and_recycle(queried_by: str, tmp_path: Any,
     rc["record"] = 400
     with pytest.raises(RuntimeError, match="400"):
         ev.record(5)
-    assert calls == ["record"] and ev._free == [0x77]  # not created again, kept
+    assert calls == ["record"] and ev.free == [0x77]  # not created again, kept
 
 
 def test_stream_order_waits_only_for_pending_work() -> None:
@@ -786,6 +786,7 @@ class _FakeLane:
         self.src, self.dst, self.unit, self.digest = src, dst, unit, digest
         self.segments = int(src.shape[0])
         self.maps = [maps]
+        self.launches: dict[int, Any] = {}  # (none bound ahead: every post asks fits())
 
     def fits(self, blocks: int) -> bool:
         return 0 < blocks <= 100

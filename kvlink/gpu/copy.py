@@ -657,44 +657,38 @@ class BatchCopier:
                 # KV_BOARD); the launch sets them to where the kernel starts from
                 check = None if lane.digest is None else (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
-                if launcher is not None:
-                    pending = self._lane_native(launcher, lane, src_ids, dst_ids, stream, raw,
-                                                after, buf, seq, check)
-                else:
+                if launcher is None:
                     buf.status.value = 0
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
                     pending = self._enqueue(stream, buf, seq)
+                else:  # the C launcher: the ids, the order after the caller's stream, the
+                    # kernel and its completion event in one call. (Written out here, not a
+                    # method: a READ's frames before its launch cost microseconds each cold,
+                    # bench/results/gpu_ab_6dccf04)
+                    events = self._events
+                    if self._order_event is None:
+                        self._order_event = events.take()  # ours for good: serves every order
+                    spare = events.free
+                    done = spare.pop() if spare else events.take()
+                    try:
+                        lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
+                                  self._order_event, done, check)
+                    except RuntimeError:  # (failed below, with an event recorded after it)
+                        events.recycle(done)  # not recorded: nothing waits on it
+                        raise
+                    except (TypeError, ValueError, OverflowError):  # ids it does not take:
+                        events.recycle(done)  # nothing made
+                        self._pinned[buf.size].append(buf)
+                        raise
+                    pending = self._track(stream, buf, seq, done)
+                    pending.ids = lane.posted(len(src_ids))
                 pending.checks_lane = check is not None
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
                 held: tuple[Any, ...] = () if buf is None else (buf,)
                 return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
-
-    def _lane_native(self, launcher: Any, lane: Lane, src_ids: npt.NDArray[np.int64],
-                     dst_ids: npt.NDArray[np.int64], stream: Any, raw: int,
-                     after: int | None, buf: _Pinned, seq: int,
-                     check: tuple[int, int, bool] | None) -> Pending:
-        """:meth:`copy_lane`'s launch through the C launcher: the ids, the order after the
-        caller's stream, the kernel and its completion event in one call (under the lock)."""
-        events = self._events
-        if self._order_event is None:
-            self._order_event = events.take()  # ours for good: one serves every order
-        done = events.take()
-        try:
-            lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
-                      self._order_event, done, check)
-        except RuntimeError:  # (copy_lane fails the copy, recording an event after it)
-            events.recycle(done)  # not recorded: nothing waits on it
-            raise
-        except (TypeError, ValueError, OverflowError):  # ids it does not take: nothing made
-            events.recycle(done)
-            self._pinned[buf.size].append(buf)
-            raise
-        pending = self._track(stream, buf, seq, done)
-        pending.ids = lane.posted(len(src_ids))
-        return pending
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
                       table: npt.NDArray[np.uint64], spare: int, stream: Any,

@@ -58,7 +58,8 @@ _DIGEST_GENERATION, _BOARD_AT, _BOARD_LEN, _DIGEST_PICK = 3, 19, 20, 23
 def _values(n: int, status: int, seq: int, g: int, check: tuple[int, int, bool] | None
             ) -> tuple[int, ...]:
     """What a post writes into its launch's slots (``_PLAIN_SLOTS`` / ``_DIGEST_SLOTS``, in
-    that order), whichever launches it: the C launcher or ctypes."""
+    that order), whichever launches it: ctypes here, the C launcher the same values written
+    out in :meth:`Lane.post` (a call less on a READ's path before its launch)."""
     return ((n, status, seq, g) if check is None else
             (n, status, seq, check[0], check[1], int(check[2])))
 
@@ -155,8 +156,11 @@ class Lane:
                 "kv_move_digest", move.DIGEST_SHAPE,
                 move.DIGEST_NARGS + move.IDS_NARGS[1] + move.BOARD_NARGS)
         self._classes: dict[int, move.TableLaunch] = {}  # size class -> its launch buffers
-        #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes
-        self._by_blocks: dict[int, tuple[move.TableLaunch, int, int]] = {}
+        #: blocks -> (launch buffers, grid, parts per block): requests repeat their sizes. A
+        #: count found here fits (:meth:`fits` for the others): the transport's post asks
+        #: here first, where a call to :meth:`fits` would be two frames on a READ's path
+        #: before its launch, cold (bench/results/gpu_ab_6dccf04)
+        self.launches: dict[int, tuple[move.TableLaunch, int, int]] = {}
         #: blocks -> the C launcher's form of that launch, and its parts per block
         self._forms: dict[int, tuple[tuple[Any, ...], int]] = {}
         #: the argument slots a post writes, in the order :meth:`post` gives their values
@@ -197,7 +201,7 @@ class Lane:
             self._maps = (0, 0, 0, 0)
 
     def _bound(self, blocks: int) -> tuple[move.TableLaunch, int, int] | None:
-        got = self._by_blocks.get(blocks)
+        got = self.launches.get(blocks)
         if got is not None:
             return got
         # (a digest lane's table also holds the order its kernel takes the blocks in)
@@ -221,9 +225,9 @@ class Lane:
         else:
             g = 1
         got = (launch, -(-units * g // launch.groups), g)
-        if len(self._by_blocks) > 4096:
-            self._by_blocks.clear()
-        self._by_blocks[blocks] = got
+        if len(self.launches) > 4096:
+            self.launches.clear()
+        self.launches[blocks] = got
         return got
 
     def _constants(self, launch: move.TableLaunch) -> None:
@@ -256,18 +260,19 @@ class Lane:
         n = len(src_ids)
         form, g = self._forms.get(n) or self._form(n)
         launcher.post(form, src_ids, dst_ids, stream, after, order, done,
-                      _values(n, status, seq, g, check))
+                      (n, status, seq, g) if check is None else  # (_values, without its frame)
+                      (n, status, seq, check[0], check[1], check[2]))
 
     def posted(self, n: int) -> npt.NDArray[np.int64]:
         """The ids the last post of ``n`` blocks launched with (source ids, then destination
         ids), as they are in its launch's table: a copy of our own, one numpy call however
         the caller handed them (lists converted by the launcher)."""
-        launch = self._by_blocks[n][0]
+        launch = self.launches[n][0]
         at = 2 * self.segments
         return launch.ids[at:at + 2 * n].copy()
 
     def _form(self, n: int) -> tuple[tuple[Any, ...], int]:
-        got = self._by_blocks.get(n) or self._bound(n)
+        got = self.launches.get(n) or self._bound(n)
         if got is None:
             raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
         launch, grid, g = got
@@ -305,7 +310,7 @@ class Lane:
         by the generation, or every block).
         Raises RuntimeError where the driver refuses the launch (nothing was enqueued)."""
         n = src_ids.shape[0]
-        got = self._by_blocks.get(n) or self._bound(n)
+        got = self.launches.get(n) or self._bound(n)
         if got is None:
             raise RuntimeError(f"a lane cannot take {n} blocks with the launch (fits() first)")
         launch, grid, g = got

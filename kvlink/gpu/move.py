@@ -816,19 +816,21 @@ class DriverEvents:
                                   cuEventRecord=[vp, vp], cuEventQuery=[vp],
                                   cuEventSynchronize=[vp])
         self._device = device
-        self._free: list[int] = []
+        #: events to record again (complete, or never recorded): a post that takes one
+        #: here makes no call (BatchCopier.copy_lane, before its launch)
+        self.free: list[int] = []
         self._query: Callable[[int], int] | None = _bind_event_query(self._lib)
 
     def take(self) -> int:
         """An event to record (recycled, or new); :meth:`recycle` it if it was not recorded."""
-        return self._free.pop() if self._free else self._create()
+        return self.free.pop() if self.free else self._create()
 
     def record(self, stream: int) -> int:
         """An event recorded on ``stream`` (raw handle) now: complete once what it holds ran."""
-        ev = self._free.pop() if self._free else self._create()
+        ev = self.free.pop() if self.free else self._create()
         rc = self._call(self._lib.cuEventRecord, ev, stream)
         if rc:
-            self._free.append(ev)
+            self.free.append(ev)
             raise RuntimeError(f"cuEventRecord failed with CUDA error {rc}")
         return ev
 
@@ -850,7 +852,7 @@ class DriverEvents:
 
     def recycle(self, ev: int) -> None:
         """``ev`` (complete, or never waited on again) serves a later record."""
-        self._free.append(ev)
+        self.free.append(ev)
 
     def _create(self) -> int:
         ev = ctypes.c_void_p()
