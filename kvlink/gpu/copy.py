@@ -215,8 +215,11 @@ class Pending:
         self._done = self._failed = False
 
     def done(self) -> bool:
-        if not self._done and self.owner._events.query(self.event):
-            self.owner._finish(self)
+        if not self._done:
+            owner = self.owner
+            if owner._events.query(self.event):
+                with owner._lock:  # (BatchCopier._finish without its frame: the poll that
+                    owner._finish_locked(self)  # sees a READ done is on its path, cold)
         return self._done
 
     def failed(self) -> bool:
@@ -457,7 +460,7 @@ class BatchCopier:
             lent = self._lent.pop(id(ext), None)
             if lent is not None and lent[0] is ext:
                 self._records[lent[1].size].append(lent[1])
-        self._events.recycle(p.event)
+        self._events.free.append(p.event)  # (recycle(), without its frame)
         p.keep = ()
         p._done = True
 
