@@ -189,6 +189,8 @@ def stream_request(url: str, model: str, p: list[int], max_tokens: int) -> dict[
 NIXL_EXTRA: dict[str, Any] = {}
 #: NIXL progress thread delay for the NixlConnector servers (bench/nixl_site); 0: stock
 NIXL_PTHR_DELAY_US = [1000]
+#: --pin: each server on a core of its own (start_pair)
+PIN = [False]
 #: kvlink's kv_connector_extra_config additions (NIXL telemetry: the same xfer clock as vLLM's)
 KVLINK_EXTRA: dict[str, Any] = {"transport_options": {"nixl": {"telemetry": True}}}
 
@@ -209,15 +211,17 @@ def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str,
 
 
 def start_pair(setup: str, model: str, work: Path, tag: str, transport: str) -> list[Any]:
+    """Both servers of ``setup``; with --pin each on a core of its own (examples/vllm_pd's
+    ``pinned``, both setups alike)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     servers = []
     for role in ("prefill", "decode"):
         port, side = pd.free_port(), pd.free_port()
         kv, extra_env = setup_config(setup, role, side, transport)
-        e = {**env, **extra_env}
-        servers.append(pd.Server(f"{tag}-{role}", pd.server_command(model, port, kv,
-                                                                    block_size=BLOCK),
-                                 port, work / f"{tag}-{role}.log", e))
+        cmd, e = pd.server_command(model, port, kv, block_size=BLOCK), {**env, **extra_env}
+        if PIN[0]:
+            cmd, e = pd.pinned(len(servers), cmd, e)
+        servers.append(pd.Server(f"{tag}-{role}", cmd, port, work / f"{tag}-{role}.log", e))
     return servers
 
 
@@ -391,6 +395,11 @@ def main() -> None:
                          "bench/nixl_site/sitecustomize.py (NixlConnector has no setting for "
                          "it); 0: stock, the thread busy-spins a core per server")
     ap.add_argument("--only", choices=("kvlink", "nixl"), default=None, help="one setup only")
+    ap.add_argument("--pin", action="store_true",
+                    help="each server on a core of its own (taskset, and vLLM's OpenMP threads "
+                         "bound there), both setups alike: unpinned, the two servers' engine "
+                         "loops spin on the cores the other's forward needs "
+                         "(bench/results/vllm_pd_spin_696c5fb/)")
     ap.add_argument("--first-round", type=int, default=0,
                     help="number of the first round (tags kvlink<N>, nixl<N>; to split a run)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -401,6 +410,7 @@ def main() -> None:
     args = ap.parse_args()
     NIXL_EXTRA.update(json.loads(args.nixl_extra))
     NIXL_PTHR_DELAY_US[0] = args.nixl_pthr_delay_us
+    PIN[0] = args.pin
 
     measured = source()  # at the start: the tree may change while the rounds run
     work = Path(tempfile.mkdtemp(prefix="kvlink-bench-pd-"))
@@ -454,6 +464,7 @@ def main() -> None:
                else sum(p2.get("elapsed_s") or 0 for p2 in parts))
     if not args.merge:
         config = {
+            "servers_pinned": PIN[0],  # --pin: each on a core of its own, both setups
             "kvlink": {"kv_connector_extra_config": json.loads(setup_config(
                 "kvlink", "decode", 0, transport)[0])["kv_connector_extra_config"]},
             "nixl": {"kv_connector_extra_config": NIXL_EXTRA or "stock (num_threads 4, "
