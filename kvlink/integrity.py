@@ -425,6 +425,10 @@ class Checker:
     landed (consumer). Digests are computed on the caller's thread, like the transfer work."""
 
     def __init__(self, level: Level) -> None:
+        #: whether any level checks (not off), and whether it is ``sample``: plain attributes,
+        #: kept by :attr:`level`'s setter, where a property's call is a frame on a READ's
+        #: path (its post and the poll that sees it done), cold
+        self.on = self.sampling = False
         self.level = level
         self.planes: Planes | None = None  # set at register (spec_planes or tensor_planes)
         self._fixed: dict[str, tuple[int, npt.NDArray[np.int64], U64]] = {}
@@ -436,8 +440,14 @@ class Checker:
         self._geo: tuple[Planes, tuple[int, int, int, int] | None] | None = None
 
     @property
-    def on(self) -> bool:
-        return self.level is not Level.OFF
+    def level(self) -> Level:
+        """The deployment's setting (it may change at run time: lanes are kept per level)."""
+        return self._level
+
+    @level.setter
+    def level(self, level: Level) -> None:
+        self._level = level
+        self.on, self.sampling = level is not Level.OFF, level is Level.SAMPLE
 
     # ------------------------------------------------------------------ producer
     def fix(self, req_id: str, generation: int, block_ids: npt.ArrayLike) -> None:

@@ -6,8 +6,8 @@ byte and descriptor counts) and the release of its transports' handles change no
 that outcome. Made on the poll that reports the request, they were on its path: on one H200
 host the transfer's record and release alone took 13.5 of the 75 us from DONE seen to the
 poll's return, cold, before the report's counts (bench/results/gpu_stamps_head/). So that
-poll only notes what ended (:meth:`spent`,
-:meth:`finished`), and :meth:`settle` writes it all later: on a poll that finds its requests
+poll only notes what ended (:attr:`Ledger.ended`, :attr:`Ledger.reported`), and
+:meth:`settle` writes it all later: on a poll that finds its requests
 still moving (their copies are running), on a whole poll, before any of it is read (the
 worker's properties call it), and at close. Separate because it is the one place that
 decides what a caller reads back, and when it is written.
@@ -61,29 +61,25 @@ class Ledger:
         self.finished_bytes = 0
         self.raw_descriptors = 0  # before coalescing, over finished requests
         self.descriptors = 0
-        self._spent: list[_Spent] = []
-        self._finished: list[tuple[_Request, float]] = []  # (request, perf_counter reported)
-
-    def spent(self, entry: _Spent) -> None:
-        """A transfer ended (DONE or FAILED, quiescent): record it and release its handle."""
-        self._spent.append(entry)
-
-    def finished(self, req: _Request, now: float) -> None:
-        """``req`` was reported finished at ``now`` (perf_counter): count it."""
-        self._finished.append((req, now))
+        #: what polls noted, for :meth:`settle` to write: transfers that ended (DONE or
+        #: FAILED, quiescent; their handles released there), and requests reported finished
+        #: (with the perf_counter of the report). The poll that sees them end appends here
+        #: itself: a method per note was a frame more on a request's path, cold
+        self.ended: list[_Spent] = []
+        self.reported: list[tuple[_Request, float]] = []
 
     def owed(self) -> int:
-        return len(self._spent) + len(self._finished)
+        return len(self.ended) + len(self.reported)
 
     def settle(self) -> None:
         """Write down everything owed, in the order it happened; release the handles."""
-        if self._spent:
-            spent, self._spent = self._spent, []
-            for s in spent:
+        if self.ended:
+            ended, self.ended = self.ended, []
+            for s in ended:
                 self._record(s)
-        if self._finished:
-            finished, self._finished = self._finished, []
-            for req, now in finished:
+        if self.reported:
+            reported, self.reported = self.reported, []
+            for req, now in reported:
                 self._count(req, now)
 
     def _record(self, s: _Spent) -> None:

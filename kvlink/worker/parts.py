@@ -26,7 +26,7 @@ from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import LAYOUT, fingerprint
-from kvlink.integrity import Digests, Level, board_rows, unpack
+from kvlink.integrity import Digests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
@@ -244,8 +244,7 @@ class _Parts(_Holds):
                 return False
             generation = go.generation
         part.t_post = time.perf_counter()
-        handle = lane.lane.post(req.local_ids, rids, generation,
-                                self.integrity.level is Level.SAMPLE)
+        handle = lane.lane.post(req.local_ids, rids, generation, self.integrity.sampling)
         if handle is None:
             return False
         req.phases.plan += part.t_post - t0
@@ -330,8 +329,9 @@ class _Parts(_Holds):
         if part.fusing and ok:  # the copy kernel digested what it landed, and compared
             got = transport.landed_check(handle)  # type: ignore[attr-defined]
             part.fused, part.fused_rows = got if got is not None else (None, 0)
-        self._ledger.spent(_Spent(req, transport, handle, ok, part.t_post, part.t_done,
-                                  part.post_seconds, part.nbytes, part.plan))
+        self._ledger.ended.append(_Spent(req, transport, handle, ok, part.t_post,
+                                         part.t_done, part.post_seconds, part.nbytes,
+                                         part.plan))
         failed = state.status is XferStatus.FAILED
         reason = f"{self._where(req, part)}: {state.reason}" if failed else ""
         if (failed and state.refused and req.generation is not None
