@@ -550,13 +550,14 @@ class AfterCheck:
 
     def __init__(self, view: BoardView, generation: int, block_ids: npt.ArrayLike) -> None:
         self._view = view
-        self._args = (_slot_at(generation), generation, block_ids)  # (board_shows' own)
+        # (board_shows' own; _slot_at written out: a frame on a READ's records, cold)
+        self._args = (_HEADER + 8 * _WORDS * (generation & (SLOTS - 1)), generation, block_ids)
 
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""
         view = self._view
         at, generation, ids = self._args
-        helpers = _helpers()
+        helpers = _c_helpers if _c_helpers is not _UNSET else _helpers()  # (no call once known)
         try:
             if helpers is not None:
                 return bool(helpers.board_shows(view._map, at, view._fd, generation, ids))

@@ -847,10 +847,11 @@ class BatchCopier:
                keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "") -> Pending:
         """A copy enqueued, its completion ``event`` recorded: kept in flight (and the copies
         seen finished meanwhile handed back)."""
-        events = self._events
-        while self._inflight and (self._inflight[0]._done
-                                  or events.query(self._inflight[0].event)):
-            self._finish_locked(self._inflight.popleft())
+        events, inflight = self._events, self._inflight
+        while inflight and (inflight[0]._done or events.query(inflight[0].event)):
+            p = inflight.popleft()
+            if not p._done:  # (a copy its poll saw done is finished: no call, on a post's path)
+                self._finish_locked(p)
         pending = Pending(self, event, buf, seq, keep, dbuf, error, stream)
         self._inflight.append(pending)
         return pending
