@@ -107,6 +107,17 @@ def test_sample_picks_a_deterministic_subset_and_at_least_one_block() -> None:
     assert checked(Level.FULL, "x", ids).all() and not checked(Level.OFF, "x", ids).any()
 
 
+def test_a_level_set_at_run_time_says_whether_it_checks_and_samples() -> None:
+    """``Checker.on`` / ``.sampling`` are attributes kept by the level's setter (read on a
+    READ's path without a call): they follow every change of level, as the lanes do."""
+    c = Checker(Level.SAMPLE)
+    assert (c.level, c.on, c.sampling) == (Level.SAMPLE, True, True)
+    for level, on, sampling in ((Level.OFF, False, False), (Level.FULL, True, False),
+                                (Level.SAMPLE, True, True), (Level.OFF, False, False)):
+        c.level = level
+        assert (c.level, c.on, c.sampling) == (level, on, sampling)
+
+
 def test_bad_level_is_refused_naming_it() -> None:
     with pytest.raises(ConfigError, match=r"integrity must be one of .*got 'ful'"):
         WorkerConfig(engine_id="x", integrity="ful")
