@@ -550,8 +550,7 @@ class AfterCheck:
 
     def __init__(self, view: BoardView, generation: int, block_ids: npt.ArrayLike) -> None:
         self._view = view
-        # (board_shows' own; _slot_at written out: a frame on a READ's records, cold)
-        self._args = (_HEADER + 8 * _WORDS * (generation & (SLOTS - 1)), generation, block_ids)
+        self._args = (_slot_at(generation), generation, block_ids)  # (board_shows' own)
 
     def __call__(self) -> bool:
         """The producer is alive and still shows the hold (alive first: module docstring)."""

@@ -728,11 +728,8 @@ class CudaIpcTransport(Transport):
                     pending, nbytes, t0, None, None, target, ids=ids,
                     runs=functools.partial(lane.runs, *(ids or _explained_ids(
                         local_ids, remote_ids)))))
-        if common:  # (_posted, without its frame: a READ's host steps after its launch are
-            # on its path where they outrun its copy)
-            if closable:
-                self._unmap(closable)
-            self._account_post(time.perf_counter() - t0, n * moves.segments)
+        if common:
+            self._posted(closable, t0, n * moves.segments)
             return handle
 
         def copy(copier: Any, target: _Peer, after: int | None) -> Any:

@@ -460,7 +460,7 @@ class BatchCopier:
             lent = self._lent.pop(id(ext), None)
             if lent is not None and lent[0] is ext:
                 self._records[lent[1].size].append(lent[1])
-        self._events.free.append(p.event)  # (recycle(), without its frame)
+        self._events.recycle(p.event)
         p.keep = ()
         p._done = True
 

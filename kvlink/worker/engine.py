@@ -315,9 +315,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         a whole poll does), and nothing else waits — no push, no layer-wise range, no report
         overdue, no answer or session on the side channel, not many records owed. A quiet
         answer stands for _FULL_EVERY from ``now``, as a whole poll does (see :meth:`poll`)."""
-        requests, ledger = self._requests, self._ledger
+        requests = self._requests
         quiet = (len(stepped) == len(requests) and not self._awaiting
-                 and len(ledger.ended) + len(ledger.reported) < OWED_MAX  # (owed(), inline)
+                 and self._ledger.owed() < OWED_MAX
                  and not self._layered and not self._landings_ended
                  and not (self._later and self._later_overdue()) and self._chan.idle()
                  and not (self._threaded and requests and any(self._moved_by_threads(r)
