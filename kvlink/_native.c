@@ -2,11 +2,12 @@
  * driver's four entry points, bound once).
  *
  * post: a cuda_ipc lane's post in one call: the block ids into the launch's parameter buffer,
- * the copy's stream ordered after the caller's, the kernel launched, its completion event
- * recorded. A request's host time before its launch is its latency, and on a serving host
- * that time is cold: the same steps through numpy and ctypes (two slice assignments, the
- * argument slots, a stream query, two event calls and cuLaunchKernel, each converting its
- * arguments anew) cost more; the Python side keeps every buffer written into. The driver's
+ * the copy's stream ordered after the caller's, the kernel launched (it marks its own end in
+ * the post's status buffer: no completion event). A request's host time before its launch is
+ * its latency, and on a serving host that time is cold: the same steps through numpy and
+ * ctypes (two slice assignments, the argument slots, a stream query, two event calls and
+ * cuLaunchKernel, each converting its arguments anew) cost more; the Python side keeps every
+ * buffer written into. The driver's
  * functions are handed over as addresses (those kvlink.gpu.move's ctypes library resolved):
  * this file needs no CUDA header and builds on a machine without CUDA, where its tests give
  * it stand-ins.
@@ -55,25 +56,29 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
 typedef int (*query_fn)(void *stream);
 typedef int (*record_fn)(void *event, void *stream);
 typedef int (*wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*write_fn)(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 
 #define NOT_READY 600 /* CUDA_ERROR_NOT_READY */
+#define END_WORD 4 /* a lane's end word, in words from its status word (kvlink.gpu.lane) */
 
 static launch_fn cu_launch;
 static query_fn cu_query;
 static query_fn cu_event_query;
 static record_fn cu_record;
 static wait_fn cu_wait;
+static write_fn cu_write;
 
 static void *as_ptr(PyObject *o) { return (void *)(uintptr_t)PyLong_AsUnsignedLongLong(o); }
 
-/* bind(cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent): their addresses */
+/* bind(cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent,
+ *      cuStreamWriteValue32_v2): their addresses */
 static PyObject *bind_driver(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "bind takes the four driver functions' addresses");
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "bind takes the five driver functions' addresses");
     return NULL;
   }
-  void *p[4];
-  for (int i = 0; i < 4; ++i) {
+  void *p[5];
+  for (int i = 0; i < 5; ++i) {
     p[i] = as_ptr(args[i]);
     if (PyErr_Occurred()) return NULL;
     if (!p[i]) {
@@ -85,6 +90,7 @@ static PyObject *bind_driver(PyObject *self, PyObject *const *args, Py_ssize_t n
   cu_query = (query_fn)p[1];
   cu_record = (record_fn)p[2];
   cu_wait = (wait_fn)p[3];
+  cu_write = (write_fn)p[4];
   Py_RETURN_NONE;
 }
 
@@ -331,11 +337,11 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
   return PyBool_FromLong(shown);
 }
 
-/* post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)
+/* post(form, src_ids, dst_ids, stream, after, order_event, values)
  *
  * src_ids, dst_ids: lists of ints or int64 arrays (write_ids).
  * form: (function, table, slots, params, grid, threads, at, n, words, which, check, board,
- *   status) as
+ *   status, seq) as
  *   kvlink.gpu.lane.Lane._form builds it: the CUfunction; the addresses of the
  *   parameter table (int64 words), of the argument slots (int64) and of cuLaunchKernel's
  *   pointer array; the grid and block size; where the ids go in the table (source ids at
@@ -355,19 +361,23 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   (positions of the picked blocks first, then the others, each in order), and the count
  *   picked into the pick slot: see kvlink.gpu.lane.sample_order. Last, which of `values`
  *   is the address of the post's status word (-1: none), set to 0 here before the launch
- *   (the kernel stores the post's sequence number there where it refuses an extent) — from
- *   Python a ctypes store of its own on a READ's path before its launch.
+ *   (the kernel stores the post's sequence number there where it refuses an extent), and
+ *   its end word with it, END_WORD words on — from Python ctypes stores of their own on a
+ *   READ's path before its launch; and which of `values` is the post's sequence number,
+ *   which the stream writes into the end word once the kernel has ended
+ *   (cuStreamWriteValue32, after the launch: the copy's completion, read by a poll where it
+ *   queried an event recorded here; kvlink.gpu.lane.END_WORD).
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
- *   order_event only where it has work pending (cuStreamQuery); done_event: recorded after
- *   the kernel. Raises RuntimeError naming the step where the driver refused one: before the
- *   launch nothing of this copy was enqueued; "recording the completion" comes after it.
+ *   order_event only where it has work pending (cuStreamQuery). Raises RuntimeError naming
+ *   the step where the driver refused one: before the launch nothing of this copy was
+ *   enqueued; "marking the end" comes after it.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 13 ||
-      !PyTuple_Check(args[7])) {
+  if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 14 ||
+      !PyTuple_Check(args[6])) {
     PyErr_SetString(PyExc_TypeError,
-                    "post(form, src_ids, dst_ids, stream, after, order_event, done_event, "
-                    "values), form a 13-tuple");
+                    "post(form, src_ids, dst_ids, stream, after, order_event, values), form a "
+                    "14-tuple");
     return NULL;
   }
   if (!cu_launch) {
@@ -386,6 +396,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   PyObject *which = form[9];
   Py_ssize_t check = PyLong_AsSsize_t(form[10]);
   Py_ssize_t status = PyLong_AsSsize_t(form[12]);
+  Py_ssize_t seq_at = PyLong_AsSsize_t(form[13]);
   const uint64_t *slots0 = NULL;  // a digest lane's hold board: see above
   uint64_t mask = 0;
   Py_ssize_t gen_at = -1, at_slot = -1, len_slot = -1, pick_slot = -1;
@@ -405,16 +416,17 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   void *stream = as_ptr(args[3]);
   void *order = as_ptr(args[5]);
-  void *done = as_ptr(args[6]);
   if (PyErr_Occurred()) return NULL;
-  if (!PyTuple_Check(which) || PyTuple_GET_SIZE(which) != PyTuple_GET_SIZE(args[7])) {
+  if (!PyTuple_Check(which) || PyTuple_GET_SIZE(which) != PyTuple_GET_SIZE(args[6])) {
     PyErr_SetString(PyExc_ValueError, "values: one for each of the form's slots");
     return NULL;
   }
   if (check < -1 || check >= PyTuple_GET_SIZE(which) || status < -1 ||
-      status >= PyTuple_GET_SIZE(which)) {
-    PyErr_Format(PyExc_ValueError, "check words at value %zd, status word at %zd, of %zd",
-                 check, status, PyTuple_GET_SIZE(which));
+      status >= PyTuple_GET_SIZE(which) || seq_at < -1 || seq_at >= PyTuple_GET_SIZE(which) ||
+      (status < 0) != (seq_at < 0)) {
+    PyErr_Format(PyExc_ValueError,
+                 "check words at value %zd, status word at %zd, sequence number at %zd, of %zd",
+                 check, status, seq_at, PyTuple_GET_SIZE(which));
     return NULL;
   }
   if (slots0 && (gen_at < 0 || gen_at >= PyTuple_GET_SIZE(which) || at_slot < 0 ||
@@ -437,7 +449,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   for (Py_ssize_t i = 0; i < k; ++i) {  // all read before anything is written
     idx[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(which, i));
-    PyObject *v = PyTuple_GET_ITEM(args[7], i);
+    PyObject *v = PyTuple_GET_ITEM(args[6], i);
     vals[i] = PyBool_Check(v) ? (v == Py_True) : (int64_t)PyLong_AsLongLong(v);
     if (PyErr_Occurred()) return NULL;
   }
@@ -446,8 +458,11 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return NULL;  // (the table's ids only: written again by the next post)
   for (Py_ssize_t i = 0; i < k; ++i)  // (-1: a value read here only, see the form)
     if (idx[i] >= 0) slots[idx[i]] = vals[i];
-  if (status >= 0 && vals[status])  // (pinned host memory the kernel writes)
-    *(volatile int64_t *)(uintptr_t)vals[status] = 0;
+  if (status >= 0 && vals[status]) {  // (pinned host memory the kernel writes)
+    volatile int64_t *word = (volatile int64_t *)(uintptr_t)vals[status];
+    word[0] = 0;
+    word[END_WORD] = 0;
+  }
   if (check >= 0 && vals[check]) {  // (pinned host memory the kernel reads and writes)
     uint64_t *words = (uint64_t *)(uintptr_t)vals[check];
     words[0] = ~(uint64_t)0;
@@ -494,8 +509,9 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   if (!step && (rc = cu_launch(fn, grid, 1, 1, threads, 1, 1, 0, stream, params, NULL)))
     step = "cuLaunchKernel";
-  if (!step && (rc = cu_record(done, stream)))
-    step = "recording the completion (cuEventRecord), after the launch";
+  if (!step && status >= 0 && vals[status] &&
+      (rc = cu_write(stream, (uint64_t)vals[status] + 8 * END_WORD, (uint32_t)vals[seq_at], 0)))
+    step = "marking the end (cuStreamWriteValue32), after the launch";
   if (step) {
     PyErr_Format(PyExc_RuntimeError, "%s failed with CUDA error %d", step, rc);
     return NULL;
@@ -734,13 +750,13 @@ static PyObject *inside(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind_driver, METH_FASTCALL,
-     "bind(launch, query, record, wait): the driver functions' addresses"},
+     "bind(launch, query, record, wait, write): the driver functions' addresses"},
     {"bind_event_query", (PyCFunction)bind_event_query, METH_O,
      "bind_event_query(address): cuEventQuery's address"},
     {"event_query", (PyCFunction)event_query, METH_O,
      "event_query(event) -> CUresult of cuEventQuery"},
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
-     "post(form, src_ids, dst_ids, stream, after, order_event, done_event, values)"},
+     "post(form, src_ids, dst_ids, stream, after, order_event, values)"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,
      "board_shows(map, offset, fd, generation, ids): a READ's after-check"},
     {"move_extents", (PyCFunction)(void (*)(void))move_extents, METH_FASTCALL,

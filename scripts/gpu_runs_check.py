@@ -176,6 +176,21 @@ def main() -> None:
     p.wait()
     stream.synchronize()
     out["mark_passed_after_it"] = copier.passed(mark)
+    # a lane's copy ends when its kernel's last block marks the end word in its status buffer
+    # (no event): polled without any sync until done() says so, its bytes must all be there
+    # for work enqueued next on another stream (the default one here; the copy's stream is
+    # not synchronised with it)
+    dst.zero_()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)  # (~10 ms: the poll sees it running first)
+    p = copier.copy_lane(lane, rids, lids, stream, None)
+    looks = 0
+    while not p.done():
+        looks += 1
+    got = dst.cpu().numpy()  # (a copy on the default stream)
+    out["lane_end_word"] = {"event": p.event, "marked": p.end is not None, "looks": looks,
+                            "failed": p.failed(), "verified": bool(np.array_equal(got, want))}
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
     kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane",
              "copy_lane_ctypes", "device_copy")
@@ -234,6 +249,10 @@ def main() -> None:
         out[f"{f}_failed"] for f in forms) and all(out[f"lane_{s}_id_refused"]
                                                     for s in ("src", "dst")) and bool(
         out["lane_translated"]) and bool(out["far_lane_not_translated"])
+    end = out["lane_end_word"]
+    assert isinstance(end, dict)
+    ok = ok and end["event"] == 0 and end["marked"] and end["looks"] > 0 and not end[
+        "failed"] and end["verified"]
     sys.exit(0 if ok else 1)
 
 

@@ -1,7 +1,7 @@
 """The C lane launcher (kvlink/_native.c, built by kvlink.native): what it writes and
 which driver calls it makes, in which order, and how it fails.
 
-No GPU here: the driver's four functions are stand-ins (ctypes callbacks that record their
+No GPU here: the driver's five functions are stand-ins (ctypes callbacks that record their
 calls and return what a test tells them to), handed to the launcher as it is handed the real
 ones. The real driver is exercised by scripts/gpu_runs_check.py (its lane rows go through
 this launcher where it builds, and it says whether it did)."""
@@ -25,6 +25,7 @@ from kvlink.gpu.lane import (
     _DIGEST_PICK,
     _DIGEST_SLOTS,
     _PLAIN_SLOTS,
+    END_WORD,
     BoardDigest,
     board_slot,
     sample_order,
@@ -39,16 +40,18 @@ LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.c_uint, ctypes.c_uint, ctypes
 QUERY = ctypes.CFUNCTYPE(ctypes.c_int, vp)
 RECORD = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)
 WAIT = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_uint)
+WRITE = ctypes.CFUNCTYPE(ctypes.c_int, vp, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
 
 
 class StandInDriver:
-    """cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent as callbacks (a
+    """cuLaunchKernel, cuStreamQuery, cuEventRecord, cuStreamWaitEvent,
+    cuStreamWriteValue32 as callbacks (a
     stand-in: this machine has no CUDA driver). ``calls``: what was called, in order, with
     the launch's table and argument slots as they were at the call."""
 
     def __init__(self, table: Any, slots: Any) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.rc = {"launch": 0, "query": 0, "record": 0, "wait": 0}
+        self.rc = {"launch": 0, "query": 0, "record": 0, "wait": 0, "write": 0}
         self._table, self._slots = table, slots
 
         def launch(f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, sh: int,
@@ -60,7 +63,8 @@ class StandInDriver:
         self._fns = (LAUNCH(launch),
                      QUERY(lambda s: self._call("query", s)),
                      RECORD(lambda e, s: self._call("record", e, s)),
-                     WAIT(lambda s, e, f: self._call("wait", s, e)))
+                     WAIT(lambda s, e, f: self._call("wait", s, e)),
+                     WRITE(lambda s, a, v, f: self._call("write", s, a, v)))
 
     def _call(self, name: str, *args: Any) -> int:
         self.calls.append((name, *args))
@@ -83,8 +87,10 @@ def launcher(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
 def _form(table: Any, slots: Any, params: int, n: int, which: tuple[int, ...],
           at: int = 2, check: int = -1, board: tuple[int, ...] | None = None,
           status: int = -1) -> tuple[Any, ...]:
+    """A lane's form (kvlink.gpu.lane.Lane._form); with a ``status`` value, the sequence
+    number is the value after it, as a lane's is."""
     return (0xF00, ctypes.addressof(table), ctypes.addressof(slots), params, 7, 256, at, n,
-            len(table), which, check, board, status)
+            len(table), which, check, board, status, -1 if status < 0 else status + 1)
 
 
 def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
@@ -95,20 +101,25 @@ def _setup(launcher: Any) -> tuple[Any, Any, StandInDriver]:
     return table, slots, drv
 
 
-def test_a_post_writes_the_ids_and_slots_then_launches_and_records_completion(
+def test_a_post_writes_the_ids_and_slots_then_launches_and_marks_its_end(
         launcher: Any) -> None:
+    """The launch, then the stream's write of the post's sequence number into its end word
+    (``END_WORD`` words past its status word), where a poll reads it: no completion event
+    recorded (until this stop the launcher recorded one, which every poll then queried)."""
     table, slots, drv = _setup(launcher)
     table[0], table[1] = 111, 222  # the lane's bases: not the post's to touch
+    words = (ctypes.c_int64 * 8)()
     src = np.array([5, 9, 2], dtype=np.int64)
     dst = np.array([1, 0, 7], dtype=np.int64)
-    form = _form(table, slots, 0xABC, 3, _PLAIN_SLOTS)
-    launcher.post(form, src, dst, 0x51, None, 0xE1, 0xE2, (3, 0x5000, 17, 4))
-    assert [c[0] for c in drv.calls] == ["launch", "record"]
-    _, fn, grid, threads, stream, params, words, vals = drv.calls[0]
+    form = _form(table, slots, 0xABC, 3, _PLAIN_SLOTS, status=1)
+    at = ctypes.addressof(words)
+    launcher.post(form, src, dst, 0x51, None, 0xE1, (3, at, 17, 4))
+    assert [c[0] for c in drv.calls] == ["launch", "write"]
+    _, fn, grid, threads, stream, params, ids, vals = drv.calls[0]
     assert (fn, grid, threads, stream, params) == (0xF00, 7, 256, 0x51, 0xABC)
-    assert words[:8] == [111, 222, 5, 9, 2, 1, 0, 7]
-    assert [vals[i] for i in _PLAIN_SLOTS] == [3, 0x5000, 17, 4]
-    assert drv.calls[1] == ("record", 0xE2, 0x51)  # after the kernel, on the copy's stream
+    assert ids[:8] == [111, 222, 5, 9, 2, 1, 0, 7]
+    assert [vals[i] for i in _PLAIN_SLOTS] == [3, at, 17, 4]
+    assert drv.calls[1] == ("write", 0x51, at + 8 * END_WORD, 17)  # on the copy's stream
 
 
 def test_a_digest_post_writes_the_check_and_sample_and_keeps_the_generation(
@@ -128,7 +139,7 @@ def test_a_digest_post_writes_the_check_and_sample_and_keeps_the_generation(
     form = _form(table, slots, 1, 2, _DIGEST_SLOTS, check=_DIGEST_CHECK)
     gen = (1 << 62) + 3
     launcher.post(form, np.array(ids, dtype=np.int64), np.array(ids, dtype=np.int64), 9, None,
-                  1, 2, (2, 0x70, 5, gen, at, True))
+                  1, (2, 0x70, 5, gen, at, True))
     vals = drv.calls[0][7]
     assert _DIGEST_SLOTS[_DIGEST_GENERATION] == -1
     written = [(i, v) for i, v in zip(_DIGEST_SLOTS, (2, 0x70, 5, gen, at, 1)) if i >= 0]
@@ -158,7 +169,7 @@ def test_a_digest_post_reads_where_its_hold_lies_from_the_board(launcher: Any) -
         at, nbytes = board_slot(digest, 7)
         assert nbytes == 96 and LAYOUT.lo <= at < LAYOUT.hi
         for gen, want in ((7, (at, 96)), (7 + LAYOUT.mask + 1, (0, 0)), (8, (0, 0))):
-            launcher.post(form, ids, ids, 9, None, 1, 2, (2, 0x70, 5, gen, 0, False))
+            launcher.post(form, ids, ids, 9, None, 1, (2, 0x70, 5, gen, 0, False))
             assert (slots[_BOARD_AT], slots[_BOARD_LEN]) == want, gen
             assert board_slot(digest, gen) == want
     finally:
@@ -183,22 +194,23 @@ def test_a_sample_post_orders_the_blocks_it_checks_first(launcher: Any) -> None:
     rids = np.random.default_rng(7).permutation(5000)[:n].astype(np.int64)
     lids = np.arange(n, dtype=np.int64)
     for gen in (3, 1001, (7 << 40) | 5, 2**63 - 1):
-        launcher.post(form, rids, lids, 9, None, 1, 2, (n, 0, 5, gen, 0, True))
+        launcher.post(form, rids, lids, 9, None, 1, (n, 0, 5, gen, 0, True))
         order, k = sample_order(rids, gen)
         assert slots[_DIGEST_PICK] == k and 1 <= k < n
         assert list(table[2 + 2 * n:2 + 3 * n]) == order.tolist()
         assert order[k - 1] == n - 1 or (n - 1) in order[:k]  # the last block is checked
     table[2 + 2 * n] = -5
-    launcher.post(form, rids, lids, 9, None, 1, 2, (n, 0, 5, 77, 0, False))
+    launcher.post(form, rids, lids, 9, None, 1, (n, 0, 5, 77, 0, False))
     assert slots[_DIGEST_PICK] == 0 and table[2 + 2 * n] == -5  # full: every block, in order
 
 
 def test_a_form_naming_no_value_for_its_check_words_is_refused(launcher: Any) -> None:
     table, slots, drv = _setup(launcher)
     one = np.array([1], dtype=np.int64)
-    with pytest.raises(ValueError, match="check words at value 6, status word at -1, of 6"):
+    with pytest.raises(ValueError, match="check words at value 6, status word at -1, "
+                                         "sequence number at -1, of 6"):
         launcher.post(_form(table, slots, 1, 1, _DIGEST_SLOTS, check=6), one, one, 9, None,
-                      1, 2, (1, 0, 1, 3, 0, False))
+                      1, (1, 0, 1, 3, 0, False))
     assert drv.calls == []
 
 
@@ -209,20 +221,20 @@ def test_the_copy_waits_for_the_callers_stream_only_where_it_has_work(
     drv.rc["query"] = NOT_READY if pending else 0
     one = np.array([1], dtype=np.int64)
     form = _form(table, slots, 1, 1, _PLAIN_SLOTS)
-    launcher.post(form, one, one, 0x51, 0x77, 0xE1, 0xE2, (1, 0, 1, 1))
+    launcher.post(form, one, one, 0x51, 0x77, 0xE1, (1, 0, 1, 1))
     names = [c[0] for c in drv.calls]
     if pending:  # the order's event recorded on the caller's stream, waited on by ours, first
-        assert names == ["query", "record", "wait", "launch", "record"]
+        assert names == ["query", "record", "wait", "launch"]
         assert drv.calls[1] == ("record", 0xE1, 0x77)
         assert drv.calls[2] == ("wait", 0x51, 0xE1)
     else:
-        assert names == ["query", "launch", "record"]
+        assert names == ["query", "launch"]
     drv.calls.clear()  # the caller's stream is ours: nothing to wait for
-    launcher.post(form, one, one, 0x51, 0x51, 0xE1, 0xE2, (1, 0, 1, 1))
-    assert [c[0] for c in drv.calls] == ["launch", "record"]
+    launcher.post(form, one, one, 0x51, 0x51, 0xE1, (1, 0, 1, 1))
+    assert [c[0] for c in drv.calls] == ["launch"]  # (no status word: no end to mark)
     drv.calls.clear()  # the legacy default stream is handle 0, and is waited for
     drv.rc["query"] = NOT_READY
-    launcher.post(form, one, one, 0x51, 0, 0xE1, 0xE2, (1, 0, 1, 1))
+    launcher.post(form, one, one, 0x51, 0, 0xE1, (1, 0, 1, 1))
     assert drv.calls[1] == ("record", 0xE1, None)  # (ctypes hands a null pointer as None)
 
 
@@ -230,6 +242,7 @@ def test_the_copy_waits_for_the_callers_stream_only_where_it_has_work(
     ("query", ["query"]),
     ("wait", ["query", "record", "wait"]),
     ("launch", ["query", "record", "wait", "launch"]),
+    ("write", ["query", "record", "wait", "launch", "write"]),
 ])
 def test_a_refused_step_raises_naming_it_and_stops_there(launcher: Any, step: str,
                                                          made: list[str]) -> None:
@@ -237,39 +250,47 @@ def test_a_refused_step_raises_naming_it_and_stops_there(launcher: Any, step: st
     drv.rc["query"] = NOT_READY  # the caller's stream busy: the order's steps are made
     drv.rc[step] = 999
     one = np.array([1], dtype=np.int64)
+    words = (ctypes.c_int64 * 8)()
     with pytest.raises(RuntimeError, match="CUDA error 999") as err:
-        launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS), one, one, 1, 2, 3, 4,
-                      (1, 0, 1, 1))
-    assert [c[0] for c in drv.calls] == made  # no completion recorded for a copy not made
+        launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=1), one, one, 1, 2, 3,
+                      (1, ctypes.addressof(words), 1, 1))
+    assert [c[0] for c in drv.calls] == made  # no end marked for a copy not made
     assert ("cuLaunchKernel" in str(err.value)) == (step == "launch")
+    assert ("marking the end" in str(err.value)) == (step == "write")
 
 
-def test_the_post_clears_its_status_word_before_the_launch(launcher: Any) -> None:
-    """The status word (where a refusing kernel stores the post's sequence number) is
+def test_the_post_clears_its_status_and_end_words_before_the_launch(launcher: Any) -> None:
+    """The status word (where a refusing kernel stores the post's sequence number) and the
+    end word (``END_WORD`` words on, where the stream writes it once the copy ended) are
     cleared by the launcher, before its launch: a word left from an earlier refused post
-    would fail this copy."""
+    would fail this copy, and an end left by an earlier post would end it before its
+    kernel ran."""
     table, slots, drv = _setup(launcher)
-    word = 20  # an argument slot no plain lane writes: the launch's record shows it as it was
-    slots[word] = 41  # an earlier post's refusal
+    word = 10  # an argument slot no plain lane writes: the launch's record shows it as it was
+    slots[word], slots[word + END_WORD] = 41, 7  # an earlier post's refusal, and its end
     status = ctypes.addressof(slots) + 8 * word
     one = np.array([1], dtype=np.int64)
-    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=1), one, one, 1, None, 3, 4,
+    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=1), one, one, 1, None, 3,
                   (1, status, 7, 1))
-    assert [c[0] for c in drv.calls] == ["launch", "record"]
-    assert drv.calls[0][7][word] == 0 and slots[word] == 0
-    slots[word] = 41  # a form without a status word (-1) leaves memory alone
-    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS), one, one, 1, None, 3, 4,
-                  (1, status, 7, 1))
-    assert slots[word] == 41
+    assert [c[0] for c in drv.calls] == ["launch", "write"]
+    assert drv.calls[0][7][word] == 0 and drv.calls[0][7][word + END_WORD] == 0
+    assert slots[word] == 0 and slots[word + END_WORD] == 0  # (the stand-in wrote nothing)
+    slots[word], slots[word + END_WORD] = 41, 7  # a form without a status word (-1) leaves
+    launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS), one, one, 1, None, 3,  # memory
+                  (1, status, 7, 1))  # alone
+    assert (slots[word], slots[word + END_WORD]) == (41, 7)
     with pytest.raises(ValueError, match="status word at 9"):
         launcher.post(_form(table, slots, 1, 1, _PLAIN_SLOTS, status=9), one, one, 1, None,
-                      3, 4, (1, status, 7, 1))
+                      3, (1, status, 7, 1))
+    form = (*_form(table, slots, 1, 1, _PLAIN_SLOTS, status=1)[:13], -1)
+    with pytest.raises(ValueError, match="status word at 1, sequence number at -1"):
+        launcher.post(form, one, one, 1, None, 3, (1, status, 7, 1))  # (an end needs both)
 
 
 def test_lists_of_ints_are_taken_as_int64_arrays_are(launcher: Any) -> None:
     table, slots, drv = _setup(launcher)
     form = _form(table, slots, 1, 3, _PLAIN_SLOTS)
-    launcher.post(form, [5, np.int64(9), 2**63 - 1], [1, 0, -7], 1, None, 3, 4,
+    launcher.post(form, [5, np.int64(9), 2**63 - 1], [1, 0, -7], 1, None, 3,
                   (3, 0, 1, 1))  # (a negative id: the kernel refuses it, naming it)
     assert drv.calls[0][6][2:8] == [5, 9, 2**63 - 1, 1, 0, -7]
 
@@ -290,12 +311,12 @@ def test_ids_that_are_not_int64_or_do_not_fit_are_refused_before_any_driver_call
                           ([1, "2"], TypeError, "str"),
                           ([1, 2**64], OverflowError, "too large|too big")):
         with pytest.raises(err, match=why):
-            launcher.post(form, bad, good, 1, None, 3, 4, (2, 0, 1, 1))
+            launcher.post(form, bad, good, 1, None, 3, (2, 0, 1, 1))
     with pytest.raises(ValueError, match="destination ids"):
-        launcher.post(form, good, good.astype(np.uint64), 1, None, 3, 4, (2, 0, 1, 1))
+        launcher.post(form, good, good.astype(np.uint64), 1, None, 3, (2, 0, 1, 1))
     with pytest.raises(ValueError, match="do not fit"):  # 2 x 8 ids past a 16-word table
         launcher.post(_form(table, slots, 1, 8, _PLAIN_SLOTS, at=2), np.zeros(8, np.int64),
-                      np.zeros(8, np.int64), 1, None, 3, 4, (8, 0, 1, 1))
+                      np.zeros(8, np.int64), 1, None, 3, (8, 0, 1, 1))
     assert drv.calls == [] and list(table[:2]) == [111, 222]
 
 

@@ -27,6 +27,7 @@ import collections
 import ctypes
 import dataclasses
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,10 +38,12 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, ExtentOutOfBounds
 from kvlink.gpu import move
+from kvlink.gpu.lane import END_WORD, BoardDigest, Lane
 from kvlink.gpu.lane import NO_MISMATCH as NO_MISMATCH  # (Pending.mismatch: all matched)
-from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import parts_per_extent
 from kvlink.transport import Extents
+
+log = logging.getLogger("kvlink.cuda_ipc")
 
 CHUNK = 256 << 10  # bytes one Triton program moves of a long extent (CUDA: move.CHUNK)
 PIECE = 8192  # extents per launch: the GPU works on one while the host writes the next
@@ -181,18 +184,24 @@ class DigestLaunch:
 
 
 class Pending:
-    """One enqueued copy: its completion event and the records its kernels read (pinned, and
-    on the device where they were uploaded). Once seen complete, its status is kept and the
-    event and buffers go back to the copier (the event only if nobody took it: ``shared``)."""
+    """One enqueued copy: its completion and the records its kernels read (pinned, and on the
+    device where they were uploaded). Its completion is a driver event recorded after it, or,
+    for a lane's copy (``event`` 0), the end word its stream marks in ``buf`` once the kernel
+    has ended (reading it makes no driver call: a poll of a READ in flight reads one word).
+    Once seen complete, its status is kept and the event and buffers go back to the copier
+    (the event only if nobody took it: ``shared``)."""
 
     __slots__ = ("_done", "_failed", "buf", "checks_lane", "compared", "dbuf", "digest_at",
-                 "digests", "error", "event", "ids", "keep", "mismatch", "owner", "seq",
-                 "shared", "stream")
+                 "digests", "end", "error", "event", "ids", "keep", "looks", "mismatch",
+                 "owner", "seq", "shared", "stream")
 
     def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
                  stream: Any = None) -> None:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
+        #: a lane's copy: the word its stream sets to ``seq`` once it ended (None: the event)
+        self.end: Any = None if event or buf is None else buf.end
+        self.looks = 0  # (how often it was found not ended: see _LOOKS_BEFORE_ASKING)
         self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
         self.dbuf = dbuf  # device copy of the records, if uploaded
         self.error = error  # the host could not enqueue all of it (why); failed() once done
@@ -216,10 +225,14 @@ class Pending:
 
     def done(self) -> bool:
         if not self._done:
-            owner = self.owner
-            if owner._events.query(self.event):
+            owner, end = self.owner, self.end
+            if owner._events.query(self.event) if end is None else end.value == self.seq:
                 with owner._lock:  # (BatchCopier._finish without its frame: the poll that
                     owner._finish_locked(self)  # sees a READ done is on its path, cold)
+            elif end is not None:
+                self.looks += 1
+                if self.looks % _LOOKS_BEFORE_ASKING == 0:
+                    owner._ask_stream(self)
         return self._done
 
     def failed(self) -> bool:
@@ -231,23 +244,30 @@ class Pending:
         """A torch CUDA event complete once the copy has ended: a stream that waits on it runs
         after the copy (whether it succeeded is ``failed()``'s answer). Recorded on the copy's
         stream at the first call, not at the post (which records a driver event of its own,
-        cheaper than torch's): it may also wait for copies posted after this one and before
-        the call, never for less. The same event at every call."""
+        cheaper than torch's, or none: a lane's stream marks its end): it may also wait for
+        copies posted after this one and before the call, never for less. The same event at
+        every call."""
         if self.shared is None:
             self.shared = self.owner.torch.cuda.Event()
             self.shared.record(self.stream)
         return self.shared
 
     def wait(self) -> None:
-        if not self._done:
+        if self._done:
+            return
+        if self.end is None:
             self.owner._events.synchronize(self.event)
             self.owner._finish(self)
+            return
+        self.completion_event().synchronize()  # (the copy has ended: its mark is there)
+        if not self.done():
+            self.owner._ask_stream(self)
 
 
 class _Pinned:
     """A pinned host buffer and its uint64 view (making the view costs as much as a launch)."""
 
-    __slots__ = ("bytes", "check", "ptr", "size", "status", "tensor", "words")
+    __slots__ = ("bytes", "check", "end", "ptr", "size", "status", "tensor", "words")
 
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
@@ -262,6 +282,9 @@ class _Pinned:
         #: poll in one call, where numpy's slice and list cost several microseconds cold
         #: (every buffer is a page at least: _size_class)
         self.check: Any = (ctypes.c_uint64 * 3).from_address(self.ptr + 8)
+        #: a lane's end word (kvlink.gpu.lane.END_WORD), which its stream marks once the copy
+        #: has ended (32 bits: cuStreamWriteValue32)
+        self.end = ctypes.c_int32.from_address(self.ptr + 8 * END_WORD)
 
 
 def launch_shape(n: int, first_len: int, chunk: int, min_programs: int,
@@ -288,8 +311,13 @@ def piece_cuts(n: int, rows: int, first: int, piece: int) -> list[int]:
     return [*range(first, n, piece), n] if first < n else [n]
 
 
-#: a lane post's pinned buffer: its status word and a digest lane's three check words
-_STATUS_BYTES = 32
+#: a lane post's pinned buffer: its status word, a digest lane's three check words, the end
+#: word its stream marks (kvlink.gpu.lane.END_WORD)
+_STATUS_BYTES = 8 * (END_WORD + 1)
+#: a lane's copy not seen ended after this many looks has its stream asked whether it still
+#: runs: a stream that never marks its end (a kernel that faulted, its context then dead)
+#: fails the copy, where an endless poll would hang it
+_LOOKS_BEFORE_ASKING = 4096
 
 
 def _size_class(nbytes: int) -> int:
@@ -387,6 +415,9 @@ class BatchCopier:
         self._order: move.StreamOrder | None = None  # copies after a caller's stream
         self._order_event: int | None = None  # the C launcher's (for the same order)
         self._signal: tuple[int, int, int] | None = None  # the post being enqueued's
+        #: whether a stream marks a host word here (cuStreamWriteValue32, a lane's end):
+        #: asked at the first lane (None: not yet), which there is none without it
+        self._marks: bool | None = None
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -460,9 +491,27 @@ class BatchCopier:
             lent = self._lent.pop(id(ext), None)
             if lent is not None and lent[0] is ext:
                 self._records[lent[1].size].append(lent[1])
-        self._events.recycle(p.event)
+        if p.event:
+            self._events.recycle(p.event)
         p.keep = ()
         p._done = True
+
+    def _ask_stream(self, p: Pending) -> None:
+        """A lane's copy long not seen ended: where its stream has nothing left to run and its
+        end is still not marked, or the driver answers with an error (a kernel that faulted
+        leaves its context dead), it fails saying so — never an endless poll."""
+        with self._lock:
+            if p._done or p.end is None or p.end.value == p.seq:
+                return
+            rc = self._events.stream_query(p.stream.cuda_stream)
+            if rc == move.NOT_READY:
+                return
+            if p.end.value == p.seq:  # (it ended between the two reads)
+                self._finish_locked(p)
+                return
+            p.error = (f"the copy's stream ended without marking its end (seq {p.seq})"
+                       if rc == 0 else f"cuStreamQuery of the copy's stream: CUDA error {rc}")
+            self._finish_locked(p)
 
     def host_extents(self, n: int) -> Extents:
         """An uninitialised extent array in pinned memory: records built here are posted
@@ -629,11 +678,31 @@ class BatchCopier:
         (source, destination block counts) (``digest``: the fused digest's kernel, as
         :meth:`copy_digest`, comparing with the rows it finds on the producer's hold board).
         None without :attr:`computes_addresses` (post the general way)."""
-        if self._cuda is None:
+        if self._cuda is None or not self._marks_ends():
             return None
         return Lane(self._cuda, src_base, dst_base, unit, limits, (smap, dmap),
                     chunk=self.chunk, min_programs=self.min_programs, small=LANE_SMALL,
                     digest=digest)
+
+    def _marks_ends(self) -> bool:
+        """Whether a stream can mark a lane's end here (cuStreamWriteValue32 into a pinned
+        host word): tried once, on a stream of its own (not the caller's, which may hold a
+        forward's work). Without it there are no lanes (posts go the general way, whose
+        completion is an event), said once in the log."""
+        if self._marks is None:
+            with self._lock:
+                buf = self._take(_STATUS_BYTES)
+                buf.end.value = 0
+                probe = self.torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                rc = self._events.mark_end(probe.cuda_stream, buf.ptr + 8 * END_WORD, 1)
+                probe.synchronize()
+                self._marks = rc == 0 and buf.end.value == 1
+                self._pinned[buf.size].append(buf)
+            if not self._marks:
+                log.warning("cuda_ipc: no lanes on %s: a stream cannot mark a host word here "
+                            "(cuStreamWriteValue32: CUDA error %d); copies post the general way",
+                            self.device, rc)
+        return self._marks
 
     def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
                   dst_ids: npt.NDArray[np.int64], stream: Any, after: int | None,
@@ -652,7 +721,7 @@ class BatchCopier:
             buf: _Pinned | None = None
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
-                free = self._status_free  # (its status word: cleared by the launch)
+                free = self._status_free  # (its status and end words: cleared by the launch)
                 buf = free.pop() if free else self._take(_STATUS_BYTES)
                 raw = stream.cuda_stream
                 # a digest lane's kernel reports in three words: the first differing index,
@@ -661,30 +730,28 @@ class BatchCopier:
                 check = None if lane.digest is None else (generation, buf.ptr + 8, sample)
                 launcher = self._cuda.launcher if self._cuda is not None else None
                 if launcher is None:
-                    buf.status.value = 0
+                    buf.status.value = buf.end.value = 0
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
-                    pending = self._enqueue(stream, buf, seq)
+                    rc = self._events.mark_end(raw, buf.ptr + 8 * END_WORD, seq)
+                    if rc:
+                        raise RuntimeError(f"marking the end (cuStreamWriteValue32), after the "
+                                           f"launch, failed with CUDA error {rc}")
                 else:  # the C launcher: the ids, the order after the caller's stream, the
-                    # kernel and its completion event in one call. (Written out here, not a
-                    # method: a READ's frames before its launch cost microseconds each cold,
+                    # kernel and its end mark in one call. (Written out here, not a method: a
+                    # READ's frames before its launch cost microseconds each cold,
                     # bench/results/gpu_ab_6dccf04)
-                    events = self._events
-                    if self._order_event is None:
-                        self._order_event = events.take()  # ours for good: serves every order
-                    spare = events.free
-                    done = spare.pop() if spare else events.take()
+                    if self._order_event is None:  # ours for good: serves every order
+                        self._order_event = self._events.take()
                     try:
                         lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
-                                  self._order_event, done, check)
-                    except RuntimeError:  # (failed below, with an event recorded after it)
-                        events.recycle(done)  # not recorded: nothing waits on it
-                        raise
+                                  self._order_event, check)
                     except (TypeError, ValueError, OverflowError):  # ids it does not take:
-                        events.recycle(done)  # nothing made
-                        self._pinned[buf.size].append(buf)
+                        self._pinned[buf.size].append(buf)  # nothing made
                         raise
-                    pending = self._track(stream, buf, seq, done)
+                # (no event: the stream marks its end in buf, Pending.done reads it)
+                pending = self._track(stream, buf, seq, 0)
+                if launcher is not None:
                     pending.ids = lane.posted(len(src_ids))
                 pending.checks_lane = check is not None
                 return pending
@@ -848,7 +915,9 @@ class BatchCopier:
         """A copy enqueued, its completion ``event`` recorded: kept in flight (and the copies
         seen finished meanwhile handed back)."""
         events, inflight = self._events, self._inflight
-        while inflight and (inflight[0]._done or events.query(inflight[0].event)):
+        while inflight and (inflight[0]._done or (
+                events.query(inflight[0].event) if inflight[0].end is None
+                else inflight[0].end.value == inflight[0].seq)):
             p = inflight.popleft()
             if not p._done:  # (a copy its poll saw done is finished: no call, on a post's path)
                 self._finish_locked(p)

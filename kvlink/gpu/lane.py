@@ -45,8 +45,14 @@ NO_MISMATCH = (1 << 64) - 1
 #: compared, none missed
 _DIGEST_CHECK = 4
 #: which of a post's values (plain and digest alike) is the address of its status word, which
-#: the C launcher sets to 0 before the launch (Lane.launch's caller clears it itself)
-_STATUS = 1
+#: the C launcher sets to 0 before the launch, with its end word (Lane.launch's caller clears
+#: both itself), and which is the post's sequence number, which the launcher has the stream
+#: write into the end word once the kernel has ended
+_STATUS, _SEQ = 1, 2
+#: where a lane's post ends, in words from its status word: the stream writes the post's
+#: sequence number there once its kernel has ended (a stream memory operation: the poll that
+#: sees the copy done reads a word, where it queried a driver event)
+END_WORD = 4
 _CHECK_START = np.array([NO_MISMATCH, 0, 0], dtype=np.uint64)
 _CHECK_START_AT = _CHECK_START.ctypes.data  # (numpy's ctypes address costs a call per use)
 #: a digest post's value that is the hold's generation, and the argument slots where the hold's
@@ -246,20 +252,21 @@ class Lane:
 
     def post(self, launcher: Any, src_ids: npt.NDArray[np.int64],
              dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
-             after: int | None, order: int, done: int,
+             after: int | None, order: int,
              check: tuple[int, int, bool] | None = None) -> None:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
-        has work pending) and records the event ``done`` after the kernel — one call. It
-        clears the status word ``status`` before the launch; on a digest lane it also sets
-        ``check``'s words to what the kernel starts from, and reads
-        where the hold lies from its slot on the board (:func:`board_slot`). The ids
-        may be lists of ints too (the launcher converts them); others raise TypeError,
-        ValueError or OverflowError before any driver call. Raises RuntimeError naming the
-        driver step that refused (before the launch: nothing of this copy was enqueued)."""
+        has work pending) and has the stream mark the post's end after the kernel (``seq``
+        into the end word, ``END_WORD`` words past ``status``) — one call. It clears the
+        status and end words before the launch; on a digest lane it also sets ``check``'s
+        words to what the kernel starts from, and reads where the hold lies from its slot on
+        the board (:func:`board_slot`). The ids may be lists of ints too (the launcher
+        converts them); others raise TypeError, ValueError or OverflowError before any driver
+        call. Raises RuntimeError naming the driver step that refused (before the launch:
+        nothing of this copy was enqueued; "marking the end" comes after it)."""
         n = len(src_ids)
         form, g = self._forms.get(n) or self._form(n)
-        launcher.post(form, src_ids, dst_ids, stream, after, order, done,
+        launcher.post(form, src_ids, dst_ids, stream, after, order,
                       (n, status, seq, g) if check is None else  # (_values, without its frame)
                       (n, status, seq, check[0], check[1], check[2]))
 
@@ -281,7 +288,7 @@ class Lane:
             int(getattr(fn, "value", fn) or 0), launch.table.ctypes.data,
             ctypes.addressof(launch.vals), launch.params, grid, launch.threads,
             2 * self.segments, n, int(launch.table.shape[0]), self._slots,
-            -1 if self.digest is None else _DIGEST_CHECK, self._board_form(), _STATUS)
+            -1 if self.digest is None else _DIGEST_CHECK, self._board_form(), _STATUS, _SEQ)
         if len(self._forms) > 4096:
             self._forms.clear()
         self._forms[n] = (form, g)

@@ -723,7 +723,7 @@ def _bind_launcher(lib: Any) -> Any:
     if launcher is not None:
         launcher.bind(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
                         for name in ("cuLaunchKernel", "cuStreamQuery", "cuEventRecord",
-                                     "cuStreamWaitEvent")))
+                                     "cuStreamWaitEvent", "cuStreamWriteValue32_v2")))
     return launcher
 
 
@@ -745,6 +745,7 @@ def _signed(v: int) -> int:
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+NOT_READY = _NOT_READY
 _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 _EVENT_DISABLE_TIMING = 0x2
 
@@ -814,7 +815,9 @@ class DriverEvents:
         vp = ctypes.c_void_p
         self._lib = _typed_driver(cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
                                   cuEventRecord=[vp, vp], cuEventQuery=[vp],
-                                  cuEventSynchronize=[vp])
+                                  cuEventSynchronize=[vp], cuStreamQuery=[vp],
+                                  cuStreamWriteValue32_v2=[vp, ctypes.c_uint64,
+                                                           ctypes.c_uint32, ctypes.c_uint])
         self._device = device
         #: events to record again (complete, or never recorded): a post that takes one
         #: here makes no call (BatchCopier.copy_lane, before its launch)
@@ -844,6 +847,18 @@ class DriverEvents:
         if rc == _NOT_READY:
             return False
         raise RuntimeError(f"cuEventQuery failed with CUDA error {rc}")
+
+    def stream_query(self, stream: int) -> int:
+        """cuStreamQuery of ``stream`` (raw handle): 0 where it has nothing left to run,
+        :data:`NOT_READY` where it has, else the driver's error."""
+        return self._call(self._lib.cuStreamQuery, stream)
+
+    def mark_end(self, stream: int, word: int, value: int) -> int:
+        """``value`` (32 bits) written to the host word at ``word`` once everything enqueued
+        on ``stream`` so far has ended, its writes before it (cuStreamWriteValue32: a stream
+        memory operation, no kernel): a lane's completion (kvlink.gpu.copy.Pending). The
+        driver's answer."""
+        return self._call(self._lib.cuStreamWriteValue32_v2, stream, word, value, 0)
 
     def synchronize(self, ev: int) -> None:
         rc = self._call(self._lib.cuEventSynchronize, ev)
