@@ -63,6 +63,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.gpu.copy import NO_MISMATCH, DigestLaunch
+from kvlink.gpu.ends import CopyEnds
 from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.layout import check_in_range
@@ -142,6 +143,9 @@ class _Xfer:
     ids: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
     cut: str = ""  # disconnected while in flight: FAILED with this once the copy has ended
     settled: bool = False  # its copy was seen complete and its mapping reference dropped
+    #: when (perf_counter) its copy should have ended, after those before it on our stream at
+    #: the rate copies ran here (:meth:`CudaIpcTransport.ends_in`; 0: not known)
+    ends_at: float = 0.0
 
 
 _ALIGNED = PerBases()
@@ -297,6 +301,7 @@ class CudaIpcTransport(Transport):
         self._released: list[_Xfer] = []  # released before their copy ended: settled later
         self._gone: list[_Peer] = []  # disconnected with copies in flight: mapped until they end
         self._closed = False
+        self._ends = CopyEnds()  # when each copy should end (ends_in); under _lock
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._mapper: Any = None
@@ -784,12 +789,25 @@ class CudaIpcTransport(Transport):
         return handle
 
     def _keep_locked(self, handle: int, x: _Xfer) -> list[_Peer]:
-        """A post whose copy is enqueued: its handle, its reference on the peer's mappings;
-        returns the peers whose released copies ended meanwhile (to unmap)."""
+        """A post whose copy is enqueued: its handle, its reference on the peer's mappings,
+        when it should end (:meth:`ends_in`); returns the peers whose released copies ended
+        meanwhile (to unmap)."""
         assert x.peer is not None
         x.peer.live.add(x)
         self._xfers[handle] = x
+        x.ends_at = self._ends.posted(x.t_post, x.nbytes)  # (0: not known yet)
         return self._reap_locked() if self._released else []
+
+    def ends_in(self, handle: int) -> float | None:
+        """Optional hook (kvlink.transport, rule 6): seconds until ``handle``'s copy should
+        have ended (:class:`~kvlink.gpu.ends.CopyEnds`: after the copies before it on our
+        stream, at the best rate our copies ran at lately); 0 where that time has passed. None
+        where not known: no copy seen DONE yet, or the handle not in flight. A poll of the
+        worker waits for a copy about to end (``poll_grace_us``)."""
+        x = self._xfers.get(handle)
+        if x is None or not x.ends_at or x.state.status is not XferStatus.PENDING:
+            return None
+        return max(0.0, x.ends_at - time.perf_counter())
 
     def _posted(self, closable: list[_Peer], t0: float, descriptors: int) -> None:
         """After the lock: unmap what :meth:`_keep_locked` found, count the post."""
@@ -844,6 +862,7 @@ class CudaIpcTransport(Transport):
                                             x.pending.error or self._refusal(x))
                     else:
                         x.state = DONE
+                        self._ends.ended(x.nbytes, time.perf_counter() - x.t_post)
             if closable:  # (the last copy of a peer gone meanwhile)
                 self._unmap(closable)
             if x.state is DONE:

@@ -703,6 +703,56 @@ def test_a_copy_that_lands_during_the_poll_that_made_its_records_is_reported_by_
         prefill.close()
 
 
+@pytest.mark.parametrize(("grace_us", "ends_in", "waits"), [
+    (1e6, 0.001, True),  # expected to end within the grace: waited for, reported
+    (1e6, 5.0, False),  # expected later than the grace allows: not waited for
+    (0.0, 0.001, False),  # grace 0: no poll waits
+])
+def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
+        monkeypatch: pytest.MonkeyPatch, grace_us: float, ends_in: float,
+        waits: bool) -> None:
+    """A copy its transport expects to end within ``poll_grace_us`` (its ``ends_in`` hook,
+    cuda_ipc's estimate) is waited for by the poll that finds it moving, and that poll
+    reports it: a caller that sleeps between polls would see it a sleep later (a scheduler, a
+    step later). One expected later, or with a grace of 0, is not waited for: the poll
+    returns. The copy is held PENDING (an injected fault: tcp cannot be held mid-transfer
+    on demand) until the worker asks when it ends; it then ends while the poll waits. Until
+    this stop no poll waited, and none reported it."""
+    from kvlink.transport import PENDING
+
+    _threadless(monkeypatch)
+    prefill, decode = _pair(poll_grace_us=grace_us)
+    try:
+        t = decode.transports["lane_tcp"]
+        _routed(decode, prefill)
+        decode.poll()  # (what the warm-up READs owe leaves)
+        gen = prefill.hold("soon", [8, 9])
+        decode.read("soon", remote(prefill), [1, 2], [8, 9], generation=gen)
+        handle = decode._requests["soon"].parts[0].handle
+        stuck = {handle}
+        real = t.poll
+        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        asked: list[int] = []
+
+        def when(h: int) -> float | None:  # asked: the copy ends now, expected in `ends_in`
+            asked.append(h)
+            stuck.discard(h)
+            return ends_in if h == handle else None
+
+        monkeypatch.setattr(t, "ends_in", when, raising=False)
+        done, failed = decode.poll()
+        assert ("soon" in done) == waits, (done, failed)
+        assert asked == ([] if not grace_us else [handle])
+        if not waits:  # it ended meanwhile (or is let end now): the next polls report it
+            stuck.clear()
+            ok, reason = outcome(decode, "soon")
+            assert ok, reason
+        assert np.array_equal(blocks(decode, [1, 2]), blocks(prefill, [8, 9]))
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def _threadless(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in says its transfers are moved by no Python thread, as cuda_ipc's are (tcp's
     threads move the bytes: the flag only decides whether a poll hands the GIL over)."""

@@ -29,7 +29,7 @@ LAYERS: dict[str, int] = {
     # cuda_ipc plugin, host staging and the all-reduce
     "kvlink.plan": 3, "kvlink.wire": 3, "kvlink.grants": 3, "kvlink.hostmem": 3,
     "kvlink.gpu": 3, "kvlink.gpu.ipc": 3, "kvlink.gpu.move": 3, "kvlink.gpu.kernels": 3,
-    "kvlink.gpu.copy": 3, "kvlink.gpu.lane": 3,
+    "kvlink.gpu.copy": 3, "kvlink.gpu.lane": 3, "kvlink.gpu.ends": 3,
     # 4: what the wire carries about ownership and integrity; the side channel
     "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
     "kvlink.sidechannel.framing": 4, "kvlink.sidechannel.auth": 4,

@@ -55,6 +55,11 @@ class WorkerConfig:
     #: landing board per push; a prefill's transport that can moves its flag once the bytes
     #: landed. False: every push ends by the prefill's "written" note
     landing_board: bool = True
+    #: microseconds a poll may wait for a copy its transport expects to end within them
+    #: (cuda_ipc: by the bytes left on its stream at the rate its copies ran), so the
+    #: request is reported by this poll, not the next — a sleep or a scheduler step later.
+    #: At most this long in all per poll; 0: never waits
+    poll_grace_us: float = 100.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -69,4 +74,7 @@ class WorkerConfig:
                     "close_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)!r}")
+        if not 0 <= self.poll_grace_us <= 1e6:
+            raise ConfigError(f"poll_grace_us must be 0 to 1e6 (a second), got "
+                              f"{self.poll_grace_us!r}")
 

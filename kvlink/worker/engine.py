@@ -37,7 +37,14 @@ from kvlink.layout import KVCacheSpec
 from kvlink.leases import BlockLeases
 from kvlink.peers import PeerTable, RemoteEngine
 from kvlink.push import PushSlots
-from kvlink.transport import Op, Transport, TransportContext, TransportStats, create_transport
+from kvlink.transport import (
+    Op,
+    Transport,
+    TransportContext,
+    TransportStats,
+    XferStatus,
+    create_transport,
+)
 from kvlink.worker.config import WorkerConfig
 from kvlink.worker.decode_push import _DecodePush
 from kvlink.worker.ledger import OWED_MAX, Ledger
@@ -100,6 +107,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         #: READs whose records this poll's first look made while their copies ran: looked at
         #: once more as the poll ends (_look_again)
         self._recorded: list[_Request] = []
+        self._grace = config.poll_grace_us * 1e-6  # (seconds: see _await_ends)
         self._landings_ended: list[_Awaiting] = []  # their slots, given back at the next poll
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
@@ -260,6 +268,8 @@ class KVWorker(_PrefillPush, _DecodePush):
                 self._ledger.settle()  # records of those before them are written meanwhile
             if self._recorded:
                 self._look_again(finished, failed)
+            if stepped and self._grace:
+                self._await_ends(stepped, finished, failed)
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
         self._full_by = now + _FULL_EVERY
@@ -297,6 +307,8 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._tell_landed()
         if self._recorded:
             self._look_again(finished, failed)
+        if stepped and self._grace:
+            self._await_ends(stepped, finished, failed)
         if self._later and ((not finished and not self._requests) or self._later_overdue()):
             self._send_later()  # what earlier polls' requests owe peers (_tell_later)
         self._chan.flush()
@@ -359,6 +371,51 @@ class KVWorker(_PrefillPush, _DecodePush):
         for req in recorded:
             if self._requests.get(req.req_id) is req and self._step(req):
                 self._report(req, finished, failed)
+
+    def _await_ends(self, stepped: set[str], finished: set[str], failed: dict[str, str]
+                    ) -> None:
+        """Wait, at the end of a poll, for the copies of the requests its first look found
+        moving (``stepped``) that their transports expect to end within ``poll_grace_us``
+        (the optional ``ends_in`` hook: cuda_ipc), soonest first, and report those that do —
+        at most ``poll_grace_us`` in all. A caller that sleeps between polls (or a scheduler
+        that polls once a step) would see such a copy a sleep (a step) later; on one H200
+        host the poll after a 70B READ's ``read()`` looked tens of microseconds before its
+        copy ended once the host outran it (docs/e2e.md, "A lane's end marked by its
+        stream"). The wait spins on the transports' polls, each a word read for cuda_ipc."""
+        soon: list[tuple[float, str]] = []
+        for rid in stepped:
+            req = self._requests.get(rid)
+            left = None if req is None else self._ends_in(req)
+            if left is not None and left <= self._grace:
+                soon.append((left, rid))
+        if not soon:
+            return
+        end = time.perf_counter() + self._grace
+        for _, rid in sorted(soon):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            while any(p.handle is not None and p.go is not None and
+                      p.go.peer.transport.poll(p.handle).status is XferStatus.PENDING
+                      for p in req.parts):
+                if time.perf_counter() >= end:
+                    return
+            if self._step(req):
+                self._report(req, finished, failed)
+
+    @staticmethod
+    def _ends_in(req: _Request) -> float | None:
+        """Seconds until every part of ``req`` is expected to have ended, by its transports'
+        ``ends_in`` (None: a part without one, or not with its transport)."""
+        left = 0.0
+        for p in req.parts:
+            ends_in = None if p.handle is None or p.go is None else getattr(
+                p.go.peer.transport, "ends_in", None)
+            got = None if ends_in is None else ends_in(p.handle)
+            if got is None:
+                return None
+            left = max(left, got)
+        return left
 
     @staticmethod
     def _moved_by_threads(req: _Request) -> bool:

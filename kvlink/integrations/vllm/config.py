@@ -66,6 +66,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
     hold_board: bool = True  # same-host READs validated in shared memory (kvlink.holdboard)
     landing_board: bool = True  # same-host pushes end without a message (kvlink.landing)
+    poll_grace_us: float = 100.0  # a poll waits this long for a copy about to end (at most)
     layerwise: bool = False  # prefill: stream keyed requests layer by layer (docs/layerwise.md)
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_ms: float = DEFAULT_LAYERWISE_WAIT_MS
@@ -188,7 +189,9 @@ class Settings:
     ("off", "sample", "full": end-to-end KV digests, pull and push), ``hold_board`` (same-host
     READs validated in shared memory instead of a round trip, default true), ``landing_board``
     (same-host pushes end when the prefill's transport signals the decode's board, without the
-    prefill's note, default true), ``layerwise``
+    prefill's note, default true), ``poll_grace_us`` (microseconds ``get_finished`` may wait
+    for a load its transport expects to end within them, so it is reported a step sooner;
+    default 100, 0: never waits), ``layerwise``
     (prefill: push requests that carry a router's ``kvlink_push_key`` layer by layer during
     their forward, default false; docs/layerwise.md), ``layerwise_min_tokens`` (prompts shorter
     than this are pushed whole after the forward) and ``layerwise_wait_ms`` (how long a keyed
@@ -218,6 +221,7 @@ class Settings:
     integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
     hold_board: bool = True  # WorkerConfig.hold_board
     landing_board: bool = True  # WorkerConfig.landing_board
+    poll_grace_us: float = 100.0  # WorkerConfig.poll_grace_us
     layerwise: bool = False  # prefill: layer-wise pushes of keyed requests
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_s: float = DEFAULT_LAYERWISE_WAIT_MS / 1e3
@@ -258,7 +262,8 @@ class Settings:
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
-            hold_board=x.hold_board, landing_board=x.landing_board, layerwise=x.layerwise,
+            hold_board=x.hold_board, landing_board=x.landing_board,
+            poll_grace_us=x.poll_grace_us, layerwise=x.layerwise,
             layerwise_min_tokens=x.layerwise_min_tokens,
             layerwise_wait_s=x.layerwise_wait_ms / 1e3,
         )

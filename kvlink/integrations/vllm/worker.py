@@ -149,7 +149,7 @@ class PullWorker(LayerwisePushes):
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
             intent_timeout=self.s.intent_timeout, grants=self.s.grants,
             integrity=self.s.integrity, hold_board=self.s.hold_board,
-            landing_board=self.s.landing_board,
+            landing_board=self.s.landing_board, poll_grace_us=self.s.poll_grace_us,
             # any instance that serves readers serves pushes (a kv_consumer in push mode may
             # hold a do_remote_decode request too), whichever mode a decode asks in
             serve_pushes=self.s.serves)
