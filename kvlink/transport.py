@@ -51,7 +51,8 @@ nixl and mooncake):
    It says the copy has ended, not that it succeeded: :meth:`~Transport.poll` says that.
    Optional hook ``ends_in(handle) -> float | None`` (cuda_ipc): seconds until the handle's
    transfer should have ended, by the transport's own estimate (None: it cannot tell); the
-   worker's poll waits up to ``poll_grace_us`` for one about to end, polling it.
+   worker's poll waits up to ``poll_grace_us`` for one about to end, polling it in a loop
+   that holds the GIL: a transport whose own Python threads move the bytes must not offer it.
    :class:`kvlink.worker.KVWorker` posts from ``read``/``write`` when the peer's handshake is
    cached, else from
    :meth:`~kvlink.worker.KVWorker.poll`, so the stream that counts is the current stream of
