@@ -169,6 +169,9 @@ def worker_stats(w: Any) -> dict[str, Any]:
     timings if this KVWorker version has them (looked up by name, never required)."""
     out: dict[str, Any] = {"transport_stats": _jsonable(w.stats()),
                            "descriptor_counts_raw_coalesced": list(w.descriptor_counts())}
+    grace = getattr(w, "poll_grace", None)  # (the polls' waits for copies about to end)
+    if grace is not None:
+        out["poll_grace"] = _jsonable(grace)
     for name in ("phase_stats", "phases", "phase_seconds", "phase", "timings", "stats_phases"):
         v = getattr(w, name, None)
         if v is None:

@@ -104,6 +104,11 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
         for n, m, p in ph:
             print(f"  {n} {m} " + " ".join(f"{k}={p.get(k, float('nan')) * 1e3:.3f}"
                                           for k in keys))
+    grace = [(n, cr["worker_stats_decode"]["poll_grace"]) for n, cr in cases.items()
+             if "poll_grace" in cr.get("worker_stats_decode", {})]
+    for n, g in grace:  # (poll_grace_us: the polls' waits for copies about to end)
+        print(f"poll grace {n}: {g['waits']} polls waited {g['seconds'] * 1e3:.2f} ms in all, "
+              f"reported {g['reported']} requests, {g['timed_out']} timed out")
     rw = [(n, m, r["read_vs_write"]) for n, cr in cases.items()
           for m, r in cr["modes"].items() if "read_vs_write" in r]
     if rw:

@@ -743,6 +743,10 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
         done, failed = decode.poll()
         assert ("soon" in done) == waits, (done, failed)
         assert asked == ([] if not grace_us else [handle])
+        grace = decode.poll_grace  # what the waits did, read back
+        assert (grace.waits, grace.reported, grace.timed_out) == ((1, 1, 0) if waits
+                                                                  else (0, 0, 0))
+        assert (grace.seconds > 0) == waits
         if not waits:  # it ended meanwhile (or is let end now): the next polls report it
             stuck.clear()
             ok, reason = outcome(decode, "soon")

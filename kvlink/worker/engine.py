@@ -78,6 +78,17 @@ _FULL_EVERY = 0.002
 _QUIET_FOR = 1.0
 
 
+@dataclasses.dataclass
+class GraceStats:
+    """What the polls' waits for copies about to end did (``poll_grace_us``,
+    :attr:`KVWorker.poll_grace`): whether the grace pays, read back."""
+
+    waits: int = 0  # polls that waited
+    reported: int = 0  # requests those waits reported
+    timed_out: int = 0  # waits that reached the grace with a copy still moving
+    seconds: float = 0.0  # time spent waiting, in all
+
+
 class KVWorker(_PrefillPush, _DecodePush):
     """One TP rank's transfer engine; usable without vLLM."""
 
@@ -108,6 +119,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         #: once more as the poll ends (_look_again)
         self._recorded: list[_Request] = []
         self._grace = config.poll_grace_us * 1e-6  # (seconds: see _await_ends)
+        self.poll_grace = GraceStats()
         self._landings_ended: list[_Awaiting] = []  # their slots, given back at the next poll
         self._abort = threading.Event()
         self._calls: set[cf.Future[Any]] = set()
@@ -390,7 +402,10 @@ class KVWorker(_PrefillPush, _DecodePush):
                 soon.append((left, rid))
         if not soon:
             return
-        end = time.perf_counter() + self._grace
+        stats = self.poll_grace
+        stats.waits += 1
+        t0 = time.perf_counter()
+        end = t0 + self._grace
         for _, rid in sorted(soon):
             req = self._requests.get(rid)
             if req is None:
@@ -399,9 +414,13 @@ class KVWorker(_PrefillPush, _DecodePush):
                       p.go.peer.transport.poll(p.handle).status is XferStatus.PENDING
                       for p in req.parts):
                 if time.perf_counter() >= end:
+                    stats.timed_out += 1
+                    stats.seconds += time.perf_counter() - t0
                     return
             if self._step(req):
                 self._report(req, finished, failed)
+                stats.reported += 1
+        stats.seconds += time.perf_counter() - t0
 
     @staticmethod
     def _ends_in(req: _Request) -> float | None:
