@@ -703,21 +703,23 @@ def test_a_copy_that_lands_during_the_poll_that_made_its_records_is_reported_by_
         prefill.close()
 
 
-@pytest.mark.parametrize(("grace_us", "ends_in", "waits"), [
-    (1e6, 0.001, True),  # expected to end within the grace: waited for, reported
-    (1e6, 5.0, False),  # expected later than the grace allows: not waited for
-    (0.0, 0.001, False),  # grace 0: no poll waits
+@pytest.mark.parametrize(("grace_us", "ends_in", "this_poll", "waits"), [
+    (1e6, 0.001, True, True),  # expected to end within the grace: waited for, reported
+    (1e6, 5.0, True, False),  # expected later than the grace allows: not waited for
+    (0.0, 0.001, True, False),  # grace 0: no poll waits
+    (1e6, 0.001, False, False),  # poll(grace=False): a poll before the caller's own work
 ])
 def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
-        monkeypatch: pytest.MonkeyPatch, grace_us: float, ends_in: float,
+        monkeypatch: pytest.MonkeyPatch, grace_us: float, ends_in: float, this_poll: bool,
         waits: bool) -> None:
     """A copy its transport expects to end within ``poll_grace_us`` (its ``ends_in`` hook,
     cuda_ipc's estimate) is waited for by the poll that finds it moving, and that poll
     reports it: a caller that sleeps between polls would see it a sleep later (a scheduler, a
-    step later). One expected later, or with a grace of 0, is not waited for: the poll
-    returns. The copy is held PENDING (an injected fault: tcp cannot be held mid-transfer
-    on demand) until the worker asks when it ends; it then ends while the poll waits. Until
-    this stop no poll waited, and none reported it."""
+    step later). One expected later, with a grace of 0, or asked of a poll told not to wait
+    (vLLM's connector before a forward), is not waited for: the poll returns. The copy is
+    held PENDING (an injected fault: tcp cannot be held mid-transfer on demand) until the
+    worker asks when it ends; it then ends while the poll waits. Until this stop no poll
+    waited, and none reported it."""
     from kvlink.transport import PENDING
 
     _threadless(monkeypatch)
@@ -740,9 +742,9 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
             return ends_in if h == handle else None
 
         monkeypatch.setattr(t, "ends_in", when, raising=False)
-        done, failed = decode.poll()
+        done, failed = decode.poll(grace=this_poll)
         assert ("soon" in done) == waits, (done, failed)
-        assert asked == ([] if not grace_us else [handle])
+        assert asked == ([handle] if grace_us and this_poll else [])
         grace = decode.poll_grace  # what the waits did, read back
         assert (grace.waits, grace.reported, grace.timed_out) == ((1, 1, 0) if waits
                                                                   else (0, 0, 0))

@@ -250,13 +250,16 @@ class KVWorker(_PrefillPush, _DecodePush):
         return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                message=f"{type(msg).__name__} not handled here")
 
-    def poll(self) -> tuple[set[str], dict[str, str]]:
+    def poll(self, *, grace: bool = True) -> tuple[set[str], dict[str, str]]:
         """Advance every request; returns (finished ids, {failed id: reason}) since last call.
 
         A request is reported only when nothing of it can still move: finished (READ: the
         producer confirmed the lease intact) or failed (every part quiescent). Everything
         runs here, on the caller's thread: answers that arrived are taken, DONE transfers
-        are reported, and every message this produced leaves in one frame per peer."""
+        are reported, and every message this produced leaves in one frame per peer.
+        ``grace``: this poll may wait up to ``poll_grace_us`` for a copy about to end
+        (:meth:`_await_ends`); False for a poll the caller follows with work of its own
+        before it could take a report (vLLM's connector, before a forward)."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
         if self._awaiting:  # pushes written on our landing board need no message
@@ -280,7 +283,7 @@ class KVWorker(_PrefillPush, _DecodePush):
                 self._ledger.settle()  # records of those before them are written meanwhile
             if self._recorded:
                 self._look_again(finished, failed)
-            if stepped and self._grace:
+            if stepped and grace and self._grace:
                 self._await_ends(stepped, finished, failed)
             self._chan.flush()  # what ending them queued (a release to replicas)
             return finished, failed
@@ -319,7 +322,7 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._tell_landed()
         if self._recorded:
             self._look_again(finished, failed)
-        if stepped and self._grace:
+        if stepped and grace and self._grace:
             self._await_ends(stepped, finished, failed)
         if self._later and ((not finished and not self._requests) or self._later_overdue()):
             self._send_later()  # what earlier polls' requests owe peers (_tell_later)

@@ -421,13 +421,16 @@ class PullWorker(LayerwisePushes):
         self._failed_blocks.update(req.local_block_ids)
         self._count("recv_failed_requests")
 
-    def _poll(self) -> None:
+    def _poll(self, grace: bool = False) -> None:
         """Advance every transfer of this rank; route the results (a ``kv_both`` rank may have
-        pulls, awaited pushes and its own WRITEs in flight at once)."""
+        pulls, awaited pushes and its own WRITEs in flight at once). ``grace``: the core's poll
+        may wait for a copy about to end (``poll_grace_us``) — only where the step hands its
+        results to vLLM next (:meth:`results`), never before a forward, which it would hold
+        up for a copy that ends during the forward anyway."""
         w = self._w()
         before = w.finished_bytes
         self._told = False  # the core's poll sends what is queued
-        done, failed = w.poll()
+        done, failed = w.poll(grace=grace)
         self._told = w.reports_owed > 0  # the requests it just reported owe their producers
         for key in self._writes & (done | set(failed)):
             self._writes.discard(key)
@@ -494,7 +497,7 @@ class PullWorker(LayerwisePushes):
             out.finished_sending, self._done_sending = self._done_sending, set()
         self._open_gates()
         if self._recv or self._writes or self._told:
-            self._poll()
+            self._poll(grace=True)
             if self._idle and self.s.idle_yield_s > 0 and self._recv:
                 # a READ posted this step often lands within a millisecond: report it with
                 # this step rather than a whole engine round trip later
