@@ -660,7 +660,6 @@ def test_a_copy_that_lands_during_the_poll_that_made_its_records_is_reported_by_
     sleeps between polls, a sleep sooner. At 6594195 the poll looked once, first, and left it
     to the next. The copy's end is placed inside the poll: held PENDING (an injected fault:
     tcp cannot be held mid-transfer on demand) until the poll's later step lets it end."""
-    from kvlink.transport import PENDING
     from kvlink.worker import engine
 
     monkeypatch.setattr(engine, "_FULL_EVERY", 0.3, raising=False)  # knobs, widened
@@ -673,12 +672,7 @@ def test_a_copy_that_lands_during_the_poll_that_made_its_records_is_reported_by_
         decode.poll()  # (what the warm-up READs owe leaves)
         if whole:
             sleep_until(time.monotonic() + 0.4)  # past the window and the quiet time
-        gen = prefill.hold("landing", [8, 9])
-        decode.read("landing", remote(prefill), [1, 2], [8, 9], generation=gen)
-        handle = decode._requests["landing"].parts[0].handle
-        stuck = {handle}
-        real = t.poll
-        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        handle, stuck, real = _read_held(monkeypatch, decode, prefill, "landing")
         landed: list[bool] = []
 
         def land() -> None:  # after the poll's first look: the copy ends now
@@ -720,7 +714,6 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
     held PENDING (an injected fault: tcp cannot be held mid-transfer on demand) until the
     worker asks when it ends; it then ends while the poll waits. Until this stop no poll
     waited, and none reported it."""
-    from kvlink.transport import PENDING
 
     _threadless(monkeypatch)
     prefill, decode = _pair(poll_grace_us=grace_us)
@@ -728,12 +721,7 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
         t = decode.transports["lane_tcp"]
         _routed(decode, prefill)
         decode.poll()  # (what the warm-up READs owe leaves)
-        gen = prefill.hold("soon", [8, 9])
-        decode.read("soon", remote(prefill), [1, 2], [8, 9], generation=gen)
-        handle = decode._requests["soon"].parts[0].handle
-        stuck = {handle}
-        real = t.poll
-        monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+        handle, stuck, _ = _read_held(monkeypatch, decode, prefill, "soon")
         asked: list[int] = []
 
         def when(h: int) -> float | None:  # asked: the copy ends now, expected in `ends_in`
@@ -757,6 +745,23 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
     finally:
         decode.close()
         prefill.close()
+
+
+def _read_held(monkeypatch: pytest.MonkeyPatch, decode: Any, prefill: Any, rid: str
+               ) -> tuple[int, set[int], Any]:
+    """READ ``rid`` (prefill blocks 8, 9 into decode blocks 1, 2) on its route, its copy held
+    PENDING while its handle is in the returned set (an injected fault: tcp cannot be held
+    mid-transfer on demand). Returns (handle, that set, the transport's own poll)."""
+    from kvlink.transport import PENDING
+
+    t = decode.transports["lane_tcp"]
+    gen = prefill.hold(rid, [8, 9])
+    decode.read(rid, remote(prefill), [1, 2], [8, 9], generation=gen)
+    handle = decode._requests[rid].parts[0].handle
+    stuck = {handle}
+    real = t.poll
+    monkeypatch.setattr(t, "poll", lambda h: PENDING if h in stuck else real(h))
+    return handle, stuck, real
 
 
 def _threadless(monkeypatch: pytest.MonkeyPatch) -> None:
