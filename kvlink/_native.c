@@ -2,8 +2,8 @@
  * driver's four entry points, bound once).
  *
  * post: a cuda_ipc lane's post in one call: the block ids into the launch's parameter buffer,
- * the copy's stream ordered after the caller's, the kernel launched (it marks its own end in
- * the post's status buffer: no completion event). A request's host time before its launch is
+ * the copy's stream ordered after the caller's, the kernel launched, and its end marked by
+ * the stream in the post's pinned status buffer (no completion event). A request's host time before its launch is
  * its latency, and on a serving host that time is cold: the same steps through numpy and
  * ctypes (two slice assignments, the argument slots, a stream query, two event calls and
  * cuLaunchKernel, each converting its arguments anew) cost more; the Python side keeps every
@@ -365,8 +365,8 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   its end word with it, END_WORD words on — from Python ctypes stores of their own on a
  *   READ's path before its launch; and which of `values` is the post's sequence number,
  *   which the stream writes into the end word once the kernel has ended
- *   (cuStreamWriteValue32, after the launch: the copy's completion, read by a poll where it
- *   queried an event recorded here; kvlink.gpu.lane.END_WORD).
+ *   (cuStreamWriteValue32, after the launch: the copy's completion, which a poll reads; an
+ *   event recorded here served until 783e09f; kvlink.gpu.lane.END_WORD).
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
  *   order_event only where it has work pending (cuStreamQuery). Raises RuntimeError naming
  *   the step where the driver refused one: before the launch nothing of this copy was

@@ -712,7 +712,9 @@ def test_a_poll_waits_for_a_copy_its_transport_expects_to_end_within_its_grace(
     step later). One expected later, with a grace of 0, or asked of a poll told not to wait
     (vLLM's connector before a forward), is not waited for: the poll returns. The copy is
     held PENDING (an injected fault: tcp cannot be held mid-transfer on demand) until the
-    worker asks when it ends; it then ends while the poll waits. Until this stop no poll
+    worker asks when it ends; it then ends while the poll waits. The answer to that ask is a
+    stand-in too: the real estimate is cuda_ipc's (kvlink.gpu.ends, tested by
+    tests/test_copy_ends.py), which needs a GPU, and tcp has none. Until this stop no poll
     waited, and none reported it."""
 
     _threadless(monkeypatch)

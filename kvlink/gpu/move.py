@@ -744,8 +744,7 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY
-NOT_READY = _NOT_READY
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 _EVENT_DISABLE_TIMING = 0x2
 
@@ -784,7 +783,7 @@ class StreamOrder:
         rc = lib.cuStreamQuery(after)
         if rc == 0:
             return False
-        if rc != _NOT_READY:
+        if rc != NOT_READY:
             raise RuntimeError(f"cuStreamQuery failed with CUDA error {rc}")
         if self._event is None:
             ev = ctypes.c_void_p()
@@ -844,7 +843,7 @@ class DriverEvents:
             rc = self._call(self._lib.cuEventQuery, ev)
         if rc == 0:
             return True
-        if rc == _NOT_READY:
+        if rc == NOT_READY:
             return False
         raise RuntimeError(f"cuEventQuery failed with CUDA error {rc}")
 
