@@ -112,6 +112,14 @@ METRICS: dict[str, dict[str, str]] = {
     "nixl": {"xfer": "vllm:nixl_xfer_time_seconds", "post": "vllm:nixl_post_time_seconds",
              "bytes": "vllm:nixl_bytes_transferred_sum"},
 }
+METRICS["kvlink"]["sync"] = "kvlink_sync_loads_total"  # loads run in their request's step
+METRICS["kvlink_sync"] = METRICS["kvlink"]
+#: plain counters among METRICS' quantities (the others are histograms: _sum and _count)
+COUNTER_KEYS = ("bytes", "sync")
+#: the setups a run may alternate: kvlink at its defaults, kvlink with synchronous loads
+#: (``sync_load_tokens``, SYNC_LOAD_TOKENS: every bench prompt qualifies) and NixlConnector
+SETUPS = ("kvlink", "kvlink_sync", "nixl")
+SYNC_LOAD_TOKENS = 4096
 #: vLLM's own request histograms on the decode server (same code for both setups)
 VLLM_HISTS = {"d_ttft": "vllm:time_to_first_token_seconds",
               "d_queue": "vllm:request_queue_time_seconds",
@@ -122,7 +130,7 @@ def snapshot(server: Any, setup: str) -> dict[str, float]:
     text = server.metrics()
     out: dict[str, float] = {}
     for key, name in {**METRICS[setup], **VLLM_HISTS}.items():
-        if key == "bytes":
+        if key in COUNTER_KEYS:
             out[key] = pd.metric_sum(text, name)
         else:
             out[key] = pd.metric_sum(text, name + "_sum")
@@ -198,9 +206,11 @@ KVLINK_EXTRA: dict[str, Any] = {"transport_options": {"nixl": {"telemetry": True
 def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str, dict[str, str]]:
     """(--kv-transfer-config, extra environment) of one server."""
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    if setup == "kvlink":
+    if setup.startswith("kvlink"):
+        extra = {**KVLINK_EXTRA, **({"sync_load_tokens": SYNC_LOAD_TOKENS}
+                                    if setup == "kvlink_sync" else {})}
         return pd.kv_transfer_config(kv_role, side, transport=transport, policy="fail",
-                                     extra=KVLINK_EXTRA), {}
+                                     extra=extra), {}
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
     if NIXL_PTHR_DELAY_US[0] > 0:
         env["KVLINK_BENCH_NIXL_PTHR_DELAY_US"] = str(NIXL_PTHR_DELAY_US[0])
@@ -264,6 +274,7 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                          recv_s=recv, nixl_post_s=delta(before, after, "post"),
                          transfers_seen=after["xfer_n"] - before["xfer_n"],
                          connector_bytes=after["bytes"] - before["bytes"],
+                         sync_loads=after.get("sync", 0.0) - before.get("sync", 0.0),
                          decode_ttft_s=delta(before, after, "d_ttft"),
                          decode_queue_s=delta(before, after, "d_queue"),
                          decode_prefill_s=delta(before, after, "d_prefill"),
@@ -365,6 +376,7 @@ def summarize(rounds: list[dict[str, Any]], setup: str) -> dict[str, Any]:
            "throughput_MBps": throughput("transfer_s"),
            **({"recv_ms": ms("recv_s"), "recv_throughput_MBps": throughput("recv_s")}
               if any(r.get("recv_s") for r in seq) else {}),
+           "sync_loads": sum(r.get("sync_loads") or 0 for r in seq),
            "connector_bytes_vs_kv_bytes": (sum(r["connector_bytes"] for r in seq)
                                            / max(1, sum(r["kv_bytes"] for r in seq)))}
     conc = [rd["concurrent"] for rd in rounds if rd["setup"] == setup and rd["concurrent"]]
@@ -376,6 +388,37 @@ def summarize(rounds: list[dict[str, Any]], setup: str) -> dict[str, Any]:
                              "wall_s": [c["wall_s"] for c in conc],
                              "throughput_MBps_aggregate":
                                  sum(c["kv_bytes"] for c in conc) / cx / 1e6 if cx else None}
+    return out
+
+
+def ratios_of(summary: dict[str, Any], a: str, b: str) -> dict[str, Any]:
+    """Setup ``a``'s figures over setup ``b``'s, measured in the same run."""
+    k, n = summary[a], summary[b]
+
+    def ratio(x: Any, y: Any) -> Any:
+        return x / y if x and y and x == x and y == y else None
+
+    over = f"{a}_over_{b}"
+    out = {
+        f"ttft_p50_{over}": ratio(k["ttft_ms"]["p50"], n["ttft_ms"]["p50"]),
+        f"ttft_p90_{over}": ratio(k["ttft_ms"]["p90"], n["ttft_ms"]["p90"]),
+        f"ttft_minus_prefill_p50_{over}": ratio(k["ttft_minus_prefill_ms"]["p50"],
+                                                n["ttft_minus_prefill_ms"]["p50"]),
+        f"decode_server_ttft_p50_{over}": ratio(k["decode_server_ttft_ms"]["p50"],
+                                                n["decode_server_ttft_ms"]["p50"]),
+        f"decode_queue_p50_{over}": ratio(k["decode_queue_ms"]["p50"],
+                                          n["decode_queue_ms"]["p50"]),
+        f"throughput_p50_{over}": ratio(k["throughput_MBps"]["p50"],
+                                        n["throughput_MBps"]["p50"]),
+        f"throughput_aggregate_{over}": ratio(k["throughput_MBps"]["aggregate"],
+                                              n["throughput_MBps"]["aggregate"]),
+    }
+    if "recv_throughput_MBps" in k and b == "nixl":  # kvlink's span against NIXL's transport's
+        out[f"recv_throughput_p50_{over}_xfer"] = ratio(k["recv_throughput_MBps"]["p50"],
+                                                        n["throughput_MBps"]["p50"])
+    if "concurrent" in k and "concurrent" in n:
+        out[f"concurrent_ttft_p50_{over}"] = ratio(k["concurrent"]["ttft_ms"]["p50"],
+                                                   n["concurrent"]["ttft_ms"]["p50"])
     return out
 
 
@@ -394,7 +437,10 @@ def main() -> None:
                     help="NIXL progress thread delay of the NixlConnector servers, set through "
                          "bench/nixl_site/sitecustomize.py (NixlConnector has no setting for "
                          "it); 0: stock, the thread busy-spins a core per server")
-    ap.add_argument("--only", choices=("kvlink", "nixl"), default=None, help="one setup only")
+    ap.add_argument("--only", choices=SETUPS, default=None, help="one setup only")
+    ap.add_argument("--setups", default="kvlink,nixl",
+                    help=f"comma-separated setups to alternate, of {', '.join(SETUPS)} "
+                         "(kvlink_sync: kvlink with sync_load_tokens, docs/vllm.md)")
     ap.add_argument("--pin", action="store_true",
                     help="each server on a core of its own (taskset, and vLLM's OpenMP threads "
                          "bound there), both setups alike: unpinned, the two servers' engine "
@@ -428,8 +474,10 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     config: dict[str, Any] = {}
-    order = [(s, args.first_round + r) for r in range(args.rounds) for s in ("kvlink", "nixl")
-             if args.only in (None, s)]
+    setups = [args.only] if args.only else [x for x in args.setups.split(",") if x]
+    if not setups or any(x not in SETUPS for x in setups):
+        raise SystemExit(f"--setups {args.setups!r}: name setups of {', '.join(SETUPS)}")
+    order = [(s, args.first_round + r) for r in range(args.rounds) for s in setups]
     if args.merge:
         order = []
         for f in args.merge:
@@ -451,7 +499,7 @@ def main() -> None:
             rounds.append(run_round(setup, model, work, tag, prompts, kv_per_token,
                                     args.concurrency, transport))
         except Exception as exc:
-            if setup == "kvlink" and transport != "tcp" and not rounds:
+            if setup.startswith("kvlink") and transport != "tcp" and not rounds:
                 transport_note = (f"kvlink over {transport!r} failed ({type(exc).__name__}: "
                                   f"{str(exc)[-800:]}); fell back to 'tcp'")
                 say(transport_note)
@@ -465,8 +513,9 @@ def main() -> None:
     if not args.merge:
         config = {
             "servers_pinned": PIN[0],  # --pin: each on a core of its own, both setups
-            "kvlink": {"kv_connector_extra_config": json.loads(setup_config(
-                "kvlink", "decode", 0, transport)[0])["kv_connector_extra_config"]},
+            **{s: {"kv_connector_extra_config": json.loads(setup_config(
+                s, "decode", 0, transport)[0])["kv_connector_extra_config"]}
+               for s in SETUPS if s.startswith("kvlink")},
             "nixl": {"kv_connector_extra_config": NIXL_EXTRA or "stock (num_threads 4, "
                      "kv_lease_duration 30)",
                      "kv_role": "kv_producer / kv_consumer",
@@ -493,33 +542,12 @@ def main() -> None:
                                    "want": ref[tuple(p)], "got": ids})
     distinct = len({tuple(v) for v in ref.values() if v is not None})
 
-    present = [s for s in ("kvlink", "nixl") if any(rd["setup"] == s for rd in rounds)]
+    present = [s for s in SETUPS if any(rd["setup"] == s for rd in rounds)]
     summary = {s: summarize(rounds, s) for s in present}
     ratios: dict[str, Any] = {}
-    if len(present) == 2:
-        k, n = summary["kvlink"], summary["nixl"]
-
-        def ratio(a: Any, b: Any) -> Any:
-            return a / b if a and b and a == a and b == b else None
-
-        ratios = {
-            "ttft_p50_kvlink_over_nixl": ratio(k["ttft_ms"]["p50"], n["ttft_ms"]["p50"]),
-            "ttft_p90_kvlink_over_nixl": ratio(k["ttft_ms"]["p90"], n["ttft_ms"]["p90"]),
-            "ttft_minus_prefill_p50_kvlink_over_nixl": ratio(
-                k["ttft_minus_prefill_ms"]["p50"], n["ttft_minus_prefill_ms"]["p50"]),
-            "decode_server_ttft_p50_kvlink_over_nixl": ratio(
-                k["decode_server_ttft_ms"]["p50"], n["decode_server_ttft_ms"]["p50"]),
-            "throughput_p50_kvlink_over_nixl": ratio(k["throughput_MBps"]["p50"],
-                                                     n["throughput_MBps"]["p50"]),
-            "throughput_aggregate_kvlink_over_nixl": ratio(k["throughput_MBps"]["aggregate"],
-                                                           n["throughput_MBps"]["aggregate"]),
-        }
-        if "recv_throughput_MBps" in k:  # kvlink's longer span against NIXL's transport span
-            ratios["recv_throughput_p50_kvlink_over_nixl_xfer"] = ratio(
-                k["recv_throughput_MBps"]["p50"], n["throughput_MBps"]["p50"])
-        if "concurrent" in k and "concurrent" in n:
-            ratios["concurrent_ttft_p50_kvlink_over_nixl"] = ratio(
-                k["concurrent"]["ttft_ms"]["p50"], n["concurrent"]["ttft_ms"]["p50"])
+    for a, b in (("kvlink", "nixl"), ("kvlink_sync", "nixl"), ("kvlink_sync", "kvlink")):
+        if a in summary and b in summary:
+            ratios.update(ratios_of(summary, a, b))
     for s in present:
         m = summary[s]
         say(f"{s:6s}: TTFT p50 {m['ttft_ms']['p50']:.1f} ms p90 {m['ttft_ms']['p90']:.1f} ms; "

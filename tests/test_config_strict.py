@@ -212,9 +212,9 @@ FULL: dict[str, Any] = {
     "kv_lease_duration": 45.0, "read_pin_seconds": 20.0, "handshake_timeout": 3.0,
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
-    "integrity": "off",
-    "hold_board": False, "landing_board": False, "layerwise": True,
-    "layerwise_min_tokens": 256, "layerwise_wait_ms": 20.0,
+    "integrity": "off", "hold_board": False, "landing_board": False, "poll_grace_us": 50.0,
+    "sync_load_tokens": 256, "layerwise": True, "layerwise_min_tokens": 256,
+    "layerwise_wait_ms": 20.0,
 }
 
 

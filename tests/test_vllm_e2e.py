@@ -7,7 +7,10 @@ with random weights and a word-level tokenizer built into a temp dir (nothing do
 * decode ``D`` (kv_consumer, kv_load_failure_policy "recompute") behind the example proxy;
 * decode ``F`` (kv_consumer, policy "fail"), only for the expired-lease case.
 
-Both decodes run with ``mode: push`` and are told per request (``kvlink_mode`` in the
+Both decodes load a pull of up to 4096 tokens from a prefill that served them before inside
+the step that schedules it (``sync_load_tokens``: checked that every pull after the first is
+one, that a push never is, and that a failed one is recomputed by D and fails the request on
+F). Both decodes run with ``mode: push`` and are told per request (``kvlink_mode`` in the
 kv_transfer_params, added by the proxy) to pull or to be pushed into, so the same servers and
 the same single-instance answers serve both modes. Checked in each mode: greedy token ids of P
 alone == P+D through the proxy for 8 prompts of 40-230 tokens (2-8 blocks of 32), with D
@@ -157,8 +160,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # set of servers covers both modes.
     specs = {
         "P": ("kv_producer", "recompute", {"kv_lease_duration": LEASE_S}),
-        "D": ("kv_consumer", "recompute", {"mode": "push"}),
-        "F": ("kv_consumer", "fail", {"mode": "push"}),
+        "D": ("kv_consumer", "recompute", {"mode": "push", "sync_load_tokens": 4096}),
+        "F": ("kv_consumer", "fail", {"mode": "push", "sync_load_tokens": 4096}),
     }
     servers: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -203,7 +206,7 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
     pushed = 8 if mode == "push" else 0
     before = {m: cluster.counter("D", m) for m in (
         "kvlink_loaded_tokens", "kvlink_load_failed_requests", "kvlink_recv_bytes",
-        "kvlink_recv_pushed_requests")}
+        "kvlink_recv_pushed_requests", "kvlink_sync_loads")}
     with pd.running_proxy(cluster.url("P"), cluster.url("D"), decode_params=how) as proxy:
         disagg = [cluster.tokens(proxy, p) for p in prompts]
     for n, a, b in zip(LENGTHS, single, disagg):
@@ -217,6 +220,11 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
     assert delta("D", "kvlink_load_failed_requests") == 0, cluster.diagnose("D", "P")
     assert delta("D", "kvlink_recv_bytes") > 0
     assert delta("D", "kvlink_recv_pushed_requests") == pushed, cluster.diagnose("D", "P")
+    # sync_load_tokens: every pull after the first from P ran inside its request's step
+    # (the first one's handshake must not hold up a forward); a push never does
+    synced = delta("D", "kvlink_sync_loads")
+    assert (synced >= len(LENGTHS) - 1 if mode == "pull" else synced == 0), \
+        cluster.diagnose("D")
 
     # Control: B decoded on A's KV (same length) must not give B's answer.
     a, b = prompt(200 + base, 128), prompt(201 + base, 128)
@@ -237,7 +245,13 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
     assert cluster.counter("D", "kvlink_load_failed_requests") - failed0 == 1
     assert cluster.counter("D", "kvlink_loaded_tokens") == loaded2
 
+    if mode == "pull":  # one good load first: F's stale pull is then a synchronous one
+        warm = prompt(300, 64)
+        assert cluster.tokens("F", warm, params={**cluster.prefill(warm), **how}) == \
+            cluster.single(warm)
     failed_f = cluster.counter("F", "kvlink_load_failed_requests")
+    loaded_f = cluster.counter("F", "kvlink_loaded_tokens")
+    synced_f = cluster.counter("F", "kvlink_sync_loads")
     late, params = cluster.stale["F", mode]
     try:
         out = pd.completion(cluster.url("F"), cluster.model, late, MAX_TOKENS,
@@ -248,7 +262,8 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
         reason = out["choices"][0].get("finish_reason")
         assert reason not in ("length", "stop"), f"policy 'fail' answered normally: {out}"
     assert cluster.counter("F", "kvlink_load_failed_requests") - failed_f == 1
-    assert cluster.counter("F", "kvlink_loaded_tokens") == 0
+    assert cluster.counter("F", "kvlink_loaded_tokens") == loaded_f
+    assert cluster.counter("F", "kvlink_sync_loads") - synced_f == (mode == "pull")
 
 
 # ---------------------------------------------------------------------------- no vLLM needed
@@ -412,6 +427,44 @@ def test_pull_and_refusal_of_expired_lease() -> None:
         counters, _ = prod.take_stats()
         assert counters.get("reads_refused") == 2 and counters.get("send_expired_requests")
         assert np.isclose(cons.take_stats()[0]["recv_failed_requests"], 2)
+    finally:
+        prod.close()
+        cons.close()
+
+
+@pytest.mark.parametrize("hold_board", (True, False))
+def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool) -> None:
+    """``sync_load_tokens``: vLLM runs the request in the step that planned its load, so the
+    forward right after ``start_load_kv`` reads the blocks. Settled inside ``start``, READ and
+    validation (shared memory, or the round trip without the hold board); reported to the
+    scheduler by ``take_synced``, never as a finished receive (vLLM asserts a running
+    request is never one); a failed one by its blocks (vLLM's invalid block ids)."""
+    port = free_port_range(1)
+    extra = {"side_channel_port": port, "hold_board": hold_board}
+    prod, cons, src, dst = _pair(extra, extra)
+    try:
+        remote = _remote_r1(port, [1, 3])
+        prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (4, 0), 63, sync=True)]))
+        for s_t, d_t in zip(src, dst):  # no poll, no results(): what the forward sees
+            assert torch.equal(d_t[4], s_t[1]) and torch.equal(d_t[0], s_t[3])
+        assert cons.take_synced() == {"d1": True}
+        res = cons.results()
+        assert not (res.finished_recving or res.failed_recving or res.invalid_blocks)
+
+        # blocks the prefill does not hold for that request: refused inside start, nothing
+        # written, the blocks reported invalid (vLLM drops the step's output, recomputes)
+        prod.start(StepPlan(send=[SendReq("r2", (2,))]))
+        bad = dataclasses.replace(remote, request_id="r2", block_ids=(5,))
+        dst[0][2].fill_(-1.0)
+        cons.start(StepPlan(recv=[RecvReq("d2", bad, (2,), 31, sync=True)]))
+        assert cons.take_synced() == {"d2": False}
+        res = cons.results()
+        assert res.invalid_blocks == {2} and not res.failed_recving and not res.finished_recving
+        assert bool((dst[0][2] == -1.0).all())
+        counters, durations = cons.take_stats()
+        assert counters["recv_requests"] == 1 and counters["recv_failed_requests"] == 1
+        assert counters["sync_wait_seconds"] > 0 and len(durations) == 1
     finally:
         prod.close()
         cons.close()

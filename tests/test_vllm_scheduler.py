@@ -69,6 +69,7 @@ from kvlink.integrations.vllm import (  # noqa: E402
     KVLinkHandshakeMetadata,
 )
 from kvlink.integrations.vllm.config import Settings  # noqa: E402
+from kvlink.integrations.vllm.connector import KVLinkWorkerMetadata  # noqa: E402
 from kvlink.integrations.vllm.layout import detect  # noqa: E402
 from kvlink.integrations.vllm.metadata import (  # noqa: E402
     RecvReq,
@@ -163,6 +164,7 @@ class Engine:
                                block_size=BLOCK)
         self.outputs: dict[str, Any] = {}  # request id -> its last EngineCoreOutput
         self.scheduled: dict[str, int] = {}  # tokens scheduled per request, last step
+        self.counters: dict[str, float] = {}  # the connector's, summed over the steps
 
     def close(self) -> None:
         self.sched.shutdown()
@@ -172,10 +174,13 @@ class Engine:
         return req
 
     def step(self, *, eos: Iterable[str] = (), sending: Iterable[str] = (),
-             recving: Iterable[str] = (), failed: Iterable[str] = ()) -> Any:
+             recving: Iterable[str] = (), failed: Iterable[str] = (),
+             synced: dict[str, bool] | None = None) -> Any:
         """schedule(), a forward pass that samples a token for each request past its prompt
-        (EOS for ``eos``), and update_from_output() with the given transfer results. Returns
-        the step's connector metadata."""
+        (EOS for ``eos``), and update_from_output() with the given transfer results;
+        ``synced``: the synchronous loads this step's workers settled (request -> loaded; a
+        failed one's blocks reported invalid, as the worker does). Returns the step's
+        connector metadata."""
         out = self.sched.schedule()
         self.scheduled = dict(out.num_scheduled_tokens)
         ids = list(out.num_scheduled_tokens)
@@ -186,15 +191,22 @@ class Engine:
             sampled.append([EOS if rid in set(eos) else TOKEN] if done else [])
         sending, recving, failed = set(sending), set(recving), set(failed)
         kv = None
-        if sending or recving or failed:  # failed receives are in finished_recving too
+        if sending or recving or failed or synced:  # failed receives are finished too
+            invalid = {b for rid, ok in (synced or {}).items() if not ok
+                       for b in self.block_ids(rid)}
             kv = KVConnectorOutput(finished_sending=sending or None,
                                    finished_recving=(recving | failed) or None,
-                                   failed_recving=failed)
+                                   failed_recving=failed, invalid_block_ids=invalid,
+                                   kv_connector_worker_meta=KVLinkWorkerMetadata(
+                                       {}, dict(synced)) if synced else None)
         runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                    sampled_token_ids=sampled, kv_connector_output=kv)
         for outs in self.sched.update_from_output(out, runner).values():
             for o in outs.outputs:
                 self.outputs[o.request_id] = o
+            stats = getattr(outs.scheduler_stats, "kv_connector_stats", None) or {}
+            for key, n in (stats.get("counters") or {}).items():
+                self.counters[key] = self.counters.get(key, 0) + n
         return out.kv_connector_metadata
 
     def blocks(self, rid: str) -> list[Any]:
@@ -388,6 +400,59 @@ def test_decode_lifecycle(model: str, engines: Callable[..., Engine], role: str,
     assert recv.push is (mode == "push")  # transfer_mode, served by a side channel here
     assert recv.remote.block_ids == (10, 11, 12) and recv.remote.generation == 4242
     assert recv.expires_in is not None and 100 < recv.expires_in <= 120
+
+
+def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
+        model: str, engines: Callable[..., Engine]) -> None:
+    """``sync_load_tokens``: vLLM's synchronous load. The first load from a prefill is
+    asynchronous (its handshake must not hold up a forward); once one finished, a pull of
+    at most sync_load_tokens tokens is planned ``sync`` and its request runs in that very
+    step (the last prompt token computed), one engine step sooner; a longer one, or a push,
+    stays asynchronous. A failed one is dropped from its step and recomputed (policy
+    recompute), and its prefill's next load is asynchronous again."""
+    e = engines(vllm_config(model, KVLINK, "kv_consumer", "push",
+                            extra={"sync_load_tokens": 64}))
+    first = e.add(request("d1", 40, prefill_params(rid="p1")))
+    (recv,) = _plan(e.step()).recv
+    assert not recv.sync and first.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    e.step(recving={"d1"})
+    e.step(eos={"d1"})
+    assert e.counters == {"loaded_requests": 1, "loaded_tokens": 40}
+
+    req = e.add(request("d2", 40, prefill_params(rid="p2"), seed=1))
+    (recv,) = _plan(e.step(synced={"d2": True})).recv
+    assert recv.sync and not recv.push and e.scheduled == {"d2": 1}
+    assert req.status == RequestStatus.RUNNING and e.outputs["d2"].new_token_ids == [TOKEN]
+    assert recv.local_block_ids == tuple(e.block_ids("d2")) and len(recv.local_block_ids) == 3
+    assert recv.num_tokens == 39 and recv.remote.block_ids == (10, 11, 12)
+    assert e.counters == {"sync_loads": 1, "loaded_requests": 2, "loaded_tokens": 80}
+    e.step(eos={"d2"})
+
+    # over sync_load_tokens, or pushed: asynchronous
+    for rid, n, mode in (("d3", 80, "pull"), ("d4", 40, "push")):
+        e.add(request(rid, n, prefill_params(mode, rid="p" + rid, blocks=n // BLOCK + 1),
+                      seed=int(rid[1])))
+        (recv,) = _plan(e.step()).recv
+        assert not recv.sync and e.sched.requests[rid].status == \
+            RequestStatus.WAITING_FOR_REMOTE_KVS, rid
+        e.step(recving={rid})
+        e.step(eos={rid})
+
+    bad = e.add(request("d5", 40, prefill_params(rid="p5"), seed=5))
+    (recv,) = _plan(e.step(synced={"d5": False})).recv
+    assert recv.sync and "d5" not in e.outputs  # the step's token of d5 was dropped
+    assert e.counters == {"sync_loads": 2, "loaded_requests": 4, "loaded_tokens": 200,
+                          "load_failed_requests": 1, "load_failed_tokens": 40}
+    e.step()
+    assert e.scheduled == {"d5": 40} and bad.status == RequestStatus.RUNNING  # recomputed
+    e.step(eos={"d5"})
+    e.add(request("d6", 40, prefill_params(rid="p6"), seed=6))
+    (recv,) = _plan(e.step()).recv
+    assert not recv.sync  # P's last load failed: asynchronous again
+    e.step(recving={"d6"})
+    e.step(eos={"d6"})
+    e.step()
+    e.assert_empty()
 
 
 def test_prefix_cache_hit_loads_only_the_rest(model: str, engines: Callable[..., Engine]) -> None:

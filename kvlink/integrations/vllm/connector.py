@@ -120,14 +120,20 @@ if _WorkerMetadataBase is not None:
     class KVLinkWorkerMetadata(_WorkerMetadataBase):  # type: ignore[misc,valid-type]
         """Worker -> scheduler, per step: push keys whose decode's push request waits at a
         worker rank (``{key: [ranks]}``), so a layer-wise candidate waiting for its decode's
-        block ids is scheduled the step after they came (docs/layerwise.md)."""
+        block ids is scheduled the step after they came (docs/layerwise.md); and the
+        synchronous loads settled before this step's forward (``{request: loaded}``, loaded
+        only if on every rank), which no finished receive reports."""
 
-        def __init__(self, keys: dict[str, list[int]]) -> None:
+        def __init__(self, keys: dict[str, list[int]],
+                     synced: dict[str, bool] | None = None) -> None:
             self.keys = keys
+            self.synced = synced or {}
 
         def aggregate(self, other: Any) -> Any:
             for key, ranks in (getattr(other, "keys", None) or {}).items():
                 self.keys[key] = sorted(set(self.keys.get(key, ())) | set(ranks))
+            for req, ok in (getattr(other, "synced", None) or {}).items():
+                self.synced[req] = self.synced.get(req, True) and ok
             return self
 
 
@@ -206,8 +212,13 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         self._worker: PullWorker | None = None
         self._results: Any = None
         if role == KVConnectorRole.SCHEDULER:
+            if self.settings.sync_load_tokens and _WorkerMetadataBase is None:
+                log.warning("sync_load_tokens=%d needs vLLM's per-step worker metadata (vLLM "
+                            ">= 0.32) to learn each load's outcome: every load is "
+                            "asynchronous here", self.settings.sync_load_tokens)
             self._sched = PullScheduler(self.settings, self._tp_size, self._block_size,
-                                        self._dp_rank)
+                                        self._dp_rank,
+                                        sync_loads=_WorkerMetadataBase is not None)
         log.info("kvlink connector (%s) engine %s, role %s, mode %s, transports %s, side "
                  "channel %s:%d%s", role.name.lower(), self.settings.engine_id,
                  _ktc_get(ktc, "kv_role"), self.settings.mode,
@@ -274,7 +285,8 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             self._s().arrived(keys)
         self._s().update_output(getattr(connector_output, "finished_recving", None),
                                 getattr(connector_output, "failed_recving", None),
-                                getattr(connector_output, "invalid_block_ids", None))
+                                getattr(connector_output, "invalid_block_ids", None),
+                                getattr(meta, "synced", None))
 
     def get_finished_count(self) -> int | None:
         return None
@@ -335,6 +347,9 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         return KVLinkHandshakeMetadata(tp_rank=kv.config.tp_rank, incarnation=kv.incarnation)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Post this step's loads; a synchronous one (``sync_load_tokens``) is settled here,
+        before the forward that reads it (vLLM calls this before the forward of a step with
+        synchronous loads)."""
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KVLinkConnectorMetadata):
             idle = getattr(forward_context, "attn_metadata", None) is None
@@ -348,10 +363,10 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             self._worker.begin_forward(connector_metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for, layer-wise pushes included: a receive is async (vLLM runs the
-        request only after it is reported finished, and a push is reported finished only once
-        every layer from every prefill rank is written), so no forward ever reads a layer
-        that has not landed, and the decode's other requests never wait on a transfer."""
+        """Nothing to wait for, layer-wise pushes included: an asynchronous receive's request
+        runs only after it is reported finished (a push only once every layer from every
+        prefill rank is written), and a synchronous one was settled by :meth:`start_load_kv`,
+        so no forward ever reads a layer that has not landed."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -374,22 +389,23 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         transfer."""
 
     def _collect(self, finished_req_ids: set[str] | None = None) -> Any:
-        return (self._worker.results(set(finished_req_ids or ()))
-                if self._worker is not None else None)
+        self._results = (self._worker.results(set(finished_req_ids or ()))
+                         if self._worker is not None else None)
+        return self._results
 
     def build_connector_worker_meta(self) -> Any:
-        """Push keys waiting here, for the scheduler's layer-wise wait (None: none)."""
+        """Push keys waiting here, for the scheduler's layer-wise wait, and this step's
+        synchronous loads' outcomes (None: neither)."""
         if self._worker is None or _WorkerMetadataBase is None:
             return None
-        keys = self._worker.arrived_keys()
-        return KVLinkWorkerMetadata(keys) if keys else None
+        keys, synced = self._worker.arrived_keys(), self._worker.take_synced()
+        return KVLinkWorkerMetadata(keys, synced) if keys or synced else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         res = self._collect(finished_req_ids)
         if res is None:
             return None, None
-        self._results = res
         return res.finished_sending or None, res.finished_recving or None
 
     if _HAS_TRANSFER_RESULTS:
@@ -402,10 +418,15 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                                               failed_recving=set(res.failed_recving))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if _HAS_TRANSFER_RESULTS:
-            return set()  # failures are reported per request (failed_recving)
+        """The blocks of synchronous loads that failed before this step's forward (vLLM
+        drops the step's output of their requests and recomputes or fails them), and on
+        vLLM < 0.32 those of failed asynchronous ones (later versions take those per
+        request, as failed_recving)."""
         res, self._results = self._results, None
-        return set(res.failed_blocks) if res is not None else set()
+        if res is None:
+            return set()
+        return set(res.invalid_blocks) | (set() if _HAS_TRANSFER_RESULTS
+                                          else set(res.failed_blocks))
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -93,6 +93,11 @@ class RecvReq:
     #: why the scheduler refuses this receive ("": it does not): the workers report it failed
     #: without moving anything, so vLLM recomputes or fails it (kv_load_failure_policy)
     refused: str = ""
+    #: vLLM's synchronous load (``sync_load_tokens``): the request runs in this very step, so
+    #: the workers settle the READ before the forward and report a failure as invalid blocks
+    #: (the step's output is then dropped and the blocks recomputed or the request failed),
+    #: never as a finished receive
+    sync: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

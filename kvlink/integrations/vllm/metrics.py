@@ -36,6 +36,10 @@ COUNTERS = {
     "load_failed_requests": "Requests whose remote KV load failed (recomputed or failed by "
                             "kv_load_failure_policy).",
     "load_failed_tokens": "Prompt tokens of requests whose remote KV load failed.",
+    "sync_loads": "Loads run inside the step that scheduled their request (sync_load_tokens): "
+                  "that step's forward waited for them.",
+    "sync_wait_seconds": "Seconds decode workers' forwards waited for synchronous loads to "
+                         "settle (per TP rank).",
     "recv_requests": "Requests received (pulled or pushed) by the decode workers (per TP rank).",
     "recv_pushed_requests": "Requests the prefill pushed into the decode workers (mode push).",
     "recv_failed_requests": "Receives (pulls or pushes) that failed on a decode worker.",

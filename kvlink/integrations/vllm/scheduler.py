@@ -13,6 +13,7 @@ only sets that default, and a flag served against its role is logged once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -63,15 +64,36 @@ def _unhashed_block_ids(blocks: Any) -> tuple[int, ...]:
     return tuple(blocks.get_block_ids()[0])
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Load:
+    """A planned receive, until its outcome is reported (finished or failed receive, or the
+    workers' verdict on a synchronous load)."""
+
+    tokens: int  # the prompt tokens it covers
+    blocks: tuple[int, ...]  # local (scheduler) block ids
+    engine: str  # the prefill's engine id
+    sync: bool
+
+
 class PullScheduler:
+    """``sync_loads``: whether the workers can report a synchronous load's outcome (vLLM's
+    per-step worker metadata, vLLM >= 0.32); without it every load is asynchronous."""
+
     def __init__(self, settings: Settings, tp_size: int, block_size: int,
-                 dp_rank: int = 0) -> None:
+                 dp_rank: int = 0, *, sync_loads: bool = True) -> None:
         self.s = settings
         self.tp_size = tp_size
         self.block_size = block_size
         self.side_port = settings.rank_port(dp_rank, tp_size)
         self._plan = StepPlan()
-        self._loading: dict[str, tuple[int, tuple[int, ...]]] = {}  # req -> (tokens, blocks)
+        self._loading: dict[str, _Load] = {}  # by request id
+        # decode, synchronous loads: the most tokens one may load (0: none), the prefill
+        # engines whose last load here finished (a load from any other is asynchronous: its
+        # handshake, or a dead peer, must not hold up a forward), and the local prefix hit
+        # each matched request was offered (where its loaded blocks start)
+        self._sync_tokens = settings.sync_load_tokens if sync_loads else 0
+        self._warm: set[str] = set()
+        self._sync_hit: dict[str, int] = {}
         self.counters: dict[str, float] = {}
         # decode: when a request's params were first seen here (perf_counter), the point the
         # prefill's remaining lease is counted from (see _expires_in)
@@ -133,7 +155,25 @@ class PullScheduler:
                             "instance: loading it, as NixlConnector does (logged once)",
                             request.request_id)
         count = _prompt_len(request) - num_computed_tokens
+        if self._loads_in_step(request, params, count):
+            # vLLM computes at least one token of a request it schedules: the last one's KV
+            # is loaded with its block all the same, then computed again by the forward
+            self._sync_hit[request.request_id] = num_computed_tokens
+            return count - 1, False
         return (count, True) if count > 0 else (0, False)
+
+    def _loads_in_step(self, request: Any, params: Mapping[str, Any], count: int) -> bool:
+        """Whether this load runs inside the step that schedules its request (vLLM's
+        synchronous load): a pull of at most ``sync_load_tokens`` tokens from a prefill whose
+        last load here finished. The forward waits for it (every running request's step
+        grows by the transfer), and in exchange the request runs at once rather than one
+        engine step after its KV arrived. A push, or a first load from a prefill (its
+        handshake), stays asynchronous."""
+        if not 1 < count <= self._sync_tokens:
+            return False
+        remote = parse_remote(params)
+        return (remote is not None and remote.engine_id in self._warm
+                and bool(remote.block_ids) and not self._push(request.request_id, params))
 
     # ------------------------------------------------------------------ prefill: layer-wise
     def _layerwise_candidate(self, request: Any, params: Mapping[str, Any]) -> str:
@@ -222,20 +262,29 @@ class PullScheduler:
             log.warning("request %s: incomplete kv_transfer_params %s; computing locally",
                         request.request_id, {k: params.get(k) for k in params})
             return
+        hit = self._sync_hit.pop(request.request_id, None)
         if num_external_tokens <= 0:
             # Full local prefix hit: nothing to read, but the prefill holds blocks for us.
             self._plan.release.append(remote)
             return
-        local = _unhashed_block_ids(blocks)
+        sync = hit is not None
+        # a synchronous load's blocks are cached (hashed) as they are allocated: the blocks
+        # past the local prefix hit are the prompt's tail, the last one included
+        local = (tuple(blocks.get_block_ids()[0][hit // self.block_size:]) if hit is not None
+                 else _unhashed_block_ids(blocks))
         expires_in = self._expires_in(request.request_id, remote, params, seen)
         refused = size_refusal(params)
         if not refused and expires_in is not None and expires_in <= 0:
             refused = (f"{EXPIRY_PARAM} passed {-expires_in:.3f}s before the READ could "
                        "start (the prefill's lease of the blocks is over): not started")
-        push = self._push(request.request_id, params)
+        push = not sync and self._push(request.request_id, params)
         self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens,
-                                       push, expires_in=expires_in, refused=refused))
-        self._loading[request.request_id] = (num_external_tokens, local)
+                                       push, expires_in=expires_in, refused=refused, sync=sync))
+        # counted as the prompt tokens it covers: a synchronous load's last one is loaded too
+        self._loading[request.request_id] = _Load(num_external_tokens + sync, local,
+                                                  remote.engine_id, sync)
+        if sync:
+            self._count("sync_loads")
 
     def _expires_in(self, req_id: str, remote: Remote, params: Mapping[str, Any],
                     seen: float | None) -> float | None:
@@ -256,7 +305,7 @@ class PullScheduler:
         now = time.perf_counter()
         return (seen if seen is not None else now) + (remote.expiry - remote.clock) - now
 
-    def _push(self, req_id: str, params: dict[str, Any]) -> bool:
+    def _push(self, req_id: str, params: Mapping[str, Any]) -> bool:
         """Pull or push for this request: what its params name (``kvlink_mode``, else the
         prefill's ``transfer_mode``), else the ``mode`` setting. Push needs this instance's side
         channel, which a consumer runs only with ``mode: push``; without it, it is pulled."""
@@ -279,6 +328,7 @@ class PullScheduler:
                                                                             | None]:
         params = getattr(request, "kv_transfer_params", None)
         self._seen.pop(request.request_id, None)
+        self._sync_hit.pop(request.request_id, None)
         self._keyed.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
         streamed = self._streamed.pop(request.request_id, None)
@@ -386,17 +436,27 @@ class PullScheduler:
         return plan
 
     def update_output(self, finished_recving: set[str] | None, failed_recving: set[str] | None,
-                      invalid_block_ids: set[int] | None) -> None:
+                      invalid_block_ids: set[int] | None,
+                      synced: Mapping[str, bool] | None = None) -> None:
+        """One step's receive outcomes: asynchronous loads finished (``failed_recving`` or
+        ``invalid_block_ids`` say which failed) and synchronous ones settled before that
+        step's forward (``synced``: request -> loaded on every worker rank)."""
         failed = set(failed_recving or ())
         bad = set(invalid_block_ids or ())
-        for req in finished_recving or ():
-            tokens, blocks = self._loading.pop(req, (0, ()))
-            if req in failed or (bad and bad.intersection(blocks)):
-                self._count("load_failed_requests")
-                self._count("load_failed_tokens", tokens)
-            else:
+        outcomes = [(req, req not in failed) for req in finished_recving or ()]
+        outcomes += list((synced or {}).items())
+        for req, ok in outcomes:
+            load = self._loading.pop(req, None)
+            if load is None:
+                continue
+            if ok and not bad.intersection(load.blocks):
                 self._count("loaded_requests")
-                self._count("loaded_tokens", tokens)
+                self._count("loaded_tokens", load.tokens)
+                self._warm.add(load.engine)
+            else:
+                self._count("load_failed_requests")
+                self._count("load_failed_tokens", load.tokens)
+                self._warm.discard(load.engine)  # its next load waits for nobody's forward
 
     def take_counters(self) -> dict[str, float]:
         out, self.counters = self.counters, {}

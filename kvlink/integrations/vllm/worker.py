@@ -87,6 +87,8 @@ class Results:
     finished_recving: set[str] = dataclasses.field(default_factory=set)
     failed_recving: dict[str, str] = dataclasses.field(default_factory=dict)
     failed_blocks: set[int] = dataclasses.field(default_factory=set)  # scheduler block ids
+    #: the blocks of synchronous loads that failed (vLLM's invalid block ids, every version)
+    invalid_blocks: set[int] = dataclasses.field(default_factory=set)
 
 
 def _engine(remote: Remote) -> RemoteEngine:
@@ -113,6 +115,9 @@ class PullWorker(LayerwisePushes):
         self._failed: dict[str, str] = {}
         self._failed_blocks: set[int] = set()
         self._finished: set[str] = set()
+        # synchronous loads settled (request -> loaded) and the blocks of those that failed
+        self._synced: dict[str, bool] = {}
+        self._invalid: set[int] = set()
         self._idle = False  # the current step runs no forward pass (see start)
         self._port = settings.rank_port(dp_rank, tp_size)
         self._refused_seen = 0
@@ -417,8 +422,12 @@ class PullWorker(LayerwisePushes):
 
     def _fail(self, req: RecvReq, reason: str) -> None:
         log.warning("loading KV of request %s failed: %s", req.req_id, reason)
-        self._failed[req.req_id] = reason
-        self._failed_blocks.update(req.local_block_ids)
+        if req.sync:  # its request runs this step: vLLM learns it by the blocks
+            self._synced[req.req_id] = False
+            self._invalid.update(req.local_block_ids)
+        else:
+            self._failed[req.req_id] = reason
+            self._failed_blocks.update(req.local_block_ids)
         self._count("recv_failed_requests")
 
     def _poll(self, grace: bool = False) -> None:
@@ -440,7 +449,10 @@ class PullWorker(LayerwisePushes):
             rec = self._take(rid)
             if rec is None:
                 continue
-            self._finished.add(rec.req.req_id)
+            if rec.req.sync:
+                self._synced[rec.req.req_id] = True
+            else:
+                self._finished.add(rec.req.req_id)
             self._count("recv_requests")
             self._count("recv_blocks", rec.local.shape[0])
             if rec.req.push:  # our side posted nothing: count the bytes written into us
@@ -483,6 +495,37 @@ class PullWorker(LayerwisePushes):
             self._told = True
         if self._recv or self._writes or self._told:
             self._poll()
+        sync = {r.req_id for r in plan.recv if r.sync}
+        if sync:
+            self._settle(sync)
+
+    def _settle(self, req_ids: set[str]) -> None:
+        """Wait until every synchronous load of this step is finished or failed: the forward
+        that follows reads their blocks. Nothing is given up early: a READ reported failed has
+        nothing of it left to land (the core's rule), and vLLM recomputes into the blocks of
+        a failed one, so a timeout here would let a late byte overwrite that. What bounds the
+        wait is the core's: a dead peer fails its READ, an unanswered one fails at its
+        report timeout; the scheduler asks for one only from a prefill whose last load
+        finished (:meth:`PullScheduler._loads_in_step`)."""
+        t0 = time.perf_counter()
+        slow = t0 + 1.0
+        while True:
+            self._open_gates()
+            self._poll(grace=True)
+            if all(r in self._synced for r in req_ids):
+                break
+            self._w().wait(0.0002)  # (GIL released: transport and side-channel threads run)
+            if slow and time.perf_counter() > slow:
+                slow = 0.0
+                log.warning("the forward has waited 1 s for synchronous load(s) %s to settle "
+                            "(sync_load_tokens; still waiting)",
+                            sorted(r for r in req_ids if r not in self._synced))
+        self._count("sync_wait_seconds", time.perf_counter() - t0)
+
+    def take_synced(self) -> dict[str, bool]:
+        """The synchronous loads settled since the last call: request -> loaded."""
+        out, self._synced = self._synced, {}
+        return out
 
     def results(self, finished_req_ids: set[str] | frozenset[str] = frozenset()) -> Results:
         """What finished since the last call (from get_finished / get_transfer_results);
@@ -505,6 +548,7 @@ class PullWorker(LayerwisePushes):
         out.finished_recving, self._finished = self._finished, set()
         out.failed_recving, self._failed = self._failed, {}
         out.failed_blocks, self._failed_blocks = self._failed_blocks, set()
+        out.invalid_blocks, self._invalid = self._invalid, set()
         out.finished_recving |= set(out.failed_recving)
         return out
 
