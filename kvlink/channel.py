@@ -300,9 +300,11 @@ class Channels:
             return any(c.queued or c.waiting or c.nonce for c in self._conns.values())
 
     def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds (in whole milliseconds), waking early when an
-        answer arrives, with the GIL released; then pump. Never a busy return, so a caller
-        may loop on it."""
+        """Block up to ``timeout`` seconds, waking early when an answer arrives, with the GIL
+        released; then pump. Never a busy return, so a caller may loop on it. ``poll`` counts
+        whole milliseconds: a shorter wait sleeps its length and takes what came meanwhile
+        (rounded up, a 0.2 ms wait for a READ that no message ends slept 1 ms: the vLLM
+        worker's waits for a load, bench/results/vllm_pd_sync_*)."""
         timeout = max(0.0, timeout)
         poller = select.poll()  # not select(): a serving process may hold fds past 1024
         awaited = False
@@ -318,9 +320,9 @@ class Channels:
                     awaited = True
                     poller.register(c.pipe.fileno(), select.POLLIN
                                     | (select.POLLOUT if c.pipe.wants_write() else 0))
-        if awaited:
+        if awaited and timeout >= 0.001:
             poller.poll(math.ceil(timeout * 1000))
-        else:  # nothing awaited here: a plain sleep
+        else:  # nothing awaited here, or less than poll's millisecond: a plain sleep
             time.sleep(timeout)
         self.pump()
 

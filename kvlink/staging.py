@@ -44,6 +44,7 @@ import numpy.typing as npt
 
 from kvlink import hostmem
 from kvlink.errors import TransferError
+from kvlink.gpu.move import EVENT_DISABLE_TIMING, NOT_READY, typed_driver
 from kvlink.transport import EXTENT_DTYPE, Extents, make_extents
 
 
@@ -122,10 +123,6 @@ class PinnedPool:
             self._cv.notify()
 
 
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY
-_EVENT_DISABLE_TIMING = 0x2
-
-
 class StreamMarks:
     """Marks of the work enqueued so far on the caller's current stream, taken on one thread and
     waited on by another stream later, on another thread: a stream query (nothing more where the
@@ -140,20 +137,14 @@ class StreamMarks:
     def __init__(self, device: int, lib: Any = None, current_stream: Any = None) -> None:
         vp = ctypes.c_void_p
         if lib is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            for name, args in (("cuStreamQuery", [vp]),
-                               ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-                               ("cuEventRecord", [vp, vp]),
-                               ("cuEventDestroy_v2", [vp]),
-                               ("cuStreamWaitEvent", [vp, vp, ctypes.c_uint]),
-                               ("cuEventQuery", [vp]),
-                               ("cuEventSynchronize", [vp]),
-                               ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), ctypes.c_int]),
-                               ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
-                               ("cuCtxPushCurrent_v2", [vp]),
-                               ("cuCtxPopCurrent_v2", [ctypes.POINTER(vp)])):
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, ctypes.c_int
+            lib = typed_driver(cuStreamQuery=[vp],
+                               cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
+                               cuEventRecord=[vp, vp], cuEventDestroy_v2=[vp],
+                               cuStreamWaitEvent=[vp, vp, ctypes.c_uint],
+                               cuEventQuery=[vp], cuEventSynchronize=[vp],
+                               cuDevicePrimaryCtxRetain=[ctypes.POINTER(vp), ctypes.c_int],
+                               cuCtxGetCurrent=[ctypes.POINTER(vp)],
+                               cuCtxPushCurrent_v2=[vp], cuCtxPopCurrent_v2=[ctypes.POINTER(vp)])
         if current_stream is None:
             import torch
 
@@ -195,13 +186,13 @@ class StreamMarks:
             rc = lib.cuStreamQuery(stream)
             if rc == 0:
                 return None
-            if rc != _NOT_READY:
+            if rc != NOT_READY:
                 self._check(rc, f"cuStreamQuery(0x{stream:x})")
             with self._lock:
                 ev = self._free.pop() if self._free else None
             if ev is None:
                 ev = ctypes.c_void_p()
-                self._check(lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING),
+                self._check(lib.cuEventCreate(ctypes.byref(ev), EVENT_DISABLE_TIMING),
                             "cuEventCreate")
                 self.created += 1
             rc = lib.cuEventRecord(ev, stream)
@@ -231,7 +222,7 @@ class StreamMarks:
             rc = self._lib.cuEventQuery(mark)
         finally:
             self._leave(pushed)
-        if rc == _NOT_READY:
+        if rc == NOT_READY:
             return False
         self._check(rc, "cuEventQuery")
         return True

@@ -288,6 +288,44 @@ def test_wait_sleeps_when_nothing_is_awaited() -> None:
         srv.close()
 
 
+def test_a_wait_shorter_than_a_millisecond_is_not_rounded_up_to_one() -> None:
+    """With an answer awaited, ``wait`` polls the connections, and ``poll`` counts whole
+    milliseconds: a 0.2 ms wait slept 1 ms. The vLLM worker waits for a load in 0.2 ms steps
+    (its idle yield, a synchronous load before the forward), and a READ's end is no message:
+    each step overslept it by 0.8 ms."""
+    import threading
+
+    go = threading.Event()
+
+    def slow(msg: Any) -> wire._Msg:
+        go.wait(10)
+        return wire.Ack(v=WIRE_VERSION)
+
+    srv = sidechannel.SideChannelServer("127.0.0.1", 0, slow, secret=None)
+    chan = Channels(None)
+    try:
+        note = wire.Notification(v=WIRE_VERSION, engine_id="e", req_id="r", tp_rank=0,
+                                 tp_size=1, kind="write", ok=True)
+        pending = chan.call("127.0.0.1", srv.port, note, 5.0)
+        chan.flush()
+        chan.wait(0.05)  # (the handshake and the frame out)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            chan.wait(0.0002)
+        took = time.perf_counter() - t0
+        assert not pending.done()  # awaited all along
+        assert took < 0.015, f"20 waits of 0.2 ms took {took * 1e3:.1f} ms"
+        go.set()
+        deadline = time.monotonic() + 5
+        while not pending.done() and time.monotonic() < deadline:
+            chan.wait(0.01)
+        assert isinstance(pending.result(), wire.Ack)
+    finally:
+        go.set()
+        srv.close()
+        chan.close()
+
+
 def test_no_stale_report_reaches_the_next_process_at_an_address() -> None:
     """A release sent to an address nobody serves times out; it must not sit in a kept-open
     connection's queue and reach the next process bound there (which holds the same request

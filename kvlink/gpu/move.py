@@ -746,10 +746,10 @@ def _signed(v: int) -> int:
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
-_EVENT_DISABLE_TIMING = 0x2
+EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING: completion only, the cheapest event
 
 
-def _typed_driver(**argtypes: list[Any]) -> Any:
+def typed_driver(**argtypes: list[Any]) -> Any:
     """The CUDA driver library (ctypes) with these functions' argument types set and an int
     (CUresult) returned: a call then converts its arguments in C, not through ctypes'
     guesses."""
@@ -770,7 +770,7 @@ class StreamOrder:
 
     def __init__(self) -> None:
         vp = ctypes.c_void_p
-        self._lib = _typed_driver(cuStreamQuery=[vp],
+        self._lib = typed_driver(cuStreamQuery=[vp],
                                   cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
                                   cuEventRecord=[vp, vp],
                                   cuStreamWaitEvent=[vp, vp, ctypes.c_uint])
@@ -787,7 +787,7 @@ class StreamOrder:
             raise RuntimeError(f"cuStreamQuery failed with CUDA error {rc}")
         if self._event is None:
             ev = ctypes.c_void_p()
-            rc = lib.cuEventCreate(ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+            rc = lib.cuEventCreate(ctypes.byref(ev), EVENT_DISABLE_TIMING)
             if rc:
                 raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
             self._event = ev
@@ -812,7 +812,7 @@ class DriverEvents:
 
     def __init__(self, device: int) -> None:
         vp = ctypes.c_void_p
-        self._lib = _typed_driver(cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
+        self._lib = typed_driver(cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
                                   cuEventRecord=[vp, vp], cuEventQuery=[vp],
                                   cuEventSynchronize=[vp], cuStreamQuery=[vp],
                                   cuStreamWriteValue32_v2=[vp, ctypes.c_uint64,
@@ -870,7 +870,7 @@ class DriverEvents:
 
     def _create(self) -> int:
         ev = ctypes.c_void_p()
-        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), _EVENT_DISABLE_TIMING)
+        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), EVENT_DISABLE_TIMING)
         if rc:
             raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
         return int(ev.value or 0)
