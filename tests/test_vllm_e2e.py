@@ -441,7 +441,7 @@ def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool) -> N
     request is never one); a failed one by its blocks (vLLM's invalid block ids)."""
     port = free_port_range(1)
     extra = {"side_channel_port": port, "hold_board": hold_board}
-    prod, cons, src, dst = _pair(extra, extra)
+    prod, cons, src, dst = _pair(extra, {**extra, "handshake_timeout": 2.0})
     try:
         remote = _remote_r1(port, [1, 3])
         prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
@@ -465,6 +465,18 @@ def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool) -> N
         counters, durations = cons.take_stats()
         assert counters["recv_requests"] == 1 and counters["recv_failed_requests"] == 1
         assert counters["sync_wait_seconds"] > 0 and len(durations) == 1
+
+        # the prefill is gone (its handshake still cached here): the forward waits no longer
+        # than the side channel's deadline (handshake_timeout: the READ was refused, and the
+        # question that follows to a port nobody listens on is retried until then), the
+        # load fails, its blocks are reported invalid
+        prod.start(StepPlan(send=[SendReq("r3", (2,))]))
+        prod.close()
+        gone = dataclasses.replace(remote, request_id="r3", block_ids=(2,))
+        t0 = time.monotonic()
+        cons.start(StepPlan(recv=[RecvReq("d3", gone, (5,), 31, sync=True)]))
+        assert cons.take_synced() == {"d3": False} and time.monotonic() - t0 < 2.0 + 2.0
+        assert cons.results().invalid_blocks == {5}
     finally:
         prod.close()
         cons.close()
