@@ -72,7 +72,6 @@ class _Load:
     tokens: int  # the prompt tokens it covers
     blocks: tuple[int, ...]  # local (scheduler) block ids
     engine: str  # the prefill's engine id
-    sync: bool
 
 
 class PullScheduler:
@@ -281,8 +280,8 @@ class PullScheduler:
         self._plan.recv.append(RecvReq(request.request_id, remote, local, num_external_tokens,
                                        push, expires_in=expires_in, refused=refused, sync=sync))
         # counted as the prompt tokens it covers: a synchronous load's last one is loaded too
-        self._loading[request.request_id] = _Load(num_external_tokens + sync, local,
-                                                  remote.engine_id, sync)
+        self._loading[request.request_id] = _Load(num_external_tokens + (1 if sync else 0),
+                                                  local, remote.engine_id)
         if sync:
             self._count("sync_loads")
 
