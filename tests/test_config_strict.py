@@ -213,7 +213,7 @@ FULL: dict[str, Any] = {
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
     "integrity": "off", "hold_board": False, "landing_board": False, "poll_grace_us": 50.0,
-    "sync_load_tokens": 256, "layerwise": True, "layerwise_min_tokens": 256,
+    "sync_load_tokens": 256, "sync_load_ms": 1.5, "layerwise": True, "layerwise_min_tokens": 256,
     "layerwise_wait_ms": 20.0,
 }
 

@@ -78,7 +78,7 @@ from kvlink.integrations.vllm.metadata import (  # noqa: E402
     parse_remote,
     registration_generation,
 )
-from kvlink.integrations.vllm.worker import PullWorker, Results  # noqa: E402
+from kvlink.integrations.vllm.worker import SYNC_FAILED, PullWorker, Results  # noqa: E402
 
 BLOCK = 16
 EOS = 2  # the tiny Llama's eos_token_id
@@ -175,11 +175,11 @@ class Engine:
 
     def step(self, *, eos: Iterable[str] = (), sending: Iterable[str] = (),
              recving: Iterable[str] = (), failed: Iterable[str] = (),
-             synced: dict[str, bool] | None = None) -> Any:
+             synced: dict[str, float] | None = None) -> Any:
         """schedule(), a forward pass that samples a token for each request past its prompt
         (EOS for ``eos``), and update_from_output() with the given transfer results;
-        ``synced``: the synchronous loads this step's workers settled (request -> loaded; a
-        failed one's blocks reported invalid, as the worker does). Returns the step's
+        ``synced``: the synchronous loads this step's workers settled (request -> seconds, or
+        SYNC_FAILED: its blocks reported invalid, as the worker does). Returns the step's
         connector metadata."""
         out = self.sched.schedule()
         self.scheduled = dict(out.num_scheduled_tokens)
@@ -192,7 +192,7 @@ class Engine:
         sending, recving, failed = set(sending), set(recving), set(failed)
         kv = None
         if sending or recving or failed or synced:  # failed receives are finished too
-            invalid = {b for rid, ok in (synced or {}).items() if not ok
+            invalid = {b for rid, took in (synced or {}).items() if took < 0
                        for b in self.block_ids(rid)}
             kv = KVConnectorOutput(finished_sending=sending or None,
                                    finished_recving=(recving | failed) or None,
@@ -409,7 +409,8 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
     at most sync_load_tokens tokens is planned ``sync`` and its request runs in that very
     step (the last prompt token computed), one engine step sooner; a longer one, or a push,
     stays asynchronous. A failed one is dropped from its step and recomputed (policy
-    recompute), and its prefill's next load is asynchronous again."""
+    recompute), and its prefill's next load is asynchronous again; one that took longer per
+    token than sync_load_ms allows the next one's length makes that one asynchronous."""
     e = engines(vllm_config(model, KVLINK, "kv_consumer", "push",
                             extra={"sync_load_tokens": 64}))
     first = e.add(request("d1", 40, prefill_params(rid="p1")))
@@ -420,7 +421,7 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
     assert e.counters == {"loaded_requests": 1, "loaded_tokens": 40}
 
     req = e.add(request("d2", 40, prefill_params(rid="p2"), seed=1))
-    (recv,) = _plan(e.step(synced={"d2": True})).recv
+    (recv,) = _plan(e.step(synced={"d2": 0.0002})).recv  # 5 us a token: 400 within 2 ms
     assert recv.sync and not recv.push and e.scheduled == {"d2": 1}
     assert req.status == RequestStatus.RUNNING and e.outputs["d2"].new_token_ids == [TOKEN]
     assert recv.local_block_ids == tuple(e.block_ids("d2")) and len(recv.local_block_ids) == 3
@@ -439,7 +440,7 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
         e.step(eos={rid})
 
     bad = e.add(request("d5", 40, prefill_params(rid="p5"), seed=5))
-    (recv,) = _plan(e.step(synced={"d5": False})).recv
+    (recv,) = _plan(e.step(synced={"d5": SYNC_FAILED})).recv
     assert recv.sync and "d5" not in e.outputs  # the step's token of d5 was dropped
     assert e.counters == {"sync_loads": 2, "loaded_requests": 4, "loaded_tokens": 200,
                           "load_failed_requests": 1, "load_failed_tokens": 40}
@@ -451,6 +452,15 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
     assert not recv.sync  # P's last load failed: asynchronous again
     e.step(recving={"d6"})
     e.step(eos={"d6"})
+    e.add(request("d7", 40, prefill_params(rid="p7"), seed=7))
+    (recv,) = _plan(e.step(synced={"d7": 0.004})).recv  # 0.1 ms a token: 20 within 2 ms
+    assert recv.sync
+    e.step(eos={"d7"})
+    e.add(request("d8", 40, prefill_params(rid="p8"), seed=8))
+    (recv,) = _plan(e.step()).recv
+    assert not recv.sync  # 40 tokens at P's last rate: 4 ms, past sync_load_ms
+    e.step(recving={"d8"})
+    e.step(eos={"d8"})
     e.step()
     e.assert_empty()
 

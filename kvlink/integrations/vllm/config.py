@@ -68,6 +68,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     landing_board: bool = True  # same-host pushes end without a message (kvlink.landing)
     poll_grace_us: float = 100.0  # a poll waits this long for a copy about to end (at most)
     sync_load_tokens: int = 0  # decode: pulls this short load inside their request's step
+    sync_load_ms: float = 2.0  # ... and this quick, at the rate the last such load moved
     layerwise: bool = False  # prefill: stream keyed requests layer by layer (docs/layerwise.md)
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_ms: float = DEFAULT_LAYERWISE_WAIT_MS
@@ -195,7 +196,9 @@ class Settings:
     default 100, 0: never waits), ``sync_load_tokens`` (decode: a pull of at most this many
     tokens, from a prefill a load already came from, runs inside the step that schedules its
     request, whose forward waits for it: the request runs one engine step sooner; default 0,
-    every load asynchronous as NixlConnector's; docs/vllm.md), ``layerwise``
+    every load asynchronous as NixlConnector's; docs/vllm.md), ``sync_load_ms`` (such a load
+    must also take at most this long at the rate the last one from that prefill moved;
+    default 2), ``layerwise``
     (prefill: push requests that carry a router's ``kvlink_push_key`` layer by layer during
     their forward, default false; docs/layerwise.md), ``layerwise_min_tokens`` (prompts shorter
     than this are pushed whole after the forward) and ``layerwise_wait_ms`` (how long a keyed
@@ -227,6 +230,7 @@ class Settings:
     landing_board: bool = True  # WorkerConfig.landing_board
     poll_grace_us: float = 100.0  # WorkerConfig.poll_grace_us
     sync_load_tokens: int = 0  # decode: pulls this short load inside their request's step
+    sync_load_ms: float = 2.0  # ... and this quick, at the rate the last such load moved
     layerwise: bool = False  # prefill: layer-wise pushes of keyed requests
     layerwise_min_tokens: int = DEFAULT_LAYERWISE_MIN_TOKENS
     layerwise_wait_s: float = DEFAULT_LAYERWISE_WAIT_MS / 1e3
@@ -269,6 +273,7 @@ class Settings:
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
             hold_board=x.hold_board, landing_board=x.landing_board,
             poll_grace_us=x.poll_grace_us, sync_load_tokens=x.sync_load_tokens,
+            sync_load_ms=x.sync_load_ms,
             layerwise=x.layerwise,
             layerwise_min_tokens=x.layerwise_min_tokens,
             layerwise_wait_s=x.layerwise_wait_ms / 1e3,
@@ -283,6 +288,8 @@ class Settings:
         if x.sync_load_tokens < 0:
             raise ConfigError(f"sync_load_tokens must be >= 0 (0: every load asynchronous), "
                               f"got {x.sync_load_tokens}")
+        if not x.sync_load_ms > 0:
+            raise ConfigError(f"sync_load_ms must be > 0, got {x.sync_load_ms}")
         if x.layerwise_min_tokens < 0:
             raise ConfigError(f"layerwise_min_tokens must be >= 0, got {x.layerwise_min_tokens}")
         if not x.layerwise_wait_ms >= 0:
@@ -314,7 +321,7 @@ class Settings:
             "push_timeout": self.push_timeout, "grants": self.grants,
             "integrity": self.integrity, "hold_board": self.hold_board,
             "landing_board": self.landing_board, "poll_grace_us": self.poll_grace_us,
-            "sync_load_tokens": self.sync_load_tokens,
+            "sync_load_tokens": self.sync_load_tokens, "sync_load_ms": self.sync_load_ms,
             "layerwise": self.layerwise, "layerwise_min_tokens": self.layerwise_min_tokens,
             "layerwise_wait_ms": self.layerwise_wait_s * 1e3,
         }

@@ -43,7 +43,7 @@ from kvlink.integrations.vllm.config import Settings, kv_groups_refusal
 from kvlink.integrations.vllm.layout import detect, layer_ranges
 from kvlink.integrations.vllm.metadata import StepPlan
 from kvlink.integrations.vllm.scheduler import PullScheduler
-from kvlink.integrations.vllm.worker import PullWorker
+from kvlink.integrations.vllm.worker import SYNC_FAILED, PullWorker
 from kvlink.integrity import tensor_planes
 
 try:  # the hybrid KV cache manager (HMA) talks only to connectors that declare SupportsHMA
@@ -121,19 +121,21 @@ if _WorkerMetadataBase is not None:
         """Worker -> scheduler, per step: push keys whose decode's push request waits at a
         worker rank (``{key: [ranks]}``), so a layer-wise candidate waiting for its decode's
         block ids is scheduled the step after they came (docs/layerwise.md); and the
-        synchronous loads settled before this step's forward (``{request: loaded}``, loaded
-        only if on every rank), which no finished receive reports."""
+        synchronous loads settled before this step's forward (``{request: seconds}``, the
+        slowest rank's, or ``SYNC_FAILED`` if any rank's failed), which no finished receive
+        reports."""
 
         def __init__(self, keys: dict[str, list[int]],
-                     synced: dict[str, bool] | None = None) -> None:
+                     synced: dict[str, float] | None = None) -> None:
             self.keys = keys
             self.synced = synced or {}
 
         def aggregate(self, other: Any) -> Any:
             for key, ranks in (getattr(other, "keys", None) or {}).items():
                 self.keys[key] = sorted(set(self.keys.get(key, ())) | set(ranks))
-            for req, ok in (getattr(other, "synced", None) or {}).items():
-                self.synced[req] = self.synced.get(req, True) and ok
+            for req, took in (getattr(other, "synced", None) or {}).items():
+                mine = self.synced.get(req, took)
+                self.synced[req] = (SYNC_FAILED if min(mine, took) < 0 else max(mine, took))
             return self
 
 

@@ -93,6 +93,9 @@ class PullScheduler:
         self._sync_tokens = settings.sync_load_tokens if sync_loads else 0
         self._warm: set[str] = set()
         self._sync_hit: dict[str, int] = {}
+        # seconds per token the last synchronous load from each prefill engine took: what
+        # keeps the next ones within sync_load_ms on a slower link
+        self._per_token: dict[str, float] = {}
         self.counters: dict[str, float] = {}
         # decode: when a request's params were first seen here (perf_counter), the point the
         # prefill's remaining lease is counted from (see _expires_in)
@@ -166,13 +169,18 @@ class PullScheduler:
         synchronous load): a pull of at most ``sync_load_tokens`` tokens from a prefill whose
         last load here finished. The forward waits for it (every running request's step
         grows by the transfer), and in exchange the request runs at once rather than one
-        engine step after its KV arrived. A push, or a first load from a prefill (its
-        handshake), stays asynchronous."""
+        engine step after its KV arrived. Also at most ``sync_load_ms`` long at the rate the
+        last synchronous load from that prefill moved (a slow link shortens the loads that
+        qualify). A push, or a first load from a prefill (its handshake), stays
+        asynchronous."""
         if not 1 < count <= self._sync_tokens:
             return False
         remote = parse_remote(params)
-        return (remote is not None and remote.engine_id in self._warm
-                and bool(remote.block_ids) and not self._push(request.request_id, params))
+        if (remote is None or remote.engine_id not in self._warm or not remote.block_ids
+                or self._push(request.request_id, params)):
+            return False
+        per_token = self._per_token.get(remote.engine_id, 0.0)
+        return count * per_token <= self.s.sync_load_ms / 1e3
 
     # ------------------------------------------------------------------ prefill: layer-wise
     def _layerwise_candidate(self, request: Any, params: Mapping[str, Any]) -> str:
@@ -436,15 +444,17 @@ class PullScheduler:
 
     def update_output(self, finished_recving: set[str] | None, failed_recving: set[str] | None,
                       invalid_block_ids: set[int] | None,
-                      synced: Mapping[str, bool] | None = None) -> None:
+                      synced: Mapping[str, float] | None = None) -> None:
         """One step's receive outcomes: asynchronous loads finished (``failed_recving`` or
         ``invalid_block_ids`` say which failed) and synchronous ones settled before that
-        step's forward (``synced``: request -> loaded on every worker rank)."""
+        step's forward (``synced``: request -> the seconds the slowest worker rank took, or a
+        negative number where one failed)."""
         failed = set(failed_recving or ())
         bad = set(invalid_block_ids or ())
-        outcomes = [(req, req not in failed) for req in finished_recving or ()]
-        outcomes += list((synced or {}).items())
-        for req, ok in outcomes:
+        outcomes: list[tuple[str, bool, float | None]] = [
+            (req, req not in failed, None) for req in finished_recving or ()]
+        outcomes += [(req, took >= 0, took) for req, took in (synced or {}).items()]
+        for req, ok, took in outcomes:
             load = self._loading.pop(req, None)
             if load is None:
                 continue
@@ -452,6 +462,8 @@ class PullScheduler:
                 self._count("loaded_requests")
                 self._count("loaded_tokens", load.tokens)
                 self._warm.add(load.engine)
+                if took is not None and load.tokens:
+                    self._per_token[load.engine] = took / load.tokens
             else:
                 self._count("load_failed_requests")
                 self._count("load_failed_tokens", load.tokens)

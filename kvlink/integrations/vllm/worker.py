@@ -79,6 +79,9 @@ class _Gate:
 
 
 _WAIT = "wait"  # a gate's handshakes are not settled yet
+#: a synchronous load's outcome as :meth:`PullWorker.take_synced` reports a failed one (a
+#: loaded one: the seconds from its READ's start to its bytes seen landed, >= 0)
+SYNC_FAILED = -1.0
 
 
 @dataclasses.dataclass
@@ -115,8 +118,9 @@ class PullWorker(LayerwisePushes):
         self._failed: dict[str, str] = {}
         self._failed_blocks: set[int] = set()
         self._finished: set[str] = set()
-        # synchronous loads settled (request -> loaded) and the blocks of those that failed
-        self._synced: dict[str, bool] = {}
+        # synchronous loads settled (request -> seconds, or SYNC_FAILED) and the blocks of
+        # those that failed
+        self._synced: dict[str, float] = {}
         self._invalid: set[int] = set()
         self._idle = False  # the current step runs no forward pass (see start)
         self._port = settings.rank_port(dp_rank, tp_size)
@@ -423,7 +427,7 @@ class PullWorker(LayerwisePushes):
     def _fail(self, req: RecvReq, reason: str) -> None:
         log.warning("loading KV of request %s failed: %s", req.req_id, reason)
         if req.sync:  # its request runs this step: vLLM learns it by the blocks
-            self._synced[req.req_id] = False
+            self._synced[req.req_id] = SYNC_FAILED
             self._invalid.update(req.local_block_ids)
         else:
             self._failed[req.req_id] = reason
@@ -450,7 +454,7 @@ class PullWorker(LayerwisePushes):
             if rec is None:
                 continue
             if rec.req.sync:
-                self._synced[rec.req.req_id] = True
+                self._synced[rec.req.req_id] = time.perf_counter() - rec.t0
             else:
                 self._finished.add(rec.req.req_id)
             self._count("recv_requests")
@@ -522,8 +526,10 @@ class PullWorker(LayerwisePushes):
                             sorted(r for r in req_ids if r not in self._synced))
         self._count("sync_wait_seconds", time.perf_counter() - t0)
 
-    def take_synced(self) -> dict[str, bool]:
-        """The synchronous loads settled since the last call: request -> loaded."""
+    def take_synced(self) -> dict[str, float]:
+        """The synchronous loads settled since the last call: request -> the seconds it took
+        (its READ's start to its bytes seen landed: what the scheduler sizes the next ones
+        by), or :data:`SYNC_FAILED`."""
         out, self._synced = self._synced, {}
         return out
 
