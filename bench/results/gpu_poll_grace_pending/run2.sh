@@ -14,3 +14,5 @@ go io600 240 python3 bench/integrity_overhead.py --device cuda --spin --cases 70
 go runs 60 python3 scripts/gpu_runs_check.py --out $O
 go fused 100 python3 scripts/gpu_fused_digest_check.py --out $O
 go order 60 python3 scripts/gpu_stream_order_check.py --out $O --modes order --timing-reps 0
+# host staging's stream order (kvlink/staging.py takes its driver calls from kvlink.gpu.move since 9b4f268)
+go staging 90 python3 scripts/gpu_staging_check.py --stream-order --modes order --reps 1 --out $O
