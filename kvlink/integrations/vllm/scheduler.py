@@ -75,8 +75,9 @@ class _Load:
 
 
 class PullScheduler:
-    """``sync_loads``: whether the workers can report a synchronous load's outcome (vLLM's
-    per-step worker metadata, vLLM >= 0.32); without it every load is asynchronous."""
+    """``sync_loads``: whether this decode may load synchronously at all (vLLM's per-step
+    worker metadata carries each outcome, vLLM >= 0.32; a decode of TP 1: see
+    :meth:`KVLinkConnector._sync_loads`); without it every load is asynchronous."""
 
     def __init__(self, settings: Settings, tp_size: int, block_size: int,
                  dp_rank: int = 0, *, sync_loads: bool = True) -> None:
