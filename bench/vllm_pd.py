@@ -28,6 +28,11 @@ thread gets a 1 ms delay (``--nixl-pthr-delay-us``, bench/nixl_site/sitecustomiz
 Python API starts it with no delay, so it busy-spins a core per server, and on a 2-core machine
 the decode then only read after the prefill's 30 s lease had run out. 0 gives the stock agent.
 
+``--setups alone,kvlink,nixl`` adds the floor: one server without a connector, asked
+directly, whose TTFT (prefill compute and first token, no proxy, second server or load) no
+pair can beat; ``ttft_p50_alone_over_nixl`` bounds what ``ttft_p50_kvlink_over_nixl`` can
+reach on the machine of that run.
+
 A long run can be split so that no single invocation holds the machine too long::
 
     python bench/vllm_pd.py --rounds 1 --first-round 0 --out /tmp/a.json
@@ -40,6 +45,7 @@ Writes bench/results/vllm_pd.json (bench/_common.write_result).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -114,11 +120,14 @@ METRICS: dict[str, dict[str, str]] = {
 }
 METRICS["kvlink"]["sync"] = "kvlink_sync_loads_total"  # loads run in their request's step
 METRICS["kvlink_sync"] = METRICS["kvlink"]
+METRICS["alone"] = {}
 #: plain counters among METRICS' quantities (the others are histograms: _sum and _count)
 COUNTER_KEYS = ("bytes", "sync")
 #: the setups a run may alternate: kvlink at its defaults, kvlink with synchronous loads
-#: (``sync_load_tokens``, SYNC_LOAD_TOKENS: every bench prompt qualifies) and NixlConnector
-SETUPS = ("kvlink", "kvlink_sync", "nixl")
+#: (``sync_load_tokens``, SYNC_LOAD_TOKENS: every bench prompt qualifies), NixlConnector, and
+#: ``alone``: one server, no connector, asked directly — the floor of any PD pair's TTFT (its
+#: prefill compute and first token, with no second server, proxy or load)
+SETUPS = ("kvlink", "kvlink_sync", "nixl", "alone")
 SYNC_LOAD_TOKENS = 4096
 #: vLLM's own request histograms on the decode server (same code for both setups)
 VLLM_HISTS = {"d_ttft": "vllm:time_to_first_token_seconds",
@@ -221,13 +230,15 @@ def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str,
 
 
 def start_pair(setup: str, model: str, work: Path, tag: str, transport: str) -> list[Any]:
-    """Both servers of ``setup``; with --pin each on a core of its own (examples/vllm_pd's
-    ``pinned``, both setups alike)."""
+    """Both servers of ``setup`` (``alone``: its one server, in the decode's place: the same
+    metrics are read from it); with --pin each on a core of its own (examples/vllm_pd's
+    ``pinned``, all setups alike)."""
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     servers = []
-    for role in ("prefill", "decode"):
+    for role in (("decode",) if setup == "alone" else ("prefill", "decode")):
         port, side = pd.free_port(), pd.free_port()
-        kv, extra_env = setup_config(setup, role, side, transport)
+        kv, extra_env = (None, {}) if setup == "alone" else setup_config(setup, role, side,
+                                                                        transport)
         cmd, e = pd.server_command(model, port, kv, block_size=BLOCK), {**env, **extra_env}
         if PIN[0]:
             cmd, e = pd.pinned(len(servers), cmd, e)
@@ -239,7 +250,7 @@ def wait_transfer(server: Any, setup: str, before: dict[str, float],
                   timeout: float = 3.0) -> dict[str, float]:
     """Metrics after a request: worker stats reach /metrics with a later engine step."""
     deadline = time.monotonic() + timeout
-    keys = ["xfer_n", "d_ttft_n"] + (["recv_n"] if "recv" in METRICS[setup] else [])
+    keys = ["d_ttft_n"] + [k + "_n" for k in ("xfer", "recv") if k in METRICS[setup]]
     while True:
         now = snapshot(server, setup)
         if all(now[k] > before[k] for k in keys) or time.monotonic() > deadline:
@@ -257,8 +268,8 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
             s.wait_healthy(600)
         startup = time.monotonic() - t_start
         say(f"{tag}: servers up in {startup:.0f}s")
-        prefill, decode = servers
-        with pd.running_proxy(prefill.url, decode.url) as url:
+        decode = servers[-1]
+        with _entry(servers) as url:
             warm = [stream_request(url, model, prompt(9000 + i, 96), MAX_TOKENS)
                     for i in range(2)]  # first contact (handshake, agent setup) not counted
             say(f"{tag}: warm-up TTFT {[round(w['ttft_s'] * 1e3, 1) for w in warm]} ms")
@@ -272,8 +283,8 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                 kv_bytes = kv_per_token * len(p)
                 r.update(prompt_tokens=len(p), kv_bytes=kv_bytes, transfer_s=xfer,
                          recv_s=recv, nixl_post_s=delta(before, after, "post"),
-                         transfers_seen=after["xfer_n"] - before["xfer_n"],
-                         connector_bytes=after["bytes"] - before["bytes"],
+                         transfers_seen=_moved(before, after, "xfer_n"),
+                         connector_bytes=_moved(before, after, "bytes"),
                          sync_loads=after.get("sync", 0.0) - before.get("sync", 0.0),
                          decode_ttft_s=delta(before, after, "d_ttft"),
                          decode_queue_s=delta(before, after, "d_queue"),
@@ -285,7 +296,8 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                     say(f"{tag}: request {i} got {len(r['token_ids'])} token ids: {r}")
                 if i % 8 == 7 or i == len(prompts) - 1:
                     say(f"{tag}: {i + 1}/{len(prompts)} sequential; last: {len(p)} tok, "
-                        f"TTFT {r['ttft_s'] * 1e3:.1f} ms, prefill {r['prefill_s'] * 1e3:.1f} ms, "
+                        f"TTFT {r['ttft_s'] * 1e3:.1f} ms, prefill "
+                        f"{(r['prefill_s'] or float('nan')) * 1e3:.1f} ms, "
                         f"xfer {xfer * 1e3 if xfer else float('nan'):.2f} ms, decode "
                         f"server TTFT {(r['decode_ttft_s'] or float('nan')) * 1e3:.1f} ms")
             conc: dict[str, Any] = {}
@@ -301,9 +313,9 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
                 conc = {"concurrency": concurrency, "wall_s": wall,
                         "ttft_s": [r["ttft_s"] for r in res],
                         "token_ids": [r["token_ids"] for r in res],
-                        "transfers_seen": after["xfer_n"] - before["xfer_n"],
-                        "transfer_s_sum": after["xfer"] - before["xfer"],
-                        "connector_bytes": after["bytes"] - before["bytes"],
+                        "transfers_seen": _moved(before, after, "xfer_n"),
+                        "transfer_s_sum": _moved(before, after, "xfer"),
+                        "connector_bytes": _moved(before, after, "bytes"),
                         "kv_bytes": kv_per_token * sum(len(p) for p in prompts)}
                 say(f"{tag}: concurrent x{concurrency}: wall {wall:.1f}s, TTFT p50 "
                     f"{statistics.median(conc['ttft_s']) * 1e3:.1f} ms")
@@ -315,6 +327,18 @@ def run_round(setup: str, model: str, work: Path, tag: str, prompts: list[list[i
         for s in servers:
             s.stop()
         say(f"{tag}: servers stopped")
+
+
+def _entry(servers: list[Any]) -> Any:
+    """Where the client sends its requests: the proxy in front of a pair, or a lone server."""
+    if len(servers) == 1:
+        return contextlib.nullcontext(servers[0].url)
+    return pd.running_proxy(servers[0].url, servers[1].url)
+
+
+def _moved(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    """A metric's growth over a request; 0 where the setup has none (``alone``)."""
+    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 # --------------------------------------------------------------------------- summary
@@ -512,7 +536,9 @@ def main() -> None:
                else sum(p2.get("elapsed_s") or 0 for p2 in parts))
     if not args.merge:
         config = {
-            "servers_pinned": PIN[0],  # --pin: each on a core of its own, both setups
+            "servers_pinned": PIN[0],  # --pin: each on a core of its own, all setups
+            "alone": "one server, no --kv-transfer-config, the client's requests straight to "
+                     "it (no proxy): the floor of a pair's TTFT",
             **{s: {"kv_connector_extra_config": json.loads(setup_config(
                 s, "decode", 0, transport)[0])["kv_connector_extra_config"]}
                for s in SETUPS if s.startswith("kvlink")},
@@ -545,7 +571,9 @@ def main() -> None:
     present = [s for s in SETUPS if any(rd["setup"] == s for rd in rounds)]
     summary = {s: summarize(rounds, s) for s in present}
     ratios: dict[str, Any] = {}
-    for a, b in (("kvlink", "nixl"), ("kvlink_sync", "nixl"), ("kvlink_sync", "kvlink")):
+    for a, b in (("kvlink", "nixl"), ("kvlink_sync", "nixl"), ("kvlink_sync", "kvlink"),
+                 ("kvlink", "alone"), ("kvlink_sync", "alone"), ("nixl", "alone"),
+                 ("alone", "nixl")):
         if a in summary and b in summary:
             ratios.update(ratios_of(summary, a, b))
     for s in present:
