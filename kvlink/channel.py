@@ -80,12 +80,14 @@ def error_of(where: str, reply: wire.ErrorReply) -> KVLinkError:
 class Pending:
     """The answer to one queued message, once :meth:`Channels.pump` has seen it."""
 
-    __slots__ = ("_error", "_reply", "asked", "deadline", "what")
+    __slots__ = ("_error", "_reply", "asked", "deadline", "live_only", "what")
 
-    def __init__(self, what: str, asked: float, deadline: float) -> None:
+    def __init__(self, what: str, asked: float, deadline: float,
+                 live_only: bool = False) -> None:
         self.what = what
         self.asked = asked  # monotonic time it was queued: a grant's clock starts no later
         self.deadline = deadline
+        self.live_only = live_only  # see Channels.call
         self._reply: wire.Reply | None = None
         self._error: KVLinkError | None = None
 
@@ -204,6 +206,7 @@ class _Conn:
     counter: int = 0
     hello_deadline: float = 0.0
     broken: str = ""  # a send failed: the connection is gone
+    refused: bool = False  # ... because nobody listens at the address (ECONNREFUSED)
     retry_at: float = 0.0  # connect no earlier than this (the last attempt got nothing)
     answered: int = 0  # frames that came back on this connection
     why: str = ""  # why the last connection to this address broke
@@ -224,16 +227,23 @@ class Channels:
         self.calls_sent = 0
 
     def call(self, host: str, port: int, msg: wire.Request, timeout: float,
-             quiet: bool = False) -> Pending:
+             quiet: bool = False, live_only: bool = False) -> Pending:
         """Queue ``msg`` for ``host:port``; it leaves on the next :meth:`flush`. ``quiet``: a
         report that wants no answer (call id 0): its Pending settles with ``Ack`` once the
         frame is sent, and the server answers nothing — no answer to read on the caller's
         next poll. Sent is not delivered: a connection that breaks after the frame left
-        loses it (one still queued goes on the next connection, like any call)."""
+        loses it (one still queued goes on the next connection, like any call).
+
+        ``live_only``: a question only the process we talked to can answer (what became of a
+        READ of its memory), so nobody listening at the address (connection refused) fails
+        it at once instead of at its deadline: that process is gone, and whoever starts there
+        next never held what it asks about. Without it a dead prefill held a synchronous
+        load's forward for the report timeout (2 s)."""
         with self._lock:
             conn = self._conn(host, port)
             now = time.monotonic()
-            pending = Pending(f"{conn.where} ({type(msg).__name__})", now, now + timeout)
+            pending = Pending(f"{conn.where} ({type(msg).__name__})", now, now + timeout,
+                              live_only)
             conn.queued.append((0 if quiet else next(self._ids), msg, pending))
             return pending
 
@@ -346,7 +356,7 @@ class Channels:
             try:
                 conn.pipe = _TcpPipe(*conn.addr)
             except OSError as exc:  # refused at once: pump() tries again (until deadlines)
-                conn.broken = f"{exc}"
+                conn.broken, conn.refused = f"{exc}", exc.errno == errno.ECONNREFUSED
                 return
         if self._secret is not None and conn.key is None:
             if not conn.nonce:  # open the session; the queue leaves once it is welcomed
@@ -402,7 +412,7 @@ class Channels:
             self.frames_sent += 1
         except OSError as exc:  # gone: its calls go again in the next pump()
             log.info("side channel frame to %s not sent: %s", conn.where, exc)
-            conn.broken = f"{exc}"
+            conn.broken, conn.refused = f"{exc}", exc.errno == errno.ECONNREFUSED
 
     def _take(self, key: tuple[str, int], conn: _Conn, body: bytes) -> None:
         try:
@@ -448,6 +458,16 @@ class Channels:
         again = [(cid, m, p) for cid, (m, p) in conn.waiting.items()] + conn.queued
         if not again:
             return
+        if not conn.answered and (conn.refused or getattr(why, "errno", None)
+                                  == errno.ECONNREFUSED):
+            for _, _, pending in again:  # nobody listens: the process they ask about is gone
+                if pending.live_only:
+                    pending._settle(None, PeerUnreachable(
+                        f"{pending.what}: nobody listens there (connection refused): the "
+                        "process that held it is gone"))
+            again = [item for item in again if not item[2].live_only]
+            if not again:
+                return
         fresh = self._conn(*key)
         fresh.queued = again
         if not conn.answered:

@@ -326,6 +326,37 @@ def test_a_wait_shorter_than_a_millisecond_is_not_rounded_up_to_one() -> None:
         chan.close()
 
 
+def test_a_question_only_a_live_peer_answers_fails_at_once_when_nobody_listens() -> None:
+    """``live_only`` (what became of a READ of that process's memory): once the process at an
+    address is gone and nobody listens there (connection refused), such a call fails at the
+    next pump, not at its deadline; other calls keep trying until theirs (a peer starting up
+    may still come). Before, a dead prefill held a synchronous load's forward for the report
+    timeout (2 s)."""
+    srv = sidechannel.SideChannelServer("127.0.0.1", 0,
+                                        lambda msg: wire.Ack(v=WIRE_VERSION), secret=None)
+    chan = Channels(None)
+    note = wire.Notification(v=WIRE_VERSION, engine_id="e", req_id="r", tp_rank=0, tp_size=1,
+                             kind="write", ok=True)
+    try:
+        first = chan.call("127.0.0.1", srv.port, note, 5.0)
+        chan.flush()
+        until(lambda: (chan.wait(0.01), first.done())[1], 5.0, "the first answer")
+        assert isinstance(first.result(), wire.Ack)  # the kept-open connection answered
+        srv.close()  # the process is gone: nobody listens at its port any more
+        asked = chan.call("127.0.0.1", srv.port, note, 5.0, live_only=True)
+        other = chan.call("127.0.0.1", srv.port, note, 5.0)
+        chan.flush()
+        t0 = time.monotonic()
+        until(lambda: (chan.wait(0.01), asked.done())[1], 1.0, "the live-only call's failure")
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(PeerUnreachable, match="nobody listens"):
+            asked.result()
+        assert not other.done()  # retried until its deadline, as before
+    finally:
+        srv.close()
+        chan.close()
+
+
 def test_no_stale_report_reaches_the_next_process_at_an_address() -> None:
     """A release sent to an address nobody serves times out; it must not sit in a kept-open
     connection's queue and reach the next process bound there (which holds the same request

@@ -435,8 +435,10 @@ def test_pull_and_refusal_of_expired_lease() -> None:
         cons.close()
 
 
+@pytest.mark.parametrize("generation", (0, 77), ids=("intent", "generation"))
 @pytest.mark.parametrize("hold_board", (True, False))
-def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool) -> None:
+def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool,
+                                                          generation: int) -> None:
     """``sync_load_tokens``: vLLM runs the request in the step that planned its load, so the
     forward right after ``start_load_kv`` reads the blocks. Settled inside ``start``, READ and
     validation (shared memory, or the round trip without the hold board); reported to the
@@ -470,17 +472,20 @@ def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool) -> N
         assert counters["recv_requests"] == 1 and counters["recv_failed_requests"] == 1
         assert counters["sync_wait_seconds"] > 0 and len(durations) == 1
 
-        # the prefill is gone (its handshake still cached here): the forward waits no longer
-        # than the side channel's deadline (handshake_timeout: the READ was refused, and the
-        # question that follows to a port nobody listens on is retried until then), the
-        # load fails, its blocks are reported invalid
+        # the prefill is gone (its handshake still cached here): the question before the READ
+        # (``intent``: params without the hold's generation), or the one after the READ
+        # failed (``generation``: a kvlink prefill's params, READ at once), finds nobody
+        # listening at its port, which fails it at once (Channels.call's live_only; it used
+        # to be retried until the report timeout, 2 s, with the forward waiting): the load
+        # fails, its blocks are reported invalid
         prod.start(StepPlan(send=[SendReq("r3", (2,))]))
         prod.close()
-        gone = dataclasses.replace(remote, request_id="r3", block_ids=(2,))
+        gone = dataclasses.replace(remote, request_id="r3", block_ids=(2,),
+                                   generation=generation)
         t0 = time.monotonic()
         cons.start(StepPlan(recv=[RecvReq("d3", gone, (5,), 31, sync=True)]))
         assert cons.take_synced() == {"d3": SYNC_FAILED}
-        assert time.monotonic() - t0 < 2.0 + 2.0
+        assert time.monotonic() - t0 < 1.0
         assert cons.results().invalid_blocks == {5}
     finally:
         prod.close()

@@ -145,10 +145,12 @@ class _Peering:
         return self.peers.connected()
 
     def _send(self, host: str, port: int, msg: wire.Request,
-              timeout: float | None = None) -> Pending:
+              timeout: float | None = None, live_only: bool = False) -> Pending:
         """Queue ``msg`` on the kept-open connection to ``host:port`` (sent at the end of this
-        call's :meth:`read`/:meth:`poll`); its answer is taken by a later :meth:`poll`."""
-        return self._chan.call(host, port, msg, timeout or self.config.handshake_timeout)
+        call's :meth:`read`/:meth:`poll`); its answer is taken by a later :meth:`poll`.
+        ``live_only``: see :meth:`kvlink.channel.Channels.call`."""
+        return self._chan.call(host, port, msg, timeout or self.config.handshake_timeout,
+                               live_only=live_only)
 
     def _tell(self, host: str, port: int, msg: wire.Request, quiet: bool = False) -> None:
         """Send a report nobody waits for (a release, a "written" note): a failure is logged.
