@@ -77,6 +77,11 @@ def error_of(where: str, reply: wire.ErrorReply) -> KVLinkError:
     return err
 
 
+def _refused(why: object) -> bool:
+    """Whether a connection ended because nobody listens at its address."""
+    return getattr(why, "errno", None) == errno.ECONNREFUSED
+
+
 class Pending:
     """The answer to one queued message, once :meth:`Channels.pump` has seen it."""
 
@@ -356,7 +361,7 @@ class Channels:
             try:
                 conn.pipe = _TcpPipe(*conn.addr)
             except OSError as exc:  # refused at once: pump() tries again (until deadlines)
-                conn.broken, conn.refused = f"{exc}", exc.errno == errno.ECONNREFUSED
+                conn.broken, conn.refused = f"{exc}", _refused(exc)
                 return
         if self._secret is not None and conn.key is None:
             if not conn.nonce:  # open the session; the queue leaves once it is welcomed
@@ -412,7 +417,7 @@ class Channels:
             self.frames_sent += 1
         except OSError as exc:  # gone: its calls go again in the next pump()
             log.info("side channel frame to %s not sent: %s", conn.where, exc)
-            conn.broken, conn.refused = f"{exc}", exc.errno == errno.ECONNREFUSED
+            conn.broken, conn.refused = f"{exc}", _refused(exc)
 
     def _take(self, key: tuple[str, int], conn: _Conn, body: bytes) -> None:
         try:
@@ -458,8 +463,7 @@ class Channels:
         again = [(cid, m, p) for cid, (m, p) in conn.waiting.items()] + conn.queued
         if not again:
             return
-        if not conn.answered and (conn.refused or getattr(why, "errno", None)
-                                  == errno.ECONNREFUSED):
+        if not conn.answered and (conn.refused or _refused(why)):
             for _, _, pending in again:  # nobody listens: the process they ask about is gone
                 if pending.live_only:
                     pending._settle(None, PeerUnreachable(

@@ -85,14 +85,10 @@ class _Parts(_Holds):
         elif req.generation is not None:
             part.go = _Go(peer, req.generation)
         elif part.intent is None:  # (only the producer we handshook with can grant it)
-            part.intent = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
-                                     wire.ReadIntent(v=WIRE_VERSION,
-                                                     engine_id=self.config.engine_id,
-                                                     req_id=req.req_id,
-                                                     tp_rank=self.config.tp_rank,
-                                                     incarnation=peer.incarnation,
-                                                     block_ids=req.remote_ids.tolist()),
-                                     live_only=True)
+            part.intent = self._ask(req, part, wire.ReadIntent(
+                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
+                tp_rank=self.config.tp_rank, incarnation=peer.incarnation,
+                block_ids=req.remote_ids.tolist()))
         elif part.intent.done():
             intent, part.intent = part.intent, None
             try:
@@ -341,14 +337,10 @@ class _Parts(_Holds):
             # first), or no longer does. Ask which (an intent answers with the generation);
             # nobody listening there any more fails it at once (live_only)
             part.failure, part.refused = reason, True
-            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
-                                      wire.ReadIntent(v=WIRE_VERSION,
-                                                      engine_id=self.config.engine_id,
-                                                      req_id=req.req_id,
-                                                      tp_rank=self.config.tp_rank,
-                                                      incarnation=part.go.peer.incarnation,
-                                                      block_ids=req.remote_ids.tolist()),
-                                      live_only=True)
+            part.verdict = self._ask(req, part, wire.ReadIntent(
+                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
+                tp_rank=self.config.tp_rank, incarnation=part.go.peer.incarnation,
+                block_ids=req.remote_ids.tolist()))
         elif failed and req.generation is not None and part.restarts < 2:
             # quiescent by contract. Nothing asked the producer before this READ, so it may
             # have restarted since our handshake: its answer to the release says ("stale":
@@ -356,9 +348,8 @@ class _Parts(_Holds):
             # listens at its port (a restart that gave us our params listens already), else
             # within the report timeout
             part.failure = reason
-            part.verdict = self._send(req.remote.host, req.remote.port + part.read.remote_rank,
-                                      self._read_done(req, part, False),
-                                      min(2.0, self.config.handshake_timeout), live_only=True)
+            part.verdict = self._ask(req, part, self._read_done(req, part, False),
+                                     min(2.0, self.config.handshake_timeout))
         elif failed:  # quiescent by contract: safe to report
             self._part_failed(req, part, reason)
         elif req.op is Op.READ and part.go.generation:
@@ -540,10 +531,16 @@ class _Parts(_Holds):
                    self._read_done(req, part, True), quiet=True)
 
     def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
-        """The READ's report, whose answer validates it: only the producer that held the
-        blocks can give it, so a dead one (nobody listens) fails it at once (live_only)."""
-        return self._send(req.remote.host, req.remote.port + part.read.remote_rank,
-                          self._read_done(req, part, ok), live_only=True)
+        """The READ's report, whose answer validates it."""
+        return self._ask(req, part, self._read_done(req, part, ok))
+
+    def _ask(self, req: _Request, part: _Part, msg: wire.Request,
+             timeout: float | None = None) -> Pending:
+        """A question to the producer rank ``part`` READs. Only the process that held (or
+        holds) the blocks can answer it, so where nobody listens at its port any more it
+        fails at once (``live_only``, :meth:`kvlink.channel.Channels.call`)."""
+        return self._send(req.remote.host, req.remote.port + part.read.remote_rank, msg,
+                          timeout, live_only=True)
 
     # ------------------------------------------------------------------ a WRITE's notes
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
