@@ -447,6 +447,38 @@ def test_disconnect_in_flight_keeps_the_mapping_until_the_copy_ends(
     assert len(mapper.unmapped) == 1  # unmapped exactly once
 
 
+def test_copies_queued_behind_others_are_expected_at_the_devices_pace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ends_in`` (what a poll's grace waits on) times a copy from its enqueue: the host's
+    time before a launch (here 50 us a post, on a fake clock) is no part of the copy's. Each
+    copy below runs 100 us on the device; timed from the post's start, the first looked like
+    150 us and every copy queued behind it added the 50 us again, so a poll never found the
+    last of several in flight about to end (bench/results/gpu_grace_enqueue/)."""
+    from kvlink.transport import XferStatus
+    from kvlink_transports import cuda_ipc as mod
+
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "perf_counter", lambda: now[0])
+    t = _fake_transport(monkeypatch)
+    launch = t._copier.copy
+
+    def slow_launch(*args: Any, **kw: Any) -> Any:
+        now[0] += 50e-6  # the host's time before the copy is enqueued
+        return launch(*args, **kw)
+
+    t._copier.copy = slow_launch
+    t.connect("p", _desc(4242))
+    a = _post(t, Op.READ, "p")  # enqueued at +50 us
+    now[0] += 100e-6
+    t._copier.copies[-1].event.done = True  # ended (and seen) 100 us after its enqueue
+    assert t.poll(a).status is XferStatus.DONE
+    now[0] = 2000.0
+    b = _post(t, Op.READ, "p")  # enqueued at 2000.00005, ends at .00015
+    c = _post(t, Op.READ, "p")  # enqueued at .0001, after b: ends at .00025
+    assert t.ends_in(b) == pytest.approx(50e-6)
+    assert t.ends_in(c) == pytest.approx(150e-6)
+
+
 def test_a_copy_that_ended_before_the_disconnect_keeps_its_outcome(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvlink.transport import XferStatus

@@ -17,7 +17,7 @@ RATE_KEPT = 0.98
 
 class CopyEnds:
     """The expected end of each copy posted on one stream: after the copies before it, at the
-    best rate (bytes over the time from its post to the poll that saw it end) seen lately.
+    best rate (bytes over the time from its enqueue to the poll that saw it end) seen lately.
     A copy seen late (the caller slept) or queued behind others ran no slower than it shows,
     so only the fastest count, and the best decays by :data:`RATE_KEPT` a copy. Times are
     ``time.perf_counter()`` seconds; not thread-safe (the transport's lock)."""
