@@ -14,6 +14,13 @@ from kvlink import wire
 from kvlink.errors import ConfigError
 from kvlink.integrity import Level
 
+#: default of ``poll_grace_us``: one request's copy on one H200 (0.09-0.27 ms for the e2e
+#: bench's 70B TP8-rank and 8B requests), so a poll that comes right after its post waits for
+#: it and a caller that sleeps between polls sees it at its end: the 8B request polled that
+#: way 0.624 -> 0.419 ms against 100 us, its polled-in-a-loop and 70B figures unchanged
+#: (bench/results/gpu_grace_300/)
+DEFAULT_POLL_GRACE_US = 300.0
+
 
 @dataclasses.dataclass
 class WorkerConfig:
@@ -59,7 +66,7 @@ class WorkerConfig:
     #: (cuda_ipc: by the bytes left on its stream at the rate its copies ran), so the
     #: request is reported by this poll, not the next — a sleep or a scheduler step later.
     #: At most this long in all per poll; 0: never waits
-    poll_grace_us: float = 100.0
+    poll_grace_us: float = DEFAULT_POLL_GRACE_US
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

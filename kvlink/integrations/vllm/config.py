@@ -15,6 +15,7 @@ import msgspec
 from kvlink import options
 from kvlink.errors import ConfigError
 from kvlink.integrity import Level
+from kvlink.worker.config import DEFAULT_POLL_GRACE_US
 
 DEFAULT_SIDE_PORT = 5600
 DEFAULT_LEASE_SECONDS = 120.0
@@ -66,7 +67,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     integrity: str = "off"  # end-to-end KV digests (WorkerConfig.integrity, docs/integrity.md)
     hold_board: bool = True  # same-host READs validated in shared memory (kvlink.holdboard)
     landing_board: bool = True  # same-host pushes end without a message (kvlink.landing)
-    poll_grace_us: float = 100.0  # a poll waits this long for a copy about to end (at most)
+    poll_grace_us: float = DEFAULT_POLL_GRACE_US  # a poll waits this long for a copy about to end
     sync_load_tokens: int = 0  # decode: pulls this short load inside their request's step
     sync_load_ms: float = 2.0  # ... and this quick, at the rate the last such load moved
     layerwise: bool = False  # prefill: stream keyed requests layer by layer (docs/layerwise.md)
@@ -193,7 +194,7 @@ class Settings:
     (same-host pushes end when the prefill's transport signals the decode's board, without the
     prefill's note, default true), ``poll_grace_us`` (microseconds ``get_finished`` may wait
     for a load its transport expects to end within them, so it is reported a step sooner;
-    default 100, 0: never waits), ``sync_load_tokens`` (decode: a pull of at most this many
+    default 300, 0: never waits), ``sync_load_tokens`` (decode: a pull of at most this many
     tokens, from a prefill a load already came from, runs inside the step that schedules its
     request, whose forward waits for it: the request runs one engine step sooner; default 0,
     every load asynchronous as NixlConnector's; docs/vllm.md), ``sync_load_ms`` (such a load
@@ -228,7 +229,7 @@ class Settings:
     integrity: str = "off"  # WorkerConfig.integrity: "off", "sample" or "full"
     hold_board: bool = True  # WorkerConfig.hold_board
     landing_board: bool = True  # WorkerConfig.landing_board
-    poll_grace_us: float = 100.0  # WorkerConfig.poll_grace_us
+    poll_grace_us: float = DEFAULT_POLL_GRACE_US  # WorkerConfig.poll_grace_us
     sync_load_tokens: int = 0  # decode: pulls this short load inside their request's step
     sync_load_ms: float = 2.0  # ... and this quick, at the rate the last such load moved
     layerwise: bool = False  # prefill: layer-wise pushes of keyed requests
