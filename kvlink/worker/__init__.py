@@ -47,8 +47,9 @@ rest of kvlink imports from here.
 """
 
 from kvlink.peers import RemoteEngine
-from kvlink.worker.config import WorkerConfig
+from kvlink.worker.config import DEFAULT_POLL_GRACE_US, WorkerConfig
 from kvlink.worker.engine import KVWorker
 from kvlink.worker.records import Phases, Transfer
 
-__all__ = ["KVWorker", "Phases", "RemoteEngine", "Transfer", "WorkerConfig"]
+__all__ = ["DEFAULT_POLL_GRACE_US", "KVWorker", "Phases", "RemoteEngine", "Transfer",
+           "WorkerConfig"]

@@ -15,7 +15,7 @@ import msgspec
 from kvlink import options
 from kvlink.errors import ConfigError
 from kvlink.integrity import Level
-from kvlink.worker.config import DEFAULT_POLL_GRACE_US
+from kvlink.worker import DEFAULT_POLL_GRACE_US
 
 DEFAULT_SIDE_PORT = 5600
 DEFAULT_LEASE_SECONDS = 120.0
