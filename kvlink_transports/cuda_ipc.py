@@ -96,10 +96,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvlink.cuda_ipc")
 #: copy kernels: CUDA C where NVRTC builds it, else Triton ("auto"), or one of them forced
 KERNELS = ("auto", "cuda", "triton")
-#: a lane's posts timed on the device: one in this many (two timing events around the launch,
-#: their time read when the poll sees it done), so the estimate of when queued copies end
-#: (``ends_in``) knows how fast they run, not only when the host saw them done
-TIMED_EVERY = 16
 _VERSION = 1
 
 
@@ -152,8 +148,6 @@ class _Xfer:
     #: 0: not known)
     t_queued: float = 0.0
     ends_at: float = 0.0
-    #: a post timed on the device (one in :data:`TIMED_EVERY`): its two timing events
-    stamps: tuple[int, int] | None = None
 
 
 _ALIGNED = PerBases()
@@ -310,7 +304,6 @@ class CudaIpcTransport(Transport):
         self._gone: list[_Peer] = []  # disconnected with copies in flight: mapped until they end
         self._closed = False
         self._ends = CopyEnds()  # when each copy should end (ends_in); under _lock
-        self._untimed = 0  # lane posts until the next one timed on the device; under _lock
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
         self._mapper: Any = None
@@ -476,8 +469,6 @@ class CudaIpcTransport(Transport):
         for x in self._released:
             if x.pending.done():
                 closable += self._settle_locked(x)
-                if x.stamps is not None:
-                    self._unstamp_locked(x, False)
             else:
                 keep.append(x)
         self._released = keep
@@ -736,8 +727,6 @@ class CudaIpcTransport(Transport):
                 common = False
             if common:
                 assert target is not None and copier is not None
-                self._untimed -= 1
-                start = self._stamp() if self._untimed < 0 else None
                 pending = copier.copy_lane(moves, src, dst, self._stream, after, generation,
                                            sample)  # (its launch's errors make it fail)
                 handle = next(self._handles)
@@ -746,8 +735,6 @@ class CudaIpcTransport(Transport):
                     pending, nbytes, t0, None, None, target, ids=ids,
                     runs=functools.partial(lane.runs, *(ids or _explained_ids(
                         local_ids, remote_ids)))))
-                if start is not None:
-                    self._timed(self._xfers[handle], start)
         if common:
             self._posted(closable, t0, n * moves.segments)
             return handle
@@ -819,39 +806,6 @@ class CudaIpcTransport(Transport):
         x.ends_at = self._ends.posted(x.t_queued, x.nbytes)  # (0: not known yet)
         return self._reap_locked() if self._released else []
 
-    def _stamp(self) -> int | None:
-        """A timing event on our stream now, for a post timed on the device (one lane post
-        in :data:`TIMED_EVERY`: :meth:`CopyEnds.ran`); None where the driver refuses one."""
-        assert self._copier is not None
-        self._untimed = TIMED_EVERY - 1
-        try:
-            return int(self._copier.stamp(self._stream))
-        except RuntimeError:
-            return None
-
-    def _timed(self, x: _Xfer, start: int) -> None:
-        """After ``x``'s launch: the timing event that ends it (:meth:`_stamp`)."""
-        assert self._copier is not None
-        end = self._stamp()
-        if end is None:
-            self._copier.unstamp(start)
-        else:
-            x.stamps = (start, end)
-
-    def _unstamp_locked(self, x: _Xfer, ok: bool) -> None:
-        """A copy timed on the device has ended: its time feeds the estimate if it moved
-        its bytes (``ok``: a refused copy moves none, fast), and its events serve later
-        stamps either way."""
-        stamps, x.stamps = x.stamps, None
-        if stamps is None or self._copier is None:
-            return
-        if not ok:
-            self._copier.unstamp(*stamps)
-            return
-        took = self._copier.stamped(*stamps)
-        if took is not None:
-            self._ends.ran(x.nbytes, took)
-
     def ends_in(self, handle: int) -> float | None:
         """Optional hook (kvlink.transport, rule 6): seconds until ``handle``'s copy should
         have ended (:class:`~kvlink.gpu.ends.CopyEnds`: after the copies before it on our
@@ -917,8 +871,6 @@ class CudaIpcTransport(Transport):
                     else:
                         x.state = DONE
                         self._ends.ended(x.nbytes, time.perf_counter() - x.t_queued)
-                if x.stamps is not None:
-                    self._unstamp_locked(x, x.state is DONE)
             if closable:  # (the last copy of a peer gone meanwhile)
                 self._unmap(closable)
             if x.state is DONE:
@@ -937,8 +889,6 @@ class CudaIpcTransport(Transport):
                 return
             if x.pending.done():
                 closable = self._settle_locked(x)
-                if x.stamps is not None:
-                    self._unstamp_locked(x, False)
             else:
                 self._released.append(x)
                 return

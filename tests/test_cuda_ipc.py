@@ -844,22 +844,6 @@ class _FakeLaneCopier(_FakeCopier):
         self.copies.append(c)
         return c
 
-    # timing events (kvlink.gpu.copy.BatchCopier.stamp): numbers; the device time between two
-    # is the test's to say (``device_seconds``), the events out are counted
-    device_seconds: float | None = None
-    stamps_out = 0
-
-    def stamp(self, stream: object) -> int:
-        self.stamps_out += 1
-        return self.stamps_out
-
-    def stamped(self, start: int, end: int) -> float | None:
-        self.stamps_out -= 2
-        return self.device_seconds
-
-    def unstamp(self, *events: int) -> None:
-        self.stamps_out -= len(events)
-
 
 def test_a_lane_posts_block_ids_under_the_transports_contract(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -907,51 +891,6 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     st = t.poll(lane.post(lids, rids))
     assert st.status is XferStatus.FAILED and "not connected" in st.reason
     assert len(t._copier.copies) == n
-
-
-def test_copies_timed_on_the_device_set_the_pace_queued_ones_are_expected_at(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """One lane post in TIMED_EVERY is timed on the device (two timing events around its
-    launch, read when a poll sees it done): a copy the host saw done late (150 us after its
-    enqueue, on a fake clock) that ran 100 us on the device sets the pace — copies queued
-    behind each other are then expected 100 us apart, not 150. Before, the host's view was
-    all there was, and a poll never waited for the last of 8 70B copies in flight
-    (bench/results/gpu_grace_300/). Every timing event goes back, timed or not."""
-    from kvlink.transport import XferStatus
-    from kvlink_transports import cuda_ipc as mod
-
-    now = [1000.0]
-    monkeypatch.setattr(mod.time, "perf_counter", lambda: now[0])
-    t = _fake_transport(monkeypatch)
-    copier = t._copier = _FakeLaneCopier()
-    launch = copier.copy_lane
-
-    def slow_launch(*args: Any, **kw: Any) -> Any:
-        now[0] += 50e-6  # the host's time before the copy is enqueued
-        return launch(*args, **kw)
-
-    copier.copy_lane = slow_launch  # type: ignore[method-assign]
-    t.connect("p", _desc(4242, b"a" * 64))
-    base = np.array([0x1000], dtype=np.uint64)
-    lane = t.lane(Op.READ, "p", base, base + np.uint64(0x8000), 4096, (64, 64))
-    ids = np.array([1, 2], dtype=np.int64)
-    copier.device_seconds = 100e-6
-    a = lane.post(ids, ids)  # the first post is timed; enqueued at +50 us
-    now[0] += 150e-6  # seen done 150 us after its enqueue: late, as a 70B copy's host sees it
-    copier.copies[-1].event.done = True
-    assert t.poll(a).status is XferStatus.DONE
-    assert copier.stamps_out == 0
-    now[0] = 2000.0
-    b = lane.post(ids, ids)  # enqueued at 2000.00005: ends at .00015
-    c = lane.post(ids, ids)  # enqueued at .0001, behind b: ends at .00025
-    assert t.ends_in(b) == pytest.approx(50e-6)
-    assert t.ends_in(c) == pytest.approx(150e-6)
-    for _ in range(mod.TIMED_EVERY):  # the next timed post, refused: its time is no figure
-        h = lane.post(ids, ids)
-        copier.copies[-1].refused = copier.copies[-1].event.done = True
-        assert t.poll(h).status is XferStatus.FAILED
-        t.release(h)
-    assert copier.stamps_out == 0
 
 
 def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(

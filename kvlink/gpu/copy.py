@@ -664,29 +664,6 @@ class BatchCopier:
             self._events.recycle(event)
             return True
 
-    def stamp(self, stream: Any) -> int:
-        """A timing event on ``stream`` now (:meth:`stamped`): two around a copy time it on
-        the device. Raises RuntimeError where the driver refuses."""
-        with self._lock:
-            return self._events.stamp(stream.cuda_stream)
-
-    def stamped(self, start: int, end: int) -> float | None:
-        """Device seconds between two :meth:`stamp` events, which then serve later stamps
-        either way; None where ``end`` has not passed yet (or the driver refused: no figure
-        beats a wrong one)."""
-        with self._lock:
-            try:
-                return self._events.seconds(start, end)
-            except RuntimeError:
-                return None
-            finally:
-                self._events.unstamp(start, end)
-
-    def unstamp(self, *events: int) -> None:
-        """:meth:`stamp` events not read, to serve later stamps."""
-        with self._lock:
-            self._events.unstamp(*events)
-
     @property
     def takes_lists(self) -> bool:
         """Whether :meth:`copy_lane` takes ids as lists of ints too (the C launcher copies

@@ -13,10 +13,6 @@ from __future__ import annotations
 #: how much of the best rate seen a copy seen ended keeps: a device that got slower (other
 #: work on it) is followed within tens of copies
 RATE_KEPT = 0.98
-#: the same for copies timed on the device (:meth:`CopyEnds.ran`), a few in many: one that
-#: waited for the caller's stream first times slower than the copy, and is outlived by the
-#: next fast one; a device that got slower is followed within a few
-DEVICE_RATE_KEPT = 0.8
 
 
 class CopyEnds:
@@ -28,25 +24,14 @@ class CopyEnds:
 
     def __init__(self) -> None:
         self.rate = 0.0  # bytes a second; 0: no copy seen ended yet
-        self.device_rate = 0.0  # the last copy timed on the device (:meth:`ran`); 0: none
         self.tail = 0.0  # when the last copy posted should end
 
     def posted(self, t_post: float, nbytes: int) -> float:
         """When a copy of ``nbytes`` posted at ``t_post`` should end (0: not known yet)."""
-        rate = max(self.rate, self.device_rate)
-        if not rate:
+        if not self.rate:
             return 0.0
-        self.tail = max(t_post, self.tail) + nbytes / rate
+        self.tail = max(t_post, self.tail) + nbytes / self.rate
         return self.tail
-
-    def ran(self, nbytes: int, seconds: float) -> None:
-        """A copy of ``nbytes`` took ``seconds`` on the device (timed there). A copy the host
-        sees done only some time after it ended (its host work after the launch outlasts a
-        short copy) shows a rate below the device's, and copies queued behind each other were
-        then expected later than they end: a poll never waited for the last of 8 in flight
-        (bench/results/gpu_grace_300/). The device's own timing says how fast they run."""
-        if seconds > 0 and nbytes > 0:
-            self.device_rate = max(nbytes / seconds, self.device_rate * DEVICE_RATE_KEPT)
 
     def ended(self, nbytes: int, took: float) -> None:
         """A copy of ``nbytes`` was seen ended ``took`` seconds after its post."""

@@ -814,7 +814,6 @@ class DriverEvents:
         vp = ctypes.c_void_p
         self._lib = typed_driver(cuEventCreate=[ctypes.POINTER(vp), ctypes.c_uint],
                                   cuEventRecord=[vp, vp], cuEventQuery=[vp],
-                                  cuEventElapsedTime=[ctypes.POINTER(ctypes.c_float), vp, vp],
                                   cuEventSynchronize=[vp], cuStreamQuery=[vp],
                                   cuStreamWriteValue32_v2=[vp, ctypes.c_uint64,
                                                            ctypes.c_uint32, ctypes.c_uint])
@@ -822,7 +821,6 @@ class DriverEvents:
         #: events to record again (complete, or never recorded): a post that takes one
         #: here makes no call (BatchCopier.copy_lane, before its launch)
         self.free: list[int] = []
-        self._timed: list[int] = []  # timing events to record again (:meth:`stamp`)
         self._query: Callable[[int], int] | None = _bind_event_query(self._lib)
 
     def take(self) -> int:
@@ -861,31 +859,6 @@ class DriverEvents:
         driver's answer."""
         return self._call(self._lib.cuStreamWriteValue32_v2, stream, word, value, 0)
 
-    def stamp(self, stream: int) -> int:
-        """A timing event recorded on ``stream`` now (:meth:`seconds` between two of them);
-        :meth:`unstamp` it once read. Timing events cost more than :meth:`record`'s: a copy is
-        timed on the device now and then, not every time."""
-        ev = self._timed.pop() if self._timed else self._create(0)
-        rc = self._call(self._lib.cuEventRecord, ev, stream)
-        if rc:
-            self._timed.append(ev)
-            raise RuntimeError(f"cuEventRecord failed with CUDA error {rc}")
-        return ev
-
-    def seconds(self, start: int, end: int) -> float | None:
-        """Device time between two :meth:`stamp` events; None while ``end`` has not passed."""
-        ms = ctypes.c_float()
-        rc = self._call(self._lib.cuEventElapsedTime, ctypes.byref(ms), start, end)
-        if rc == NOT_READY:
-            return None
-        if rc:
-            raise RuntimeError(f"cuEventElapsedTime failed with CUDA error {rc}")
-        return ms.value / 1e3
-
-    def unstamp(self, *events: int) -> None:
-        """:meth:`stamp` events that serve later stamps."""
-        self._timed.extend(events)
-
     def synchronize(self, ev: int) -> None:
         rc = self._call(self._lib.cuEventSynchronize, ev)
         if rc:
@@ -895,9 +868,9 @@ class DriverEvents:
         """``ev`` (complete, or never waited on again) serves a later record."""
         self.free.append(ev)
 
-    def _create(self, flags: int = EVENT_DISABLE_TIMING) -> int:
+    def _create(self) -> int:
         ev = ctypes.c_void_p()
-        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), flags)
+        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), EVENT_DISABLE_TIMING)
         if rc:
             raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
         return int(ev.value or 0)
