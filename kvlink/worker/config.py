@@ -17,8 +17,8 @@ from kvlink.integrity import Level
 #: default of ``poll_grace_us``: one request's copy on one H200 (0.09-0.27 ms for the e2e
 #: bench's 70B TP8-rank and 8B requests), so a poll that comes right after its post waits for
 #: it and a caller that sleeps between polls sees it at its end: the 8B request polled that
-#: way 0.624 -> 0.419 ms against 100 us, its polled-in-a-loop and 70B figures unchanged
-#: (bench/results/gpu_grace_300/)
+#: way 0.624 -> 0.419 ms against 100 us, the 70B request's (polled, sleeping, 8 in flight)
+#: unchanged (bench/results/gpu_grace_300/)
 DEFAULT_POLL_GRACE_US = 300.0
 
 
