@@ -453,7 +453,9 @@ def test_copies_queued_behind_others_are_expected_at_the_devices_pace(
     time before a launch (here 50 us a post, on a fake clock) is no part of the copy's. Each
     copy below runs 100 us on the device; timed from the post's start, the first looked like
     150 us and every copy queued behind it added the 50 us again, so a poll never found the
-    last of several in flight about to end (bench/results/gpu_grace_enqueue/)."""
+    last of several in flight about to end (bench/results/gpu_grace_enqueue/). The clock and
+    the copier are stand-ins (this file's fakes): a launch's host time and a copy's end cannot
+    be produced on demand without a GPU; scripts/gpu_runs_check.py runs the real ones."""
     from kvlink.transport import XferStatus
     from kvlink_transports import cuda_ipc as mod
 

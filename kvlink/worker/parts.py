@@ -85,10 +85,7 @@ class _Parts(_Holds):
         elif req.generation is not None:
             part.go = _Go(peer, req.generation)
         elif part.intent is None:  # (only the producer we handshook with can grant it)
-            part.intent = self._ask(req, part, wire.ReadIntent(
-                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
-                tp_rank=self.config.tp_rank, incarnation=peer.incarnation,
-                block_ids=req.remote_ids.tolist()))
+            part.intent = self._ask(req, part, self._intent(req, peer.incarnation))
         elif part.intent.done():
             intent, part.intent = part.intent, None
             try:
@@ -337,10 +334,7 @@ class _Parts(_Holds):
             # first), or no longer does. Ask which (an intent answers with the generation);
             # nobody listening there any more fails it at once (live_only)
             part.failure, part.refused = reason, True
-            part.verdict = self._ask(req, part, wire.ReadIntent(
-                v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=req.req_id,
-                tp_rank=self.config.tp_rank, incarnation=part.go.peer.incarnation,
-                block_ids=req.remote_ids.tolist()))
+            part.verdict = self._ask(req, part, self._intent(req, part.go.peer.incarnation))
         elif failed and req.generation is not None and part.restarts < 2:
             # quiescent by contract. Nothing asked the producer before this READ, so it may
             # have restarted since our handshake: its answer to the release says ("stale":
@@ -533,6 +527,13 @@ class _Parts(_Holds):
     def _report_read(self, req: _Request, part: _Part, ok: bool) -> Pending:
         """The READ's report, whose answer validates it."""
         return self._ask(req, part, self._read_done(req, part, ok))
+
+    def _intent(self, req: _Request, incarnation: int) -> wire.ReadIntent:
+        """The read intent for ``req``'s blocks, to the producer incarnation we handshook
+        with: the generation's question before a READ, and after a failed one."""
+        return wire.ReadIntent(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                               req_id=req.req_id, tp_rank=self.config.tp_rank,
+                               incarnation=incarnation, block_ids=req.remote_ids.tolist())
 
     def _ask(self, req: _Request, part: _Part, msg: wire.Request,
              timeout: float | None = None) -> Pending:
