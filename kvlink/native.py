@@ -12,7 +12,9 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
 - tcp's bytes between registered memory and a socket (``move_extents``: sendmsg/readv over
   the extent array, the GIL released; bench/results/tcp_native_mover);
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
-  a grant's window), which both sides of a tcp READ make before a byte moves.
+  a grant's window), which both sides of a tcp READ make before a byte moves;
+- a request's plan on the RUNS path (``plan_runs``: :meth:`kvlink.plan.PlanTable.plan` in one
+  call where numpy's ~25 cost a 16-block request ~70 us cold; bench/results/plan_native).
 
 The module is built the way Triton builds its launchers: at first use, with the compiler
 Python was built with (``sysconfig``'s ``CC``) and Python's headers, into a cache keyed by the
@@ -20,7 +22,8 @@ source and the interpreter (``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink
 ``~/.cache/kvlink``), so a process after the first only imports it. Where it cannot be built
 (no compiler, no headers, a read-only cache) :func:`load` says why once and returns None:
 lanes then launch through ctypes, the fingerprint is numpy's, the after-check is Python's
-(the flock only), tcp moves bytes through memoryviews and bounds checks are numpy's.
+(the flock only), tcp moves bytes through memoryviews, bounds checks and plans are
+numpy's.
 ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
 """
 

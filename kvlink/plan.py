@@ -24,10 +24,12 @@ import enum
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import native
 from kvlink.errors import BlockIdOutOfRange, IncompatibleSpecError
 from kvlink.headmap import HeadRead
 from kvlink.layout import KVCacheSpec, Layout
@@ -63,6 +65,17 @@ class PlanPath(str, enum.Enum):
 
 
 _PAIR_STEP = (1 << 32) + 1  # (local, remote) ids both one further, packed as in _run_starts
+_UNSET: Any = object()
+_c_helpers: Any = _UNSET  # kvlink.native's module, once looked up (None: not built)
+
+
+def _helpers() -> Any:
+    """kvlink.native's built module or None, looked up once (a request's plan is on its
+    path, where native.load()'s lock and lookup would be a step more)."""
+    global _c_helpers
+    if _c_helpers is _UNSET:
+        _c_helpers = native.load()
+    return _c_helpers
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,10 +164,43 @@ class PlanTable:
         (a transport's ``extents``, so they land where it posts from without another copy); it
         is called for the local array, then the remote one.
         """
+        if self.path is PlanPath.RUNS:
+            done = self._plan_native(local_ids, remote_ids, alloc)
+            if done is not None:
+                return done
         lids, rids = self._check_ids(local_ids, remote_ids)
         if self.path is PlanPath.GENERAL:
             return self._plan_grid(lids, rids, alloc)
         return self._plan_segments(lids, rids, alloc)
+
+    def _plan_native(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike,
+                     alloc: Alloc | None) -> Plan | None:
+        """The RUNS path in one call of kvlink's C helper (``plan_runs``: the ids' bounds, the
+        runs, one extent per (segment, run), the seams merged): a 16-block request's plan
+        21.5 us cold against numpy's 69.3 (4.2 against 22.5 warm), and its tcp READ through
+        KVWorker 6 % faster (bench/results/plan_native/). None where it does not apply —
+        the helper not built, ids that are not contiguous int64 arrays, an id out of range:
+        the numpy path then plans, or names the bad id."""
+        helpers = _helpers()
+        if (helpers is None or not isinstance(local_ids, np.ndarray)
+                or not isinstance(remote_ids, np.ndarray) or local_ids.dtype != np.int64
+                or remote_ids.dtype != np.int64 or local_ids.ndim != 1
+                or local_ids.shape != remote_ids.shape or not local_ids.flags.c_contiguous
+                or not remote_ids.flags.c_contiguous):
+            return None
+        room = self.segments * local_ids.shape[0]
+        lext, rext = np.empty(room, EXTENT_DTYPE), np.empty(room, EXTENT_DTYPE)
+        n = helpers.plan_runs(local_ids, remote_ids, self.local_base, self.remote_base,
+                              self.unit, self.local.num_blocks, self.remote.num_blocks, lext,
+                              rext)
+        if n < 0:
+            return None
+        raw = self.raw_count(local_ids.shape[0])
+        if alloc is None:
+            return Plan(lext[:n], rext[:n], raw)
+        lout, rout = alloc(n), alloc(n)
+        lout[...], rout[...] = lext[:n], rext[:n]
+        return Plan(lout, rout, raw)
 
     def runs(self, local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, *,
              local_checked: bool = False, coalesce: bool = True) -> Runs | None:

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvlink import native
 from kvlink.errors import BlockIdOutOfRange, IncompatibleSpecError
 from kvlink.headmap import HeadRead, map_heads, rank_heads
 from kvlink.layout import KVCacheSpec, Layout
@@ -240,6 +241,39 @@ def test_random_geometries_move_the_same_bytes(seed: int) -> None:
     # every path, and the seam merge, was exercised (else the cases above prove little)
     assert min(paths[p] for p in PlanPath) >= 20, paths
     assert seams >= 5, seams
+
+
+def test_the_c_planner_writes_the_numpy_paths_extents() -> None:
+    """The RUNS path in one C call (kvlink.native's ``plan_runs``, what ``plan`` takes where
+    it is built) writes the numpy path's extents record for record, seams merged as it
+    merges them, and declines (None) ids out of range, which the numpy path then names."""
+    helpers = native.load()
+    assert helpers is not None, f"kvlink's C helpers did not build here: {native.why_not()}"
+    rng = np.random.default_rng(11)
+    planned = seams = 0
+    for _ in range(1500):
+        c = random_case(rng)
+        table = PlanTable.build(c.local, c.remote, c.read)
+        if table.path is not PlanPath.RUNS:
+            continue
+        want = table._plan_segments(c.lids, c.rids, None)
+        got = table._plan_native(c.lids, c.rids, None)
+        assert got is not None
+        assert np.array_equal(got.local, want.local), c
+        assert np.array_equal(got.remote, want.remote), c
+        assert got.raw_descriptors == want.raw_descriptors
+        planned += 1
+        seams += bool(c.lids.size) and table._seams(c.lids, c.rids) is not None
+    assert planned >= 100 and seams >= 5, (planned, seams)
+    table = PlanTable.build(_fa(2, 1, 8, 1 << 40), _fa(2, 1, 5, 1 << 41))
+    for lids, rids in (([0, 8], [0, 1]), ([0, 1], [-1, 1]), ([0, 1], [4, 5])):
+        assert table._plan_native(np.array(lids), np.array(rids), None) is None
+    with pytest.raises(BlockIdOutOfRange, match=r"remote block id 5 \(position 1\)"):
+        table.plan(np.array([0, 1]), np.array([4, 5]))
+    room = np.empty(1, EXTENT_DTYPE)  # fewer records than segments x ids: refused
+    with pytest.raises(ValueError, match="segments x ids"):
+        helpers.plan_runs(np.arange(2), np.arange(2), table.local_base, table.remote_base,
+                          table.unit, 8, 5, room, room)
 
 
 def test_runs_expand_to_the_plan() -> None:
