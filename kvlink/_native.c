@@ -48,6 +48,7 @@
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -526,21 +527,89 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
  * move: 64 was the best of 16-256 for tcp's memoryview path (bench/results/tcp_window_ab) */
 #define IOV_PER_CALL 64
 
-/* move_extents(fd, send, extents, index, offset, budget, timeout_ms) -> (index, offset) | None
+/* Wait up to timeout_ms (-1: forever) for `fd` to take (send) or give bytes: 0 ready, 1 timed
+ * out, -1 an error (errno). EINTR is waited through: these waits are bounded by the timeout,
+ * and the caller's Python runs its signal handlers once the call returns. No GIL needed. */
+static int wait_fd(int fd, int send, int timeout_ms) {
+  struct pollfd p = {fd, send ? POLLOUT : POLLIN, 0};
+  for (;;) {
+    int r = poll(&p, 1, timeout_ms);
+    if (r > 0) return 0;
+    if (r == 0) return 1;
+    if (errno != EINTR) return -1;
+  }
+}
+
+static int64_t now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Move `len` bytes of `buf` through `fd` (send, or receive into it), waiting up to
+ * timeout_ms for each step, and (`deadline`, now_ms()'s clock; 0: none) no later than it:
+ * 0 done, 1 timed out, 2 closed by the peer (a read of 0 bytes), -1 an error (errno);
+ * `*halted` set and 0 returned where `halt` shows nonzero first. */
+static int move_all(int fd, int send, char *buf, size_t len, int timeout_ms, int64_t deadline,
+                    const volatile uint32_t *halt, int *halted) {
+  size_t done = 0;
+  while (done < len) {
+    if (halt && *halt) {
+      *halted = 1;
+      return 0;
+    }
+    ssize_t got = send ? sendto(fd, buf + done, len - done, MSG_NOSIGNAL, NULL, 0)
+                       : recv(fd, buf + done, len - done, MSG_DONTWAIT);
+    if (got > 0) {
+      done += (size_t)got;
+    } else if (got == 0) {
+      return 2;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      int wait = timeout_ms;
+      if (deadline) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0) return 1;
+        if (wait < 0 || left < wait) wait = (int)left;
+      }
+      int w = wait_fd(fd, send, wait);
+      if (w) return w;
+    } else if (errno != EINTR) {
+      return -1;
+    }
+  }
+  return 0;
+}
+
+#define PREFIX_MAX 256 /* bytes of a prefix (a tcp answer's frame: tens) */
+
+/* move_extents(fd, send, extents, index, offset, budget, timeout_ms[, prefix[, halt[, done]]])
+ *   -> (index, offset) | None | bytes
  *
  * Moves the bytes of `extents` (a C-contiguous buffer of (addr, len) pairs of uint64: one
  * struct iovec each on LP64 Linux; kvlink_transports.tcp checked every one against its
  * registered memory first) from extent `index`, byte `offset` of it: written to the socket
  * `fd` (send true) or read from it into them. Returns where it stopped: at the end, or once
  * `budget` bytes moved (the caller checks whether to stop between calls), or at EINTR (the
- * caller's Python then runs its signal handlers). None where the peer closed the connection
- * (a read of 0 bytes). The GIL is released throughout. A non-blocking socket (one with a
- * Python timeout) waits up to timeout_ms (-1: forever) in poll() for each call, then raises
- * TimeoutError; a socket error raises OSError. */
+ * caller's Python then runs its signal handlers), or where `halt` (a buffer whose first
+ * uint32 another thread sets nonzero: a revoked grant) showed nonzero before a socket call.
+ * None where the peer closed the connection (a read of 0 bytes). The GIL is released
+ * throughout. A non-blocking socket (one with a Python timeout) waits up to timeout_ms (-1:
+ * forever) in poll() for each call, then raises TimeoutError; a socket error raises OSError.
+ *
+ * `prefix` (bytes-like, at most PREFIX_MAX; None: none): sending, bytes written before the
+ * extents (tcp's A answer and a READ's bytes in one call: every call costs its thread the GIL
+ * once more, up to a switch interval where the process's own Python is busy); receiving, the
+ * bytes expected before the extents — read (no more than their length), and where they
+ * differ returned as they came (bytes), nothing else read (the owner's E answer: the caller
+ * reads its rest and decodes it).
+ *
+ * `done` (a buffer of at least one uint32; None: none): set to 1 (a release store) once the
+ * last extent's bytes have moved, before the GIL is taken back: a poll on another thread
+ * sees a READ's bytes landed without waiting for this thread's Python to run again. */
 static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError,
-                     "move_extents(fd, send, extents, index, offset, budget, timeout_ms)");
+  if (nargs < 7 || nargs > 10) {
+    PyErr_SetString(PyExc_TypeError, "move_extents(fd, send, extents, index, offset, budget, "
+                    "timeout_ms[, prefix[, halt[, done]]])");
     return NULL;
   }
   int fd = (int)PyLong_AsLong(args[0]);
@@ -550,10 +619,56 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   long long budget = PyLong_AsLongLong(args[5]);
   int timeout_ms = (int)PyLong_AsLong(args[6]);
   if (PyErr_Occurred() || send < 0) return NULL;
+  char expect[PREFIX_MAX], head[PREFIX_MAX];
+  size_t plen = 0;
+  if (nargs > 7 && args[7] != Py_None) {
+    Py_buffer pv;
+    if (PyObject_GetBuffer(args[7], &pv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (pv.len > PREFIX_MAX) {
+      PyBuffer_Release(&pv);
+      PyErr_Format(PyExc_ValueError, "prefix: %zd bytes, at most %d", pv.len, PREFIX_MAX);
+      return NULL;
+    }
+    plen = (size_t)pv.len;
+    memcpy(expect, pv.buf, plen);
+    PyBuffer_Release(&pv);
+  }
+  uint32_t no_halt = 0;
+  const volatile uint32_t *halt = &no_halt;
+  Py_buffer hv;
+  int have_halt = nargs > 8 && args[8] != Py_None;
+  if (have_halt) {
+    if (PyObject_GetBuffer(args[8], &hv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (hv.len < 4) {
+      PyBuffer_Release(&hv);
+      PyErr_SetString(PyExc_ValueError, "halt: fewer than 4 bytes");
+      return NULL;
+    }
+    halt = (const volatile uint32_t *)hv.buf;
+  }
+  Py_buffer dv;
+  int have_done = nargs > 9 && args[9] != Py_None;
+  if (have_done) {
+    if (PyObject_GetBuffer(args[9], &dv, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0 ||
+        dv.len < 4) {
+      if (!PyErr_Occurred()) {
+        PyBuffer_Release(&dv);
+        PyErr_SetString(PyExc_ValueError, "done: fewer than 4 bytes");
+      }
+      if (have_halt) PyBuffer_Release(&hv);
+      return NULL;
+    }
+  }
   Py_buffer view;
-  if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS) < 0) {
+    if (have_halt) PyBuffer_Release(&hv);
+    if (have_done) PyBuffer_Release(&dv);
+    return NULL;
+  }
   if (view.len % 16) {
     PyBuffer_Release(&view);
+    if (have_halt) PyBuffer_Release(&hv);
+    if (have_done) PyBuffer_Release(&dv);
     PyErr_Format(PyExc_ValueError, "extents: %zd bytes is not a whole number of (addr, len) "
                  "pairs", view.len);
     return NULL;
@@ -562,6 +677,8 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   Py_ssize_t n = view.len / 16;
   if (index < 0 || index > n || (index < n && offset > ext[2 * index + 1])) {
     PyBuffer_Release(&view);
+    if (have_halt) PyBuffer_Release(&hv);
+    if (have_done) PyBuffer_Release(&dv);
     PyErr_Format(PyExc_ValueError, "extent %zd byte %llu is outside %zd extents", index,
                  offset, n);
     return NULL;
@@ -570,10 +687,18 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   int at = 0, k = 0;
   Py_ssize_t fill = index;  // the next extent not in the window yet
   uint64_t skip = offset;   // (of the first one only)
-  int err = 0, closed = 0, timed_out = 0;
+  int err = 0, closed = 0, timed_out = 0, halted = 0, differs = 0;
   long long moved = 0;
   Py_BEGIN_ALLOW_THREADS
-  while (index < n && moved < budget) {
+  if (plen) {
+    int r = move_all(fd, send, send ? expect : head, plen, timeout_ms, 0, halt, &halted);
+    if (r < 0) err = errno;
+    timed_out = r == 1;
+    closed = r == 2;
+    differs = !r && !halted && !send && memcmp(head, expect, plen) != 0;
+  }
+  while (!err && !timed_out && !closed && !halted && !differs && index < n && moved < budget) {
+    if (*halt) break;
     if (k - at < IOV_WINDOW / 4 && fill < n) {  // topped up, not rebuilt: a call may move
       if (at) {                                  // only a few of its buffers
         memmove(iov, iov + at, (size_t)(k - at) * sizeof *iov);
@@ -647,8 +772,12 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     while (index < n && ext[2 * index + 1] == 0) ++index;  // (empty ones after the last)
   }
+  if (have_done && !err && !timed_out && !closed && !differs && index >= n)
+    __atomic_store_n((uint32_t *)dv.buf, 1u, __ATOMIC_RELEASE);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&view);
+  if (have_halt) PyBuffer_Release(&hv);
+  if (have_done) PyBuffer_Release(&dv);
   if (err) {
     errno = err;
     return PyErr_SetFromErrno(PyExc_OSError);
@@ -658,9 +787,79 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
     return NULL;
   }
   if (closed) Py_RETURN_NONE;
+  if (differs) return PyBytes_FromStringAndSize(head, (Py_ssize_t)plen);
   return Py_BuildValue("(nK)", index, offset);
 }
 
+
+#define FRAME_GROW (1 << 20) /* a frame's body is buffered as it arrives past this */
+
+/* recv_frame(fd, limit, first_ms, rest_ms) -> bytes | int | None
+ *
+ * One tcp frame (a 4-byte little-endian length, then that many bytes) read with the GIL
+ * released once: the first byte waited for up to first_ms (-1: forever: a kept-open peer may
+ * be idle), the rest within rest_ms of it (a header once started must arrive whole). Returns
+ * the body; the announced length (int) where it exceeds `limit` (nothing more read: the
+ * caller answers and drops the connection); None where the peer closed it. A body past
+ * FRAME_GROW is buffered as its bytes arrive, not at its announced size. TimeoutError,
+ * OSError as move_extents. What the owner's serving thread waits in for a peer's next request
+ * (before, four socket calls: each took the GIL back, up to a switch interval where the
+ * process's own Python is busy — a prefill running its forward). */
+static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "recv_frame(fd, limit, first_ms, rest_ms)");
+    return NULL;
+  }
+  int fd = (int)PyLong_AsLong(args[0]);
+  long long limit = PyLong_AsLongLong(args[1]);
+  int first_ms = (int)PyLong_AsLong(args[2]), rest_ms = (int)PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return NULL;
+  unsigned char len4[4];
+  char *buf = NULL;
+  uint32_t n = 0;
+  int r = 0, waited = 0, halted = 0, too_long = 0;
+  Py_BEGIN_ALLOW_THREADS
+  r = wait_fd(fd, 0, first_ms);
+  waited = r == 1;
+  const int64_t deadline = rest_ms < 0 ? 0 : now_ms() + rest_ms;  // the whole frame's
+  if (!r) r = move_all(fd, 0, (char *)len4, 4, rest_ms, deadline, NULL, &halted);
+  if (!r) {
+    n = (uint32_t)len4[0] | (uint32_t)len4[1] << 8 | (uint32_t)len4[2] << 16 |
+        (uint32_t)len4[3] << 24;
+    too_long = (long long)n > limit;
+  }
+  size_t have = 0, cap = 0;
+  while (!r && !too_long && have < n) {  // grown as the bytes come, FRAME_GROW at a time
+    if (have == cap) {
+      size_t more = n - cap < FRAME_GROW ? n - cap : FRAME_GROW;
+      char *grown = realloc(buf, cap + more);
+      if (!grown) {
+        errno = ENOMEM;
+        r = -1;
+        break;
+      }
+      buf = grown;
+      cap += more;
+    }
+    r = move_all(fd, 0, buf + have, cap - have, rest_ms, deadline, NULL, &halted);
+    if (!r) have = cap;
+  }
+  Py_END_ALLOW_THREADS
+  PyObject *out = NULL;
+  if (r == 2) {
+    out = Py_NewRef(Py_None);
+  } else if (r == 1) {
+    PyErr_SetString(PyExc_TimeoutError, waited ? "no frame in time" : "frame not complete in time");
+  } else if (r < 0) {
+    PyErr_SetFromErrno(PyExc_OSError);
+  } else if (too_long) {
+    out = PyLong_FromUnsignedLong(n);
+  } else {
+    out = PyBytes_FromStringAndSize(buf ? buf : "", (Py_ssize_t)n);
+  }
+  free(buf);
+  return out;
+}
 
 /* `o` as a C-contiguous buffer (`view`: release it) of whole `itemsize`-byte items, writable
  * where asked (its format is not checked: the callers' numpy arrays); -1 with an exception
@@ -842,7 +1041,10 @@ static PyMethodDef methods[] = {
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,
      "board_shows(map, offset, fd, generation, ids): a READ's after-check"},
     {"move_extents", (PyCFunction)(void (*)(void))move_extents, METH_FASTCALL,
-     "move_extents(fd, send, extents, index, offset, budget, timeout_ms): tcp's bytes"},
+     "move_extents(fd, send, extents, index, offset, budget, timeout_ms[, prefix[, halt]]): "
+     "tcp's bytes"},
+    {"recv_frame", (PyCFunction)(void (*)(void))recv_frame, METH_FASTCALL,
+     "recv_frame(fd, limit, first_ms, rest_ms): one tcp frame's body"},
     {"sentinel_arm", (PyCFunction)sentinel_arm, METH_O,
      "sentinel_arm(map): this thread's robust futex is the board's alive word"},
     {"sentinel_disarm", (PyCFunction)sentinel_disarm, METH_NOARGS,

@@ -10,7 +10,10 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
 - the hold board's after-check (``board_shows``), with its alive word (``sentinel_arm``:
   a word the kernel marks when the producer dies, read where a flock was a system call);
 - tcp's bytes between registered memory and a socket (``move_extents``: sendmsg/readv over
-  the extent array, the GIL released; bench/results/tcp_native_mover);
+  the extent array, the GIL released; bench/results/tcp_native_mover), a READ's answer sent
+  and taken with them and its landing marked for poll(), and a request's header read
+  (``recv_frame``) — each one call, so tcp's threads take the GIL back once where each
+  socket call did (bench/results/tcp_busy_peers);
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
   a grant's window), which both sides of a tcp READ make before a byte moves;
 - a request's plan on the RUNS path (``plan_runs``: :meth:`kvlink.plan.PlanTable.plan` in one

@@ -324,14 +324,14 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
     import kvlink_transports.tcp.client as tcp_client
 
     with _idle_connection() as (_, abuf, bbuf, read, _peer):
-        real_send, real_recv, caller = (tcp_client._send_hdr, tcp_client._recv_hdr,
+        real_send, real_recv, caller = (tcp_client._send_hdr, TcpTransport._recv_ext,
                                         threading.get_ident())
-        waiting = threading.Event()  # the thread is reading the answer
+        waiting = threading.Event()  # the thread is reading the answer (and the bytes)
         taken: list[bool] = []
 
-        def recv(sock: Any) -> Any:
+        def recv(self: TcpTransport, *args: Any, **kwargs: Any) -> Any:
             waiting.set()
-            return real_recv(sock)
+            return real_recv(self, *args, **kwargs)
 
         def descheduled(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
@@ -339,7 +339,7 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
             real_send(sock, hdr)
 
         # spies, not stand-ins: the real read and send run; they only order the two threads
-        monkeypatch.setattr(tcp_client, "_recv_hdr", recv)
+        monkeypatch.setattr(TcpTransport, "_recv_ext", recv)
         monkeypatch.setattr(tcp_client, "_send_hdr", descheduled)
         bbuf[4096:8192] = 0
         assert read(4096).status is XferStatus.DONE
@@ -365,14 +365,14 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
     import kvlink_transports.tcp.client as tcp_client
 
     with _idle_connection() as (a, _, bbuf, read, peer):
-        real_send, real_recv, caller = (tcp_client._send_hdr, tcp_client._recv_hdr,
+        real_send, real_recv, caller = (tcp_client._send_hdr, TcpTransport._recv_ext,
                                         threading.get_ident())
         failed = threading.Event()  # the thread's read of the answer raised
         gone: list[bool] = []
 
-        def recv(sock: Any) -> Any:
+        def recv(self: TcpTransport, *args: Any, **kwargs: Any) -> Any:
             try:
-                return real_recv(sock)
+                return real_recv(self, *args, **kwargs)
             except BaseException:
                 failed.set()
                 raise
@@ -385,7 +385,7 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
 
         # spies, not stand-ins: the real read and send run; they only order the two threads
         # (the fault itself, the owner closing, is real)
-        monkeypatch.setattr(tcp_client, "_recv_hdr", recv)
+        monkeypatch.setattr(TcpTransport, "_recv_ext", recv)
         monkeypatch.setattr(tcp_client, "_send_hdr", owner_gone_meanwhile)
         bbuf[4096:8192] = 0
         t0 = time.monotonic()

@@ -19,6 +19,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from kvlink.errors import KVLinkError, TransportUnavailable, WireError
 from kvlink.sockets import shutdown
 from kvlink.transport import (
@@ -34,11 +37,16 @@ from kvlink.transport import (
 )
 from kvlink.wire import extents_to_bytes
 from kvlink_transports.tcp.wire import (
+    _A_FRAME,
+    _LEN,
     _MAX_EXTENTS,
+    _MAX_REPLY,
     _VERSION,
+    _decode_hdr,
     _Descriptor,
     _Hdr,
     _PeerGone,
+    _recv_exact,
     _recv_hdr,
     _send_hdr,
     _tune,
@@ -65,7 +73,22 @@ class _Xfer:
     #: its answer came, a reason string if that send failed (the connection is then broken),
     #: False not tried
     sent: bool | str = False
+    #: a READ whose bytes are all it waits for (one request, no notification, no landing
+    #: signal): a word kvlink's C helper sets to 1 once they are in, which poll() reads —
+    #: DONE without this thread's Python running again (it waits for the GIL up to a switch
+    #: interval where the caller's own Python is busy)
+    landed: npt.NDArray[np.uint32] | None = None
 
+
+
+def _reply_after(sock: socket.socket, came: bytes) -> _Hdr:
+    """The answer whose first bytes ``came`` (where an "ok" was expected): the rest read."""
+    (n,) = _LEN.unpack(came[:_LEN.size])
+    body = came[_LEN.size:]
+    if not len(body) <= n <= _MAX_REPLY:  # (shorter: what followed it was read too)
+        raise WireError(f"tcp answer of {n} B (expected {len(_A_FRAME) - _LEN.size} B or "
+                        f"more, at most {_MAX_REPLY} B)")
+    return _decode_hdr(body + _recv_exact(sock, n - len(body)))
 
 
 class _Owner(Protocol):
@@ -86,8 +109,10 @@ class _Owner(Protocol):
     ) -> None: ...
 
     def _recv_ext(
-        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None
-    ) -> None: ...
+        self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
+        staged: bool | None = None, expect: bytes = b"",
+        done: npt.NDArray[np.uint32] | None = None,
+    ) -> bytes | None: ...
 
 
 class _Peer:
@@ -258,18 +283,28 @@ class _Peer:
                     raise
                 self._refused(xfer, reply, reconnect=True)
                 return False
-        reply = _recv_hdr(sock)
-        xfer.sent = False  # (the owner answers once the whole header is in)
-        if reply.op == "E":
-            self._refused(xfer, reply, reconnect=xfer.op is Op.WRITE)
-            return False
-        if reply.op != "A":
-            raise WireError(f"unexpected reply {reply.op!r}")
         if xfer.op is Op.READ:
-            owner._recv_ext(sock, local)
+            # the answer and the bytes in one call (the GIL taken back once, not per socket
+            # call: where this process's Python is busy each costs up to a switch interval)
+            came = owner._recv_ext(sock, local, expect=_A_FRAME, done=xfer.landed)
+            xfer.sent = False  # (the owner answers once the whole header is in)
+            if came is not None:  # not "ok": the rest of its answer says why
+                self._answered(xfer, _reply_after(sock, came))
+                return False
             if xfer.notify is not None and last:
                 _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
-        return True
+            return True
+        reply = _recv_hdr(sock)
+        xfer.sent = False
+        self._answered(xfer, reply)
+        return reply.op == "A"
+
+    def _answered(self, xfer: _Xfer, reply: _Hdr) -> None:
+        """An owner's answer other than the bytes: E fails ``xfer`` (refused), A is ok."""
+        if reply.op == "E":
+            self._refused(xfer, reply, reconnect=xfer.op is Op.WRITE)
+        elif reply.op != "A":
+            raise WireError(f"unexpected reply {reply.op!r}")
 
     def _header(self, xfer: _Xfer, part: slice, last: bool) -> _Hdr:
         return _Hdr(

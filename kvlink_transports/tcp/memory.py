@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlink import hostmem, native, staging
 from kvlink.errors import ExtentOutOfBounds, TransportUnavailable
 from kvlink.transport import EXTENT_DTYPE, Extents, Region, RegionTable, Transport
-from kvlink_transports.tcp.wire import _PeerGone
+from kvlink_transports.tcp.wire import _PeerGone, _recv_exact
 
 _IOV = 512  # memoryviews made at a time (IOV_MAX is 1024 on Linux)
 #: buffers handed to one socket call: a call moves at most a socket buffer's worth, yet takes
@@ -47,18 +48,31 @@ class _Memory:
         self.views = [hostmem.view(r.addr, r.nbytes) for r in self.table.regions]
         #: every region of one memory kind: an extent's kind is known once it is located
         self.one_kind = len({r.memory_kind for r in self.table.regions}) == 1
-        self._native: ModuleType | None = native.load()
+        self.native: ModuleType | None = native.load()
 
     def move(self, sock: socket.socket, ext: Extents, send: bool,
-             stop: Callable[[], bool] | None) -> None:
+             stop: Callable[[], bool] | None, prefix: bytes = b"",
+             halt: npt.NDArray[np.uint32] | None = None,
+             done: npt.NDArray[np.uint32] | None = None) -> bytes | None:
         """Send the bytes of ``ext`` (``send``), or receive straight into them; every extent
-        checked in registered memory first (:meth:`_LocalMemory._is_staged`)."""
-        if self._native is not None and ext.dtype == EXTENT_DTYPE:
-            _move_native(self._native, sock, ext, send, stop)
-        elif send:
+        checked in registered memory first (:meth:`_LocalMemory._is_staged`). ``prefix``:
+        sent before them, or (receiving) the bytes expected before them — returned as they
+        came where they differ, nothing more read. ``halt``: a word ``stop`` sets too, read
+        by the C helper between its socket calls (then one call moves the whole request).
+        ``done``: a word the C helper sets to 1 once every byte moved (none set without it)."""
+        if self.native is not None and ext.dtype == EXTENT_DTYPE:
+            return _move_native(self.native, sock, ext, send, stop, prefix, halt, done)
+        if send:
+            if prefix:
+                sock.sendall(prefix)
             _send_views(sock, self._batches(ext), stop)
-        else:
-            _recv_views(sock, self._batches(ext), stop)
+            return None
+        if prefix:
+            came = bytes(_recv_exact(sock, len(prefix)))
+            if came != prefix:
+                return came
+        _recv_views(sock, self._batches(ext), stop)
+        return None
 
     def _batches(self, ext: Extents) -> Iterator[list[memoryview]]:
         """The slices of ``ext`` (checked), ``_IOV`` at a time as they are consumed: O(batch)
@@ -77,22 +91,30 @@ class _Memory:
 
 def _move_native(
     helpers: ModuleType, sock: socket.socket, ext: Extents, send: bool,
-    stop: Callable[[], bool] | None,
-) -> None:
-    """Move ``ext``'s bytes (checked) through the C helper, ``_STOP_EVERY`` bytes a call where
-    ``stop`` may end it early, with the socket's timeout for each wait."""
+    stop: Callable[[], bool] | None, prefix: bytes = b"",
+    halt: npt.NDArray[np.uint32] | None = None, done: npt.NDArray[np.uint32] | None = None,
+) -> bytes | None:
+    """Move ``ext``'s bytes (checked) through the C helper, with the socket's timeout for
+    each wait: in one call where nothing can stop it or ``halt`` lets the helper see a stop
+    itself, else ``_STOP_EVERY`` bytes a call. Each call takes the GIL back once when it
+    returns, which waits up to a switch interval where this process's own Python is busy (a
+    prefill's forward): 40 of them for a 160 MiB READ served under a stop, before ``halt``.
+    ``prefix`` as :meth:`_Memory.move`."""
     ext = np.ascontiguousarray(ext)  # (a view of a request's header already is)
     timeout = sock.gettimeout()
     ms = -1 if timeout is None else max(1, int(timeout * 1000))
-    budget = _STOP_EVERY if stop is not None else 1 << 62
+    budget = _STOP_EVERY if stop is not None and halt is None else 1 << 62
     fd, n = sock.fileno(), ext.shape[0]
-    at: tuple[int, int] | None = (0, 0)
-    while at is not None and at[0] < n:
+    at: tuple[int, int] | bytes | None = (0, 0)
+    first = prefix or None
+    while isinstance(at, tuple) and (at[0] < n or first):
         if stop is not None and stop():
             raise _PeerGone("access revoked mid-transfer")
-        at = helpers.move_extents(fd, send, ext, at[0], at[1], budget, ms)
+        at = helpers.move_extents(fd, send, ext, at[0], at[1], budget, ms, first, halt, done)
+        first = None
     if at is None:
         raise _PeerGone("connection closed by peer mid-transfer")
+    return at if isinstance(at, bytes) else None
 
 
 def _send_views(
@@ -196,10 +218,11 @@ class _LocalMemory(Transport):
 
     def _send_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
-        staged: bool | None = None,
+        staged: bool | None = None, prefix: bytes = b"",
+        halt: npt.NDArray[np.uint32] | None = None,
     ) -> None:
-        """Send ``ext``'s bytes; ``staged``: what :meth:`_is_staged` answered for it (None:
-        check it now)."""
+        """Send ``ext``'s bytes, after ``prefix``; ``staged``: what :meth:`_is_staged`
+        answered for it (None: check it now); ``halt`` as :meth:`_Memory.move`."""
         if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
 
@@ -208,18 +231,27 @@ class _LocalMemory(Transport):
                     raise _PeerGone("access revoked mid-transfer")
                 sock.sendall(mv)
 
+            if prefix:
+                sock.sendall(prefix)
             staging.send_staged(send, ext, self._copier, self._pool, self._chunk, self.timeout)
         else:
-            self._memory.move(sock, ext, True, stop)
+            self._memory.move(sock, ext, True, stop, prefix, halt)
 
     def _recv_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
-        staged: bool | None = None,
-    ) -> None:
-        """Receive into ``ext``; ``staged`` as for :meth:`_send_ext`."""
+        staged: bool | None = None, expect: bytes = b"",
+        done: npt.NDArray[np.uint32] | None = None,
+    ) -> bytes | None:
+        """Receive into ``ext`` the bytes that follow ``expect``; what came instead of
+        ``expect`` where it differs (nothing more read); ``staged`` as for
+        :meth:`_send_ext`, ``done`` as for :meth:`_Memory.move`."""
         if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
+            if expect:
+                came = bytes(_recv_exact(sock, len(expect)))
+                if came != expect:
+                    return came
             staging.recv_staged(lambda mv: _recv_views(sock, [[mv]], stop), ext, self._copier,
                                 self._pool, self._chunk, self.timeout)
-        else:
-            self._memory.move(sock, ext, False, stop)
+            return None
+        return self._memory.move(sock, ext, False, stop, expect, done=done)

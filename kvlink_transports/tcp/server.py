@@ -34,7 +34,10 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
+
+import numpy as np
+import numpy.typing as npt
 
 from kvlink.errors import ExtentOutOfBounds, KVLinkError, WireError
 from kvlink.grants import Grants
@@ -43,6 +46,7 @@ from kvlink.transport import Extents, Op
 from kvlink.wire import extents_from_bytes
 from kvlink_transports.tcp.memory import _CHECK, _LocalMemory
 from kvlink_transports.tcp.wire import (
+    _A_FRAME,
     _LEN,
     _MAX_EXTENTS,
     _MAX_HEADER,
@@ -104,6 +108,28 @@ class _Inbound:
     revoked: bool = False  # fence(): stop before the next socket call
     serving: bytes | None = None  # the ticket of the request being served (under _lock)
     cut: bool = False  # revoke() of ``serving``: stop before the next socket call
+    #: nonzero while ``revoked or cut``: what kvlink's C helper reads between its socket
+    #: calls, so a READ is served in one call and still stops there
+    halt: npt.NDArray[np.uint32] = dataclasses.field(
+        default_factory=lambda: np.zeros(1, dtype=np.uint32))
+
+    def stopped(self) -> bool:
+        return self.revoked or self.cut
+
+    def fence(self) -> None:
+        """No more of this connection's requests: stop before the next socket call."""
+        self.revoked = True
+        self.halt[0] = 1
+
+    def cut_request(self) -> None:
+        """revoke() of the ticket being served: stop before the next socket call."""
+        self.cut = True
+        self.halt[0] = 1
+
+    def serve(self, ticket: bytes) -> None:
+        """A new request under ``ticket`` (under the transport's lock)."""
+        self.serving, self.cut = ticket, False
+        self.halt[0] = self.revoked
 
 
 @dataclasses.dataclass(eq=False)
@@ -331,7 +357,18 @@ class _Server(_LocalMemory):
         """The next request header. Its first byte may take any time (an idle peer keeps its
         connection open); from there the whole header must arrive within ``timeout_s``, and
         announce at most ``_MAX_HEADER`` bytes. Its payload then moves under ``timeout_s`` per
-        socket call."""
+        socket call. Through kvlink's C helper where it is built: one call, which takes the
+        GIL back once (each socket call here did, and waited up to a switch interval for it
+        where this process's own Python is busy); the socket stays in timeout mode."""
+        helpers = self._memory.native
+        if helpers is not None:
+            got = helpers.recv_frame(conn.fileno(), _MAX_HEADER, -1,
+                                     max(1, int(self.timeout * 1000)))
+            if got is None:
+                raise _PeerGone("connection closed by peer")
+            if isinstance(got, int):
+                self._too_long(conn, got)
+            return _decode_hdr(got)
         conn.settimeout(None)
         head = bytearray(_LEN.size)
         if conn.recv_into(head, 1) == 0:
@@ -341,16 +378,23 @@ class _Server(_LocalMemory):
         (n,) = _LEN.unpack(head)
         if n > _MAX_HEADER:
             conn.settimeout(self.timeout)
-            _send_hdr(conn, _Hdr(_VERSION, "E", reason=f"header of {n} B exceeds {_MAX_HEADER} "
-                                 f"B (at most {_MAX_EXTENTS} extents a request)"))
-            raise WireError(f"tcp header of {n} B exceeds {_MAX_HEADER} B")
+            self._too_long(conn, n)
         body = _recv_exact(conn, n, deadline)
         conn.settimeout(self.timeout)
         return _decode_hdr(body)
 
+    @staticmethod
+    def _too_long(conn: socket.socket, n: int) -> NoReturn:
+        """A header announced past ``_MAX_HEADER``: said to the peer, and the connection
+        ends (the stream cannot be resynced)."""
+        _send_hdr(conn, _Hdr(_VERSION, "E", reason=f"header of {n} B exceeds {_MAX_HEADER} "
+                             f"B (at most {_MAX_EXTENTS} extents a request)"))
+        raise WireError(f"tcp header of {n} B exceeds {_MAX_HEADER} B")
+
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         inb = self._inbound[conn]
         try:
+            conn.settimeout(self.timeout)  # (each socket call waits at most this long)
             while True:
                 hdr = self._recv_request(conn)
                 if inb.revoked:
@@ -379,20 +423,16 @@ class _Server(_LocalMemory):
         conn, op = inb.conn, Op.READ if hdr.op == "R" else Op.WRITE
         ext = extents_from_bytes(hdr.extents, _MAX_EXTENTS)
         with self._lock:  # before the grant check, so revoke() sees it or the check fails
-            inb.serving, inb.cut = hdr.ticket, False
+            inb.serve(hdr.ticket)
         try:
             verdict = self._refusal(op, hdr.ticket, ext)
             why = verdict if isinstance(verdict, str) else None
             if why is None:
-
-                def stop() -> bool:
-                    return inb.revoked or inb.cut
-
-                if op is Op.READ:
-                    _send_hdr(conn, _Hdr(_VERSION, "A"))
-                    self._send_ext(conn, ext, stop, staged=bool(verdict))
+                if op is Op.READ:  # the answer and the bytes in one call, where it can
+                    self._send_ext(conn, ext, inb.stopped, staged=bool(verdict),
+                                   prefix=_A_FRAME, halt=inb.halt)
                 else:
-                    self._recv_ext(conn, ext, stop, staged=bool(verdict))
+                    self._recv_ext(conn, ext, inb.stopped, staged=bool(verdict))
         finally:
             # done with our memory before any answer goes out: a peer (or the owner, seeing
             # the notification) that revokes once it has the answer finds nothing to wait for

@@ -63,6 +63,7 @@ from kvlink.grants import Grants
 from kvlink.options import check_options
 from kvlink.sockets import shutdown
 from kvlink.transport import (
+    DONE,
     Capabilities,
     Extents,
     Op,
@@ -75,7 +76,7 @@ from kvlink.wire import decode_versioned
 from kvlink_transports.tcp.client import _Peer, _Xfer
 from kvlink_transports.tcp.memory import _Memory
 from kvlink_transports.tcp.server import _CUT_GRACE, _Server, _Throttle
-from kvlink_transports.tcp.wire import _VERSION, _Descriptor, _enc
+from kvlink_transports.tcp.wire import _MAX_EXTENTS, _VERSION, _Descriptor, _enc
 
 if TYPE_CHECKING:
     from kvlink.landing import Signal
@@ -194,6 +195,9 @@ class TcpTransport(_Server):
             ticket=bytes(ticket),
             signal=signal,
         )
+        if (op is Op.READ and notify is None and signal is None
+                and remote.shape[0] <= _MAX_EXTENTS and self._memory.native is not None):
+            xfer.landed = np.zeros(1, dtype=np.uint32)
         with self._lock:
             target = self._peers.get(peer)
         if target is not None:  # a caller bug: raise before a handle exists
@@ -248,7 +252,10 @@ class TcpTransport(_Server):
         xfer = self._xfers.get(handle)
         if xfer is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
-        return xfer.state
+        state = xfer.state
+        if state.status is XferStatus.PENDING and xfer.landed is not None and xfer.landed[0]:
+            return DONE  # every byte in (kvlink's C helper said so); its thread's bookkeeping
+        return state  # follows once it has the GIL again
 
     def release(self, handle: int) -> None:
         with self._lock:
@@ -286,7 +293,7 @@ class TcpTransport(_Server):
         for p in peers:
             p.close("transport closed")
         for c in inbound:
-            c.revoked = True
+            c.fence()
             shutdown(c.conn)
         deadline = time.monotonic() + _CLOSE_WAIT
         threads = [self._acceptor, *(p.thread for p in peers), *(c.thread for c in inbound)]
@@ -317,7 +324,7 @@ class TcpTransport(_Server):
             self._revoked.add(peer)
             mine = [c for c in self._inbound.values() if c.agent == peer]
         for c in mine:
-            c.revoked = True
+            c.fence()
             shutdown(c.conn)
         deadline = time.monotonic() + timeout
         for c in mine:
@@ -346,7 +353,7 @@ class TcpTransport(_Server):
         with self._lock:
             busy = [c for c in self._inbound.values() if c.serving == ticket]
             for c in busy:
-                c.cut = True
+                c.cut_request()
         if not busy:
             return True
         with self._lock:  # the accept thread shuts down what is still stuck at the grace's end

@@ -61,9 +61,19 @@ class _PeerGone(Exception):
 # ---------------------------------------------------------------------------- framing
 
 
-def _send_hdr(sock: socket.socket, hdr: _Hdr) -> None:
+def _frame(hdr: _Hdr) -> bytes:
     body = _enc.encode(hdr)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+def _send_hdr(sock: socket.socket, hdr: _Hdr) -> None:
+    sock.sendall(_frame(hdr))
+
+
+#: the owner's "ok" answer to a request, as framed on the wire: the same bytes every time, so
+#: it goes out in one call with a READ's bytes and the initiator expects it the same way (an
+#: E answer is never shorter: its reason is what differs)
+_A_FRAME = _frame(_Hdr(_VERSION, "A"))
 
 
 def _until(sock: socket.socket, deadline: float | None) -> None:

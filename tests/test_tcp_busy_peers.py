@@ -1,0 +1,126 @@
+"""tcp serves and takes a READ while its process's own Python is busy (a prefill's forward).
+
+tcp's threads are Python threads: each time one of them comes back from a socket call it
+takes the GIL back, and where the process's own thread is busy in Python that waits up to a
+switch interval (5 ms by default). The owner's serving thread came back from five socket
+calls before a READ's bytes left (the header's first byte, its length, its body, the timeout
+reset, the answer), the reader's thread from three before the bytes were in; a prefill busy in
+Python for 20 ms turned a 5 ms 16-block READ into 17-18 ms (bench/busy_peers.py). Now kvlink's
+C helper reads a request's header in one call and sends the answer with the bytes in one call,
+and the reader takes the answer with the bytes in one call, which marks the READ landed for
+the caller's poll before that thread waits for the GIL.
+
+Real processes, the real transport on 127.0.0.1; the busy Python is a loop, and the switch
+interval is raised to 0.25 s so that each wait for the GIL is a quarter second, far above
+the bytes' time: the READ's time counts the waits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvlink import native
+from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
+from kvlink_transports.tcp import TcpTransport
+
+INTERVAL = 0.25  # the busy process's switch interval, seconds
+SIZE = 4 << 20  # the owner's memory; a READ takes 64 extents of 16 KiB from it
+BUSY = 3.0  # seconds a busy process's own Python runs
+
+
+def _extents(base: int, order: np.ndarray) -> Any:
+    return make_extents(np.asarray(base + order * (16 << 10), dtype=np.uint64),
+                        np.full(order.shape[0], 16 << 10, dtype=np.uint64))
+
+
+def _owner(q: Any, go: Any, busy: bool) -> None:
+    """The owner: its memory registered, then (``busy``) its main thread in Python."""
+    src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+    t = TcpTransport(TransportContext("owner"))
+    t.register([Region(src.ctypes.data, SIZE)])
+    q.put((t.descriptor(), src.ctypes.data))
+    go.get()
+    if busy:
+        sys.setswitchinterval(INTERVAL)
+        end, x = time.monotonic() + BUSY, 0
+        while time.monotonic() < end:
+            x += 1  # a forward's Python
+    go.get()
+    t.close()
+
+
+def _read_while(busy_owner: bool, busy_reader: bool) -> float:
+    """Seconds a 64-extent READ took to be DONE: to the first poll of the busy reader's loop
+    that saw it, else the reader's transport's own count."""
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_owner, args=(q, go, busy_owner), daemon=True)
+    child.start()
+    dst = np.zeros(SIZE, dtype=np.uint8)
+    reader = TcpTransport(TransportContext("reader"))
+    old = sys.getswitchinterval()
+    try:
+        desc, far = q.get(timeout=60)
+        reader.register([Region(dst.ctypes.data, SIZE)])
+        reader.connect("owner", desc)
+        order = np.random.default_rng(0).permutation(SIZE // (16 << 10))[:64]
+        warm = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order[:1]),
+                           _extents(far, order[:1]))  # the connection opened
+        assert reader.wait(warm, 30).status is XferStatus.DONE
+        reader.release(warm)
+        go.put("busy")
+        if busy_owner:
+            time.sleep(0.5)  # (the owner's loop under way: the READ lands in it)
+        before = reader.stats.xfer_seconds
+        h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
+                        _extents(far, order))
+        t0 = time.perf_counter()
+        seen = None
+        if busy_reader:
+            sys.setswitchinterval(INTERVAL)
+            while time.perf_counter() < t0 + BUSY:  # the caller's own Python after its read()
+                if seen is None and reader.poll(h).status is not XferStatus.PENDING:
+                    seen = time.perf_counter() - t0  # (and it goes on with its work)
+            sys.setswitchinterval(old)
+        assert reader.wait(h, 30).status is XferStatus.DONE
+        took = reader.stats.xfer_seconds - before if seen is None else seen
+        src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+        for k in order:
+            at = int(k) * (16 << 10)
+            assert np.array_equal(dst[at:at + (16 << 10)], src[at:at + (16 << 10)])
+        return took
+    finally:
+        sys.setswitchinterval(old)
+        reader.close()
+        go.put("stop")
+        go.put("stop")
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert native.load() is not None, f"kvlink's C helpers did not build: {native.why_not()}"
+
+
+def test_a_busy_owner_serves_a_read_after_one_wait_for_the_gil() -> None:
+    """The owner's serving thread waits for the GIL once before the bytes leave (the header
+    read in one call), not five times: on the code before this READ took ~4-5 intervals."""
+    took = _read_while(busy_owner=True, busy_reader=False)
+    assert took < 2 * INTERVAL, f"{took:.2f} s: more than one wait of {INTERVAL} s for the GIL"
+
+
+def test_a_busy_reader_sees_a_read_done_without_a_wait_for_the_gil() -> None:
+    """The reader's thread takes the answer and the bytes in one call, which marks the READ
+    landed before it takes the GIL back: the busy caller's own poll sees it DONE within the
+    first interval (its thread may wait for the GIL once, to start), not after its thread's
+    two to four waits to run its Python again."""
+    took = _read_while(busy_owner=False, busy_reader=True)
+    assert took < INTERVAL, f"{took:.2f} s: a wait of {INTERVAL} s for the GIL on its path"
