@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -594,3 +595,60 @@ def test_a_decode_closing_as_soon_as_it_is_written_does_not_fail_the_push(
             time.sleep(0.001)
         prefill.close()
         assert rid in done, f"iteration {i}: {ended.get(rid)}"
+
+
+def test_an_ok_answer_framed_otherwise_still_gets_the_read_its_bytes() -> None:
+    """The reader expects the owner's "ok" as the exact bytes this build frames it in, and
+    takes it with the READ's bytes in one call; an owner that frames its ok otherwise (another
+    build: here a field this one leaves empty, which no real kvlink owner sends — a fake
+    owner, a socket speaking the tcp wire) is read on in Python, and the bytes that follow
+    still land, every one."""
+    import threading
+
+    from kvlink_transports.tcp.wire import (
+        _VERSION,
+        _Descriptor,
+        _enc,
+        _frame,
+        _Hdr,
+        _recv_hdr,
+    )
+
+    payload = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
+    listener = socket.create_server(("127.0.0.1", 0))
+    served: list[str] = []
+
+    def owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            hello, req = _recv_hdr(conn), _recv_hdr(conn, 1 << 20)
+            served.extend((hello.op, req.op))
+            conn.sendall(_frame(_Hdr(_VERSION, "A", agent="another-build")))
+            conn.sendall(payload.tobytes())
+            conn.recv(1)  # (until the reader closes)
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+    dst = np.zeros(8192, dtype=np.uint8)
+    reader = TcpTransport(TransportContext("reader"))
+    try:
+        reader.register([Region(dst.ctypes.data, dst.nbytes)])
+        far = 1 << 30
+        reader.connect("owner", _enc.encode(_Descriptor(
+            v=_VERSION, agent="owner", host="127.0.0.1", port=listener.getsockname()[1],
+            regions=[(far, 8192, "cpu")], token=b"k" * 16)))
+        base = dst.ctypes.data
+        h = reader.post(Op.READ, "owner",
+                        make_extents(np.array([base + 4096, base], np.uint64),
+                                     np.array([4096, 4096], np.uint64)),
+                        make_extents(np.array([far, far + 4096], np.uint64),
+                                     np.array([4096, 4096], np.uint64)))
+        st = reader.wait(h, 10)
+        assert st.status is XferStatus.DONE, st.reason
+        assert served == ["H", "R"]
+        assert np.array_equal(dst[4096:], payload[:4096])
+        assert np.array_equal(dst[:4096], payload[4096:])
+    finally:
+        reader.close()
+        listener.close()
+        thread.join(5)

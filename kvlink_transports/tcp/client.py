@@ -80,7 +80,6 @@ class _Xfer:
     landed: npt.NDArray[np.uint32] | None = None
 
 
-
 def _reply_after(sock: socket.socket, came: bytes) -> _Hdr:
     """The answer whose first bytes ``came`` (where an "ok" was expected): the rest read."""
     (n,) = _LEN.unpack(came[:_LEN.size])
@@ -288,9 +287,12 @@ class _Peer:
             # call: where this process's Python is busy each costs up to a switch interval)
             came = owner._recv_ext(sock, local, expect=_A_FRAME, done=xfer.landed)
             xfer.sent = False  # (the owner answers once the whole header is in)
-            if came is not None:  # not "ok": the rest of its answer says why
-                self._answered(xfer, _reply_after(sock, came))
-                return False
+            if came is not None:  # not our "ok" bytes: the rest of its answer says what
+                reply = _reply_after(sock, came)
+                self._answered(xfer, reply)
+                if reply.op != "A":
+                    return False
+                owner._recv_ext(sock, local, done=xfer.landed)  # an "ok" framed otherwise
             if xfer.notify is not None and last:
                 _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
             return True
