@@ -134,8 +134,9 @@ class Cache:
     def spec(self) -> Any:
         from kvlink.layout import KVCacheSpec
 
+        # kv_dim said, not inferred: a cache of 2 blocks, (2, 2, 16, heads, 128), is ambiguous
         return KVCacheSpec.from_tensors(self.layers, total_kv_heads=self.case.heads,
-                                        dtype="bfloat16")
+                                        dtype="bfloat16", kv_dim=0)
 
 
 def pattern(case: Case, req_no: int, layer: int, blocks: Any, device: str) -> Any:
