@@ -179,9 +179,8 @@ class PlanTable:
         runs, one extent per (segment, run), the seams merged): a 16-block request's plan
         21.5 us cold against numpy's 69.3 (4.2 against 22.5 warm), and the plan phase of its
         tcp READ through KVWorker 0.08 ms against 0.2 (bench/results/plan_native/). None
-        where it does not apply —
-        the helper not built, ids that are not contiguous int64 arrays, an id out of range:
-        the numpy path then plans, or names the bad id."""
+        where it does not apply — the helper not built, ids that are not contiguous int64
+        arrays, an id out of range: the numpy path then plans, or names the bad id."""
         helpers = _helpers()
         if (helpers is None or not isinstance(local_ids, np.ndarray)
                 or not isinstance(remote_ids, np.ndarray) or local_ids.dtype != np.int64
