@@ -21,7 +21,7 @@ import numpy as np
 from _common import sweep, write_result
 from e2e_producer import BS, CASES, DIM, run_shuffled
 
-from kvlink import plan as planner
+from kvlink import native as natives
 from kvlink.layout import KVCacheSpec
 from kvlink.plan import PlanPath, PlanTable
 
@@ -35,9 +35,15 @@ def spec(case: Any, nblocks: int) -> KVCacheSpec:
                                     total_kv_heads=case.heads, dtype="bfloat16")
 
 
+def use(helpers: Any) -> None:
+    """The C helpers the planner finds (None: the numpy path): kvlink.native's loaded module,
+    swapped in its cache."""
+    natives._loaded["launch"] = helpers
+
+
 def timed(table: PlanTable, lids: np.ndarray, rids: np.ndarray, native: Any,
           cold: bool) -> float:
-    planner._c_helpers = native  # (None: the numpy path)
+    use(native)
     if cold:
         sweep()
     else:
@@ -53,7 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    native = planner._helpers()
+    native = natives.load()
     if native is None:
         raise SystemExit("kvlink's C helpers are not built here: nothing to compare")
     rows: dict[str, Any] = {}
@@ -66,9 +72,9 @@ def main() -> None:
         requests = [(run_shuffled(rng, nblocks)[:case.blocks].astype(np.int64),
                      np.arange(case.blocks, dtype=np.int64)) for _ in range(16)]
         lids, rids = requests[0]
-        planner._c_helpers = None
+        use(None)
         want = table.plan(lids, rids)
-        planner._c_helpers = native
+        use(native)
         got = table.plan(lids, rids)
         assert np.array_equal(got.local, want.local) and np.array_equal(got.remote, want.remote)
         times: dict[str, list[float]] = {k: [] for k in ("c_warm", "numpy_warm", "c_cold",
@@ -82,7 +88,7 @@ def main() -> None:
                 for label, helpers in order:
                     times[f"{label}_{mode}"].append(timed(table, lids, rids, helpers,
                                                           mode == "cold"))
-        planner._c_helpers = native
+        use(native)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows[name] = {"extents": got.descriptors, "blocks": case.blocks,
                       "median_us": {k: round(v * 1e6, 2) for k, v in med.items()},

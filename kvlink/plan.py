@@ -24,7 +24,6 @@ import enum
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -65,17 +64,6 @@ class PlanPath(str, enum.Enum):
 
 
 _PAIR_STEP = (1 << 32) + 1  # (local, remote) ids both one further, packed as in _run_starts
-_UNSET: Any = object()
-_c_helpers: Any = _UNSET  # kvlink.native's module, once looked up (None: not built)
-
-
-def _helpers() -> Any:
-    """kvlink.native's built module or None, looked up once (a request's plan is on its
-    path, where native.load()'s lock and lookup would be a step more)."""
-    global _c_helpers
-    if _c_helpers is _UNSET:
-        _c_helpers = native.load()
-    return _c_helpers
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,7 +169,7 @@ class PlanTable:
         tcp READ through KVWorker 0.08 ms against 0.2 (bench/results/plan_native/). None
         where it does not apply — the helper not built, ids that are not contiguous int64
         arrays, an id out of range: the numpy path then plans, or names the bad id."""
-        helpers = _helpers()
+        helpers = native.load()
         if (helpers is None or not isinstance(local_ids, np.ndarray)
                 or not isinstance(remote_ids, np.ndarray) or local_ids.dtype != np.int64
                 or remote_ids.dtype != np.int64 or local_ids.ndim != 1

@@ -40,14 +40,16 @@ def _extents(base: int, order: np.ndarray) -> Any:
                         np.full(order.shape[0], 16 << 10, dtype=np.uint64))
 
 
-def _owner(q: Any, go: Any) -> None:
-    """The owner: its memory registered, then its main thread in Python."""
+def _owner(q: Any, go: Any, busy: Any) -> None:
+    """The owner: its memory registered, then its main thread in Python (``busy`` set as it
+    starts)."""
     src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
     t = TcpTransport(TransportContext("owner"))
     t.register([Region(src.ctypes.data, SIZE)])
     q.put((t.descriptor(), src.ctypes.data))
     go.get()
     sys.setswitchinterval(INTERVAL)
+    busy.set()
     end, x = time.monotonic() + BUSY, 0
     while time.monotonic() < end:
         x += 1  # a forward's Python
@@ -59,8 +61,8 @@ def _read_while_the_owner_is_busy() -> float:
     """Seconds a 64-extent READ took to be DONE (the reader's transport's own count) while
     the owner's main thread runs Python."""
     ctx = mp.get_context("spawn")
-    q, go = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_owner, args=(q, go), daemon=True)
+    q, go, busy = ctx.Queue(), ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_owner, args=(q, go, busy), daemon=True)
     child.start()
     dst = np.zeros(SIZE, dtype=np.uint8)
     reader = TcpTransport(TransportContext("reader"))
@@ -74,7 +76,7 @@ def _read_while_the_owner_is_busy() -> float:
         assert reader.wait(warm, 30).status is XferStatus.DONE
         reader.release(warm)
         go.put("busy")
-        time.sleep(0.5)  # (the owner's loop under way: the READ lands in it)
+        assert busy.wait(30), "the owner did not start its loop"  # (the READ lands in it)
         before = reader.stats.xfer_seconds
         h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
                         _extents(far, order))
@@ -136,10 +138,8 @@ def test_a_read_is_done_once_its_bytes_landed_though_its_thread_has_not_run_agai
         order = np.random.default_rng(1).permutation(SIZE // (16 << 10))[:64]
         h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
                         _extents(src.ctypes.data, order))
-        deadline = time.monotonic() + 5
-        while reader.poll(h).status is XferStatus.PENDING and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert reader.poll(h).status is XferStatus.DONE, "PENDING while its thread was held"
+        st = reader.wait(h, 5)  # (polls: the thread's own record stays PENDING meanwhile)
+        assert st.status is XferStatus.DONE, f"not DONE while its thread was held: {st.reason}"
         # its record: PENDING, the thread held in (or not yet at) its bookkeeping — the mark
         # is set before the thread takes the GIL back, so a poll may see it even before that
         assert reader._xfers[h].state.status is XferStatus.PENDING

@@ -67,12 +67,10 @@ class _Memory:
                 sock.sendall(prefix)
             _send_views(sock, self._batches(ext), stop)
             return None
-        if prefix:
-            came = bytes(_recv_exact(sock, len(prefix)))
-            if came != prefix:
-                return came
-        _recv_views(sock, self._batches(ext), stop)
-        return None
+        came = _expected(sock, prefix)
+        if came is None:
+            _recv_views(sock, self._batches(ext), stop)
+        return came
 
     def _batches(self, ext: Extents) -> Iterator[list[memoryview]]:
         """The slices of ``ext`` (checked), ``_IOV`` at a time as they are consumed: O(batch)
@@ -115,6 +113,15 @@ def _move_native(
     if at is None:
         raise _PeerGone("connection closed by peer mid-transfer")
     return at if isinstance(at, bytes) else None
+
+
+def _expected(sock: socket.socket, expect: bytes) -> bytes | None:
+    """Read ``len(expect)`` bytes (Python's side of the C helper's prefix): None where they
+    are ``expect``, else what came instead."""
+    if not expect:
+        return None
+    came = bytes(_recv_exact(sock, len(expect)))
+    return None if came == expect else came
 
 
 def _send_views(
@@ -247,10 +254,9 @@ class _LocalMemory(Transport):
         :meth:`_send_ext`, ``done`` as for :meth:`_Memory.move`."""
         if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
-            if expect:
-                came = bytes(_recv_exact(sock, len(expect)))
-                if came != expect:
-                    return came
+            came = _expected(sock, expect)
+            if came is not None:
+                return came
             staging.recv_staged(lambda mv: _recv_views(sock, [[mv]], stop), ext, self._copier,
                                 self._pool, self._chunk, self.timeout)
             return None
