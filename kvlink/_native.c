@@ -37,7 +37,7 @@
  * steps on that host.
  */
 #define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_native.h"
 #include <errno.h>
 #include <linux/futex.h>
 #include <stdlib.h>
@@ -580,7 +580,110 @@ static int move_all(int fd, int send, char *buf, size_t len, int timeout_ms, int
   return 0;
 }
 
-#define PREFIX_MAX 256 /* bytes of a prefix (a tcp answer's frame: tens) */
+KVL_HIDDEN void kvl_move(int fd, int send, const uint64_t *ext, Py_ssize_t n,
+                         long long budget, int timeout_ms, const char *prefix, size_t plen,
+                         const volatile uint32_t *halt, uint32_t *done, kvl_move_t *m) {
+  static const uint32_t no_halt = 0;
+  if (!halt) halt = &no_halt;
+  Py_ssize_t index = m->index;
+  uint64_t offset = m->offset;
+  struct iovec iov[IOV_WINDOW];  // the window: iov[at..k) still to move
+  int at = 0, k = 0;
+  Py_ssize_t fill = index;  // the next extent not in the window yet
+  uint64_t skip = offset;   // (of the first one only)
+  long long moved = 0;
+  if (plen) {
+    int r = move_all(fd, send, send ? (char *)prefix : m->head, plen, timeout_ms, 0, halt,
+                     &m->halted);
+    if (r < 0) m->err = errno;
+    m->timed_out = r == 1;
+    m->closed = r == 2;
+    m->differs = !r && !m->halted && !send && memcmp(m->head, prefix, plen) != 0;
+  }
+  while (!m->err && !m->timed_out && !m->closed && !m->halted && !m->differs && index < n &&
+         moved < budget) {
+    if (*halt) {
+      m->halted = 1;
+      break;
+    }
+    if (k - at < IOV_WINDOW / 4 && fill < n) {  // topped up, not rebuilt: a call may move
+      if (at) {                                  // only a few of its buffers
+        memmove(iov, iov + at, (size_t)(k - at) * sizeof *iov);
+        k -= at;
+        at = 0;
+      }
+      for (; fill < n && k < IOV_WINDOW; ++fill, skip = 0) {  // (empty extents skipped)
+        if (ext[2 * fill + 1] == skip) continue;
+        iov[k].iov_base = (char *)(uintptr_t)ext[2 * fill] + skip;
+        iov[k].iov_len = (size_t)(ext[2 * fill + 1] - skip);
+        ++k;
+      }
+    }
+    if (at == k) {  // only empty extents left
+      index = n;
+      offset = 0;
+      break;
+    }
+    ssize_t got;
+    if (send) {  // (MSG_NOSIGNAL: a closed peer is EPIPE, not a signal)
+      struct msghdr msg = {0};
+      msg.msg_iov = iov + at;
+      msg.msg_iovlen = (size_t)(k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
+      got = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    } else {
+      got = readv(fd, iov + at, k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
+    }
+    if (got < 0) {
+      if (errno == EINTR) break;  // back to Python: its signal handlers run
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        struct pollfd p = {fd, send ? POLLOUT : POLLIN, 0};
+        int r = poll(&p, 1, timeout_ms);
+        if (r == 0) {
+          m->timed_out = 1;
+          break;
+        }
+        if (r < 0 && errno != EINTR) {
+          m->err = errno;
+          break;
+        }
+        if (r < 0) break;
+        continue;
+      }
+      m->err = errno;
+      break;
+    }
+    if (got == 0) {  // (a send of nonempty buffers never moves nothing: as closed)
+      m->closed = 1;
+      break;
+    }
+    moved += got;
+    for (size_t g = (size_t)got; g;) {  // the window past what moved
+      if (g >= iov[at].iov_len) {
+        g -= iov[at++].iov_len;
+      } else {
+        iov[at].iov_base = (char *)iov[at].iov_base + g;
+        iov[at].iov_len -= g;
+        g = 0;
+      }
+    }
+    while (got > 0 && index < n) {  // past what moved: whole extents, then into one
+      uint64_t left = ext[2 * index + 1] - offset;
+      if ((uint64_t)got >= left) {
+        got -= (ssize_t)left;
+        ++index;
+        offset = 0;
+      } else {
+        offset += (uint64_t)got;
+        got = 0;
+      }
+    }
+    while (index < n && ext[2 * index + 1] == 0) ++index;  // (empty ones after the last)
+  }
+  m->index = index;
+  m->offset = offset;
+  if (done && !m->err && !m->timed_out && !m->closed && !m->differs && index >= n)
+    __atomic_store_n(done, 1u, __ATOMIC_RELEASE);
+}
 
 /* move_extents(fd, send, extents, index, offset, budget, timeout_ms[, prefix[, halt[, done]]])
  *   -> (index, offset) | None | bytes
@@ -619,7 +722,7 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   long long budget = PyLong_AsLongLong(args[5]);
   int timeout_ms = (int)PyLong_AsLong(args[6]);
   if (PyErr_Occurred() || send < 0) return NULL;
-  char expect[PREFIX_MAX], head[PREFIX_MAX];
+  char expect[PREFIX_MAX];
   size_t plen = 0;
   if (nargs > 7 && args[7] != Py_None) {
     Py_buffer pv;
@@ -633,8 +736,7 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
     memcpy(expect, pv.buf, plen);
     PyBuffer_Release(&pv);
   }
-  uint32_t no_halt = 0;
-  const volatile uint32_t *halt = &no_halt;
+  const volatile uint32_t *halt = NULL;
   Py_buffer hv;
   int have_halt = nargs > 8 && args[8] != Py_None;
   if (have_halt) {
@@ -683,153 +785,48 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
                  offset, n);
     return NULL;
   }
-  struct iovec iov[IOV_WINDOW];  // the window: iov[at..k) still to move
-  int at = 0, k = 0;
-  Py_ssize_t fill = index;  // the next extent not in the window yet
-  uint64_t skip = offset;   // (of the first one only)
-  int err = 0, closed = 0, timed_out = 0, halted = 0, differs = 0;
-  long long moved = 0;
+  kvl_move_t m = {.index = index, .offset = offset};
   Py_BEGIN_ALLOW_THREADS
-  if (plen) {
-    int r = move_all(fd, send, send ? expect : head, plen, timeout_ms, 0, halt, &halted);
-    if (r < 0) err = errno;
-    timed_out = r == 1;
-    closed = r == 2;
-    differs = !r && !halted && !send && memcmp(head, expect, plen) != 0;
-  }
-  while (!err && !timed_out && !closed && !halted && !differs && index < n && moved < budget) {
-    if (*halt) break;
-    if (k - at < IOV_WINDOW / 4 && fill < n) {  // topped up, not rebuilt: a call may move
-      if (at) {                                  // only a few of its buffers
-        memmove(iov, iov + at, (size_t)(k - at) * sizeof *iov);
-        k -= at;
-        at = 0;
-      }
-      for (; fill < n && k < IOV_WINDOW; ++fill, skip = 0) {  // (empty extents skipped)
-        if (ext[2 * fill + 1] == skip) continue;
-        iov[k].iov_base = (char *)(uintptr_t)ext[2 * fill] + skip;
-        iov[k].iov_len = (size_t)(ext[2 * fill + 1] - skip);
-        ++k;
-      }
-    }
-    if (at == k) {  // only empty extents left
-      index = n;
-      offset = 0;
-      break;
-    }
-    ssize_t got;
-    if (send) {  // (MSG_NOSIGNAL: a closed peer is EPIPE, not a signal)
-      struct msghdr msg = {0};
-      msg.msg_iov = iov + at;
-      msg.msg_iovlen = (size_t)(k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
-      got = sendmsg(fd, &msg, MSG_NOSIGNAL);
-    } else {
-      got = readv(fd, iov + at, k - at < IOV_PER_CALL ? k - at : IOV_PER_CALL);
-    }
-    if (got < 0) {
-      if (errno == EINTR) break;  // back to Python: its signal handlers run
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        struct pollfd p = {fd, send ? POLLOUT : POLLIN, 0};
-        int r = poll(&p, 1, timeout_ms);
-        if (r == 0) {
-          timed_out = 1;
-          break;
-        }
-        if (r < 0 && errno != EINTR) {
-          err = errno;
-          break;
-        }
-        if (r < 0) break;
-        continue;
-      }
-      err = errno;
-      break;
-    }
-    if (got == 0) {  // (a send of nonempty buffers never moves nothing: as closed)
-      closed = 1;
-      break;
-    }
-    moved += got;
-    for (size_t g = (size_t)got; g;) {  // the window past what moved
-      if (g >= iov[at].iov_len) {
-        g -= iov[at++].iov_len;
-      } else {
-        iov[at].iov_base = (char *)iov[at].iov_base + g;
-        iov[at].iov_len -= g;
-        g = 0;
-      }
-    }
-    while (got > 0 && index < n) {  // past what moved: whole extents, then into one
-      uint64_t left = ext[2 * index + 1] - offset;
-      if ((uint64_t)got >= left) {
-        got -= (ssize_t)left;
-        ++index;
-        offset = 0;
-      } else {
-        offset += (uint64_t)got;
-        got = 0;
-      }
-    }
-    while (index < n && ext[2 * index + 1] == 0) ++index;  // (empty ones after the last)
-  }
-  if (have_done && !err && !timed_out && !closed && !differs && index >= n)
-    __atomic_store_n((uint32_t *)dv.buf, 1u, __ATOMIC_RELEASE);
+  kvl_move(fd, send, ext, n, budget, timeout_ms, expect, plen, halt,
+           have_done ? (uint32_t *)dv.buf : NULL, &m);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&view);
   if (have_halt) PyBuffer_Release(&hv);
   if (have_done) PyBuffer_Release(&dv);
-  if (err) {
-    errno = err;
+  if (m.err) {
+    errno = m.err;
     return PyErr_SetFromErrno(PyExc_OSError);
   }
-  if (timed_out) {
+  if (m.timed_out) {
     PyErr_SetString(PyExc_TimeoutError, "timed out");
     return NULL;
   }
-  if (closed) Py_RETURN_NONE;
-  if (differs) return PyBytes_FromStringAndSize(head, (Py_ssize_t)plen);
-  return Py_BuildValue("(nK)", index, offset);
+  if (m.closed) Py_RETURN_NONE;
+  if (m.differs) return PyBytes_FromStringAndSize(m.head, (Py_ssize_t)plen);
+  return Py_BuildValue("(nK)", m.index, (unsigned long long)m.offset);
 }
 
 
 #define FRAME_GROW (1 << 20) /* a frame's body is buffered as it arrives past this */
 
-/* recv_frame(fd, limit, first_ms, rest_ms) -> bytes | int | None
- *
- * One tcp frame (a 4-byte little-endian length, then that many bytes) read with the GIL
- * released once: the first byte waited for up to first_ms (-1: forever: a kept-open peer may
- * be idle), the rest within rest_ms of it (a header once started must arrive whole). Returns
- * the body; the announced length (int) where it exceeds `limit` (nothing more read: the
- * caller answers and drops the connection); None where the peer closed it. A body past
- * FRAME_GROW is buffered as its bytes arrive, not at its announced size. TimeoutError,
- * OSError as move_extents. What the owner's serving thread waits in for a peer's next request
- * (before, four socket calls: each took the GIL back, up to a switch interval where the
- * process's own Python is busy — a prefill running its forward). */
-static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "recv_frame(fd, limit, first_ms, rest_ms)");
-    return NULL;
-  }
-  int fd = (int)PyLong_AsLong(args[0]);
-  long long limit = PyLong_AsLongLong(args[1]);
-  int first_ms = (int)PyLong_AsLong(args[2]), rest_ms = (int)PyLong_AsLong(args[3]);
-  if (PyErr_Occurred()) return NULL;
+KVL_HIDDEN int kvl_recv_frame(int fd, long long limit, int first_ms, int rest_ms, char **body,
+                              uint32_t *len, int *waited) {
   unsigned char len4[4];
   char *buf = NULL;
   uint32_t n = 0;
-  int r = 0, waited = 0, halted = 0, too_long = 0;
-  Py_BEGIN_ALLOW_THREADS
-  r = wait_fd(fd, 0, first_ms);
-  waited = r == 1;
+  int halted = 0;
+  int r = wait_fd(fd, 0, first_ms);
+  *waited = r == 1;
   const int64_t deadline = rest_ms < 0 ? 0 : now_ms() + rest_ms;  // the whole frame's
   if (!r) r = move_all(fd, 0, (char *)len4, 4, rest_ms, deadline, NULL, &halted);
   if (!r) {
     n = (uint32_t)len4[0] | (uint32_t)len4[1] << 8 | (uint32_t)len4[2] << 16 |
         (uint32_t)len4[3] << 24;
-    too_long = (long long)n > limit;
+    *len = n;
+    if ((long long)n > limit) return 3;
   }
   size_t have = 0, cap = 0;
-  while (!r && !too_long && have < n) {  // grown as the bytes come, FRAME_GROW at a time
+  while (!r && have < n) {  // grown as the bytes come, FRAME_GROW at a time
     if (have == cap) {
       size_t more = n - cap < FRAME_GROW ? n - cap : FRAME_GROW;
       char *grown = realloc(buf, cap + more);
@@ -844,6 +841,40 @@ static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
     r = move_all(fd, 0, buf + have, cap - have, rest_ms, deadline, NULL, &halted);
     if (!r) have = cap;
   }
+  if (r) {
+    int saved = errno;
+    free(buf);
+    errno = saved;
+    return r;
+  }
+  *body = buf;
+  return 0;
+}
+
+/* recv_frame(fd, limit, first_ms, rest_ms) -> bytes | int | None
+ *
+ * One tcp frame (a 4-byte little-endian length, then that many bytes) read with the GIL
+ * released once: the first byte waited for up to first_ms (-1: forever: a kept-open peer may
+ * be idle), the rest within rest_ms of it (a header once started must arrive whole). Returns
+ * the body; the announced length (int) where it exceeds `limit` (nothing more read: the
+ * caller answers and drops the connection); None where the peer closed it. A body past
+ * FRAME_GROW is buffered as its bytes arrive, not at its announced size. TimeoutError,
+ * OSError as move_extents. What the owner's serving thread waits in for a peer's next request
+ * where it cannot serve them in C (serve_frames, _gate.c). */
+static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "recv_frame(fd, limit, first_ms, rest_ms)");
+    return NULL;
+  }
+  int fd = (int)PyLong_AsLong(args[0]);
+  long long limit = PyLong_AsLongLong(args[1]);
+  int first_ms = (int)PyLong_AsLong(args[2]), rest_ms = (int)PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return NULL;
+  char *buf = NULL;
+  uint32_t n = 0;
+  int r, waited = 0;
+  Py_BEGIN_ALLOW_THREADS
+  r = kvl_recv_frame(fd, limit, first_ms, rest_ms, &buf, &n, &waited);
   Py_END_ALLOW_THREADS
   PyObject *out = NULL;
   if (r == 2) {
@@ -852,7 +883,7 @@ static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyErr_SetString(PyExc_TimeoutError, waited ? "no frame in time" : "frame not complete in time");
   } else if (r < 0) {
     PyErr_SetFromErrno(PyExc_OSError);
-  } else if (too_long) {
+  } else if (r == 3) {
     out = PyLong_FromUnsignedLong(n);
   } else {
     out = PyBytes_FromStringAndSize(buf ? buf : "", (Py_ssize_t)n);
@@ -875,6 +906,25 @@ static int contiguous(PyObject *o, Py_buffer *view, Py_ssize_t itemsize, const c
     return -1;
   }
   return 0;
+}
+
+KVL_HIDDEN Py_ssize_t kvl_inside(const uint64_t *lo, const uint64_t *hi, Py_ssize_t nr,
+                                 const uint64_t *x, Py_ssize_t nx, Py_ssize_t *out) {
+  Py_ssize_t r = -1;  // the last extent's range: requests run through ranges in order
+  for (Py_ssize_t i = 0; i < nx; ++i) {
+    const uint64_t a = x[2 * i], end = a + x[2 * i + 1];
+    if (!(r >= 0 && a >= lo[r] && (r + 1 == nr || a < lo[r + 1]))) {
+      Py_ssize_t l = 0, h = nr;  // the first range starting past a
+      while (l < h) {
+        const Py_ssize_t m = (l + h) >> 1;
+        if (lo[m] <= a) l = m + 1; else h = m;
+      }
+      r = l - 1;
+    }
+    if (r < 0 || end < a || end > hi[r]) return i;
+    if (out) out[i] = r;
+  }
+  return -1;
 }
 
 /* inside(starts, ends, extents, out) -> int
@@ -919,25 +969,7 @@ static PyObject *inside(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                  ov.len / (Py_ssize_t)sizeof(Py_ssize_t), nx);
     bad = -2;
   } else {
-    const uint64_t *lo = sv.buf, *hi = ev.buf, *x = xv.buf;
-    Py_ssize_t *out = have_out ? ov.buf : NULL;
-    Py_ssize_t r = -1;  // the last extent's range: requests run through ranges in order
-    for (Py_ssize_t i = 0; i < nx; ++i) {
-      const uint64_t a = x[2 * i], end = a + x[2 * i + 1];
-      if (!(r >= 0 && a >= lo[r] && (r + 1 == nr || a < lo[r + 1]))) {
-        Py_ssize_t l = 0, h = nr;  // the first range starting past a
-        while (l < h) {
-          const Py_ssize_t m = (l + h) >> 1;
-          if (lo[m] <= a) l = m + 1; else h = m;
-        }
-        r = l - 1;
-      }
-      if (r < 0 || end < a || end > hi[r]) {
-        bad = i;
-        break;
-      }
-      if (out) out[i] = r;
-    }
+    bad = kvl_inside(sv.buf, ev.buf, nr, xv.buf, nx, have_out ? ov.buf : NULL);
   }
   PyBuffer_Release(&sv);
   PyBuffer_Release(&ev);
@@ -1064,4 +1096,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvlink_native",
                                     "kvlink's C helpers (kvlink.native).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__kvlink_native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kvlink_native(void) {
+  PyObject *m = PyModule_Create(&module);
+  if (m && PyModule_AddFunctions(m, kvl_gate_methods) < 0) Py_CLEAR(m);
+  return m;
+}

@@ -48,6 +48,9 @@ from types import ModuleType
 log = logging.getLogger("kvlink.gpu")
 
 _SOURCE = Path(__file__).with_name("_native.c")
+#: compiled with it into the one module: its shared declarations, and tcp's grant gate and
+#: serving loop (``gate_*``, ``serve_frames``)
+_WITH = (Path(__file__).with_name("_native.h"), Path(__file__).with_name("_gate.c"))
 _NAME = "_kvlink_native"  # PyInit__kvlink_native
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -99,7 +102,7 @@ def _build() -> Path:
     """The shared object for this source and interpreter, built now if it is not cached.
     Built to a temporary name and renamed: processes that build at once each end with a
     whole file."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in (_SOURCE, *_WITH))
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key = hashlib.sha256(source + sys.version.encode() + suffix.encode()).hexdigest()[:16]
     out = cache_dir() / f"{_NAME}-{key}{suffix}"
@@ -113,7 +116,8 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out.parent)
     os.close(fd)
     try:
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-I", include, str(_SOURCE), "-o", tmp]
+        sources = [str(p) for p in (_SOURCE, *_WITH) if p.suffix == ".c"]
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-pthread", "-I", include, *sources, "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode:
             raise RuntimeError(f"{shlex.join(cmd)} failed: {done.stderr.strip()[-500:]}")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_lifecycle import make
 
-from kvlink.grants import Grants, block_extents, covers, merge, push_ticket, read_ticket
+from kvlink import native
+from kvlink.grants import FENCED, Grants, block_extents, covers, merge, push_ticket, read_ticket
 from kvlink.transport import Op, make_extents
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), max_size=12)
@@ -53,8 +57,20 @@ def test_block_extents_are_exactly_the_blocks_pages() -> None:
         w.close()
 
 
-def test_tickets_and_windows() -> None:
-    g = Grants()
+@pytest.fixture(params=["c", "python"])
+def grants(request: pytest.FixtureRequest) -> Grants:
+    """Grants with kvlink's C gate (what tcp's C serving loop checks READs against) and
+    with Python's, which must answer the same."""
+    if request.param == "c":
+        helpers = native.load()
+        if helpers is None:
+            pytest.skip(f"kvlink's C helpers did not build: {native.why_not()}")
+        return Grants(helpers)
+    return Grants()
+
+
+def test_tickets_and_windows(grants: Grants) -> None:
+    g = grants
     t = read_ticket("r", 7)
     assert t != read_ticket("r", 8) != push_ticket("r", 7) and len(t) == 16
     g.grant(t, Op.READ, make_extents([100], [50]))
@@ -63,3 +79,56 @@ def test_tickets_and_windows() -> None:
     assert "outside" in (g.check(t, Op.READ, make_extents([140], [20])) or "")
     assert g.revoke(t) and not g.revoke(t)
     assert "no grant" in (g.check(t, Op.READ, make_extents([110], [10])) or "")
+    assert len(g) == 0
+    g.grant(t, Op.READ, make_extents([100], [50]))
+    g.grant(t, Op.WRITE, make_extents([300], [50]))  # (a grant replaces the ticket's window)
+    assert len(g) == 1 and "outside" in (g.check(t, Op.WRITE, make_extents([110], [10])) or "")
+    assert g.check(t, Op.WRITE, make_extents([], [])) is None  # (nothing asked: granted)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ranges, ranges, st.booleans())
+def test_the_c_gate_answers_as_pythons(window: list[tuple[int, int]],
+                                       asked: list[tuple[int, int]], write: bool) -> None:
+    """The C gate (tcp's C serving loop checks READs there) refuses exactly what Python's
+    Grants refuses, for the same reason."""
+    helpers = native.load()
+    if helpers is None:
+        pytest.skip(f"kvlink's C helpers did not build: {native.why_not()}")
+    ask = make_extents([a for a, _ in asked], [n for _, n in asked]) if asked else \
+        make_extents([], [])
+    answers = []
+    for g in (Grants(helpers), Grants()):
+        if window:
+            g.grant(b"t", Op.WRITE if write else Op.READ,
+                    make_extents([a for a, _ in window], [n for _, n in window]))
+        answers.append([g.check(t, op, ask) for t in (b"t", b"u") for op in (Op.READ, Op.WRITE)])
+    assert answers[0] == answers[1]
+
+
+def test_a_connection_serving_under_a_ticket_is_cut_by_its_revoke(grants: Grants) -> None:
+    """enter marks a connection serving under its ticket in the step that checks it; a revoke
+    then cuts it (its halt word set) and waits for it to leave; one that enters after the
+    revoke is refused. A fenced connection enters nothing."""
+    g, t = grants, read_ticket("r", 1)
+    a, b = Grants.new_state(), Grants.new_state()
+    g.grant(t, Op.READ, make_extents([0], [4096]))
+    assert g.enter(a, t, Op.READ, make_extents([0], [512])) is None
+    assert g.serving(a) == t and g.serving(b) is None and a[0] == 0
+    assert g.revoke(t)
+    assert g.cut(t, [b, a]) == [1] and a[0] == 1 and b[0] == 0
+    assert not g.wait(t, [a], 0.05)  # still serving
+    left = threading.Timer(0.05, g.leave, (a,))
+    left.start()
+    assert g.wait(t, [a], 10.0)  # woken by the leave, not by the timeout
+    left.join()
+    assert g.serving(a) is None
+    assert "no grant" in (g.enter(b, t, Op.READ, make_extents([0], [512])) or "")
+    assert g.serving(b) is None
+    g.grant(t, Op.READ, make_extents([0], [4096]))
+    g.fence(b)
+    assert g.enter(b, t, Op.READ, make_extents([0], [512])) == FENCED and b[0] == 1
+    assert g.enter(a, t, Op.READ, make_extents([0], [512]), check=False) is None
+    assert g.enter(b, t, Op.READ, make_extents([0], [512]), check=False) == FENCED
+    with pytest.raises(ValueError, match="ticket"):
+        g.grant(b"x" * 65, Op.READ, make_extents([0], [1]))

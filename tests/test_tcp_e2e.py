@@ -652,3 +652,53 @@ def test_an_ok_answer_framed_otherwise_still_gets_the_read_its_bytes() -> None:
         reader.close()
         listener.close()
         thread.join(5)
+
+
+@pytest.mark.parametrize("agent", ["reader", "lecteur-é"])  # (the C loop: ASCII agents only)
+def test_requests_the_c_serving_loop_leaves_to_python_interleave_with_those_it_serves(
+        agent: str) -> None:
+    """On one connection, READs the owner serves in C (where kvlink's helpers are built)
+    interleave with what its loop hands to Python — a notification, a WRITE, a READ refused
+    (under a WRITE grant), a READ from an agent whose name is not ASCII (all of its
+    requests) — each served or refused as Python serves it, every byte where it belongs, in
+    order."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    mine = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    owner = TcpTransport(TransportContext("owner", require_grants=True))
+    reader = TcpTransport(TransportContext(agent))
+    try:
+        owner.register([Region(src.ctypes.data, src.nbytes)])
+        owner.grant(b"read", Op.READ, make_extents(src.ctypes.data, src.nbytes))
+        owner.grant(b"write", Op.WRITE, make_extents(src.ctypes.data + 8192, 4096))
+        reader.register([Region(dst.ctypes.data, dst.nbytes), Region(mine.ctypes.data,
+                                                                     mine.nbytes)])
+        reader.connect("owner", owner.descriptor())
+
+        def run(op: Op, at: int, n: int, local: np.ndarray, ticket: bytes = b"") -> XferState:
+            h = reader.post(op, "owner", make_extents(local.ctypes.data + at, n),
+                            make_extents(src.ctypes.data + at, n),
+                            ticket=ticket or op.value.encode())
+            state = reader.wait(h, 10.0)
+            reader.release(h)
+            return state
+
+        assert run(Op.READ, 0, 4096, dst).status is XferStatus.DONE
+        reader.notify("owner", b"first")
+        assert run(Op.WRITE, 8192, 4096, mine).status is XferStatus.DONE
+        refused = run(Op.READ, 8192, 4096, dst, ticket=b"write")
+        assert refused.status is XferStatus.FAILED and "WRITE" in (refused.reason or "")
+        assert run(Op.READ, 65536, 1 << 19, dst).status is XferStatus.DONE
+        reader.notify("owner", b"second")
+        assert np.array_equal(dst[:4096], src[:4096])
+        assert np.array_equal(src[8192:12288], mine[8192:12288])
+        assert np.array_equal(dst[65536:65536 + (1 << 19)], src[65536:65536 + (1 << 19)])
+        notes: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + 10
+        while len(notes) < 2 and time.monotonic() < deadline:
+            notes += owner.notifications()
+        assert notes == [(agent, b"first"), (agent, b"second")]
+    finally:
+        reader.close()
+        owner.close()

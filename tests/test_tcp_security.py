@@ -41,8 +41,6 @@ TICKET = b"reader-ticket-01"
 SEED = 7
 
 
-
-
 def owner_bytes() -> np.ndarray:
     return np.random.default_rng(SEED).integers(0, 256, SIZE, dtype=np.uint8)
 
@@ -468,6 +466,52 @@ def test_a_read_over_the_extent_bound_is_split_and_served_in_bounded_memory(
     want = owner_bytes()[:WINDOW]
     assert np.array_equal(local.reshape(-1, 8), want.reshape(-1, 8)[(offs // 8).astype(np.intp)])
     assert grew < 50 * MiB, f"owner RSS grew {grew / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("stop", ["revoke", "fence"])
+@pytest.mark.attack("a reader that stops taking a READ's bytes, its grant revoked (or it fenced)")
+def test_a_read_whose_reader_stopped_taking_bytes_is_cut(stop: str,
+                                                         observed: Callable[[str], None]) -> None:
+    """A READ the owner serves (in kvlink's C serving loop where it is built, which never
+    takes the GIL) blocks once its reader stops taking bytes. ``revoke`` of its ticket (or
+    ``fence`` of the reader) must still end it: True within its timeout (the connection shut
+    at the cut's grace, which ends the blocked send), the reader gets less than it asked and
+    then the connection's end, and a READ under the ticket afterwards is refused. The reader
+    is a raw socket speaking the real framing: a stalled peer on demand."""
+    size = 64 * MiB  # far past both sockets' buffers
+    buf = np.ones(size, dtype=np.uint8)
+    t = TcpTransport(TransportContext(agent_name="owner", require_grants=True))
+    try:
+        t.register([Region(buf.ctypes.data, size)])
+        t.grant(TICKET, Op.READ, make_extents(buf.ctypes.data, size))
+        desc = decode_versioned(t.descriptor(), tcp._Descriptor, tcp._VERSION, "owner")
+        s = socket.create_connection((desc.host, desc.port), timeout=5)
+        tcp._send_hdr(s, tcp._Hdr(tcp._VERSION, "H", agent="attacker", token=desc.token))
+        s.sendall(_read_header(make_extents(buf.ctypes.data, size)))
+        # (the transport's own record of what its connections serve: the READ has started)
+        assert until(lambda: any(t._grants.serving(c.state) == TICKET
+                                 for c in list(t._inbound.values())), 10.0)
+        t0 = time.monotonic()
+        ok = t.revoke(TICKET, 5.0) if stop == "revoke" else t.fence("attacker", 5.0)
+        took = time.monotonic() - t0
+        assert ok, f"{stop} did not see the READ end within 5 s"
+        got = 0
+        s.settimeout(5.0)
+        while chunk := s.recv(1 << 20):
+            got += len(chunk)
+        observed(f"{stop}: True after {took:.2f} s; the reader got {got / MiB:.1f} of "
+                 f"{size / MiB:.0f} MiB, then the connection's end")
+        assert got < size
+        s.close()
+        if stop == "revoke":  # the ticket: refused from now on, on a new connection too
+            s = socket.create_connection((desc.host, desc.port), timeout=5)
+            tcp._send_hdr(s, tcp._Hdr(tcp._VERSION, "H", agent="late", token=desc.token))
+            s.sendall(_read_header(make_extents(buf.ctypes.data, 4096)))
+            answer = tcp._recv_hdr(s)
+            s.close()
+            assert answer.op == "E" and "no grant" in answer.reason, answer
+    finally:
+        t.close()
 
 
 if __name__ == "__main__":

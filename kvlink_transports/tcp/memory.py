@@ -43,12 +43,16 @@ class _Memory:
     """Registered regions: as memoryviews, so an extent becomes a slice (no per-extent
     ctypes), or (the C helper) as the addresses the bounds check vouched for."""
 
-    def __init__(self, regions: Sequence[Region]) -> None:
+    def __init__(self, regions: Sequence[Region], staged_host: bool = False) -> None:
         self.table = RegionTable(regions)
         self.views = [hostmem.view(r.addr, r.nbytes) for r in self.table.regions]
         #: every region of one memory kind: an extent's kind is known once it is located
         self.one_kind = len({r.memory_kind for r in self.table.regions}) == 1
         self.native: ModuleType | None = native.load()
+        #: the regions' ranges where every byte moves straight between them and a socket (host
+        #: memory, not staged): what the owner's C serving loop serves READs from
+        self.direct = (None if staged_host or any(r.memory_kind != "cpu" for r in regions)
+                       else (self.table.starts, self.table.ends))
 
     def move(self, sock: socket.socket, ext: Extents, send: bool,
              stop: Callable[[], bool] | None, prefix: bytes = b"",
@@ -186,7 +190,7 @@ class _LocalMemory(Transport):
             # host memory through the staging pipeline: how CI exercises it without a GPU
             self._enable_staging(None)
         self._regions = self._regions + tuple(regions)
-        self._memory = _Memory(self._regions)
+        self._memory = _Memory(self._regions, bool(self.options.get("stage_host_memory")))
 
     def _enable_staging(self, device: int | None) -> None:
         """VRAM (or, for tests, host memory) moves through a bounded pool of host buffers."""

@@ -17,7 +17,9 @@ Bounds, because anyone on the network can open the port before the key is checke
 
 Every request is checked by the side that owns the memory before a byte is read or written:
 in bounds, and under ``require_grants`` inside a window :meth:`TcpTransport.grant` made for its
-ticket (:meth:`_Server._refusal`); a refusal is answered ``E``. Separate from the transport
+ticket (:meth:`kvlink.grants.Grants.enter`); a refusal is answered ``E``. READs of host
+memory are served by kvlink's C helper without the GIL where it is built
+(:meth:`_Server._recv_request`). Separate from the transport
 because it runs on threads of its own (one accept thread, one serving thread per
 authenticated connection) against the transport's state, whose methods call none of this.
 """
@@ -40,11 +42,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink.errors import ExtentOutOfBounds, KVLinkError, WireError
-from kvlink.grants import Grants
+from kvlink.grants import FENCED, Grants
 from kvlink.sockets import shutdown
 from kvlink.transport import Extents, Op
 from kvlink.wire import extents_from_bytes
-from kvlink_transports.tcp.memory import _CHECK, _LocalMemory
+from kvlink_transports.tcp.memory import _LocalMemory
 from kvlink_transports.tcp.wire import (
     _A_FRAME,
     _LEN,
@@ -105,31 +107,13 @@ class _Inbound:
     conn: socket.socket
     thread: threading.Thread
     agent: str | None = None  # set once its handshake header checked out
-    revoked: bool = False  # fence(): stop before the next socket call
-    serving: bytes | None = None  # the ticket of the request being served (under _lock)
-    cut: bool = False  # revoke() of ``serving``: stop before the next socket call
-    #: nonzero while ``revoked or cut``: what kvlink's C helper reads between its socket
-    #: calls, so a READ is served in one call and still stops there
-    halt: npt.NDArray[np.uint32] = dataclasses.field(
-        default_factory=lambda: np.zeros(1, dtype=np.uint32))
+    #: whether it is serving, under which ticket, fenced, and its halt word (its first: what
+    #: the byte mover reads between socket calls) — kept by the transport's Grants
+    state: npt.NDArray[np.uint32] = dataclasses.field(default_factory=Grants.new_state)
 
     def stopped(self) -> bool:
-        return self.revoked or self.cut
-
-    def fence(self) -> None:
-        """No more of this connection's requests: stop before the next socket call."""
-        self.revoked = True
-        self.halt[0] = 1
-
-    def cut_request(self) -> None:
-        """revoke() of the ticket being served: stop before the next socket call."""
-        self.cut = True
-        self.halt[0] = 1
-
-    def serve(self, ticket: bytes) -> None:
-        """A new request under ``ticket`` (under the transport's lock)."""
-        self.serving, self.cut = ticket, False
-        self.halt[0] = self.revoked
+        """Fenced, or the ticket it serves under revoked: stop before the next socket call."""
+        return bool(self.state[0])
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,7 +141,6 @@ class _Server(_LocalMemory):
     _grants: Grants
     _throttle: _Throttle
     _lock: threading.Lock
-    _quiet: threading.Condition  # on _lock: an inbound request ended (revoke)
     _inbound: dict[socket.socket, _Inbound]  # authenticated connections
     _pending: int  # connections whose hello is being read (the accept thread's)
     _cuts: list[tuple[float, bytes, list[_Inbound]]]  # revoke(): due, ticket, busy
@@ -170,7 +153,8 @@ class _Server(_LocalMemory):
         with self._lock:
             due = [c for c in self._cuts if c[0] <= now]
             self._cuts = [c for c in self._cuts if c[0] > now]
-            stuck = [c for _, ticket, busy in due for c in busy if c.serving == ticket]
+            stuck = [c for _, ticket, busy in due for c in busy
+                     if self._grants.serving(c.state) == ticket]
             nxt = min((c[0] for c in self._cuts), default=None)
         for c in stuck:
             log.info("tcp: shutting down agent %s's connection: still inside a socket call "
@@ -353,19 +337,33 @@ class _Server(_LocalMemory):
             self._inbound[conn] = inb  # before the thread starts: _serve finds it here
             inb.thread.start()
 
-    def _recv_request(self, conn: socket.socket) -> _Hdr:
-        """The next request header. Its first byte may take any time (an idle peer keeps its
-        connection open); from there the whole header must arrive within ``timeout_s``, and
-        announce at most ``_MAX_HEADER`` bytes. Its payload then moves under ``timeout_s`` per
-        socket call. Through kvlink's C helper where it is built: one call, which takes the
-        GIL back once (each socket call here did, and waited up to a switch interval for it
-        where this process's own Python is busy); the socket stays in timeout mode."""
-        helpers = self._memory.native
+    def _recv_request(self, inb: _Inbound) -> _Hdr:
+        """The next request header Python serves. Its first byte may take any time (an idle
+        peer keeps its connection open); from there the whole header must arrive within
+        ``timeout_s``, and announce at most ``_MAX_HEADER`` bytes. Its payload then moves
+        under ``timeout_s`` per socket call.
+
+        Through kvlink's C helpers where they are built: READs of host memory are served
+        there, checked against the grant gate, without the GIL (``serve_frames``), until a
+        header it leaves to Python (a WRITE, a notification, one to refuse), which comes back
+        in the same call. A thread coming back from C waits for the GIL, up to a switch
+        interval where this process's own Python is busy (a prefill's forward), and for
+        seconds where that Python gives the GIL up and takes it back in a loop: a READ served
+        in C waits for neither. Without the gate, one C call reads the header."""
+        conn, helpers = inb.conn, self._memory.native
         if helpers is not None:
-            got = helpers.recv_frame(conn.fileno(), _MAX_HEADER, -1,
-                                     max(1, int(self.timeout * 1000)))
+            ms = max(1, int(self.timeout * 1000))
+            direct, gate = self._memory.direct, self._grants.gate
+            if direct is not None and gate is not None:
+                got = helpers.serve_frames(conn.fileno(), gate, inb.state, *direct,
+                                           self.ctx.require_grants, _MAX_HEADER, _MAX_EXTENTS,
+                                           _VERSION, ms, ms, _A_FRAME)
+            else:
+                got = helpers.recv_frame(conn.fileno(), _MAX_HEADER, -1, ms)
             if got is None:
                 raise _PeerGone("connection closed by peer")
+            if isinstance(got, str):
+                raise _PeerGone(got if got != FENCED else f"agent {inb.agent} was fenced")
             if isinstance(got, int):
                 self._too_long(conn, got)
             return _decode_hdr(got)
@@ -396,8 +394,8 @@ class _Server(_LocalMemory):
         try:
             conn.settimeout(self.timeout)  # (each socket call waits at most this long)
             while True:
-                hdr = self._recv_request(conn)
-                if inb.revoked:
+                hdr = self._recv_request(inb)
+                if inb.state[1]:  # (fenced: Grants.fence)
                     raise _PeerGone(f"agent {inb.agent} was fenced")
                 if hdr.op == "N":
                     if hdr.notify is not None:
@@ -412,33 +410,27 @@ class _Server(_LocalMemory):
         except Exception:  # a bug: end this connection, keep serving the others
             log.exception("tcp: serving agent %s (%s) failed", inb.agent, addr)
         finally:
-            with self._quiet:
+            with self._lock:
                 self._inbound.pop(conn, None)
-                inb.serving = None
-                self._quiet.notify_all()
+            self._grants.leave(inb.state)
             conn.close()
 
     def _serve_request(self, inb: _Inbound, addr: Any, hdr: _Hdr) -> None:
         """One R or W: refused unless in bounds and (``require_grants``) granted."""
         conn, op = inb.conn, Op.READ if hdr.op == "R" else Op.WRITE
         ext = extents_from_bytes(hdr.extents, _MAX_EXTENTS)
-        with self._lock:  # before the grant check, so revoke() sees it or the check fails
-            inb.serve(hdr.ticket)
-        try:
-            verdict = self._refusal(op, hdr.ticket, ext)
-            why = verdict if isinstance(verdict, str) else None
-            if why is None:
-                if op is Op.READ:  # the answer and the bytes in one call, where it can
-                    self._send_ext(conn, ext, inb.stopped, staged=bool(verdict),
-                                   prefix=_A_FRAME, halt=inb.halt)
-                else:
-                    self._recv_ext(conn, ext, inb.stopped, staged=bool(verdict))
-        finally:
-            # done with our memory before any answer goes out: a peer (or the owner, seeing
-            # the notification) that revokes once it has the answer finds nothing to wait for
-            with self._quiet:
-                inb.serving = None
-                self._quiet.notify_all()
+        # checked and marked serving in one step, so revoke() sees it or the check fails
+        why = self._grants.enter(inb.state, hdr.ticket, op, ext, self.ctx.require_grants)
+        if why == FENCED:
+            raise _PeerGone(f"agent {inb.agent} was fenced")
+        if why is None:
+            try:
+                why = self._move_requested(inb, op, ext)
+            finally:
+                # done with our memory before any answer goes out: a peer (or the owner,
+                # seeing the notification) that revokes once it has the answer finds nothing
+                # to wait for
+                self._grants.leave(inb.state)
         if why is not None:
             self._account(refused=1)
             self._throttle(logging.WARNING, f"refused {str(inb.agent)[:64]}",
@@ -455,15 +447,16 @@ class _Server(_LocalMemory):
             if hdr.notify is not None:
                 self._notifs.append((hdr.agent, hdr.notify))
 
-    def _refusal(self, op: Op, ticket: bytes, ext: Extents) -> str | bool:
-        """Why a peer's ``op`` on ``ext`` under ``ticket`` is not served; where it is, whether
-        its bytes move through staging (the bounds and memory-kind check, made once here)."""
-        if self.ctx.require_grants:
-            for k in range(0, max(ext.shape[0], 1), _CHECK):
-                why = self._grants.check(ticket, op, ext[k : k + _CHECK])
-                if why is not None:
-                    return why
+    def _move_requested(self, inb: _Inbound, op: Op, ext: Extents) -> str | None:
+        """A granted request's bytes: sent after the "ok" (READ, in one call where it can) or
+        received (WRITE); why not where an extent lies outside our memory."""
         try:
-            return self._is_staged(ext, "requested extent")
+            staged = self._is_staged(ext, "requested extent")
         except ExtentOutOfBounds as exc:
             return str(exc)
+        if op is Op.READ:
+            self._send_ext(inb.conn, ext, inb.stopped, staged=staged, prefix=_A_FRAME,
+                           halt=inb.state)
+        else:
+            self._recv_ext(inb.conn, ext, inb.stopped, staged=staged)
+        return None

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvlink import native
 from kvlink.errors import TransferError, TransportUnavailable
 from kvlink.grants import Grants
 from kvlink.options import check_options
@@ -120,7 +121,7 @@ class TcpTransport(_Server):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._token = secrets.token_bytes(16)
-        self._grants = Grants()
+        self._grants = Grants(native.load())
         self._throttle = _Throttle()
         self._memory = _Memory(())
         self._regions = ()
@@ -128,7 +129,6 @@ class TcpTransport(_Server):
         self._pool = None
         self._chunk = 0
         self._lock = threading.Lock()
-        self._quiet = threading.Condition(self._lock)  # an inbound request ended (revoke)
         self._xfers: dict[int, _Xfer] = {}
         self._peers: dict[str, _Peer] = {}
         self._inbound = {}  # authenticated connections
@@ -293,7 +293,7 @@ class TcpTransport(_Server):
         for p in peers:
             p.close("transport closed")
         for c in inbound:
-            c.fence()
+            self._grants.fence(c.state)
             shutdown(c.conn)
         deadline = time.monotonic() + _CLOSE_WAIT
         threads = [self._acceptor, *(p.thread for p in peers), *(c.thread for c in inbound)]
@@ -324,7 +324,7 @@ class TcpTransport(_Server):
             self._revoked.add(peer)
             mine = [c for c in self._inbound.values() if c.agent == peer]
         for c in mine:
-            c.fence()
+            self._grants.fence(c.state)
             shutdown(c.conn)
         deadline = time.monotonic() + timeout
         for c in mine:
@@ -348,20 +348,17 @@ class TcpTransport(_Server):
         Why a grace, not a shutdown at once: a thread whose last socket call just returned
         still shows the ticket for a moment, and the peer, having all its bytes, may already
         have moved on; shutting its connection would fail its next transfer for nothing."""
-        self._grants.revoke(ticket)
         ticket = bytes(ticket)
+        self._grants.revoke(ticket)  # first: a connection admitted after it cannot start
         with self._lock:
-            busy = [c for c in self._inbound.values() if c.serving == ticket]
-            for c in busy:
-                c.cut_request()
+            inbound = list(self._inbound.values())
+        busy = [inbound[i] for i in self._grants.cut(ticket, [c.state for c in inbound])]
         if not busy:
             return True
         with self._lock:  # the accept thread shuts down what is still stuck at the grace's end
             self._cuts.append((time.monotonic() + _CUT_GRACE, ticket, busy))
         self._wake()
-        with self._quiet:
-            ok = self._quiet.wait_for(
-                lambda: not any(c.serving == ticket for c in busy), max(timeout, 0.0))
+        ok = self._grants.wait(ticket, [c.state for c in busy], timeout)
         log.info("tcp: revoked a grant in use by %s%s", sorted({str(c.agent) for c in busy}),
                  "" if ok else f"; still moving bytes after {timeout:.1f}s")
         return ok
