@@ -1,6 +1,7 @@
 """A tcp READ through KVWorker while the decode's or the prefill's own Python is busy.
 
-    .venv/bin/python bench/busy_peers.py [--requests 30] [--slice-ms 2] [--out PATH]
+    .venv/bin/python bench/busy_peers.py [--requests 30] [--slice-ms 2] [--prefill-loop word]
+                                         [--out PATH]
 
 Two processes on 127.0.0.1: a prefill holding 16-block requests (the 70B TP8-rank geometry of
 bench/e2e_request.py: 80 layers, 1 KV head, 10 MiB) and this process, the decode, which
@@ -11,7 +12,12 @@ the decode runs ``--slice-ms`` of Python: a serving loop's forward); ``prefill_b
 prefill's main thread runs Python while the READ is served, giving the GIL up nowhere). tcp's
 threads are Python threads, so each time one comes back from a socket call it waits for the
 GIL, up to a switch interval (5 ms) where its process's own Python is busy. Reports the
-median read -> reported time of each mode and its ratio to ``idle``.
+median read -> reported time of each mode and its ratio to ``idle``, and the p90 and longest.
+
+``--prefill-loop queue``: the busy prefill looks at its command queue between slices instead
+of a shared word — ``Queue.empty()`` gives the GIL up and takes it back each time, the shape
+of a loop of many short calls that release it (torch ops do): a thread waiting for the GIL
+can starve there for seconds (a convoy, bench/results/tcp_busy_peers/README.md).
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ def _rank(engine: str, seed: int) -> tuple[KVWorker, Any]:
     return w, (buf, layers)
 
 
-def _prefill(q: Any, cmd: Any, busy: Any, slice_s: float) -> None:
+def _prefill(q: Any, cmd: Any, busy: Any, slice_s: float, loop: str) -> None:
     """Hold each asked request; while ``busy`` (a shared word the decode sets) run Python in
-    ``slice_s`` slices, looking at the word between them — a read of shared memory, which
-    gives the GIL up nowhere (a loop that did, on a queue, made the serving thread wait
-    seconds for it: a GIL convoy, README)."""
+    ``slice_s`` slices, looking between them at the word — a read of shared memory, which
+    gives the GIL up nowhere — and (``loop`` "queue") at the command queue, which gives it up
+    and takes it back."""
     w, keep = _rank("p", 1)
     q.put(("port", w.side_port))
     while True:
@@ -53,6 +59,8 @@ def _prefill(q: Any, cmd: Any, busy: Any, slice_s: float) -> None:
             end = time.perf_counter() + slice_s
             while time.perf_counter() < end:
                 pass  # a forward's Python
+            if loop == "queue":
+                cmd.empty()
         try:
             c = cmd.get(timeout=0.001)
         except queue.Empty:
@@ -69,12 +77,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--slice-ms", type=float, default=2.0)
+    ap.add_argument("--prefill-loop", choices=("word", "queue"), default="word",
+                    help="what the busy prefill looks at between slices (queue: a GIL convoy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     slice_s = args.slice_ms / 1000
     ctx = mp.get_context("spawn")
     q, cmd, busy = ctx.Queue(), ctx.Queue(), ctx.RawValue("i", 0)
-    child = ctx.Process(target=_prefill, args=(q, cmd, busy, slice_s), daemon=True)
+    child = ctx.Process(target=_prefill, args=(q, cmd, busy, slice_s, args.prefill_loop),
+                        daemon=True)
     child.start()
     _, port = q.get(timeout=60)
     far = RemoteEngine("p", "127.0.0.1", port)
@@ -116,12 +127,15 @@ def main() -> None:
         child.join(10)
         w.close()
     med = {m: statistics.median(v) for m, v in times.items()}
+    p90 = {m: float(np.percentile(v, 90)) for m, v in times.items()}
     for m in modes:
         print(f"{m:>13}: {med[m] * 1e3:7.2f} ms (median of {len(times[m])}), "
-              f"{med[m] / med['idle']:.2f}x idle", flush=True)
+              f"{med[m] / med['idle']:.2f}x idle; p90 {p90[m] * 1e3:.2f} ms, longest "
+              f"{max(times[m]) * 1e3:.2f} ms", flush=True)
     write_result("busy_peers", {
-        "requests": args.requests, "slice_ms": args.slice_ms, "bytes": BLOCKS * GEO.layers * 2
-        * GEO.block_size * GEO.head_dim * 2, "median_s": med,
+        "requests": args.requests, "slice_ms": args.slice_ms, "prefill_loop": args.prefill_loop,
+        "bytes": BLOCKS * GEO.layers * 2 * GEO.block_size * GEO.head_dim * 2, "median_s": med,
+        "p90_s": p90, "max_s": {m: max(v) for m, v in times.items()},
         "over_idle": {m: med[m] / med["idle"] for m in modes}, "samples_s": times}, args.out)
 
 

@@ -1,6 +1,7 @@
 /* What kvlink's C sources share (kvlink.native compiles them into one module): the socket
- * steps of tcp's byte mover, used by move_extents/recv_frame (_native.c) and by the owner's
- * serving loop (_gate.c). Every function here runs without the GIL. */
+ * steps of tcp's byte mover, used by move_extents/recv_frame (_native.c), by the owner's
+ * serving loop (_gate.c) and by the reader's (_reader.c). Every function here runs without
+ * the GIL. */
 #ifndef KVLINK_NATIVE_H
 #define KVLINK_NATIVE_H
 
@@ -40,7 +41,9 @@ KVL_HIDDEN int kvl_recv_frame(int fd, long long limit, int first_ms, int rest_ms
 KVL_HIDDEN Py_ssize_t kvl_inside(const uint64_t *lo, const uint64_t *hi, Py_ssize_t nr,
                                  const uint64_t *x, Py_ssize_t nx, Py_ssize_t *out);
 
-/* The grant gate's and serving loop's functions (_gate.c), added to the module at init. */
+/* The grant gate's and serving loop's functions (_gate.c), and the reader's inbox
+ * (_reader.c), added to the module at init. */
 extern PyMethodDef kvl_gate_methods[];
+extern PyMethodDef kvl_reader_methods[];
 
 #endif

@@ -48,9 +48,9 @@ from types import ModuleType
 log = logging.getLogger("kvlink.gpu")
 
 _SOURCE = Path(__file__).with_name("_native.c")
-#: compiled with it into the one module: its shared declarations, and tcp's grant gate and
-#: serving loop (``gate_*``, ``serve_frames``)
-_WITH = (Path(__file__).with_name("_native.h"), Path(__file__).with_name("_gate.c"))
+#: compiled with it into the one module: its shared declarations, tcp's grant gate and serving
+#: loop (``gate_*``, ``serve_frames``), and tcp's reader inbox (``inbox_*``, ``take_reads``)
+_WITH = tuple(Path(__file__).with_name(n) for n in ("_native.h", "_gate.c", "_reader.c"))
 _NAME = "_kvlink_native"  # PyInit__kvlink_native
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -118,19 +118,20 @@ def test_a_busy_owner_serves_a_read_without_waiting_for_the_gil(grants: bool) ->
 
 def test_a_read_is_done_once_its_bytes_landed_though_its_thread_has_not_run_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reader's thread takes the answer and the bytes in one call, which marks the READ
-    landed before the thread takes the GIL back; ``poll()`` reads that mark. So a caller busy
-    in Python (which holds the GIL the thread waits for) sees its READ DONE as soon as the
-    bytes are in. Here the thread is held after the bytes landed, before its own bookkeeping
-    (a spy on ``_finish``: the real one runs once released; it stands in for the wait for the
-    GIL, which cannot be made to last on demand): the READ is DONE meanwhile, every byte in.
-    On the code before, DONE was that bookkeeping: the READ stayed PENDING while it was held
-    (5 s here)."""
+    """A READ taken by the peer's thread in Python (the first on a connection: the thread
+    opens it) is marked landed by the C helper before that thread takes the GIL back, and
+    ``poll()`` reads the mark and finishes the READ itself, on the caller's thread. Here the
+    peer's thread is held after the bytes landed, before its own bookkeeping (a spy on
+    ``_finish``, for calls from that thread only: the real one runs once released; it stands
+    in for the wait for the GIL, which cannot be made to last on demand): the READ is DONE
+    meanwhile, every byte in, and its record says so. On the code before last, DONE was that
+    bookkeeping: the READ stayed PENDING while it was held (5 s here)."""
     let_go = threading.Event()
     real = TcpTransport._finish
 
     def finish_later(self: TcpTransport, xfer: Any, state: Any) -> None:
-        if state.status is XferStatus.DONE and self.ctx.agent_name == "reader":
+        if (state.status is XferStatus.DONE and self.ctx.agent_name == "reader"
+                and threading.current_thread().name.startswith("kvlink-tcp-")):
             let_go.wait(10)
         real(self, xfer, state)
 
@@ -146,15 +147,59 @@ def test_a_read_is_done_once_its_bytes_landed_though_its_thread_has_not_run_agai
         order = np.random.default_rng(1).permutation(SIZE // (16 << 10))[:64]
         h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
                         _extents(src.ctypes.data, order))
-        st = reader.wait(h, 5)  # (polls: the thread's own record stays PENDING meanwhile)
+        st = reader.wait(h, 5)
         assert st.status is XferStatus.DONE, f"not DONE while its thread was held: {st.reason}"
-        # its record: PENDING, the thread held in (or not yet at) its bookkeeping — the mark
-        # is set before the thread takes the GIL back, so a poll may see it even before that
-        assert reader._xfers[h].state.status is XferStatus.PENDING
+        assert reader._xfers[h].state.status is XferStatus.DONE  # (finished by the poll)
+        assert not let_go.is_set()
         for k in order:
             at = int(k) * (16 << 10)
             assert np.array_equal(dst[at:at + (16 << 10)], src[at:at + (16 << 10)])
     finally:
         let_go.set()
+        reader.close()
+        owner.close()
+
+
+def test_a_read_polled_by_a_busy_caller_needs_no_thread_of_either_side_to_run_python() -> None:
+    """Owner and reader in this process, whose main thread polls the READ in a loop of
+    Python — holding the GIL, which it gives up only when another thread has waited a switch
+    interval (0.25 s here) for it. The owner serves the READ in C (``serve_frames``); the
+    reader's thread, parked in C on its inbox once the connection is open, takes the answer
+    and the bytes there and marks the READ landed; the poll finishes it. So the READ takes
+    milliseconds. On the code before, each side's thread took the GIL back at least once
+    (0.5 s and more)."""
+    src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+    dst = np.zeros(SIZE, dtype=np.uint8)
+    owner = TcpTransport(TransportContext("owner", require_grants=True))
+    reader = TcpTransport(TransportContext("reader"))
+    was = sys.getswitchinterval()
+    try:
+        owner.register([Region(src.ctypes.data, SIZE)])
+        owner.grant(TICKET, Op.READ, make_extents(src.ctypes.data, SIZE))
+        reader.register([Region(dst.ctypes.data, SIZE)])
+        reader.connect("owner", owner.descriptor())
+        order = np.random.default_rng(2).permutation(SIZE // (16 << 10))[:64]
+        warm = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order[:1]),
+                           _extents(src.ctypes.data, order[:1]), ticket=TICKET)
+        assert reader.wait(warm, 10).status is XferStatus.DONE  # (the connection opened)
+        peer = reader._peers["owner"]
+        with peer.cv:  # (its thread parks in C once the connection is open)
+            assert peer.cv.wait_for(lambda: peer.parked, 10)
+        dst[:] = 0
+        sys.setswitchinterval(INTERVAL)
+        t0 = time.perf_counter()
+        h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
+                        _extents(src.ctypes.data, order), ticket=TICKET)
+        while reader.poll(h).status is XferStatus.PENDING and time.perf_counter() - t0 < 10:
+            pass  # a decode's Python between polls: the GIL given up nowhere
+        took = time.perf_counter() - t0
+        sys.setswitchinterval(was)
+        assert reader.poll(h).status is XferStatus.DONE
+        assert took < INTERVAL / 2, f"{took:.3f} s: a thread waited for the GIL ({INTERVAL} s)"
+        for k in order:
+            at = int(k) * (16 << 10)
+            assert np.array_equal(dst[at:at + (16 << 10)], src[at:at + (16 << 10)])
+    finally:
+        sys.setswitchinterval(was)
         reader.close()
         owner.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_transport_contract import wait_until as until
 
 import kvlink_transports.tcp.server as tcp_server  # the owner's side: sends the answers
 from kvlink import wire
@@ -214,8 +215,9 @@ def _idle_connection() -> Iterator[tuple[TcpTransport, np.ndarray, np.ndarray,
 
         assert read(0).status is XferStatus.DONE  # connects
         peer = b._peers["a"]
-        with peer.cv:  # (the thread notifies as it goes back to waiting)
-            assert peer.cv.wait_for(lambda: peer.idle, timeout=10), "the thread never went idle"
+        with peer.cv:  # (the thread notifies as it goes back to waiting: in C where it parks)
+            assert peer.cv.wait_for(lambda: peer.idle or peer.parked, timeout=10), \
+                "the thread never went idle"
         yield a, abuf, bbuf, read, peer
     finally:
         a.close()
@@ -319,12 +321,14 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
     (bench/results/e2e_request_cpu_tcp_85e8581/probe/). Now the thread is woken before the
     send: here the caller's send waits (a spy, the real send after it) until the thread waits
     for the READ's answer (a spy on its read, the real read inside), which the old code never
-    let it do (a 5 s deadline says so), and the READ still completes with the right bytes."""
+    let it do (a 5 s deadline says so), and the READ still completes with the right bytes.
+    Where kvlink's C helpers are built the thread waits in C, parked on its inbox, which
+    holds the READ before its header goes out: that is the thread waiting for its answer."""
     import threading
 
     import kvlink_transports.tcp.client as tcp_client
 
-    with _idle_connection() as (_, abuf, bbuf, read, _peer):
+    with _idle_connection() as (_, abuf, bbuf, read, peer):
         real_send, real_recv, caller = (tcp_client._send_hdr, TcpTransport._recv_ext,
                                         threading.get_ident())
         waiting = threading.Event()  # the thread is reading the answer (and the bytes)
@@ -336,7 +340,8 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
 
         def descheduled(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
-                taken.append(waiting.wait(5))
+                taken.append(until(lambda: waiting.is_set() or (peer.parked and bool(peer.in_c)),
+                                   5))
             real_send(sock, hdr)
 
         # spies, not stand-ins: the real read and send run; they only order the two threads
@@ -360,7 +365,8 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
     first; it names a cause only once the caller's send has returned, and the READ ends FAILED
     (quiescent: nothing landed), naming the peer, without waiting for a timeout. On the old
     code the thread could not read before the caller's send returned (a 5 s deadline says
-    so)."""
+    so). Where the thread waits for it in C (parked on its inbox), its read has failed once it
+    is back from there."""
     import threading
 
     import kvlink_transports.tcp.client as tcp_client
@@ -380,8 +386,9 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
 
         def owner_gone_meanwhile(sock: Any, hdr: Any) -> None:
             if threading.get_ident() == caller and hdr.op == "R" and not gone:
+                parked = peer.parked
                 a.close()  # real: its connections shut down, its listener closed
-                gone.append(failed.wait(5))
+                gone.append(until(lambda: failed.is_set() or (parked and not peer.parked), 5))
             real_send(sock, hdr)
 
         # spies, not stand-ins: the real read and send run; they only order the two threads

@@ -4,9 +4,17 @@ Each peer gets one connection (opened on first use, with the hello that carries 
 memory key) and one thread that runs that peer's queued transfers in order: a READ or WRITE
 goes as one request per ``_MAX_EXTENTS`` extents, its notification with the last. A
 transfer is marked FAILED only after its socket call has returned, so FAILED is quiescent on
-this side; a broken connection fails everything queued for the peer. Separate from the
-transport because it is the peer's thread, not the caller's: it reaches the transport only
-through :class:`_Owner`.
+this side; a broken connection fails everything queued for the peer.
+
+Where kvlink's C helpers are built the thread waits for work in C, not in Python: parked in
+``take_reads`` (``_reader.c``) on an inbox. A plain READ (one request of host memory, nothing
+to notify: ``_Xfer.landed``) posted while it is parked goes into the inbox as the caller
+sends its header, and C takes its answer and bytes and marks it landed for ``poll()``: that
+thread runs no Python for it, so it never waits for the GIL, which a caller busy in Python
+between polls (a decode's step loop) holds for up to a switch interval. Anything else is
+queued for the thread's Python, which the inbox gives back once the READs it holds are in.
+Separate from the transport because it is the peer's thread, not the caller's: it reaches the
+transport only through :class:`_Owner`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvlink import native
 from kvlink.errors import KVLinkError, TransportUnavailable, WireError
 from kvlink.sockets import shutdown
 from kvlink.transport import (
@@ -78,6 +87,7 @@ class _Xfer:
     #: DONE without this thread's Python running again (it waits for the GIL up to a switch
     #: interval where the caller's own Python is busy)
     landed: npt.NDArray[np.uint32] | None = None
+    finished: bool = False  # _finish ran (under the transport's _finishing lock)
 
 
 def _reply_after(sock: socket.socket, came: bytes) -> _Hdr:
@@ -124,8 +134,15 @@ class _Peer:
         self.cv = threading.Condition()
         self.closed = False
         self.sock: socket.socket | None = None
-        self.idle = False  # the thread waits for work, on a connection it opened (under cv)
+        self.idle = False  # the thread waits for work in Python, on an open connection (cv)
         self._sending = threading.Lock()  # held while the caller sends a header (submit)
+        self._helpers = native.load()
+        #: the READs C takes while the thread is parked (None: not built)
+        self.inbox: object | None = self._helpers.inbox_new() if self._helpers else None
+        self.parked = False  # the inbox takes READs: the thread is in take_reads (under cv)
+        #: READs in the inbox, oldest first, until it retired them (under cv)
+        self.in_c: collections.deque[tuple[int, _Xfer]] = collections.deque()
+        self._retired = 0  # the inbox's count of retired READs, as taken off ``in_c``
         self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
         self.thread.start()
 
@@ -146,15 +163,25 @@ class _Peer:
                 raise TransportUnavailable(f"peer {self.name} is disconnected")
             _, xfer = item
             sock = self.sock
-            send = (self.idle and not self.queue and sock is not None
-                    and isinstance(xfer, _Xfer) and xfer.op is Op.READ
-                    and xfer.remote.shape[0] <= _MAX_EXTENTS)
+            plain = (not self.queue and sock is not None and isinstance(xfer, _Xfer)
+                     and xfer.op is Op.READ and xfer.remote.shape[0] <= _MAX_EXTENTS)
+            into_c = (plain and self.parked and isinstance(xfer, _Xfer)
+                      and xfer.landed is not None and self._helpers is not None
+                      and self._helpers.inbox_push(self.inbox, xfer.local, xfer.landed))
+            send = into_c or (plain and self.idle)
             if send:
                 assert isinstance(xfer, _Xfer)
                 xfer.sent = True
                 self._sending.acquire()  # (released once the send returned: _run's failures)
-            self.queue.append(item)
-            self.cv.notify()
+            if into_c:
+                assert item[0] is not None and isinstance(xfer, _Xfer)
+                self.in_c.append((item[0], xfer))
+                self._retire()
+            else:
+                if self.parked and self._helpers is not None:  # its Python is wanted
+                    self._helpers.inbox_python(self.inbox)
+                self.queue.append(item)
+                self.cv.notify()
         if send:
             assert sock is not None and isinstance(xfer, _Xfer)
             try:
@@ -172,6 +199,8 @@ class _Peer:
             self.closed = True
             sock = self.sock
             self.cv.notify()
+            if self.parked and self._helpers is not None:
+                self._helpers.inbox_python(self.inbox)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -207,17 +236,36 @@ class _Peer:
             )
         return self.sock
 
+    def _retire(self) -> None:
+        """(under cv) Take the READs the inbox retired off ``in_c``: each landed (C set its
+        word, which ``poll()`` reads) or was failed by this thread."""
+        assert self._helpers is not None
+        _, retired = self._helpers.inbox_state(self.inbox)
+        for _ in range(retired - self._retired):
+            self.in_c.popleft()
+        self._retired = retired
+
     def _run(self) -> None:
         while True:
             with self.cv:
                 while not self.queue and not self.closed:
+                    if self.inbox is not None and self.sock is not None:
+                        self.parked = True  # (the inbox takes READs from here on)
+                        self._helpers.inbox_open(self.inbox)  # type: ignore[union-attr]
+                        self.cv.notify_all()  # (for whoever waits to see it parked: a test)
+                        break
                     self.idle = self.sock is not None
                     self.cv.notify_all()  # for whoever waits to see it idle (a test)
                     self.cv.wait()
                 self.idle = False
                 if self.closed:
                     break
-                handle, item = self.queue.popleft()
+                parked = self.parked
+                if not parked:
+                    handle, item = self.queue.popleft()
+            if parked:
+                self._park()
+                continue
             try:
                 sock = self._connect()
                 if handle is None:
@@ -229,28 +277,81 @@ class _Peer:
                     assert isinstance(item, _Xfer)
                     self._transfer(sock, item)
             except (OSError, _PeerGone, KVLinkError) as exc:
-                where = f"{self.desc.host}:{self.desc.port}"
-                why = _why(exc, self.owner.timeout)
-                if isinstance(item, _Xfer) and item.sent is not False:
-                    with self._sending:  # the caller's send of its header has returned:
-                        if isinstance(item.sent, str):  # its failure is the first cause
-                            why = item.sent
-                reason = f"peer {self.name} ({where}): {why}"
-                # the broken connection is dropped, and what was queued on it failed, before
-                # the caller hears of this transfer's failure: a transfer it submits once it
-                # has (the next READ) opens a new connection, and is never failed with this
-                # one's reason (it was, when this ran the other way round)
-                with self.cv:
-                    broken, self.sock = self.sock, None
-                if broken is not None:
-                    broken.close()
-                log.warning("tcp: %s; failing %d queued transfer(s)", reason, len(self.queue))
-                self._fail_queued(reason)
-                if isinstance(item, _Xfer):
-                    self.owner._finish(item, XferState(XferStatus.FAILED, reason))
+                self._broken(exc, item if isinstance(item, _Xfer) else None)
         if self.sock is not None:
             self.sock.close()
         self._fail_queued(f"peer {self.name} disconnected")
+        self._fail_inbox(f"peer {self.name} disconnected")
+
+    def _broken(self, exc: BaseException, first: _Xfer | None) -> None:
+        """The connection failed under ``first`` (the transfer it was running, if any): it is
+        dropped, and everything pending on it fails — the READs in the inbox, the queue, then
+        ``first`` — so a transfer the caller submits once it hears of the failure opens a new
+        connection and is never failed with this one's reason (it was, when this ran the
+        other way round). The cause named is the caller's failed header send where there was
+        one (read once that send has returned), else ``exc``."""
+        where = f"{self.desc.host}:{self.desc.port}"
+        why = _why(exc, self.owner.timeout)
+        with self.cv:
+            sent = [x for x in (*(x for _, x in self.in_c), first) if x is not None and x.sent]
+        if sent:
+            with self._sending:  # the caller's send of a header has returned:
+                failed = [x.sent for x in sent if isinstance(x.sent, str)]
+                why = failed[0] if failed else why  # its failure is the first cause
+        reason = f"peer {self.name} ({where}): {why}"
+        with self.cv:
+            broken, self.sock = self.sock, None
+        if broken is not None:
+            broken.close()
+        log.warning("tcp: %s; failing %d queued transfer(s)", reason,
+                    len(self.queue) + len(self.in_c))
+        self._fail_inbox(reason)
+        self._fail_queued(reason)
+        if first is not None:
+            self.owner._finish(first, XferState(XferStatus.FAILED, reason))
+
+    def _fail_inbox(self, reason: str) -> None:
+        """(this thread, out of take_reads: quiescent) Fail the READs still in the inbox."""
+        if self._helpers is None:
+            return
+        with self.cv:
+            stuck = [x for _, x in self.in_c]
+            self._helpers.inbox_drop(self.inbox, True)
+            self._retire()
+        for xfer in stuck:
+            self.owner._finish(xfer, XferState(XferStatus.FAILED, reason))
+
+    def _park(self) -> None:
+        """Wait in C, taking the inbox's READs as they come, until Python is wanted (something
+        queued, or close) or a READ's answer is not the "ok" (read on here) or the
+        connection fails."""
+        helpers, sock = self._helpers, self.sock
+        assert helpers is not None and sock is not None
+        try:
+            got: object = helpers.take_reads(sock.fileno(), self.inbox, _A_FRAME,
+                                             max(1, int(self.owner.timeout * 1000)))
+        except OSError as exc:
+            got = exc
+        with self.cv:
+            self.parked = False
+            self._retire()
+            first = self.in_c[0][1] if self.in_c else None
+        if got is None:
+            return
+        if isinstance(got, bytes) and first is not None:  # not our "ok": the rest says what
+            try:
+                reply = _reply_after(sock, got)
+                self._answered(first, reply)  # (E: FAILED, refused)
+                if reply.op == "A":  # an "ok" framed otherwise: the bytes follow
+                    self.owner._recv_ext(sock, first.local, done=first.landed)
+                with self.cv:
+                    helpers.inbox_drop(self.inbox, False)
+                    self._retire()
+                return
+            except (OSError, _PeerGone, KVLinkError) as exc:
+                got = exc
+        self._broken(got if isinstance(got, BaseException)
+                     else _PeerGone("connection closed by peer"), None)
 
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
         """Run ``xfer`` as one R/W request per ``_MAX_EXTENTS`` extents (the owner's bound);

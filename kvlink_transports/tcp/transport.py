@@ -122,6 +122,7 @@ class TcpTransport(_Server):
         self._wake_w.setblocking(False)
         self._token = secrets.token_bytes(16)
         self._grants = Grants(native.load())
+        self._finishing = threading.Lock()  # (_finish: each transfer ends once)
         self._throttle = _Throttle()
         self._memory = _Memory(())
         self._regions = ()
@@ -196,7 +197,8 @@ class TcpTransport(_Server):
             signal=signal,
         )
         if (op is Op.READ and notify is None and signal is None
-                and remote.shape[0] <= _MAX_EXTENTS and self._memory.native is not None):
+                and remote.shape[0] <= _MAX_EXTENTS and self._memory.native is not None
+                and self._memory.direct is not None):  # (straight into host memory)
             xfer.landed = np.zeros(1, dtype=np.uint32)
         with self._lock:
             target = self._peers.get(peer)
@@ -252,10 +254,12 @@ class TcpTransport(_Server):
         xfer = self._xfers.get(handle)
         if xfer is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
-        state = xfer.state
-        if state.status is XferStatus.PENDING and xfer.landed is not None and xfer.landed[0]:
-            return DONE  # every byte in (kvlink's C helper said so); its thread's bookkeeping
-        return state  # follows once it has the GIL again
+        if xfer.state.status is XferStatus.PENDING and xfer.landed is not None and xfer.landed[0]:
+            # every byte in (kvlink's C helper said so): its bookkeeping here, on the caller's
+            # thread (a READ C took from the inbox has no other; the peer's thread, where it
+            # took one in Python, may be waiting for the GIL)
+            self._finish(xfer, DONE)
+        return xfer.state
 
     def release(self, handle: int) -> None:
         with self._lock:
@@ -364,9 +368,16 @@ class TcpTransport(_Server):
         return ok
 
     def inflight(self) -> int:
-        return sum(1 for x in list(self._xfers.values()) if x.state.status is XferStatus.PENDING)
+        return sum(1 for x in list(self._xfers.values()) if x.state.status is XferStatus.PENDING
+                   and (x.landed is None or not x.landed[0]))
 
     def _finish(self, xfer: _Xfer, state: XferState) -> None:
+        """``xfer`` ends as ``state`` — once: a landed READ is finished by whichever of the
+        caller's poll and the peer's thread comes first."""
+        with self._finishing:
+            if xfer.finished:
+                return
+            xfer.finished = True
         mark, xfer.mark = xfer.mark, None  # ended before its first copy: hand the mark back
         if mark is not None and self._copier is not None:
             self._copier.drop(mark)
