@@ -1,7 +1,7 @@
 """A tcp READ through KVWorker while the decode's or the prefill's own Python is busy.
 
     .venv/bin/python bench/busy_peers.py [--requests 30] [--slice-ms 2] [--prefill-loop word]
-                                         [--out PATH]
+                                         [--decode-loop python] [--out PATH]
 
 Two processes on 127.0.0.1: a prefill holding 16-block requests (the 70B TP8-rank geometry of
 bench/e2e_request.py: 80 layers, 1 KV head, 10 MiB) and this process, the decode, which
@@ -18,6 +18,7 @@ median read -> reported time of each mode and its ratio to ``idle``, and the p90
 of a shared word — ``Queue.empty()`` gives the GIL up and takes it back each time, the shape
 of a loop of many short calls that release it (torch ops do): a thread waiting for the GIL
 can starve there for seconds (a convoy, bench/results/tcp_busy_peers/README.md).
+``--decode-loop queue``: the same for the decode, between its slices of Python.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def main() -> None:
     ap.add_argument("--slice-ms", type=float, default=2.0)
     ap.add_argument("--prefill-loop", choices=("word", "queue"), default="word",
                     help="what the busy prefill looks at between slices (queue: a GIL convoy)")
+    ap.add_argument("--decode-loop", choices=("python", "queue"), default="python",
+                    help="what the busy decode does between slices besides polling (queue: "
+                         "looks at a queue, a GIL convoy)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     slice_s = args.slice_ms / 1000
@@ -113,6 +117,8 @@ def main() -> None:
                         end = time.perf_counter() + slice_s
                         while time.perf_counter() < end:
                             pass  # the decode's own Python between two polls
+                        if args.decode_loop == "queue":
+                            q.empty()
                     else:
                         time.sleep(0.0002)
                 took = time.perf_counter() - t0
@@ -134,6 +140,7 @@ def main() -> None:
               f"{max(times[m]) * 1e3:.2f} ms", flush=True)
     write_result("busy_peers", {
         "requests": args.requests, "slice_ms": args.slice_ms, "prefill_loop": args.prefill_loop,
+        "decode_loop": args.decode_loop,
         "bytes": BLOCKS * GEO.layers * 2 * GEO.block_size * GEO.head_dim * 2, "median_s": med,
         "p90_s": p90, "max_s": {m: max(v) for m, v in times.items()},
         "over_idle": {m: med[m] / med["idle"] for m in modes}, "samples_s": times}, args.out)

@@ -1,5 +1,6 @@
-/* kvlink's C helpers (kvlink.native builds and loads them; nothing here holds state but the
- * driver's four entry points, bound once).
+/* kvlink's C helpers (kvlink.native builds and loads them, with _gate.c — tcp's grant gate
+ * and the owner's serving loop — and _reader.c — tcp's reader inbox; nothing here holds
+ * state but the driver's four entry points, bound once).
  *
  * post: a cuda_ipc lane's post in one call: the block ids into the launch's parameter buffer,
  * the copy's stream ordered after the caller's, the kernel launched, and its end marked by

@@ -14,6 +14,11 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
   and taken with them and its landing marked for poll(), and a request's header read
   (``recv_frame``) — each one call, so tcp's threads take the GIL back once where each
   socket call did (bench/results/tcp_busy_peers);
+- tcp's grant gate and the owner's serving loop (``_gate.c``: ``gate_*``, ``serve_frames``)
+  and the reader's inbox (``_reader.c``: ``inbox_*``, ``take_reads``): a plain READ served
+  and taken with no Python on either side's thread, so neither waits for the GIL, which a
+  busy process's own Python holds for a switch interval or, giving it up and taking it back
+  in a loop, for seconds (bench/results/tcp_busy_peers_c);
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
   a grant's window), which both sides of a tcp READ make before a byte moves;
 - a request's plan on the RUNS path (``plan_runs``: :meth:`kvlink.plan.PlanTable.plan` in one
@@ -25,7 +30,8 @@ source and the interpreter (``$KVLINK_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvlink
 ``~/.cache/kvlink``), so a process after the first only imports it. Where it cannot be built
 (no compiler, no headers, a read-only cache) :func:`load` says why once and returns None:
 lanes then launch through ctypes, the fingerprint is numpy's, the after-check is Python's
-(the flock only), tcp moves bytes through memoryviews, bounds checks and plans are
+(the flock only), tcp moves bytes through memoryviews and serves and takes every request in
+Python (grants in :class:`kvlink.grants.Grants`' Python form), bounds checks and plans are
 numpy's.
 ``KVLINK_NATIVE=0`` turns it off (an A/B, or a suspect build).
 """

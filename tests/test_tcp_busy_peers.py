@@ -160,14 +160,16 @@ def test_a_read_is_done_once_its_bytes_landed_though_its_thread_has_not_run_agai
         owner.close()
 
 
-def test_a_read_polled_by_a_busy_caller_needs_no_thread_of_either_side_to_run_python() -> None:
-    """Owner and reader in this process, whose main thread polls the READ in a loop of
-    Python — holding the GIL, which it gives up only when another thread has waited a switch
-    interval (0.25 s here) for it. The owner serves the READ in C (``serve_frames``); the
-    reader's thread, parked in C on its inbox once the connection is open, takes the answer
-    and the bytes there and marks the READ landed; the poll finishes it. So the READ takes
-    milliseconds. On the code before, each side's thread took the GIL back at least once
-    (0.5 s and more)."""
+def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_python() -> None:
+    """Owner and reader in this process, whose main thread posts two READs and polls them in a
+    loop of Python — holding the GIL, which it gives up only when another thread has waited
+    a switch interval (0.25 s here) for it. The owner serves each READ in C
+    (``serve_frames``); the reader's thread, parked in C on its inbox once the connection is
+    open, takes both answers and their bytes there (both headers sent by the caller as it
+    posted) and marks each READ landed; the poll finishes them. So the READs take
+    milliseconds. On the code before, the reader's thread came back to Python between the
+    two READs (to send the second's header) and each of the owner's requests did: a quarter
+    second at least, each time."""
     src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
     dst = np.zeros(SIZE, dtype=np.uint8)
     owner = TcpTransport(TransportContext("owner", require_grants=True))
@@ -188,13 +190,15 @@ def test_a_read_polled_by_a_busy_caller_needs_no_thread_of_either_side_to_run_py
         dst[:] = 0
         sys.setswitchinterval(INTERVAL)
         t0 = time.perf_counter()
-        h = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order),
-                        _extents(src.ctypes.data, order), ticket=TICKET)
-        while reader.poll(h).status is XferStatus.PENDING and time.perf_counter() - t0 < 10:
+        hs = [reader.post(Op.READ, "owner", _extents(dst.ctypes.data, part),
+                          _extents(src.ctypes.data, part), ticket=TICKET)
+              for part in (order[:32], order[32:])]
+        while (any(reader.poll(h).status is XferStatus.PENDING for h in hs)
+               and time.perf_counter() - t0 < 10):
             pass  # a decode's Python between polls: the GIL given up nowhere
         took = time.perf_counter() - t0
         sys.setswitchinterval(was)
-        assert reader.poll(h).status is XferStatus.DONE
+        assert all(reader.poll(h).status is XferStatus.DONE for h in hs)
         assert took < INTERVAL / 2, f"{took:.3f} s: a thread waited for the GIL ({INTERVAL} s)"
         for k in order:
             at = int(k) * (16 << 10)
