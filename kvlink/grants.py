@@ -124,31 +124,44 @@ class Window:
         return bool(np.all((end >= addr) & (end <= self.ends[at])))
 
 
+_TICKET_MAX = 64  # bytes of a ticket a state holds (ours are 16)
 #: words of a connection's state (:meth:`Grants.new_state`), as kvlink's C gate lays them out
 #: (``_gate.c``): the halt word first (what the byte mover reads between socket calls), then
 #: fenced, serving, the ticket's length and its bytes
-STATE_WORDS = 4 + 64 // 4  # (64: the longest ticket a state holds)
+STATE_WORDS = 4 + _TICKET_MAX // 4
 _HALT, _FENCED, _BUSY, _TLEN, _TICKET = 0, 1, 2, 3, 4
 _OPS = (Op.READ, Op.WRITE)  # (the C gate's op numbers)
-_TICKET_MAX = 64  # bytes of a ticket a state holds (ours are 16)
 _CHECK = 1 << 16  # extents per numpy pass of Python's check: temporaries O(this), not O(request)
 #: what a refused :meth:`Grants.enter` answers where the connection was fenced
 FENCED = "fenced"
+_NO_GRANT, _OTHER_OP, _OUTSIDE = 1, 2, 3  # (the C gate's answers; 4: fenced)
 
 
 def _reason(code: int, op: Op) -> str | None:
-    """The C gate's answer as a reason (None: granted)."""
+    """A check's answer as a reason (None: granted)."""
     if code == 0:
         return None
-    if code == 1:
+    if code == _NO_GRANT:
         return "no grant for this transfer (its ticket is unknown, or was revoked: the " \
                "hold was released or the push ended)"
-    if code == 2:
+    if code == _OTHER_OP:
         other = Op.WRITE if op is Op.READ else Op.READ
         return f"the grant is for {other.value.upper()}, not {op.value.upper()}"
-    if code == 3:
+    if code == _OUTSIDE:
         return "the transfer reaches outside the blocks granted to it"
     return FENCED
+
+
+def _window(ticket: bytes, op: Op, extents: Extents) -> Window:
+    if len(ticket) > _TICKET_MAX:
+        raise ValueError(f"ticket: {len(ticket)} bytes, at most {_TICKET_MAX}")
+    ext = np.asarray(extents, dtype=EXTENT_DTYPE)
+    return Window(op, merge(ext["addr"].astype(np.uint64), ext["len"].astype(np.uint64)))
+
+
+def make_grants(helpers: ModuleType | None) -> Grants:
+    """kvlink's C gate where its helpers are built (:class:`CGrants`), else Python's."""
+    return CGrants(helpers) if helpers is not None else Grants()
 
 
 class Grants:
@@ -158,17 +171,16 @@ class Grants:
     serving under its ticket: a transfer is refused, or seen by the revoke that stops it.
 
     A connection's state is a small array (:meth:`new_state`) its serving thread keeps; its
-    first word is the halt word the byte mover reads between socket calls. Where kvlink's C
-    helpers are built the windows and the lock are theirs (``gate``: tcp's C serving loop
-    checks and marks a READ there without the GIL); else Python's, the same answers
+    first word is the halt word the byte mover reads between socket calls. This is Python's
+    form; :class:`CGrants` keeps the same in kvlink's C gate, with the same answers
     (tests/test_grants.py runs both). Thread-safe: the worker grants and revokes on its
     threads while serving threads check."""
 
-    def __init__(self, helpers: ModuleType | None = None) -> None:
-        self._c = helpers
-        #: the C gate (None: Python's): what ``serve_frames`` checks READs against
-        self.gate: object | None = helpers.gate_new() if helpers is not None else None
-        self._lock = threading.Condition()  # (Python's: the windows, the states' words)
+    #: the C gate tcp's C serving loop checks READs against (None: none, this is Python's)
+    gate: object | None = None
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()  # the windows, and the states' words
         self._windows: dict[bytes, Window] = {}
 
     @staticmethod
@@ -176,27 +188,31 @@ class Grants:
         """A connection's state: serving nothing, not fenced."""
         return np.zeros(STATE_WORDS, dtype=np.uint32)
 
+    @staticmethod
+    def halted(state: npt.NDArray[np.uint32]) -> bool:
+        """Whether the connection is to stop before its next socket call (fenced, or the
+        ticket it serves under revoked)."""
+        return bool(state[_HALT])
+
+    @staticmethod
+    def fenced(state: npt.NDArray[np.uint32]) -> bool:
+        return bool(state[_FENCED])
+
     def grant(self, ticket: bytes, op: Op, extents: Extents) -> None:
-        ext = np.asarray(extents, dtype=EXTENT_DTYPE)
-        window = Window(op, merge(ext["addr"].astype(np.uint64), ext["len"].astype(np.uint64)))
-        if len(ticket) > _TICKET_MAX:
-            raise ValueError(f"ticket: {len(ticket)} bytes, at most {_TICKET_MAX}")
-        if self._c is not None:
-            self._c.gate_grant(self.gate, ticket, _OPS.index(op), window.starts, window.ends)
-            return
+        """``ticket`` may do ``op`` inside ``extents`` (replacing what it had)."""
+        window = _window(ticket, op, extents)
         with self._lock:
             self._windows[bytes(ticket)] = window
 
     def revoke(self, ticket: bytes) -> bool:
         """End ``ticket``'s window (whether it had one); see :meth:`cut` for those serving."""
-        if self._c is not None:
-            return bool(self._c.gate_revoke(self.gate, ticket))
         with self._lock:
             return self._windows.pop(bytes(ticket), None) is not None
 
     def check(self, ticket: bytes, op: Op, ext: Extents) -> str | None:
         """None when ``ext`` may be served as ``op`` under ``ticket``; else why not."""
-        return self._enter(None, ticket, op, ext, True)
+        with self._lock:
+            return self._why_not(bytes(ticket), op, ext)
 
     def enter(self, state: npt.NDArray[np.uint32], ticket: bytes, op: Op, ext: Extents,
               check: bool = True) -> str | None:
@@ -204,60 +220,44 @@ class Grants:
         under it (the halt word cleared) in the step that checked it (``check``; else only
         whether it is fenced), or why not (:data:`FENCED` where it was), nothing marked. A
         connection that entered leaves (:meth:`leave`) once its bytes moved or failed."""
-        return self._enter(state, ticket, op, ext, check)
-
-    def _enter(self, state: npt.NDArray[np.uint32] | None, ticket: bytes, op: Op, ext: Extents,
-               check: bool) -> str | None:
-        if self._c is not None:
-            ext = np.ascontiguousarray(ext, dtype=EXTENT_DTYPE)
-            return _reason(self._c.gate_enter(self.gate, state, ticket, _OPS.index(op), ext,
-                                              check), op)
         if len(ticket) > _TICKET_MAX:
             raise ValueError(f"ticket: {len(ticket)} bytes, at most {_TICKET_MAX}")
         with self._lock:
-            if state is not None and state[_FENCED]:
+            if state[_FENCED]:
                 return FENCED
             why = self._why_not(bytes(ticket), op, ext) if check else None
-            if why is None and state is not None:
-                t = np.frombuffer(bytes(ticket).ljust(_TICKET_MAX, b"\0"), dtype=np.uint32)
-                state[_TICKET:] = t
+            if why is None:
+                padded = bytes(ticket).ljust(_TICKET_MAX, b"\0")
+                state[_TICKET:] = np.frombuffer(padded, dtype=np.uint32)
                 state[_TLEN], state[_BUSY], state[_HALT] = len(ticket), 1, 0
             return why
 
     def _why_not(self, ticket: bytes, op: Op, ext: Extents) -> str | None:
-        """(Python's, under the lock) what :meth:`check` answers."""
+        """(under the lock) What :meth:`check` answers."""
         window = self._windows.get(ticket)
         if window is None:
-            return _reason(1, op)
+            return _reason(_NO_GRANT, op)
         if window.op is not op:
-            return _reason(2, op)
+            return _reason(_OTHER_OP, op)
         for k in range(0, max(ext.shape[0], 1), _CHECK):  # O(_CHECK) numpy temporaries
             if not window.covers(ext[k : k + _CHECK]):
-                return _reason(3, op)
+                return _reason(_OUTSIDE, op)
         return None
 
     def leave(self, state: npt.NDArray[np.uint32]) -> None:
         """The connection is no longer serving (a :meth:`wait` on it may end)."""
-        if self._c is not None:
-            self._c.gate_leave(self.gate, state)
-            return
         with self._lock:
             state[_BUSY] = state[_TLEN] = 0
             self._lock.notify_all()
 
     def fence(self, state: npt.NDArray[np.uint32]) -> None:
         """The connection serves nothing more, and stops before its next socket call."""
-        if self._c is not None:
-            self._c.gate_fence(self.gate, state)
-            return
         with self._lock:
             state[_FENCED] = state[_HALT] = 1
 
     def cut(self, ticket: bytes, states: Sequence[npt.NDArray[np.uint32]]) -> list[int]:
         """The indices of ``states`` serving under ``ticket``, each told to stop before its
         next socket call (their halt word set). After :meth:`revoke`, no other can start."""
-        if self._c is not None:
-            return list(self._c.gate_cut(self.gate, ticket, list(states)))
         with self._lock:
             busy = [i for i, s in enumerate(states) if self._serves(s, bytes(ticket))]
             for i in busy:
@@ -268,9 +268,6 @@ class Grants:
              timeout: float) -> bool:
         """Whether, within ``timeout`` s, none of ``states`` serves under ``ticket`` any
         more."""
-        if self._c is not None:
-            return bool(self._c.gate_wait(self.gate, ticket, list(states),
-                                          max(0, int(timeout * 1000))))
         with self._lock:
             return self._lock.wait_for(
                 lambda: not any(self._serves(s, bytes(ticket)) for s in states),
@@ -278,9 +275,6 @@ class Grants:
 
     def serving(self, state: npt.NDArray[np.uint32]) -> bytes | None:
         """The ticket the connection serves under, if it is serving."""
-        if self._c is not None:
-            got = self._c.gate_serving(self.gate, state)
-            return None if got is None else bytes(got)
         with self._lock:
             return state[_TICKET:].tobytes()[: int(state[_TLEN])] if state[_BUSY] else None
 
@@ -289,7 +283,57 @@ class Grants:
         return bool(state[_BUSY]) and state[_TICKET:].tobytes()[: int(state[_TLEN])] == ticket
 
     def __len__(self) -> int:
-        if self._c is not None:
-            return int(self._c.gate_len(self.gate))
         with self._lock:
             return len(self._windows)
+
+
+class CGrants(Grants):
+    """:class:`Grants` kept in kvlink's C gate (``_gate.c``: its own mutex, never held across a
+    socket call or a wait for the GIL), which tcp's C serving loop checks and marks READs in
+    without the GIL."""
+
+    def __init__(self, helpers: ModuleType) -> None:
+        super().__init__()
+        self._c = helpers
+        self.gate = helpers.gate_new()
+
+    def grant(self, ticket: bytes, op: Op, extents: Extents) -> None:
+        window = _window(ticket, op, extents)
+        self._c.gate_grant(self.gate, ticket, _OPS.index(op), window.starts, window.ends)
+
+    def revoke(self, ticket: bytes) -> bool:
+        return bool(self._c.gate_revoke(self.gate, ticket))
+
+    def check(self, ticket: bytes, op: Op, ext: Extents) -> str | None:
+        return self._enter(None, ticket, op, ext, True)
+
+    def enter(self, state: npt.NDArray[np.uint32], ticket: bytes, op: Op, ext: Extents,
+              check: bool = True) -> str | None:
+        return self._enter(state, ticket, op, ext, check)
+
+    def _enter(self, state: npt.NDArray[np.uint32] | None, ticket: bytes, op: Op, ext: Extents,
+               check: bool) -> str | None:
+        ext = np.ascontiguousarray(ext, dtype=EXTENT_DTYPE)
+        return _reason(self._c.gate_enter(self.gate, state, ticket, _OPS.index(op), ext, check),
+                       op)
+
+    def leave(self, state: npt.NDArray[np.uint32]) -> None:
+        self._c.gate_leave(self.gate, state)
+
+    def fence(self, state: npt.NDArray[np.uint32]) -> None:
+        self._c.gate_fence(self.gate, state)
+
+    def cut(self, ticket: bytes, states: Sequence[npt.NDArray[np.uint32]]) -> list[int]:
+        return list(self._c.gate_cut(self.gate, ticket, list(states)))
+
+    def wait(self, ticket: bytes, states: Sequence[npt.NDArray[np.uint32]],
+             timeout: float) -> bool:
+        return bool(self._c.gate_wait(self.gate, ticket, list(states),
+                                      max(0, int(timeout * 1000))))
+
+    def serving(self, state: npt.NDArray[np.uint32]) -> bytes | None:
+        got = self._c.gate_serving(self.gate, state)
+        return None if got is None else bytes(got)
+
+    def __len__(self) -> int:
+        return int(self._c.gate_len(self.gate))

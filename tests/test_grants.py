@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 from test_lifecycle import make
 
 from kvlink import native
-from kvlink.grants import FENCED, Grants, block_extents, covers, merge, push_ticket, read_ticket
+from kvlink.grants import (
+    FENCED,
+    CGrants,
+    Grants,
+    block_extents,
+    covers,
+    merge,
+    push_ticket,
+    read_ticket,
+)
 from kvlink.transport import Op, make_extents
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), max_size=12)
@@ -65,7 +74,7 @@ def grants(request: pytest.FixtureRequest) -> Grants:
         helpers = native.load()
         if helpers is None:
             pytest.skip(f"kvlink's C helpers did not build: {native.why_not()}")
-        return Grants(helpers)
+        return CGrants(helpers)
     return Grants()
 
 
@@ -98,7 +107,7 @@ def test_the_c_gate_answers_as_pythons(window: list[tuple[int, int]],
     ask = make_extents([a for a, _ in asked], [n for _, n in asked]) if asked else \
         make_extents([], [])
     answers = []
-    for g in (Grants(helpers), Grants()):
+    for g in (CGrants(helpers), Grants()):
         if window:
             g.grant(b"t", Op.WRITE if write else Op.READ,
                     make_extents([a for a, _ in window], [n for _, n in window]))

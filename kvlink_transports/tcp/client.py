@@ -79,8 +79,8 @@ class _Xfer:
     ticket: bytes = b""  # the grant its owner checks (contract rule 8)
     signal: Any = None  # kvlink.landing.Signal: applied once the owner acknowledged the bytes
     #: its first request's header goes out on the caller's thread (_Peer.submit): True until
-    #: its answer came, a reason string if that send failed (the connection is then broken),
-    #: False not tried
+    #: its answer came (a READ in the peer's inbox: until retired), a reason string if that
+    #: send failed (the connection is then broken), False not tried
     sent: bool | str = False
     #: a READ whose bytes are all it waits for (one request, no notification, no landing
     #: signal): a word kvlink's C helper sets to 1 once they are in, which poll() reads —
@@ -148,9 +148,12 @@ class _Peer:
 
     def submit(self, item: tuple[int, _Xfer] | tuple[None, bytes]) -> None:
         """Queue ``item`` for this peer's thread. A READ of one request that finds the thread
-        idle on an open connection sends its request header here, on the caller's thread: the
-        owner starts on it while our thread wakes up (a wake-up is a good part of a small
-        READ's time on a busy host), and the thread then only takes the answer and the bytes.
+        waiting on an open connection with nothing queued sends its request header here, on
+        the caller's thread: the owner starts on it at once. Where the thread is parked in C,
+        a plain READ goes into its inbox first (C takes its answer and bytes, and READs posted
+        one after another are all on the wire at once); where it waits in Python (no C
+        helpers), it is queued and the thread woken, and then only takes the answer and the
+        bytes (a wake-up is a good part of a small READ's time on a busy host).
 
         The thread is woken before that send, not after it: the owner's thread, woken by the
         header, may take this CPU from the caller (on two cores, for ~2 ms in a third of the
@@ -249,9 +252,9 @@ class _Peer:
         while True:
             with self.cv:
                 while not self.queue and not self.closed:
-                    if self.inbox is not None and self.sock is not None:
+                    if self._helpers is not None and self.sock is not None:
                         self.parked = True  # (the inbox takes READs from here on)
-                        self._helpers.inbox_open(self.inbox)  # type: ignore[union-attr]
+                        self._helpers.inbox_open(self.inbox)
                         self.cv.notify_all()  # (for whoever waits to see it parked: a test)
                         break
                     self.idle = self.sock is not None

@@ -113,7 +113,7 @@ class _Inbound:
 
     def stopped(self) -> bool:
         """Fenced, or the ticket it serves under revoked: stop before the next socket call."""
-        return bool(self.state[0])
+        return Grants.halted(self.state)
 
 
 @dataclasses.dataclass(eq=False)
@@ -395,7 +395,7 @@ class _Server(_LocalMemory):
             conn.settimeout(self.timeout)  # (each socket call waits at most this long)
             while True:
                 hdr = self._recv_request(inb)
-                if inb.state[1]:  # (fenced: Grants.fence)
+                if Grants.fenced(inb.state):
                     raise _PeerGone(f"agent {inb.agent} was fenced")
                 if hdr.op == "N":
                     if hdr.notify is not None:

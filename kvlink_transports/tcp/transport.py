@@ -60,7 +60,7 @@ import numpy as np
 
 from kvlink import native
 from kvlink.errors import TransferError, TransportUnavailable
-from kvlink.grants import Grants
+from kvlink.grants import make_grants
 from kvlink.options import check_options
 from kvlink.sockets import shutdown
 from kvlink.transport import (
@@ -121,7 +121,7 @@ class TcpTransport(_Server):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._token = secrets.token_bytes(16)
-        self._grants = Grants(native.load())
+        self._grants = make_grants(native.load())
         self._finishing = threading.Lock()  # (_finish: each transfer ends once)
         self._throttle = _Throttle()
         self._memory = _Memory(())
