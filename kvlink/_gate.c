@@ -555,7 +555,7 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
   uint64_t *ext = NULL; /* a READ's extents, aligned (in the header they need not be) */
   size_t cap = 0;
   uint32_t len = 0;
-  int r = 0, waited = 0, oom = 0;
+  int r = 0, err = 0, waited = 0, oom = 0;
   const char *stop = NULL;  /* why the connection stops (a str for Python) */
   kvl_move_t m = {0};       /* the last READ's move; its failure ends the loop */
   Py_BEGIN_ALLOW_THREADS
@@ -563,7 +563,10 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     free(body);
     body = NULL;
     r = kvl_recv_frame(fd, limit, -1, rest_ms, &body, &len, &waited);
-    if (r) break;
+    if (r) {
+      err = errno;
+      break;
+    }
     const unsigned char *xb, *t;
     size_t xlen, tlen;
     if (!read_header((const unsigned char *)body, len, version, max_extents, &xb, &xlen, &t,
@@ -612,21 +615,12 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyErr_NoMemory();
   } else if (stop) {
     out = PyUnicode_FromString(stop);
-  } else if (m.err) {
-    errno = m.err;
-    PyErr_SetFromErrno(PyExc_OSError);
-  } else if (m.timed_out) {
-    PyErr_SetString(PyExc_TimeoutError, "timed out");
-  } else if (r == 2 || m.closed) {
+  } else if (kvl_move_failed(&m)) {
+    out = NULL;
+  } else if (m.closed) {
     out = Py_NewRef(Py_None);
-  } else if (r == 1) {
-    PyErr_SetString(PyExc_TimeoutError, waited ? "no frame in time" : "frame not complete in time");
-  } else if (r < 0) {
-    PyErr_SetFromErrno(PyExc_OSError);
-  } else if (r == 3) {
-    out = PyLong_FromUnsignedLong(len);
-  } else {
-    out = PyBytes_FromStringAndSize(body, (Py_ssize_t)len);
+  } else {  /* (a frame for Python, or why none came) */
+    out = kvl_frame_result(r, err, waited, body, len);
   }
   free(body);
   PyBuffer_Release(&pv);

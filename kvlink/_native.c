@@ -794,14 +794,7 @@ static PyObject *move_extents(PyObject *self, PyObject *const *args, Py_ssize_t 
   PyBuffer_Release(&view);
   if (have_halt) PyBuffer_Release(&hv);
   if (have_done) PyBuffer_Release(&dv);
-  if (m.err) {
-    errno = m.err;
-    return PyErr_SetFromErrno(PyExc_OSError);
-  }
-  if (m.timed_out) {
-    PyErr_SetString(PyExc_TimeoutError, "timed out");
-    return NULL;
-  }
+  if (kvl_move_failed(&m)) return NULL;
   if (m.closed) Py_RETURN_NONE;
   if (m.differs) return PyBytes_FromStringAndSize(m.head, (Py_ssize_t)plen);
   return Py_BuildValue("(nK)", m.index, (unsigned long long)m.offset);
@@ -873,24 +866,42 @@ static PyObject *recv_frame(PyObject *self, PyObject *const *args, Py_ssize_t na
   if (PyErr_Occurred()) return NULL;
   char *buf = NULL;
   uint32_t n = 0;
-  int r, waited = 0;
+  int r, err = 0, waited = 0;
   Py_BEGIN_ALLOW_THREADS
   r = kvl_recv_frame(fd, limit, first_ms, rest_ms, &buf, &n, &waited);
+  err = errno;
   Py_END_ALLOW_THREADS
-  PyObject *out = NULL;
-  if (r == 2) {
-    out = Py_NewRef(Py_None);
-  } else if (r == 1) {
-    PyErr_SetString(PyExc_TimeoutError, waited ? "no frame in time" : "frame not complete in time");
-  } else if (r < 0) {
-    PyErr_SetFromErrno(PyExc_OSError);
-  } else if (r == 3) {
-    out = PyLong_FromUnsignedLong(n);
-  } else {
-    out = PyBytes_FromStringAndSize(buf ? buf : "", (Py_ssize_t)n);
-  }
+  PyObject *out = kvl_frame_result(r, err, waited, buf, n);
   free(buf);
   return out;
+}
+
+KVL_HIDDEN PyObject *kvl_frame_result(int r, int err, int waited, const char *body,
+                                      uint32_t len) {
+  if (r == 2) Py_RETURN_NONE;
+  if (r == 1) {
+    PyErr_SetString(PyExc_TimeoutError, waited ? "no frame in time" : "frame not complete in time");
+    return NULL;
+  }
+  if (r < 0) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  if (r == 3) return PyLong_FromUnsignedLong(len);
+  return PyBytes_FromStringAndSize(body ? body : "", (Py_ssize_t)len);
+}
+
+KVL_HIDDEN int kvl_move_failed(const kvl_move_t *m) {
+  if (m->err) {
+    errno = m->err;
+    PyErr_SetFromErrno(PyExc_OSError);
+    return 1;
+  }
+  if (m->timed_out) {
+    PyErr_SetString(PyExc_TimeoutError, "timed out");
+    return 1;
+  }
+  return 0;
 }
 
 /* `o` as a C-contiguous buffer (`view`: release it) of whole `itemsize`-byte items, writable

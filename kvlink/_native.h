@@ -36,6 +36,16 @@ KVL_HIDDEN void kvl_move(int fd, int send, const uint64_t *ext, Py_ssize_t n,
 KVL_HIDDEN int kvl_recv_frame(int fd, long long limit, int first_ms, int rest_ms, char **body,
                               uint32_t *len, int *waited);
 
+/* kvl_recv_frame's answer `r` (its errno `err`) as Python's: the body (bytes), None where the
+ * peer closed, the announced length (int) past the limit, or NULL with TimeoutError or
+ * OSError set. Needs the GIL. */
+KVL_HIDDEN PyObject *kvl_frame_result(int r, int err, int waited, const char *body,
+                                      uint32_t len);
+
+/* Whether `m` failed on the socket (an error, a timeout): then OSError or TimeoutError is
+ * set. Needs the GIL. */
+KVL_HIDDEN int kvl_move_failed(const kvl_move_t *m);
+
 /* The first extent of x[0..nx) that lies in no range [lo[r], hi[r]) (sorted, disjoint), or
  * -1; each extent's range into out[i] where `out` is not NULL. */
 KVL_HIDDEN Py_ssize_t kvl_inside(const uint64_t *lo, const uint64_t *hi, Py_ssize_t nr,

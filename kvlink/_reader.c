@@ -251,14 +251,7 @@ static PyObject *take_reads(PyObject *self, PyObject *const *args, Py_ssize_t na
   pthread_mutex_unlock(&b->mu);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&pv);
-  if (m.err) {
-    errno = m.err;
-    return PyErr_SetFromErrno(PyExc_OSError);
-  }
-  if (m.timed_out) {
-    PyErr_SetString(PyExc_TimeoutError, "timed out");
-    return NULL;
-  }
+  if (kvl_move_failed(&m)) return NULL;
   if (m.closed) return PyUnicode_FromString("closed");
   if (m.differs) return PyBytes_FromStringAndSize(m.head, plen0);
   Py_RETURN_NONE;
