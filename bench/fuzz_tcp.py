@@ -1,6 +1,6 @@
 """Fuzz the tcp data plane's framing against one live owner (issue 20: hostile and broken peers).
 
-    .venv/bin/python bench/fuzz_tcp.py [--frames 100000] [--conns 8] [--seed 0]
+    .venv/bin/python bench/fuzz_tcp.py [--frames 100000] [--conns 8] [--seed 0] [--no-grants]
 
 The owner is a real TcpTransport in a subprocess (this file with ``--serve``), with
 ``require_grants``, a READ grant over one window of its memory and a WRITE grant over another.
@@ -15,7 +15,10 @@ Pass criterion: zero crashes — the owner process and its accept thread alive, 
 exception in any of its threads and no ERROR from ``kvlink.tcp`` (its catch-all for bugs); a
 legitimate READ (a real TcpTransport client, under the READ grant) served with verified bytes
 every tenth of the run and at the end; the owner's memory outside the WRITE window unchanged
-(no fuzzed WRITE landed outside its grant); the owner's peak RSS within 50 MiB of its start.
+(no fuzzed WRITE landed outside its grant); no byte from outside the READ window ever sent
+(the owner's memory there is ``SECRET`` bytes; no run of ``SECRET_RUN`` of them may arrive on
+any fuzzing connection: a fuzzed READ served outside its grant); the owner's peak RSS within
+50 MiB of its start.
 """
 
 from __future__ import annotations
@@ -53,10 +56,15 @@ READ_TICKET, WRITE_TICKET = b"fuzz-read-ticket", b"fuzz-writeticket"
 SEED_BYTES = 11
 RSS_BOUND = 50 * MiB
 OWNER_OPTIONS = {"timeout_s": 1.0, "hello_timeout_s": 1.0}
+SECRET = 0xEE  # every owner byte outside the READ window: none may ever be sent
+SECRET_RUN = bytes([SECRET]) * 64  # (in the window's random bytes: odds 2**-512)
 
 
 def owner_bytes() -> np.ndarray:
-    return np.random.default_rng(SEED_BYTES).integers(0, 256, SIZE, dtype=np.uint8)
+    buf = np.random.default_rng(SEED_BYTES).integers(0, 256, SIZE, dtype=np.uint8)
+    buf[: READ_AT] = SECRET
+    buf[READ_AT + READ_LEN :] = SECRET
+    return buf
 
 
 def _outside_write_window(buf: np.ndarray) -> str:
@@ -98,9 +106,10 @@ class _Tally(logging.Handler):
             self.errors.append(self.format(record))
 
 
-def serve() -> None:
+def serve(grants: bool = True) -> None:
     """Subprocess: the owner. One JSON line out with what peers need; then it answers each
-    ``status`` line on stdin with a JSON line; it ends when stdin closes."""
+    ``status`` line on stdin with a JSON line; it ends when stdin closes. ``grants`` False:
+    the control, an owner that serves any READ of its memory."""
     tally = _Tally()
     tally.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     for name in ("kvlink.tcp", "kvlink.transport"):
@@ -116,7 +125,7 @@ def serve() -> None:
 
     threading.excepthook = hook
     buf = owner_bytes()
-    t = TcpTransport(TransportContext(agent_name="owner", require_grants=True), OWNER_OPTIONS)
+    t = TcpTransport(TransportContext(agent_name="owner", require_grants=grants), OWNER_OPTIONS)
     t.register([Region(buf.ctypes.data, buf.nbytes)])
     t.grant(READ_TICKET, Op.READ, make_extents(buf.ctypes.data + READ_AT, READ_LEN))
     t.grant(WRITE_TICKET, Op.WRITE, make_extents(buf.ctypes.data + WRITE_AT, WRITE_LEN))
@@ -151,8 +160,9 @@ def serve() -> None:
 
 
 class Owner:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"],
+    def __init__(self, grants: bool = True) -> None:
+        serve = ["--serve"] + ([] if grants else ["--no-grants"])
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *serve],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.out: IO[str] = self.proc.stdout  # type: ignore[assignment]
         self.inp: IO[str] = self.proc.stdin  # type: ignore[assignment]
@@ -305,6 +315,7 @@ class Conn:
         self.sock = socket.create_connection(owner.where, timeout=5)
         self.sock.setblocking(False)
         self.stats = stats
+        self.tail = b""  # the last bytes received: a SECRET_RUN split across two recv()s
         stats["connections"] += 1
         rng = frames.rng
         r = rng.random()
@@ -332,6 +343,10 @@ class Conn:
             if not got:
                 raise Closed("closed by the owner")
             self.stats["bytes_received"] += len(got)
+            seen = self.tail + got
+            if SECRET_RUN in seen:  # bytes from outside the READ window: a leak
+                self.stats["secret_runs_received"] += 1
+            self.tail = seen[-(len(SECRET_RUN) - 1):]
 
     def send(self, data: bytes, timeout: float = 3.0) -> None:
         view = memoryview(data)
@@ -378,12 +393,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-grants", action="store_true",
+                    help="the control: an owner without require_grants, whose fuzzed READs "
+                         "outside the window are served (the leak check must fail)")
     args = ap.parse_args()
     if args.serve:
-        serve()
+        serve(not args.no_grants)
         return
     rng = random.Random(args.seed)
-    owner = Owner()
+    owner = Owner(not args.no_grants)
     client = TcpTransport(TransportContext(agent_name="legit-reader"))
     local = np.zeros(READ_LEN, dtype=np.uint8)
     client.register([Region(local.ctypes.data, local.nbytes)])
@@ -442,6 +460,7 @@ def main() -> None:
         "acceptor_alive": end["acceptor_alive"],
         "legit_reads_verified": all(r["verified"] for r in reads),
         "intact_outside_write_window": end["intact_outside_write_window"],
+        "nothing_read_outside_read_window": stats["secret_runs_received"] == 0,
         "rss_within_bound": grew < RSS_BOUND,
     }
     print(f"{args.frames} mutated frames (+{valid} valid) in {seconds:.1f}s "
@@ -450,7 +469,7 @@ def main() -> None:
           f"{end['refused']}, legit READs {sum(r['verified'] for r in reads)}/{len(reads)} "
           f"verified, owner peak RSS +{grew / MiB:.1f} MiB; {ok}")
     write_result("fuzz_tcp", {
-        "frames": args.frames, "valid_frames_interleaved": valid,
+        "frames": args.frames, "valid_frames_interleaved": valid, "grants": not args.no_grants,
         "conns": args.conns, "seed": args.seed,
         "seconds": seconds, "frames_per_second": args.frames / seconds,
         "mutations": dict(kinds), "client": dict(stats),

@@ -141,17 +141,15 @@ static void gate_destroy(PyObject *capsule) {
 
 static gate_t *as_gate(PyObject *o) { return PyCapsule_GetPointer(o, "kvlink.gate"); }
 
-/* A ticket argument, copied (at most TICKET_MAX bytes). */
+#define TOO_LONG (TICKET_MAX + 1) /* a ticket's length past TICKET_MAX: never granted */
+
+/* A ticket argument, copied; one past TICKET_MAX bytes (a peer's, in a request) has length
+ * TOO_LONG and no bytes: no window is ever granted under it (gate_grant refuses it). */
 static int as_ticket(PyObject *o, unsigned char *t, size_t *len) {
   Py_buffer v;
   if (PyObject_GetBuffer(o, &v, PyBUF_C_CONTIGUOUS) < 0) return -1;
-  if (v.len > TICKET_MAX) {
-    PyErr_Format(PyExc_ValueError, "ticket: %zd bytes, at most %d", v.len, TICKET_MAX);
-    PyBuffer_Release(&v);
-    return -1;
-  }
-  memcpy(t, v.buf, (size_t)v.len);
-  *len = (size_t)v.len;
+  *len = v.len > TICKET_MAX ? TOO_LONG : (size_t)v.len;
+  if (*len != TOO_LONG) memcpy(t, v.buf, *len);
   PyBuffer_Release(&v);
   return 0;
 }
@@ -212,6 +210,10 @@ static PyObject *gate_grant(PyObject *self, PyObject *const *args, Py_ssize_t na
   size_t tlen;
   int op = (int)PyLong_AsLong(args[2]);
   if (!g || as_ticket(args[1], t, &tlen) < 0 || PyErr_Occurred()) return NULL;
+  if (tlen == TOO_LONG) {
+    PyErr_Format(PyExc_ValueError, "ticket: more than %d bytes", TICKET_MAX);
+    return NULL;
+  }
   Py_buffer lo, hi;
   if (as_items(args[3], &lo, 8, 0, 0, "starts") < 0) return NULL;
   if (as_items(args[4], &hi, 8, lo.len / 8, 0, "ends") < 0) {
@@ -263,6 +265,7 @@ static PyObject *gate_revoke(PyObject *self, PyObject *const *args, Py_ssize_t n
   unsigned char t[TICKET_MAX];
   size_t tlen;
   if (!g || as_ticket(args[1], t, &tlen) < 0) return NULL;
+  if (tlen == TOO_LONG) Py_RETURN_FALSE;
   pthread_mutex_lock(&g->mu);
   window_t **at = find(g, t, tlen), *old = *at;
   if (old) {
@@ -307,11 +310,13 @@ static PyObject *gate_enter(PyObject *self, PyObject *const *args, Py_ssize_t na
     return NULL;
   }
   uint32_t *s = have_state ? sv.buf : NULL;
+  const int known = tlen != TOO_LONG;
   pthread_mutex_lock(&g->mu);
   int code = s && s[S_FENCED] ? FENCED
-           : check            ? admits(g, t, tlen, op, xv.buf, xv.len / 16)
-                              : OK;
-  if (code == OK && s) enter(s, t, tlen);
+           : !check           ? OK
+           : known            ? admits(g, t, tlen, op, xv.buf, xv.len / 16)
+                              : NO_GRANT;
+  if (code == OK && s) enter(s, t, known ? tlen : 0);  /* (unchecked: served as no ticket) */
   pthread_mutex_unlock(&g->mu);
   if (have_state) PyBuffer_Release(&sv);
   PyBuffer_Release(&xv);
@@ -381,6 +386,7 @@ static PyObject *gate_cut(PyObject *self, PyObject *const *args, Py_ssize_t narg
   size_t tlen;
   Py_ssize_t n;
   if (!g || as_ticket(args[1], t, &tlen) < 0) return NULL;
+  if (tlen == TOO_LONG) return PyList_New(0);  /* (no connection serves under one) */
   Py_buffer *v = as_states(args[2], &n);
   if (!v) return NULL;
   PyObject *out = PyList_New(0);
@@ -408,6 +414,7 @@ static PyObject *gate_wait(PyObject *self, PyObject *const *args, Py_ssize_t nar
   Py_ssize_t n;
   long long ms = PyLong_AsLongLong(args[3]);
   if (!g || as_ticket(args[1], t, &tlen) < 0 || PyErr_Occurred()) return NULL;
+  if (tlen == TOO_LONG) Py_RETURN_TRUE;  /* (no connection serves under one) */
   Py_buffer *v = as_states(args[2], &n);
   if (!v) return NULL;
   int busy = 0;

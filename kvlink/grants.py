@@ -220,16 +220,15 @@ class Grants:
         under it (the halt word cleared) in the step that checked it (``check``; else only
         whether it is fenced), or why not (:data:`FENCED` where it was), nothing marked. A
         connection that entered leaves (:meth:`leave`) once its bytes moved or failed."""
-        if len(ticket) > _TICKET_MAX:
-            raise ValueError(f"ticket: {len(ticket)} bytes, at most {_TICKET_MAX}")
         with self._lock:
             if state[_FENCED]:
                 return FENCED
             why = self._why_not(bytes(ticket), op, ext) if check else None
-            if why is None:
-                padded = bytes(ticket).ljust(_TICKET_MAX, b"\0")
+            if why is None:  # (one longer than any grant, unchecked: served as no ticket)
+                mark = bytes(ticket) if len(ticket) <= _TICKET_MAX else b""
+                padded = mark.ljust(_TICKET_MAX, b"\0")
                 state[_TICKET:] = np.frombuffer(padded, dtype=np.uint32)
-                state[_TLEN], state[_BUSY], state[_HALT] = len(ticket), 1, 0
+                state[_TLEN], state[_BUSY], state[_HALT] = len(mark), 1, 0
             return why
 
     def _why_not(self, ticket: bytes, op: Op, ext: Extents) -> str | None:

@@ -141,3 +141,19 @@ def test_a_connection_serving_under_a_ticket_is_cut_by_its_revoke(grants: Grants
     assert g.enter(b, t, Op.READ, make_extents([0], [512]), check=False) == FENCED
     with pytest.raises(ValueError, match="ticket"):
         g.grant(b"x" * 65, Op.READ, make_extents([0], [1]))
+
+
+def test_a_ticket_longer_than_any_grant_is_no_grant(grants: Grants) -> None:
+    """A peer's request may name a ticket of any length; none past 64 bytes is ever granted
+    (grant refuses one). Checked, it is refused as no grant; unchecked (no require_grants), it
+    is served as no ticket; a revoke or cut of one finds nothing. bench/fuzz_tcp.py found
+    the C gate raising instead (a 1000-byte ticket), which ended the connection as a bug."""
+    g, state, long = grants, Grants.new_state(), b"t" * 1000
+    assert "no grant" in (g.enter(state, long, Op.READ, make_extents([0], [1])) or "")
+    assert g.serving(state) is None
+    assert g.enter(state, long, Op.READ, make_extents([0], [1]), check=False) is None
+    assert g.serving(state) == b""
+    g.leave(state)
+    assert not g.revoke(long) and g.cut(long, [state]) == [] and g.wait(long, [state], 0.0)
+    with pytest.raises(ValueError, match="ticket"):
+        g.grant(long, Op.READ, make_extents([0], [1]))

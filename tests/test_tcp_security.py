@@ -514,5 +514,38 @@ def test_a_read_whose_reader_stopped_taking_bytes_is_cut(stop: str,
         t.close()
 
 
+
+@pytest.mark.attack("a READ naming a ticket longer than any grant (1000 bytes)")
+def test_a_read_under_an_oversized_ticket_is_refused_and_the_connection_serves_on(
+        observed: Callable[[str], None]) -> None:
+    """bench/fuzz_tcp.py found it: a READ header whose ticket is longer than any the owner
+    grants (the C gate holds 64 bytes) raised in the owner's serving thread, which ended the
+    connection as a bug (an ERROR in its log) instead of answering. Now it is refused as no
+    grant, and the same connection serves the next READ under a real grant."""
+    buf = np.arange(SIZE, dtype=np.uint64).astype(np.uint8)
+    t = TcpTransport(TransportContext(agent_name="owner", require_grants=True))
+    try:
+        t.register([Region(buf.ctypes.data, SIZE)])
+        t.grant(TICKET, Op.READ, make_extents(buf.ctypes.data, 4096))
+        desc = decode_versioned(t.descriptor(), tcp._Descriptor, tcp._VERSION, "owner")
+        s = socket.create_connection((desc.host, desc.port), timeout=5)
+        tcp._send_hdr(s, tcp._Hdr(tcp._VERSION, "H", agent="attacker", token=desc.token))
+        tcp._send_hdr(s, tcp._Hdr(tcp._VERSION, "R", agent="attacker", ticket=b"t" * 1000,
+                                  extents=memoryview(make_extents(buf.ctypes.data, 64)
+                                                     .tobytes())))
+        refused = tcp._recv_hdr(s)
+        s.sendall(_read_header(make_extents(buf.ctypes.data, 64)))
+        ok = tcp._recv_hdr(s)
+        got = b""
+        while len(got) < 64:
+            got += s.recv(64 - len(got))
+        s.close()
+        observed(f"oversized ticket: {refused.op} {refused.reason!r}; then {ok.op}")
+        assert refused.op == "E" and "no grant" in refused.reason, refused
+        assert ok.op == "A" and got == buf[:64].tobytes()
+    finally:
+        t.close()
+
+
 if __name__ == "__main__":
     _serve_main(json.loads(sys.argv[1]))
