@@ -173,7 +173,7 @@ def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_pyth
     src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
     dst = np.zeros(SIZE, dtype=np.uint8)
     owner = TcpTransport(TransportContext("owner", require_grants=True))
-    reader = TcpTransport(TransportContext("reader"))
+    reader = TcpTransport(TransportContext("reader"), {"reader_in_c": True})
     was = sys.getswitchinterval()
     try:
         owner.register([Region(src.ctypes.data, SIZE)])

@@ -661,20 +661,22 @@ def test_an_ok_answer_framed_otherwise_still_gets_the_read_its_bytes() -> None:
         thread.join(5)
 
 
+@pytest.mark.parametrize("in_c", [False, True], ids=["reader_in_python", "reader_in_c"])
 @pytest.mark.parametrize("agent", ["reader", "lecteur-é"])  # (the C loop: ASCII agents only)
 def test_requests_the_c_serving_loop_leaves_to_python_interleave_with_those_it_serves(
-        agent: str) -> None:
+        agent: str, in_c: bool) -> None:
     """On one connection, READs the owner serves in C (where kvlink's helpers are built)
     interleave with what its loop hands to Python — a notification, a WRITE, a READ refused
     (under a WRITE grant), a READ from an agent whose name is not ASCII (all of its
     requests) — each served or refused as Python serves it, every byte where it belongs, in
-    order."""
+    order. With the reader's thread parked in C too (``reader_in_c``): the refusal comes back
+    to its Python from the inbox."""
     rng = np.random.default_rng(5)
     src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     mine = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     dst = np.zeros(1 << 20, dtype=np.uint8)
     owner = TcpTransport(TransportContext("owner", require_grants=True))
-    reader = TcpTransport(TransportContext(agent))
+    reader = TcpTransport(TransportContext(agent), {"reader_in_c": in_c})
     try:
         owner.register([Region(src.ctypes.data, src.nbytes)])
         owner.grant(b"read", Op.READ, make_extents(src.ctypes.data, src.nbytes))

@@ -6,7 +6,8 @@ goes as one request per ``_MAX_EXTENTS`` extents, its notification with the last
 transfer is marked FAILED only after its socket call has returned, so FAILED is quiescent on
 this side; a broken connection fails everything queued for the peer.
 
-Where kvlink's C helpers are built the thread waits for work in C, not in Python: parked in
+With option ``reader_in_c`` (opt-in for now, see kvlink.options) and kvlink's C helpers built,
+the thread waits for work in C, not in Python: parked in
 ``take_reads`` (``_reader.c``) on an inbox. A plain READ (one request of host memory, nothing
 to notify: ``_Xfer.landed``) posted while it is parked goes into the inbox as the caller
 sends its header, and C takes its answer and bytes and marks it landed for ``poll()``: that
@@ -109,6 +110,9 @@ class _Owner(Protocol):
     @property
     def timeout(self) -> float: ...
 
+    @property
+    def reader_in_c(self) -> bool: ...
+
     def _finish(self, xfer: _Xfer, state: XferState) -> None: ...
 
     def _order_after_post(self, xfer: _Xfer) -> None: ...
@@ -136,8 +140,8 @@ class _Peer:
         self.sock: socket.socket | None = None
         self.idle = False  # the thread waits for work in Python, on an open connection (cv)
         self._sending = threading.Lock()  # held while the caller sends a header (submit)
-        self._helpers = native.load()
-        #: the READs C takes while the thread is parked (None: not built)
+        self._helpers = native.load() if owner.reader_in_c else None
+        #: the READs C takes while the thread is parked (None: not built, or not asked for)
         self.inbox: object | None = self._helpers.inbox_new() if self._helpers else None
         self.parked = False  # the inbox takes READs: the thread is in take_reads (under cv)
         #: READs in the inbox, oldest first, until it retired them (under cv)

@@ -108,6 +108,8 @@ class TcpTransport(_Server):
         # staged device memory moves after the caller's current stream at post (staging.py,
         # "Stream order"); False: no wait, for a caller that orders its streams itself
         self.stream_order = bool(self.options.get("stream_order", True))
+        # a peer's thread waits in C on an inbox of READs (client.py): opt-in for now
+        self.reader_in_c = bool(self.options.get("reader_in_c", False))
         port = int(self.options.get("port", 0))
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)
