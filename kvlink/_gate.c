@@ -28,6 +28,7 @@
 #include <time.h>
 
 #define TICKET_MAX 64 /* bytes of a ticket (kvlink.grants: 16) */
+#define TOO_LONG (TICKET_MAX + 1) /* a ticket's length past TICKET_MAX: never granted */
 
 /* A connection's state words (kvlink.grants.STATE_WORDS). HALT first: it is the halt word
  * move_extents and kvl_move read between socket calls. */
@@ -112,6 +113,24 @@ static void enter(uint32_t *s, const unsigned char *t, size_t tlen) { /* (under 
   s[S_HALT] = 0; /* (not fenced: enter checked) */
 }
 
+/* The gate's one check-and-mark step (gate_enter's, serve_frames'): why `op` on x[0..nx)
+ * under ticket `t` may not be served by the connection `s` (NULL: only the check), or OK with
+ * `s` marked serving under `t` — one step under g->mu, so a revoke sees it or the check fails.
+ * Unchecked (no require_grants) only a fence refuses; a ticket too long to hold is then
+ * served as none. */
+static int check_in(gate_t *g, uint32_t *s, const unsigned char *t, size_t tlen, int op,
+                    const uint64_t *x, Py_ssize_t nx, int check) {
+  const int known = tlen != TOO_LONG;
+  pthread_mutex_lock(&g->mu);
+  int code = s && s[S_FENCED] ? FENCED
+           : !check           ? OK
+           : known            ? admits(g, t, tlen, op, x, nx)
+                              : NO_GRANT;
+  if (code == OK && s) enter(s, t, known ? tlen : 0);
+  pthread_mutex_unlock(&g->mu);
+  return code;
+}
+
 static void leave(gate_t *g, uint32_t *s) { /* (under g->mu) */
   s[S_BUSY] = 0;
   s[S_TLEN] = 0;
@@ -140,8 +159,6 @@ static void gate_destroy(PyObject *capsule) {
 }
 
 static gate_t *as_gate(PyObject *o) { return PyCapsule_GetPointer(o, "kvlink.gate"); }
-
-#define TOO_LONG (TICKET_MAX + 1) /* a ticket's length past TICKET_MAX: never granted */
 
 /* A ticket argument, copied; one past TICKET_MAX bytes (a peer's, in a request) has length
  * TOO_LONG and no bytes: no window is ever granted under it (gate_grant refuses it). */
@@ -309,15 +326,7 @@ static PyObject *gate_enter(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (have_state) PyBuffer_Release(&sv);
     return NULL;
   }
-  uint32_t *s = have_state ? sv.buf : NULL;
-  const int known = tlen != TOO_LONG;
-  pthread_mutex_lock(&g->mu);
-  int code = s && s[S_FENCED] ? FENCED
-           : !check           ? OK
-           : known            ? admits(g, t, tlen, op, xv.buf, xv.len / 16)
-                              : NO_GRANT;
-  if (code == OK && s) enter(s, t, known ? tlen : 0);  /* (unchecked: served as no ticket) */
-  pthread_mutex_unlock(&g->mu);
+  int code = check_in(g, have_state ? sv.buf : NULL, t, tlen, op, xv.buf, xv.len / 16, check);
   if (have_state) PyBuffer_Release(&sv);
   PyBuffer_Release(&xv);
   return PyLong_FromLong(code);
@@ -595,11 +604,7 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     memcpy(ext, xb, xlen);
     const Py_ssize_t n = (Py_ssize_t)(xlen / 16);
     if (kvl_inside(lo.buf, hi.buf, lo.len / 8, ext, n, NULL) >= 0) break;
-    pthread_mutex_lock(&g->mu);
-    int code = s[S_FENCED] ? FENCED : check ? admits(g, t, tlen, 0, ext, n) : OK;
-    if (code == OK) enter(s, t, tlen);
-    pthread_mutex_unlock(&g->mu);
-    if (code != OK) break;
+    if (check_in(g, s, t, tlen, 0, ext, n, check) != OK) break;
     m = (kvl_move_t){0};
     size_t plen = (size_t)pv.len;
     do { /* (again after an EINTR: signal handlers run on Python's main thread) */

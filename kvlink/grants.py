@@ -291,8 +291,7 @@ class CGrants(Grants):
     socket call or a wait for the GIL), which tcp's C serving loop checks and marks READs in
     without the GIL."""
 
-    def __init__(self, helpers: ModuleType) -> None:
-        super().__init__()
+    def __init__(self, helpers: ModuleType) -> None:  # (no Python windows or lock: the gate's)
         self._c = helpers
         self.gate = helpers.gate_new()
 

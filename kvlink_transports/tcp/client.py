@@ -90,6 +90,11 @@ class _Xfer:
     landed: npt.NDArray[np.uint32] | None = None
     finished: bool = False  # _finish ran (under the transport's _finishing lock)
 
+    @property
+    def has_landed(self) -> bool:
+        """Every byte of this READ is in (kvlink's C helper set ``landed``)."""
+        return self.landed is not None and bool(self.landed[0])
+
 
 def _reply_after(sock: socket.socket, came: bytes) -> _Hdr:
     """The answer whose first bytes ``came`` (where an "ok" was expected): the rest read."""

@@ -256,7 +256,7 @@ class TcpTransport(_Server):
         xfer = self._xfers.get(handle)
         if xfer is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
-        if xfer.state.status is XferStatus.PENDING and xfer.landed is not None and xfer.landed[0]:
+        if xfer.state.status is XferStatus.PENDING and xfer.has_landed:
             # every byte in (kvlink's C helper said so): its bookkeeping here, on the caller's
             # thread (a READ C took from the inbox has no other; the peer's thread, where it
             # took one in Python, may be waiting for the GIL)
@@ -370,8 +370,8 @@ class TcpTransport(_Server):
         return ok
 
     def inflight(self) -> int:
-        return sum(1 for x in list(self._xfers.values()) if x.state.status is XferStatus.PENDING
-                   and (x.landed is None or not x.landed[0]))
+        return sum(1 for x in list(self._xfers.values())
+                   if x.state.status is XferStatus.PENDING and not x.has_landed)
 
     def _finish(self, xfer: _Xfer, state: XferState) -> None:
         """``xfer`` ends as ``state`` — once: a landed READ is finished by whichever of the
