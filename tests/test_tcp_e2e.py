@@ -711,3 +711,88 @@ def test_requests_the_c_serving_loop_leaves_to_python_interleave_with_those_it_s
     finally:
         reader.close()
         owner.close()
+
+
+def test_reads_the_inbox_holds_behind_a_refusal_are_answered_before_a_read_posted_after() -> None:
+    """A READ refused while others wait in the reader's C inbox (their headers sent, their
+    answers next on the wire) hands the thread back to Python; a READ posted in that moment
+    (a caller retrying the refused one, say) is queued for Python, whose request reads the
+    next answer on the wire. Those answers belong to the inbox's READs, so the inbox is
+    emptied first: each READ gets its own bytes. (It was not: the queued READ took the first
+    inbox READ's answer and bytes — both ended DONE with each other's bytes, or one waited
+    past its deadline for an answer already taken.) A fake owner, a socket speaking the tcp
+    wire, answers only once both READs' headers are in, so the refusal always finds the
+    second in the inbox; the transport's ``_finish`` is wrapped to post the third READ from
+    within the refusal's handling, the moment a caller's post can land in the gap."""
+    import threading
+
+    from kvlink_transports.tcp.wire import (
+        _VERSION,
+        _Descriptor,
+        _enc,
+        _frame,
+        _Hdr,
+        _recv_hdr,
+    )
+
+    rng = np.random.default_rng(11)
+    payloads = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(3)]
+    listener = socket.create_server(("127.0.0.1", 0))
+    served: list[str] = []
+
+    def ok(conn: socket.socket, payload: np.ndarray) -> None:
+        conn.sendall(_frame(_Hdr(_VERSION, "A")) + payload.tobytes())
+
+    def owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            served.append(_recv_hdr(conn).op)  # the hello
+            served.append(_recv_hdr(conn, 1 << 20).op)  # the first READ: the thread parks after
+            ok(conn, payloads[0])
+            served.extend(_recv_hdr(conn, 1 << 20).op for _ in range(2))  # both in the inbox
+            conn.sendall(_frame(_Hdr(_VERSION, "E", reason="no grant covers it")))
+            ok(conn, payloads[1])
+            served.append(_recv_hdr(conn, 1 << 20).op)  # the READ posted after the refusal
+            ok(conn, payloads[2])
+            conn.recv(1)  # (until the reader closes)
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+    dst = np.zeros(4 * 4096, dtype=np.uint8)
+    reader = TcpTransport(TransportContext("reader"), {"reader_in_c": True})
+    far = 1 << 30
+    try:
+        reader.register([Region(dst.ctypes.data, dst.nbytes)])
+        reader.connect("owner", _enc.encode(_Descriptor(
+            v=_VERSION, agent="owner", host="127.0.0.1", port=listener.getsockname()[1],
+            regions=[(far, 4 * 4096, "cpu")], token=b"k" * 16)))
+
+        def post(i: int) -> int:
+            return reader.post(Op.READ, "owner", make_extents(dst.ctypes.data + i * 4096, 4096),
+                               make_extents(far + i * 4096, 4096))
+
+        first = post(0)
+        assert reader.wait(first, 10).status is XferStatus.DONE
+        peer = reader._peers["owner"]
+        assert until(lambda: peer.parked, 10), "the peer's thread never parked in C"
+        after: list[int] = []
+        finish = reader._finish
+
+        def finish_then_post(xfer: Any, state: XferState) -> None:
+            finish(xfer, state)
+            if state.status is XferStatus.FAILED and not after:
+                after.append(post(3))  # on the peer's thread, inside the refusal's handling
+
+        reader._finish = finish_then_post  # type: ignore[method-assign]
+        refused, second = post(1), post(2)
+        assert "no grant" in (reader.wait(refused, 10).reason or "")
+        assert reader.wait(second, 10).status is XferStatus.DONE
+        assert after and reader.wait(after[0], 10).status is XferStatus.DONE
+        assert served == ["H", "R", "R", "R", "R"]
+        assert np.array_equal(dst[:4096], payloads[0])
+        assert np.array_equal(dst[2 * 4096:3 * 4096], payloads[1]), "the second READ's bytes"
+        assert np.array_equal(dst[3 * 4096:], payloads[2]), "the READ posted after the refusal"
+    finally:
+        reader.close()
+        listener.close()
+        thread.join(5)

@@ -260,10 +260,14 @@ class _Peer:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.queue and not self.closed:
+                # READs left in the inbox (behind a refusal) sent their headers before
+                # anything queued: their answers are next on the wire, so C takes them first
+                while (self.in_c or not self.queue) and not self.closed:
                     if self._helpers is not None and self.sock is not None:
                         self.parked = True  # (the inbox takes READs from here on)
                         self._helpers.inbox_open(self.inbox)
+                        if self.queue:  # (then back to Python for it)
+                            self._helpers.inbox_python(self.inbox)
                         self.cv.notify_all()  # (for whoever waits to see it parked: a test)
                         break
                     self.idle = self.sock is not None
