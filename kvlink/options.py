@@ -37,9 +37,9 @@ class TcpOptions(_Options):
     stage_host_memory: bool = False  # host memory through the staging pipeline (tests)
     staging_chunk: int = 4 << 20  # bytes per staging buffer
     staging_buffers: int = 8  # pinned staging buffers
-    #: the reader's thread waits in C on an inbox of READs (kvlink/_reader.c): opt-in until
-    #: a stall seen once in CI's chaos run with it on (2026-12-05) is understood
-    reader_in_c: bool = False
+    #: the reader's thread waits in C on an inbox of READs (kvlink/_reader.c); false: in
+    #: Python, as before it (a READ's answer then waits for the GIL where the caller is busy)
+    reader_in_c: bool = True
 
 
 class NixlOptions(_Options):
