@@ -95,6 +95,21 @@ def test_tcp_valid_options_still_create() -> None:
         t.close()
 
 
+def test_tcp_takes_its_defaults_from_the_schema() -> None:
+    """The schema (kvlink.options.TcpOptions) is where a tcp option's default is said, once:
+    a transport made without options runs with those. (It did not: the transport read each
+    with a default of its own, and turning ``reader_in_c`` on in the schema left it off.)"""
+    from kvlink import options
+
+    t = create_transport("tcp", TransportContext(agent_name="strict/0/3"), {})
+    try:
+        assert t.options == options.defaults("tcp")
+        assert t.reader_in_c is options.defaults("tcp")["reader_in_c"]  # type: ignore[attr-defined]
+        assert t.timeout == options.defaults("tcp")["timeout_s"]  # type: ignore[attr-defined]
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(("name", "bad", "near"), [
     ("nixl", "backend", "backends"), ("nixl", "num_thread", "num_threads"),
     ("mooncake", "protocl", "protocol"), ("cuda_ipc", "kernal", "kernel"),

@@ -186,18 +186,18 @@ class _LocalMemory(Transport):
             raise TransportUnavailable(f"tcp stages one CUDA device at most; got {sorted(devices)}")
         if devices:
             self._enable_staging(int(devices.pop().split(":")[1]))
-        elif self.options.get("stage_host_memory"):
+        elif self.options["stage_host_memory"]:
             # host memory through the staging pipeline: how CI exercises it without a GPU
             self._enable_staging(None)
         self._regions = self._regions + tuple(regions)
-        self._memory = _Memory(self._regions, bool(self.options.get("stage_host_memory")))
+        self._memory = _Memory(self._regions, bool(self.options["stage_host_memory"]))
 
     def _enable_staging(self, device: int | None) -> None:
         """VRAM (or, for tests, host memory) moves through a bounded pool of host buffers."""
         if self._copier is not None:
             return
-        chunk = int(self.options.get("staging_chunk", 4 << 20))
-        count = int(self.options.get("staging_buffers", 8))
+        chunk = int(self.options["staging_chunk"])
+        count = int(self.options["staging_buffers"])
         if device is None:
             self._copier = staging.HostCopier()
         else:
@@ -225,7 +225,7 @@ class _LocalMemory(Transport):
         if len(kinds) > 1:
             raise ExtentOutOfBounds(f"one transfer mixes memory kinds {sorted(kinds)}")
         device = kinds.pop() != "cpu"
-        return self._copier is not None and (device or bool(self.options.get("stage_host_memory")))
+        return self._copier is not None and (device or bool(self.options["stage_host_memory"]))
 
     def _send_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,

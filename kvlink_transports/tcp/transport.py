@@ -61,7 +61,7 @@ import numpy as np
 from kvlink import native
 from kvlink.errors import TransferError, TransportUnavailable
 from kvlink.grants import make_grants
-from kvlink.options import check_options
+from kvlink.options import check_options, defaults
 from kvlink.sockets import shutdown
 from kvlink.transport import (
     DONE,
@@ -100,17 +100,19 @@ class TcpTransport(_Server):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        self.timeout = float(check_options("tcp", self.options).get("timeout_s", 30.0))
+        # every option, its default where not given: kvlink.options says each (TcpOptions)
+        self.options = {**defaults("tcp"), **check_options("tcp", self.options)}
+        self.timeout = float(self.options["timeout_s"])
         # before authentication (module docstring, "Bounds")
-        self.hello_timeout = float(self.options.get("hello_timeout_s", 5.0))
-        self.max_unauthenticated = int(self.options.get("max_unauthenticated", 64))
-        self.max_connections = int(self.options.get("max_connections", 1024))
+        self.hello_timeout = float(self.options["hello_timeout_s"])
+        self.max_unauthenticated = int(self.options["max_unauthenticated"])
+        self.max_connections = int(self.options["max_connections"])
         # staged device memory moves after the caller's current stream at post (staging.py,
         # "Stream order"); False: no wait, for a caller that orders its streams itself
-        self.stream_order = bool(self.options.get("stream_order", True))
-        # a peer's thread waits in C on an inbox of READs (client.py): opt-in for now
-        self.reader_in_c = bool(self.options.get("reader_in_c", False))
-        port = int(self.options.get("port", 0))
+        self.stream_order = bool(self.options["stream_order"])
+        # a peer's thread waits in C on an inbox of READs (client.py)
+        self.reader_in_c = bool(self.options["reader_in_c"])
+        port = int(self.options["port"])
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)
         except OSError as exc:
@@ -228,7 +230,7 @@ class TcpTransport(_Server):
         if copier is None or not self.stream_order or xfer.local.shape[0] == 0:
             return True
         regions = self._memory.table.regions
-        staged = bool(self.options.get("stage_host_memory")) or any(
+        staged = bool(self.options["stage_host_memory"]) or any(
             regions[int(i)].memory_kind != "cpu" for i in np.unique(idx))
         if not staged:
             return True
