@@ -1,22 +1,24 @@
 /* The owner's side of tcp in C: the grant gate, and a serving loop that answers peers' READs
- * without the GIL.
+ * and takes their WRITEs and notifications without the GIL.
  *
  * Why: tcp's serving thread is a Python thread, and a thread coming back from C waits for the
  * GIL — up to a switch interval (5 ms) where the process's own Python is busy, which a
- * prefill running its forward is, and for seconds where that Python gives the GIL up and
- * takes it back in a tight loop (a convoy: bench/results/tcp_busy_peers/convoy_*). A READ
+ * prefill running its forward is (for the READs it serves) and a decode running its step
+ * loop is (for the pushes it takes), and for seconds where that Python gives the GIL up and
+ * takes it back in a tight loop (a convoy: bench/results/tcp_busy_peers/convoy_*). A request
  * that needs nothing but the checks below is served here from its header's first byte to
- * its last byte sent, and the loop goes on to the next header: the GIL is never taken.
- * Anything else (a WRITE, a notification, a refusal, a header in another shape) is handed to
- * Python, which decodes it with msgspec and serves or refuses it as before.
+ * its last byte moved (a WRITE's "ok" sent, its notification queued for the owner's caller:
+ * _notes.c), and the loop goes on to the next header: the GIL is never taken. Anything else
+ * (a refusal, a header in another shape) is handed to Python, which decodes it with msgspec
+ * and serves or refuses it as before.
  *
  * The gate (kvlink.grants.Grants' C side) holds, under one mutex, the windows granted under
  * each ticket and, in each connection's state words (a small uint32 array the connection
  * keeps, layout below: kvlink.grants names the same words), whether it is serving and under
  * which ticket. A check and the mark that the connection is serving are one step under that
- * mutex, and so are a revoke and the cut of the connections serving its ticket: a READ is
- * either refused or seen by the revoke (which stops it between socket calls through the halt
- * word). The mutex is never held across a socket call or while waiting for the GIL.
+ * mutex, and so are a revoke and the cut of the connections serving its ticket: a READ or a
+ * WRITE is either refused or seen by the revoke (which stops it between socket calls through
+ * the halt word). The mutex is never held across a socket call or while waiting for the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include "_native.h"
@@ -506,44 +508,67 @@ static int take(const unsigned char *b, size_t len, size_t *at, int bin,
   return 1;
 }
 
-/* Whether `b` is a READ header in the one shape tcp's encoder gives one (kvlink_transports.
- * tcp.wire._Hdr, array_like: [version, "R", agent, extents, nil, "", b"", ticket]) with an
- * ASCII agent (its only string that is not fixed; msgspec would check other UTF-8), at most
- * `max_extents` whole extents and a ticket of at most TICKET_MAX bytes; its extents and
- * ticket found. Anything else is Python's to decode. */
-static int read_header(const unsigned char *b, size_t len, int version, Py_ssize_t max_extents,
-                       const unsigned char **ext, size_t *elen, const unsigned char **ticket,
-                       size_t *tlen) {
-  const unsigned char *agent;
-  size_t alen, at = 4;
-  if (len < 4 || b[0] != 0x98 || b[1] != version || b[2] != 0xa1 || b[3] != 'R') return 0;
-  if (!take(b, len, &at, 0, &agent, &alen)) return 0;
-  for (size_t i = 0; i < alen; ++i)
-    if (agent[i] >= 0x80) return 0;
-  if (!take(b, len, &at, 1, ext, elen) || *elen % 16 || (Py_ssize_t)(*elen / 16) > max_extents)
+/* A request header this loop serves, its fields found in the frame's bytes. */
+typedef struct {
+  char op; /* 'R' READ, 'W' WRITE, 'N' notification */
+  const unsigned char *agent, *ext, *note, *ticket;
+  size_t alen, elen, nlen, tlen;
+  int noted; /* it carries a notification (note[0..nlen)) */
+} request_t;
+
+/* Whether `b` is a request header in the one shape tcp's encoder gives it (kvlink_transports.
+ * tcp.wire._Hdr, array_like: [version, op, agent, extents, notify, "", b"", ticket]) that
+ * this loop serves — a READ (no notification), a WRITE (a notification with its last part,
+ * or none), a notification (no extents, no ticket) — with an ASCII agent (its only string
+ * that is not fixed; msgspec would check other UTF-8), at most `max_extents` whole extents
+ * and a ticket of at most TICKET_MAX bytes; its fields found. Anything else is Python's to
+ * decode. */
+static int request_header(const unsigned char *b, size_t len, int version,
+                          Py_ssize_t max_extents, request_t *h) {
+  size_t at = 4;
+  if (len < 4 || b[0] != 0x98 || b[1] != version || b[2] != 0xa1) return 0;
+  h->op = (char)b[3];
+  if (h->op != 'R' && h->op != 'W' && h->op != 'N') return 0;
+  if (!take(b, len, &at, 0, &h->agent, &h->alen)) return 0;
+  for (size_t i = 0; i < h->alen; ++i)
+    if (h->agent[i] >= 0x80) return 0;
+  if (!take(b, len, &at, 1, &h->ext, &h->elen) || h->elen % 16 ||
+      (Py_ssize_t)(h->elen / 16) > max_extents)
     return 0;
-  if (len - at < 4 || memcmp(b + at, "\xc0\xa0\xc4\x00", 4) != 0) return 0;
-  at += 4;
-  return take(b, len, &at, 1, ticket, tlen) && *tlen <= TICKET_MAX && at == len;
+  if (at >= len) return 0;
+  h->noted = b[at] != 0xc0; /* (nil: none) */
+  if (!h->noted) {
+    ++at;
+  } else if (h->op == 'R' || !take(b, len, &at, 1, &h->note, &h->nlen)) {
+    return 0;
+  }
+  if (len - at < 3 || memcmp(b + at, "\xa0\xc4\x00", 3) != 0) return 0;
+  at += 3;
+  if (!take(b, len, &at, 1, &h->ticket, &h->tlen) || h->tlen > TICKET_MAX || at != len)
+    return 0;
+  return h->op != 'N' || (h->elen == 0 && h->tlen == 0);
 }
 
 /* serve_frames(fd, gate, state, starts, ends, check, limit, max_extents, version, rest_ms,
- *              timeout_ms, prefix) -> bytes | str | int | None
+ *              timeout_ms, prefix, notes) -> bytes | str | int | None
  *
  * The owner's serving thread, on one connection, without the GIL: reads each request header
  * as recv_frame does (its first byte waited for as long as it takes, the rest within
- * rest_ms), and serves every READ (read_header) whose extents lie in the registered host
- * memory [starts[r], ends[r]) and (`check`) in a window the gate holds for its ticket: marked
- * serving in the gate, `prefix` (the "ok" answer) and the bytes sent in one kvl_move (each
- * wait up to timeout_ms; stopped between socket calls by the state's halt word), then
- * unmarked. Returns, for Python to handle, the first frame it does not serve that way
- * (bytes: anything else, a READ it would refuse — Python checks it again and says why —
- * or one past the memory it was given); None where the peer closed the connection; the
- * announced length (int) of a header past `limit`; a str where it stopped the connection
- * (fenced; its grant revoked mid-READ). TimeoutError, OSError as move_extents. */
+ * rest_ms), and serves every request (request_header) whose extents lie in the registered
+ * host memory [starts[r], ends[r]) and (`check`) in a window the gate holds for its ticket,
+ * marked serving in the gate while its bytes move (each wait up to timeout_ms; stopped
+ * between socket calls by the state's halt word): a READ's `prefix` (the "ok" answer) and
+ * bytes sent in one kvl_move; a WRITE's bytes received, then the "ok" sent, then its
+ * notification (if any) queued in `notes` for the owner's caller; a notification queued
+ * there. Without `notes` (None) WRITEs and notifications are Python's. Returns, for Python
+ * to handle, the first frame it does not serve that way (bytes: anything else, a request it
+ * would refuse — Python checks it again and says why — or one past the memory it was given);
+ * None where the peer closed the connection; the announced length (int) of a header past
+ * `limit`; a str where it stopped the connection (fenced; its grant revoked mid-transfer).
+ * TimeoutError, OSError as move_extents. */
 static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs_are(nargs, 12, "serve_frames(fd, gate, state, starts, ends, check, limit, "
-                "max_extents, version, rest_ms, timeout_ms, prefix)") < 0)
+  if (nargs_are(nargs, 13, "serve_frames(fd, gate, state, starts, ends, check, limit, "
+                "max_extents, version, rest_ms, timeout_ms, prefix, notes)") < 0)
     return NULL;
   int fd = (int)PyLong_AsLong(args[0]);
   gate_t *g = as_gate(args[1]);
@@ -552,7 +577,8 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
   Py_ssize_t max_extents = PyLong_AsSsize_t(args[7]);
   int version = (int)PyLong_AsLong(args[8]);
   int rest_ms = (int)PyLong_AsLong(args[9]), timeout_ms = (int)PyLong_AsLong(args[10]);
-  if (!g || check < 0 || PyErr_Occurred()) return NULL;
+  kvl_notes_t *notes = args[12] == Py_None ? NULL : kvl_as_notes(args[12]);
+  if (!g || check < 0 || (!notes && args[12] != Py_None) || PyErr_Occurred()) return NULL;
   Py_buffer sv, lo, hi, pv;
   if (as_items(args[2], &sv, 4, S_WORDS, 1, "state") < 0) return NULL;
   if (as_items(args[3], &lo, 8, 0, 0, "starts") < 0) goto no_lo;
@@ -568,12 +594,12 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
   }
   uint32_t *s = sv.buf;
   char *body = NULL;
-  uint64_t *ext = NULL; /* a READ's extents, aligned (in the header they need not be) */
+  uint64_t *ext = NULL; /* a request's extents, aligned (in the header they need not be) */
   size_t cap = 0;
   uint32_t len = 0;
   int r = 0, err = 0, waited = 0, oom = 0;
   const char *stop = NULL;  /* why the connection stops (a str for Python) */
-  kvl_move_t m = {0};       /* the last READ's move; its failure ends the loop */
+  kvl_move_t m = {0};       /* the last move; its failure ends the loop */
   Py_BEGIN_ALLOW_THREADS
   for (;;) {
     free(body);
@@ -583,32 +609,39 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
       err = errno;
       break;
     }
-    const unsigned char *xb, *t;
-    size_t xlen, tlen;
-    if (!read_header((const unsigned char *)body, len, version, max_extents, &xb, &xlen, &t,
-                     &tlen))
-      break;
+    request_t h;
+    if (!request_header((const unsigned char *)body, len, version, max_extents, &h)) break;
+    if (h.op != 'R' && !notes) break; /* (Python's) */
     if (s[S_FENCED]) {
       stop = "fenced";
       break;
     }
-    if (xlen > cap) {
-      uint64_t *grown = realloc(ext, xlen);
+    if (h.op == 'N') {
+      if (h.noted && kvl_notes_push(notes, (const char *)h.agent, h.alen, (const char *)h.note,
+                                    h.nlen) < 0) {
+        oom = 1;
+        break;
+      }
+      continue;
+    }
+    if (h.elen > cap) {
+      uint64_t *grown = realloc(ext, h.elen);
       if (!grown) {
         oom = 1;
         break;
       }
       ext = grown;
-      cap = xlen;
+      cap = h.elen;
     }
-    memcpy(ext, xb, xlen);
-    const Py_ssize_t n = (Py_ssize_t)(xlen / 16);
+    memcpy(ext, h.ext, h.elen);
+    const Py_ssize_t n = (Py_ssize_t)(h.elen / 16);
+    const int send = h.op == 'R';
     if (kvl_inside(lo.buf, hi.buf, lo.len / 8, ext, n, NULL) >= 0) break;
-    if (check_in(g, s, t, tlen, 0, ext, n, check) != OK) break;
+    if (check_in(g, s, h.ticket, h.tlen, !send, ext, n, check) != OK) break;
     m = (kvl_move_t){0};
-    size_t plen = (size_t)pv.len;
+    size_t plen = send ? (size_t)pv.len : 0;
     do { /* (again after an EINTR: signal handlers run on Python's main thread) */
-      kvl_move(fd, 1, ext, n, LLONG_MAX, timeout_ms, pv.buf, plen, &s[S_HALT], NULL, &m);
+      kvl_move(fd, send, ext, n, LLONG_MAX, timeout_ms, pv.buf, plen, &s[S_HALT], NULL, &m);
       plen = 0;
     } while (!m.err && !m.timed_out && !m.closed && !m.halted && m.index < n);
     pthread_mutex_lock(&g->mu);
@@ -617,6 +650,17 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (m.err || m.timed_out || m.closed) break;
     if (m.halted) {
       stop = s[S_FENCED] ? "fenced" : "access revoked mid-transfer";
+      break;
+    }
+    if (send) continue;
+    /* a WRITE's answer before its notification: seen first, the note could let the owner
+     * finish and close while the writer still waits for it (as Python serves it) */
+    m = (kvl_move_t){0};
+    kvl_move(fd, 1, NULL, 0, LLONG_MAX, timeout_ms, pv.buf, (size_t)pv.len, NULL, NULL, &m);
+    if (m.err || m.timed_out || m.closed) break;
+    if (h.noted && kvl_notes_push(notes, (const char *)h.agent, h.alen, (const char *)h.note,
+                                  h.nlen) < 0) {
+      oom = 1;
       break;
     }
   }
@@ -672,5 +716,5 @@ PyMethodDef kvl_gate_methods[] = {
      "gate_serving(gate, state) -> the ticket it serves under, or None"},
     {"serve_frames", (PyCFunction)(void (*)(void))serve_frames, METH_FASTCALL,
      "serve_frames(fd, gate, state, starts, ends, check, limit, max_extents, version, "
-     "rest_ms, timeout_ms, prefix): serve READs until a frame for Python"},
+     "rest_ms, timeout_ms, prefix, notes): serve READs and WRITEs until a frame for Python"},
     {NULL, NULL, 0, NULL}};

@@ -51,9 +51,17 @@ KVL_HIDDEN int kvl_move_failed(const kvl_move_t *m);
 KVL_HIDDEN Py_ssize_t kvl_inside(const uint64_t *lo, const uint64_t *hi, Py_ssize_t nr,
                                  const uint64_t *x, Py_ssize_t nx, Py_ssize_t *out);
 
-/* The grant gate's and serving loop's functions (_gate.c), and the reader's inbox
- * (_reader.c), added to the module at init. */
+/* The owner's queue of notifications (_notes.c): the serving loop pushes what a peer
+ * notified (agent and notification, copied; -1 out of memory), the caller takes them. */
+typedef struct kvl_notes kvl_notes_t;
+KVL_HIDDEN kvl_notes_t *kvl_as_notes(PyObject *o); /* (needs the GIL) */
+KVL_HIDDEN int kvl_notes_push(kvl_notes_t *q, const char *agent, size_t alen, const char *note,
+                              size_t nlen);
+
+/* The grant gate's and serving loop's functions (_gate.c), the reader's inbox (_reader.c)
+ * and the notifications' queue (_notes.c), added to the module at init. */
 extern PyMethodDef kvl_gate_methods[];
 extern PyMethodDef kvl_reader_methods[];
+extern PyMethodDef kvl_notes_methods[];
 
 #endif

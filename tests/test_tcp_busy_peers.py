@@ -207,3 +207,71 @@ def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_pyth
         sys.setswitchinterval(was)
         reader.close()
         owner.close()
+
+
+def _decode(q: Any, go: Any) -> None:
+    """A decode taking a push: its memory granted to the writer's ticket for WRITEs, then its
+    main thread in Python, looking for the push's notification between slices (a step loop
+    that polls): when it saw it (``time.monotonic``, one clock for both processes) and
+    whether the bytes were in by then."""
+    dst = np.zeros(SIZE, dtype=np.uint8)
+    t = TcpTransport(TransportContext("decode", require_grants=True))
+    t.register([Region(dst.ctypes.data, SIZE)])
+    t.grant(TICKET, Op.WRITE, make_extents(dst.ctypes.data, SIZE))
+    q.put((t.descriptor(), dst.ctypes.data))
+    go.get()
+    notes: list[tuple[str, bytes]] = []
+    while not notes:  # the warm-up WRITE's note
+        notes = t.notifications()
+    sys.setswitchinterval(INTERVAL)
+    q.put("busy")
+    end, seen = time.monotonic() + BUSY, 0.0
+    while time.monotonic() < end and not seen:
+        notes = t.notifications()  # (a C call: holds the GIL throughout)
+        seen = time.monotonic() if notes else 0.0
+    want = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+    q.put((seen, notes, bool(np.array_equal(dst, want))))
+    go.get()
+    t.close()
+
+
+def test_a_busy_decode_takes_a_push_and_its_notification_without_waiting_for_the_gil() -> None:
+    """A WRITE with its notification (a push's last) into a decode whose main thread runs
+    Python: the decode's serving thread takes the bytes, answers and queues the notification
+    in C (``serve_frames``, kvlink/_notes.c), so the writer's WRITE is DONE, and the decode's
+    own loop sees the notification, within milliseconds rather than the quarter second of a
+    wait for its GIL. On the code before, WRITEs and notifications were served in Python:
+    the writer waited for that thread's GIL, and the decode's loop for the note."""
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_decode, args=(q, go), daemon=True)
+    child.start()
+    src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+    writer = TcpTransport(TransportContext("writer"))
+    try:
+        desc, far = q.get(timeout=60)
+        writer.register([Region(src.ctypes.data, SIZE)])
+        writer.connect("decode", desc)
+        whole = make_extents(src.ctypes.data, 16 << 10)
+        warm = writer.post(Op.WRITE, "decode", whole, make_extents(far, 16 << 10),
+                           notify=b"warm", ticket=TICKET)  # (the connection opened)
+        assert writer.wait(warm, 30).status is XferStatus.DONE
+        writer.release(warm)
+        go.put("go")
+        assert q.get(timeout=30) == "busy"
+        before, t_post = writer.stats.xfer_seconds, time.monotonic()
+        h = writer.post(Op.WRITE, "decode", make_extents(src.ctypes.data, SIZE),
+                        make_extents(far, SIZE), notify=b"pushed", ticket=TICKET)
+        assert writer.wait(h, 30).status is XferStatus.DONE
+        took = writer.stats.xfer_seconds - before
+        seen, notes, landed = q.get(timeout=30)
+        assert notes == [("writer", b"pushed")] and landed
+        assert took < INTERVAL / 2, f"WRITE {took:.3f} s: the decode waited for the GIL"
+        assert seen - t_post < INTERVAL / 2, \
+            f"note seen after {seen - t_post:.3f} s: the decode's thread waited for the GIL"
+    finally:
+        writer.close()
+        go.put("stop")
+        child.join(10)
+        if child.is_alive():
+            child.kill()

@@ -74,6 +74,36 @@ _ACCEPT_PAUSE = 0.1  # seconds the accept thread stops accepting when out of des
 _CUT_GRACE = 1.0
 
 
+class Notes:
+    """What peers notified (agent, notification), oldest first, until the owner's caller takes
+    it (``notifications()``). In kvlink's C queue where its helpers are built: the serving loop
+    (``serve_frames``) queues a WRITE's notification there without the GIL, which a busy
+    caller's Python holds — the caller waiting for that very notification (a push's end).
+    Python's serving path queues there too, so one connection's notifications keep their
+    order whichever side took them."""
+
+    def __init__(self, helpers: Any) -> None:
+        self._c = helpers
+        #: the C queue serve_frames fills (None: no C helpers, a deque)
+        self.queue: object | None = helpers.notes_new() if helpers is not None else None
+        self._py: collections.deque[tuple[str, bytes]] = collections.deque()
+
+    def append(self, note: tuple[str, bytes]) -> None:
+        if self.queue is not None:
+            self._c.notes_push(self.queue, *note)
+        else:
+            self._py.append(note)
+
+    def take(self) -> list[tuple[str, bytes]]:
+        if self.queue is not None:
+            out: list[tuple[str, bytes]] = self._c.notes_take(self.queue)
+            return out
+        out = []
+        while self._py:
+            out.append(self._py.popleft())
+        return out
+
+
 class _Throttle:
     """At most one log line per ``every`` seconds per kind; those in between are counted and
     reported with the next one (a flood of hostile connections must not flood the log)."""
@@ -145,7 +175,7 @@ class _Server(_LocalMemory):
     _pending: int  # connections whose hello is being read (the accept thread's)
     _cuts: list[tuple[float, bytes, list[_Inbound]]]  # revoke(): due, ticket, busy
     _revoked: set[str]  # agents fenced off until connect() names them again
-    _notifs: collections.deque[tuple[str, bytes]]
+    _notifs: Notes
 
     def _run_cuts(self, now: float) -> float | None:
         """Shut down the connections still serving a revoked ticket at their grace's end (the
@@ -343,13 +373,14 @@ class _Server(_LocalMemory):
         ``timeout_s``, and announce at most ``_MAX_HEADER`` bytes. Its payload then moves
         under ``timeout_s`` per socket call.
 
-        Through kvlink's C helpers where they are built: READs of host memory are served
-        there, checked against the grant gate, without the GIL (``serve_frames``), until a
-        header it leaves to Python (a WRITE, a notification, one to refuse), which comes back
-        in the same call. A thread coming back from C waits for the GIL, up to a switch
-        interval where this process's own Python is busy (a prefill's forward), and for
-        seconds where that Python gives the GIL up and takes it back in a loop: a READ served
-        in C waits for neither. Without the gate, one C call reads the header."""
+        Through kvlink's C helpers where they are built: READs and WRITEs of host memory are
+        served there, checked against the grant gate, and notifications queued (:class:`Notes`)
+        without the GIL (``serve_frames``), until a header it leaves to Python (one to refuse,
+        one in another shape), which comes back in the same call. A thread coming back from C
+        waits for the GIL, up to a switch interval where this process's own Python is busy (a
+        prefill's forward, a decode's step loop), and for seconds where that Python gives the
+        GIL up and takes it back in a loop: a request served in C waits for neither. Without
+        the gate, one C call reads the header."""
         conn, helpers = inb.conn, self._memory.native
         if helpers is not None:
             ms = max(1, int(self.timeout * 1000))
@@ -357,7 +388,7 @@ class _Server(_LocalMemory):
             if direct is not None and gate is not None:
                 got = helpers.serve_frames(conn.fileno(), gate, inb.state, *direct,
                                            self.ctx.require_grants, _MAX_HEADER, _MAX_EXTENTS,
-                                           _VERSION, ms, ms, _A_FRAME)
+                                           _VERSION, ms, ms, _A_FRAME, self._notifs.queue)
             else:
                 got = helpers.recv_frame(conn.fileno(), _MAX_HEADER, -1, ms)
             if got is None:
