@@ -14,9 +14,10 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
   and taken with them and its landing marked for poll(), and a request's header read
   (``recv_frame``) — each one call, so tcp's threads take the GIL back once where each
   socket call did (bench/results/tcp_busy_peers);
-- tcp's grant gate and the owner's serving loop (``_gate.c``: ``gate_*``, ``serve_frames``)
-  and the reader's inbox (``_reader.c``: ``inbox_*``, ``take_reads``): a plain READ served
-  and taken with no Python on either side's thread, so neither waits for the GIL, which a
+- tcp's grant gate and the owner's serving loop (``_gate.c``: ``gate_*``, ``serve_frames``;
+  the notifications it queues, ``_notes.c``: ``notes_*``) and the reader's inbox
+  (``_reader.c``: ``inbox_*``, ``take_reads``): a plain READ served and taken, and a WRITE
+  served, with no Python on either side's thread, so neither waits for the GIL, which a
   busy process's own Python holds for a switch interval or, giving it up and taking it back
   in a loop, for seconds (bench/results/tcp_busy_peers_c);
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
