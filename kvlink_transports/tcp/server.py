@@ -74,7 +74,7 @@ _ACCEPT_PAUSE = 0.1  # seconds the accept thread stops accepting when out of des
 _CUT_GRACE = 1.0
 
 
-class Notes:
+class _Notes:
     """What peers notified (agent, notification), oldest first, until the owner's caller takes
     it (``notifications()``). In kvlink's C queue where its helpers are built: the serving loop
     (``serve_frames``) queues a WRITE's notification there without the GIL, which a busy
@@ -175,7 +175,7 @@ class _Server(_LocalMemory):
     _pending: int  # connections whose hello is being read (the accept thread's)
     _cuts: list[tuple[float, bytes, list[_Inbound]]]  # revoke(): due, ticket, busy
     _revoked: set[str]  # agents fenced off until connect() names them again
-    _notifs: Notes
+    _notifs: _Notes
 
     def _run_cuts(self, now: float) -> float | None:
         """Shut down the connections still serving a revoked ticket at their grace's end (the
@@ -374,7 +374,7 @@ class _Server(_LocalMemory):
         under ``timeout_s`` per socket call.
 
         Through kvlink's C helpers where they are built: READs and WRITEs of host memory are
-        served there, checked against the grant gate, and notifications queued (:class:`Notes`)
+        served there, checked against the grant gate, and notifications queued (:class:`_Notes`)
         without the GIL (``serve_frames``), until a header it leaves to Python (one to refuse,
         one in another shape), which comes back in the same call. A thread coming back from C
         waits for the GIL, up to a switch interval where this process's own Python is busy (a

@@ -75,7 +75,7 @@ from kvlink.transport import (
 from kvlink.wire import decode_versioned
 from kvlink_transports.tcp.client import _Peer, _Xfer
 from kvlink_transports.tcp.memory import _Memory
-from kvlink_transports.tcp.server import _CUT_GRACE, Notes, _Server, _Throttle
+from kvlink_transports.tcp.server import _CUT_GRACE, _Notes, _Server, _Throttle
 from kvlink_transports.tcp.wire import _MAX_EXTENTS, _VERSION, _Descriptor, _enc
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class TcpTransport(_Server):
         self._pending = 0  # connections whose hello is being read (the accept thread's)
         self._cuts = []  # revoke(): due, ticket, busy
         self._revoked = set()  # agents fenced off until connect() names them again
-        self._notifs = Notes(native.load())
+        self._notifs = _Notes(native.load())
         self._handles = itertools.count(1)
         self._closed = False
         self._acceptor = threading.Thread(
