@@ -193,7 +193,8 @@ def test_no_mark_without_stream_order_and_for_host_memory() -> None:
         assert b.wait(b.post(Op.READ, "a", make_extents(b0, 5000), make_extents(a0, 5000)),
                       30).status is XferStatus.DONE
         assert "mark" not in log.names() and "after" not in log.names()
-        b.stream_order, b.options = True, {}  # now not staged: plain host memory
+        b.stream_order = True  # now not staged: plain host memory
+        b.options = {**b.options, "stage_host_memory": False}
         assert b.wait(b.post(Op.READ, "a", make_extents(b0, 5000), make_extents(a0, 5000)),
                       30).status is XferStatus.DONE
         assert "mark" not in log.names()
