@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvlink.errors import BlockIdOutOfRange, TransportUnavailable
 from kvlink.transport import Op, Region, TransportContext, XferState, XferStatus, make_extents
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
+from kvlink_transports.tcp.wire import _VERSION, _Descriptor, _enc, _frame, _Hdr, _recv_hdr
 
 SMALL = data.Geometry(layers=4, kv_heads=4, head_dim=32, block_size=16)
 
@@ -324,7 +326,6 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
     let it do (a 5 s deadline says so), and the READ still completes with the right bytes.
     Where kvlink's C helpers are built the thread waits in C, parked on its inbox, which
     holds the READ before its header goes out: that is the thread waiting for its answer."""
-    import threading
 
     import kvlink_transports.tcp.client as tcp_client
 
@@ -367,7 +368,6 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
     code the thread could not read before the caller's send returned (a 5 s deadline says
     so). Where the thread waits for it in C (parked on its inbox), its read has failed once it
     is back from there."""
-    import threading
 
     import kvlink_transports.tcp.client as tcp_client
 
@@ -610,17 +610,6 @@ def test_an_ok_answer_framed_otherwise_still_gets_the_read_its_bytes() -> None:
     build: here a field this one leaves empty, which no real kvlink owner sends — a fake
     owner, a socket speaking the tcp wire) is read on in Python, and the bytes that follow
     still land, every one."""
-    import threading
-
-    from kvlink_transports.tcp.wire import (
-        _VERSION,
-        _Descriptor,
-        _enc,
-        _frame,
-        _Hdr,
-        _recv_hdr,
-    )
-
     payload = np.random.default_rng(3).integers(0, 256, 8192, dtype=np.uint8)
     listener = socket.create_server(("127.0.0.1", 0))
     served: list[str] = []
@@ -724,17 +713,6 @@ def test_reads_the_inbox_holds_behind_a_refusal_are_answered_before_a_read_poste
     wire, answers only once both READs' headers are in, so the refusal always finds the
     second in the inbox; the transport's ``_finish`` is wrapped to post the third READ from
     within the refusal's handling, the moment a caller's post can land in the gap."""
-    import threading
-
-    from kvlink_transports.tcp.wire import (
-        _VERSION,
-        _Descriptor,
-        _enc,
-        _frame,
-        _Hdr,
-        _recv_hdr,
-    )
-
     rng = np.random.default_rng(11)
     payloads = [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(3)]
     listener = socket.create_server(("127.0.0.1", 0))
