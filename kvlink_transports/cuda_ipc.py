@@ -67,7 +67,7 @@ from kvlink.gpu.ends import CopyEnds
 from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.layout import check_in_range
-from kvlink.options import check_options
+from kvlink.options import check_options, defaults
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -272,10 +272,12 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        chunk = check_options("cuda_ipc", self.options).get("chunk_bytes")  # one program's part
+        # every option, its default where not given: kvlink.options says each (CudaIpcOptions)
+        self.options = {**defaults("cuda_ipc"), **check_options("cuda_ipc", self.options)}
+        chunk = self.options["chunk_bytes"]  # one program's part
         self.chunk = None if chunk is None else int(chunk)  # None: the kernel's own default
-        self.piece = int(self.options.get("piece_extents", 4096))  # extents per launch
-        self.kernel = str(self.options.get("kernel", "auto"))
+        self.piece = int(self.options["piece_extents"])  # extents per launch
+        self.kernel = str(self.options["kernel"])
         if self.kernel not in KERNELS:
             raise ConfigError(f"cuda_ipc option kernel={self.kernel!r}: expected one of "
                               f"{', '.join(KERNELS)}")
@@ -295,9 +297,9 @@ class CudaIpcTransport(Transport):
         self._device = -1
         self._regions: tuple[Region, ...] = ()
         self._exports: list[_Export] = []
-        self.stream_order = bool(self.options.get("stream_order", True))
+        self.stream_order = bool(self.options["stream_order"])
         #: how the worker should plan for post_runs (see kvlink.plan.PlanTable.runs)
-        self.coalesce_runs = bool(self.options.get("coalesce_runs", False))
+        self.coalesce_runs = bool(self.options["coalesce_runs"])
         self._peers: dict[str, _Peer] = {}  # guarded by _lock, like _xfers and _released
         self._xfers: dict[int, _Xfer] = {}
         self._released: list[_Xfer] = []  # released before their copy ended: settled later
