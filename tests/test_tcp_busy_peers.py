@@ -1,4 +1,4 @@
-"""tcp serves and takes a READ while its process's own Python is busy (a prefill's forward).
+"""tcp serves and takes a READ, and takes a push's WRITE, while its process's own Python is busy.
 
 tcp's threads are Python threads: each time one of them comes back from a socket call it
 takes the GIL back, and where the process's own thread is busy in Python that waits up to a

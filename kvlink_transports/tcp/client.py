@@ -6,7 +6,7 @@ goes as one request per ``_MAX_EXTENTS`` extents, its notification with the last
 transfer is marked FAILED only after its socket call has returned, so FAILED is quiescent on
 this side; a broken connection fails everything queued for the peer.
 
-With option ``reader_in_c`` (opt-in for now, see kvlink.options) and kvlink's C helpers built,
+With option ``reader_in_c`` (default true, kvlink.options) and kvlink's C helpers built,
 the thread waits for work in C, not in Python: parked in
 ``take_reads`` (``_reader.c``) on an inbox. A plain READ (one request of host memory, nothing
 to notify: ``_Xfer.landed``) posted while it is parked goes into the inbox as the caller
