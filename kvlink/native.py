@@ -56,8 +56,10 @@ log = logging.getLogger("kvlink.gpu")
 
 _SOURCE = Path(__file__).with_name("_native.c")
 #: compiled with it into the one module: its shared declarations, tcp's grant gate and serving
-#: loop (``gate_*``, ``serve_frames``), and tcp's reader inbox (``inbox_*``, ``take_reads``)
-_WITH = tuple(Path(__file__).with_name(n) for n in ("_native.h", "_gate.c", "_reader.c", "_notes.c"))
+#: loop (``gate_*``, ``serve_frames``), tcp's reader inbox (``inbox_*``, ``take_reads``) and the
+#: owner's queue of notifications (``notes_*``)
+_WITH = tuple(Path(__file__).with_name(n)
+              for n in ("_native.h", "_gate.c", "_reader.c", "_notes.c"))
 _NAME = "_kvlink_native"  # PyInit__kvlink_native
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
