@@ -199,6 +199,13 @@ def check_options(transport: str, options: Mapping[str, Any] | None) -> dict[str
     return {k: v for k, v in out.items() if not (v is None and k in unset)}
 
 
+def resolve(transport: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A built-in transport's options as it runs with them: every option, validated, its
+    schema's default where not given (None: computed by the transport). The one place a
+    transport reads its defaults from, so a default is said once, here."""
+    return {**defaults(transport), **check_options(transport, options)}
+
+
 def defaults(transport: str) -> dict[str, Any]:
     """Every option of a built-in transport with its default (None: computed by the transport)."""
     return msgspec.structs.asdict(SCHEMAS[transport]())

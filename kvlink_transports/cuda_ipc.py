@@ -67,7 +67,7 @@ from kvlink.gpu.ends import CopyEnds
 from kvlink.gpu.lane import BoardDigest, Lane
 from kvlink.gpu.move import DIGEST_MAX
 from kvlink.layout import check_in_range
-from kvlink.options import check_options, defaults
+from kvlink.options import resolve
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -272,8 +272,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        # every option, its default where not given: kvlink.options says each (CudaIpcOptions)
-        self.options = {**defaults("cuda_ipc"), **check_options("cuda_ipc", self.options)}
+        self.options = resolve("cuda_ipc", self.options)  # defaults: kvlink.options.CudaIpcOptions
         chunk = self.options["chunk_bytes"]  # one program's part
         self.chunk = None if chunk is None else int(chunk)  # None: the kernel's own default
         self.piece = int(self.options["piece_extents"])  # extents per launch

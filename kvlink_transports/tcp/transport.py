@@ -60,7 +60,7 @@ import numpy as np
 from kvlink import native
 from kvlink.errors import TransferError, TransportUnavailable
 from kvlink.grants import make_grants
-from kvlink.options import check_options, defaults
+from kvlink.options import resolve
 from kvlink.sockets import shutdown
 from kvlink.transport import (
     DONE,
@@ -99,8 +99,7 @@ class TcpTransport(_Server):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        # every option, its default where not given: kvlink.options says each (TcpOptions)
-        self.options = {**defaults("tcp"), **check_options("tcp", self.options)}
+        self.options = resolve("tcp", self.options)  # defaults: kvlink.options.TcpOptions
         self.timeout = float(self.options["timeout_s"])
         # before authentication (module docstring, "Bounds")
         self.hello_timeout = float(self.options["hello_timeout_s"])
