@@ -110,6 +110,29 @@ def test_tcp_takes_its_defaults_from_the_schema() -> None:
         t.close()
 
 
+@pytest.mark.parametrize(("name", "module", "attr"), [
+    ("nixl", "nixl", "_timeout"), ("mooncake", "mooncake", "timeout"),
+])
+def test_nixl_and_mooncake_take_their_defaults_from_the_schema(
+        monkeypatch: pytest.MonkeyPatch, name: str, module: str, attr: str) -> None:
+    """Like tcp's: a default changed in the schema is the one the transport runs with (each
+    read its own ``.get(key, default)`` before, which agreed with the schema only by care)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    from kvlink import options
+
+    class Changed(options.SCHEMAS[name]):  # type: ignore[misc,valid-type]
+        timeout_s: float = 7.5
+
+    monkeypatch.setitem(options.SCHEMAS, name, Changed)
+    t = create_transport(name, TransportContext(agent_name=f"defaults-{name}",
+                                                advertise_host="127.0.0.1"), {})
+    try:
+        assert getattr(t, attr) == 7.5
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(("name", "bad", "near"), [
     ("nixl", "backend", "backends"), ("nixl", "num_thread", "num_threads"),
     ("mooncake", "protocl", "protocol"), ("cuda_ipc", "kernal", "kernel"),

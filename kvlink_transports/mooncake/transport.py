@@ -69,7 +69,7 @@ from kvlink.errors import (
     TransportUnavailable,
     WireError,
 )
-from kvlink.options import check_options
+from kvlink.options import resolve
 from kvlink.staging import StreamMarks, mark_post
 from kvlink.transport import (
     DONE,
@@ -133,15 +133,19 @@ def split_bounds(lengths: npt.NDArray[np.uint64], max_entries: int, max_bytes: i
     return cuts
 
 
-def _opt_int(opts: Mapping[str, Any], key: str, default: int, lo: int) -> int:
-    value = opts.get(key, default)
+def _opt_int(opts: Mapping[str, Any], key: str, lo: int, computed: int = 0) -> int:
+    """``opts[key]`` (resolved: the schema's default where not given), ``computed`` where the
+    schema leaves it to the transport (None); an integer >= ``lo`` or a ConfigError."""
+    value = opts[key]
+    if value is None:
+        value = computed
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ConfigError(f"mooncake option {key} must be an integer >= {lo}: {value!r}")
     return value
 
 
-def _opt_float(opts: Mapping[str, Any], key: str, default: float, lo: float) -> float:
-    value = opts.get(key, default)
+def _opt_float(opts: Mapping[str, Any], key: str, lo: float) -> float:
+    value = opts[key]
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= lo:
         raise ConfigError(f"mooncake option {key} must be a number >= {lo}: {value!r}")
     return float(value)
@@ -158,29 +162,28 @@ class MooncakeTransport(Transport):
 
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
-        opts = check_options("mooncake", self.options)
-        self.protocol = str(opts.get("protocol", "tcp"))
+        opts = resolve("mooncake", self.options)
+        self.protocol = str(opts["protocol"])
         if self.protocol not in _PROTOCOLS:
             raise ConfigError(
                 f"mooncake option protocol must be one of {_PROTOCOLS}: {self.protocol!r}"
             )
-        self.device_name = str(opts.get("device_name", ""))
-        self.metadata_server = str(opts.get("metadata_server", "P2PHANDSHAKE"))
-        self.timeout = _opt_float(opts, "timeout_s", 30.0, 0.001)
+        self.device_name = str(opts["device_name"])
+        self.metadata_server = str(opts["metadata_server"])
+        self.timeout = _opt_float(opts, "timeout_s", 0.001)
         env_cap = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "")
         default_cap = int(env_cap) if self.protocol == "tcp" and env_cap.isdigit() else 1024
-        self.max_inflight = _opt_int(opts, "max_inflight_per_peer", max(default_cap, 1), 1)
-        self.sub_batch = min(
-            _opt_int(opts, "sub_batch", max(self.max_inflight // 4, 1), 1), self.max_inflight
-        )
-        self.sub_batch_bytes = _opt_int(opts, "sub_batch_bytes", 256 << 20, 1)
-        self.max_retries = _opt_int(opts, "max_retries", 5, 0)
-        self.retry_backoff = _opt_float(opts, "retry_backoff_s", 0.01, 0.0)
-        self._cpu_location = str(opts.get("location", "*"))
-        self._probe = bool(opts.get("probe", True))
+        self.max_inflight = _opt_int(opts, "max_inflight_per_peer", 1, computed=max(default_cap, 1))
+        quarter = max(self.max_inflight // 4, 1)
+        self.sub_batch = min(_opt_int(opts, "sub_batch", 1, computed=quarter), self.max_inflight)
+        self.sub_batch_bytes = _opt_int(opts, "sub_batch_bytes", 1)
+        self.max_retries = _opt_int(opts, "max_retries", 0)
+        self.retry_backoff = _opt_float(opts, "retry_backoff_s", 0.0)
+        self._cpu_location = str(opts["location"])
+        self._probe = bool(opts["probe"])
         #: stream order (kvlink.transport rule 6) for our VRAM: the engine copies on its own,
         #: knowing nothing of the caller's stream; None until VRAM is registered (or off)
-        self._stream_order = bool(opts.get("stream_order", True))
+        self._stream_order = bool(opts["stream_order"])
         self._marks: StreamMarks | None = None
         self._vram = np.zeros(0, dtype=bool)  # per region of self._table: in VRAM
         if self.protocol == "tcp" and env_cap.isdigit() and self.max_inflight > int(env_cap):
@@ -196,7 +199,7 @@ class MooncakeTransport(Transport):
                 f"mooncake publishes its own address and cannot use "
                 f"{host!r}; set advertise_host to this host's address"
             )
-        self._mod = _import_engine(bool(opts.get("quiet", True)))
+        self._mod = _import_engine(bool(opts["quiet"]))
         # the binding reads its batch timeout once, in the constructor
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(self.timeout))))
         self._engine: Any = self._mod.TransferEngine()

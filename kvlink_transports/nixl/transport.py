@@ -52,7 +52,7 @@ from kvlink.errors import (
     TransportUnavailable,
     WireError,
 )
-from kvlink.options import check_options
+from kvlink.options import resolve
 from kvlink.staging import StreamMarks
 from kvlink.transport import Capabilities, Op, PerBases, Region, TransportContext, XferStatus
 from kvlink_transports import _ucx
@@ -82,8 +82,8 @@ class NixlTransport(_LaneChecks, _Transfers):
     def __init__(self, ctx: TransportContext, options: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, options)
         api = _import_nixl()
-        opts = check_options("nixl", self.options)
-        backends = opts.get("backends", ["UCX"])
+        opts = resolve("nixl", self.options)
+        backends = opts["backends"]
         if (
             isinstance(backends, str)
             or not backends
@@ -93,41 +93,41 @@ class NixlTransport(_LaneChecks, _Transfers):
                 f"nixl option backends must be a non-empty list of names: {backends!r}"
             )
         self._backends: list[str] = list(backends)
-        self._post_mode = str(opts.get("post_mode", "prepped"))
+        self._post_mode = str(opts["post_mode"])
         if self._post_mode not in ("prepped", "direct"):
             raise ConfigError(
                 f"nixl option post_mode must be 'prepped' or 'direct': {self._post_mode!r}"
             )
-        self._telemetry = bool(opts.get("telemetry", False))
-        self._ucx_probe = bool(opts.get("ucx_probe", True))
-        nixl_progress = bool(opts.get("progress_thread", False))
-        interval = float(opts.get("progress_interval", 0.001))
+        self._telemetry = bool(opts["telemetry"])
+        self._ucx_probe = bool(opts["ucx_probe"])
+        nixl_progress = bool(opts["progress_thread"])
+        interval = float(opts["progress_interval"])
         if interval < 0:
             raise ConfigError(f"nixl option progress_interval must be >= 0: {interval!r}")
-        fast = float(opts.get("progress_fast_interval", 0.00005))
+        fast = float(opts["progress_fast_interval"])
         if fast <= 0:
             raise ConfigError(f"nixl option progress_fast_interval must be > 0: {fast!r}")
-        self._timeout = float(opts.get("timeout_s", 30.0))
+        self._timeout = float(opts["timeout_s"])
         if not self._timeout > 0:
             raise ConfigError(f"nixl option timeout_s must be > 0: {self._timeout!r}")
-        self._prep_block = int(opts.get("prep_block_bytes", 0))
-        self._prep_max = int(opts.get("prep_max_descriptors", 1 << 22))
+        self._prep_block = int(opts["prep_block_bytes"])
+        self._prep_max = int(opts["prep_max_descriptors"])
         if self._prep_block < 0 or self._prep_max <= 0:
             raise ConfigError(
                 f"nixl options prep_block_bytes must be >= 0 and prep_max_descriptors > 0: "
                 f"{self._prep_block!r}, {self._prep_max!r}"
             )
-        self._allow_slow_gpu = bool(opts.get("allow_slow_gpu", False))
+        self._allow_slow_gpu = bool(opts["allow_slow_gpu"])
         #: stream order (kvlink.transport rule 6): a post touching our VRAM is handed to NIXL
         #: once the caller's current stream ran what it held at the post; False: the caller
         #: orders its streams itself (synchronized before posting)
-        self._stream_order = bool(opts.get("stream_order", True))
+        self._stream_order = bool(opts["stream_order"])
         self._marks: StreamMarks | None = None
-        ehm = opts.get("ucx_error_handling_mode")
+        ehm = opts["ucx_error_handling_mode"]
         if ehm is not None and ehm not in ("peer", "none"):
             raise ConfigError(f"nixl option ucx_error_handling_mode must be 'peer' or 'none': "
                               f"{ehm!r}")
-        num_threads = int(opts.get("num_threads", 0))
+        num_threads = int(opts["num_threads"])
         #: UCX settings this transport added to the environment (the user's own are kept)
         self.ucx_env: dict[str, str]
         self._agent, self.ucx_env = start_agent(
