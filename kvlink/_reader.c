@@ -1,19 +1,28 @@
-/* The reader's side of tcp in C: a peer's READs taken without the GIL.
+/* The initiator's side of tcp in C: a peer's READs and WRITEs run without the GIL.
  *
  * Why: a tcp peer's thread is a Python thread. A READ's header goes out on the caller's
  * thread, but the thread that takes the answer and the bytes had to wake from a Python wait
  * first, which waits for the GIL — up to a switch interval (5 ms) where the caller's own
  * Python is busy between polls, which a decode's step loop is. Here the peer's thread parks
- * in C instead (take_reads, the GIL released) on an inbox of READs the caller queued as it
- * sent their headers: each one's answer and bytes are taken straight into its extents, and
- * its landed word set for poll(), with no Python run between. The thread returns to Python
- * only for what C does not handle: an answer other than the "ok" it expects (a refusal), a
- * socket error or timeout, or the caller asking for Python (a WRITE, a notification, a READ
- * of another kind queued behind, or close) once the inbox is empty.
+ * in C instead (run_inbox, the GIL released) on an inbox of jobs the caller queued: each
+ * READ's answer and bytes are taken straight into its extents, each WRITE's header and bytes
+ * sent from them and its answer taken, and the job's landed word set for poll(), with no
+ * Python run between. The thread returns to Python only for what C does not handle: an
+ * answer other than the "ok" it expects (a refusal), a socket error or timeout, or the caller
+ * asking for Python (a notification, a transfer of another kind queued behind, or close)
+ * once the inbox is empty.
  *
- * The inbox copies each READ's extents (the caller's array may go before the bytes land);
- * its landed word belongs to the caller, who keeps it until the READ is retired (its count
- * of retired READs: inbox_retired). */
+ * Who sends a job's header: a READ's goes out on the caller's thread (inbox_push says so)
+ * while no job ahead of it still has a header to send — its answer then comes as soon as the
+ * owner has it, and READs posted one after another are all on the wire at once. A WRITE's
+ * header and bytes are sent here, in turn (the caller's thread is not held for a payload),
+ * and so is every header queued behind one that is unsent: two senders never interleave on
+ * the socket. Each job is sent only once every answer before it was taken, so this thread
+ * never writes a payload while the owner waits to write an answer to it.
+ *
+ * The inbox copies each job's extents and header (the caller's may go before the bytes
+ * move); its landed word belongs to the caller, who keeps it until the job is retired (its
+ * count of retired jobs: inbox_state). */
 #define PY_SSIZE_T_CLEAN
 #include "_native.h"
 #include <errno.h>
@@ -25,7 +34,10 @@
 typedef struct {
   uint64_t *ext; /* (addr, len) pairs, a copy */
   Py_ssize_t n;
-  uint32_t *landed; /* set to 1 once every byte is in (the caller's word) */
+  uint32_t *landed; /* set to 1 once every byte moved and was answered (the caller's word) */
+  char *hdr;        /* the framed header this thread sends (a copy), or NULL: sent already */
+  size_t hlen;
+  int write;        /* a WRITE: its bytes follow its header, its answer follows them */
 } job_t;
 
 /* the inbox's mode: who takes the peer's answers */
@@ -36,14 +48,17 @@ typedef struct {
   pthread_cond_t more; /* a job queued, or Python asked for */
   job_t *ring;
   size_t cap, head, count; /* jobs ring[head .. head + count) (mod cap), oldest first */
+  size_t unsent;           /* jobs queued whose header this thread is still to send */
   uint64_t retired;        /* jobs done (landed) or dropped since the inbox was made */
   int mode;                /* C: inbox_push takes jobs; PYTHON: it refuses them */
-  int python;              /* asked for Python: take_reads returns once the inbox is empty */
+  int python;              /* asked for Python: run_inbox returns once the inbox is empty */
 } inbox_t;
 
 static void job_free(job_t *j) {
   free(j->ext);
+  free(j->hdr);
   j->ext = NULL;
+  j->hdr = NULL;
 }
 
 static void inbox_destroy(PyObject *capsule) {
@@ -59,6 +74,7 @@ static void inbox_destroy(PyObject *capsule) {
 static inbox_t *as_inbox(PyObject *o) { return PyCapsule_GetPointer(o, "kvlink.inbox"); }
 
 static void drop_head(inbox_t *b) { /* (under b->mu) */
+  if (b->ring[b->head].hdr) --b->unsent;
   job_free(&b->ring[b->head]);
   b->head = (b->head + 1) % b->cap;
   --b->count;
@@ -86,17 +102,21 @@ static PyObject *inbox_new(PyObject *self, PyObject *unused) {
   return capsule;
 }
 
-/* inbox_push(inbox, extents, landed) -> bool: a READ queued for the parked thread (its header
- * is the caller's to send, after this); False, nothing queued, where the inbox is in Python's
- * mode (the thread takes its answers in Python: queue it there). */
+/* inbox_push(inbox, extents, landed, header, write) -> int: a job queued for the parked
+ * thread. `header`: the job's framed request (bytes); `write`: a WRITE (its bytes are sent
+ * from `extents` after the header) or a READ (taken into them). 0: nothing queued, the inbox
+ * is in Python's mode (the thread runs its jobs in Python: queue it there); 1: queued, and
+ * the header is the caller's to send, after this (a READ with no unsent header ahead); 2:
+ * queued, the thread sends the header. */
 static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "inbox_push(inbox, extents, landed)");
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "inbox_push(inbox, extents, landed, header, write)");
     return NULL;
   }
   inbox_t *b = as_inbox(args[0]);
-  if (!b) return NULL;
-  Py_buffer xv, lv;
+  int write = PyObject_IsTrue(args[4]);
+  if (!b || write < 0) return NULL;
+  Py_buffer xv, lv, hv;
   if (PyObject_GetBuffer(args[1], &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
   if (xv.len % 16) {
     PyBuffer_Release(&xv);
@@ -108,16 +128,28 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyBuffer_Release(&xv);
     return NULL;
   }
-  job_t j = {malloc(xv.len ? (size_t)xv.len : 1), xv.len / 16, lv.len >= 4 ? lv.buf : NULL};
-  if (j.ext) memcpy(j.ext, xv.buf, (size_t)xv.len);
-  PyBuffer_Release(&xv);
-  PyBuffer_Release(&lv);
-  if (!j.landed) {
-    free(j.ext);
-    PyErr_SetString(PyExc_ValueError, "landed: fewer than 4 bytes");
+  if (PyObject_GetBuffer(args[3], &hv, PyBUF_C_CONTIGUOUS) < 0) {
+    PyBuffer_Release(&xv);
+    PyBuffer_Release(&lv);
     return NULL;
   }
-  if (!j.ext) return PyErr_NoMemory();
+  job_t j = {malloc(xv.len ? (size_t)xv.len : 1), xv.len / 16, lv.len >= 4 ? lv.buf : NULL,
+             malloc(hv.len ? (size_t)hv.len : 1), (size_t)hv.len, write};
+  if (j.ext) memcpy(j.ext, xv.buf, (size_t)xv.len);
+  if (j.hdr) memcpy(j.hdr, hv.buf, (size_t)hv.len);
+  PyBuffer_Release(&xv);
+  PyBuffer_Release(&lv);
+  PyBuffer_Release(&hv);
+  if (!j.landed || !j.hlen) {
+    job_free(&j);
+    PyErr_SetString(PyExc_ValueError, !j.landed ? "landed: fewer than 4 bytes"
+                                                : "header: empty");
+    return NULL;
+  }
+  if (!j.ext || !j.hdr) {
+    job_free(&j);
+    return PyErr_NoMemory();
+  }
   int taken = 0, oom = 0;
   pthread_mutex_lock(&b->mu);
   if (b->mode == C && !b->python) {
@@ -134,19 +166,26 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
       }
     }
     if (!oom) {
+      if (!write && !b->unsent) { /* the caller sends it: nothing can be sent before it */
+        free(j.hdr);
+        j.hdr = NULL;
+        taken = 1;
+      } else {
+        ++b->unsent;
+        taken = 2;
+      }
       b->ring[(b->head + b->count++) % b->cap] = j;
-      taken = 1;
       pthread_cond_signal(&b->more);
     }
   }
   pthread_mutex_unlock(&b->mu);
-  if (!taken) free(j.ext);
+  if (!taken) job_free(&j);
   if (oom) return PyErr_NoMemory();
-  return PyBool_FromLong(taken);
+  return PyLong_FromLong(taken);
 }
 
-/* inbox_open(inbox): C's mode: inbox_push takes READs (the thread is about to park in
- * take_reads; READs pushed before it gets there wait for it). */
+/* inbox_open(inbox): C's mode: inbox_push takes jobs (the thread is about to park in
+ * run_inbox; jobs pushed before it gets there wait for it). */
 static PyObject *inbox_open(PyObject *self, PyObject *inbox) {
   inbox_t *b = as_inbox(inbox);
   if (!b) return NULL;
@@ -157,8 +196,8 @@ static PyObject *inbox_open(PyObject *self, PyObject *inbox) {
   Py_RETURN_NONE;
 }
 
-/* inbox_python(inbox): the thread is wanted in Python: take_reads returns once it has taken
- * every READ queued before this (their answers come first), and the inbox takes no more. */
+/* inbox_python(inbox): the thread is wanted in Python: run_inbox returns once it has run
+ * every job queued before this (their answers come first), and the inbox takes no more. */
 static PyObject *inbox_python(PyObject *self, PyObject *inbox) {
   inbox_t *b = as_inbox(inbox);
   if (!b) return NULL;
@@ -169,8 +208,8 @@ static PyObject *inbox_python(PyObject *self, PyObject *inbox) {
   Py_RETURN_NONE;
 }
 
-/* inbox_state(inbox) -> (queued, retired): READs still queued (the oldest first is being
- * taken), and READs retired since the inbox was made. */
+/* inbox_state(inbox) -> (queued, retired): jobs still queued (the oldest first is being
+ * run), and jobs retired since the inbox was made. */
 static PyObject *inbox_state(PyObject *self, PyObject *inbox) {
   inbox_t *b = as_inbox(inbox);
   if (!b) return NULL;
@@ -181,8 +220,8 @@ static PyObject *inbox_state(PyObject *self, PyObject *inbox) {
   return Py_BuildValue("(nK)", (Py_ssize_t)count, retired);
 }
 
-/* inbox_drop(inbox, all) -> int: the oldest queued READ retired unlanded (all: every one;
- * Python failed them); how many. */
+/* inbox_drop(inbox, all) -> int: the oldest queued job retired unlanded (all: every one;
+ * Python failed them or queued them again); how many. */
 static PyObject *inbox_drop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "inbox_drop(inbox, all)");
@@ -201,19 +240,38 @@ static PyObject *inbox_drop(PyObject *self, PyObject *const *args, Py_ssize_t na
   return PyLong_FromSsize_t(n);
 }
 
-/* take_reads(fd, inbox, prefix, timeout_ms) -> None | str | bytes
+/* Whether `m` stopped short of its extents' end: a socket error, a timeout, a close, or an
+ * answer other than the prefix (an EINTR returns with none of them: moved on from there). */
+static int stopped(const kvl_move_t *m) {
+  return m->err || m->timed_out || m->closed || m->differs;
+}
+
+/* Every byte of ext[0..n) moved (send: to fd; else from it, after `prefix`), EINTR moved
+ * past (signal handlers run on Python's main thread), `done` set at the end. */
+static void move_whole(int fd, int send, const uint64_t *ext, Py_ssize_t n, int timeout_ms,
+                       const char *prefix, size_t plen, uint32_t *done, kvl_move_t *m) {
+  *m = (kvl_move_t){0};
+  do {
+    kvl_move(fd, send, ext, n, LLONG_MAX, timeout_ms, prefix, plen, NULL, done, m);
+    plen = 0;
+  } while (!stopped(m) && m->index < n);
+}
+
+/* run_inbox(fd, inbox, prefix, timeout_ms) -> None | str | bytes
  *
- * The peer's thread, parked with the GIL released (inbox_open first): each READ queued in
- * the inbox is taken as it comes — its answer expected as `prefix` (the "ok"), then its
- * bytes straight into its extents (kvl_move, each wait up to timeout_ms), its landed word set
- * and the READ retired — until Python is asked for (inbox_python) with nothing queued: None,
- * the inbox back in Python's mode. Else, the READ being taken stays the oldest queued: bytes,
- * the answer's first bytes where they were not `prefix` (the caller reads on and retires it
- * with inbox_drop); "closed" where the peer closed the connection; TimeoutError, OSError as
- * move_extents (the inbox in Python's mode in every case). */
-static PyObject *take_reads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+ * The peer's thread, parked with the GIL released (inbox_open first): each job queued in the
+ * inbox is run as it comes — its header sent where it is this thread's to send (and a
+ * WRITE's bytes after it, from its extents), its answer expected as `prefix` (the "ok"),
+ * a READ's bytes taken straight into its extents, its landed word set and the job retired —
+ * until Python is asked for (inbox_python) with nothing queued: None, the inbox back in
+ * Python's mode. Else, the job being run stays the oldest queued: bytes, the answer's first
+ * bytes where they were not `prefix` (the caller reads on and retires it with inbox_drop);
+ * "closed" where the peer closed the connection; TimeoutError, OSError as move_extents (a
+ * WRITE's send cut short by an owner that refused it and closed: the caller may still read
+ * its answer); the inbox in Python's mode in every case. */
+static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "take_reads(fd, inbox, prefix, timeout_ms)");
+    PyErr_SetString(PyExc_TypeError, "run_inbox(fd, inbox, prefix, timeout_ms)");
     return NULL;
   }
   int fd = (int)PyLong_AsLong(args[0]);
@@ -227,23 +285,32 @@ static PyObject *take_reads(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyErr_Format(PyExc_ValueError, "prefix: %zd bytes, at most %d", pv.len, PREFIX_MAX);
     return NULL;
   }
-  const Py_ssize_t plen0 = pv.len;
+  const Py_ssize_t plen = pv.len;
   kvl_move_t m = {0};
   Py_BEGIN_ALLOW_THREADS
   pthread_mutex_lock(&b->mu);
   for (;;) {
     while (!b->count && !b->python) pthread_cond_wait(&b->more, &b->mu);
     if (!b->count) break; /* Python asked for, nothing queued */
-    job_t j = b->ring[b->head]; /* (stays queued while taken: the oldest) */
+    job_t j = b->ring[b->head]; /* (stays queued while run: the oldest) */
     pthread_mutex_unlock(&b->mu);
-    m = (kvl_move_t){0};
-    size_t plen = (size_t)pv.len;
-    do { /* (again after an EINTR: signal handlers run on Python's main thread) */
-      kvl_move(fd, 0, j.ext, j.n, LLONG_MAX, timeout_ms, pv.buf, plen, NULL, j.landed, &m);
-      plen = 0;
-    } while (!m.err && !m.timed_out && !m.closed && !m.differs && m.index < j.n);
+    if (j.hdr) { /* ours to send: every answer before it is in */
+      const uint64_t hx[2] = {(uint64_t)(uintptr_t)j.hdr, j.hlen};
+      move_whole(fd, 1, hx, 1, timeout_ms, NULL, 0, NULL, &m);
+      if (!stopped(&m) && j.write) move_whole(fd, 1, j.ext, j.n, timeout_ms, NULL, 0, NULL, &m);
+      pthread_mutex_lock(&b->mu);
+      if (stopped(&m)) break;
+      free(b->ring[b->head].hdr); /* sent: a READ pushed from now on may be sent by its caller */
+      b->ring[b->head].hdr = NULL;
+      --b->unsent;
+      pthread_mutex_unlock(&b->mu);
+    }
+    if (j.write) /* its answer alone */
+      move_whole(fd, 0, NULL, 0, timeout_ms, pv.buf, (size_t)plen, j.landed, &m);
+    else
+      move_whole(fd, 0, j.ext, j.n, timeout_ms, pv.buf, (size_t)plen, j.landed, &m);
     pthread_mutex_lock(&b->mu);
-    if (m.err || m.timed_out || m.closed || m.differs) break;
+    if (stopped(&m)) break;
     drop_head(b); /* (landed: kvl_move set its word) */
   }
   b->mode = PYTHON;
@@ -253,22 +320,22 @@ static PyObject *take_reads(PyObject *self, PyObject *const *args, Py_ssize_t na
   PyBuffer_Release(&pv);
   if (kvl_move_failed(&m)) return NULL;
   if (m.closed) return PyUnicode_FromString("closed");
-  if (m.differs) return PyBytes_FromStringAndSize(m.head, plen0);
+  if (m.differs) return PyBytes_FromStringAndSize(m.head, plen);
   Py_RETURN_NONE;
 }
 
 PyMethodDef kvl_reader_methods[] = {
     {"inbox_new", (PyCFunction)inbox_new, METH_NOARGS, "inbox_new() -> an empty READ inbox"},
     {"inbox_push", (PyCFunction)(void (*)(void))inbox_push, METH_FASTCALL,
-     "inbox_push(inbox, extents, landed) -> whether the parked thread takes it"},
+     "inbox_push(inbox, extents, landed, header, write) -> 0 not taken, 1 caller sends, 2 taken"},
     {"inbox_open", (PyCFunction)inbox_open, METH_O,
-     "inbox_open(inbox): inbox_push takes READs from now on"},
+     "inbox_open(inbox): inbox_push takes jobs from now on"},
     {"inbox_python", (PyCFunction)inbox_python, METH_O,
-     "inbox_python(inbox): take_reads returns once the inbox is empty"},
+     "inbox_python(inbox): run_inbox returns once the inbox is empty"},
     {"inbox_state", (PyCFunction)inbox_state, METH_O,
      "inbox_state(inbox) -> (queued, retired)"},
     {"inbox_drop", (PyCFunction)(void (*)(void))inbox_drop, METH_FASTCALL,
-     "inbox_drop(inbox, all) -> READs retired unlanded"},
-    {"take_reads", (PyCFunction)(void (*)(void))take_reads, METH_FASTCALL,
-     "take_reads(fd, inbox, prefix, timeout_ms): the peer's READs taken in C"},
+     "inbox_drop(inbox, all) -> jobs retired unlanded"},
+    {"run_inbox", (PyCFunction)(void (*)(void))run_inbox, METH_FASTCALL,
+     "run_inbox(fd, inbox, prefix, timeout_ms): the peer's READs and WRITEs run in C"},
     {NULL, NULL, 0, NULL}};

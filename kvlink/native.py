@@ -15,9 +15,9 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
   (``recv_frame``) — each one call, so tcp's threads take the GIL back once where each
   socket call did (bench/results/tcp_busy_peers);
 - tcp's grant gate and the owner's serving loop (``_gate.c``: ``gate_*``, ``serve_frames``;
-  the notifications it queues, ``_notes.c``: ``notes_*``) and the reader's inbox
-  (``_reader.c``: ``inbox_*``, ``take_reads``): a plain READ served and taken, and a WRITE
-  served, with no Python on either side's thread, so neither waits for the GIL, which a
+  the notifications it queues, ``_notes.c``: ``notes_*``) and the initiator's inbox
+  (``_reader.c``: ``inbox_*``, ``run_inbox``): a plain READ or WRITE served and run, with
+  no Python on either side's thread, so neither waits for the GIL, which a
   busy process's own Python holds for a switch interval or, giving it up and taking it back
   in a loop, for seconds (bench/results/tcp_busy_peers_c);
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
@@ -56,7 +56,7 @@ log = logging.getLogger("kvlink.gpu")
 
 _SOURCE = Path(__file__).with_name("_native.c")
 #: compiled with it into the one module: its shared declarations, tcp's grant gate and serving
-#: loop (``gate_*``, ``serve_frames``), tcp's reader inbox (``inbox_*``, ``take_reads``) and the
+#: loop (``gate_*``, ``serve_frames``), tcp's initiator inbox (``inbox_*``, ``run_inbox``) and the
 #: owner's queue of notifications (``notes_*``)
 _WITH = tuple(Path(__file__).with_name(n)
               for n in ("_native.h", "_gate.c", "_reader.c", "_notes.c"))

@@ -209,6 +209,65 @@ def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_pyth
         owner.close()
 
 
+def test_a_push_posted_by_a_busy_caller_needs_no_thread_to_run_python() -> None:
+    """A prefill pushing: two WRITEs (the second with its notification) and a READ of what
+    the first wrote, posted back to back by this process's main thread, which then polls in a
+    loop of Python (the GIL given up only to a thread that waited a switch interval, 0.25 s
+    here, for it). The writer's thread, parked in C on its inbox, sends each WRITE's header
+    and bytes and takes its answer there, then sends the READ's header (queued behind them)
+    and takes its bytes; the owner serves all three in C. So the push takes milliseconds. On
+    the code before, the WRITEs were the writer's thread's Python: a quarter second at least.
+    The READ sees the first WRITE's bytes: a peer's transfers run in the order posted."""
+    src = (np.arange(SIZE, dtype=np.uint64) % 251).astype(np.uint8)
+    back = np.zeros(SIZE, dtype=np.uint8)
+    far = np.zeros(SIZE, dtype=np.uint8)
+    owner = TcpTransport(TransportContext("decode", require_grants=True))
+    writer = TcpTransport(TransportContext("prefill"), {"reader_in_c": True})
+    was = sys.getswitchinterval()
+    try:
+        owner.register([Region(far.ctypes.data, SIZE)])
+        owner.grant(TICKET, Op.WRITE, make_extents(far.ctypes.data, SIZE))
+        owner.grant(TICKET + b"-read", Op.READ, make_extents(far.ctypes.data, SIZE))
+        writer.register([Region(src.ctypes.data, SIZE), Region(back.ctypes.data, SIZE)])
+        writer.connect("decode", owner.descriptor())
+        warm = writer.post(Op.WRITE, "decode", make_extents(src.ctypes.data, 16 << 10),
+                           make_extents(far.ctypes.data, 16 << 10), ticket=TICKET)
+        assert writer.wait(warm, 10).status is XferStatus.DONE  # (the connection opened)
+        peer = writer._peers["decode"]
+        with peer.cv:  # (its thread parks in C once the connection is open)
+            assert peer.cv.wait_for(lambda: peer.parked, 10)
+        far[:] = 0
+        order = np.random.default_rng(3).permutation(SIZE // (16 << 10))[:64]
+        first, second = order[:32], order[32:]
+        sys.setswitchinterval(INTERVAL)
+        t0 = time.perf_counter()
+        hs = [writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, first),
+                          _extents(far.ctypes.data, first), ticket=TICKET),
+              writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, second),
+                          _extents(far.ctypes.data, second), notify=b"pushed", ticket=TICKET),
+              writer.post(Op.READ, "decode", _extents(back.ctypes.data, first),
+                          _extents(far.ctypes.data, first), ticket=TICKET + b"-read")]
+        while (any(writer.poll(h).status is XferStatus.PENDING for h in hs)
+               and time.perf_counter() - t0 < 10):
+            pass  # a prefill's Python between polls: the GIL given up nowhere
+        took = time.perf_counter() - t0
+        sys.setswitchinterval(was)
+        states = [writer.poll(h) for h in hs]
+        assert all(st.status is XferStatus.DONE for st in states), states
+        assert took < INTERVAL / 2, f"{took:.3f} s: a thread waited for the GIL ({INTERVAL} s)"
+        for k in order:
+            at = int(k) * (16 << 10)
+            assert np.array_equal(far[at:at + (16 << 10)], src[at:at + (16 << 10)])
+        for k in first:  # read back after the WRITE that put them there
+            at = int(k) * (16 << 10)
+            assert np.array_equal(back[at:at + (16 << 10)], src[at:at + (16 << 10)])
+        assert owner.notifications() == [("prefill", b"pushed")]
+    finally:
+        sys.setswitchinterval(was)
+        writer.close()
+        owner.close()
+
+
 def _decode(q: Any, go: Any) -> None:
     """A decode taking a push: its memory granted to the writer's ticket for WRITEs, then its
     main thread in Python, looking for the push's notification between slices (a step loop

@@ -19,7 +19,7 @@ import pytest
 from test_transport_contract import wait_until as until
 
 import kvlink_transports.tcp.server as tcp_server  # the owner's side: sends the answers
-from kvlink import wire
+from kvlink import native, wire
 from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
 from kvlink.demo.run import Serving, free_port_range, run_demo
@@ -330,7 +330,7 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
     import kvlink_transports.tcp.client as tcp_client
 
     with _idle_connection() as (_, abuf, bbuf, read, peer):
-        real_send, real_recv, caller = (tcp_client._send_hdr, TcpTransport._recv_ext,
+        real_send, real_recv, caller = (tcp_client._send_frame, TcpTransport._recv_ext,
                                         threading.get_ident())
         waiting = threading.Event()  # the thread is reading the answer (and the bytes)
         taken: list[bool] = []
@@ -339,15 +339,15 @@ def test_the_peers_thread_waits_for_the_answer_while_the_caller_still_sends(
             waiting.set()
             return real_recv(self, *args, **kwargs)
 
-        def descheduled(sock: Any, hdr: Any) -> None:
-            if threading.get_ident() == caller and hdr.op == "R":  # the caller's send
+        def descheduled(sock: Any, frame: bytes) -> None:
+            if threading.get_ident() == caller:  # the caller's send (of a READ's header)
                 taken.append(until(lambda: waiting.is_set() or (peer.parked and bool(peer.in_c)),
                                    5))
-            real_send(sock, hdr)
+            real_send(sock, frame)
 
         # spies, not stand-ins: the real read and send run; they only order the two threads
         monkeypatch.setattr(TcpTransport, "_recv_ext", recv)
-        monkeypatch.setattr(tcp_client, "_send_hdr", descheduled)
+        monkeypatch.setattr(tcp_client, "_send_frame", descheduled)
         bbuf[4096:8192] = 0
         assert read(4096).status is XferStatus.DONE
         assert taken == [True], "the peer's thread could not read while the caller was sending"
@@ -372,7 +372,7 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
     import kvlink_transports.tcp.client as tcp_client
 
     with _idle_connection() as (a, _, bbuf, read, peer):
-        real_send, real_recv, caller = (tcp_client._send_hdr, TcpTransport._recv_ext,
+        real_send, real_recv, caller = (tcp_client._send_frame, TcpTransport._recv_ext,
                                         threading.get_ident())
         failed = threading.Event()  # the thread's read of the answer raised
         gone: list[bool] = []
@@ -384,17 +384,17 @@ def test_an_owner_gone_while_the_caller_sends_fails_the_read_once_its_send_retur
                 failed.set()
                 raise
 
-        def owner_gone_meanwhile(sock: Any, hdr: Any) -> None:
-            if threading.get_ident() == caller and hdr.op == "R" and not gone:
+        def owner_gone_meanwhile(sock: Any, frame: bytes) -> None:
+            if threading.get_ident() == caller and not gone:  # (a READ's header)
                 parked = peer.parked
                 a.close()  # real: its connections shut down, its listener closed
                 gone.append(until(lambda: failed.is_set() or (parked and not peer.parked), 5))
-            real_send(sock, hdr)
+            real_send(sock, frame)
 
         # spies, not stand-ins: the real read and send run; they only order the two threads
         # (the fault itself, the owner closing, is real)
         monkeypatch.setattr(TcpTransport, "_recv_ext", recv)
-        monkeypatch.setattr(tcp_client, "_send_hdr", owner_gone_meanwhile)
+        monkeypatch.setattr(tcp_client, "_send_frame", owner_gone_meanwhile)
         bbuf[4096:8192] = 0
         t0 = time.monotonic()
         st = read(4096)
@@ -774,3 +774,65 @@ def test_reads_the_inbox_holds_behind_a_refusal_are_answered_before_a_read_poste
         reader.close()
         listener.close()
         thread.join(5)
+
+
+@pytest.mark.parametrize("size", [4096, 4 << 20], ids=["payload-sent", "payload-cut"])
+def test_a_write_refused_in_the_inbox_fails_alone_and_the_transfers_behind_it_run_again(
+        size: int) -> None:
+    """A WRITE the writer's thread runs in C (its inbox) that the owner refuses — no grant
+    for it — is FAILED, nothing of it landed, and the owner, which cannot skip a refused
+    WRITE's payload, closes the connection without reading on.
+
+    Small payload: all of it was sent before the refusal was read (the answer is E, read in
+    Python). A READ and a WRITE posted right behind it (queued in the inbox, or a READ's
+    header sent by the caller into the doomed connection) are not failed with it: they go
+    back to the queue and run on a new connection, DONE with the right bytes. Large: the
+    owner closed while the payload was being sent, and its reset can swallow the E that came
+    first; then the connection failed under everything queued on it, as any lost connection
+    does (they end, no hang), and the next transfer opens a new one."""
+    src = np.random.default_rng(5).integers(0, 256, 16 << 20, dtype=np.uint8)
+    far = np.zeros(16 << 20, dtype=np.uint8)
+    back = np.zeros(16 << 20, dtype=np.uint8)
+    owner = TcpTransport(TransportContext("owner", require_grants=True))
+    writer = TcpTransport(TransportContext("writer"), {"reader_in_c": True})
+    if native.load() is None:
+        pytest.skip("kvlink's C helpers are not built here: no inbox")
+    try:
+        owner.register([Region(far.ctypes.data, far.nbytes)])
+        up = far.ctypes.data + (4 << 20)
+        owner.grant(b"w", Op.WRITE, make_extents(up, 12 << 20))
+        owner.grant(b"r", Op.READ, make_extents(far.ctypes.data, far.nbytes))
+        writer.register([Region(src.ctypes.data, src.nbytes),
+                         Region(back.ctypes.data, back.nbytes)])
+        writer.connect("owner", owner.descriptor())
+        warm = writer.post(Op.WRITE, "owner", make_extents(src.ctypes.data, 4096),
+                           make_extents(up, 4096), ticket=b"w")
+        assert writer.wait(warm, 10).status is XferStatus.DONE  # (the connection opened)
+        peer = writer._peers["owner"]
+        with peer.cv:
+            assert peer.cv.wait_for(lambda: peer.parked, 10)
+        bad = writer.post(Op.WRITE, "owner", make_extents(src.ctypes.data, size),
+                          make_extents(far.ctypes.data, size), ticket=b"w")  # not granted there
+        read = writer.post(Op.READ, "owner", make_extents(back.ctypes.data, 4096),
+                           make_extents(up, 4096), ticket=b"r")
+        good = writer.post(Op.WRITE, "owner", make_extents(src.ctypes.data + 4096, size),
+                           make_extents(up + 4096, size), ticket=b"w")
+        st = writer.wait(bad, 30)
+        assert st.status is XferStatus.FAILED, st
+        behind = [writer.wait(read, 30), writer.wait(good, 30)]
+        if size == 4096:
+            assert "refused" in st.reason, st.reason
+            assert all(b.status is XferStatus.DONE for b in behind), behind
+            assert np.array_equal(back[:4096], src[:4096])  # the warm WRITE's, read back
+            assert np.array_equal(far[(4 << 20) + 4096:(4 << 20) + 4096 + size],
+                                  src[4096:4096 + size])
+        else:
+            assert all(b.status is not XferStatus.PENDING for b in behind), behind
+            again = writer.post(Op.READ, "owner", make_extents(back.ctypes.data, 4096),
+                                make_extents(up, 4096), ticket=b"r")
+            assert writer.wait(again, 30).status is XferStatus.DONE
+            assert np.array_equal(back[:4096], src[:4096])
+        assert not far[:4 << 20].any()  # nothing of the refused WRITE landed
+    finally:
+        writer.close()
+        owner.close()

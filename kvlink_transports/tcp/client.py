@@ -8,12 +8,14 @@ this side; a broken connection fails everything queued for the peer.
 
 With option ``reader_in_c`` (default true, kvlink.options) and kvlink's C helpers built,
 the thread waits for work in C, not in Python: parked in
-``take_reads`` (``_reader.c``) on an inbox. A plain READ (one request of host memory, nothing
-to notify: ``_Xfer.landed``) posted while it is parked goes into the inbox as the caller
-sends its header, and C takes its answer and bytes and marks it landed for ``poll()``: that
-thread runs no Python for it, so it never waits for the GIL, which a caller busy in Python
-between polls (a decode's step loop) holds for up to a switch interval. Anything else is
-queued for the thread's Python, which the inbox gives back once the READs it holds are in.
+``run_inbox`` (``_reader.c``) on an inbox. A plain transfer (one request of host memory:
+``_Xfer.landed``) posted while it is parked goes into the inbox: a READ's header is sent by
+the caller as it queues it, and C takes its answer and bytes; a WRITE's header and bytes
+(and its notification, in the header) are sent by C, which takes its answer. Either is then
+marked landed for ``poll()``: that thread runs no Python for it, so it never waits for the
+GIL, which a caller busy in Python between polls (a decode's step loop, a prefill's) holds
+for up to a switch interval. Anything else is queued for the thread's Python, which the
+inbox gives back once the jobs it holds are done.
 Separate from the transport because it is the peer's thread, not the caller's: it reaches the
 transport only through :class:`_Owner`.
 """
@@ -54,10 +56,12 @@ from kvlink_transports.tcp.wire import (
     _VERSION,
     _decode_hdr,
     _Descriptor,
+    _frame,
     _Hdr,
     _PeerGone,
     _recv_exact,
     _recv_hdr,
+    _send_frame,
     _send_hdr,
     _tune,
     _why,
@@ -83,16 +87,17 @@ class _Xfer:
     #: its answer came (a READ in the peer's inbox: until retired), a reason string if that
     #: send failed (the connection is then broken), False not tried
     sent: bool | str = False
-    #: a READ whose bytes are all it waits for (one request, no notification, no landing
-    #: signal): a word kvlink's C helper sets to 1 once they are in, which poll() reads —
-    #: DONE without this thread's Python running again (it waits for the GIL up to a switch
-    #: interval where the caller's own Python is busy)
+    #: a plain transfer (one request of host memory, no landing signal; a READ without a
+    #: notification): a word kvlink's C helper sets to 1 once its bytes moved and its owner
+    #: said "ok", which poll() reads — DONE without this thread's Python running again (it
+    #: waits for the GIL up to a switch interval where the caller's own Python is busy)
     landed: npt.NDArray[np.uint32] | None = None
     finished: bool = False  # _finish ran (under the transport's _finishing lock)
 
     @property
     def has_landed(self) -> bool:
-        """Every byte of this READ is in (kvlink's C helper set ``landed``)."""
+        """Every byte of this transfer moved and was answered (kvlink's C helper set
+        ``landed``)."""
         return self.landed is not None and bool(self.landed[0])
 
 
@@ -148,21 +153,23 @@ class _Peer:
         self._helpers = native.load() if owner.reader_in_c else None
         #: the READs C takes while the thread is parked (None: not built, or not asked for)
         self.inbox: object | None = self._helpers.inbox_new() if self._helpers else None
-        self.parked = False  # the inbox takes READs: the thread is in take_reads (under cv)
-        #: READs in the inbox, oldest first, until it retired them (under cv)
+        self.parked = False  # the inbox takes jobs: the thread is in run_inbox (under cv)
+        #: transfers in the inbox, oldest first, until it retired them (under cv)
         self.in_c: collections.deque[tuple[int, _Xfer]] = collections.deque()
         self._retired = 0  # the inbox's count of retired READs, as taken off ``in_c``
         self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
         self.thread.start()
 
     def submit(self, item: tuple[int, _Xfer] | tuple[None, bytes]) -> None:
-        """Queue ``item`` for this peer's thread. A READ of one request that finds the thread
-        waiting on an open connection with nothing queued sends its request header here, on
-        the caller's thread: the owner starts on it at once. Where the thread is parked in C,
-        a plain READ goes into its inbox first (C takes its answer and bytes, and READs posted
-        one after another are all on the wire at once); where it waits in Python (no C
-        helpers), it is queued and the thread woken, and then only takes the answer and the
-        bytes (a wake-up is a good part of a small READ's time on a busy host).
+        """Queue ``item`` for this peer's thread. Where the thread is parked in C, a plain
+        transfer goes into its inbox: a READ's header is sent here, on the caller's thread,
+        unless C has a header ahead of it still to send (then C sends it, in turn), and C
+        takes the answer and the bytes (READs posted one after another are all on the wire
+        at once); a WRITE's header and bytes are sent by C (the caller is not held for a
+        payload). Where the thread waits in Python on an open connection with nothing queued
+        (no C helpers), a READ of one request sends its header here too: the owner starts on
+        it at once. Anything else is queued and the thread woken (a wake-up is a good part of
+        a small READ's time on a busy host).
 
         The thread is woken before that send, not after it: the owner's thread, woken by the
         header, may take this CPU from the caller (on two cores, for ~2 ms in a third of the
@@ -170,22 +177,28 @@ class _Peer:
         then already waits for the answer instead of for the caller. Both may use the socket
         at once: the caller only sends this header, and the thread only reads until the
         answer, which the owner sends once the whole header is in."""
+        _, xfer = item
+        frame = None  # a plain transfer's request, framed before the lock is taken
+        if isinstance(xfer, _Xfer) and xfer.landed is not None and self._helpers is not None:
+            frame = _frame(self._header(xfer, slice(0, _MAX_EXTENTS), True))
         with self.cv:
             if self.closed:
                 raise TransportUnavailable(f"peer {self.name} is disconnected")
-            _, xfer = item
             sock = self.sock
-            plain = (not self.queue and sock is not None and isinstance(xfer, _Xfer)
-                     and xfer.op is Op.READ and xfer.remote.shape[0] <= _MAX_EXTENTS)
-            into_c = (plain and self.parked and isinstance(xfer, _Xfer)
-                      and xfer.landed is not None and self._helpers is not None
-                      and self._helpers.inbox_push(self.inbox, xfer.local, xfer.landed))
-            send = into_c or (plain and self.idle)
+            first = not self.queue and sock is not None  # nothing queued for Python ahead
+            taken = 0  # the inbox's answer: 1 taken, its header ours to send; 2 taken
+            if first and self.parked and frame is not None:
+                assert isinstance(xfer, _Xfer) and self._helpers is not None
+                taken = self._helpers.inbox_push(self.inbox, xfer.local, xfer.landed, frame,
+                                                 xfer.op is Op.WRITE)
+            send = taken == 1 or (not taken and first and self.idle and isinstance(xfer, _Xfer)
+                                  and xfer.op is Op.READ
+                                  and xfer.remote.shape[0] <= _MAX_EXTENTS)
             if send:
                 assert isinstance(xfer, _Xfer)
                 xfer.sent = True
                 self._sending.acquire()  # (released once the send returned: _run's failures)
-            if into_c:
+            if taken:
                 assert item[0] is not None and isinstance(xfer, _Xfer)
                 self.in_c.append((item[0], xfer))
                 self._retire()
@@ -197,7 +210,8 @@ class _Peer:
         if send:
             assert sock is not None and isinstance(xfer, _Xfer)
             try:
-                _send_hdr(sock, self._header(xfer, slice(0, _MAX_EXTENTS), True))
+                _send_frame(sock, frame or _frame(self._header(xfer, slice(0, _MAX_EXTENTS),
+                                                               True)))
             except OSError as exc:
                 xfer.sent = f"sending its request: {exc}"
                 shutdown(sock)  # the thread's read of the answer ends, with this reason
@@ -249,7 +263,7 @@ class _Peer:
         return self.sock
 
     def _retire(self) -> None:
-        """(under cv) Take the READs the inbox retired off ``in_c``: each landed (C set its
+        """(under cv) Take the jobs the inbox retired off ``in_c``: each landed (C set its
         word, which ``poll()`` reads) or was failed by this thread."""
         assert self._helpers is not None
         _, retired = self._helpers.inbox_state(self.inbox)
@@ -260,11 +274,11 @@ class _Peer:
     def _run(self) -> None:
         while True:
             with self.cv:
-                # READs left in the inbox (behind a refusal) sent their headers before
-                # anything queued: their answers are next on the wire, so C takes them first
+                # jobs left in the inbox (behind a refusal) were queued before anything
+                # queued for Python: their answers are next on the wire, so C takes them first
                 while (self.in_c or not self.queue) and not self.closed:
                     if self._helpers is not None and self.sock is not None:
-                        self.parked = True  # (the inbox takes READs from here on)
+                        self.parked = True  # (the inbox takes jobs from here on)
                         self._helpers.inbox_open(self.inbox)
                         if self.queue:  # (then back to Python for it)
                             self._helpers.inbox_python(self.inbox)
@@ -301,7 +315,7 @@ class _Peer:
 
     def _broken(self, exc: BaseException, first: _Xfer | None) -> None:
         """The connection failed under ``first`` (the transfer it was running, if any): it is
-        dropped, and everything pending on it fails — the READs in the inbox, the queue, then
+        dropped, and everything pending on it fails — the jobs in the inbox, the queue, then
         ``first`` — so a transfer the caller submits once it hears of the failure opens a new
         connection and is never failed with this one's reason (it was, when this ran the
         other way round). The cause named is the caller's failed header send where there was
@@ -327,7 +341,7 @@ class _Peer:
             self.owner._finish(first, XferState(XferStatus.FAILED, reason))
 
     def _fail_inbox(self, reason: str) -> None:
-        """(this thread, out of take_reads: quiescent) Fail the READs still in the inbox."""
+        """(this thread, out of run_inbox: quiescent) Fail the jobs still in the inbox."""
         if self._helpers is None:
             return
         with self.cv:
@@ -338,14 +352,15 @@ class _Peer:
             self.owner._finish(xfer, XferState(XferStatus.FAILED, reason))
 
     def _park(self) -> None:
-        """Wait in C, taking the inbox's READs as they come, until Python is wanted (something
-        queued, or close) or a READ's answer is not the "ok" (read on here) or the
-        connection fails."""
+        """Wait in C, running the inbox's jobs as they come, until Python is wanted (something
+        queued, or close) or a job's answer is not the "ok" (read on here) or the connection
+        fails (a WRITE's owner that refused it closes the connection: its answer is read
+        here where it came)."""
         helpers, sock = self._helpers, self.sock
         assert helpers is not None and sock is not None
         try:
-            got: object = helpers.take_reads(sock.fileno(), self.inbox, _A_FRAME,
-                                             max(1, int(self.owner.timeout * 1000)))
+            got: object = helpers.run_inbox(sock.fileno(), self.inbox, _A_FRAME,
+                                            max(1, int(self.owner.timeout * 1000)))
         except OSError as exc:
             got = exc
         with self.cv:
@@ -354,20 +369,46 @@ class _Peer:
             first = self.in_c[0][1] if self.in_c else None
         if got is None:
             return
-        if isinstance(got, bytes) and first is not None:  # not our "ok": the rest says what
+        if first is not None:
             try:
-                reply = _reply_after(sock, got)
-                self._answered(first, reply)  # (E: FAILED, refused)
-                if reply.op == "A":  # an "ok" framed otherwise: the bytes follow
-                    self.owner._recv_ext(sock, first.local, done=first.landed)
-                with self.cv:
-                    helpers.inbox_drop(self.inbox, False)
-                    self._retire()
-                return
+                if isinstance(got, bytes):  # not our "ok": the rest says what
+                    reply: _Hdr | None = _reply_after(sock, got)
+                else:  # an owner that refused a WRITE answered E and closed, if it did
+                    reply = self._answer_after_break(sock) if first.op is Op.WRITE else None
+                    reply = reply if reply is not None and reply.op == "E" else None
+                if reply is not None:
+                    self._answered(first, reply)  # (E: FAILED, refused)
+                    if reply.op == "A":  # an "ok" framed otherwise: a READ's bytes follow
+                        if first.op is Op.READ:
+                            self.owner._recv_ext(sock, first.local, done=first.landed)
+                        else:
+                            self.owner._finish(first, DONE)
+                    with self.cv:
+                        helpers.inbox_drop(self.inbox, False)
+                        self._retire()
+                    if self.sock is None:  # a refused WRITE: its owner closed the connection
+                        self._queue_inbox_again()
+                    return
             except (OSError, _PeerGone, KVLinkError) as exc:
                 got = exc
         self._broken(got if isinstance(got, BaseException)
                      else _PeerGone("connection closed by peer"), None)
+
+    def _queue_inbox_again(self) -> None:
+        """(this thread, out of run_inbox) The owner closed the connection after refusing a
+        WRITE, and read nothing after it: the jobs behind it were not run there, so they go
+        back to the front of the queue, in order, to run on a new connection (a READ's
+        header the caller sent on the old one went nowhere; a READ is safe to ask again)."""
+        assert self._helpers is not None
+        with self._sending:  # a caller's send into the old connection has returned (none
+            pass             # starts now: the connection is gone)
+        with self.cv:
+            behind = list(self.in_c)
+            self._helpers.inbox_drop(self.inbox, True)
+            self._retire()
+            for handle, xfer in reversed(behind):
+                xfer.sent = False
+                self.queue.appendleft((handle, xfer))
 
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
         """Run ``xfer`` as one R/W request per ``_MAX_EXTENTS`` extents (the owner's bound);

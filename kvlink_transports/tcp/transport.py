@@ -198,10 +198,10 @@ class TcpTransport(_Server):
             ticket=bytes(ticket),
             signal=signal,
         )
-        if (op is Op.READ and notify is None and signal is None
+        if ((op is Op.WRITE or notify is None) and signal is None
                 and remote.shape[0] <= _MAX_EXTENTS and self._memory.native is not None
-                and self._memory.direct is not None):  # (straight into host memory)
-            xfer.landed = np.zeros(1, dtype=np.uint32)
+                and self._memory.direct is not None):  # (straight from/into host memory)
+            xfer.landed = np.zeros(1, dtype=np.uint32)  # (a WRITE's notification: in its header)
         with self._lock:
             target = self._peers.get(peer)
         if target is not None:  # a caller bug: raise before a handle exists

@@ -66,8 +66,12 @@ def _frame(hdr: _Hdr) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def _send_frame(sock: socket.socket, frame: bytes) -> None:
+    sock.sendall(frame)
+
+
 def _send_hdr(sock: socket.socket, hdr: _Hdr) -> None:
-    sock.sendall(_frame(hdr))
+    _send_frame(sock, _frame(hdr))
 
 
 #: the owner's "ok" answer to a request, as framed on the wire: the same bytes every time, so
