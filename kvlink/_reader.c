@@ -38,6 +38,8 @@ typedef struct {
   char *hdr;        /* the framed header this thread sends (a copy), or NULL: sent already */
   size_t hlen;
   int write;        /* a WRITE: its bytes follow its header, its answer follows them */
+  uint64_t *flag;   /* a WRITE's landing signal (kvlink.landing): this word moved from */
+  uint64_t expect, value; /* expect to value once it is answered, before landed; or NULL */
 } job_t;
 
 /* the inbox's mode: who takes the peer's answers */
@@ -102,20 +104,33 @@ static PyObject *inbox_new(PyObject *self, PyObject *unused) {
   return capsule;
 }
 
-/* inbox_push(inbox, extents, landed, header, write) -> int: a job queued for the parked
- * thread. `header`: the job's framed request (bytes); `write`: a WRITE (its bytes are sent
- * from `extents` after the header) or a READ (taken into them). 0: nothing queued, the inbox
- * is in Python's mode (the thread runs its jobs in Python: queue it there); 1: queued, and
- * the header is the caller's to send, after this (a READ with no unsent header ahead); 2:
- * queued, the thread sends the header. */
+/* inbox_push(inbox, extents, landed, header, write, signal) -> int: a job queued for the
+ * parked thread. `header`: the job's framed request (bytes); `write`: a WRITE (its bytes are
+ * sent from `extents` after the header) or a READ (taken into them); `signal`: None, or a
+ * WRITE's landing signal (address, expect, value): the 8-byte word at `address` (a landing
+ * board's flag, mapped until the transport's threads have ended) compare-and-set from
+ * `expect` to `value` once the owner said "ok", before the landed word. 0: nothing queued,
+ * the inbox is in Python's mode (the thread runs its jobs in Python: queue it there); 1:
+ * queued, and the header is the caller's to send, after this (a READ with no unsent header
+ * ahead); 2: queued, the thread sends the header. */
 static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "inbox_push(inbox, extents, landed, header, write)");
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "inbox_push(inbox, extents, landed, header, write, signal)");
     return NULL;
   }
   inbox_t *b = as_inbox(args[0]);
   int write = PyObject_IsTrue(args[4]);
   if (!b || write < 0) return NULL;
+  unsigned long long flag = 0, expect = 0, value = 0;
+  if (args[5] != Py_None &&
+      !PyArg_ParseTuple(args[5], "KKK;signal: (address, expect, value)", &flag, &expect,
+                        &value))
+    return NULL;
+  if (args[5] != Py_None && (!write || !flag || flag % 8)) {
+    PyErr_SetString(PyExc_ValueError, "signal: a WRITE's, at an aligned nonzero address");
+    return NULL;
+  }
   Py_buffer xv, lv, hv;
   if (PyObject_GetBuffer(args[1], &xv, PyBUF_C_CONTIGUOUS) < 0) return NULL;
   if (xv.len % 16) {
@@ -134,7 +149,8 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
     return NULL;
   }
   job_t j = {malloc(xv.len ? (size_t)xv.len : 1), xv.len / 16, lv.len >= 4 ? lv.buf : NULL,
-             malloc(hv.len ? (size_t)hv.len : 1), (size_t)hv.len, write};
+             malloc(hv.len ? (size_t)hv.len : 1), (size_t)hv.len, write,
+             (uint64_t *)(uintptr_t)flag, expect, value};
   if (j.ext) memcpy(j.ext, xv.buf, (size_t)xv.len);
   if (j.hdr) memcpy(j.hdr, hv.buf, (size_t)hv.len);
   PyBuffer_Release(&xv);
@@ -305,9 +321,16 @@ static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nar
       --b->unsent;
       pthread_mutex_unlock(&b->mu);
     }
-    if (j.write) /* its answer alone */
-      move_whole(fd, 0, NULL, 0, timeout_ms, pv.buf, (size_t)plen, j.landed, &m);
-    else
+    if (j.write) { /* its answer alone; then its signal (one writer per flag: in order) */
+      move_whole(fd, 0, NULL, 0, timeout_ms, pv.buf, (size_t)plen, NULL, &m);
+      if (!stopped(&m)) {
+        uint64_t want = j.expect;
+        if (j.flag)
+          __atomic_compare_exchange_n(j.flag, &want, j.value, 0, __ATOMIC_ACQ_REL,
+                                      __ATOMIC_ACQUIRE);
+        __atomic_store_n(j.landed, 1u, __ATOMIC_RELEASE);
+      }
+    } else
       move_whole(fd, 0, j.ext, j.n, timeout_ms, pv.buf, (size_t)plen, j.landed, &m);
     pthread_mutex_lock(&b->mu);
     if (stopped(&m)) break;
@@ -327,7 +350,7 @@ static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyMethodDef kvl_reader_methods[] = {
     {"inbox_new", (PyCFunction)inbox_new, METH_NOARGS, "inbox_new() -> an empty READ inbox"},
     {"inbox_push", (PyCFunction)(void (*)(void))inbox_push, METH_FASTCALL,
-     "inbox_push(inbox, extents, landed, header, write) -> 0 not taken, 1 caller sends, 2 taken"},
+     "inbox_push(inbox, extents, landed, header, write, signal) -> 0, 1 caller sends, 2"},
     {"inbox_open", (PyCFunction)inbox_open, METH_O,
      "inbox_open(inbox): inbox_push takes jobs from now on"},
     {"inbox_python", (PyCFunction)inbox_python, METH_O,

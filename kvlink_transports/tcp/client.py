@@ -87,10 +87,11 @@ class _Xfer:
     #: its answer came (a READ in the peer's inbox: until retired), a reason string if that
     #: send failed (the connection is then broken), False not tried
     sent: bool | str = False
-    #: a plain transfer (one request of host memory, no landing signal; a READ without a
-    #: notification): a word kvlink's C helper sets to 1 once its bytes moved and its owner
-    #: said "ok", which poll() reads — DONE without this thread's Python running again (it
-    #: waits for the GIL up to a switch interval where the caller's own Python is busy)
+    #: a plain transfer (one request of host memory; a READ without a notification or a
+    #: landing signal): a word kvlink's C helper sets to 1 once its bytes moved and its owner
+    #: said "ok" (a WRITE's signal applied), which poll() reads — DONE without this thread's
+    #: Python running again (it waits for the GIL up to a switch interval where the caller's
+    #: own Python is busy)
     landed: npt.NDArray[np.uint32] | None = None
     finished: bool = False  # _finish ran (under the transport's _finishing lock)
 
@@ -189,8 +190,10 @@ class _Peer:
             taken = 0  # the inbox's answer: 1 taken, its header ours to send; 2 taken
             if first and self.parked and frame is not None:
                 assert isinstance(xfer, _Xfer) and self._helpers is not None
-                taken = self._helpers.inbox_push(self.inbox, xfer.local, xfer.landed, frame,
-                                                 xfer.op is Op.WRITE)
+                sig = xfer.signal
+                taken = self._helpers.inbox_push(
+                    self.inbox, xfer.local, xfer.landed, frame, xfer.op is Op.WRITE,
+                    None if sig is None else (sig.region[0] + sig.offset, sig.expect, sig.value))
             send = taken == 1 or (not taken and first and self.idle and isinstance(xfer, _Xfer)
                                   and xfer.op is Op.READ
                                   and xfer.remote.shape[0] <= _MAX_EXTENTS)

@@ -198,10 +198,11 @@ class TcpTransport(_Server):
             ticket=bytes(ticket),
             signal=signal,
         )
-        if ((op is Op.WRITE or notify is None) and signal is None
+        if ((op is Op.WRITE or (notify is None and signal is None))
                 and remote.shape[0] <= _MAX_EXTENTS and self._memory.native is not None
                 and self._memory.direct is not None):  # (straight from/into host memory)
-            xfer.landed = np.zeros(1, dtype=np.uint32)  # (a WRITE's notification: in its header)
+            # (a WRITE's notification goes in its header, its signal is applied by C)
+            xfer.landed = np.zeros(1, dtype=np.uint32)
         with self._lock:
             target = self._peers.get(peer)
         if target is not None:  # a caller bug: raise before a handle exists
@@ -383,8 +384,8 @@ class TcpTransport(_Server):
         if xfer.state.status is not XferStatus.PENDING:
             return
         if state.status is XferStatus.DONE:
-            if xfer.signal is not None:  # the bytes are there: say so before DONE is seen
-                xfer.signal.apply()
+            if xfer.signal is not None and not xfer.has_landed:  # (landed: C applied it)
+                xfer.signal.apply()  # the bytes are there: say so before DONE is seen
             self._account(
                 transfers=1, bytes=xfer.nbytes, xfer_seconds=time.perf_counter() - xfer.t_post
             )
