@@ -160,6 +160,37 @@ def test_a_read_is_done_once_its_bytes_landed_though_its_thread_has_not_run_agai
         owner.close()
 
 
+def _parked(t: TcpTransport, peer: str) -> None:
+    """Wait until ``t``'s thread for ``peer`` parks in C (once its connection is open)."""
+    p = t._peers[peer]
+    with p.cv:
+        assert p.cv.wait_for(lambda: p.parked, 10)
+
+
+def _posted_and_polled_busy(t: TcpTransport, post: Any) -> tuple[list[Any], float]:
+    """``post()``'s handles posted with the switch interval raised, then polled in a loop of
+    Python that gives the GIL up nowhere (a serving loop's Python between polls): their
+    states and the seconds until none was PENDING."""
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(INTERVAL)
+    try:
+        t0 = time.perf_counter()
+        hs = post()
+        while (any(t.poll(h).status is XferStatus.PENDING for h in hs)
+               and time.perf_counter() - t0 < 10):
+            pass
+        took = time.perf_counter() - t0
+    finally:
+        sys.setswitchinterval(was)
+    return [t.poll(h) for h in hs], took
+
+
+def _same_blocks(got: np.ndarray, want: np.ndarray, blocks: Any) -> bool:
+    return all(np.array_equal(got[k * (16 << 10):(k + 1) * (16 << 10)],
+                              want[k * (16 << 10):(k + 1) * (16 << 10)])
+               for k in map(int, blocks))
+
+
 def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_python() -> None:
     """Owner and reader in this process, whose main thread posts two READs and polls them in a
     loop of Python — holding the GIL, which it gives up only when another thread has waited
@@ -174,7 +205,6 @@ def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_pyth
     dst = np.zeros(SIZE, dtype=np.uint8)
     owner = TcpTransport(TransportContext("owner", require_grants=True))
     reader = TcpTransport(TransportContext("reader"), {"reader_in_c": True})
-    was = sys.getswitchinterval()
     try:
         owner.register([Region(src.ctypes.data, SIZE)])
         owner.grant(TICKET, Op.READ, make_extents(src.ctypes.data, SIZE))
@@ -184,27 +214,16 @@ def test_reads_polled_by_a_busy_caller_need_no_thread_of_either_side_to_run_pyth
         warm = reader.post(Op.READ, "owner", _extents(dst.ctypes.data, order[:1]),
                            _extents(src.ctypes.data, order[:1]), ticket=TICKET)
         assert reader.wait(warm, 10).status is XferStatus.DONE  # (the connection opened)
-        peer = reader._peers["owner"]
-        with peer.cv:  # (its thread parks in C once the connection is open)
-            assert peer.cv.wait_for(lambda: peer.parked, 10)
+        _parked(reader, "owner")
         dst[:] = 0
-        sys.setswitchinterval(INTERVAL)
-        t0 = time.perf_counter()
-        hs = [reader.post(Op.READ, "owner", _extents(dst.ctypes.data, part),
-                          _extents(src.ctypes.data, part), ticket=TICKET)
-              for part in (order[:32], order[32:])]
-        while (any(reader.poll(h).status is XferStatus.PENDING for h in hs)
-               and time.perf_counter() - t0 < 10):
-            pass  # a decode's Python between polls: the GIL given up nowhere
-        took = time.perf_counter() - t0
-        sys.setswitchinterval(was)
-        assert all(reader.poll(h).status is XferStatus.DONE for h in hs)
+        states, took = _posted_and_polled_busy(reader, lambda: [
+            reader.post(Op.READ, "owner", _extents(dst.ctypes.data, part),
+                        _extents(src.ctypes.data, part), ticket=TICKET)
+            for part in (order[:32], order[32:])])
+        assert all(st.status is XferStatus.DONE for st in states), states
         assert took < INTERVAL / 2, f"{took:.3f} s: a thread waited for the GIL ({INTERVAL} s)"
-        for k in order:
-            at = int(k) * (16 << 10)
-            assert np.array_equal(dst[at:at + (16 << 10)], src[at:at + (16 << 10)])
+        assert _same_blocks(dst, src, order)
     finally:
-        sys.setswitchinterval(was)
         reader.close()
         owner.close()
 
@@ -223,7 +242,6 @@ def test_a_push_posted_by_a_busy_caller_needs_no_thread_to_run_python() -> None:
     far = np.zeros(SIZE, dtype=np.uint8)
     owner = TcpTransport(TransportContext("decode", require_grants=True))
     writer = TcpTransport(TransportContext("prefill"), {"reader_in_c": True})
-    was = sys.getswitchinterval()
     try:
         owner.register([Region(far.ctypes.data, SIZE)])
         owner.grant(TICKET, Op.WRITE, make_extents(far.ctypes.data, SIZE))
@@ -233,37 +251,23 @@ def test_a_push_posted_by_a_busy_caller_needs_no_thread_to_run_python() -> None:
         warm = writer.post(Op.WRITE, "decode", make_extents(src.ctypes.data, 16 << 10),
                            make_extents(far.ctypes.data, 16 << 10), ticket=TICKET)
         assert writer.wait(warm, 10).status is XferStatus.DONE  # (the connection opened)
-        peer = writer._peers["decode"]
-        with peer.cv:  # (its thread parks in C once the connection is open)
-            assert peer.cv.wait_for(lambda: peer.parked, 10)
+        _parked(writer, "decode")
         far[:] = 0
         order = np.random.default_rng(3).permutation(SIZE // (16 << 10))[:64]
         first, second = order[:32], order[32:]
-        sys.setswitchinterval(INTERVAL)
-        t0 = time.perf_counter()
-        hs = [writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, first),
-                          _extents(far.ctypes.data, first), ticket=TICKET),
-              writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, second),
-                          _extents(far.ctypes.data, second), notify=b"pushed", ticket=TICKET),
-              writer.post(Op.READ, "decode", _extents(back.ctypes.data, first),
-                          _extents(far.ctypes.data, first), ticket=TICKET + b"-read")]
-        while (any(writer.poll(h).status is XferStatus.PENDING for h in hs)
-               and time.perf_counter() - t0 < 10):
-            pass  # a prefill's Python between polls: the GIL given up nowhere
-        took = time.perf_counter() - t0
-        sys.setswitchinterval(was)
-        states = [writer.poll(h) for h in hs]
+        states, took = _posted_and_polled_busy(writer, lambda: [
+            writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, first),
+                        _extents(far.ctypes.data, first), ticket=TICKET),
+            writer.post(Op.WRITE, "decode", _extents(src.ctypes.data, second),
+                        _extents(far.ctypes.data, second), notify=b"pushed", ticket=TICKET),
+            writer.post(Op.READ, "decode", _extents(back.ctypes.data, first),
+                        _extents(far.ctypes.data, first), ticket=TICKET + b"-read")])
         assert all(st.status is XferStatus.DONE for st in states), states
         assert took < INTERVAL / 2, f"{took:.3f} s: a thread waited for the GIL ({INTERVAL} s)"
-        for k in order:
-            at = int(k) * (16 << 10)
-            assert np.array_equal(far[at:at + (16 << 10)], src[at:at + (16 << 10)])
-        for k in first:  # read back after the WRITE that put them there
-            at = int(k) * (16 << 10)
-            assert np.array_equal(back[at:at + (16 << 10)], src[at:at + (16 << 10)])
+        assert _same_blocks(far, src, order)
+        assert _same_blocks(back, src, first)  # read back after the WRITE that put them there
         assert owner.notifications() == [("prefill", b"pushed")]
     finally:
-        sys.setswitchinterval(was)
         writer.close()
         owner.close()
 

@@ -152,12 +152,12 @@ class _Peer:
         self.idle = False  # the thread waits for work in Python, on an open connection (cv)
         self._sending = threading.Lock()  # held while the caller sends a header (submit)
         self._helpers = native.load() if owner.reader_in_c else None
-        #: the READs C takes while the thread is parked (None: not built, or not asked for)
+        #: the jobs C runs while the thread is parked (None: not built, or not asked for)
         self.inbox: object | None = self._helpers.inbox_new() if self._helpers else None
         self.parked = False  # the inbox takes jobs: the thread is in run_inbox (under cv)
         #: transfers in the inbox, oldest first, until it retired them (under cv)
         self.in_c: collections.deque[tuple[int, _Xfer]] = collections.deque()
-        self._retired = 0  # the inbox's count of retired READs, as taken off ``in_c``
+        self._retired = 0  # the inbox's count of retired jobs, as taken off ``in_c``
         self.thread = threading.Thread(target=self._run, name=f"kvlink-tcp-{name}", daemon=True)
         self.thread.start()
 
