@@ -37,8 +37,9 @@ class TcpOptions(_Options):
     stage_host_memory: bool = False  # host memory through the staging pipeline (tests)
     staging_chunk: int = 4 << 20  # bytes per staging buffer
     staging_buffers: int = 8  # pinned staging buffers
-    #: the reader's thread waits in C on an inbox of READs (kvlink/_reader.c); false: in
-    #: Python, as before it (a READ's answer then waits for the GIL where the caller is busy)
+    #: a peer's thread waits in C on an inbox of plain READs and WRITEs (kvlink/_reader.c);
+    #: false: in Python, as before it (a READ's answer, a WRITE's send then wait for the GIL
+    #: where the caller is busy)
     reader_in_c: bool = True
 
 
