@@ -505,7 +505,7 @@ def test_decode_killed_mid_write_fails_push_on_prefill(observed: Callable[[str],
         if ok:
             pytest.skip("the 256 MiB WRITE finished before the kill landed; nothing to test")
         assert time.monotonic() - t0 < 9
-        assert "connection" in reason.lower() or "no answer" in reason
+        assert "connection" in reason.lower() or "stalled" in reason
         assert prefill.pending() == 0  # nothing left in flight on the prefill side
     finally:
         decode.kill()
@@ -836,3 +836,62 @@ def test_a_write_refused_in_the_inbox_fails_alone_and_the_transfers_behind_it_ru
     finally:
         writer.close()
         owner.close()
+
+
+@pytest.mark.fault("an owner that takes a WRITE's header and then stops reading its bytes (a "
+                   "fake owner: a socket speaking the tcp wire, which a real owner never does "
+                   "on demand)")
+def test_a_write_the_owner_stops_reading_fails_at_its_timeout_and_close_is_bounded(
+        observed: Callable[[str], None]) -> None:
+    """A WRITE run in the writer's C inbox whose owner stops taking its bytes mid-payload
+    (a hung decode): the C send waits at most the transport's ``timeout_s`` without
+    progress, then the WRITE is FAILED naming the timeout — quiescent, the thread back from
+    C — and neither the caller's poll nor close() hangs."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            _recv_hdr(conn)  # the hello
+            _recv_hdr(conn, 1 << 20)  # the first WRITE: taken whole and answered
+            got = 0
+            while got < 4096:
+                got += len(conn.recv(4096 - got))
+            conn.sendall(_frame(_Hdr(_VERSION, "A")))
+            _recv_hdr(conn, 1 << 20)  # the second: its header, then nothing more read
+            stop.wait(30)
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+    src = np.ones(64 << 20, dtype=np.uint8)
+    writer = TcpTransport(TransportContext("writer"), {"reader_in_c": True, "timeout_s": 1.0})
+    far = 1 << 30
+    try:
+        writer.register([Region(src.ctypes.data, src.nbytes)])
+        writer.connect("owner", _enc.encode(_Descriptor(
+            v=_VERSION, agent="owner", host="127.0.0.1", port=listener.getsockname()[1],
+            regions=[(far, src.nbytes, "cpu")], token=b"k" * 16)))
+        warm = writer.post(Op.WRITE, "owner", make_extents(src.ctypes.data, 4096),
+                           make_extents(far, 4096))
+        assert writer.wait(warm, 10).status is XferStatus.DONE
+        peer = writer._peers["owner"]
+        assert until(lambda: peer.parked, 10), "the peer's thread never parked in C"
+        t0 = time.monotonic()
+        h = writer.post(Op.WRITE, "owner", make_extents(src.ctypes.data, src.nbytes),
+                        make_extents(far, src.nbytes))
+        st = writer.wait(h, 10)
+        took = time.monotonic() - t0
+        observed(f"WRITE {st.status.name} after {took:.2f}s: {st.reason}")
+        assert st.status is XferStatus.FAILED and "stalled: no bytes moved within 1.0s" \
+            in st.reason, st
+        assert 0.9 < took < 5, took
+        assert not peer.in_c and not peer.parked  # back from C: nothing of it still moving
+        t1 = time.monotonic()
+        writer.close()
+        assert time.monotonic() - t1 < 3
+    finally:
+        stop.set()
+        writer.close()
+        listener.close()
+        thread.join(5)

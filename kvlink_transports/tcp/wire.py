@@ -131,8 +131,8 @@ def _recv_hdr(sock: socket.socket, limit: int = _MAX_REPLY) -> _Hdr:
 
 
 def _why(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout:.1f}s"
+    if isinstance(exc, TimeoutError):  # (a wait to send or to receive: either direction)
+        return f"stalled: no bytes moved within {timeout:.1f}s"
     if isinstance(exc, OSError):
         return f"connection lost ({exc.strerror or exc})"
     return str(exc)
