@@ -377,7 +377,8 @@ class _Peer:
                 if isinstance(got, bytes):  # not our "ok": the rest says what
                     reply: _Hdr | None = _reply_after(sock, got)
                 else:  # an owner that refused a WRITE answered E and closed, if it did
-                    reply = self._answer_after_break(sock) if first.op is Op.WRITE else None
+                    reply = (self._answer_after_break(sock, got) if first.op is Op.WRITE
+                             else None)
                     reply = reply if reply is not None and reply.op == "E" else None
                 if reply is not None:
                     self._answered(first, reply)  # (E: FAILED, refused)
@@ -436,9 +437,9 @@ class _Peer:
         if xfer.op is Op.WRITE:
             try:
                 owner._send_ext(sock, local)
-            except OSError:
+            except OSError as exc:
                 # an owner that refuses a WRITE answers E and closes: say why, if it did
-                reply = self._answer_after_break(sock)
+                reply = self._answer_after_break(sock, exc)
                 if reply is None or reply.op != "E":
                     raise
                 self._refused(xfer, reply, reconnect=True)
@@ -488,7 +489,12 @@ class _Peer:
             self._drop_sock()
 
     @staticmethod
-    def _answer_after_break(sock: socket.socket) -> _Hdr | None:
+    def _answer_after_break(sock: socket.socket, exc: object) -> _Hdr | None:
+        """The E an owner that refused a WRITE sent before it closed, where a send broke on
+        that close (``exc``); None else — a stalled send (a timeout) is no refusal, and is
+        not waited on again."""
+        if isinstance(exc, TimeoutError) or not isinstance(exc, OSError | str):
+            return None
         try:
             sock.settimeout(1.0)
             return _recv_hdr(sock)
