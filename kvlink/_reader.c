@@ -38,8 +38,8 @@ typedef struct {
   char *hdr;        /* the framed header this thread sends (a copy), or NULL: sent already */
   size_t hlen;
   int write;        /* a WRITE: its bytes follow its header, its answer follows them */
-  uint64_t *flag;   /* a WRITE's landing signal (kvlink.landing): this word moved from */
-  uint64_t expect, value; /* expect to value once it is answered, before landed; or NULL */
+  uint64_t *flag;   /* a WRITE's landing signal (kvlink.landing), or NULL: this word */
+  uint64_t expect, value; /* moved from expect to value once it is answered, before landed */
 } job_t;
 
 /* the inbox's mode: who takes the peer's answers */
