@@ -110,6 +110,12 @@ def test_tcp_takes_its_defaults_from_the_schema() -> None:
         t.close()
 
 
+def test_a_negative_socket_buffer_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"socket_buffer_bytes must be >= 0.*-1"):
+        create_transport("tcp", TransportContext(agent_name="strict/0/4"),
+                         {"socket_buffer_bytes": -1})
+
+
 @pytest.mark.parametrize(("name", "module", "attr"), [
     ("nixl", "nixl", "_timeout"), ("mooncake", "mooncake", "timeout"),
 ])

@@ -898,3 +898,67 @@ def test_a_write_the_owner_stops_reading_fails_at_its_timeout_and_close_is_bound
         writer.close()
         listener.close()
         thread.join(5)
+
+
+@pytest.mark.parametrize(("option", "want"), [(None, 2 << 20), (1 << 18, 2 << 18)],
+                         ids=["same-host-default", "given"])
+def test_socket_buffers_follow_the_option_and_where_the_peer_is(
+        option: int | None, want: int) -> None:
+    """Each connection's socket buffers (tcp option ``socket_buffer_bytes``): by default 1 MiB
+    between two processes of one host (Linux reports twice what was set), the size given
+    otherwise — on both ends of the connection. (0, the kernel's autotuning: below, where
+    what is set is seen; an autotuned buffer's size moves.)"""
+    from kvlink_transports.tcp import wire as tcp_wire
+
+    opts = {} if option is None else {"socket_buffer_bytes": option}
+    a = TcpTransport(TransportContext("a"), opts)
+    b = TcpTransport(TransportContext("b"), opts)
+    buf = np.arange(1 << 16, dtype=np.uint8)
+    try:
+        a.register([Region(buf.ctypes.data, buf.nbytes)])
+        b.register([Region(buf.ctypes.data, buf.nbytes)])
+        b.connect("a", a.descriptor())
+        h = b.post(Op.READ, "a", make_extents(buf.ctypes.data, 4096),
+                   make_extents(buf.ctypes.data + 4096, 4096))
+        assert b.wait(h, 10).status is XferStatus.DONE
+        ends = [b._peers["a"].sock, *(c.conn for c in a._inbound.values())]
+        assert len(ends) == 2 and ends[0] is not None
+        for sock in ends:
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                assert sock.getsockopt(socket.SOL_SOCKET, opt) == want, opt
+    finally:
+        b.close()
+        a.close()
+    assert tcp_wire.SAME_HOST_BUFFER == 1 << 20
+
+
+def test_a_peer_on_another_host_keeps_the_kernels_socket_buffers() -> None:
+    """Between hosts (and anywhere with ``socket_buffer_bytes`` 0) the buffers are left to the
+    kernel's autotuning: setting a size turns it off, and a common ``rmem_max`` clamps it to
+    ~416 KiB. A connection to another host cannot be made here: a stand-in exposes the two
+    addresses a real socket would, and records what would be set on it (it says so)."""
+    from kvlink_transports.tcp import wire as tcp_wire
+
+    class Across:  # a stand-in for a socket connected to another host
+        def __init__(self, peer: str, local: str) -> None:
+            self.peer, self.local, self.set = peer, local, []
+
+        def getpeername(self) -> tuple[str, int]:
+            return self.peer, 1
+
+        def getsockname(self) -> tuple[str, int]:
+            return self.local, 2
+
+        def setsockopt(self, level: int, opt: int, value: int) -> None:
+            self.set.append((opt, value))
+
+    far = Across("198.51.100.7", "192.0.2.2")
+    tcp_wire._tune(far, None)  # type: ignore[arg-type]
+    assert far.set == [(socket.TCP_NODELAY, 1)]
+    kernel = Across("127.0.0.1", "127.0.0.1")
+    tcp_wire._tune(kernel, 0)  # type: ignore[arg-type]
+    assert kernel.set == [(socket.TCP_NODELAY, 1)]
+    for peer, local in (("127.0.0.1", "192.0.2.2"), ("192.0.2.2", "192.0.2.2")):
+        near = Across(peer, local)
+        tcp_wire._tune(near, None)  # type: ignore[arg-type]
+        assert (socket.SO_RCVBUF, tcp_wire.SAME_HOST_BUFFER) in near.set, (peer, local)

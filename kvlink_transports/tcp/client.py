@@ -124,6 +124,9 @@ class _Owner(Protocol):
     @property
     def reader_in_c(self) -> bool: ...
 
+    @property
+    def socket_buffer(self) -> int | None: ...
+
     def _finish(self, xfer: _Xfer, state: XferState) -> None: ...
 
     def _order_after_post(self, xfer: _Xfer) -> None: ...
@@ -259,7 +262,7 @@ class _Peer:
                     sock.close()
                     raise _PeerGone("disconnected")
                 self.sock = sock
-            _tune(sock)
+            _tune(sock, self.owner.socket_buffer)
             _send_hdr(
                 sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token)
             )

@@ -164,6 +164,7 @@ class _Server(_LocalMemory):
     hello_timeout: float  # hello_timeout_s
     max_unauthenticated: int
     max_connections: int
+    socket_buffer: int | None  # socket_buffer_bytes (wire._tune)
     _closed: bool
     _listener: socket.socket
     _wake_r: socket.socket  # close() and revoke() wake the accept thread through it
@@ -357,7 +358,7 @@ class _Server(_LocalMemory):
                 return
             try:
                 conn.setblocking(True)
-                _tune(conn)
+                _tune(conn, self.socket_buffer)
             except OSError:
                 conn.close()
                 return

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlink import native
-from kvlink.errors import TransferError, TransportUnavailable
+from kvlink.errors import ConfigError, TransferError, TransportUnavailable
 from kvlink.grants import make_grants
 from kvlink.options import resolve
 from kvlink.sockets import shutdown
@@ -108,8 +108,13 @@ class TcpTransport(_Server):
         # staged device memory moves after the caller's current stream at post (staging.py,
         # "Stream order"); False: no wait, for a caller that orders its streams itself
         self.stream_order = bool(self.options["stream_order"])
-        # a peer's thread waits in C on an inbox of READs (client.py)
+        # a peer's thread waits in C on an inbox of plain READs and WRITEs (client.py)
         self.reader_in_c = bool(self.options["reader_in_c"])
+        #: each connection's socket buffers (wire._tune; None: by where the peer is)
+        self.socket_buffer: int | None = self.options["socket_buffer_bytes"]
+        if self.socket_buffer is not None and self.socket_buffer < 0:
+            raise ConfigError(f"tcp option socket_buffer_bytes must be >= 0 (0: the kernel's): "
+                              f"{self.socket_buffer!r}")
         port = int(self.options["port"])
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)
