@@ -139,12 +139,13 @@ def _why(exc: BaseException, timeout: float) -> str:
     return str(exc)
 
 
-#: both socket buffers of a connection between two processes of one host: the sender a
-#: buffer ahead of the receiver, so the bytes it copies in are still in the CPU's caches when
-#: the receiver copies them out. On the 2-core VM, the transport alone READing 10 MiB on
-#: 127.0.0.1 took 3.7-4.0 ms with 1 MiB, 5.3-5.5 with 4 MiB and with the kernel's
-#: autotuning, 5.0-5.5 with 256 KiB (a plain socket 3.6-3.9); 160 MiB 81-82 ms against
-#: 95-99 with 4 MiB (bench/results/tcp_socket_buffers/)
+#: both socket buffers of a connection between two processes of one host: the sender at
+#: most a buffer ahead of the receiver, so the bytes it copies in are likelier still in the
+#: CPU's caches when the receiver copies them out. The transport alone READing 160 MiB on
+#: 127.0.0.1 (bench/tcp_buffers.py, three runs on the 2-core VM): 65.6-78.2 ms with 1 MiB,
+#: 76.5-95.5 with 4 MiB (the size before), 72.8-83.2 with the kernel's autotuning; 10 MiB,
+#: whole or in 2,560 pieces of 4 KiB, no size ahead in every run
+#: (bench/results/tcp_socket_buffers/)
 SAME_HOST_BUFFER = 1 << 20
 
 
