@@ -549,6 +549,13 @@ static int request_header(const unsigned char *b, size_t len, int version,
   return h->op != 'N' || (h->elen == 0 && h->tlen == 0);
 }
 
+/* The notification `h` carries, if any, queued for the owner's caller; -1 out of memory. */
+static int queue_note(kvl_notes_t *notes, const request_t *h) {
+  return h->noted ? kvl_notes_push(notes, (const char *)h->agent, h->alen,
+                                   (const char *)h->note, h->nlen)
+                  : 0;
+}
+
 /* serve_frames(fd, gate, state, starts, ends, check, limit, max_extents, version, rest_ms,
  *              timeout_ms, prefix, notes) -> bytes | str | int | None
  *
@@ -617,8 +624,7 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
       break;
     }
     if (h.op == 'N') {
-      if (h.noted && kvl_notes_push(notes, (const char *)h.agent, h.alen, (const char *)h.note,
-                                    h.nlen) < 0) {
+      if (queue_note(notes, &h) < 0) {
         oom = 1;
         break;
       }
@@ -658,8 +664,7 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     m = (kvl_move_t){0};
     kvl_move(fd, 1, NULL, 0, LLONG_MAX, timeout_ms, pv.buf, (size_t)pv.len, NULL, NULL, &m);
     if (m.err || m.timed_out || m.closed) break;
-    if (h.noted && kvl_notes_push(notes, (const char *)h.agent, h.alen, (const char *)h.note,
-                                  h.nlen) < 0) {
+    if (queue_note(notes, &h) < 0) {
       oom = 1;
       break;
     }

@@ -148,22 +148,20 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyBuffer_Release(&lv);
     return NULL;
   }
+  /* (the header is copied only where this thread is to send it: under the lock, below) */
   job_t j = {malloc(xv.len ? (size_t)xv.len : 1), xv.len / 16, lv.len >= 4 ? lv.buf : NULL,
-             malloc(hv.len ? (size_t)hv.len : 1), (size_t)hv.len, write,
-             (uint64_t *)(uintptr_t)flag, expect, value};
+             NULL, (size_t)hv.len, write, (uint64_t *)(uintptr_t)flag, expect, value};
   if (j.ext) memcpy(j.ext, xv.buf, (size_t)xv.len);
-  if (j.hdr) memcpy(j.hdr, hv.buf, (size_t)hv.len);
   PyBuffer_Release(&xv);
   PyBuffer_Release(&lv);
-  PyBuffer_Release(&hv);
-  if (!j.landed || !j.hlen) {
+  if (!j.landed || !j.hlen || !j.ext) {
+    PyBuffer_Release(&hv);
     job_free(&j);
-    PyErr_SetString(PyExc_ValueError, !j.landed ? "landed: fewer than 4 bytes"
-                                                : "header: empty");
-    return NULL;
-  }
-  if (!j.ext || !j.hdr) {
-    job_free(&j);
+    if (!j.landed || !j.hlen) {
+      PyErr_SetString(PyExc_ValueError, !j.landed ? "landed: fewer than 4 bytes"
+                                                  : "header: empty");
+      return NULL;
+    }
     return PyErr_NoMemory();
   }
   int taken = 0, oom = 0;
@@ -181,20 +179,22 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
         oom = 1;
       }
     }
-    if (!oom) {
-      if (!write && !b->unsent) { /* the caller sends it: nothing can be sent before it */
-        free(j.hdr);
-        j.hdr = NULL;
-        taken = 1;
-      } else {
-        ++b->unsent;
-        taken = 2;
-      }
+    if (!oom && (write || b->unsent)) { /* ours to send, in turn: a copy of the header */
+      j.hdr = malloc(j.hlen);
+      if (j.hdr)
+        memcpy(j.hdr, hv.buf, j.hlen);
+      else
+        oom = 1;
+    }
+    if (!oom) { /* (else the caller sends it: nothing can be sent before it) */
+      taken = j.hdr ? 2 : 1;
+      if (j.hdr) ++b->unsent;
       b->ring[(b->head + b->count++) % b->cap] = j;
       pthread_cond_signal(&b->more);
     }
   }
   pthread_mutex_unlock(&b->mu);
+  PyBuffer_Release(&hv);
   if (!taken) job_free(&j);
   if (oom) return PyErr_NoMemory();
   return PyLong_FromLong(taken);
