@@ -122,7 +122,9 @@ def test_a_negative_socket_buffer_is_refused_naming_it() -> None:
 def test_nixl_and_mooncake_take_their_defaults_from_the_schema(
         monkeypatch: pytest.MonkeyPatch, name: str, module: str, attr: str) -> None:
     """Like tcp's: a default changed in the schema is the one the transport runs with (each
-    read its own ``.get(key, default)`` before, which agreed with the schema only by care)."""
+    read its own ``.get(key, default)`` before, which agreed with the schema only by care).
+    The schema is swapped for one with another default (monkeypatch): nothing is faked, the
+    real transport is made and read."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
     from kvlink import options
