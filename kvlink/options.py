@@ -41,9 +41,9 @@ class TcpOptions(_Options):
     #: false: in Python, as before it (a READ's answer, a WRITE's send then wait for the GIL
     #: where the caller is busy)
     reader_in_c: bool = True
-    #: both socket buffers of each connection, bytes; 0: the kernel's autotuning; None: 1 MiB
-    #: between two processes of one host (measured fastest on loopback), autotuning between
-    #: hosts (kvlink_transports/tcp/wire.py, _tune)
+    #: both socket buffers of each connection, bytes; 0: the kernel's autotuning; None: 4 MiB
+    #: between two processes of one host, autotuning between hosts
+    #: (kvlink_transports/tcp/wire.py, _tune)
     socket_buffer_bytes: int | None = None
 
 
