@@ -53,6 +53,7 @@ from kvlink.integrations.vllm.metadata import (  # noqa: E402
     StepPlan,
     parse_remote,
 )
+from kvlink.integrations.vllm.metrics import COUNTERS  # noqa: E402
 from kvlink.integrations.vllm.scheduler import PullScheduler  # noqa: E402
 from kvlink.integrations.vllm.worker import PullWorker, Results  # noqa: E402
 
@@ -208,6 +209,9 @@ def test_a_request_aborted_mid_forward_fails_the_push_never_loaded(pair: _Pair) 
     assert "d1" in pair.recv.failed_recving, pair.recv
     _until(lambda: (pair.step(), "r1" in pair.sent)[1], 5, "r1 reported sent")
     assert pair.cons.take_stats()[0].get("recv_failed_requests") == 1
+    # counted, under a name vLLM's Prometheus logger exports (it was counted, never shown)
+    counters, _ = pair.prod.take_stats()
+    assert counters.get("send_aborted_requests") == 1 and set(counters) <= set(COUNTERS)
 
 
 def test_a_cancelled_push_stops_posting_layers() -> None:

@@ -48,6 +48,8 @@ COUNTERS = {
     "held_requests": "Finished prefills whose blocks were held for a remote reader.",
     "send_done_requests": "Held prefills released after all readers notified (per TP rank).",
     "send_expired_requests": "Held prefills released because their lease expired (per rank).",
+    "send_aborted_requests": "Held prefills released because their request ended abnormally "
+                             "while held (a layer-wise candidate; per rank).",
     "reads_refused": "Read intents refused because the request was no longer held.",
     "push_sent_requests": "Requests a prefill worker WROTE into a decode rank (mode push).",
     "push_failed_requests": "Pushes whose WRITE failed on a prefill worker (decode told).",
