@@ -139,6 +139,25 @@ static void leave(gate_t *g, uint32_t *s) { /* (under g->mu) */
   pthread_cond_broadcast(&g->quiet);
 }
 
+/* A granted request's bytes moved (`send`: a READ's `prefix` and bytes; else a WRITE's
+ * received), resumed after an EINTR (signal handlers run on Python's main thread), stopped
+ * between socket calls by the state's halt word; then the connection leaves the gate (waiters
+ * woken) — where it ran, without the GIL: the gate shows it serving only while it may still be
+ * inside a socket call, never while it waits to take the GIL back (a revoke's grace would
+ * otherwise cut a connection whose bytes all moved, failing the peer's next request). */
+static void move_and_leave(gate_t *g, uint32_t *s, int fd, int send, const uint64_t *ext,
+                           Py_ssize_t n, int timeout_ms, const char *prefix, size_t plen,
+                           kvl_move_t *m) {
+  *m = (kvl_move_t){0};
+  do {
+    kvl_move(fd, send, ext, n, LLONG_MAX, timeout_ms, prefix, plen, &s[S_HALT], NULL, m);
+    plen = 0;
+  } while (!m->err && !m->timed_out && !m->closed && !m->halted && m->index < n);
+  pthread_mutex_lock(&g->mu);
+  leave(g, s);
+  pthread_mutex_unlock(&g->mu);
+}
+
 static int serving(const uint32_t *s, const unsigned char *t, size_t tlen) {
   return s[S_BUSY] && s[S_TLEN] == tlen && memcmp(&s[S_TICKET], t, tlen) == 0;
 }
@@ -644,15 +663,7 @@ static PyObject *serve_frames(PyObject *self, PyObject *const *args, Py_ssize_t 
     const int send = h.op == 'R';
     if (kvl_inside(lo.buf, hi.buf, lo.len / 8, ext, n, NULL) >= 0) break;
     if (check_in(g, s, h.ticket, h.tlen, !send, ext, n, check) != OK) break;
-    m = (kvl_move_t){0};
-    size_t plen = send ? (size_t)pv.len : 0;
-    do { /* (again after an EINTR: signal handlers run on Python's main thread) */
-      kvl_move(fd, send, ext, n, LLONG_MAX, timeout_ms, pv.buf, plen, &s[S_HALT], NULL, &m);
-      plen = 0;
-    } while (!m.err && !m.timed_out && !m.closed && !m.halted && m.index < n);
-    pthread_mutex_lock(&g->mu);
-    leave(g, s);
-    pthread_mutex_unlock(&g->mu);
+    move_and_leave(g, s, fd, send, ext, n, timeout_ms, pv.buf, send ? (size_t)pv.len : 0, &m);
     if (m.err || m.timed_out || m.closed) break;
     if (m.halted) {
       stop = s[S_FENCED] ? "fenced" : "access revoked mid-transfer";
@@ -700,6 +711,47 @@ no_lo:
   return NULL;
 }
 
+/* serve_move(fd, gate, state, extents, timeout_ms, prefix) -> bool | None
+ *
+ * A READ the owner's Python admitted into the gate (gate_enter marked `state` serving under
+ * its ticket): `prefix` (the "ok" answer) and the bytes of `extents` (checked in registered host
+ * memory by the caller) sent as serve_frames sends one, then the connection leaves the gate
+ * before the GIL is taken back (move_and_leave: why). True once every byte moved; False where
+ * the halt word stopped it (fenced, or its grant revoked mid-transfer); None where the peer
+ * closed the connection. TimeoutError, OSError as move_extents. */
+static PyObject *serve_move(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs_are(nargs, 6, "serve_move(fd, gate, state, extents, timeout_ms, prefix)") < 0)
+    return NULL;
+  int fd = (int)PyLong_AsLong(args[0]);
+  gate_t *g = as_gate(args[1]);
+  int timeout_ms = (int)PyLong_AsLong(args[4]);
+  if (!g || PyErr_Occurred()) return NULL;
+  Py_buffer sv, xv, pv;
+  if (as_items(args[2], &sv, 4, S_WORDS, 1, "state") < 0) return NULL;
+  if (as_items(args[3], &xv, 16, 0, 0, "extents") < 0) goto no_ext;
+  if (PyObject_GetBuffer(args[5], &pv, PyBUF_C_CONTIGUOUS) < 0) goto no_prefix;
+  if (pv.len > PREFIX_MAX) {
+    PyErr_Format(PyExc_ValueError, "prefix: %zd bytes, at most %d", pv.len, PREFIX_MAX);
+    PyBuffer_Release(&pv);
+    goto no_prefix;
+  }
+  kvl_move_t m;
+  Py_BEGIN_ALLOW_THREADS
+  move_and_leave(g, sv.buf, fd, 1, xv.buf, xv.len / 16, timeout_ms, pv.buf, (size_t)pv.len, &m);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&pv);
+  PyBuffer_Release(&xv);
+  PyBuffer_Release(&sv);
+  if (kvl_move_failed(&m)) return NULL;
+  if (m.closed) Py_RETURN_NONE;
+  return PyBool_FromLong(!m.halted);
+no_prefix:
+  PyBuffer_Release(&xv);
+no_ext:
+  PyBuffer_Release(&sv);
+  return NULL;
+}
+
 PyMethodDef kvl_gate_methods[] = {
     {"gate_new", (PyCFunction)gate_new, METH_NOARGS, "gate_new() -> an empty grant gate"},
     {"gate_grant", (PyCFunction)(void (*)(void))gate_grant, METH_FASTCALL,
@@ -722,4 +774,7 @@ PyMethodDef kvl_gate_methods[] = {
     {"serve_frames", (PyCFunction)(void (*)(void))serve_frames, METH_FASTCALL,
      "serve_frames(fd, gate, state, starts, ends, check, limit, max_extents, version, "
      "rest_ms, timeout_ms, prefix, notes): serve READs and WRITEs until a frame for Python"},
+    {"serve_move", (PyCFunction)(void (*)(void))serve_move, METH_FASTCALL,
+     "serve_move(fd, gate, state, extents, timeout_ms, prefix) -> bool | None: a READ "
+     "Python admitted, sent; the gate left before the GIL is taken back"},
     {NULL, NULL, 0, NULL}};

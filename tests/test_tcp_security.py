@@ -297,6 +297,56 @@ def test_revoke_cuts_a_write_in_flight_and_nothing_lands_after(pair: tuple[Node,
              "a later WRITE under it refused")
 
 
+def test_a_read_python_served_is_not_cut_once_its_bytes_moved(
+    pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen once in CI through real vLLM (a pull's load recomputed): the owner's C loop hands
+    a READ to Python when its grant is not there as it arrives (a decode READs at once; the
+    prefill's hold lands a moment later), and Python, checking again, serves it. On the old
+    code that thread marked the gate "not serving" only once it had the GIL back, in a busy
+    vLLM worker over a second later: the revoke (the hold ended, its reader having reported
+    done) found the connection serving, and at the grace's end shut it, failing the reader's
+    next READ queued on it. Now the gate is left in C as the last byte goes out: the revoke
+    finds nothing to cut, and the next READ on that connection is served.
+
+    Two timings are injected, neither producible on demand (each wrapper says so): the grant
+    arriving between the C loop's check and Python's, and the serving thread held after its
+    bytes moved, as a thread waiting for the GIL is. Nothing is faked: real sockets, gate
+    and C loop."""
+    a, b = pair
+    a.t.grant(TICKET, Op.READ, a.ext(0, WINDOW))
+    h = b.t.post(Op.READ, a.name, b.ext(0, 4096), a.ext(0, 4096), ticket=TICKET)
+    assert b.t.wait(h, 10.0).status is XferStatus.DONE  # the connection, served in C
+    a.t.revoke(TICKET)  # not granted when the next READ arrives: the C loop hands it over
+    serve, leave = a.t._serve_request, a.t._grants.leave
+    held, go = threading.Event(), threading.Event()
+
+    def granted_late(*args: Any) -> None:  # injected timing: the hold lands just now
+        a.t.grant(TICKET, Op.READ, a.ext(0, WINDOW))
+        serve(*args)
+
+    def gil_starved(state: np.ndarray) -> None:  # injected timing: no GIL for a while
+        held.set()
+        go.wait(10.0)
+        leave(state)
+
+    monkeypatch.setattr(a.t, "_serve_request", granted_late)
+    monkeypatch.setattr(a.t._grants, "leave", gil_starved)
+    b.buf[:WINDOW] = 0
+    h = b.t.post(Op.READ, a.name, b.ext(0, WINDOW), a.ext(0, WINDOW), ticket=TICKET)
+    try:
+        assert b.t.wait(h, 10.0).status is XferStatus.DONE
+        assert np.array_equal(b.buf[:WINDOW], a.buf[:WINDOW])
+        assert until(held.is_set, 10)  # the owner's thread is past its bytes, without the GIL
+        # the hold ends as its reader reports: nothing is inside a socket call under it
+        assert a.t.revoke(TICKET, 0.0) is True
+    finally:
+        go.set()
+    a.t.grant(b"next-read-ticket", Op.READ, a.ext(0, 4096))
+    h = b.t.post(Op.READ, a.name, b.ext(0, 4096), a.ext(0, 4096), ticket=b"next-read-ticket")
+    assert b.t.wait(h, 10.0).status is XferStatus.DONE
+
+
 # ------------------------------------------------------------------ before authentication
 
 
