@@ -166,10 +166,11 @@ def closed_by_server(socks: list[socket.socket], timeout: float, want: int | Non
 
 
 class Node:
-    def __init__(self, name: str, size: int, require_grants: bool, seed: int) -> None:
+    def __init__(self, name: str, size: int, require_grants: bool, seed: int,
+                 **options: Any) -> None:
         ctx = TransportContext(agent_name=f"{name}-{uuid.uuid4().hex[:8]}",
                                require_grants=require_grants)
-        self.t = TcpTransport(ctx, {"timeout_s": 10.0})
+        self.t = TcpTransport(ctx, {"timeout_s": 10.0, **options})
         self.buf = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
         self.t.register([Region(self.buf.ctypes.data, self.buf.nbytes)])
 
@@ -297,8 +298,9 @@ def test_revoke_cuts_a_write_in_flight_and_nothing_lands_after(pair: tuple[Node,
              "a later WRITE under it refused")
 
 
+@pytest.mark.parametrize("staged", (False, True), ids=("direct", "staged"))
 def test_a_read_python_served_is_not_cut_once_its_bytes_moved(
-    pair: tuple[Node, Node], monkeypatch: pytest.MonkeyPatch
+    staged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Seen once in CI through real vLLM (a pull's load recomputed): the owner's C loop hands
     a READ to Python when its grant is not there as it arrives (a decode READs at once; the
@@ -307,13 +309,25 @@ def test_a_read_python_served_is_not_cut_once_its_bytes_moved(
     vLLM worker over a second later: the revoke (the hold ended, its reader having reported
     done) found the connection serving, and at the grace's end shut it, failing the reader's
     next READ queued on it. Now the gate is left in C as the last byte goes out: the revoke
-    finds nothing to cut, and the next READ on that connection is served.
+    finds nothing to cut, and the next READ on that connection is served. ``staged``: the
+    owner's memory through the staging pipeline (as device memory goes; option
+    ``stage_host_memory``), which Python serves every READ of: its last chunk leaves the gate.
 
     Two timings are injected, neither producible on demand (each wrapper says so): the grant
     arriving between the C loop's check and Python's, and the serving thread held after its
     bytes moved, as a thread waiting for the GIL is. Nothing is faked: real sockets, gate
     and C loop."""
-    a, b = pair
+    a = Node("owner", 16 * MiB, True, 1, stage_host_memory=staged, staging_chunk=16384)
+    b = Node("peer", 16 * MiB, False, 2)
+    b.t.connect(a.name, a.t.descriptor())
+    try:
+        _not_cut_once_moved(a, b, monkeypatch)
+    finally:
+        b.t.close()
+        a.t.close()
+
+
+def _not_cut_once_moved(a: Node, b: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     a.t.grant(TICKET, Op.READ, a.ext(0, WINDOW))
     h = b.t.post(Op.READ, a.name, b.ext(0, 4096), a.ext(0, 4096), ticket=TICKET)
     assert b.t.wait(h, 10.0).status is XferStatus.DONE  # the connection, served in C

@@ -24,7 +24,14 @@ import numpy.typing as npt
 
 from kvlink import hostmem, native, staging
 from kvlink.errors import ExtentOutOfBounds, TransportUnavailable
-from kvlink.transport import EXTENT_DTYPE, Extents, Region, RegionTable, Transport
+from kvlink.transport import (
+    EXTENT_DTYPE,
+    Extents,
+    Region,
+    RegionTable,
+    Transport,
+    make_extents,
+)
 from kvlink_transports.tcp.wire import _PeerGone, _recv_exact
 
 _IOV = 512  # memoryviews made at a time (IOV_MAX is 1024 on Linux)
@@ -230,23 +237,50 @@ class _LocalMemory(Transport):
     def _send_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,
         staged: bool | None = None, prefix: bytes = b"",
-        halt: npt.NDArray[np.uint32] | None = None,
+        halt: npt.NDArray[np.uint32] | None = None, gate: object | None = None,
     ) -> None:
         """Send ``ext``'s bytes, after ``prefix``; ``staged``: what :meth:`_is_staged`
-        answered for it (None: check it now); ``halt`` as :meth:`_Memory.move`."""
+        answered for it (None: check it now); ``halt`` as :meth:`_Memory.move`. ``gate`` (the
+        owner's grant gate, ``halt`` the state it marked this connection serving in): the
+        request's last socket call is the C helper's, which leaves the gate as it ends
+        (``serve_move``), so the gate never shows serving a thread that only waits for the GIL
+        — a revoke would cut its connection, failing the peer's next request."""
+        helpers = self._memory.native if gate is not None and halt is not None else None
         if self._is_staged(ext) if staged is None else staged:
             assert self._copier is not None and self._pool is not None
+            left = int(ext["len"].sum())
 
             def send(mv: memoryview) -> None:
+                nonlocal left
                 if stop is not None and stop():
                     raise _PeerGone("access revoked mid-transfer")
-                sock.sendall(mv)
+                left -= len(mv)
+                if helpers is not None and left == 0:  # the last chunk
+                    chunk = np.frombuffer(mv, dtype=np.uint8)
+                    self._serve_last(helpers, sock, gate, halt,
+                                     make_extents(chunk.ctypes.data, chunk.nbytes), b"")
+                else:
+                    sock.sendall(mv)
 
             if prefix:
                 sock.sendall(prefix)
             staging.send_staged(send, ext, self._copier, self._pool, self._chunk, self.timeout)
+        elif helpers is not None and ext.dtype == EXTENT_DTYPE:  # (checked: _is_staged)
+            self._serve_last(helpers, sock, gate, halt, ext, prefix)
         else:
             self._memory.move(sock, ext, True, stop, prefix, halt)
+
+    def _serve_last(self, helpers: ModuleType, sock: socket.socket, gate: object,
+                    state: npt.NDArray[np.uint32] | None, ext: Extents, prefix: bytes) -> None:
+        """``prefix`` and ``ext``'s bytes (host memory, checked) sent by the C helper, which
+        leaves ``gate`` as it ends (``serve_move``)."""
+        ms = max(1, int(self.timeout * 1000))
+        sent = helpers.serve_move(sock.fileno(), gate, state, np.ascontiguousarray(ext), ms,
+                                  prefix)
+        if sent is None:
+            raise _PeerGone("connection closed by peer mid-transfer")
+        if not sent:
+            raise _PeerGone("access revoked mid-transfer")
 
     def _recv_ext(
         self, sock: socket.socket, ext: Extents, stop: Callable[[], bool] | None = None,

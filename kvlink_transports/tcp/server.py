@@ -486,20 +486,11 @@ class _Server(_LocalMemory):
             staged = self._is_staged(ext, "requested extent")
         except ExtentOutOfBounds as exc:
             return str(exc)
-        helpers, gate = self._memory.native, self._grants.gate
-        if op is Op.READ and not staged and helpers is not None and gate is not None:
-            # the gate left in C as the last byte goes out, not once this thread has the GIL
+        if op is Op.READ:
+            # its last socket call leaves the gate as it ends, not once this thread has the GIL
             # back (up to seconds in a busy process): a revoke then finds nothing to cut
-            ms = max(1, int(self.timeout * 1000))
-            sent = helpers.serve_move(inb.conn.fileno(), gate, inb.state,
-                                      np.ascontiguousarray(ext), ms, _A_FRAME)
-            if sent is None:
-                raise _PeerGone("connection closed by peer mid-transfer")
-            if not sent:
-                raise _PeerGone("access revoked mid-transfer")
-        elif op is Op.READ:
             self._send_ext(inb.conn, ext, inb.stopped, staged=staged, prefix=_A_FRAME,
-                           halt=inb.state)
+                           halt=inb.state, gate=self._grants.gate)
         else:
             self._recv_ext(inb.conn, ext, inb.stopped, staged=staged)
         return None
