@@ -298,9 +298,11 @@ def test_revoke_cuts_a_write_in_flight_and_nothing_lands_after(pair: tuple[Node,
              "a later WRITE under it refused")
 
 
+@pytest.mark.fault("a READ's serving thread without the GIL after its bytes moved, as its "
+                   "hold ends (its reader reported done)")
 @pytest.mark.parametrize("staged", (False, True), ids=("direct", "staged"))
 def test_a_read_python_served_is_not_cut_once_its_bytes_moved(
-    staged: bool, monkeypatch: pytest.MonkeyPatch
+    staged: bool, monkeypatch: pytest.MonkeyPatch, observed: Callable[[str], None]
 ) -> None:
     """Seen once in CI through real vLLM (a pull's load recomputed): the owner's C loop hands
     a READ to Python when its grant is not there as it arrives (a decode READs at once; the
@@ -322,6 +324,8 @@ def test_a_read_python_served_is_not_cut_once_its_bytes_moved(
     b.t.connect(a.name, a.t.descriptor())
     try:
         _not_cut_once_moved(a, b, monkeypatch)
+        observed(f"{'staged' if staged else 'direct'} READ: revoke found nothing serving "
+                 "while the thread waited; the next READ on the connection DONE")
     finally:
         b.t.close()
         a.t.close()
