@@ -256,9 +256,8 @@ class _LocalMemory(Transport):
                     raise _PeerGone("access revoked mid-transfer")
                 left -= len(mv)
                 if helpers is not None and left == 0:  # the last chunk
-                    chunk = np.frombuffer(mv, dtype=np.uint8)
                     self._serve_last(helpers, sock, gate, halt,
-                                     make_extents(chunk.ctypes.data, chunk.nbytes), b"")
+                                     make_extents(hostmem.address_of(mv), len(mv)), b"")
                 else:
                     sock.sendall(mv)
 

@@ -140,11 +140,11 @@ def _why(exc: BaseException, timeout: float) -> str:
 
 
 #: both socket buffers of a connection between two processes of one host: 4 MiB, as tcp set
-#: on every connection before. 1 MiB READ 160 MiB faster on 127.0.0.1 (65.6-78.2 ms against
-#: 76.5-95.5, bench/tcp_buffers.py, bench/results/tcp_socket_buffers/), but with it an owner
-#: stays inside its send while a slow reader drains, and in one CI run a real vLLM pair's
-#: prefill cut such a connection under a grant it revoked (a load recomputed): kept at 4 MiB
-#: until that is understood (the option sets any size)
+#: on every connection before. 1 MiB READ 160 MiB faster on 127.0.0.1 at the transport layer
+#: (bench/tcp_buffers.py, bench/results/tcp_socket_buffers/) but not measurably through the
+#: public API. (The CI failure once seen with 1 MiB — a connection cut under a revoked grant —
+#: was a Python-served READ's thread marked serving while it waited for the GIL, fixed by
+#: serve_move in kvlink/_gate.c; the size is left as it is, the option sets any size.)
 SAME_HOST_BUFFER = 4 << 20
 
 
