@@ -109,6 +109,11 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
     for n, g in grace:  # (poll_grace_us: the polls' waits for copies about to end)
         print(f"poll grace {n}: {g['waits']} polls waited {g['seconds'] * 1e3:.2f} ms in all, "
               f"reported {g['reported']} requests, {g['timed_out']} timed out")
+        est = cases[n].get("copy_rate_estimate_gbps")
+        copy = cases[n]["modes"].get("spin", {}).get("baselines", {}).get("device_copy")
+        if est and copy:  # (what those waits counted with, against the copy's own rate)
+            print(f"  the transport expects its copies at {est:.0f} GB/s; a device copy ran "
+                  f"at {copy['bytes'] / copy['median_s'] / 1e9:.0f} GB/s")
     rw = [(n, m, r["read_vs_write"]) for n, cr in cases.items()
           for m, r in cr["modes"].items() if "read_vs_write" in r]
     if rw:

@@ -420,7 +420,11 @@ class Consumer:
                     "kvlink_90pct": change_interval(w, r),
                     "transport_alone": statistics.median(ra) / statistics.median(wa) - 1,
                     "transport_alone_90pct": change_interval(wa, ra)}
+        # what the transport expects its copies to run at (cuda_ipc: what a poll's grace
+        # waits on), next to the device copy's rate in the same run
+        rate = getattr(self.peer.transport, "copy_rate", None) if self.peer else None
         return {"layers": c.layers, "kv_heads": c.heads, "blocks": c.blocks,
+                "copy_rate_estimate_gbps": None if rate is None else rate / 1e9,
                 "bytes_per_request": c.nbytes, "requests_per_mode": n_req,
                 "prefill_cache_blocks": self.prefill_blocks, "decode_cache_blocks": self.nblocks,
                 "modes": modes, "worker_stats_decode": stats,

@@ -805,7 +805,17 @@ class CudaIpcTransport(Transport):
         # to end (bench/results/gpu_grace_enqueue/)
         x.t_queued = time.perf_counter()
         x.ends_at = self._ends.posted(x.t_queued, x.nbytes)  # (0: not known yet)
+        copier = self._copier
+        if copier is not None and getattr(copier, "timed", None):  # times read once in
+            for nbytes, seconds in copier.device_times():  # (after this post's launch)
+                self._ends.timed(nbytes, seconds)
         return self._reap_locked() if self._released else []
+
+    @property
+    def copy_rate(self) -> float:
+        """Bytes a second our copies are expected to run at (what :meth:`ends_in` counts
+        with: the median of the last few timed on the device); 0 while not known."""
+        return self._ends.rate
 
     def ends_in(self, handle: int) -> float | None:
         """Optional hook (kvlink.transport, rule 6): seconds until ``handle``'s copy should

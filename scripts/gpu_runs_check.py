@@ -11,7 +11,9 @@ with its table passed with the launch and, forced, uploaded first, and ``copy_la
 ``kvlink.gpu.lane.Lane`` bound once, given the block ids) against one device copy of the same
 bytes, CUDA events, same run; each form's host time too. Every table form and the lane are
 checked byte for byte and for the refusal (the lane's bases translated at bind, the refused
-lane's not: its kernel looks each unit up). Writes gpu_runs_check.json.
+lane's not: its kernel looks each unit up). The lane copies the copier timed on the device
+itself (``device_times``: what cuda_ipc expects a copy to take) must agree with the CUDA events
+around the same copies within 0.8-1.25x. Writes gpu_runs_check.json.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def main() -> None:
     got = dst.cpu().numpy()  # (a copy on the default stream)
     out["lane_end_word"] = {"event": p.event, "marked": p.end is not None, "looks": looks,
                             "failed": p.failed(), "verified": bool(np.array_equal(got, want))}
+    copier.device_times()  # (the copies above: each behind a sleep or checked, not timed)
     # timing: copy of the expanded pinned records vs copy_runs vs a device copy, same bytes
     kinds = ("copy_expanded", "copy_runs", "copy_runs_uploaded", "copy_lane",
              "copy_lane_ctypes", "device_copy")
@@ -229,6 +232,13 @@ def main() -> None:
                 times[kind].append(a.elapsed_time(b) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items() if v}
     out["median_us"] = med
+    # the lane copies the copier timed itself on the device (one in 32, the first few more
+    # often: what cuda_ipc expects its copies to take, ends_in), against the same copies'
+    # CUDA events above
+    timed = copier.device_times()
+    out["lane_device_times"] = {
+        "n": len(timed), "bytes": sorted({b for b, _ in timed}),
+        "median_us": statistics.median(s for _, s in timed) * 1e6 if timed else None}
     out["ratio_device_copy_over_copy_runs"] = med["device_copy"] / med["copy_runs"]
     out["ratio_device_copy_over_copy_expanded"] = med["device_copy"] / med["copy_expanded"]
     out["ratio_device_copy_over_copy_lane"] = med["device_copy"] / med["copy_lane"]
@@ -253,6 +263,11 @@ def main() -> None:
     assert isinstance(end, dict)
     ok = ok and end["event"] == 0 and end["marked"] and end["looks"] > 0 and not end[
         "failed"] and end["verified"]
+    dt = out["lane_device_times"]
+    assert isinstance(dt, dict)
+    if launcher is not None:  # (lanes time their copies through the C launcher only)
+        ok = ok and dt["n"] > 0 and dt["bytes"] == [runs.nbytes] and (
+            0.8 <= dt["median_us"] / med["copy_lane"] <= 1.25)
     sys.exit(0 if ok else 1)
 
 

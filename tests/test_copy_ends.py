@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlink.gpu.ends import RATE_KEPT, CopyEnds
+from kvlink.gpu.ends import RATE_KEPT, TIMED_KEPT, CopyEnds
 
 MIB = 1 << 20
 
@@ -43,3 +43,28 @@ def test_a_copy_seen_late_does_not_slow_the_estimate_but_many_do() -> None:
     assert ends.rate == pytest.approx(100 * MIB / 0.002)
     ends.ended(100 * MIB, 0.0005)  # and a faster one counts at once
     assert ends.rate == pytest.approx(100 * MIB / 0.0005)
+
+
+def test_copies_timed_on_the_device_set_the_pace_and_sightings_no_longer_do() -> None:
+    """Once copies are timed on the device, a copy the host saw end says nothing more: seen
+    late (8 in flight, all seen after their posts) it would slow the estimate copy after
+    copy, seen early (its kernel started before the enqueue's time was taken) speed it up.
+    The estimate is the median of the last TIMED_KEPT device times: one timed while it
+    waited for the caller's stream (its time includes the wait) does not move it alone."""
+    ends = CopyEnds()
+    ends.ended(100 * MIB, 0.0005)  # a host sighting first: counted while nothing is timed
+    assert ends.rate == pytest.approx(100 * MIB / 0.0005)
+    ends.timed(100 * MIB, 0.001)  # the device: 100 MiB in 1 ms
+    assert ends.rate == pytest.approx(100 * MIB / 0.001)
+    for _ in range(200):
+        ends.ended(100 * MIB, 0.003)  # seen late, round after round
+    ends.ended(100 * MIB, 0.0002)  # seen early
+    assert ends.rate == pytest.approx(100 * MIB / 0.001)
+    for _ in range(TIMED_KEPT - 2):
+        ends.timed(100 * MIB, 0.001)
+    ends.timed(100 * MIB, 0.004)  # timed while the copy waited for the caller's stream
+    assert ends.rate == pytest.approx(100 * MIB / 0.001)
+    for _ in range(TIMED_KEPT):
+        ends.timed(100 * MIB, 0.002)  # the device did get slower (other work on it)
+    assert ends.rate == pytest.approx(100 * MIB / 0.002)
+    assert ends.posted(5.0, 100 * MIB) == pytest.approx(5.002)

@@ -318,6 +318,9 @@ _STATUS_BYTES = 8 * (END_WORD + 1)
 #: runs: a stream that never marks its end (a kernel that faulted, its context then dead)
 #: fails the copy, where an endless poll would hang it
 _LOOKS_BEFORE_ASKING = 4096
+#: one lane post in this many is timed on the device (two timing events on its stream: a
+#: driver call before its launch and one after), and the first (device_times)
+_TIMED_EVERY = 32
 
 
 def _size_class(nbytes: int) -> int:
@@ -418,6 +421,10 @@ class BatchCopier:
         #: whether a stream marks a host word here (cuStreamWriteValue32, a lane's end):
         #: asked at the first lane (None: not yet), which there is none without it
         self._marks: bool | None = None
+        #: lane posts until the next one timed on the device (see device_times), how many
+        #: were, and those whose times are not read yet: (copy, start and end events, bytes)
+        self._untimed = self._times = 0
+        self.timed: collections.deque[tuple[Pending, int, int, int]] = collections.deque()
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -719,6 +726,7 @@ class BatchCopier:
         OverflowError, and nothing was enqueued."""
         with self._lock:
             buf: _Pinned | None = None
+            start = 0  # a timed copy's start event (see device_times)
             try:
                 seq = next(self._seq) % (_I32 - 1) + 1
                 free = self._status_free  # (its status and end words: cleared by the launch)
@@ -743,14 +751,27 @@ class BatchCopier:
                     # bench/results/gpu_ab_6dccf04)
                     if self._order_event is None:  # ours for good: serves every order
                         self._order_event = self._events.take()
+                    self._untimed -= 1
+                    start = self._events.record_timed(raw) if self._untimed < 0 else 0
                     try:
                         lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
                                   self._order_event, check)
                     except (TypeError, ValueError, OverflowError):  # ids it does not take:
                         self._pinned[buf.size].append(buf)  # nothing made
+                        if start:  # (an event recorded again replaces its last record)
+                            self._events.recycle_timed(start)
                         raise
                 # (no event: the stream marks its end in buf, Pending.done reads it)
                 pending = self._track(stream, buf, seq, 0)
+                if start:  # after its end mark: the copy's time. The first few are timed
+                    self._times += 1  # one post apart, two, three...: a median soon
+                    self._untimed = min(self._times, _TIMED_EVERY)
+                    end = self._events.record_timed(raw)  # (0: refused; never raises: the
+                    if end:  # copy is enqueued, and a FAILED copy must not still move bytes)
+                        self.timed.append((pending, start, end,
+                                           len(src_ids) * lane.segments * lane.unit))
+                    else:
+                        self._events.recycle_timed(start)
                 if launcher is not None:
                     pending.ids = lane.posted(len(src_ids))
                 pending.checks_lane = check is not None
@@ -759,6 +780,27 @@ class BatchCopier:
                 held: tuple[Any, ...] = () if buf is None else (buf,)
                 return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
+
+    def device_times(self) -> list[tuple[int, float]]:
+        """(bytes, seconds on the device) of the lane copies timed since the last call whose
+        times are in — one post in :data:`_TIMED_EVERY`, bracketed by two timing events on
+        the copy's stream: what a transport expects its copies to take
+        (kvlink.gpu.ends.CopyEnds.timed), where the host sees them end late or early. A
+        copy that failed is left out (a refused kernel ends at once)."""
+        got = []
+        with self._lock:
+            while self.timed:
+                p, start, end, nbytes = self.timed[0]
+                try:
+                    seconds = self._events.elapsed(start, end)
+                except RuntimeError as exc:  # (both events recycled): not a copy's time
+                    log.debug("cuda_ipc: a timed copy's time: %s", exc)
+                    seconds = 0.0
+                if seconds is None:  # not ended yet: neither has any after it
+                    break
+                self.timed.popleft()
+                got.append((p, nbytes, seconds))
+        return [(n, s) for p, n, s in got if s > 0 and p.done() and not p.failed()]
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
                       table: npt.NDArray[np.uint64], spare: int, stream: Any,

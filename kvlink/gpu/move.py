@@ -799,11 +799,25 @@ class StreamOrder:
         return True
 
 
+def _elapsed_time(lib: Any) -> Any:
+    """cuEventElapsedTime (float milliseconds between two events), under whichever name this
+    driver exports it (CUDA 12.8 added a ``_v2`` of the same signature)."""
+    for name in ("cuEventElapsedTime", "cuEventElapsedTime_v2"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            vp = ctypes.c_void_p
+            fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_float), vp, vp], ctypes.c_int
+            return fn
+    raise RuntimeError("the CUDA driver exports no cuEventElapsedTime")
+
+
 class DriverEvents:
     """A copy's completion: driver events (no timing) recorded, queried and recycled through
-    ctypes — queried through kvlink's C helper where it builds (``event_query``: a poll of a
-    READ in flight makes one, and a ctypes foreign call costs about twice a C function's
-    cold, 11.9 against 6.5 us for getppid on the CPU VM: bench/results/cold_calls_alive).
+    ctypes (and, bracketing the copies timed on the device now and then, timing events:
+    :meth:`record_timed`, :meth:`elapsed`) — queried through kvlink's C helper where it
+    builds (``event_query``: a poll of a READ in flight makes one, and a ctypes foreign call
+    costs about twice a C function's cold, 11.9 against 6.5 us for getppid on the CPU VM:
+    bench/results/cold_calls_alive).
     torch's Event objects cost several microseconds a call cold, and a request pays one
     record as it is posted and a query at every poll that looks at it. ``device``: the index
     whose primary context a thread without a current one takes (a poll may come from a
@@ -822,6 +836,8 @@ class DriverEvents:
         #: here makes no call (BatchCopier.copy_lane, before its launch)
         self.free: list[int] = []
         self._query: Callable[[int], int] | None = _bind_event_query(self._lib)
+        self._timing_free: list[int] = []  # timing events (record_timed) to record again
+        self._elapsed: Any = None  # cuEventElapsedTime, bound at the first use
 
     def take(self) -> int:
         """An event to record (recycled, or new); :meth:`recycle` it if it was not recorded."""
@@ -868,9 +884,44 @@ class DriverEvents:
         """``ev`` (complete, or never waited on again) serves a later record."""
         self.free.append(ev)
 
-    def _create(self) -> int:
+    def record_timed(self, stream: int) -> int:
+        """A timing event (:meth:`elapsed` reads two) recorded on ``stream`` now: what a copy
+        timed on the device is bracketed by (kvlink.gpu.copy.BatchCopier.copy_lane). 0
+        where the driver refused (logged): a copy is not failed for its timing."""
+        try:
+            ev = self._timing_free.pop() if self._timing_free else self._create(0)
+        except RuntimeError as exc:
+            log.debug("cuda_ipc: no timing event: %s", exc)
+            return 0
+        rc = self._call(self._lib.cuEventRecord, ev, stream)
+        if rc:
+            self._timing_free.append(ev)
+            log.debug("cuda_ipc: recording a timing event failed with CUDA error %d", rc)
+            return 0
+        return ev
+
+    def elapsed(self, start: int, end: int) -> float | None:
+        """Seconds between two timing events recorded on one stream, once both are complete
+        (None before; both go back to serve later records). Raises RuntimeError naming the
+        driver's error, both events recycled."""
+        if self._elapsed is None:
+            self._elapsed = _elapsed_time(self._lib)
+        ms = ctypes.c_float()
+        rc = self._call(self._elapsed, ctypes.byref(ms), start, end)
+        if rc == NOT_READY:
+            return None
+        self._timing_free += (start, end)
+        if rc:
+            raise RuntimeError(f"cuEventElapsedTime failed with CUDA error {rc}")
+        return ms.value * 1e-3
+
+    def recycle_timed(self, *events: int) -> None:
+        """Timing events never waited on again (the copy they bracket failed at its post)."""
+        self._timing_free += events
+
+    def _create(self, flags: int = EVENT_DISABLE_TIMING) -> int:
         ev = ctypes.c_void_p()
-        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), EVENT_DISABLE_TIMING)
+        rc = self._call(self._lib.cuEventCreate, ctypes.byref(ev), flags)
         if rc:
             raise RuntimeError(f"cuEventCreate failed with CUDA error {rc}")
         return int(ev.value or 0)
