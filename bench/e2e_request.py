@@ -31,7 +31,8 @@ Baselines, same run, same extents/bytes: the transport alone (under a standing h
 whole prefill cache, as a least-privilege owner serves no READ without a grant; the worker's
 own connected transport and peer agent, ``plan_transfer`` once outside the timed window, post
 -> poll DONE, same poll mode, run right after each kvlink request); CPU: a plain-socket
-transfer of the same bytes (bench/tcp_vs_socket.socket_rounds); GPU: one contiguous device copy
+transfer of the same bytes right after each request and its transport-alone run
+(bench/tcp_vs_socket.SocketPeer, one peer process for the run); GPU: one contiguous device copy
 of the same bytes (CUDA events) and torch's in-process gather of the same block ids
 (index_select + index_copy_ per layer, CUDA events).
 Writes bench/results/e2e_request_<device>_<transport>[_write|_both].json.
@@ -120,7 +121,8 @@ class Consumer:
         self.verified: dict[str, int] = {}
         self.xfer: dict[str, list[float]] = {}
         self.peer: Any = None  # the handshake's Peer, after the first request
-        self.sock: dict[str, list[float]] = {"one": [], "many": []}
+        #: CPU, in run(): the plain-socket peer whose round follows each request (baselines)
+        self.socket_peer: Any = None
         #: --profile: cProfile of the timed windows of one-at-a-time spin requests
         self.profile: Any = None
         if getattr(args, "profile", None):
@@ -282,11 +284,20 @@ class Consumer:
         da = self.alone(plans, spin)
         for li, exp in zip(lids, exps):
             self._check(f"{tag}/transport_alone" if count_it else "warmup", li, exp)
+        self._socket_round(count, out, count_it)
         if count_it:
             out.setdefault("kvlink", []).append(dt)
             out.setdefault("transport_alone", []).append(da)
             out.setdefault("plan", []).append(plan_s)
             out.setdefault("descriptors", []).append(sum(p.descriptors for p in plans))
+
+    def _socket_round(self, count: int, out: dict[str, list[float]], count_it: bool) -> None:
+        """CPU: the same bytes through a plain socket, right after the request and its
+        transport-alone run (``socket_peer``; a warm-up's round allocates its buffers)."""
+        if self.socket_peer is not None:
+            took = self.socket_peer.round(self.case.nbytes * count)
+            if count_it:
+                out.setdefault("plain_socket", []).append(took)
 
     def write_round(self, tag: str, count: int, spin: bool, out: dict[str, list[float]],
                     count_it: bool) -> None:
@@ -324,6 +335,7 @@ class Consumer:
         da = self.alone(plans, spin, Op.WRITE)
         self._count(f"{tag}/transport_alone" if count_it else "warmup",
                     self.prod.ask(("check", list(zip(nos, range(count)))), "checked"))
+        self._socket_round(count, out, count_it)
         if count_it:
             out.setdefault("kvlink", []).append(dt)
             out.setdefault("transport_alone", []).append(da)
@@ -343,6 +355,10 @@ class Consumer:
         # --op both: a READ and a WRITE round of each shape (modes "<mode>_write"), so the
         # two ops are compared on the same stretch of the machine
         ops = ("read", "write") if self.args.op == "both" else (self.args.op,)
+        if not self.device.startswith("cuda"):
+            from tcp_vs_socket import SocketPeer
+
+            self.socket_peer = SocketPeer(MiB)
         for op in ops:
             self.one_round("warmup", 1, False, {}, count_it=False, op=op)  # handshake: not
             self.one_round("warmup", self.inflight, False, {}, count_it=False, op=op)  # timed
@@ -359,8 +375,6 @@ class Consumer:
                 tag = f"{mode}_write" if op == "write" and len(ops) > 1 else mode
                 self.one_round(tag, count, spin, raw[tag], op=op)
 
-        if not self.device.startswith("cuda"):
-            self.socket_half(n_req)
         for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise,
             # in a fresh order each round: a fixed one gives each mode the same predecessor,
             # and anything with a period of two polls showed up as a mode difference (the
@@ -375,8 +389,8 @@ class Consumer:
         stats = worker_stats(self.w)
         phases = phase_medians(self.w, self.name)
         stats_prefill = self.prod.ask(("stats",), "stats")
-        if not self.device.startswith("cuda"):
-            self.socket_half(n_req)
+        if self.socket_peer is not None:
+            self.socket_peer.close()
         bases = self.baselines()
         modes = {}
         for mode, r in raw.items():
@@ -403,6 +417,13 @@ class Consumer:
             if mode in phases:
                 row["worker_phases_median_s"] = phases[mode]
             b = bases.get(base_mode, {})
+            if "plain_socket" in r:  # CPU: the rounds right after each request of the modes
+                # that move these bytes (the poll mode is the caller's, a socket has none)
+                sock = [x for m, rr in raw.items() if m.removesuffix("_write") in (
+                    INFLIGHT_MODES if count > 1 else ("sleep", "spin"))
+                        for x in rr.get("plain_socket", ())]
+                b = {"plain_socket": {**_stats(sock), "raw_s": sock, "chunk_bytes": MiB,
+                                      "rounds": "one after each request of these bytes"}}
             row["baselines"] = b
             for base, key in (("device_copy", "ratio_device_copy_over_kvlink"),
                               ("gather", "ratio_gather_over_kvlink")):
@@ -430,29 +451,15 @@ class Consumer:
                 "modes": modes, "worker_stats_decode": stats,
                 "worker_stats_prefill": stats_prefill}
 
-    def socket_half(self, n_req: int) -> None:
-        """CPU: half of the plain-socket rounds (run before and after the kvlink rounds, so
-        both see the same stretch of the machine's noise)."""
-        from tcp_vs_socket import socket_rounds
-
-        reps = max(3, min(n_req, 50) // 2)
-        self.sock["one"] += socket_rounds(self.case.nbytes, MiB, reps)
-        self.sock["many"] += socket_rounds(self.case.nbytes * self.inflight, MiB,
-                                           max(2, reps // 4))
-
     def baselines(self) -> dict[str, dict[str, Any]]:
-        """Per mode: what the same bytes cost without kvlink (see the module docstring)."""
+        """GPU, per mode: what the same bytes cost without kvlink (see the module docstring;
+        the CPU's plain socket is measured request by request, in the rounds)."""
         out: dict[str, dict[str, Any]] = {}
-        if self.device.startswith("cuda"):
-            one = {"device_copy": self._device_copy(self.case.nbytes),
-                   "gather": self._gather(1)}
-            many = {"device_copy": self._device_copy(self.case.nbytes * self.inflight),
-                    "gather": self._gather(self.inflight)}
-        else:
-            one = {"plain_socket": {**_stats(self.sock["one"]), "raw_s": self.sock["one"],
-                                    "chunk_bytes": MiB}}
-            many = {"plain_socket": {**_stats(self.sock["many"]), "raw_s": self.sock["many"],
-                                     "chunk_bytes": MiB}}
+        if not self.device.startswith("cuda"):
+            return out
+        one = {"device_copy": self._device_copy(self.case.nbytes), "gather": self._gather(1)}
+        many = {"device_copy": self._device_copy(self.case.nbytes * self.inflight),
+                "gather": self._gather(self.inflight)}
         out["sleep"] = out["spin"] = one
         out["inflight8"] = out["inflight8_spin"] = many
         return out

@@ -17,42 +17,68 @@ import numpy as np
 from _common import write_result
 
 
-def _socket_server(port_q: Any, total: int, chunk: int, rounds: int) -> None:
-    buf = np.ones(total, dtype=np.uint8)
-    mv = memoryview(buf)
+def _socket_server(port_q: Any, chunk: int) -> None:
+    """Serves rounds until the client closes: each asks for ``total`` bytes (8 bytes, little
+    endian) and gets them in ``chunk``-byte sends from a buffer made once per size."""
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for _ in range(rounds):
-        conn.recv(1)
+    bufs: dict[int, memoryview] = {}
+    while len(ask := conn.recv(8, socket.MSG_WAITALL)) == 8:
+        total = int.from_bytes(ask, "little")
+        mv = bufs.get(total)
+        if mv is None:
+            mv = bufs[total] = memoryview(np.ones(total, dtype=np.uint8))
         for off in range(0, total, chunk):
             conn.sendall(mv[off : off + chunk])
     conn.close()
 
 
-def socket_rounds(total: int, chunk: int, rounds: int) -> list[float]:
-    q: Any = mp.get_context("spawn").Queue()
-    p = mp.get_context("spawn").Process(target=_socket_server, args=(q, total, chunk, rounds))
-    p.start()
-    port = q.get(timeout=60)
-    s = socket.create_connection(("127.0.0.1", port))
-    dst = np.zeros(total, dtype=np.uint8)
-    mv = memoryview(dst)
-    out = []
-    for _ in range(rounds):
+class SocketPeer:
+    """A plain-socket peer in a process of its own (spawned once): :meth:`round` asks it for
+    ``total`` bytes and times their arrival, ``recv_into`` straight into a destination buffer
+    of ours in ``chunk``-byte calls — the ceiling of any TCP transfer of those bytes here. One
+    peer serves a whole run, so its rounds can be interleaved with what they are the baseline
+    of (bench/e2e_request.py: one after each kvlink request), sharing the machine's noise."""
+
+    def __init__(self, chunk: int) -> None:
+        ctx = mp.get_context("spawn")
+        q: Any = ctx.Queue()
+        self._proc = ctx.Process(target=_socket_server, args=(q, chunk), daemon=True)
+        self._proc.start()
+        self._sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+        self._chunk = chunk
+        self._dst: dict[int, memoryview] = {}
+
+    def round(self, total: int) -> float:
+        """Seconds from asking for ``total`` bytes to the last of them received."""
+        mv = self._dst.get(total)
+        if mv is None:
+            mv = self._dst[total] = memoryview(np.zeros(total, dtype=np.uint8))
+        s, chunk = self._sock, self._chunk
         t = time.perf_counter()
-        s.send(b"g")
+        s.sendall(total.to_bytes(8, "little"))
         got = 0
         while got < total:
             n = s.recv_into(mv[got:], min(chunk, total - got))
             if n == 0:
                 raise RuntimeError("baseline peer closed")
             got += n
-        out.append(time.perf_counter() - t)
-    s.close()
-    p.join(timeout=30)
-    return out
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self._sock.close()
+        self._proc.join(timeout=30)
+
+
+def socket_rounds(total: int, chunk: int, rounds: int) -> list[float]:
+    """``rounds`` plain-socket transfers of ``total`` bytes in a row (a peer of their own)."""
+    peer = SocketPeer(chunk)
+    try:
+        return [peer.round(total) for _ in range(rounds)]
+    finally:
+        peer.close()
 
 
 def _kvlink_server(q: Any, done: Any, total: int) -> None:
