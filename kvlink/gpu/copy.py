@@ -772,11 +772,14 @@ class BatchCopier:
                                            len(src_ids) * lane.segments * lane.unit))
                     else:
                         self._events.recycle_timed(start)
+                    start = 0  # (device_times' now)
                 if launcher is not None:
                     pending.ids = lane.posted(len(src_ids))
                 pending.checks_lane = check is not None
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
+                if start:  # (a timing event no copy's time reads)
+                    self._events.recycle_timed(start)
                 held: tuple[Any, ...] = () if buf is None else (buf,)
                 return self._enqueue(stream, None, 0, held,
                                      error=f"{type(exc).__name__}: {exc}")
