@@ -232,9 +232,9 @@ def main() -> None:
                 times[kind].append(a.elapsed_time(b) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items() if v}
     out["median_us"] = med
-    # the lane copies the copier timed itself on the device (one in 32, the first few more
-    # often: what cuda_ipc expects its copies to take, ends_in), against the same copies'
-    # CUDA events above
+    # the lane copies the copier timed itself on the device (the first five, then one in 32:
+    # what cuda_ipc expects its copies to take, ends_in), against the same copies' CUDA
+    # events above
     timed = copier.device_times()
     out["lane_device_times"] = {
         "n": len(timed), "bytes": sorted({b for b, _ in timed}),

@@ -319,8 +319,9 @@ _STATUS_BYTES = 8 * (END_WORD + 1)
 #: fails the copy, where an endless poll would hang it
 _LOOKS_BEFORE_ASKING = 4096
 #: one lane post in this many is timed on the device (two timing events on its stream: a
-#: driver call before its launch and one after), and the first (device_times)
-_TIMED_EVERY = 32
+#: driver call before its launch and one after), and the first _TIMED_FIRST (device_times;
+#: kvlink.gpu.ends.CopyEnds counts with the median of the last five)
+_TIMED_EVERY, _TIMED_FIRST = 32, 5
 
 
 def _size_class(nbytes: int) -> int:
@@ -752,7 +753,9 @@ class BatchCopier:
                     if self._order_event is None:  # ours for good: serves every order
                         self._order_event = self._events.take()
                     self._untimed -= 1
-                    start = self._events.record_timed(raw) if self._untimed < 0 else 0
+                    if self._untimed < 0:  # (a driver that refuses timing events is asked
+                        self._untimed = _TIMED_EVERY - 1  # again no sooner than a timed post)
+                        start = self._events.record_timed(raw)
                     try:
                         lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
                                   self._order_event, check)
@@ -760,12 +763,13 @@ class BatchCopier:
                         self._pinned[buf.size].append(buf)  # nothing made
                         if start:  # (an event recorded again replaces its last record)
                             self._events.recycle_timed(start)
+                            self._untimed = 0  # (the next post is timed in its place)
                         raise
                 # (no event: the stream marks its end in buf, Pending.done reads it)
                 pending = self._track(stream, buf, seq, 0)
-                if start:  # after its end mark: the copy's time. The first few are timed
-                    self._times += 1  # one post apart, two, three...: a median soon
-                    self._untimed = min(self._times, _TIMED_EVERY)
+                if start:  # after its end mark: the copy's time (the first few back to
+                    self._times += 1  # back: the median of five the transport counts with)
+                    self._untimed = 0 if self._times < _TIMED_FIRST else _TIMED_EVERY - 1
                     end = self._events.record_timed(raw)  # (0: refused; never raises: the
                     if end:  # copy is enqueued, and a FAILED copy must not still move bytes)
                         self.timed.append((pending, start, end,
@@ -786,8 +790,8 @@ class BatchCopier:
 
     def device_times(self) -> list[tuple[int, float]]:
         """(bytes, seconds on the device) of the lane copies timed since the last call whose
-        times are in — one post in :data:`_TIMED_EVERY`, bracketed by two timing events on
-        the copy's stream: what a transport expects its copies to take
+        times are in — the first few, then one post in :data:`_TIMED_EVERY`, each bracketed by
+        two timing events on the copy's stream: what a transport expects its copies to take
         (kvlink.gpu.ends.CopyEnds.timed), where the host sees them end late or early. A
         copy that failed is left out (a refused kernel ends at once)."""
         got = []
