@@ -11,10 +11,11 @@ Why device times: a copy seen ended by the host only bounds the device's rate fr
 (the poll came after the end), and one seen early (its kernel started before the host took
 the enqueue's time) from above. With host times alone the estimate kept the best one seen,
 less :data:`RATE_KEPT` a copy — and 8 copies in flight are all seen late (the caller posts
-them all before it polls), so every round slowed it by 15 %: after a few rounds the last
-copy of 8 was expected a third of a millisecond after it ended, out of a poll's grace, and a
-caller sleeping between polls saw it a sleep later (bench/results/gpu_checks_cf9f8d4: 70B
-8 in flight 0.58x the copy sleeping, 0.68x polled; docs/e2e.md).
+them all before it polls), so every round of them slowed it by 15 % (0.98^8), the last of 8
+looked farther off than a poll's grace, and a caller sleeping between polls saw it a sleep
+later: in a 70B e2e run the polls waited for a copy once, 8 in flight at 0.58x the copy
+sleeping (bench/results/gpu_checks_cf9f8d4); counting with device times, 65 times, 0.71x
+(bench/results/gpu_device_timed; docs/e2e.md).
 """
 
 from __future__ import annotations
