@@ -1,0 +1,58 @@
+#!/bin/bash
+# The GPU checks and benches of a tree, in one call of the device machine (its README: no
+# internet, msgspec carried as a wheel).
+#
+#   here:    rm -rf .gpu_f && mkdir .gpu_f && git ls-files -z kvlink kvlink_transports scripts \
+#              'bench/*.py' | xargs -0 tar c | tar x -C .gpu_f
+#            (and the msgspec wheel for the device's Python in .whl2/)
+#   device:  bash .gpu_f/scripts/gpu_checks.sh LABEL [STEP...]     (carry .whl2 and .gpu_f)
+#
+# LABEL names the tree in the JSONs (KVLINK_COMMIT: the device's copy has no git metadata).
+# STEPs, in the order given (default: all of them, ~5 min on one H200):
+#   runs   scripts/gpu_runs_check.py: lanes byte for byte, refusals, end marks, device times
+#   order  scripts/gpu_stream_order_check.py: copies after the caller's stream (0 wrong)
+#   ipc    scripts/gpu_cuda_ipc_check.py: cuda_ipc between two processes
+#   e2e    bench/e2e_request.py --device cuda: issue 19's goals, through the public API
+#   host   bench/gpu_lane_host.py: a lane post's host time, the 70B and 8B cases
+#   io     bench/integrity_overhead.py --device cuda: issue 24's overhead, 500 requests a level
+# Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
+set -u
+label=${1:?usage: gpu_checks.sh LABEL [runs order ipc e2e host io]}
+shift
+steps=${*:-runs order ipc e2e host io}
+tree=$(cd "$(dirname "$0")/.." && pwd)
+wheels=$tree/.whl2  # (the checkout's own, or the one beside the copy in .gpu_f)
+[ -d "$wheels" ] || wheels=$tree/../.whl2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$wheels"/msgspec*.whl || exit 1
+export PYTHONUNBUFFERED=1 KVLINK_COMMIT=$label KVLINK_CACHE_DIR=/tmp/kvc
+O=/tmp/gpu_checks
+rm -rf $O && mkdir -p $O
+T0=$(date +%s)
+go() {  # tag limit cmd...
+    local tag=$1 lim=$2
+    shift 2
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$lim" "$@" > $O/$tag.log 2>&1)
+    echo "== $tag rc=$? [$(( $(date +%s) - T0 )) s]"
+    grep -E "Error|Traceback|FAIL|MISMATCH|MET|overhead|expects|copy_lane " $O/$tag.log \
+        | cut -c1-220 | tail -14
+}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for step in $steps; do
+    case $step in
+    runs) go runs 60 python3 scripts/gpu_runs_check.py --out $O
+          grep -A6 lane_device_times $O/runs.log | head -7 ;;
+    order) go order 60 python3 scripts/gpu_stream_order_check.py --out $O --modes order \
+               --timing-reps 0 ;;
+    ipc) go ipc 90 python3 scripts/gpu_cuda_ipc_check.py --out $O ;;
+    e2e) go e2e 200 python3 bench/e2e_request.py --device cuda --cases 70b-tp8,8b-tp1 \
+             --requests 40 --inflight-rounds 6 --layer-gap --out $O/e2e.json
+         grep -E "^ *(70b|8b)|poll grace" $O/e2e.log ;;
+    host) go host 120 python3 bench/gpu_lane_host.py --reps 200 --out $O/gpu_lane_host.json ;;
+    io) go io 240 python3 bench/integrity_overhead.py --device cuda --spin --cases 70b-tp8 \
+            --requests 500 --layer-gap --out $O/io500.json
+        tail -12 $O/io.log ;;
+    *) echo "unknown step $step (runs order ipc e2e host io)"; exit 2 ;;
+    esac
+done
+tar czf "${OUT:-/tmp}/results.tgz" -C $O .
