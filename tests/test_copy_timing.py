@@ -2,9 +2,11 @@
 what comes back, and that timing never fails or leaks a copy.
 
 The copier needs a GPU to be built; here its state is set up by hand around stand-ins for the
-driver's events, the C launcher and a lane (none of them can run without a GPU):
-scripts/gpu_runs_check.py runs the real ones and compares the copier's device times with
-CUDA events around the same copies. What is under test is the copier's own bookkeeping.
+driver's events, the C launcher and a lane: none of them can run without a GPU, and the faults
+injected — a driver refusing timing events, a launcher refusing ids, a kernel refusing an
+extent — cannot be produced on demand by the real ones. scripts/gpu_runs_check.py runs the real
+ones and compares the copier's device times with CUDA events around the same copies. What is
+under test is the copier's own bookkeeping.
 """
 
 from __future__ import annotations

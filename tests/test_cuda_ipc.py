@@ -501,7 +501,8 @@ def test_copies_seen_late_round_after_round_stay_expected_at_the_devices_pace(
     ended, out of a poll's grace (bench/results/gpu_checks_cf9f8d4: 8 in flight 0.58x the
     copy with a caller sleeping between polls). The device's own times of the copies timed
     there keep the pace: here 100 us a copy, every round seen 2 ms late. The clock and the
-    copier's device times are stand-ins (this file's fakes: no GPU here);
+    copier's device times are stand-ins (this file's fakes): copies seen exactly 2 ms late
+    cannot be produced on demand, and device times need a GPU, which this machine lacks;
     scripts/gpu_runs_check.py compares the real timed copies with CUDA events."""
     from kvlink.transport import XferStatus
     from kvlink_transports import cuda_ipc as mod
