@@ -194,6 +194,15 @@ def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
             "phases_median_s": {lv: {k: statistics.median(p[k] for p in ps) for k in ps[0]}
                                 for lv, ps in phases.items() if ps},
         }
+        # the copy kernel's part: lane copies timed on the device (one post in 32), by kind
+        # ("plain" is off's, "sample" and "full" the digest lanes'), against the request's
+        seconds = getattr(cons.peer.transport, "device_seconds", dict)() if cons.peer else {}
+        out["device_copy_median_s"] = {k: statistics.median(v) for k, v in seconds.items() if v}
+        out["device_copy_timed"] = {k: len(v) for k, v in seconds.items()}
+        if out["device_copy_median_s"]:
+            print("  the copy on the device (timed lane copies, median): " + ", ".join(
+                f"{k} {v * 1e6:.1f} us ({out['device_copy_timed'][k]})"
+                for k, v in out["device_copy_median_s"].items()))
         for lv, ph in out["phases_median_s"].items():
             print(f"  phases {lv}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in ph.items())
                   + f"; of which the consumer's check "

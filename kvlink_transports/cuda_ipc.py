@@ -811,6 +811,14 @@ class CudaIpcTransport(Transport):
                 self._ends.timed(nbytes, seconds)
         return self._reap_locked() if self._released else []
 
+    def device_seconds(self) -> dict[str, list[float]]:
+        """The lane copies timed on the device so far (one post in 32, the first few), in
+        seconds, by kind: "plain", or a digest lane's "sample" and "full" — for a bench to
+        tell the kernel's part of a request's time from the host's around it."""
+        copier = self._copier
+        kinds = getattr(copier, "seconds_by_kind", None) or {}
+        return {kind: list(times) for kind, times in kinds.items()}
+
     @property
     def copy_rate(self) -> float:
         """Bytes a second our copies are expected to run at (what :meth:`ends_in` counts

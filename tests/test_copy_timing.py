@@ -112,6 +112,7 @@ def _copier() -> tuple[Any, _Events, _Lane]:
     c._records, c._lent = collections.defaultdict(list), collections.OrderedDict()
     c._untimed = c._times = 0
     c.timed = collections.deque()
+    c.seconds_by_kind = {k: collections.deque() for k in ("plain", "sample", "full")}
     return c, events, _Lane()
 
 
@@ -147,6 +148,24 @@ def test_device_times_come_in_once_the_events_are_and_leave_failed_copies_out() 
     p3.buf.end.value = p3.seq
     assert c.device_times() == []  # not a copy's time
     assert not c.timed and {s1, e1, s3, e3} <= set(events.recycled)
+
+
+def test_device_times_are_kept_by_the_kind_of_lane_copy() -> None:
+    """A bench splits a request's time into the kernel's and the host's by these: a plain
+    lane's copy, a digest lane's that checks `sample`'s blocks, one that checks them all."""
+    c, events, lane = _copier()
+    digest_lane = _Lane()
+    digest_lane.digest = object()  # type: ignore[assignment]
+    posts = [(lane, False, 100e-6), (digest_lane, True, 102e-6), (digest_lane, False, 110e-6)]
+    for which, sample, _ in posts:  # (the first five posts are all timed)
+        c.copy_lane(which, [1, 2, 3], [4, 5, 6], _Stream(), None, generation=9, sample=sample)
+    for (p, start, end, _), (_, _, seconds) in zip(c.timed, posts):
+        events.done[(start, end)] = seconds
+        p.buf.end.value = p.seq
+        p.buf.check[:] = [gpucopy.NO_MISMATCH, 1, 0]  # (what a digest lane's kernel reports)
+    assert len(c.device_times()) == 3
+    assert {k: list(v) for k, v in c.seconds_by_kind.items()} == {
+        "plain": [100e-6], "sample": [102e-6], "full": [110e-6]}
 
 
 def test_a_driver_that_refuses_timing_events_is_asked_once_in_32_posts() -> None:

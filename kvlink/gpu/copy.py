@@ -193,7 +193,7 @@ class Pending:
 
     __slots__ = ("_done", "_failed", "buf", "checks_lane", "compared", "dbuf", "digest_at",
                  "digests", "end", "error", "event", "ids", "keep", "looks", "mismatch",
-                 "owner", "seq", "shared", "stream")
+                 "owner", "samples", "seq", "shared", "stream")
 
     def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
@@ -217,6 +217,7 @@ class Pending:
         #: the producer's rows compared (a digest lane's copy: known once done, 0 where a unit
         #: found none); ``checks_lane``: its kernel reports in ``buf``'s check words
         self.checks_lane = False
+        self.samples = False  # (a digest lane's copy that checks `sample`'s blocks only)
         self.compared = 0
         #: a lane's launch through the C launcher: the ids it launched with (source ids, then
         #: destination ids; int64, ours), whatever form the caller handed them in
@@ -322,6 +323,7 @@ _LOOKS_BEFORE_ASKING = 4096
 #: driver call before its launch and one after), and the first _TIMED_FIRST (device_times;
 #: kvlink.gpu.ends.CopyEnds counts with the median of the last five)
 _TIMED_EVERY, _TIMED_FIRST = 32, 5
+_KEPT_TIMES = 4096  # (BatchCopier.seconds_by_kind)
 
 
 def _size_class(nbytes: int) -> int:
@@ -426,6 +428,11 @@ class BatchCopier:
         #: were, and those whose times are not read yet: (copy, start and end events, bytes)
         self._untimed = self._times = 0
         self.timed: collections.deque[tuple[Pending, int, int, int]] = collections.deque()
+        #: the device times read so far, in seconds, by the kind of lane copy ("plain", or a
+        #: digest lane's "sample" and "full"): what a bench splits a request's time with
+        #: (the kernel against the host around it); the latest _KEPT_TIMES of each kind
+        self.seconds_by_kind: dict[str, collections.deque[float]] = {
+            kind: collections.deque(maxlen=_KEPT_TIMES) for kind in ("plain", "sample", "full")}
 
     def _plan(self, n: int, first_len: int, pieces: bool = True
               ) -> tuple[tuple[int, int, int], int, list[int]]:
@@ -780,6 +787,7 @@ class BatchCopier:
                 if launcher is not None:
                     pending.ids = lane.posted(len(src_ids))
                 pending.checks_lane = check is not None
+                pending.samples = sample
                 return pending
             except (RuntimeError, OSError) as exc:  # nothing of ours goes back: see copy()
                 if start:  # (a timing event no copy's time reads)
@@ -807,7 +815,11 @@ class BatchCopier:
                     break
                 self.timed.popleft()
                 got.append((p, nbytes, seconds))
-        return [(n, s) for p, n, s in got if s > 0 and p.done() and not p.failed()]
+        times = [(p, n, s) for p, n, s in got if s > 0 and p.done() and not p.failed()]
+        for p, _, s in times:
+            kind = "plain" if not p.checks_lane else "sample" if p.samples else "full"
+            self.seconds_by_kind[kind].append(s)
+        return [(n, s) for _, n, s in times]
 
     def _launch_table(self, name: str, shape: tuple[int, int, int], units: int,
                       table: npt.NDArray[np.uint64], spare: int, stream: Any,

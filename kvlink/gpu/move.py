@@ -242,6 +242,27 @@ __device__ __forceinline__ void kv_flush(u64* acc, int key, u64 part) {
   }
 }
 
+// A warp's copy of one unit that is not digested, with twice a digested unit's vectors in
+// flight a lane: the kernel's launch bound (KV_MINB blocks of KV_T threads an SM) leaves it
+// half the threads the plain copy (kv_move_runs) keeps resident, so the same bytes in flight
+// an SM take twice the vectors a thread. A `sample` READ's units are nearly all of this kind.
+__device__ __forceinline__ void kv_copy_unit(const int4* __restrict__ src, int4* dst, i64 nv,
+                                             int lane) {
+  for (i64 base = 0; base < nv; base += 64 * KV_U) {
+    int4 w[2 * KV_U];
+#pragma unroll
+    for (int u = 0; u < 2 * KV_U; ++u) {
+      const i64 j = base + lane + (i64)u * 32;
+      if (j < nv) w[u] = src[j];
+    }
+#pragma unroll
+    for (int u = 0; u < 2 * KV_U; ++u) {
+      const i64 j = base + lane + (i64)u * 32;
+      if (j < nv) dst[j] = w[u];
+    }
+  }
+}
+
 // (KV_MINB blocks an SM: without the bound the compiler keeps everything in registers and
 // fits two blocks, fewer units in flight than the plain copy keeps: move.DIGEST_SHAPE)
 extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
@@ -347,7 +368,17 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   } else if (mine && lane == 0) {
     bad[2] = 1;
   }
+#else
+  i64 slot = t[2 * S + 2 * n + r];
+  // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
+  // after-check then rejects the READ), and a row past the expected ones must not send the
+  // reads below out of the board
+  if (slot >= nrows) slot = -1;
 #endif
+  if (slot < 0) {  // the whole warp: a unit not checked is only copied
+    kv_copy_unit(src, dst, nv, lane);
+    return;
+  }
   // The unit's first trip. A checked unit has looked its rows up above, first: with its
   // loads issued before the lookup (as when the kernel read the slot itself, three round
   // trips) `sample` took 2 us more (bench/results/gpu_digest_slot/variants/, A against B)
@@ -358,12 +389,7 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
     if (j < nv) v[u] = src[j];
   }
 #if !KV_BOARD
-  i64 slot = t[2 * S + 2 * n + r];
-  // Bounded: rows a withdrawn hold's pages show may be anything by now (the reader's
-  // after-check then rejects the READ), and a row past the expected ones must not send the
-  // reads below out of the board
-  if (slot >= nrows) slot = -1;
-  if (slot >= 0 && expect) {
+  if (expect) {
     const i64 at = (slot * S * Q + seg * Q) * H;
     if (lane < keys) want0 = expect[at + lane];
     if (lane + 32 < keys) want1 = expect[at + lane + 32];
@@ -404,7 +430,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       const i64 j = j0 + (i64)u * 32;
       if (j < nv) dst[j] = v[u];
     }
-    if (slot < 0) continue;  // the same for the whole warp
     if (dense) {
 #pragma unroll
       for (int u = 0; u < KV_U; ++u) {
@@ -453,7 +478,6 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
       if (k >= 0) part += x;
     }
   }
-  if (slot < 0) return;
   kv_flush(acc[group], key, part);
   __syncwarp();
   for (int i = lane; i < keys; i += 32) {
