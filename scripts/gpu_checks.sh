@@ -12,14 +12,15 @@
 #   runs   scripts/gpu_runs_check.py: lanes byte for byte, refusals, end marks, device times
 #   order  scripts/gpu_stream_order_check.py: copies after the caller's stream (0 wrong)
 #   ipc    scripts/gpu_cuda_ipc_check.py: cuda_ipc between two processes
+#   fused  scripts/gpu_fused_digest_check.py: the copy kernel's integrity digest (issue 24)
 #   e2e    bench/e2e_request.py --device cuda: issue 19's goals, through the public API
 #   host   bench/gpu_lane_host.py: a lane post's host time, the 70B and 8B cases
 #   io     bench/integrity_overhead.py --device cuda: issue 24's overhead, 500 requests a level
 # Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
 set -u
-label=${1:?usage: gpu_checks.sh LABEL [runs order ipc e2e host io]}
+label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io]}
 shift
-steps=${*:-runs order ipc e2e host io}
+steps=${*:-runs order ipc fused e2e host io}
 tree=$(cd "$(dirname "$0")/.." && pwd)
 wheels=$tree/.whl2  # (the checkout's own, or the one beside the copy in .gpu_f)
 [ -d "$wheels" ] || wheels=$tree/../.whl2
@@ -45,6 +46,8 @@ for step in $steps; do
     order) go order 60 python3 scripts/gpu_stream_order_check.py --out $O --modes order \
                --timing-reps 0 ;;
     ipc) go ipc 90 python3 scripts/gpu_cuda_ipc_check.py --out $O ;;
+    fused) go fused 120 python3 scripts/gpu_fused_digest_check.py --out $O
+           grep -A10 '"board_lane_cost"' $O/gpu_fused_digest_check.json | grep _us ;;
     e2e) go e2e 200 python3 bench/e2e_request.py --device cuda --cases 70b-tp8,8b-tp1 \
              --requests 40 --inflight-rounds 6 --layer-gap --out $O/e2e.json
          grep -E "^ *(70b|8b)|poll grace" $O/e2e.log ;;
@@ -52,7 +55,7 @@ for step in $steps; do
     io) go io 240 python3 bench/integrity_overhead.py --device cuda --spin --cases 70b-tp8 \
             --requests 500 --layer-gap --out $O/io500.json
         tail -12 $O/io.log ;;
-    *) echo "unknown step $step (runs order ipc e2e host io)"; exit 2 ;;
+    *) echo "unknown step $step (runs order ipc fused e2e host io)"; exit 2 ;;
     esac
 done
 tar czf "${OUT:-/tmp}/results.tgz" -C $O .

@@ -277,9 +277,45 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   __shared__ u64 acc[KV_GROUPS][KV_DMAX];
   const int group = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const i64 item = (i64)blockIdx.x * KV_GROUPS + group;
+#if KV_BOARD
+  // `full` (bpick 0) on a digest lane: the units are taken block by block (a block's
+  // segments one after another), so the producer's rows of a block of warps' units are
+  // consecutive words on its board (kvlink.integrity.pack: a row a block, a segment's
+  // digests after another's), read once for them all, with the hold's header, into shared
+  // memory. Read unit by unit they were two PCIe reads a unit (81,920 for the 70B request),
+  // and how fast those go differs between hosts: `full` cost +8 % on one H100 start and
+  // +100-110 % on another (bench/results/gpu_digest_copy_unit/). `sample` checks a few
+  // blocks, each segment's in the launcher's order, and reads its rows unit by unit.
+  __shared__ u64 stage[4 + KV_GROUPS * KV_DMAX];
+  const bool whole = bpick == 0;
+  const i64 i0 = (i64)blockIdx.x * KV_GROUPS;
+  bool fits = false;  // (the hold's bytes hold a `full` request of this shape: as below)
+  if (whole) {  // the whole block of threads, before any leaves
+    const int ks = (int)Q * (int)geo[0];
+    const u64 per = (u64)(S * ks), soff = (u64)bat, slen = (u64)blen;
+    fits = ks <= KV_DMAX && slen >= 32 && (soff & 7) == 0 && soff >= (u64)blo &&
+           soff <= (u64)bhi && slen <= (u64)bhi - soff &&
+           32 + 16 * (u64)n + 8 * (u64)n * per <= slen;
+    if (fits) {
+      const u64* h = expect + soff / 8;
+      const u64* rows = h + 4 + 2 * n + i0 * ks;
+      const i64 cnt = S * n - i0 < KV_GROUPS ? S * n - i0 : KV_GROUPS;
+      for (i64 w = threadIdx.x; w < 4 + cnt * ks; w += KV_T)
+        stage[w] = w < 4 ? h[w] : rows[w - 4];
+    }
+    __syncthreads();
+  }
+#else
+  const bool whole = false;
+#endif
   if (item >= S * n) return;  // the whole warp
   i64 seg, q;  // q: the block's place in the order the units are taken in
-  if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
+  if (whole && S * n <= 0x7fffffffLL) {
+    const unsigned ui = (unsigned)item, us = (unsigned)S, uq = ui / us;
+    q = uq; seg = ui - uq * us;
+  } else if (whole) {
+    q = item / S; seg = item - q * S;
+  } else if (S * n <= 0x7fffffffLL) {  // 32-bit divisions, not emulated 64-bit ones
     const unsigned ui = (unsigned)item, un = (unsigned)n, us = ui / un;
     seg = us; q = ui - us * un;
   } else {
@@ -349,7 +385,13 @@ extern "C" __global__ void __launch_bounds__(KV_T, KV_MINB) kv_move_digest(
   const u64 per = (u64)(S * keys);  // digest words a row
   const u64 soff = (u64)bat, slen = (u64)blen;
   bool found = false;
-  if (mine && slen >= 32 && (soff & 7) == 0 && soff >= (u64)blo && soff <= (u64)bhi &&
+  if (whole) {  // read above, for the block of threads: this unit's row is its place
+    const u64* st = stage + 4 + (item - i0) * keys;
+    if (fits && lane < keys) want0 = st[lane];
+    if (fits && lane + 32 < keys) want1 = st[lane + 32];
+    found = fits && stage[0] == (u64)picked && stage[1] == 0 && stage[2] == (u64)n &&
+            stage[3] == per;
+  } else if (mine && slen >= 32 && (soff & 7) == 0 && soff >= (u64)blo && soff <= (u64)bhi &&
       slen <= (u64)bhi - soff &&
       32 + 8 * ((u64)n + (u64)picked) + 8 * (u64)picked * per <= slen) {
     // one round trip: the header, the block's row and the unit's digests at once
