@@ -148,8 +148,13 @@ def run_case(args: argparse.Namespace, name: str, prod: Any) -> dict[str, Any]:
         cons.one_round("warmup", 1, False, {}, count_it=False)
         profs = _profilers(args)
         order = np.random.default_rng(args.seed)
-        for _ in range(args.requests):
-            for level in order.permutation(SERIES).tolist():  # see the module docstring
+        run = args.run_length
+        for _ in range(-(-args.requests // run)):
+            # see the module docstring; --run-length N: each level's requests N in a row
+            levels = [lv for lv in order.permutation(SERIES).tolist() for _ in range(run)]
+            for level in levels:
+                if len(samples[level]) >= args.requests:
+                    continue
                 setting = "off" if level == "off_control" else level
                 cons.w.integrity.level = type(cons.w.integrity.level)(setting)
                 prod.ask(("integrity", setting), "integrity")
@@ -229,6 +234,11 @@ def main() -> None:
                     help="default cpu: 1gib,70b-tp8; cuda: 70b-tp8,8b-tp1")
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per level (default cuda 30, cpu 6)")
+    ap.add_argument("--run-length", type=int, default=1, metavar="N",
+                    help="a level's requests N in a row, the levels' runs in a fresh order "
+                         "each round (default 1: request by request). A deployment runs one "
+                         "level: its path is then warm from the request before, which one "
+                         "request at a time in turn is not")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--spin", action="store_true",
@@ -248,6 +258,8 @@ def main() -> None:
     args.device_name = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     args.options, args.inflight, args.integrity, args.op = {}, 1, "full", "read"
     args.requests = args.requests or (30 if args.device == "cuda" else 6)
+    if args.run_length < 1:
+        sys.exit(f"--run-length must be at least 1, got {args.run_length}")
     names = (args.cases or ("70b-tp8,8b-tp1" if args.device == "cuda" else "1gib,70b-tp8")
              ).split(",")
     if args.device == "cuda":
@@ -283,7 +295,10 @@ def main() -> None:
         "device_name": e2e._gpu_name(args) if args.device == "cuda" else "cpu",
         "kvlink_commit": e2e._git_commit(),
         "poll": "tight loop" if args.spin else "sleep 0.2 ms between polls",
-        "levels": "interleaved request by request (Checker.level switched on both sides)",
+        "levels": ("interleaved request by request" if args.run_length == 1 else
+                   f"interleaved in runs of {args.run_length} requests a level")
+                  + " (Checker.level switched on both sides)",
+        "run_length": args.run_length,
         "registered_regions": regions_label(),
         "idle_poll_after_each_window": not args.no_idle_poll,
         "omp_wait_policy": omp,
