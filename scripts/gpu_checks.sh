@@ -16,6 +16,7 @@
 #   e2e    bench/e2e_request.py --device cuda: issue 19's goals, through the public API
 #   host   bench/gpu_lane_host.py: a lane post's host time, the 70B and 8B cases
 #   io     bench/integrity_overhead.py --device cuda: issue 24's overhead, 500 requests a level
+#          request by request, then 200 in runs of 20 a level
 # Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
 set -u
 label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io]}
@@ -54,7 +55,12 @@ for step in $steps; do
     host) go host 120 python3 bench/gpu_lane_host.py --reps 200 --out $O/gpu_lane_host.json ;;
     io) go io 240 python3 bench/integrity_overhead.py --device cuda --spin --cases 70b-tp8 \
             --requests 500 --layer-gap --out $O/io500.json
-        tail -12 $O/io.log ;;
+        tail -12 $O/io.log
+        # (levels in runs of 20: a deployment's one level, its path warm)
+        go io_runs20 120 python3 bench/integrity_overhead.py --device cuda --spin \
+            --cases 70b-tp8 --requests 200 --run-length 20 --layer-gap \
+            --out $O/io200_runs20.json
+        grep -E "overhead|on the device" $O/io_runs20.log ;;
     *) echo "unknown step $step (runs order ipc fused e2e host io)"; exit 2 ;;
     esac
 done
