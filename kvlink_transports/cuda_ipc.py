@@ -816,8 +816,9 @@ class CudaIpcTransport(Transport):
         seconds, by kind: "plain", or a digest lane's "sample" and "full" — for a bench to
         tell the kernel's part of a request's time from the host's around it."""
         copier = self._copier
-        kinds = getattr(copier, "seconds_by_kind", None) or {}
-        return {kind: list(times) for kind, times in kinds.items()}
+        if copier is None:
+            return {}
+        return {kind: list(times) for kind, times in copier.seconds_by_kind.items()}
 
     @property
     def copy_rate(self) -> float:
