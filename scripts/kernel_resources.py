@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+from kvlink.gpu.move import kernel_defines  # noqa: E402  (this tree's, on the path above)
 
 Shape = tuple[int, int, int]  # (threads a block, threads per part, vectors in flight)
 
@@ -58,35 +60,38 @@ class Source(NamedTuple):
 
 
 class Form(NamedTuple):
-    """One compilation of the source: the defines kvlink.gpu.move._compile passes."""
+    """One compilation of the source (kvlink.gpu.move.kernel_defines' arguments) and the
+    kernels launched in that form."""
 
     label: str
+    kernels: tuple[str, ...]
     shape: Shape
     words: int  # the table passed by value (0: a pointer)
     ids: bool  # KV_IDS: a lane's block-id form
     board: bool  # KV_BOARD: a digest lane's, reading the producer's hold board
 
 
+_PLAIN = ("kv_move", "kv_move_runs")
+
+
 def forms(src: Source) -> list[Form]:
     """What the lanes and the general path launch (kvlink.gpu.lane, kvlink.gpu.copy)."""
     return [
-        Form("plain lane, small units", src.small, src.words, True, False),
-        Form("plain lane, large units", src.large, src.words, True, False),
-        Form("digest lane (hold board)", src.digest, src.words, True, True),
-        Form("general, table with the launch", src.small, src.words, False, False),
-        Form("general, table in memory", src.small, 0, False, False),
-        Form("general, large extents", src.large, 0, False, False),
-        Form("digest, rows given", src.digest, src.words, False, False),
+        Form("plain lane, small units", ("kv_move_runs",), src.small, src.words, True, False),
+        Form("plain lane, large units", ("kv_move_runs",), src.large, src.words, True, False),
+        Form("digest lane (hold board)", ("kv_move_digest",), src.digest, src.words, True,
+             True),
+        Form("general, table with the launch", _PLAIN, src.small, src.words, False, False),
+        Form("general, table in memory", _PLAIN, src.small, 0, False, False),
+        Form("general, large extents", _PLAIN, src.large, 0, False, False),
+        Form("digest, rows given", ("kv_move_digest",), src.digest, src.words, False, False),
     ]
 
 
 def compile_form(nvcc: str, arch: str, src: Source, form: Form) -> str:
     """ptxas' resource report of ``form`` (raises CalledProcessError with nvcc's output)."""
-    t, tp, u = form.shape
-    defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
-               f"#define KV_DMAX {src.dmax}\n#define KV_PW {form.words}\n"
-               f"#define KV_MINB {src.min_blocks}\n#define KV_IDS {int(form.ids)}\n"
-               f"#define KV_BOARD {int(form.board)}\n")
+    defines = kernel_defines(form.shape, form.words, form.ids, form.board, src.dmax,
+                             src.min_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "kv_move.cu"
         cu.write_text(defines + src.code)
@@ -136,9 +141,8 @@ def main() -> int:
             print(f"  {form.label}: does not compile\n{exc.stdout}{exc.stderr}")
             bad += 1
             continue
-        digest = form.shape == src.digest
-        for name in ("kv_move_digest",) if digest else ("kv_move", "kv_move_runs"):
-            if name in kernels and not (form.ids and name == "kv_move"):
+        for name in form.kernels:
+            if name in kernels:
                 regs, stores, loads, smem = kernels[name]
                 flag = "  SPILLS" if stores or loads else ""
                 print(f"  {form.label:32s} {name:15s} {regs:3d} registers, spills "

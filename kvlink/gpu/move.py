@@ -589,6 +589,19 @@ def _driver() -> Any:
     return lib
 
 
+def kernel_defines(shape: tuple[int, int, int], words: int = 0, ids: bool = False,
+                   board: bool = False, dmax: int = DIGEST_MAX,
+                   min_blocks: int = DIGEST_MIN_BLOCKS) -> str:
+    """The preprocessor lines that make :data:`SOURCE` one form of the kernels (see
+    :func:`_compile`); ``dmax`` and ``min_blocks`` default to this module's, and are given by
+    scripts/kernel_resources.py, which compiles another tree's source offline."""
+    t, tp, u = shape
+    return (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
+            f"#define KV_DMAX {dmax}\n#define KV_PW {words}\n"
+            f"#define KV_MINB {min_blocks}\n#define KV_IDS {int(ids)}\n"
+            f"#define KV_BOARD {int(board)}\n")
+
+
 def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
              words: int = 0, ids: bool = False, board: bool = False) -> Any:
     """Kernel ``name`` for ``shape`` on ``device`` (compiled once per process and device);
@@ -601,13 +614,9 @@ def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
     with _compile_lock:
         fn = _compiled.get(key)
         if fn is None:
-            t, tp, u = shape
-            defines = (f"#define KV_T {t}\n#define KV_TP {tp}\n#define KV_U {u}\n"
-                       f"#define KV_DMAX {DIGEST_MAX}\n#define KV_PW {words}\n"
-                       f"#define KV_MINB {DIGEST_MIN_BLOCKS}\n#define KV_IDS {int(ids)}\n"
-                       f"#define KV_BOARD {int(board)}\n")
             with torch.cuda.device(device):
-                fn = torch.cuda._compile_kernel(defines + SOURCE, name)
+                fn = torch.cuda._compile_kernel(
+                    kernel_defines(shape, words, ids, board) + SOURCE, name)
             _compiled[key] = fn
         return fn
 
