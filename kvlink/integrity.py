@@ -567,7 +567,8 @@ class Checker:
         if not len(digest_ids):
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
-                    "(is integrity off there?): not trusted")
+                    "(is integrity off there, or was it held before its KV was final?): "
+                    "not trusted")
         assert self.planes is not None
         i_idx, j_idx = match(remote_ids, digest_ids)
         if not i_idx.size:

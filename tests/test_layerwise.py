@@ -126,12 +126,103 @@ def test_layer_ranges_are_checked_naming_the_values() -> None:
         decode.close()
 
 
-def test_integrity_with_a_layer_wise_push_is_refused_clearly() -> None:
-    prefill, decode = rank("p", 1, integrity="full"), rank("d", 2, integrity="full")
+def _keep(w: KVWorker, i: int) -> np.ndarray:
+    return np.asarray(w._keep[1][i])  # type: ignore[attr-defined]
+
+
+def pushed_in_two(prefill: KVWorker, decode: KVWorker, between=lambda: None) -> tuple[bool, str]:
+    """Layers [0, 2) pushed and landed, then ``between()``, then [2, 4): the push's outcome."""
+    msg = asked(prefill, decode)
+    prefill.push(msg, HELD, lease="r0", layers=(0, 2))
+    landed(prefill, decode, 2)
+    assert "r0" not in decode.poll()[0]  # landed is not loaded
+    between()
+    prefill.push(msg, HELD, lease="r0", layers=(2, 4))
+    return outcome(decode, "r0", 10, step=lambda: prefill.poll())
+
+
+@pytest.mark.parametrize("level", ["full", "sample"])
+def test_integrity_checks_a_layer_wise_push_once_its_last_layer_is_written(level: str) -> None:
+    """With integrity on, the prefill digests the pushed blocks once every layer is written
+    (the KV is final only then) and sends them with "written"; the decode checks every layer
+    of what landed before the push finishes. (Refused before: integrity did not cover it.)"""
+    prefill = rank("p", 1, integrity=level)
+    decode = rank("d", 2, integrity=level)
     try:
-        msg = asked(prefill, decode)
-        with pytest.raises(ConfigError, match="does not cover layer-wise pushes"):
-            prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        ok, reason = pushed_in_two(prefill, decode)
+        assert ok, reason
+        for i in range(4):
+            assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
+        checked = decode.integrity.checked_blocks
+        assert (checked == 3 if level == "full" else 1 <= checked <= 3), checked
+        assert decode.integrity.failures == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("level", ["full", "off"], ids=["full", "off control"])
+@pytest.mark.parametrize("fault", ["landed block overwritten", "source block reused"])
+def test_a_layer_wise_push_with_wrong_kv_fails_naming_the_layer(level: str, fault: str) -> None:
+    """Between two ranges (both injected): a byte of layer 0 that already landed in the
+    decode's block is overwritten (a late write into it), or the prefill's block of layer 1,
+    already pushed, is rewritten (the block reused under the push). Either way the KV the
+    decode holds is not the prefill's: the push fails naming block and layer; with integrity
+    off the same push finishes with the wrong bytes (the control)."""
+    prefill = rank("p", 1, integrity=level)
+    decode = rank("d", 2, integrity=level)
+
+    def inject() -> None:
+        if fault == "landed block overwritten":
+            _keep(decode, 0)[0, LOCAL[1], 2, 1, 3] ^= 1
+        else:
+            _keep(prefill, 1)[1, HELD[2], 0, 0, 5] ^= 1
+
+    try:
+        ok, reason = pushed_in_two(prefill, decode, inject)
+        wrong = [i for i in range(4)
+                 if not np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))]
+        assert wrong == ([0] if fault == "landed block overwritten" else [1])
+        if level == "off":
+            assert ok, reason  # silently wrong: what integrity is for
+            return
+        bad = LOCAL[1] if fault == "landed block overwritten" else LOCAL[2]
+        assert not ok and "differs from the producer's" in reason, reason
+        assert f"local block {bad} " in reason and f"layer {wrong[0]}," in reason, reason
+        assert decode.integrity.failures == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["held not final", "held final: control"])
+def test_a_hold_before_its_kv_is_written_fixes_no_digests(final: bool) -> None:
+    """vLLM's layer-wise flow holds a request when its forward starts, before the KV is
+    written. Held with ``final=False`` no digests are fixed then: a whole push from that hold
+    after the forward digests the written blocks and passes, and a READ of it fails closed
+    (no digest to trust). The control: digests fixed at such a hold describe the KV before
+    the forward, and the push of the right KV fails against them."""
+    prefill = rank("p", 1, integrity="full")
+    decode = rank("d", 2, integrity="full")
+    try:
+        prefill.hold("r0", HELD, final=final)
+        for i in range(4):  # the forward writes the request's KV
+            _keep(prefill, i)[:, HELD] += 1
+        decode.expect_push("r0", remote(prefill), LOCAL, timeout=20)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg,) = prefill.push_requests()
+        prefill.push(msg, HELD, lease="r0")
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        if final:
+            assert not ok and "differs from the producer's" in reason, reason
+            return
+        assert ok, reason
+        for i in range(4):
+            assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
+        gen = prefill.hold("r1", HELD, final=False)
+        decode.read("r1", remote(prefill), LOCAL, HELD, generation=gen)
+        ok, reason = outcome(decode, "r1", 10, step=lambda: prefill.poll())
+        assert not ok and "sent no digest" in reason, reason
     finally:
         prefill.close()
         decode.close()

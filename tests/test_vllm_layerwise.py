@@ -79,18 +79,19 @@ def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
 class _Pair:
     """A layer-wise prefill and a push-mode decode PullWorker over packed 3-layer caches."""
 
-    def __init__(self, push_timeout: float = 10.0) -> None:
+    def __init__(self, push_timeout: float = 10.0, integrity: str = "off") -> None:
         port, dport = free_port_range(1), free_port_range(1)
         self.src = [_packed((0, 1, 2, 3)) for _ in range(3)]
         self.dst = [torch.zeros_like(t) for t in self.src]
         self.prod = PullWorker(Settings.from_config("P", "kv_producer", {
-            "side_channel_port": port, "layerwise": True}), 0, 1)
+            "side_channel_port": port, "layerwise": True, "integrity": integrity}), 0, 1)
         self.cons = PullWorker(Settings.from_config("D", "kv_consumer", {
-            "side_channel_port": dport, "mode": "push", "push_timeout": push_timeout}), 0, 1)
+            "side_channel_port": dport, "mode": "push", "push_timeout": push_timeout,
+            "integrity": integrity}), 0, 1)
         for w, caches in ((self.prod, self.src), (self.cons, self.dst)):
             layers = {f"l{i}": t for i, t in enumerate(caches)}
             found = detect(layers, total_kv_heads=2, tp_size=1, tp_rank=0, use_mla=False)
-            w.register(found.spec)
+            w.register(found.spec, found.planes)
             w.set_layer_names(layer_ranges(layers, found.spec.num_layers))
         remote = parse_remote({"remote_engine_id": "P", "remote_request_id": KEY,
                                "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1,
@@ -129,9 +130,9 @@ class _Pair:
         self.cons.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[_Pair]:
-    p = _Pair()
+@pytest.fixture(params=["off", "full"], ids=["integrity off", "integrity full"])
+def pair(request: pytest.FixtureRequest) -> Iterator[_Pair]:
+    p = _Pair(integrity=request.param)
     try:
         yield p
     finally:
@@ -172,6 +173,38 @@ def test_layers_stream_during_the_forward_and_sent_waits_for_the_scheduler(pair:
     assert counters.get("push_layer_ranges") == 3, counters
     assert counters.get("push_layerwise_requests") == 1 and counters.get("push_sent_requests")
     assert pair.cons.take_stats()[0].get("recv_pushed_requests") == 1
+
+
+@pytest.mark.parametrize("integrity", ["full", "off"], ids=["full", "off control"])
+def test_a_late_write_into_a_landed_layer_fails_the_receive(integrity: str) -> None:
+    """Layer 0 lands in the decode's blocks, then a byte of it is overwritten there (injected:
+    a late write, as SGLang #24527 saw). The prefill held the request before its forward
+    wrote the KV, so its digests are taken once every layer is written; the decode checks
+    them before it reports the request received: with integrity on it fails the receive
+    (recomputed by policy), never loads it; off (the control) it loads the wrong KV."""
+    pair = _Pair(integrity=integrity)
+    try:
+        pair.ask()
+        pair.prod.begin_forward(StepPlan(layerwise=[_lr()], keys={KEY: "r1"}))
+        pair.forward(0, 10.0)
+        _until(lambda: (pair.prod._poll(), pair.cons._w().layers_landed(KEY) >= 1)[1], 10,
+               "layer 0 landed")
+        pair.dst[0][4].view(-1)[7] += 1  # the late write
+        pair.forward(1, 20.0)
+        pair.forward(2, 30.0)
+        pair.prod.finish_forward()
+        _until(lambda: (pair.step(), "d1" in pair.recv.finished_recving
+                        or "d1" in pair.recv.failed_recving)[1], 10, "the receive ended")
+        if integrity == "off":
+            assert "d1" in pair.recv.finished_recving and not pair.recv.failed_recving
+            assert not torch.equal(pair.dst[0][4], pair.src[0][1])  # silently wrong
+            return
+        # (ended, as vLLM hears of a load that failed: its blocks recomputed by policy)
+        assert "differs from the producer's" in pair.recv.failed_recving["d1"], pair.recv
+        assert "layer 0" in pair.recv.failed_recving["d1"]
+        assert pair.cons._w().integrity.failures == 1
+    finally:
+        pair.close()
 
 
 def test_ids_not_there_at_the_forward_falls_back_to_a_whole_push(pair: _Pair) -> None:
@@ -303,8 +336,9 @@ def test_scheduler_stops_waiting_and_an_aborted_candidate_is_held_back() -> None
 def test_layerwise_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="layerwise is a prefill setting"):
         Settings.from_config("D", "kv_consumer", {"layerwise": True, "mode": "push"})
-    with pytest.raises(ConfigError, match="digests do not cover layer-wise"):
-        Settings.from_config("P", "kv_producer", {"layerwise": True, "integrity": "full"})
+    # (integrity covers layer-wise pushes: their digests are taken once every layer is written)
+    lw = Settings.from_config("P", "kv_producer", {"layerwise": True, "integrity": "full"})
+    assert lw.layerwise and lw.integrity == "full"
     with pytest.raises(ConfigError, match="layerwise_min_tokens must be >= 0"):
         Settings.from_config("P", "kv_producer", {"layerwise_min_tokens": -1})
     s = Settings.from_config("P", "kv_producer", {"layerwise": True})
@@ -344,8 +378,8 @@ def test_decode_scheduler_takes_params_without_block_ids() -> None:
 
 # ---------------------------------------------------------------------------- vLLM end to end
 class Pair:
-    def __init__(self, model: str, servers: dict[str, Any]) -> None:
-        self.model, self.servers = model, servers
+    def __init__(self, model: str, servers: dict[str, Any], integrity: str) -> None:
+        self.model, self.servers, self.integrity = model, servers, integrity
 
     def url(self, name: str) -> str:
         return str(self.servers[name].url)
@@ -371,8 +405,10 @@ class Pair:
         return "\n".join(out)
 
 
-@pytest.fixture(scope="module")
-def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+@pytest.fixture(scope="module", params=["off", "full"],
+                ids=["integrity off", "integrity full"])
+def lw_pair(request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if VLLM_MISSING:
         print(f"\nskipping the vLLM layer-wise test: {VLLM_MISSING}")
         pytest.skip(VLLM_MISSING)
@@ -382,10 +418,11 @@ def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     # the prefill waits up to 10 s for the decode's block ids (the decode is sent first; on
     # a busy 2-core machine its push request can take a while): the test checks the
     # layer-wise path is taken, not how often a race is won
+    level = request.param  # (full: every layer-wise push checked by the decode, whole)
     specs = {
         "P": ("kv_producer", {"layerwise": True, "layerwise_min_tokens": MIN_TOKENS,
-                              "layerwise_wait_ms": 10_000}),
-        "D": ("kv_consumer", {"mode": "push"}),
+                              "layerwise_wait_ms": 10_000, "integrity": level}),
+        "D": ("kv_consumer", {"mode": "push", "integrity": level}),
     }
     servers: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -402,7 +439,7 @@ def lw_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         for s in servers.values():
             s.wait_healthy(420)
         print(f"\nvLLM layer-wise servers up in {time.monotonic() - t0:.0f}s (logs in {work})")
-        yield Pair(model, servers)
+        yield Pair(model, servers, level)
     finally:
         for s in servers.values():
             s.stop()
@@ -412,7 +449,8 @@ PREFILL_METRICS = ("kvlink_push_layerwise_requests", "kvlink_push_layer_ranges",
                    "kvlink_push_layerwise_fallbacks", "kvlink_layerwise_late_requests",
                    "kvlink_push_sent_requests")
 DECODE_METRICS = ("kvlink_loaded_tokens", "kvlink_load_failed_requests",
-                  "kvlink_recv_pushed_requests")
+                  "kvlink_recv_pushed_requests", "kvlink_integrity_checked_blocks",
+                  "kvlink_integrity_failures")
 
 
 @pytest.mark.timeout(600)
@@ -467,6 +505,11 @@ def test_layerwise_push_equals_single_instance(lw_pair: Pair) -> None:
     assert dd["kvlink_loaded_tokens"] == sum(LENGTHS) + SHORT, (dd, c.diagnose())
     assert dd["kvlink_load_failed_requests"] == 0, dd
     assert dd["kvlink_recv_pushed_requests"] == len(prompts) + 1, dd
+    # with integrity on, the decode checked every block of every push (layer-wise ones whole,
+    # against digests the prefill took once their last layer was written) before loading it
+    pushed = sum(-(-n // BLOCK) for n in LENGTHS) + -(-SHORT // BLOCK)
+    assert dd["kvlink_integrity_failures"] == 0, dd
+    assert dd["kvlink_integrity_checked_blocks"] == (pushed if c.integrity == "full" else 0), dd
 
     # Control: the decode asks for B, the prefill computes A (same length) under the same
     # push key: B decoded on A's streamed KV must not give B's answer.

@@ -42,7 +42,7 @@ class _Holds(_Peering):
     hold_hook: Callable[[wire.Hold], None] | None
 
     def hold(self, req_id: str, block_ids: npt.ArrayLike, readers: int | None = None,
-             generation: int | None = None) -> int:
+             generation: int | None = None, *, final: bool = True) -> int:
         """Hold ``block_ids`` for ``req_id``'s readers (pull): they READ under the lease until
         all ``readers`` are done (``None``: as many as the first reader's TP says), the lease
         expires, or :meth:`abort`. :meth:`released` reports the end.
@@ -51,7 +51,14 @@ class _Holds(_Peering):
         :meth:`BlockLeases.hold`). A reader given it reads at once, with no round trip before
         its READ (see :meth:`read`); it is also what lets the reader in: with
         :attr:`WorkerConfig.grants`, transports that can enforce it serve READs of these blocks
-        only to a transfer that names it, until the hold ends (:mod:`kvlink.grants`)."""
+        only to a transfer that names it, until the hold ends (:mod:`kvlink.grants`).
+
+        ``final``: whether the blocks' KV is final at the call — the default: a request is
+        held once its forward wrote it, and with integrity on its digests are fixed now (for
+        its readers' verdicts and the hold board). False for a hold taken before the KV is
+        written (a layer-wise push's, at its forward's start): no digests are fixed, so a READ
+        of it with integrity on fails closed, and a push from it digests its blocks once they
+        are written (a layer-wise push when its last layer is, a whole push at its call)."""
         wire.check_id(req_id, "request id")
         self._require_spec().check_block_ids(block_ids, "held")  # a window is granted over them
         if generation is not None and not 0 < generation < 2**63:
@@ -61,7 +68,8 @@ class _Holds(_Peering):
         # digested before too: the verdict of that READ carries them
         ticket = read_ticket(req_id, gen)
         self._grant(ticket, Op.READ, block_ids)
-        self.integrity.fix(req_id, gen, block_ids)
+        if final:
+            self.integrity.fix(req_id, gen, block_ids)
         try:
             held = self.leases.hold(req_id, block_ids, readers, gen)
         except ValueError:

@@ -6,7 +6,8 @@ one WRITE, under the hold's lease when it pushes held blocks — validate after 
 refuses it (:meth:`_PrefillPush.refuse_push`). A layer-wise push posts one WRITE per range of
 layers as the prefill's forward reaches them, tells the decode each range that landed
 (:meth:`_PrefillPush._tell_landed`) and says "written" once the last range is DONE, its lease
-checked once, at the end (:meth:`_PrefillPush._finish_layered`). Nothing is posted after a
+checked once, at the end, and with integrity on its digests taken then, when the KV is final
+(:meth:`_PrefillPush._finish_layered`). Nothing is posted after a
 push's time to live or a cancel (:mod:`kvlink.push` keeps that state). Separate because it is
 the producer's half of push ownership, independent of the decode's
 (:mod:`kvlink.worker.decode_push`).
@@ -18,6 +19,7 @@ import collections
 import logging
 import time
 
+import numpy as np
 import numpy.typing as npt
 
 from kvlink import wire
@@ -26,6 +28,7 @@ from kvlink.errors import ConfigError, KVLinkError, TransferCancelled, TransferR
 from kvlink.headmap import push_targets
 from kvlink.holdboard import fingerprint
 from kvlink.hostid import host_id
+from kvlink.integrity import WireDigests
 from kvlink.landing import NO_LEASE, Hold, LandingView, tag_of
 from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
@@ -201,10 +204,6 @@ class _PrefillPush(_Requests):
         if not 0 <= start < stop <= spec.num_layers:
             raise ConfigError(f"push of {msg.req_id}: layers [{start}, {stop}) outside "
                               f"[0, {spec.num_layers})")
-        if self.integrity.on:
-            raise ConfigError(f"push of {msg.req_id}: integrity {self.integrity.level.value} "
-                              "does not cover layer-wise pushes yet: push whole requests, or "
-                              "integrity off")
         rid = _push_rid(msg)
         ended = self._layered_ended.get(rid)
         if ended is not None:
@@ -216,7 +215,8 @@ class _PrefillPush(_Requests):
                                   f"got [{start}, {stop})")
             key, generation = self._begin_push(msg, local_ids, lease)
             lay = _Layered(msg, key, spec.num_layers,
-                           None if lease is None else (lease, generation))
+                           None if lease is None else (lease, generation),
+                           np.array(local_ids, dtype=np.int64))  # (ours: digested at the end)
             lay.landing = self._landing_of(msg, lay.lease)
             self._layered[rid] = lay
         else:
@@ -336,6 +336,9 @@ class _PrefillPush(_Requests):
             return
         del self._layered[rid]
         msg, why = lay.msg, lay.error
+        digests = self._layered_digests(lay) if why is None and self.integrity.on else None
+        if isinstance(digests, str):
+            why, digests = digests, None
         if lay.lease is not None:
             intact = self.leases.finish_read(lay.lease[0], f"{msg.engine_id}/{msg.tp_rank}",
                                              lay.lease[1], why is None,
@@ -348,13 +351,28 @@ class _PrefillPush(_Requests):
         self._layered_ended[rid] = why or "written"
         while len(self._layered_ended) > _NOTES_KEPT:
             self._layered_ended.popitem(last=False)
+        ids, blob, folded = digests or ([], b"", False)
         self._tell(msg.host, msg.port + msg.tp_rank,
-                   self._note(msg.req_id, msg.push_id, ok=why is None, detail=why or ""))
+                   self._note(msg.req_id, msg.push_id, ok=why is None, detail=why or "",
+                              digest_ids=ids, digests=blob, folded=folded))
         if why is None:
             finished.add(rid)
         else:
             failed[rid] = why
             log.warning("layer-wise push %s failed: %s", rid, why)
+
+    def _layered_digests(self, lay: _Layered) -> WireDigests | str:
+        """With integrity on, a layer-wise push's digests for its "written" note, taken when
+        every layer is written: only then is the KV final (each range was posted as the
+        forward wrote it; the hold it runs under may predate the forward, and fixed none), and
+        it is still the push's (its lease is checked, and the blocks given back, only after).
+        A fault here fails the push, never the caller: its reason is returned."""
+        msg = lay.msg
+        try:
+            return self.integrity.for_push(msg.req_id, lay.local_ids, msg.block_ids)
+        except Exception as exc:  # (a device error in the digest kernel, say)
+            log.exception("layer-wise push of %s: digesting its blocks failed", msg.req_id)
+            return f"integrity: digesting the pushed blocks failed: {type(exc).__name__}: {exc}"
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:
         """Prefill side: tell a decode rank its push will not come, so it fails the request

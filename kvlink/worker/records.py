@@ -206,6 +206,9 @@ class _Layered:
     key: PushKey
     layers: int  # the cache's: the push is written when [0, layers) is
     lease: tuple[str, int] | None  # (held request, generation): validated once at the end
+    #: the blocks it writes from (the first call's): with integrity on, digested once every
+    #: layer is written, for the decode's check of the whole push
+    local_ids: npt.NDArray[np.int64]
     next_layer: int = 0
     inflight: set[str] = dataclasses.field(default_factory=set)  # its ranges' request ids
     error: str | None = None

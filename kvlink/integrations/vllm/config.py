@@ -282,10 +282,6 @@ class Settings:
         if s.layerwise and not s.producer:
             raise ConfigError(f"{_WHERE}.layerwise is a prefill setting (kv_role kv_producer or "
                               f"kv_both); a decode takes layer-wise pushes in mode push")
-        if s.layerwise and s.integrity != "off":
-            raise ConfigError(f"{_WHERE}.layerwise with integrity {s.integrity!r}: kvlink's "
-                              "digests do not cover layer-wise pushes yet (integrity off, or "
-                              "layerwise false)")
         if x.sync_load_tokens < 0:
             raise ConfigError(f"sync_load_tokens must be >= 0 (0: every load asynchronous), "
                               f"got {x.sync_load_tokens}")

@@ -115,7 +115,9 @@ class LayerwisePushes:
             return
         held = expand_blocks(lr.block_ids, self.block_ratio)
         try:
-            w.hold(lr.req_id, held, generation=lr.generation)
+            # (not final: the forward has not written it yet — with integrity on, its
+            # pushes digest the blocks once written, kvlink.worker.prefill_push)
+            w.hold(lr.req_id, held, generation=lr.generation, final=False)
         except ValueError as exc:  # held already (a request prefilled twice?): not streamed
             log.warning("request %s: not streamed layer by layer: %s", lr.req_id, exc)
             return
