@@ -114,16 +114,17 @@ def _sync(device: str) -> None:
 
 # --------------------------------------------------------------------------- the decode
 def decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
-           profile: str | None = None, steps_flag: bool = False) -> None:
+           profile: str | None = None, steps_flag: bool = False,
+           integrity: str = "off") -> None:
     try:
-        _decode(cmd_q, rep_q, device, transport, geo, profile, steps_flag)
+        _decode(cmd_q, rep_q, device, transport, geo, profile, steps_flag, integrity)
     except BaseException as exc:
         rep_q.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
 def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, int],
-            profile: str | None, steps_flag: bool) -> None:
+            profile: str | None, steps_flag: bool, integrity: str) -> None:
     import cProfile
 
     import torch
@@ -133,9 +134,10 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
     if device.startswith("cuda"):
         torch.cuda.set_device(int(device.split(":")[1]))
     m = Model(geo, geo["blocks"] + 8, device, compute=False)
-    w = KVWorker(WorkerConfig(engine_id="lw-d", transports=[transport]))
+    w = KVWorker(WorkerConfig(engine_id="lw-d", transports=[transport], integrity=integrity))
     w.register(m.spec())
-    w1 = KVWorker(WorkerConfig(engine_id="lw-d1", transports=[transport]))
+    w1 = KVWorker(WorkerConfig(engine_id="lw-d1", transports=[transport],
+                               integrity=integrity))
     w1.register(m.spec(last_only=True))  # the "one" mode: a push of the last layer alone
     binds = [0]  # end checks bound for the push (one per prefill rank; more: a board closed)
     landed_s = [0.0]  # the last _poll_landed call's duration (the one that ends a push)
@@ -261,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cmd_q, rep_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=decode, daemon=True,
                        args=(cmd_q, rep_q, device, args.transport, geo, args.profile,
-                             args.steps))
+                             args.steps, args.integrity))
     proc.start()
 
     def ask(want: str, timeout: float = 120.0) -> Any:
@@ -281,10 +283,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     m = Model(geo, geo["blocks"] + 8, device, compute=True)
     w = KVWorker(WorkerConfig(engine_id="lw-p", transports=[args.transport],
-                              serve_pushes=True, lease_seconds=600.0))
+                              serve_pushes=True, lease_seconds=600.0,
+                              integrity=args.integrity))
     w.register(m.spec())
     w1 = KVWorker(WorkerConfig(engine_id="lw-p1", transports=[args.transport],
-                               serve_pushes=True, lease_seconds=600.0))
+                               serve_pushes=True, lease_seconds=600.0,
+                               integrity=args.integrity))
     w1.register(m.spec(last_only=True))
     ask("ready")
     ids = torch.arange(geo["blocks"], dtype=torch.int64)
@@ -339,7 +343,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 msgs = wk.push_requests()
                 time.sleep(0.0005)
             (msg,) = msgs
-            wk.hold(req, ids.numpy())
+            # held before its forward writes the KV (as the vLLM connector's layer-wise
+            # flow holds): with integrity on, its pushes digest the blocks once written
+            wk.hold(req, ids.numpy(), final=False)
             g = args.group
 
             def push_layer(li: int, msg: Any = msg, req: str = req, mode: str = mode,
@@ -402,6 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = med["none"]["forward"]
     res = {
         "geometry": geo, "group": args.group, "transport": args.transport,
+        "integrity": args.integrity,
         "medians_s": med, "raw_s": out,
         "one_layer_share_of_whole_push_s": per_layer,
         "exposed_layered_over_one_layer": med["layered"]["exposed"] / per_layer,
@@ -433,6 +440,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=1, help="layers per layer-wise push")
     ap.add_argument("--layers", type=int, default=0,
                     help="layers of the model (default: the geometry's, 80; 8 with --small)")
+    ap.add_argument("--integrity", choices=("off", "sample", "full"), default="off",
+                    help="both sides' level: a layer-wise push is then checked whole, its "
+                    "digests taken range by range as it is pushed (docs/integrity.md)")
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None)

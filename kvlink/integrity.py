@@ -26,6 +26,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -274,6 +275,52 @@ def _cuda_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int) -
     return host.reshape(ids.shape[0], len(planes), len(planes[0]), h1 - h0)
 
 
+class Later:
+    """Digests taken now and read later (:func:`digest_later`): on a GPU, their copy to the
+    host's pinned memory, enqueued on the caller's stream behind the kernel, and an event
+    after it; on the host, the values themselves."""
+
+    __slots__ = ("_event", "_shape", "_values")
+
+    def __init__(self, values: Any, shape: tuple[int, ...], event: Any = None) -> None:
+        self._values, self._shape, self._event = values, shape, event
+
+    def result(self) -> U64:
+        """The ``[blocks, layers, planes, heads]`` digests, once landed (a GPU's: waiting for
+        its copy, where the stream has not reached it yet)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+            self._values = np.asarray(self._values.numpy()).view(np.uint64)
+        return np.asarray(self._values).reshape(self._shape)
+
+
+def digest_later(planes: Planes, block_ids: npt.ArrayLike, layers: tuple[int, int]) -> Later:
+    """:func:`digest` of layers ``[start, stop)`` of ``block_ids`` (every head), taken now and
+    read by :meth:`Later.result`. GPU planes: one kernel on the caller's current stream —
+    after the work that wrote those layers — and its digests' copy to pinned host memory,
+    with no wait on the host (a layer-wise push takes a range's digests as the forward goes
+    on). Host planes: computed now."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    start, stop = layers
+    first = planes[0][0]
+    per = len(planes[0])
+    shape = (ids.shape[0], stop - start, per, int(first.shape[1]))
+    if not isinstance(first, np.ndarray) and first.device.type == "cuda" and ids.size:
+        import torch
+
+        table = _table(planes)
+        dev = torch.from_numpy(ids).pin_memory().to(table.device, non_blocking=True)
+        out = table.digest(dev, 0, shape[3], (start * per, stop * per))
+        if out is not None:
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return Later(host, shape, event)
+    return Later(digest(planes[start:stop], ids), shape)
+
+
 def _table(planes: Planes) -> Any:
     """The planes' integrity_cuda.Table, built once per planes object (a worker's, fixed at
     register)."""
@@ -420,6 +467,36 @@ def _wire_form(ids: npt.NDArray[np.int64], d: U64) -> WireDigests:
     return ids.tolist(), d.astype("<u8").tobytes(), folded
 
 
+class RangeDigests:
+    """A layer-wise push's digests (:meth:`Checker.for_layers`), taken range by range as the
+    prefill writes its layers — each when its range is pushed, on the caller's stream, over
+    the KV its WRITE then reads — and sent whole with "written", by the decode's block ids.
+    Taken at the end instead, over the prefill's blocks as they are then, they would only
+    disagree with what landed where a block changed *after* its range was read (the decode's
+    copy still right), and agree where it changed before."""
+
+    def __init__(self, planes: Planes, pick: npt.NDArray[np.bool_], src: npt.NDArray[np.int64],
+                 dst: npt.NDArray[np.int64]) -> None:
+        self._planes, self._src, self._dst = planes, src[pick], dst[pick]
+        self._ranges: list[tuple[int, Later]] = []  # (first layer, its digests)
+
+    def take(self, start: int, stop: int) -> None:
+        """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them."""
+        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop))))
+
+    def wire(self, layers: int) -> WireDigests:
+        """The digests of layers ``[0, layers)`` for the note, once every range is DONE (on
+        a GPU each range's copy was enqueued before its WRITE, which waited for it: nothing
+        is waited for here). Raises ValueError where the ranges taken do not cover them."""
+        got = sorted(self._ranges, key=lambda r: r[0])
+        parts = [later.result() for _, later in got]
+        if sum(p.shape[1] for p in parts) != layers or [r[0] for r in got] != list(
+                itertools.accumulate([0] + [p.shape[1] for p in parts[:-1]])):
+            raise ValueError(f"the ranges digested ({[r[0] for r in got]}) do not cover "
+                             f"layers [0, {layers})")
+        return _wire_form(self._dst, np.concatenate(parts, axis=1))
+
+
 class Checker:
     """One worker's integrity state: digests fixed at hold (producer) and the check of what
     landed (consumer). Digests are computed on the caller's thread, like the transfer work."""
@@ -502,6 +579,16 @@ class Checker:
             return _wire_form(sel, d[keep])
         pick = checked(self.level, req_id, dst)
         return _wire_form(dst[pick], digest(self.planes, src[pick]))
+
+    def for_layers(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike
+                   ) -> RangeDigests | None:
+        """A layer-wise push's digests, to be taken range by range (:class:`RangeDigests`),
+        of the blocks ``checked`` picks by the request id; None with integrity off."""
+        if not self.on or self.planes is None:
+            return None
+        dst = np.asarray(dst_ids, dtype=np.int64)
+        return RangeDigests(self.planes, checked(self.level, req_id, dst),
+                            np.asarray(src_ids, dtype=np.int64), dst)
 
     # ------------------------------------------------------------------ consumer
     def fused_job(self, on_board: BoardRows, page_bytes: int) -> DigestJob | None:

@@ -147,17 +147,22 @@ class Table:
         torch.cuda.synchronize(self.device)  # once, at the first fused READ
         return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 
-    def digest(self, ids: Any, h0: int, h1: int) -> Any | None:
+    def digest(self, ids: Any, h0: int, h1: int,
+               planes: tuple[int, int] | None = None) -> Any | None:
         """``[blocks, planes, heads]`` int64 digests on the device, launched on the caller's
-        current stream (after what it holds); None where the kernel can't take the views."""
+        current stream (after what it holds); None where the kernel can't take the views.
+        ``planes``: only views ``[p0, p1)`` (a layer-wise push's range of layers). Its
+        arguments go up from pinned memory: from pageable memory the driver may wait for the
+        stream first, which would hold a layer-wise prefill's host loop behind its GPU."""
         import torch
 
         if self.fn is None or self.rows is None:
             return None
-        nb, heads = int(ids.shape[0]), h1 - h0
-        params = torch.tensor([nb, self.planes, heads, h0, self.tokens, self.head_bytes // 8],
-                              dtype=torch.int64).to(self.device, non_blocking=True)
-        out = torch.empty(nb * self.planes * heads, dtype=torch.int64, device=self.device)
-        self.fn(grid=(nb * self.planes * heads, 1, 1), block=(THREADS, 1, 1),
-                args=[self.rows, ids, out, params])
-        return out.view(nb, self.planes, heads)
+        p0, p1 = planes if planes is not None else (0, self.planes)
+        nb, heads, count = int(ids.shape[0]), h1 - h0, p1 - p0
+        params = torch.tensor([nb, count, heads, h0, self.tokens, self.head_bytes // 8],
+                              dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        out = torch.empty(nb * count * heads, dtype=torch.int64, device=self.device)
+        self.fn(grid=(nb * count * heads, 1, 1), block=(THREADS, 1, 1),
+                args=[self.rows[p0:p1], ids, out, params])
+        return out.view(nb, count, heads)

@@ -8,6 +8,8 @@ no fake. Each test failed on the code before (push had no ``layers``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from test_lifecycle import make, outcome, remote, until
@@ -143,9 +145,9 @@ def pushed_in_two(prefill: KVWorker, decode: KVWorker, between=lambda: None) -> 
 
 @pytest.mark.parametrize("level", ["full", "sample"])
 def test_integrity_checks_a_layer_wise_push_once_its_last_layer_is_written(level: str) -> None:
-    """With integrity on, the prefill digests the pushed blocks once every layer is written
-    (the KV is final only then) and sends them with "written"; the decode checks every layer
-    of what landed before the push finishes. (Refused before: integrity did not cover it.)"""
+    """With integrity on, the prefill digests each range as it pushes it (its layers are final
+    then) and sends them all with "written"; the decode checks every layer of what landed
+    before the push finishes. (Refused before: integrity did not cover it.)"""
     prefill = rank("p", 1, integrity=level)
     decode = rank("d", 2, integrity=level)
     try:
@@ -162,31 +164,38 @@ def test_integrity_checks_a_layer_wise_push_once_its_last_layer_is_written(level
 
 
 @pytest.mark.parametrize("level", ["full", "off"], ids=["full", "off control"])
-@pytest.mark.parametrize("fault", ["landed block overwritten", "source block reused"])
+@pytest.mark.parametrize("fault", ["landed layer overwritten", "source changed before its WRITE"])
 def test_a_layer_wise_push_with_wrong_kv_fails_naming_the_layer(level: str, fault: str) -> None:
-    """Between two ranges (both injected): a byte of layer 0 that already landed in the
-    decode's block is overwritten (a late write into it), or the prefill's block of layer 1,
-    already pushed, is rewritten (the block reused under the push). Either way the KV the
-    decode holds is not the prefill's: the push fails naming block and layer; with integrity
-    off the same push finishes with the wrong bytes (the control)."""
+    """Both injected: a byte of layer 0, already landed in the decode's block, overwritten
+    before the last range is pushed (a late write into it); or a byte of the prefill's layer
+    2 changed after the forward wrote it and its range was digested, before that range's
+    WRITE read it (the block reused under the push). Either way the decode holds KV the
+    forward did not write: the push fails naming block and layer; with integrity off the same
+    push finishes with the wrong bytes (the control)."""
     prefill = rank("p", 1, integrity=level)
     decode = rank("d", 2, integrity=level)
+    written = [layer(prefill, i, HELD) for i in range(4)]  # what the "forward" wrote
 
-    def inject() -> None:
-        if fault == "landed block overwritten":
+    def late_write() -> None:
+        if fault == "landed layer overwritten":
             _keep(decode, 0)[0, LOCAL[1], 2, 1, 3] ^= 1
-        else:
-            _keep(prefill, 1)[1, HELD[2], 0, 0, 5] ^= 1
 
+    start = prefill._start
+
+    def changed_then_start(*args: Any, **kw: Any) -> None:  # (after the range's digest)
+        if fault == "source changed before its WRITE" and kw.get("layers") == (2, 4):
+            _keep(prefill, 2)[1, HELD[2], 0, 0, 5] ^= 1
+        start(*args, **kw)
+
+    prefill._start = changed_then_start  # type: ignore[method-assign]
     try:
-        ok, reason = pushed_in_two(prefill, decode, inject)
-        wrong = [i for i in range(4)
-                 if not np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))]
-        assert wrong == ([0] if fault == "landed block overwritten" else [1])
+        ok, reason = pushed_in_two(prefill, decode, late_write)
+        wrong = [i for i in range(4) if not np.array_equal(layer(decode, i, LOCAL), written[i])]
+        assert wrong == ([0] if fault == "landed layer overwritten" else [2])
         if level == "off":
             assert ok, reason  # silently wrong: what integrity is for
             return
-        bad = LOCAL[1] if fault == "landed block overwritten" else LOCAL[2]
+        bad = LOCAL[1] if fault == "landed layer overwritten" else LOCAL[2]
         assert not ok and "differs from the producer's" in reason, reason
         assert f"local block {bad} " in reason and f"layer {wrong[0]}," in reason, reason
         assert decode.integrity.failures == 1

@@ -179,9 +179,10 @@ def test_layers_stream_during_the_forward_and_sent_waits_for_the_scheduler(pair:
 def test_a_late_write_into_a_landed_layer_fails_the_receive(integrity: str) -> None:
     """Layer 0 lands in the decode's blocks, then a byte of it is overwritten there (injected:
     a late write, as SGLang #24527 saw). The prefill held the request before its forward
-    wrote the KV, so its digests are taken once every layer is written; the decode checks
-    them before it reports the request received: with integrity on it fails the receive
-    (recomputed by policy), never loads it; off (the control) it loads the wrong KV."""
+    wrote the KV, so its digests are taken range by range as the forward writes them; the
+    decode checks them before it reports the request received: with integrity on it fails
+    the receive (recomputed by policy), never loads it; off (the control) it loads the wrong
+    KV."""
     pair = _Pair(integrity=integrity)
     try:
         pair.ask()
@@ -506,7 +507,8 @@ def test_layerwise_push_equals_single_instance(lw_pair: Pair) -> None:
     assert dd["kvlink_load_failed_requests"] == 0, dd
     assert dd["kvlink_recv_pushed_requests"] == len(prompts) + 1, dd
     # with integrity on, the decode checked every block of every push (layer-wise ones whole,
-    # against digests the prefill took once their last layer was written) before loading it
+    # against digests the prefill took range by range as its forward wrote them) before
+    # loading it
     pushed = sum(-(-n // BLOCK) for n in LENGTHS) + -(-SHORT // BLOCK)
     assert dd["kvlink_integrity_failures"] == 0, dd
     assert dd["kvlink_integrity_checked_blocks"] == (pushed if c.integrity == "full" else 0), dd

@@ -58,7 +58,7 @@ class _Holds(_Peering):
         its readers' verdicts and the hold board). False for a hold taken before the KV is
         written (a layer-wise push's, at its forward's start): no digests are fixed, so a READ
         of it with integrity on fails closed, and a push from it digests its blocks once they
-        are written (a layer-wise push when its last layer is, a whole push at its call)."""
+        are written (a layer-wise push each range as it is pushed, a whole push at its call)."""
         wire.check_id(req_id, "request id")
         self._require_spec().check_block_ids(block_ids, "held")  # a window is granted over them
         if generation is not None and not 0 < generation < 2**63:

@@ -6,8 +6,8 @@ one WRITE, under the hold's lease when it pushes held blocks — validate after 
 refuses it (:meth:`_PrefillPush.refuse_push`). A layer-wise push posts one WRITE per range of
 layers as the prefill's forward reaches them, tells the decode each range that landed
 (:meth:`_PrefillPush._tell_landed`) and says "written" once the last range is DONE, its lease
-checked once, at the end, and with integrity on its digests taken then, when the KV is final
-(:meth:`_PrefillPush._finish_layered`). Nothing is posted after a
+checked once, at the end (:meth:`_PrefillPush._finish_layered`); with integrity on, each
+range is digested as it is pushed, and "written" carries them all. Nothing is posted after a
 push's time to live or a cancel (:mod:`kvlink.push` keeps that state). Separate because it is
 the producer's half of push ownership, independent of the decode's
 (:mod:`kvlink.worker.decode_push`).
@@ -19,12 +19,17 @@ import collections
 import logging
 import time
 
-import numpy as np
 import numpy.typing as npt
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import ConfigError, KVLinkError, TransferCancelled, TransferRefused
+from kvlink.errors import (
+    ConfigError,
+    KVLinkError,
+    TransferCancelled,
+    TransferError,
+    TransferRefused,
+)
 from kvlink.headmap import push_targets
 from kvlink.holdboard import fingerprint
 from kvlink.hostid import host_id
@@ -216,7 +221,7 @@ class _PrefillPush(_Requests):
             key, generation = self._begin_push(msg, local_ids, lease)
             lay = _Layered(msg, key, spec.num_layers,
                            None if lease is None else (lease, generation),
-                           np.array(local_ids, dtype=np.int64))  # (ours: digested at the end)
+                           self.integrity.for_layers(msg.req_id, local_ids, msg.block_ids))
             lay.landing = self._landing_of(msg, lay.lease)
             self._layered[rid] = lay
         else:
@@ -232,6 +237,8 @@ class _PrefillPush(_Requests):
         reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
                              msg.tp_rank, spec.total_kv_heads, spec.mla)
         try:
+            if lay.digests is not None:  # (before the post: its WRITE waits for them too)
+                self._digest_range(lay, start, stop)
             self._start(sub, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, lay.key,
                         layers=(start, stop), layered=rid, landing=lay.landing)
         except KVLinkError as exc:  # nothing of this range was posted
@@ -336,7 +343,7 @@ class _PrefillPush(_Requests):
             return
         del self._layered[rid]
         msg, why = lay.msg, lay.error
-        digests = self._layered_digests(lay) if why is None and self.integrity.on else None
+        digests = self._layered_digests(lay) if why is None and lay.digests else None
         if isinstance(digests, str):
             why, digests = digests, None
         if lay.lease is not None:
@@ -361,18 +368,31 @@ class _PrefillPush(_Requests):
             failed[rid] = why
             log.warning("layer-wise push %s failed: %s", rid, why)
 
-    def _layered_digests(self, lay: _Layered) -> WireDigests | str:
-        """With integrity on, a layer-wise push's digests for its "written" note, taken when
-        every layer is written: only then is the KV final (each range was posted as the
-        forward wrote it; the hold it runs under may predate the forward, and fixed none), and
-        it is still the push's (its lease is checked, and the blocks given back, only after).
-        A fault here fails the push, never the caller: its reason is returned."""
-        msg = lay.msg
+    @staticmethod
+    def _digest_range(lay: _Layered, start: int, stop: int) -> None:
+        """With integrity on, layers ``[start, stop)`` are written: their digests, taken now
+        (on a GPU, launched on the caller's stream behind the forward's writes of them, not
+        waited for). A fault here is the range's: nothing of it is posted."""
+        assert lay.digests is not None
         try:
-            return self.integrity.for_push(msg.req_id, lay.local_ids, msg.block_ids)
+            lay.digests.take(start, stop)
         except Exception as exc:  # (a device error in the digest kernel, say)
-            log.exception("layer-wise push of %s: digesting its blocks failed", msg.req_id)
-            return f"integrity: digesting the pushed blocks failed: {type(exc).__name__}: {exc}"
+            log.exception("layer-wise push of %s: digesting layers [%d, %d) failed",
+                          lay.msg.req_id, start, stop)
+            raise TransferError(f"integrity: digesting layers [{start}, {stop}) failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+
+    @staticmethod
+    def _layered_digests(lay: _Layered) -> WireDigests | str:
+        """A layer-wise push's digests for its "written" note, every range DONE (each range's
+        were taken as it was pushed, and its WRITE waited for them); a fault here fails the
+        push, never the caller: its reason is returned."""
+        assert lay.digests is not None
+        try:
+            return lay.digests.wire(lay.layers)
+        except Exception as exc:
+            log.exception("layer-wise push of %s: its digests", lay.msg.req_id)
+            return f"integrity: the pushed layers' digests: {type(exc).__name__}: {exc}"
 
     def refuse_push(self, msg: wire.PushRequest, reason: str) -> None:
         """Prefill side: tell a decode rank its push will not come, so it fails the request

@@ -22,6 +22,7 @@ from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import AfterCheck
+from kvlink.integrity import RangeDigests
 from kvlink.landing import EndCheck, LandingView
 from kvlink.peers import Peer, RemoteEngine
 from kvlink.plan import Plan, PlanTable
@@ -206,9 +207,9 @@ class _Layered:
     key: PushKey
     layers: int  # the cache's: the push is written when [0, layers) is
     lease: tuple[str, int] | None  # (held request, generation): validated once at the end
-    #: the blocks it writes from (the first call's): with integrity on, digested once every
-    #: layer is written, for the decode's check of the whole push
-    local_ids: npt.NDArray[np.int64]
+    #: with integrity on, its digests, taken range by range as the layers are written, sent
+    #: whole with "written" (kvlink.integrity.RangeDigests)
+    digests: RangeDigests | None
     next_layer: int = 0
     inflight: set[str] = dataclasses.field(default_factory=set)  # its ranges' request ids
     error: str | None = None

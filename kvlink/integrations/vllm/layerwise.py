@@ -116,7 +116,7 @@ class LayerwisePushes:
         held = expand_blocks(lr.block_ids, self.block_ratio)
         try:
             # (not final: the forward has not written it yet — with integrity on, its
-            # pushes digest the blocks once written, kvlink.worker.prefill_push)
+            # pushes digest the blocks as they are written, kvlink.worker.prefill_push)
             w.hold(lr.req_id, held, generation=lr.generation, final=False)
         except ValueError as exc:  # held already (a request prefilled twice?): not streamed
             log.warning("request %s: not streamed layer by layer: %s", lr.req_id, exc)
