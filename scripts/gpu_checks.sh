@@ -17,11 +17,13 @@
 #   host   bench/gpu_lane_host.py: a lane post's host time, the 70B and 8B cases
 #   io     bench/integrity_overhead.py --device cuda: issue 24's overhead, 500 requests a level
 #          request by request, then 200 in runs of 20 a level
+#   integrity  scripts/gpu_integrity_check.py: the digest kernel against the host's, a layer
+#          range taken later (not waiting for a busy stream), its cost
 #   layerwise  bench/layerwise.py --device cuda at integrity off, sample and full (a
 #          layer-wise push digested range by range on the forward's stream, checked whole)
 # Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
 set -u
-label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io layerwise]}
+label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io integrity layerwise]}
 shift
 steps=${*:-runs order ipc fused e2e host io}
 tree=$(cd "$(dirname "$0")/.." && pwd)
@@ -63,12 +65,14 @@ for step in $steps; do
             --cases 70b-tp8 --requests 200 --run-length 20 --layer-gap \
             --out $O/io200_runs20.json
         grep -E "overhead|on the device" $O/io_runs20.log ;;
+    integrity) go integrity 120 python3 scripts/gpu_integrity_check.py \
+                   --out $O/gpu_integrity_check.json ;;
     layerwise) for lv in off sample full; do
             go layerwise_$lv 180 python3 bench/layerwise.py --device cuda --requests 8 \
                 --integrity $lv --out $O/layerwise_$lv.json
             grep -E "^(whole|layered|one) |mismatches" $O/layerwise_$lv.log
         done ;;
-    *) echo "unknown step $step (runs order ipc fused e2e host io layerwise)"; exit 2 ;;
+    *) echo "unknown step $step (runs order ipc fused e2e host io integrity layerwise)"; exit 2 ;;
     esac
 done
 tar czf "${OUT:-/tmp}/results.tgz" -C $O .

@@ -4,8 +4,10 @@
 
 1. Equal: the fused kernel's digests (kvlink.integrity_cuda) equal the host's (numpy over a copy
    of the same bytes) and the torch per-plane path's, for K/V split NHD and HND caches, the
-   packed ``(B, H, N, C)`` layout and a head slice; one flipped byte changes exactly the digest
-   of its (block, layer, plane, head).
+   packed ``(B, H, N, C)`` layout and a head slice; a range of layers taken later
+   (``digest_later``, a layer-wise push's) equals those layers' digests, and launching it
+   behind a stream busy for ~50 ms returns at once (the host does not wait for the stream);
+   one flipped byte changes exactly the digest of its (block, layer, plane, head).
 2. Cost: ``full`` and ``sample`` digests of the Llama-3-70B TP8-rank 4096-token request
    (80 layers, 1 KV head, 256 blocks of 16 tokens, bf16; 160 MiB) against one device copy of
    the same bytes, CUDA-event timed, median of 20.
@@ -63,13 +65,21 @@ def check_equal() -> list[dict[str, Any]]:
         layers = _layers(kind, 4, 12, 4, 16, 64, "cuda")
         spec = _spec(kind, layers)
         ids = np.array([9, 2, 5, 11])
-        fused = digest(spec_planes(spec), ids)
+        planes = spec_planes(spec)  # (its digest table, built once: as a worker's)
+        fused = digest(planes, ids)
         per_plane = np.stack([
             np.stack([integrity._torch_plane(v, ids, 0, 4) for v in row], axis=1)
             for row in spec_planes(spec)], axis=1)
         host_layers = [t.cpu() for t in layers]
         host = digest(spec_planes(_spec(kind, host_layers)), ids)
         sliced = digest(spec_planes(spec), ids, (1, 3))
+        # a layer-wise push's range (kvlink.integrity.digest_later: layers [1, 3), launched
+        # behind a busy stream, read later): the same values as the whole request's
+        torch.cuda._sleep(50_000_000)  # (the stream busy: the host must not wait for it)
+        t0 = time.perf_counter()
+        later = integrity.digest_later(planes, ids, (1, 3))
+        launch_ms = (time.perf_counter() - t0) * 1e3
+        ranged = later.result()
         # one flipped byte: layer 2, plane 0, block 5, head 3
         raw = layers[2].view(torch.int16)
         if kind == "packed":
@@ -83,9 +93,12 @@ def check_equal() -> list[dict[str, Any]]:
         row = {"layout": kind, "fused_equals_host": bool(np.array_equal(fused, host)),
                "fused_equals_torch_per_plane": bool(np.array_equal(fused, per_plane)),
                "head_slice_equal": bool(np.array_equal(sliced, fused[..., 1:3])),
+               "layer_range_later_equal": bool(np.array_equal(ranged, fused[:, 1:3])),
+               "layer_range_launch_ms_behind_busy_stream": launch_ms,
                "flip_changed": changed}
         row["ok"] = (row["fused_equals_host"] and row["fused_equals_torch_per_plane"]
-                     and row["head_slice_equal"] and changed == [[2, 2, 0, 3]])
+                     and row["head_slice_equal"] and row["layer_range_later_equal"]
+                     and launch_ms < 20 and changed == [[2, 2, 0, 3]])
         print(row, flush=True)
         rows.append(row)
     return rows
