@@ -295,22 +295,31 @@ class Later:
         return np.asarray(self._values).reshape(self._shape)
 
 
-def digest_later(planes: Planes, block_ids: npt.ArrayLike, layers: tuple[int, int]) -> Later:
+def on_gpu(planes: Planes) -> bool:
+    """Whether ``planes`` are views of GPU memory (digested there)."""
+    first = planes[0][0]
+    return not isinstance(first, np.ndarray) and first.device.type == "cuda"
+
+
+def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple[int, int],
+                 on_device: Any = None) -> Later:
     """:func:`digest` of layers ``[start, stop)`` of ``block_ids`` (every head), taken now and
     read by :meth:`Later.result`. GPU planes: one kernel on the caller's current stream —
     after the work that wrote those layers — and its digests' copy to pinned host memory,
     with no wait on the host (a layer-wise push takes a range's digests as the forward goes
-    on). Host planes: computed now."""
+    on); ``on_device``: the ids already there (a push's, uploaded once for all its ranges).
+    Host planes: computed now."""
     ids = np.asarray(block_ids, dtype=np.int64)
     start, stop = layers
     first = planes[0][0]
     per = len(planes[0])
     shape = (ids.shape[0], stop - start, per, int(first.shape[1]))
-    if not isinstance(first, np.ndarray) and first.device.type == "cuda" and ids.size:
+    if on_gpu(planes) and ids.size:
         import torch
 
         table = _table(planes)
-        dev = torch.from_numpy(ids).pin_memory().to(table.device, non_blocking=True)
+        dev = (on_device if on_device is not None else
+               torch.from_numpy(ids).pin_memory().to(table.device, non_blocking=True))
         out = table.digest(dev, 0, shape[3], (start * per, stop * per))
         if out is not None:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
@@ -479,10 +488,17 @@ class RangeDigests:
                  dst: npt.NDArray[np.int64]) -> None:
         self._planes, self._src, self._dst = planes, src[pick], dst[pick]
         self._ranges: list[tuple[int, Later]] = []  # (first layer, its digests)
+        self._on_device: Any = None  # the ids on the GPU, uploaded at the first range
 
     def take(self, start: int, stop: int) -> None:
         """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them."""
-        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop))))
+        if self._on_device is None and self._src.size and on_gpu(self._planes):
+            import torch  # (from pinned memory: from pageable, the driver may wait for the
+            # stream, and the forward's loop with it)
+            self._on_device = torch.from_numpy(self._src).pin_memory().to(
+                _table(self._planes).device, non_blocking=True)
+        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop),
+                                                 self._on_device)))
 
     def wire(self, layers: int) -> WireDigests:
         """The digests of layers ``[0, layers)`` for the note, once every range is DONE (on

@@ -106,6 +106,7 @@ class Table:
         self.tokens, self.head_bytes = int(first.shape[2]), int(first.shape[3])
         self.heads = int(first.shape[1])
         self._fused: tuple[int, int, Any] | Literal[False] | None = None
+        self._params: dict[tuple[int, int, int, int], Any] = {}  # digest's, on the device
         rows = []
         ok = self.head_bytes % 8 == 0
         for v in views:
@@ -160,8 +161,14 @@ class Table:
             return None
         p0, p1 = planes if planes is not None else (0, self.planes)
         nb, heads, count = int(ids.shape[0]), h1 - h0, p1 - p0
-        params = torch.tensor([nb, count, heads, h0, self.tokens, self.head_bytes // 8],
-                              dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+        key = (nb, count, heads, h0)
+        params = self._params.get(key)  # (a layer-wise push asks the same for every range)
+        if params is None:
+            if len(self._params) > 64:
+                self._params.clear()
+            params = self._params[key] = torch.tensor(
+                [nb, count, heads, h0, self.tokens, self.head_bytes // 8],
+                dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
         out = torch.empty(nb * count * heads, dtype=torch.int64, device=self.device)
         self.fn(grid=(nb * count * heads, 1, 1), block=(THREADS, 1, 1),
                 args=[self.rows[p0:p1], ids, out, params])
