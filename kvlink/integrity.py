@@ -28,8 +28,9 @@ import functools
 import hashlib
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -217,20 +218,55 @@ def _as_words(pages: npt.NDArray[np.uint8], word: int) -> npt.NDArray[Any] | Non
         raw, (*pages.shape[:3], pages.shape[3] // word), (*strides[:3], word), writeable=False)
 
 
-def _gather(words: npt.NDArray[Any], ids: npt.NDArray[np.int64], h0: int, h1: int,
-            word: int) -> npt.NDArray[Any]:
+class _Rows(NamedTuple):
+    """How a host plane's blocks are read (:func:`_plane_rows`): worked out once per plane."""
+
+    word: int  # bytes per word
+    words: npt.NDArray[Any] | None  # (B, H, N, W) unsigned words; None: unaligned
+    rows: npt.NDArray[Any] | None  # (B, H·N·W) whole rows of a dense page (HND or NHD)
+    hnd: bool  # the rows' order: heads outermost (else tokens)
+
+
+#: id(plane) -> (a weak reference to it, how it is read): the views in it are made from the
+#: plane's address and keep nothing alive; a plane gone is a miss (its id may be reused)
+_ROWS: dict[int, tuple[weakref.ref[npt.NDArray[Any]], _Rows]] = {}
+
+
+def _plane_rows(pages: npt.NDArray[np.uint8]) -> _Rows:
+    """How ``pages`` is read, kept per plane (a worker's planes are fixed at register): its
+    views cost more to make than a small request's gather (~50 us a plane on a 2-core VM,
+    so a 160-plane 70B rank paid ~8 ms a check before any byte was read)."""
+    got = _ROWS.get(id(pages))
+    if got is not None and got[0]() is pages:
+        return got[1]
+    word = _word(int(pages.shape[3]))
+    words = _as_words(pages, word)
+    rows, hnd = None, False
+    if words is not None:
+        b, h, n, w = words.shape
+        sb, sh, sn, _ = words.strides
+        hnd = sh == n * w * word and sn == w * word
+        nhd = sn == h * w * word and sh == w * word
+        if hnd or nhd:
+            rows = np.lib.stride_tricks.as_strided(words, (b, h * n * w), (sb, word),
+                                                   writeable=False)
+    how = _Rows(word, words, rows, hnd)
+    if len(_ROWS) > 4096:
+        _ROWS.clear()
+    _ROWS[id(pages)] = (weakref.ref(pages), how)
+    return how
+
+
+def _gather(how: _Rows, ids: npt.NDArray[np.int64], h0: int, h1: int) -> npt.NDArray[Any]:
     """``words[ids, h0:h1]`` as (n, heads, N, W), fast: a dense page (HND or NHD) is gathered
     as whole rows (one contiguous copy per block) and re-viewed in logical order, instead of
     an element-wise copy through four strides (10x slower on a 16 MiB plane)."""
-    b, h, n, w = words.shape
-    sb, sh, sn, _ = words.strides
-    hnd = sh == n * w * word and sn == w * word
-    nhd = sn == h * w * word and sh == w * word
-    if not (hnd or nhd):
-        return np.ascontiguousarray(words[ids, h0:h1])
-    rows = np.lib.stride_tricks.as_strided(words, (b, h * n * w), (sb, word), writeable=False)
-    taken = rows[ids]
-    if hnd:
+    assert how.words is not None
+    if how.rows is None:
+        return np.ascontiguousarray(how.words[ids, h0:h1])
+    _, h, n, w = how.words.shape
+    taken = how.rows[ids]
+    if how.hnd:
         return taken.reshape(-1, h, n, w)[:, h0:h1]
     return taken.reshape(-1, n, h, w).transpose(0, 2, 1, 3)[:, h0:h1]
 
@@ -238,10 +274,10 @@ def _gather(words: npt.NDArray[Any], ids: npt.NDArray[np.int64], h0: int, h1: in
 def _numpy_plane(pages: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64], h0: int,
                  h1: int) -> U64:
     hb = int(pages.shape[3])
-    word = _word(hb)
-    words = _as_words(pages, word)
-    if words is not None:
-        x = _gather(words, ids, h0, h1, word)
+    how = _plane_rows(pages)
+    word = how.word
+    if how.words is not None:
+        x = _gather(how, ids, h0, h1)
     else:
         x = np.ascontiguousarray(pages[ids, h0:h1]).view(f"<u{word}")
     if word != 8:
