@@ -15,7 +15,8 @@ import pytest
 from test_lifecycle import make, outcome, remote, until
 
 from kvlink.demo import data
-from kvlink.errors import ConfigError, TransferCancelled
+from kvlink.errors import ConfigError, TransferCancelled, TransferError
+from kvlink.integrity import RangeDigests
 from kvlink.worker import KVWorker, WorkerConfig
 
 GEO = data.Geometry(layers=4, kv_heads=2, head_dim=8, block_size=4)
@@ -199,6 +200,35 @@ def test_a_layer_wise_push_with_wrong_kv_fails_naming_the_layer(level: str, faul
         assert not ok and "differs from the producer's" in reason, reason
         assert f"local block {bad} " in reason and f"layer {wrong[0]}," in reason, reason
         assert decode.integrity.failures == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_range_that_cannot_be_digested_is_not_posted_and_fails_the_push(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range whose digests cannot be taken (injected: the digest raises, as a device error
+    in its kernel would — the real one cannot be made to fail on demand) is not posted: the
+    call raises naming the layers, and the decode is told the push failed (never loaded),
+    layers 2-3 of its blocks untouched."""
+    prefill = rank("p", 1, integrity="full")
+    decode = rank("d", 2, integrity="full")
+    try:
+        msg = asked(prefill, decode)
+        before = [layer(decode, i, LOCAL) for i in range(4)]
+        prefill.push(msg, HELD, lease="r0", layers=(0, 2))
+
+        def fails(self: RangeDigests, start: int, stop: int) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(RangeDigests, "take", fails)
+        with pytest.raises(TransferError, match=r"digesting layers \[2, 4\) failed"):
+            prefill.push(msg, HELD, lease="r0", layers=(2, 4))
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert not ok and "digesting layers [2, 4) failed" in reason, reason
+        for i in (2, 3):
+            assert np.array_equal(layer(decode, i, LOCAL), before[i])
+        assert prefill.pending() == 0
     finally:
         prefill.close()
         decode.close()

@@ -343,7 +343,8 @@ class _PrefillPush(_Requests):
             return
         del self._layered[rid]
         msg, why = lay.msg, lay.error
-        digests = self._layered_digests(lay) if why is None and lay.digests else None
+        digests = (self._layered_digests(lay) if why is None and lay.digests is not None
+                   else None)
         if isinstance(digests, str):
             why, digests = digests, None
         if lay.lease is not None:
