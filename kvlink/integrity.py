@@ -366,6 +366,26 @@ def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple
     return Later(digest(planes[start:stop], ids), shape)
 
 
+_SIDE: dict[Any, Any] = {}  # device -> the stream a check of landed bytes digests on
+
+
+def _landed(planes: Planes, ids: npt.NDArray[np.int64], heads: tuple[int, int]) -> U64:
+    """:func:`digest` of bytes that have landed here. On a GPU, on a stream of our own: the
+    transport's completion was seen on the host, so the bytes are in memory, and whatever the
+    caller queued on its own stream (a forward in flight) is not waited for — the producer's
+    digests stay on the caller's stream, behind the forward that wrote the KV."""
+    if not on_gpu(planes):
+        return digest(planes, ids, heads)
+    import torch
+
+    device = planes[0][0].device
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        return digest(planes, ids, heads)
+
+
 def _table(planes: Planes) -> Any:
     """The planes' integrity_cuda.Table, built once per planes object (a worker's, fixed at
     register)."""
@@ -524,17 +544,25 @@ class RangeDigests:
                  dst: npt.NDArray[np.int64]) -> None:
         self._planes, self._src, self._dst = planes, src[pick], dst[pick]
         self._ranges: list[tuple[int, Later]] = []  # (first layer, its digests)
-        self._on_device: Any = None  # the ids on the GPU, uploaded at the first range
+        #: (stream, the ids on the GPU): uploaded at the first range on that stream, without a
+        #: wait (there for that stream's later work only)
+        self._on_device: tuple[int, Any] | None = None
 
     def take(self, start: int, stop: int) -> None:
         """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them."""
-        if self._on_device is None and self._src.size and on_gpu(self._planes):
-            import torch  # (from pinned memory: from pageable, the driver may wait for the
-            # stream, and the forward's loop with it)
-            self._on_device = torch.from_numpy(self._src).pin_memory().to(
-                _table(self._planes).device, non_blocking=True)
-        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop),
-                                                 self._on_device)))
+        dev = None
+        if self._src.size and on_gpu(self._planes):
+            import torch
+
+            device = _table(self._planes).device
+            stream = torch.cuda.current_stream(device).cuda_stream
+            if self._on_device is None or self._on_device[0] != stream:
+                # (from pinned memory: from pageable, the driver may wait for the stream,
+                # and the forward's loop with it)
+                self._on_device = (stream, torch.from_numpy(self._src).pin_memory().to(
+                    device, non_blocking=True))
+            dev = self._on_device[1]
+        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop), dev)))
 
     def wire(self, layers: int) -> WireDigests:
         """The digests of layers ``[0, layers)`` for the note, once every range is DONE (on
@@ -723,7 +751,7 @@ class Checker:
             return f"integrity: the producer's digests of {req_id} have the wrong size"
         n = int(i_idx.size)
         theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
-        ours = digest(self.planes, local_ids[i_idx], (lp, lp + count))
+        ours = _landed(self.planes, local_ids[i_idx], (lp, lp + count))
         if folded:
             ours = fold(ours)
         bad = first_mismatch(theirs, ours)

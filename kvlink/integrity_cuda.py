@@ -106,7 +106,7 @@ class Table:
         self.tokens, self.head_bytes = int(first.shape[2]), int(first.shape[3])
         self.heads = int(first.shape[1])
         self._fused: tuple[int, int, Any] | Literal[False] | None = None
-        self._params: dict[tuple[int, int, int, int], Any] = {}  # digest's, on the device
+        self._params: dict[tuple[int, ...], Any] = {}  # digest's, on the device, per stream
         rows = []
         ok = self.head_bytes % 8 == 0
         for v in views:
@@ -161,8 +161,10 @@ class Table:
             return None
         p0, p1 = planes if planes is not None else (0, self.planes)
         nb, heads, count = int(ids.shape[0]), h1 - h0, p1 - p0
-        key = (nb, count, heads, h0)
-        params = self._params.get(key)  # (a layer-wise push asks the same for every range)
+        # per stream: uploaded without a wait, they are there for that stream's later work
+        # only (a layer-wise push asks the same for every range)
+        key = (nb, count, heads, h0, torch.cuda.current_stream(self.device).cuda_stream)
+        params = self._params.get(key)
         if params is None:
             if len(self._params) > 64:
                 self._params.clear()

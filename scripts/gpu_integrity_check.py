@@ -6,7 +6,8 @@
    of the same bytes) and the torch per-plane path's, for K/V split NHD and HND caches, the
    packed ``(B, H, N, C)`` layout and a head slice; a range of layers taken later
    (``digest_later``, a layer-wise push's) equals those layers' digests, and launching it
-   behind a stream busy for ~50 ms returns at once (the host does not wait for the stream);
+   behind a stream busy for ~50 ms returns at once (the host does not wait for the stream), as
+   does a consumer's check of landed bytes (its own stream) with the same values;
    one flipped byte changes exactly the digest of its (block, layer, plane, head).
 2. Cost: ``full`` and ``sample`` digests of the Llama-3-70B TP8-rank 4096-token request
    (80 layers, 1 KV head, 256 blocks of 16 tokens, bf16; 160 MiB) against one device copy of
@@ -80,6 +81,13 @@ def check_equal() -> list[dict[str, Any]]:
         later = integrity.digest_later(planes, ids, (1, 3))
         launch_ms = (time.perf_counter() - t0) * 1e3
         ranged = later.result()
+        # a consumer's check of landed bytes (kvlink.integrity._landed): on a stream of its
+        # own, so a busy caller's stream (a forward in flight) is not waited for
+        torch.cuda._sleep(50_000_000)
+        t0 = time.perf_counter()
+        landed = integrity._landed(planes, ids, (0, 4))
+        landed_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
         # one flipped byte: layer 2, plane 0, block 5, head 3
         raw = layers[2].view(torch.int16)
         if kind == "packed":
@@ -95,10 +103,13 @@ def check_equal() -> list[dict[str, Any]]:
                "head_slice_equal": bool(np.array_equal(sliced, fused[..., 1:3])),
                "layer_range_later_equal": bool(np.array_equal(ranged, fused[:, 1:3])),
                "layer_range_launch_ms_behind_busy_stream": launch_ms,
+               "landed_check_equal": bool(np.array_equal(landed, fused)),
+               "landed_check_ms_behind_busy_stream": landed_ms,
                "flip_changed": changed}
         row["ok"] = (row["fused_equals_host"] and row["fused_equals_torch_per_plane"]
                      and row["head_slice_equal"] and row["layer_range_later_equal"]
-                     and launch_ms < 20 and changed == [[2, 2, 0, 3]])
+                     and launch_ms < 20 and row["landed_check_equal"] and landed_ms < 20
+                     and changed == [[2, 2, 0, 3]])
         print(row, flush=True)
         rows.append(row)
     return rows
