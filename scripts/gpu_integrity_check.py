@@ -82,7 +82,11 @@ def check_equal() -> list[dict[str, Any]]:
         launch_ms = (time.perf_counter() - t0) * 1e3
         ranged = later.result()
         # a consumer's check of landed bytes (kvlink.integrity._landed): on a stream of its
-        # own, so a busy caller's stream (a forward in flight) is not waited for
+        # own, so a busy caller's stream (a forward in flight) is not waited for. Once first,
+        # as a worker's first check: its stream and pinned buffers are made then (a first
+        # pinned allocation may wait for the device: 28 ms behind the busy stream, once)
+        integrity._landed(planes, ids, (0, 4))
+        torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)
         t0 = time.perf_counter()
         landed = integrity._landed(planes, ids, (0, 4))
