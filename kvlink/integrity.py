@@ -26,7 +26,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import itertools
 import time
 import weakref
 from collections.abc import Sequence
@@ -91,7 +90,7 @@ def digest(planes: Planes, block_ids: npt.ArrayLike,
     out = np.empty((ids.shape[0], len(planes), len(planes[0]), h1 - h0), dtype=np.uint64)
     if ids.shape[0] == 0 or h1 <= h0:
         return out
-    if not isinstance(first, np.ndarray) and first.device.type == "cuda":
+    if on_gpu(planes):
         fused = _cuda_digest(planes, ids, h0, h1)
         if fused is not None:
             out[...] = fused
@@ -234,8 +233,8 @@ _ROWS: dict[int, tuple[weakref.ref[npt.NDArray[Any]], _Rows]] = {}
 
 def _plane_rows(pages: npt.NDArray[np.uint8]) -> _Rows:
     """How ``pages`` is read, kept per plane (a worker's planes are fixed at register): its
-    views cost more to make than a small request's gather (~50 us a plane on a 2-core VM,
-    so a 160-plane 70B rank paid ~8 ms a check before any byte was read)."""
+    views cost more to make than a small request's gather of the plane, and a 70B rank has
+    160 planes to make them for at every check."""
     got = _ROWS.get(id(pages))
     if got is not None and got[0]() is pages:
         return got[1]
@@ -354,8 +353,7 @@ def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple
         import torch
 
         table = _table(planes)
-        dev = (on_device if on_device is not None else
-               torch.from_numpy(ids).pin_memory().to(table.device, non_blocking=True))
+        dev = on_device if on_device is not None else _upload(ids, table.device)
         out = table.digest(dev, 0, shape[3], (start * per, stop * per))
         if out is not None:
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
@@ -364,6 +362,15 @@ def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple
             event.record()
             return Later(host, shape, event)
     return Later(digest(planes[start:stop], ids), shape)
+
+
+def _upload(ids: npt.NDArray[np.int64], device: Any) -> Any:
+    """``ids`` on ``device``, enqueued on the current stream from pinned memory: from pageable
+    memory the driver may wait for the stream first, and a layer-wise prefill's forward loop
+    with it. There for that stream's later work only."""
+    import torch
+
+    return torch.from_numpy(ids).pin_memory().to(device, non_blocking=True)
 
 
 _SIDE: dict[Any, Any] = {}  # device -> the stream a check of landed bytes digests on
@@ -543,13 +550,17 @@ class RangeDigests:
     def __init__(self, planes: Planes, pick: npt.NDArray[np.bool_], src: npt.NDArray[np.int64],
                  dst: npt.NDArray[np.int64]) -> None:
         self._planes, self._src, self._dst = planes, src[pick], dst[pick]
-        self._ranges: list[tuple[int, Later]] = []  # (first layer, its digests)
-        #: (stream, the ids on the GPU): uploaded at the first range on that stream, without a
-        #: wait (there for that stream's later work only)
+        self._ranges: list[Later] = []  # layers [0, upto), in order
+        self.upto = 0
+        #: (stream, the ids on the GPU), uploaded at the first range on that stream
         self._on_device: tuple[int, Any] | None = None
 
     def take(self, start: int, stop: int) -> None:
-        """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them."""
+        """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them.
+        Ranges come in order (a layer-wise push's do); raises ValueError for one that does not
+        start where the last ended."""
+        if start != self.upto:
+            raise ValueError(f"layers [{start}, {stop}) do not follow [0, {self.upto})")
         dev = None
         if self._src.size and on_gpu(self._planes):
             import torch
@@ -557,23 +568,18 @@ class RangeDigests:
             device = _table(self._planes).device
             stream = torch.cuda.current_stream(device).cuda_stream
             if self._on_device is None or self._on_device[0] != stream:
-                # (from pinned memory: from pageable, the driver may wait for the stream,
-                # and the forward's loop with it)
-                self._on_device = (stream, torch.from_numpy(self._src).pin_memory().to(
-                    device, non_blocking=True))
+                self._on_device = (stream, _upload(self._src, device))
             dev = self._on_device[1]
-        self._ranges.append((start, digest_later(self._planes, self._src, (start, stop), dev)))
+        self._ranges.append(digest_later(self._planes, self._src, (start, stop), dev))
+        self.upto = stop
 
     def wire(self, layers: int) -> WireDigests:
         """The digests of layers ``[0, layers)`` for the note, once every range is DONE (on
         a GPU each range's copy was enqueued before its WRITE, which waited for it: nothing
-        is waited for here). Raises ValueError where the ranges taken do not cover them."""
-        got = sorted(self._ranges, key=lambda r: r[0])
-        parts = [later.result() for _, later in got]
-        if sum(p.shape[1] for p in parts) != layers or [r[0] for r in got] != list(
-                itertools.accumulate([0] + [p.shape[1] for p in parts[:-1]])):
-            raise ValueError(f"the ranges digested ({[r[0] for r in got]}) do not cover "
-                             f"layers [0, {layers})")
+        is waited for here). Raises ValueError where the ranges taken stop short of them."""
+        if self.upto != layers:
+            raise ValueError(f"layers [0, {self.upto}) digested, not [0, {layers})")
+        parts = [later.result() for later in self._ranges]
         return _wire_form(self._dst, np.concatenate(parts, axis=1))
 
 

@@ -172,7 +172,9 @@ def test_a_layer_wise_push_with_wrong_kv_fails_naming_the_layer(level: str, faul
     2 changed after the forward wrote it and its range was digested, before that range's
     WRITE read it (the block reused under the push). Either way the decode holds KV the
     forward did not write: the push fails naming block and layer; with integrity off the same
-    push finishes with the wrong bytes (the control)."""
+    push finishes with the wrong bytes (the control). The second is injected by wrapping the
+    prefill's own ``_start`` (a fake only for its timing: a real reuse cannot be made to land
+    between a range's digest and its WRITE on demand); the transport and workers are real."""
     prefill = rank("p", 1, integrity=level)
     decode = rank("d", 2, integrity=level)
     written = [layer(prefill, i, HELD) for i in range(4)]  # what the "forward" wrote
