@@ -16,11 +16,12 @@ import msgspec
 from kvlink.errors import IncompatibleSpecError
 from kvlink.headmap import check_tp
 
-WIRE_VERSION = 5  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
+WIRE_VERSION = 6  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
 #                  3: kept-open sessions, batches, READs validated without an intent
 #                  4: the hold board (HandshakeResponse.board), calls that want no answer
 #                     (Call.id 0), push digests and layer ranges on Notification
 #                  5: the landing board (PushRequest.landing)
+#                  6: digest areas on the landing board (LandingMsg.digests_at, _bytes)
 
 
 def compat_hash(geometry: dict[str, Any]) -> str:

@@ -70,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlink import shmfile
+from kvlink.arena import PageArena
 from kvlink.sampling import mix
 
 log = logging.getLogger("kvlink.holdboard")
@@ -159,8 +160,7 @@ class HoldBoard:
         self._fd, self._path = made.fd, made.path
         self._slots = _slots(self._map)
         _fault_in(self._map, write=True)  # (before the sentinel thread writes the header)
-        self._used = np.zeros(ARENA_PAGES, dtype=bool)  # arena pages given to live holds
-        self._next = 0  # where the next hold's digests go if the pages there are free
+        self._arena = PageArena(ARENA_PAGES)  # pages given to live holds' digests
         self._pages: dict[int, tuple[int, int]] = {}  # generation -> its (first page, count)
         self._lock = threading.Lock()
         helpers = _helpers()
@@ -209,38 +209,17 @@ class HoldBoard:
             return True
 
     def _place(self, generation: int, blob: bytes) -> int | None:
-        """Write ``blob`` into free arena pages — the next ones, else the first free run
-        after them (wrapping) — its byte offset in the file, or None when no run of free
-        pages is long enough anywhere. Before, a hold looked only at the next pages and at
-        the arena's start: one hold standing there (a long lease, a whole-cache hold) and
-        every hold after the first pass through the arena went without its digests, for
-        good — their readers asked for a verdict and digested on the host (70B requests
-        0.3 -> 2-3 ms after ~190 `full` holds, bench/results/gpu_arena_c5e9b5e/)."""
+        """Write ``blob`` into free arena pages (kvlink.arena: the next ones, else the first
+        free run after them) — its byte offset in the file, or None when no run of free pages
+        is long enough anywhere (the hold is then shown without its digests)."""
         need = -(-len(blob) // PAGE)
-        first = self._free_run(need)
+        first = self._arena.take(need)
         if first < 0:
             return None
-        self._used[first:first + need] = True
         self._pages[generation] = (first, need)
-        self._next = (first + need) % ARENA_PAGES
         at = _ARENA + first * PAGE
         self._map[at:at + len(blob)] = blob
         return at
-
-    def _free_run(self, need: int) -> int:
-        """The first page of ``need`` free ones: at the next page if it can be, else the
-        first such run after it, else the first from the start; -1 if there is none."""
-        nxt = self._next
-        if nxt + need <= ARENA_PAGES and not self._used[nxt:nxt + need].any():
-            return nxt  # (the common case: holds end in the order they came)
-        if need > ARENA_PAGES:
-            return -1
-        free = np.concatenate(([0], np.cumsum(~self._used, dtype=np.int32)))
-        starts = np.flatnonzero(free[need:] - free[:-need] == need)  # runs of `need` free
-        if starts.size == 0:
-            return -1
-        after = starts[np.searchsorted(starts, nxt):]
-        return int(after[0] if after.size else starts[0])
 
     def withdraw(self, generation: int) -> None:
         """``generation``'s hold ended: clear its slot (if it is ours), then give its digests'
@@ -254,7 +233,7 @@ class HoldBoard:
                 slot[1:] = 0
             pages = self._pages.pop(generation, None)
             if pages is not None:
-                self._used[pages[0]:pages[0] + pages[1]] = False
+                self._arena.give(*pages)
 
     def close(self) -> None:
         """Unlink and drop the lock: readers' after-checks fail from here on."""

@@ -28,7 +28,7 @@ import functools
 import hashlib
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -312,13 +312,16 @@ def _cuda_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int) -
 
 class Later:
     """Digests taken now and read later (:func:`digest_later`): on a GPU, their copy to the
-    host's pinned memory, enqueued on the caller's stream behind the kernel, and an event
-    after it; on the host, the values themselves."""
+    host's page-locked memory, enqueued on the caller's stream behind the kernel, and an event
+    after it; on the host, the values themselves. ``plane_major``: the values are kept
+    ``[layers x planes, blocks, heads]`` (a landing board's digest area)."""
 
-    __slots__ = ("_event", "_shape", "_values")
+    __slots__ = ("_event", "_plane_major", "_shape", "_values")
 
-    def __init__(self, values: Any, shape: tuple[int, ...], event: Any = None) -> None:
+    def __init__(self, values: Any, shape: tuple[int, ...], event: Any = None,
+                 plane_major: bool = False) -> None:
         self._values, self._shape, self._event = values, shape, event
+        self._plane_major = plane_major
 
     def result(self) -> U64:
         """The ``[blocks, layers, planes, heads]`` digests, once landed (a GPU's: waiting for
@@ -327,7 +330,11 @@ class Later:
             self._event.synchronize()
             self._event = None
             self._values = np.asarray(self._values.numpy()).view(np.uint64)
-        return np.asarray(self._values).reshape(self._shape)
+        got = np.asarray(self._values)
+        if self._plane_major:
+            k, layers, planes, heads = self._shape
+            got = got.reshape(layers, planes, k, heads).transpose(2, 0, 1, 3)
+        return got.reshape(self._shape)
 
 
 def on_gpu(planes: Planes) -> bool:
@@ -337,13 +344,15 @@ def on_gpu(planes: Planes) -> bool:
 
 
 def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple[int, int],
-                 on_device: Any = None) -> Later:
+                 on_device: Any = None, into: U64 | None = None) -> Later:
     """:func:`digest` of layers ``[start, stop)`` of ``block_ids`` (every head), taken now and
     read by :meth:`Later.result`. GPU planes: one kernel on the caller's current stream —
-    after the work that wrote those layers — and its digests' copy to pinned host memory,
-    with no wait on the host (a layer-wise push takes a range's digests as the forward goes
-    on); ``on_device``: the ids already there (a push's, uploaded once for all its ranges).
-    Host planes: computed now."""
+    after the work that wrote those layers — and its digests' copy to page-locked host
+    memory, with no wait on the host (a layer-wise push takes a range's digests as the
+    forward goes on); ``on_device``: the ids already there (a push's, uploaded once for all
+    its ranges). Host planes: computed now. ``into``: where they go, ``[(stop - start) x
+    planes, blocks, heads]`` words (plane by plane: a landing board's digest area,
+    kvlink.landing) — page-locked memory for GPU planes — instead of memory of their own."""
     ids = np.asarray(block_ids, dtype=np.int64)
     start, stop = layers
     first = planes[0][0]
@@ -354,14 +363,18 @@ def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple
 
         table = _table(planes)
         dev = on_device if on_device is not None else _upload(ids, table.device)
-        out = table.digest(dev, 0, shape[3], (start * per, stop * per))
+        out = table.digest(dev, 0, shape[3], (start * per, stop * per), into is not None)
         if out is not None:
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host = (torch.empty(out.shape, dtype=out.dtype, pin_memory=True) if into is None
+                    else torch.from_numpy(into.view(np.int64)))
             host.copy_(out, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-            return Later(host, shape, event)
-    return Later(digest(planes[start:stop], ids), shape)
+            return Later(host, shape, event, into is not None)
+    d = digest(planes[start:stop], ids)
+    if into is not None:
+        into[...] = d.transpose(1, 2, 0, 3).reshape(into.shape)
+    return Later(d, shape)
 
 
 def _upload(ids: npt.NDArray[np.int64], device: Any) -> Any:
@@ -441,6 +454,10 @@ def fold(d: U64) -> U64:
 #: the hold board's copy (:func:`unpack`)
 Digests = tuple[Sequence[int] | npt.NDArray[np.int64], bytes | memoryview, bool]
 WireDigests = tuple[list[int], bytes, bool]  # what a verdict or a push's note carries
+#: a landing board's digest area, opened for a push's digests (kvlink.landing.DigestArea.open
+#: with the push's tag): (the decode's block ids, (layers, planes, heads)) -> where they go,
+#: ``[layers x planes, k, heads]`` words, or None where they do not fit
+AreaOpener = Callable[[npt.NDArray[np.int64], tuple[int, ...]], "U64 | None"]
 
 
 _BOARD_HEAD = 4  # words: digests, folded, positions, words per digest row
@@ -545,15 +562,34 @@ class RangeDigests:
     the KV its WRITE then reads — and sent whole with "written", by the decode's block ids.
     Taken at the end instead, over the prefill's blocks as they are then, they would only
     disagree with what landed where a block changed *after* its range was read (the decode's
-    copy still right), and agree where it changed before."""
+    copy still right), and agree where it changed before.
+
+    ``into``: a landing board's digest area (kvlink.landing.DigestArea.open's
+    ``[layers x planes, k, heads]``), where each range's go, ahead of its WRITE, so that a
+    same-host decode checks what landed once its flag shows every layer, without the note."""
 
     def __init__(self, planes: Planes, pick: npt.NDArray[np.bool_], src: npt.NDArray[np.int64],
                  dst: npt.NDArray[np.int64]) -> None:
-        self._planes, self._src, self._dst = planes, src[pick], dst[pick]
+        self._planes, self._src, self.ids = planes, src[pick], dst[pick]
         self._ranges: list[Later] = []  # layers [0, upto), in order
         self.upto = 0
         #: (stream, the ids on the GPU), uploaded at the first range on that stream
         self._on_device: tuple[int, Any] | None = None
+        self._into: U64 | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(layers, planes, heads) of every range together: what an area must hold per
+        digested block (with the decode's block ids, :attr:`ids`)."""
+        first = self._planes[0][0]
+        return len(self._planes), len(self._planes[0]), int(first.shape[1])
+
+    def into(self, place: U64) -> None:
+        """Put every range's digests in ``place`` (``[layers x planes, k, heads]`` words; for
+        GPU planes, page-locked), from the first range on."""
+        if self._ranges:
+            raise ValueError("a digest area is given before the first range")
+        self._into = place
 
     def take(self, start: int, stop: int) -> None:
         """Layers ``[start, stop)`` are written (enqueued on the caller's stream): digest them.
@@ -570,7 +606,9 @@ class RangeDigests:
             if self._on_device is None or self._on_device[0] != stream:
                 self._on_device = (stream, _upload(self._src, device))
             dev = self._on_device[1]
-        self._ranges.append(digest_later(self._planes, self._src, (start, stop), dev))
+        per = len(self._planes[0])
+        into = None if self._into is None else self._into[start * per:stop * per]
+        self._ranges.append(digest_later(self._planes, self._src, (start, stop), dev, into))
         self.upto = stop
 
     def wire(self, layers: int) -> WireDigests:
@@ -580,7 +618,7 @@ class RangeDigests:
         if self.upto != layers:
             raise ValueError(f"layers [0, {self.upto}) digested, not [0, {layers})")
         parts = [later.result() for later in self._ranges]
-        return _wire_form(self._dst, np.concatenate(parts, axis=1))
+        return _wire_form(self.ids, np.concatenate(parts, axis=1))
 
 
 class Checker:
@@ -648,10 +686,13 @@ class Checker:
         return pack(got, rows) if got[0] and rows is not None else b""
 
     def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
-                 lease: tuple[str, int] | None = None) -> WireDigests:
+                 lease: tuple[str, int] | None = None, into: AreaOpener | None = None
+                 ) -> WireDigests:
         """(decode block ids, digests, folded) for a push's "written" note: the digests the
         hold fixed (``lease``: (held request, generation)), else taken now over ``src_ids``
-        (the caller's blocks are final: it pushes them); the ids are the ones they land in."""
+        (the caller's blocks are final: it pushes them); the ids are the ones they land in.
+        ``into``: a landing board's digest area (its opener: kvlink.landing.DigestArea.open
+        with the push's tag), where they go too, unfolded, before the WRITE is posted."""
         if not self.on or self.planes is None:
             return [], b"", False
         src = np.asarray(src_ids, dtype=np.int64)
@@ -661,10 +702,14 @@ class Checker:
             _, ids, d = got
             where = {int(s): i for i, s in enumerate(src.tolist())}
             keep = [j for j, b in enumerate(ids.tolist()) if int(b) in where]
-            sel = dst[[where[int(ids[j])] for j in keep]]
-            return _wire_form(sel, d[keep])
-        pick = checked(self.level, req_id, dst)
-        return _wire_form(dst[pick], digest(self.planes, src[pick]))
+            sel, d = dst[[where[int(ids[j])] for j in keep]], d[keep]
+        else:
+            pick = checked(self.level, req_id, dst)
+            sel, d = dst[pick], digest(self.planes, src[pick])
+        place = into(sel, d.shape[1:]) if into is not None and sel.size else None
+        if place is not None:
+            place[...] = d.transpose(1, 2, 0, 3).reshape(place.shape)
+        return _wire_form(sel, d)
 
     def for_layers(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike
                    ) -> RangeDigests | None:

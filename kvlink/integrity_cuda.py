@@ -29,11 +29,12 @@ __device__ __forceinline__ u64 kv_mix(u64 x) {
 }
 
 // table: [planes][4] = (ptr, block stride, head stride, token stride), bytes
-// params: (blocks, planes, heads, first head, tokens, words per token)
+// params: (blocks, planes, heads, first head, tokens, words per token, plane-major)
+// out: [blocks][planes][heads], or with plane-major [planes][blocks][heads]
 extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
                                      const i64* params) {
   const i64 nb = params[0], np = params[1], nh = params[2], h0 = params[3];
-  const i64 tokens = params[4], words = params[5];
+  const i64 tokens = params[4], words = params[5], plane_major = params[6];
   const i64 item = blockIdx.x;  // (block, plane, head), head fastest
   const i64 h = item % nh;
   const i64 p = (item / nh) % np;
@@ -56,7 +57,7 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
     if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
     __syncthreads();
   }
-  if (threadIdx.x == 0) out[item] = part[0];
+  if (threadIdx.x == 0) out[plane_major ? (p * nb + b) * nh + h : item] = part[0];
 }
 """
 
@@ -148,11 +149,13 @@ class Table:
         torch.cuda.synchronize(self.device)  # once, at the first fused READ
         return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 
-    def digest(self, ids: Any, h0: int, h1: int,
-               planes: tuple[int, int] | None = None) -> Any | None:
+    def digest(self, ids: Any, h0: int, h1: int, planes: tuple[int, int] | None = None,
+               plane_major: bool = False) -> Any | None:
         """``[blocks, planes, heads]`` int64 digests on the device, launched on the caller's
         current stream (after what it holds); None where the kernel can't take the views.
-        ``planes``: only views ``[p0, p1)`` (a layer-wise push's range of layers). Its
+        ``planes``: only views ``[p0, p1)`` (a layer-wise push's range of layers);
+        ``plane_major``: ``[planes, blocks, heads]`` instead (a landing board's digest area
+        keeps them so: kvlink.landing). Its
         arguments go up from pinned memory: from pageable memory the driver may wait for the
         stream first, which would hold a layer-wise prefill's host loop behind its GPU."""
         import torch
@@ -163,15 +166,16 @@ class Table:
         nb, heads, count = int(ids.shape[0]), h1 - h0, p1 - p0
         # per stream: uploaded without a wait, they are there for that stream's later work
         # only (a layer-wise push asks the same for every range)
-        key = (nb, count, heads, h0, torch.cuda.current_stream(self.device).cuda_stream)
+        key = (nb, count, heads, h0, plane_major,
+               torch.cuda.current_stream(self.device).cuda_stream)
         params = self._params.get(key)
         if params is None:
             if len(self._params) > 64:
                 self._params.clear()
             params = self._params[key] = torch.tensor(
-                [nb, count, heads, h0, self.tokens, self.head_bytes // 8],
+                [nb, count, heads, h0, self.tokens, self.head_bytes // 8, int(plane_major)],
                 dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
         out = torch.empty(nb * count * heads, dtype=torch.int64, device=self.device)
         self.fn(grid=(nb * count * heads, 1, 1), block=(THREADS, 1, 1),
                 args=[self.rows[p0:p1], ids, out, params])
-        return out.view(nb, count, heads)
+        return out.view(count, nb, heads) if plane_major else out.view(nb, count, heads)

@@ -27,6 +27,14 @@ A slot is given back only when its push ended and no byte of it can still land (
 cancel/quiescence rules), so a stale signal cannot move another push's flag; the tag (from the
 push id) makes that a second line. Same-host only: the prefill opens the board by name in
 ``/dev/shm``; 0o600, so only the same user can.
+
+With integrity on (:mod:`kvlink.integrity`) a slot also gets a **digest area**: pages of the
+board's arena where the prefill puts the digests of what it pushes — each layer range's before
+that range's WRITE is posted (on a GPU, copied there on the caller's stream ahead of the WRITE,
+which waits for it) — so that when the flag shows every layer the digests are there too, and
+the decode checks what landed then, without the "written" note that carries the same digests
+(:class:`DigestArea`; the note still follows, for a decode that could not use them). An area
+too small for the prefill's digests is left empty: that push ends by its note.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvlink import holdboard, shmfile
+from kvlink.arena import PageArena
 from kvlink.holdboard import Offer
 
 log = logging.getLogger("kvlink.landing")
@@ -50,8 +59,17 @@ SLOTS = 4095  # with the header, 64 pages exactly (CUDA page-locks whole pages)
 _LAYER_BITS = 16  # low bits of a flag: the layers landed; above them the push's tag
 _HEADER = 64  # magic (8), slots (8), token (16), reserved
 _WORDS = 8  # per slot: flag, tag, generation, fingerprint, hold board name (2), token (2)
-KIND = shmfile.Kind("kvlink-landing-", 0x6B766C696E6B4C31, SLOTS,  # magic "kvlinkL1"
-                    _HEADER + 8 * _WORDS * SLOTS)
+PAGE = 4096
+_ARENA = _HEADER + 8 * _WORDS * SLOTS  # the digest areas' first byte (page 64)
+#: 32 MiB (tmpfs: only pages written take memory): e.g. 100 pushes of a 70B TP8 rank's
+#: 4096-token request at `full`, 30 of an 8B TP1 request's
+ARENA_PAGES = 1 << 13
+#: magic "kvlinkL2" (L1: no digest areas)
+KIND = shmfile.Kind("kvlink-landing-", 0x6B766C696E6B4C32, SLOTS, _ARENA + PAGE * ARENA_PAGES)
+#: a digest area's header, in words: the push's tag (written last), digested blocks k,
+#: layers, planes, heads, reserved (3); then the k block ids (the decode's), then the
+#: digests plane by plane — [layers x planes][k][heads] — so a layer range's are one piece
+AREA_HEAD = 8
 _BOARD_PREFIX = holdboard.KIND.prefix
 
 
@@ -115,13 +133,15 @@ class LandingBoard:
         self._path: str | None = made.path
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(ref))
-        self._slots = _words(self._map)[_HEADER // 8:].reshape(SLOTS, _WORDS)
+        self._slots = _words(self._map)[_HEADER // 8:_ARENA // 8].reshape(SLOTS, _WORDS)
         #: the flags, read by plain indexing: a poll reads one per awaited rank, and a numpy
         #: scalar read costs a microsecond and more on a busy host (the exposed time of a
         #: layer-wise push is counted in them)
         self._flags = memoryview(self._map).cast("Q")
         self._lock = threading.Lock()
         self._free = list(range(SLOTS - 1, -1, -1))
+        self._arena = PageArena(ARENA_PAGES)
+        self._areas: dict[int, tuple[int, int]] = {}  # slot -> its digest area's pages
 
     @classmethod
     def create(cls) -> LandingBoard | None:
@@ -144,12 +164,50 @@ class LandingBoard:
         self._slots[slot] = 0
         return slot
 
+    def take_area(self, slot: int, nbytes: int) -> tuple[int, int] | None:
+        """A digest area of at least ``nbytes`` for ``slot`` (taken), its tag cleared: (byte
+        offset in the board, bytes), or None when the arena has no run of pages that long
+        (that push ends by its note)."""
+        need = -(-nbytes // PAGE)
+        with self._lock:
+            if self._path is None or slot in self._areas:
+                return None
+            first = self._arena.take(need)
+            if first < 0:
+                return None
+            self._areas[slot] = (first, need)
+        at = _ARENA + first * PAGE
+        _words(self._map)[at // 8] = 0  # its tag: no digests yet
+        return at, need * PAGE
+
     def give(self, slot: int) -> None:
-        """Its push ended and nothing of it can land any more."""
+        """Its push ended and nothing of it can land any more (its digest area too)."""
         with self._lock:
             if self._path is not None:
                 self._slots[slot, :2] = 0
                 self._free.append(slot)
+                area = self._areas.pop(slot, None)
+                if area is not None:
+                    self._arena.give(*area)
+
+    def digests(self, slot: int, tag: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The digests the prefill put in ``slot``'s area for the push tagged ``tag``: (the
+        decode's block ids ``[k]``, digests ``[k, layers, planes, heads]``), copied out; None
+        where it put none (another tag, a header that does not fit the area). Read once the
+        flag shows every layer: each range's digests were there before its WRITE moved it."""
+        area = self._areas.get(slot)
+        if area is None or self._path is None:
+            return None
+        at = _ARENA + area[0] * PAGE
+        words = _words(self._map)[at // 8:at // 8 + area[1] * PAGE // 8]
+        got = _area_shape(words)
+        if got is None or int(words[0]) != tag:
+            return None
+        k, layers, planes, heads = got
+        ids = words[AREA_HEAD:AREA_HEAD + k].view(np.int64).copy()
+        d = words[AREA_HEAD + k:AREA_HEAD + k + k * layers * planes * heads]
+        d = d.reshape(layers * planes, k, heads).transpose(1, 0, 2)
+        return ids, np.ascontiguousarray(d).reshape(k, layers, planes, heads)
 
     def landed(self, slot: int, tag: int) -> int:
         """Layers the flag says landed for the push tagged ``tag`` (0: none, or not ours)."""
@@ -186,6 +244,7 @@ class LandingBoard:
             except OSError:
                 pass
             self._path = None
+            self._areas.clear()
             self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
             self._flags.release()
             self._flags = memoryview(b"").cast("Q")
@@ -221,6 +280,44 @@ class EndCheck:
             return None
 
 
+def _area_shape(words: np.ndarray) -> tuple[int, int, int, int] | None:
+    """(k, layers, planes, heads) of an area's header, or None where they do not fit it."""
+    k, layers, planes, heads = (int(x) for x in words[1:5])
+    if min(k, layers, planes, heads) < 1 or layers >= 1 << _LAYER_BITS:
+        return None
+    if AREA_HEAD + k + k * layers * planes * heads > words.shape[0]:
+        return None
+    return k, layers, planes, heads
+
+
+class DigestArea:
+    """The prefill's side of a digest area (see the module docstring): its header written
+    at the push's start by :meth:`open`, then each layer range's digests into
+    :meth:`planes`, ahead of that range's WRITE."""
+
+    def __init__(self, view: LandingView, at: int, nbytes: int) -> None:
+        self._view, self.at = view, at
+        self._words = _words(view._map)[at // 8:(at + nbytes) // 8]
+
+    def open(self, tag: int, ids: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+        """Write the header for the push tagged ``tag``, digesting the decode's blocks
+        ``ids`` over ``shape``, (layers, planes, heads): the digests' place, ``[layers x
+        planes, k, heads]`` words, or None where they do not fit (the area is left without a
+        tag: the push ends by its note)."""
+        layers, planes, heads = (int(x) for x in shape)
+        k = int(ids.shape[0])
+        w = self._words
+        if not k or AREA_HEAD + k + k * layers * planes * heads > w.shape[0]:
+            return None
+        w[0] = 0
+        w[1:5] = (k, layers, planes, heads)
+        w[5:AREA_HEAD] = 0
+        w[AREA_HEAD:AREA_HEAD + k] = ids.astype(np.int64).view(np.uint64)
+        w[0] = np.uint64(tag)  # last: a decode that reads the tag reads the rest
+        d = w[AREA_HEAD + k:AREA_HEAD + k + k * layers * planes * heads]
+        return d.reshape(layers * planes, k, heads)
+
+
 def _forget_in_child(ref: weakref.ref[LandingBoard]) -> None:
     """After fork, in the child: our copy of the board's fd would keep its lock after the
     parent dies (and the board unswept); the parent's board is not the child's to unlink."""
@@ -237,10 +334,11 @@ class LandingView:
     def __init__(self, name: str, view: mmap.mmap) -> None:
         self.name, self._map = name, view
         words = _words(view)
-        self._slots = words[_HEADER // 8:].reshape(SLOTS, _WORDS)
+        self._slots = words[_HEADER // 8:_ARENA // 8].reshape(SLOTS, _WORDS)
         self.base = int(words.ctypes.data)
         self.nbytes = KIND.size
         self._lock = threading.Lock()
+        self._pinned: int | None = None  # the device's pointer once registered (0: failed)
 
     @classmethod
     def open(cls, name: str, token: bytes) -> LandingView | None:
@@ -270,6 +368,30 @@ class LandingView:
         row[0] = np.uint64(value(tag, 0))
         row[1] = np.uint64(tag)
 
+    def area(self, at: int, nbytes: int) -> DigestArea | None:
+        """The digest area a push request offered (``at``, ``nbytes``), or None where it does
+        not lie in the board's arena."""
+        if at < _ARENA or at % PAGE or nbytes <= 0 or at + nbytes > KIND.size:
+            return None
+        return DigestArea(self, at, nbytes)
+
+    def pin(self) -> bool:
+        """Page-lock the board for the GPU (once): a push's digests are copied into its area
+        on the caller's stream, and a copy into memory that is not page-locked waits for the
+        stream on the host — a layer-wise prefill's forward loop with it. False where it
+        cannot be (its pushes end by note)."""
+        if self._pinned is None:
+            from kvlink.errors import KVLinkError
+            from kvlink.gpu import ipc
+
+            try:
+                self._pinned = ipc.host_register(self.base, self.nbytes)
+            except KVLinkError as exc:
+                log.warning("landing board %s not page-locked (%s): integrity pushes to it "
+                            "end by note", self.name, exc)
+                self._pinned = 0
+        return bool(self._pinned)
+
     @staticmethod
     def offset(slot: int) -> int:
         """Byte offset of ``slot``'s flag in the mapping."""
@@ -288,5 +410,14 @@ class LandingView:
             return True
 
     def close(self) -> None:
+        if self._pinned:
+            from kvlink.errors import KVLinkError
+            from kvlink.gpu import ipc
+
+            try:
+                ipc.host_unregister(self.base)
+            except KVLinkError as exc:
+                log.warning("landing board %s: %s", self.name, exc)
+        self._pinned = None
         self._slots = np.zeros((0, _WORDS), dtype=np.uint64)
         shmfile.unmap(self._map)

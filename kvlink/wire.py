@@ -232,6 +232,10 @@ class LandingMsg(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     token: Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE_BYTES)]
     slot: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
     host_id: Name  # the decode's host: a prefill elsewhere ignores the offer
+    #: with integrity on, the slot's digest area: its byte offset in the board and its size
+    #: (0: none; the push then ends by its note, which carries the digests)
+    digests_at: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    digests_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
 
 
 class PushRequest(_Msg, tag="push", frozen=True):

@@ -21,9 +21,10 @@
 #          range taken later (not waiting for a busy stream), its cost
 #   layerwise  bench/layerwise.py --device cuda at integrity off, sample and full (a
 #          layer-wise push digested range by range on the forward's stream, checked whole)
+#   landing  scripts/gpu_landing_check.py: the landing board's signal on the device
 # Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
 set -u
-label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io integrity layerwise]}
+label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io integrity layerwise landing]}
 shift
 steps=${*:-runs order ipc fused e2e host io}
 tree=$(cd "$(dirname "$0")/.." && pwd)
@@ -72,7 +73,9 @@ for step in $steps; do
                 --integrity $lv --out $O/layerwise_$lv.json
             grep -E "^(whole|layered|one) |mismatches" $O/layerwise_$lv.log
         done ;;
-    *) echo "unknown step $step (runs order ipc fused e2e host io integrity layerwise)"; exit 2 ;;
+    landing) go landing 90 python3 scripts/gpu_landing_check.py --out $O ;;
+    *) echo "unknown step $step (runs order ipc fused e2e host io integrity layerwise landing)"
+       exit 2 ;;
     esac
 done
 tar czf "${OUT:-/tmp}/results.tgz" -C $O .

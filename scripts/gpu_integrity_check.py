@@ -7,7 +7,9 @@
    packed ``(B, H, N, C)`` layout and a head slice; a range of layers taken later
    (``digest_later``, a layer-wise push's) equals those layers' digests, and launching it
    behind a stream busy for ~50 ms returns at once (the host does not wait for the stream), as
-   does a consumer's check of landed bytes (its own stream) with the same values;
+   does the same range digested into a landing board's digest area (page-locked, plane by
+   plane: what a same-host decode reads there) and a consumer's check of landed bytes (its
+   own stream), with the same values;
    one flipped byte changes exactly the digest of its (block, layer, plane, head).
 2. Cost: ``full`` and ``sample`` digests of the Llama-3-70B TP8-rank 4096-token request
    (80 layers, 1 KV head, 256 blocks of 16 tokens, bf16; 160 MiB) against one device copy of
@@ -81,6 +83,10 @@ def check_equal() -> list[dict[str, Any]]:
         later = integrity.digest_later(planes, ids, (1, 3))
         launch_ms = (time.perf_counter() - t0) * 1e3
         ranged = later.result()
+        # the same range into a landing board's digest area (kvlink.landing: page-locked,
+        # plane by plane), as a same-host push's ranges go: launched behind a busy stream,
+        # the host not waiting; what the decode reads there, the same values
+        into_ms, area_equal = _into_area(planes, ids, fused[:, 1:3])
         # a consumer's check of landed bytes (kvlink.integrity._landed): on a stream of its
         # own, so a busy caller's stream (a forward in flight) is not waited for. Once first,
         # as a worker's first check: its stream and pinned buffers are made then (a first
@@ -107,16 +113,55 @@ def check_equal() -> list[dict[str, Any]]:
                "head_slice_equal": bool(np.array_equal(sliced, fused[..., 1:3])),
                "layer_range_later_equal": bool(np.array_equal(ranged, fused[:, 1:3])),
                "layer_range_launch_ms_behind_busy_stream": launch_ms,
+               "layer_range_into_area_equal": area_equal,
+               "layer_range_into_area_ms_behind_busy_stream": into_ms,
                "landed_check_equal": bool(np.array_equal(landed, fused)),
                "landed_check_ms_behind_busy_stream": landed_ms,
                "flip_changed": changed}
         row["ok"] = (row["fused_equals_host"] and row["fused_equals_torch_per_plane"]
                      and row["head_slice_equal"] and row["layer_range_later_equal"]
                      and launch_ms < 20 and row["landed_check_equal"] and landed_ms < 20
+                     and area_equal and into_ms < 20
                      and changed == [[2, 2, 0, 3]])
         print(row, flush=True)
         rows.append(row)
     return rows
+
+
+def _into_area(planes: Any, ids: np.ndarray, want: np.ndarray) -> tuple[float, bool]:
+    """``digest_later`` of layers [1, 3) into a real landing board's digest area, behind a
+    stream busy for ~50 ms: (the call's ms, whether the prefill's Later and the decode's read
+    of the area both equal ``want``)."""
+    from kvlink import landing
+
+    board = landing.LandingBoard.create()
+    assert board is not None
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    try:
+        slot = board.take()
+        assert slot is not None
+        k, layers, per, heads = want.shape
+        got = board.take_area(slot, 8 * (landing.AREA_HEAD + k + want.size))
+        assert got is not None
+        area = view.area(*got)
+        assert area is not None and view.pin(), "the landing board could not be page-locked"
+        tag = landing.tag_of(3)
+        place = area.open(tag, ids, (layers, per, heads))
+        assert place is not None
+        torch.cuda._sleep(50_000_000)
+        t0 = time.perf_counter()
+        later = integrity.digest_later(planes, ids, (1, 3), into=place)
+        ms = (time.perf_counter() - t0) * 1e3
+        mine = later.result()
+        read = board.digests(slot, tag)
+        equal = (read is not None and np.array_equal(mine, want)
+                 and np.array_equal(read[1], want) and read[0].tolist() == ids.tolist())
+        return ms, equal
+    finally:
+        torch.cuda.synchronize()
+        view.close()
+        board.close()
 
 
 def _event_ms(fn: Any, reps: int = 20) -> float:

@@ -125,7 +125,7 @@ def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
         ok, reason = outcome(decode, "sub", 10)
         assert ok, reason
         assert prefill.board is not None
-        prefill.board._used[:] = True  # every arena page taken (a stand-in for a full one)
+        prefill.board._arena.used[:] = True  # every arena page taken (a stand-in for a full one)
         gen = prefill.hold("dig", [5, 6])
         assert prefill.board.arena_full == 1
         checked.read("dig", remote(prefill), [1, 2], [5, 6], generation=gen)
@@ -224,17 +224,17 @@ def test_digests_ride_with_the_hold_and_their_pages_come_back() -> None:
         assert view.digests(a, fingerprint([1])) == blob
         assert view.digests(b, fingerprint([2])) == blob[:100]
         assert view.digests(a, fingerprint([2])) is None  # another block list
-        assert int(board._used.sum()) == 4
+        assert int(board._arena.used.sum()) == 4
         board.withdraw(a)
         assert view.digests(a, fingerprint([1])) is None
-        assert int(board._used.sum()) == 1
+        assert int(board._arena.used.sum()) == 1
         big = b"x" * (holdboard.PAGE * holdboard.ARENA_PAGES)  # the whole arena: no room
         c = (3 << 20) | 3
         assert board.publish(c, [3], big) and board.arena_full == 1
         assert view.holds(c, fingerprint([3])) and view.digests(c, fingerprint([3])) is None
         board.withdraw(b)
         board.withdraw(c)
-        assert not board._used.any()
+        assert not board._arena.used.any()
         d = (4 << 20) | 4  # from the start again once the next pages are short
         assert board.publish(d, [4], big[:holdboard.PAGE * (holdboard.ARENA_PAGES - 2)])
         assert view.digests(d, fingerprint([4])) is not None
@@ -271,7 +271,7 @@ def test_a_standing_hold_does_not_leave_later_holds_without_their_digests() -> N
         small = [(j << 20) | j for j in range(10, 10 + pages // 2)]  # (each its own slot)
         for j, gen in enumerate(small):
             assert board.publish(gen, [j], b"p" * (2 * page)), j
-        assert board.arena_full == 0 and board._used.all()
+        assert board.arena_full == 0 and board._arena.used.all()
         for gen in small[::2]:
             board.withdraw(gen)
         three = (5 << 20) | 5  # no run of three free pages anywhere: shown without

@@ -178,9 +178,9 @@ def push(prefill: Rank, decode: Rank, req: str = "r1", lease: bool = True,
     if landed is not None:
         orig = decode.w._check_pushed
 
-        def check(aw: Any, note: Any) -> Any:
+        def check(aw: Any, *args: Any) -> Any:
             landed(decode)
-            return orig(aw, note)
+            return orig(aw, *args)
 
         decode.w._check_pushed = check  # type: ignore[method-assign]
     decode.w.expect_push(req, prefill.remote(), LOCAL, timeout=20)

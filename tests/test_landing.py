@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_layerwise import HELD, LOCAL, asked, landed, layer, rank
+from test_layerwise import HELD, LOCAL, _keep, asked, landed, layer, rank
 from test_lifecycle import outcome, remote, until
 
 from kvlink import landing
@@ -171,6 +171,111 @@ def test_without_the_board_the_push_still_ends_by_note() -> None:
         decode.close()
 
 
+# ------------------------------------------------------------------ with integrity on
+def _integrity_push(prefill: KVWorker, decode: KVWorker, how: str) -> str:
+    """Push a request whole or in two ranges with the peer's handshake done before (by a
+    push of r0 first, whole; by the first range), the last call posting at once: what is
+    left is the decode's to see. Returns the request pushed."""
+    msg = asked(prefill, decode)
+    if how == "whole":
+        prefill.push(msg, HELD, lease="r0")
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        _note_taken_quietly(prefill, decode)
+        prefill.hold("r1", HELD)
+        decode.expect_push("r1", remote(prefill), LOCAL, timeout=20)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg1,) = prefill.push_requests()
+        prefill.push(msg1, HELD, lease="r1")
+        return "r1"
+    prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+    landed(prefill, decode, 1)
+    prefill.push(msg, HELD, lease="r0", layers=(1, 4))
+    return "r0"
+
+
+@pytest.mark.parametrize("level", ["full", "sample"])
+@pytest.mark.parametrize("how", ["layer-wise", "whole"])
+def test_an_integrity_push_ends_on_the_board_with_its_digests(how: str, level: str) -> None:
+    """With integrity on, the prefill puts each range's digests in the slot's digest area
+    before its WRITE, so the decode checks what landed once the flag shows every layer — no
+    note (the prefill is not polled at all). Before, a decode with integrity on took no slot
+    and waited for the note (this test timed out)."""
+    prefill, decode = rank("p", 1, integrity=level), rank("d", 2, integrity=level)
+    try:
+        req = _integrity_push(prefill, decode, how)
+        before = (decode.board_landed, decode.integrity.checked_blocks)
+        ok, reason = _finish_silently(decode, req)
+        assert ok, reason
+        assert decode.board_landed == before[0] + 1
+        checked = decode.integrity.checked_blocks - before[1]
+        assert (checked == 3 if level == "full" else 1 <= checked <= 3), checked
+        for i in range(4):
+            assert np.array_equal(layer(decode, i, LOCAL), layer(prefill, i, HELD))
+        _note_taken_quietly(prefill, decode)
+        assert decode.integrity.failures == 0  # (the note's digests were not checked again)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("level", ["full", "off"], ids=["full", "off control"])
+def test_a_late_write_fails_the_push_on_the_board(level: str) -> None:
+    """A byte of layer 0, landed in the decode's block, overwritten before the last range is
+    pushed (injected: a late write): the check at the flag fails the push naming block and
+    layer, without the note; with integrity off the push ends there with the wrong byte."""
+    prefill, decode = rank("p", 1, integrity=level), rank("d", 2, integrity=level)
+    try:
+        msg = asked(prefill, decode)
+        prefill.push(msg, HELD, lease="r0", layers=(0, 2))
+        landed(prefill, decode, 2)
+        _keep(decode, 0)[0, LOCAL[1], 2, 1, 3] ^= 1
+        prefill.push(msg, HELD, lease="r0", layers=(2, 4))
+        ok, reason = _finish_silently(decode, "r0")
+        if level == "off":
+            assert ok and decode.board_landed == 1, reason
+            assert not np.array_equal(layer(decode, 0, LOCAL), layer(prefill, 0, HELD))
+            return
+        assert not ok and "differs from the producer's" in reason, reason
+        assert f"local block {LOCAL[1]} " in reason and "layer 0," in reason, reason
+        assert decode.board_landed == 0 and decode.integrity.failures == 1
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_slot_without_a_digest_area_leaves_an_integrity_push_to_its_note() -> None:
+    """The decode's arena full (every page taken: a real one, as a flood of large pushes
+    leaves it): its slot carries no digest area, and with integrity on the flag alone is not
+    trusted — the push ends by the prefill's note, which carries the digests."""
+    prefill, decode = rank("p", 1, integrity="full"), rank("d", 2, integrity="full")
+    try:
+        assert decode.landing is not None
+        msg = asked(prefill, decode)  # r0: the handshake
+        prefill.push(msg, HELD, lease="r0")
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        _note_taken_quietly(prefill, decode)
+        decode.landing._arena.used[:] = True
+        before = (decode.board_landed, decode.integrity.checked_blocks)
+        prefill.hold("r1", HELD)
+        decode.expect_push("r1", remote(prefill), LOCAL, timeout=20)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg1,) = prefill.push_requests()
+        assert msg1.landing is not None and msg1.landing.digests_bytes == 0
+        prefill.push(msg1, HELD, lease="r1")
+        _wait_written(prefill)
+        done, failed = decode.poll()
+        assert "r1" not in done and not failed  # written on the board: not enough
+        ok, reason = outcome(decode, "r1", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        assert decode.board_landed == before[0]
+        assert decode.integrity.checked_blocks == before[1] + 3
+    finally:
+        prefill.close()
+        decode.close()
+
+
 # ---------------------------------------------------------------------------- the board itself
 @pytest.fixture
 def board() -> landing.LandingBoard:
@@ -275,4 +380,39 @@ def test_an_end_check_reads_the_flag_and_the_hold_where_they_lie(
     shown.close()
     assert check.written() is None
     holds.close()
+    view.close()
+
+
+def test_a_digest_area_is_read_only_for_its_push_and_its_size(
+        board: landing.LandingBoard) -> None:
+    """What the decode reads of a slot's digest area: the prefill's digests for this push's
+    tag, plane by plane back into (block, layer, plane, head) order; nothing for another tag,
+    nor before the prefill wrote its header; a header whose sizes overrun the area, nothing;
+    digests that do not fit are not written (open says None: the push ends by note)."""
+    view = landing.LandingView.open(board.name, board.token)
+    assert view is not None
+    slot = board.take()
+    assert slot is not None
+    got = board.take_area(slot, 8 * (landing.AREA_HEAD + 2 + 2 * 3 * 2 * 1))
+    assert got is not None
+    at, nbytes = got
+    tag = landing.tag_of(5)
+    assert board.digests(slot, tag) is None  # nothing written yet
+    area = view.area(at, nbytes)
+    assert area is not None and view.area(at + 8, nbytes) is None  # not a page of the arena
+    ids = np.array([7, 3])
+    assert area.open(tag, ids, (3, 2, 1000)) is None  # too large for the area
+    assert board.digests(slot, tag) is None
+    place = area.open(tag, ids, (3, 2, 1))
+    assert place is not None and place.shape == (6, 2, 1)
+    want = np.arange(2 * 3 * 2, dtype=np.uint64).reshape(2, 3, 2, 1)  # [k, layers, planes, heads]
+    place[...] = want.transpose(1, 2, 0, 3).reshape(6, 2, 1)
+    read = board.digests(slot, tag)
+    assert read is not None
+    assert read[0].tolist() == [7, 3] and np.array_equal(read[1], want)
+    assert board.digests(slot, landing.tag_of(6)) is None  # another push's
+    view._map[at + 16:at + 24] = (1 << 40).to_bytes(8, "little")  # injected: layers overrun
+    assert board.digests(slot, tag) is None
+    board.give(slot)
+    assert not board._arena.used.any()
     view.close()

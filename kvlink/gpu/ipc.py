@@ -175,28 +175,49 @@ _HOST_REGISTER_DEVICEMAP = 0x2
 _HOST_REGISTER_READ_ONLY = 0x8  # CU_MEMHOSTREGISTER_READ_ONLY
 
 
+#: host mappings registered through :func:`host_register`: base -> [device pointer, users]
+_registered: dict[int, list[int]] = {}
+_registered_lock = threading.Lock()
+
+
 def host_register(addr: int, nbytes: int, read_only: bool = False) -> int:
     """Page-lock ``nbytes`` of host memory at ``addr`` (a shared mapping: kvlink.landing, a
     producer's hold board) for every context, mapped into the device's address space;
     returns the device pointer. ``read_only``: a mapping without write access (the device
-    only reads it)."""
-    drv = driver()
-    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP
-    if read_only:
-        flags |= _HOST_REGISTER_READ_ONLY
-    drv.check(drv.cuMemHostRegister(addr, nbytes, flags),
-              f"cuMemHostRegister(0x{addr:x}, {nbytes})")
-    dev = _CUdeviceptr()
-    rc = drv.cuMemHostGetDevicePointer(ctypes.byref(dev), addr, 0)
-    if rc:
-        drv.cuMemHostUnregister(addr)
-        drv.check(rc, f"cuMemHostGetDevicePointer(0x{addr:x})")
-    return int(dev.value)
+    only reads it). Counted per ``addr``: a mapping registered already (a landing board that
+    a push's digests and its transport's signal both use) gives its pointer again, and
+    :func:`host_unregister` lets it go when its last user does (CUDA refuses a second
+    registration of the same pages)."""
+    with _registered_lock:
+        got = _registered.get(addr)
+        if got is not None:
+            got[1] += 1
+            return got[0]
+        drv = driver()
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP
+        if read_only:
+            flags |= _HOST_REGISTER_READ_ONLY
+        drv.check(drv.cuMemHostRegister(addr, nbytes, flags),
+                  f"cuMemHostRegister(0x{addr:x}, {nbytes})")
+        dev = _CUdeviceptr()
+        rc = drv.cuMemHostGetDevicePointer(ctypes.byref(dev), addr, 0)
+        if rc:
+            drv.cuMemHostUnregister(addr)
+            drv.check(rc, f"cuMemHostGetDevicePointer(0x{addr:x})")
+        _registered[addr] = [int(dev.value), 1]
+        return int(dev.value)
 
 
 def host_unregister(addr: int) -> None:
-    drv = driver()
-    drv.check(drv.cuMemHostUnregister(addr), f"cuMemHostUnregister(0x{addr:x})")
+    """One user of :func:`host_register`'s ``addr`` let it go; unregistered with the last."""
+    with _registered_lock:
+        got = _registered.get(addr)
+        if got is not None and got[1] > 1:
+            got[1] -= 1
+            return
+        _registered.pop(addr, None)
+        drv = driver()
+        drv.check(drv.cuMemHostUnregister(addr), f"cuMemHostUnregister(0x{addr:x})")
 
 
 _WIRE = struct.Struct(f"<{IPC_HANDLE_BYTES}sQQqq")

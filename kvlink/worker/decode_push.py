@@ -19,6 +19,8 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy.typing as npt
@@ -31,7 +33,7 @@ from kvlink.grants import push_ticket
 from kvlink.headmap import map_heads, notify_targets
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
-from kvlink.landing import NO_LEASE, EndCheck, Hold, LandingBoard, tag_of
+from kvlink.landing import AREA_HEAD, NO_LEASE, EndCheck, Hold, LandingBoard, tag_of
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushWait, Rank
 from kvlink.transport import Op
@@ -126,16 +128,27 @@ class _DecodePush(_Requests):
     def _with_landing(self, msg: wire.PushRequest, aw: _Awaiting, rank: int
                       ) -> wire.PushRequest:
         """``msg`` for one prefill rank, with a slot of our landing board where we have one
-        (kvlink.landing; not with integrity on: the digests come with the note)."""
-        slot = (self.landing.take() if self.landing is not None and not self.integrity.on
-                else None)
-        if slot is None:
+        (kvlink.landing) — with integrity on, and a digest area for the rank's digests, so
+        that the push ends there too (else by the note, which carries them)."""
+        board = self.landing
+        slot = board.take() if board is not None else None
+        if board is None or slot is None:
             return msg
         aw.landing[rank] = slot
-        assert self.landing is not None
-        offer = self.landing.offer()
+        at, nbytes = (board.take_area(slot, self._area_bytes(aw)) or (0, 0)
+                      if self.integrity.on else (0, 0))
+        offer = board.offer()
         return msgspec.structs.replace(msg, landing=wire.LandingMsg(
-            name=offer.name, token=offer.token, slot=slot, host_id=host_id()))
+            name=offer.name, token=offer.token, slot=slot, host_id=host_id(),
+            digests_at=at, digests_bytes=nbytes))
+
+    def _area_bytes(self, aw: _Awaiting) -> int:
+        """What a prefill rank's digests of this push may take in a digest area: every block
+        (``full``), every layer and plane, as many heads as a rank of its TP holds."""
+        spec = self._require_spec()
+        heads = max(1, -(-spec.total_kv_heads // max(1, aw.remote.tp_size)))
+        n = int(aw.local_ids.shape[0])
+        return 8 * (AREA_HEAD + n + n * spec.num_layers * spec.num_kv * heads)
 
     def _landed_on_board(self, aw: _Awaiting) -> None:
         """Ranks whose WRITEs say on our landing board that every layer landed, from a hold
@@ -153,8 +166,26 @@ class _DecodePush(_Requests):
             if written is None:  # its hold board's view was closed under us: bind anew
                 del aw.ends[rank]
             elif written:  # (else its note says)
+                why = self._check_area(aw, rank, slot) if self.integrity.on else None
+                if why is _NO_AREA:
+                    continue  # no digests there: its note brings them
+                if why is not None:  # written, every layer (quiescent), but not as digested
+                    aw.wait.ranks[rank] = Rank.SETTLED
+                    aw.wait.fail(why)
+                    continue
                 aw.wait.ranks[rank] = Rank.WRITTEN
                 self.board_landed += 1
+
+    def _check_area(self, aw: _Awaiting, rank: int, slot: int) -> str | None:
+        """With integrity on, once ``rank``'s flag shows every layer: its digests in the
+        slot's area checked against what landed (None: they agree; else the reason), or
+        :data:`_NO_AREA` where the prefill put none there."""
+        assert self.landing is not None
+        got = self.landing.digests(slot, aw.tag)
+        if got is None:
+            return _NO_AREA
+        ids, d = got
+        return self._check_pushed(aw, rank, ids, d.tobytes(), False)
 
     def _end_check(self, aw: _Awaiting, slot: int) -> EndCheck | None:
         """What the poll that ends the push checks for the prefill rank behind ``slot``, once
@@ -233,7 +264,8 @@ class _DecodePush(_Requests):
             if note.kind == "layers":  # landed (that range's WRITE is DONE); not written yet
                 aw.layers.setdefault(note.tp_rank, []).append((note.layer_from, note.layer_to))
                 continue
-            why = self._check_pushed(aw, note) if note.ok else None
+            why = (self._check_pushed(aw, note.tp_rank, note.digest_ids, note.digests,
+                                      note.folded) if note.ok else None)
             if note.ok and why is None:
                 aw.wait.ranks[note.tp_rank] = Rank.WRITTEN
             elif note.ok:  # written (quiescent), but not what the prefill digested
@@ -267,24 +299,25 @@ class _DecodePush(_Requests):
             landed.append(upto)
         return min(landed, default=0)
 
-    def _check_pushed(self, aw: _Awaiting, note: wire.Notification) -> str | None:
-        """With integrity on: None when the heads this prefill rank wrote digest like the
-        prefill's; else the reason (kvlink.integrity), which fails the push."""
+    def _check_pushed(self, aw: _Awaiting, rank: int, digest_ids: Sequence[int] | npt.NDArray[Any],
+                      digests: bytes | memoryview, folded: bool) -> str | None:
+        """With integrity on: None when the heads prefill ``rank`` wrote digest like the
+        prefill's (from its note or its digest area); else the reason (kvlink.integrity),
+        which fails the push."""
         if not self.integrity.on:
             return None
         spec = self._require_spec()
         read = next((r for r in map_heads(self.config.tp_size, self.config.tp_rank,
                                           aw.remote.tp_size, spec.total_kv_heads, spec.mla)
-                     if r.remote_rank == note.tp_rank), None)
+                     if r.remote_rank == rank), None)
         if read is None:
-            return f"integrity: rank {note.tp_rank} wrote heads we did not ask of it"
+            return f"integrity: rank {rank} wrote heads we did not ask of it"
         why = self.integrity.check(aw.wait.req_id, aw.local_ids, aw.local_ids,
                                    (read.local_start, read.remote_start, read.count),
-                                   note.digest_ids, note.digests, note.folded,
-                                   spec.num_layers, spec.num_kv)
+                                   digest_ids, digests, folded, spec.num_layers, spec.num_kv)
         if why is not None:
-            log.warning("push of %s from %s rank %d: %s", aw.wait.req_id, note.engine_id,
-                        note.tp_rank, why)
+            log.warning("push of %s from %s rank %d: %s", aw.wait.req_id, aw.remote.engine_id,
+                        rank, why)
         return why
 
     def _poll_pushed(self, finished: set[str], failed: dict[str, str]) -> None:
@@ -429,6 +462,10 @@ class _DecodePush(_Requests):
     def quarantined(self) -> int:
         """Pushes past their timeout whose blocks stay reserved (bytes may still land)."""
         return sum(aw.wait.cancelling for aw in self._awaiting.values())
+
+
+#: :meth:`_DecodePush._check_area`'s answer where the prefill put no digests in the area
+_NO_AREA = "no digests in the area"
 
 
 def _unshown() -> tuple[int, ...]:

@@ -7,15 +7,17 @@ refuses it (:meth:`_PrefillPush.refuse_push`). A layer-wise push posts one WRITE
 layers as the prefill's forward reaches them, tells the decode each range that landed
 (:meth:`_PrefillPush._tell_landed`) and says "written" once the last range is DONE, its lease
 checked once, at the end (:meth:`_PrefillPush._finish_layered`); with integrity on, each
-range is digested as it is pushed, and "written" carries them all. Nothing is posted after a
-push's time to live or a cancel (:mod:`kvlink.push` keeps that state). Separate because it is
-the producer's half of push ownership, independent of the decode's
+range is digested as it is pushed, and "written" carries them all — as does a same-host
+decode's landing slot, so that the push ends there (kvlink.landing's digest areas). Nothing
+is posted after a push's time to live or a cancel (:mod:`kvlink.push` keeps that state).
+Separate because it is the producer's half of push ownership, independent of the decode's
 (:mod:`kvlink.worker.decode_push`).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 
@@ -33,7 +35,7 @@ from kvlink.errors import (
 from kvlink.headmap import push_targets
 from kvlink.holdboard import fingerprint
 from kvlink.hostid import host_id
-from kvlink.integrity import WireDigests
+from kvlink.integrity import AreaOpener, WireDigests, on_gpu
 from kvlink.landing import NO_LEASE, Hold, LandingView, tag_of
 from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
@@ -163,13 +165,14 @@ class _PrefillPush(_Requests):
             # peer), and a WRITE posted without it would carry a native "written" (sent before
             # the lease check) besides the side-channel one _report sends
             held = None if lease is None else (lease, generation)
+            landing = self._landing_of(msg, held)
             # integrity: the digests go with "written" (fixed at the hold, or now: the blocks
-            # are final, they are being pushed)
-            digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held)
+            # are final, they are being pushed), and into the landing slot's digest area
+            digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held,
+                                               self._area_opener(msg, landing))
                        if self.integrity.on else None)
             self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
-                        lease=held, digests=digests,
-                        landing=None if digests is not None else self._landing_of(msg, held))
+                        lease=held, digests=digests, landing=landing)
         except KVLinkError:
             with self._lock:
                 self._push_slots.finish(key, False)
@@ -223,6 +226,11 @@ class _PrefillPush(_Requests):
                            None if lease is None else (lease, generation),
                            self.integrity.for_layers(msg.req_id, local_ids, msg.block_ids))
             lay.landing = self._landing_of(msg, lay.lease)
+            opener = self._area_opener(msg, lay.landing) if lay.digests is not None else None
+            if opener is not None and lay.digests is not None:
+                place = opener(lay.digests.ids, lay.digests.shape)
+                if place is not None:  # (else its digests go with the note alone)
+                    lay.digests.into(place)
             self._layered[rid] = lay
         else:
             if start != lay.next_layer:
@@ -276,6 +284,22 @@ class _PrefillPush(_Requests):
             log.info("push of %s: landing slot refused (%s): it ends by note", msg.req_id, exc)
             return None
         return view, offer.slot, tag
+
+    def _area_opener(self, msg: wire.PushRequest, landing: tuple[LandingView, int, int] | None
+                     ) -> AreaOpener | None:
+        """With integrity on, the digest area the decode offered with its landing slot, as
+        kvlink.integrity takes it (opened with the push's tag); None where there is none, or
+        a GPU's digests could not be copied there without a wait (the board not
+        page-locked): the push then ends by its note, which carries them."""
+        offer = msg.landing
+        if landing is None or offer is None or not offer.digests_bytes:
+            return None
+        view, _, tag = landing
+        area = view.area(offer.digests_at, offer.digests_bytes)
+        planes = self.integrity.planes
+        if area is None or planes is None or (on_gpu(planes) and not view.pin()):
+            return None
+        return functools.partial(area.open, tag)
 
     def _landing_view(self, name: str, token: bytes) -> LandingView | None:
         """Decodes' landing boards, opened once (a board that cannot be is remembered too)."""
