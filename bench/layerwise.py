@@ -181,6 +181,8 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         wk._end_check = counted  # type: ignore[method-assign]
         clocked(wk, "_landed_on_board", "landed_on_board")
         clocked(wk, "_end_push", "end_push")
+        clocked(wk, "_check_area", "check_area")  # (integrity on: the digests' check)
+        clocked(wk.integrity, "check", "integrity_check")
     rep_q.put(("ready", w.side_port))
     main = w
     prof = cProfile.Profile() if profile else None

@@ -292,11 +292,10 @@ def _area_shape(words: np.ndarray) -> tuple[int, int, int, int] | None:
 
 class DigestArea:
     """The prefill's side of a digest area (see the module docstring): its header written
-    at the push's start by :meth:`open`, then each layer range's digests into
-    :meth:`planes`, ahead of that range's WRITE."""
+    at the push's start by :meth:`open`, then each layer range's digests into the place
+    :meth:`open` returned, ahead of that range's WRITE."""
 
     def __init__(self, view: LandingView, at: int, nbytes: int) -> None:
-        self._view, self.at = view, at
         self._words = _words(view._map)[at // 8:(at + nbytes) // 8]
 
     def open(self, tag: int, ids: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
