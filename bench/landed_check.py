@@ -10,7 +10,8 @@ blocks that landed, on a stream of its own, waited for — for the Llama-3-70B T
 warm-up), and the same check while another stream of this process is busy (the caller's
 forward: it must not be waited for); the baseline measured in the same run: a device copy of
 the request's 160 MiB (CUDA events) and ``integrity.digest`` of the same blocks on the
-caller's stream. Values are checked equal to ``digest``'s. JSON with command, machine, date.
+caller's stream. Values are checked equal to ``digest``'s. ``--cold``: each check after a
+sweep of the host's caches (bench/_common.sweep). JSON with command, machine, date.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import write_result
+from _common import sweep, write_result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cold", action="store_true",
+                    help="before each timed check, a pass over 32 MiB and a burst of Python "
+                         "objects (bench/_common.sweep: what a serving loop runs between two "
+                         "checks), so each check meets cold caches as in a serving decode")
     args = ap.parse_args()
     import torch
 
@@ -66,6 +71,8 @@ def main() -> None:
             torch.cuda.synchronize()
             if busy:
                 torch.cuda._sleep(20_000_000)  # the caller's stream busy (~10 ms)
+            if args.cold:
+                sweep()
             t0 = time.perf_counter()
             fn()
             out.append((time.perf_counter() - t0) * 1e6)
@@ -97,7 +104,8 @@ def main() -> None:
     write_result("landed_check", {
         "what": "a consumer's integrity check of landed bytes (kvlink.integrity._landed), wall "
                 "us per check, 70B TP8-rank 4096-token request, sample and full blocks",
-        "device": torch.cuda.get_device_name(), "reps": args.reps, **res}, args.out)
+        "device": torch.cuda.get_device_name(), "reps": args.reps, "cold": args.cold, **res},
+        args.out)
 
 
 if __name__ == "__main__":
