@@ -10,8 +10,10 @@ blocks that landed, on a stream of its own, waited for — for the Llama-3-70B T
 warm-up), and the same check while another stream of this process is busy (the caller's
 forward: it must not be waited for); the baseline measured in the same run: a device copy of
 the request's 160 MiB (CUDA events) and ``integrity.digest`` of the same blocks on the
-caller's stream. Values are checked equal to ``digest``'s. ``--cold``: each check after a
-sweep of the host's caches (bench/_common.sweep). JSON with command, machine, date.
+caller's stream; and the check as a decode makes it now, in one kernel that digests and
+compares (``integrity._checked_on_gpu``). Values are checked equal to ``digest``'s.
+``--cold``: each check after a sweep of the host's caches (bench/_common.sweep). JSON with
+command, machine, date.
 """
 
 from __future__ import annotations
@@ -88,19 +90,29 @@ def main() -> None:
         landed = wall_us(lambda sel=sel: integrity._landed(planes, sel, (0, 1)))
         busy = wall_us(lambda sel=sel: integrity._landed(planes, sel, (0, 1)), busy=True)
         plain = wall_us(lambda sel=sel: digest(planes, sel))
+        want = digest(planes, sel)
+        kernel_ok = integrity._checked_on_gpu(planes, sel, 0, want) == (True, None)
+        kernel = wall_us(lambda sel=sel, want=want: integrity._checked_on_gpu(
+            planes, sel, 0, want))
         row = {"blocks": int(sel.shape[0]), "values_equal_digest": equal,
                "landed_check_us_median": statistics.median(landed),
                "landed_check_us_p90": float(np.percentile(landed, 90)),
                "landed_check_behind_busy_stream_us_median": statistics.median(busy),
-               "digest_on_callers_stream_us_median": statistics.median(plain)}
+               "digest_on_callers_stream_us_median": statistics.median(plain),
+               "kernel_check_agrees": kernel_ok,
+               "kernel_check_us_median": statistics.median(kernel),
+               "kernel_check_us_p90": float(np.percentile(kernel, 90))}
         row["landed_over_device_copy"] = row["landed_check_us_median"] / (copy * 1e3)
         res[level] = row
         print(f"{level}: {row['blocks']} blocks, values equal {equal}: check "
               f"{row['landed_check_us_median']:.1f} us (p90 {row['landed_check_us_p90']:.1f}; "
               f"behind a busy stream {row['landed_check_behind_busy_stream_us_median']:.1f}), "
               f"digest on the caller's stream {row['digest_on_callers_stream_us_median']:.1f} "
-              f"us; device copy of the request {copy * 1e3:.1f} us", flush=True)
-    res["ok"] = all(res[lv]["values_equal_digest"] for lv in ("sample", "full"))
+              f"us; the check in one kernel {row['kernel_check_us_median']:.1f} us (p90 "
+              f"{row['kernel_check_us_p90']:.1f}, agrees {kernel_ok}); device copy of the "
+              f"request {copy * 1e3:.1f} us", flush=True)
+    res["ok"] = all(res[lv]["values_equal_digest"] and res[lv]["kernel_check_agrees"]
+                    for lv in ("sample", "full"))
     write_result("landed_check", {
         "what": "a consumer's integrity check of landed bytes (kvlink.integrity._landed), wall "
                 "us per check, 70B TP8-rank 4096-token request, sample and full blocks",

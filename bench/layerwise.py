@@ -183,6 +183,11 @@ def _decode(cmd_q: Any, rep_q: Any, device: str, transport: str, geo: dict[str, 
         clocked(wk, "_end_push", "end_push")
         clocked(wk, "_check_area", "check_area")  # (integrity on: the digests' check)
         clocked(wk.integrity, "check", "integrity_check")
+    if steps_flag:  # (its parts: the blocks matched, the compare on the device)
+        from kvlink import integrity as _integrity
+
+        clocked(_integrity, "match", "integrity_match")
+        clocked(_integrity, "_checked_on_gpu", "integrity_on_gpu")
     rep_q.put(("ready", w.side_port))
     main = w
     prof = cProfile.Profile() if profile else None

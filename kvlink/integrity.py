@@ -406,6 +406,25 @@ def _landed(planes: Planes, ids: npt.NDArray[np.int64], heads: tuple[int, int]) 
         return digest(planes, ids, heads)
 
 
+def _checked_on_gpu(planes: Planes, ids: npt.NDArray[np.int64], h0: int, theirs: U64
+                    ) -> tuple[bool, tuple[int, int, int, int] | None]:
+    """What landed in blocks ``ids`` (heads from ``h0``) compared with ``theirs`` (``[blocks,
+    layers, planes, heads]``) on the GPU, in one kernel (integrity_cuda.Table.check): (True,
+    the first (block, layer, plane, head) that differs or None); (False, None) where the
+    planes are not on a GPU or the kernel cannot run (the caller digests and compares)."""
+    if not ids.size or not on_gpu(planes):
+        return False, None
+    k, layers, per, heads = theirs.shape
+    got = _table(planes).check(ids, h0, np.ascontiguousarray(theirs).reshape(k, -1, heads))
+    if got is None:
+        return False, None
+    if got < 0:
+        return True, None
+    b, rest = divmod(got, layers * per * heads)
+    plane, head = divmod(rest, heads)
+    return True, (b, plane // per, plane % per, head)
+
+
 def _table(planes: Planes) -> Any:
     """The planes' integrity_cuda.Table, built once per planes object (a worker's, fixed at
     register)."""
@@ -802,10 +821,13 @@ class Checker:
             return f"integrity: the producer's digests of {req_id} have the wrong size"
         n = int(i_idx.size)
         theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
-        ours = _landed(self.planes, local_ids[i_idx], (lp, lp + count))
-        if folded:
-            ours = fold(ours)
-        bad = first_mismatch(theirs, ours)
+        ran, bad = (False, None) if folded else _checked_on_gpu(self.planes, local_ids[i_idx],
+                                                                 lp, theirs)
+        if not ran:  # folded, or not on a GPU: digest what landed, compare here
+            ours = _landed(self.planes, local_ids[i_idx], (lp, lp + count))
+            if folded:
+                ours = fold(ours)
+            bad = first_mismatch(theirs, ours)
         if bad is None:
             self.checked_blocks += n
             return None

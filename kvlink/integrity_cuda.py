@@ -28,6 +28,29 @@ __device__ __forceinline__ u64 kv_mix(u64 x) {
   return x ^ (x >> 31);
 }
 
+// One (block, plane, head) digest, by a block of THREADS threads (``part``: their shared
+// sums): the head's words in logical order, each times its position's odd weight.
+__device__ __forceinline__ u64 kv_digest_of(const i64* table, const i64* ids, i64 b, i64 p,
+                                            i64 head, i64 tokens, i64 words, u64* part) {
+  const i64* row = table + 4 * p;
+  const char* page = (const char*)row[0] + ids[b] * row[1] + head * row[2];
+  const i64 total = tokens * words;
+  u64 acc = 0;
+  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
+    const i64 t = i / words, w = i - t * words;
+    const u64 x = *(const u64*)(page + t * row[3] + 8 * w);
+    const u64 weight = kv_mix((u64)(i + 1) * 0x9E3779B97F4A7C15ull) | 1ull;
+    acc += x * weight;
+  }
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  return part[0];
+}
+
 // table: [planes][4] = (ptr, block stride, head stride, token stride), bytes
 // params: (blocks, planes, heads, first head, tokens, words per token, plane-major)
 // out: [blocks][planes][heads], or with plane-major [planes][blocks][heads]
@@ -40,52 +63,54 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
   const i64 p = (item / nh) % np;
   const i64 b = item / (nh * np);
   if (b >= nb) return;
-  const i64* row = table + 4 * p;
-  const char* page = (const char*)row[0] + ids[b] * row[1] + (h0 + h) * row[2];
-  const i64 total = tokens * words;
-  u64 acc = 0;
-  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
-    const i64 t = i / words, w = i - t * words;
-    const u64 x = *(const u64*)(page + t * row[3] + 8 * w);
-    const u64 weight = kv_mix((u64)(i + 1) * 0x9E3779B97F4A7C15ull) | 1ull;
-    acc += x * weight;
-  }
   __shared__ u64 part[128];
-  part[threadIdx.x] = acc;
-  __syncthreads();
-  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[plane_major ? (p * nb + b) * nh + h : item] = part[0];
+  const u64 d = kv_digest_of(table, ids, b, p, h0 + h, tokens, words, part);
+  if (threadIdx.x == 0) out[plane_major ? (p * nb + b) * nh + h : item] = d;
+}
+
+// The same digests compared with ``expect`` ([blocks][planes][heads], the producer's): *bad
+// (set to all ones before) becomes the first (block, plane, head) item that differs. Every
+// argument by value: a check is a launch, with nothing uploaded for it but the ids and rows.
+extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
+                                           u64* bad, i64 nb, i64 np, i64 nh, i64 h0,
+                                           i64 tokens, i64 words) {
+  const i64 item = blockIdx.x;
+  const i64 h = item % nh;
+  const i64 p = (item / nh) % np;
+  const i64 b = item / (nh * np);
+  if (b >= nb) return;
+  __shared__ u64 part[128];
+  const u64 d = kv_digest_of(table, ids, b, p, h0 + h, tokens, words, part);
+  if (threadIdx.x == 0 && d != expect[item]) atomicMin(bad, (u64)item);
 }
 """
 
 THREADS = 128
-_kernels: dict[int, Any] = {}
-_failed: set[int] = set()
+_kernels: dict[tuple[int, str], Any] = {}
+_failed: set[tuple[int, str]] = set()
 _lock = threading.Lock()
 
 
-def load(device: Any) -> Any | None:
-    """The compiled kernel for ``device`` (a torch.device), or None where NVRTC can't."""
+def load(device: Any, name: str = "kv_digest") -> Any | None:
+    """The compiled kernel ``name`` for ``device`` (a torch.device), or None where NVRTC
+    can't."""
     import torch
 
-    idx = int(device.index or 0)
+    key = (int(device.index or 0), name)
     with _lock:
-        if idx in _kernels:
-            return _kernels[idx]
-        if idx in _failed:
+        if key in _kernels:
+            return _kernels[key]
+        if key in _failed:
             return None
         try:
             with torch.cuda.device(device):
-                fn = torch.cuda._compile_kernel(SOURCE, "kv_digest")
+                fn = torch.cuda._compile_kernel(SOURCE, name)
         except Exception as exc:  # no NVRTC, an old torch
-            _failed.add(idx)
-            log.warning("integrity digest kernel unavailable (%s: %s); using torch ops",
-                        type(exc).__name__, exc)
+            _failed.add(key)
+            log.warning("integrity digest kernel %s unavailable (%s: %s); using torch ops",
+                        name, type(exc).__name__, exc)
             return None
-        _kernels[idx] = fn
+        _kernels[key] = fn
         return fn
 
 
@@ -108,6 +133,7 @@ class Table:
         self.heads = int(first.shape[1])
         self._fused: tuple[int, int, Any] | Literal[False] | None = None
         self._params: dict[tuple[int, ...], Any] = {}  # digest's, on the device, per stream
+        self._checker: _Check | Literal[False] | None = None  # check()'s, made at first
         rows = []
         ok = self.head_bytes % 8 == 0
         for v in views:
@@ -149,6 +175,25 @@ class Table:
         torch.cuda.synchronize(self.device)  # once, at the first fused READ
         return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 
+    def check(self, ids: Any, h0: int, expect: Any) -> int | None:
+        """Compare the digests of every plane of blocks ``ids`` (int64 numpy), heads ``[h0,
+        h0 + expect.shape[2])``, with ``expect`` (``[blocks, planes, heads]`` uint64 numpy,
+        the producer's): the first item that differs, in that order (``(block x planes +
+        plane) x heads + head``), -1 where none does; None where the kernel can't run (the
+        caller digests and compares on the host). For bytes that have landed here (the
+        transport's completion was seen): on a stream of its own, waited for."""
+        if self.fn is None or self.rows is None or self._checker is False:
+            return None
+        if self._checker is None:
+            try:
+                self._checker = _Check(self)
+            except Exception as exc:  # no kernel, no driver entry point
+                log.warning("integrity check kernel unavailable (%s: %s); digests are "
+                            "compared on the host", type(exc).__name__, exc)
+                self._checker = False
+                return None
+        return self._checker.run(ids, h0, expect)
+
     def digest(self, ids: Any, h0: int, h1: int, planes: tuple[int, int] | None = None,
                plane_major: bool = False) -> Any | None:
         """``[blocks, planes, heads]`` int64 digests on the device, launched on the caller's
@@ -179,3 +224,75 @@ class Table:
         self.fn(grid=(nb * count * heads, 1, 1), block=(THREADS, 1, 1),
                 args=[self.rows[p0:p1], ids, out, params])
         return out.view(count, nb, heads) if plane_major else out.view(nb, count, heads)
+
+
+class _Check:
+    """:meth:`Table.check`'s launch: ``kv_digest_check`` with every argument by value, through
+    the driver on a stream of its own, the ids and the producer's rows staged through
+    page-locked buffers kept between checks. Through torch (a pageable upload of the ids, the
+    parameters', an allocation, the compiled kernel's call, a copy back) the same check took
+    ~0.2-0.3 ms of host time cold on one H100 host, ~0.6 ms on the poll that ends a push
+    (bench/results/gpu_integrity_board_*/): a decode pays it on that poll."""
+
+    ARGS = 10  # table, ids, expect, bad, blocks, planes, heads, first head, tokens, words
+
+    def __init__(self, table: Table) -> None:
+        import torch
+
+        from kvlink.gpu import ipc
+        from kvlink.gpu.move import arg_block
+
+        fn = load(table.device, "kv_digest_check")
+        if fn is None:
+            raise RuntimeError("kv_digest_check did not compile")
+        self._fn, self._drv, self._table = fn.func, ipc.driver(), table
+        self._device = int(table.device.index or 0)
+        self._stream = torch.cuda.Stream(table.device)  # type: ignore[no-untyped-call]
+        self._vals, self._ptrs = arg_block(self.ARGS)
+        self._bad = torch.empty(1, dtype=torch.int64, device=table.device)
+        self._bad_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self._blocks = self._words = 0
+        self._grow(16, 16 * table.planes)
+
+    def _grow(self, blocks: int, words: int) -> None:
+        import torch
+
+        device = self._table.device
+        self._blocks, self._words = blocks, words
+        self._ids = torch.empty(blocks, dtype=torch.int64, device=device)
+        self._ids_host = torch.empty(blocks, dtype=torch.int64, pin_memory=True)
+        self._expect = torch.empty(words, dtype=torch.int64, device=device)
+        self._expect_host = torch.empty(words, dtype=torch.int64, pin_memory=True)
+
+    def run(self, ids: Any, h0: int, expect: Any) -> int:
+        import numpy as np
+
+        from kvlink.gpu import ipc
+
+        t, drv = self._table, self._drv
+        nb, heads = int(ids.shape[0]), int(expect.shape[2])
+        n = nb * t.planes * heads
+        if nb > self._blocks or n > self._words:
+            self._grow(max(nb, 2 * self._blocks), max(n, 2 * self._words))
+        ids_host = self._ids_host.numpy()
+        ids_host[:nb] = ids
+        exp_host = self._expect_host.numpy().view(np.uint64)
+        exp_host[:n] = expect.reshape(-1)
+        ipc.ensure_context(self._device)  # (the driver acts on this thread's context)
+        s = self._stream.cuda_stream
+        bad = self._bad.data_ptr()
+        drv.check(drv.cuMemsetD8Async(bad, 0xFF, 8, s), "cuMemsetD8Async")
+        drv.check(drv.cuMemcpyHtoDAsync(self._ids.data_ptr(), self._ids_host.data_ptr(),
+                                        8 * nb, s), "cuMemcpyHtoDAsync")
+        drv.check(drv.cuMemcpyHtoDAsync(self._expect.data_ptr(),
+                                        self._expect_host.data_ptr(), 8 * n, s),
+                  "cuMemcpyHtoDAsync")
+        self._vals[:] = [t.rows.data_ptr(), self._ids.data_ptr(),  # type: ignore[union-attr]
+                         self._expect.data_ptr(), bad, nb, t.planes, heads, h0, t.tokens,
+                         t.head_bytes // 8]
+        drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs,
+                                     None), "cuLaunchKernel(kv_digest_check)")
+        drv.check(drv.cuMemcpyDtoHAsync(self._bad_host.data_ptr(), bad, 8, s),
+                  "cuMemcpyDtoHAsync")
+        drv.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
+        return int(self._bad_host.numpy()[0])  # (all ones, -1: none differed)

@@ -9,7 +9,8 @@
    behind a stream busy for ~50 ms returns at once (the host does not wait for the stream), as
    does the same range digested into a landing board's digest area (page-locked, plane by
    plane: what a same-host decode reads there) and a consumer's check of landed bytes (its
-   own stream), with the same values;
+   own stream), with the same values, and the consumer's check in one kernel
+   (``Table.check``) agrees with the producer's digests and finds the flipped byte below;
    one flipped byte changes exactly the digest of its (block, layer, plane, head).
 2. Cost: ``full`` and ``sample`` digests of the Llama-3-70B TP8-rank 4096-token request
    (80 layers, 1 KV head, 256 blocks of 16 tokens, bf16; 160 MiB) against one device copy of
@@ -98,6 +99,11 @@ def check_equal() -> list[dict[str, Any]]:
         landed = integrity._landed(planes, ids, (0, 4))
         landed_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
+        # the consumer's check in one kernel (integrity_cuda.Table.check): agrees with the
+        # producer's digests, whole and for a head slice, and finds the flipped byte below
+        agrees = (integrity._checked_on_gpu(planes, ids, 0, fused) == (True, None)
+                  and integrity._checked_on_gpu(planes, ids, 1, fused[..., 1:3])
+                  == (True, None))
         # one flipped byte: layer 2, plane 0, block 5, head 3
         raw = layers[2].view(torch.int16)
         if kind == "packed":
@@ -108,6 +114,7 @@ def check_equal() -> list[dict[str, Any]]:
             raw[0, 5, 7, 3, 1] ^= 1  # the transposed view: (2, B, N, H, D) indices
         flipped = digest(spec_planes(spec), ids)
         changed = np.argwhere(flipped != fused).tolist()
+        found = integrity._checked_on_gpu(planes, ids, 0, fused)
         row = {"layout": kind, "fused_equals_host": bool(np.array_equal(fused, host)),
                "fused_equals_torch_per_plane": bool(np.array_equal(fused, per_plane)),
                "head_slice_equal": bool(np.array_equal(sliced, fused[..., 1:3])),
@@ -117,12 +124,14 @@ def check_equal() -> list[dict[str, Any]]:
                "layer_range_into_area_ms_behind_busy_stream": into_ms,
                "landed_check_equal": bool(np.array_equal(landed, fused)),
                "landed_check_ms_behind_busy_stream": landed_ms,
-               "flip_changed": changed}
+               "flip_changed": changed, "kernel_check_agrees": agrees,
+               "kernel_check_found": list(found[1] or ())}
         row["ok"] = (row["fused_equals_host"] and row["fused_equals_torch_per_plane"]
                      and row["head_slice_equal"] and row["layer_range_later_equal"]
                      and launch_ms < 20 and row["landed_check_equal"] and landed_ms < 20
                      and area_equal and into_ms < 20
-                     and changed == [[2, 2, 0, 3]])
+                     and changed == [[2, 2, 0, 3]] and agrees
+                     and found == (True, (2, 2, 0, 3)))
         print(row, flush=True)
         rows.append(row)
     return rows

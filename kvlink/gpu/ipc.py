@@ -97,6 +97,16 @@ class _Driver:
             ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
             [p(_CUdeviceptr), ctypes.c_void_p, ctypes.c_uint],
         )
+        # a kernel's launch and its small copies on a stream (kvlink.integrity_cuda's check)
+        self.cuLaunchKernel = bind(("cuLaunchKernel",), [ctypes.c_void_p] + [ctypes.c_uint] * 7
+                                   + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
+        self.cuMemsetD8Async = bind(("cuMemsetD8Async",), [_CUdeviceptr, ctypes.c_ubyte,
+                                                           ctypes.c_size_t, ctypes.c_void_p])
+        self.cuMemcpyHtoDAsync = bind(("cuMemcpyHtoDAsync_v2",), [
+            _CUdeviceptr, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+        self.cuMemcpyDtoHAsync = bind(("cuMemcpyDtoHAsync_v2",), [
+            ctypes.c_void_p, _CUdeviceptr, ctypes.c_size_t, ctypes.c_void_p])
+        self.cuStreamSynchronize = bind(("cuStreamSynchronize",), [ctypes.c_void_p])
         self.check(self.cuInit(0), "cuInit")
 
     def error_string(self, code: int) -> str:

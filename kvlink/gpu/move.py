@@ -621,7 +621,7 @@ def _compile(device: Any, shape: tuple[int, int, int], name: str = "kv_move",
         return fn
 
 
-def _arg_block(count: int, first: int | None = None) -> tuple[Any, Any]:
+def arg_block(count: int, first: int | None = None) -> tuple[Any, Any]:
     """cuLaunchKernel's arguments as ctypes: ``count`` int64 slots, and the array of pointers
     to each (written once: a launch only rewrites the slots). ``first``: the address of a
     by-value first argument of ours instead of a slot (then ``count - 1`` slots)."""
@@ -650,7 +650,7 @@ class TableLaunch:
         #: the same words as int64, where a lane writes block ids (no view made per post)
         self.ids: npt.NDArray[np.int64] = self.table.view(np.int64)
         #: the kernel's arguments after the table, one int64 slot each
-        self.vals, self._ptrs = _arg_block(nargs, ctypes.addressof(self._table))
+        self.vals, self._ptrs = arg_block(nargs, ctypes.addressof(self._table))
         #: cuLaunchKernel's array of pointers to them (for the C launcher: kvlink.native)
         self.params = ctypes.addressof(self._ptrs)
 
@@ -676,10 +676,10 @@ class CudaMove:
         self._fn = {s: _compile(device, s).func for s in (SMALL_SHAPE, LARGE_SHAPE)}
         self._runs_fn = {s: _compile(device, s, "kv_move_runs").func
                          for s in (SMALL_SHAPE, LARGE_SHAPE)}
-        self._vals, self._ptrs = _arg_block(NARGS)
+        self._vals, self._ptrs = arg_block(NARGS)
         self._signal_fn: Any = None  # compiled at the first signal
         self._digest_fn: Any = None  # compiled at the first fused digest
-        self._dvals, self._dptrs = _arg_block(DIGEST_NARGS)
+        self._dvals, self._dptrs = arg_block(DIGEST_NARGS)
         self._tables: dict[tuple[str, tuple[int, int, int], int], TableLaunch] = {}
         self._no_tables = ""  # why tables cannot travel with launches here (then uploaded)
         #: the C launcher lanes post through (kvlink.native), bound to this driver; None:
