@@ -51,21 +51,24 @@ __device__ __forceinline__ u64 kv_digest_of(const i64* table, const i64* ids, i6
   return part[0];
 }
 
+// item -> (block, plane, head), head fastest: one digest a thread block
+struct kv_at { i64 b, p, h; };
+__device__ __forceinline__ kv_at kv_item(i64 item, i64 np, i64 nh) {
+  return {item / (nh * np), (item / nh) % np, item % nh};
+}
+
 // table: [planes][4] = (ptr, block stride, head stride, token stride), bytes
 // params: (blocks, planes, heads, first head, tokens, words per token, plane-major)
 // out: [blocks][planes][heads], or with plane-major [planes][blocks][heads]
 extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
                                      const i64* params) {
-  const i64 nb = params[0], np = params[1], nh = params[2], h0 = params[3];
-  const i64 tokens = params[4], words = params[5], plane_major = params[6];
-  const i64 item = blockIdx.x;  // (block, plane, head), head fastest
-  const i64 h = item % nh;
-  const i64 p = (item / nh) % np;
-  const i64 b = item / (nh * np);
-  if (b >= nb) return;
+  const i64 nb = params[0], np = params[1], nh = params[2];
+  const kv_at at = kv_item(blockIdx.x, np, nh);
+  if (at.b >= nb) return;
   __shared__ u64 part[128];
-  const u64 d = kv_digest_of(table, ids, b, p, h0 + h, tokens, words, part);
-  if (threadIdx.x == 0) out[plane_major ? (p * nb + b) * nh + h : item] = d;
+  const u64 d = kv_digest_of(table, ids, at.b, at.p, params[3] + at.h, params[4], params[5],
+                             part);
+  if (threadIdx.x == 0) out[params[6] ? (at.p * nb + at.b) * nh + at.h : blockIdx.x] = d;
 }
 
 // The same digests compared with ``expect`` ([blocks][planes][heads], the producer's): *bad
@@ -74,14 +77,11 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
 extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
                                            u64* bad, i64 nb, i64 np, i64 nh, i64 h0,
                                            i64 tokens, i64 words) {
-  const i64 item = blockIdx.x;
-  const i64 h = item % nh;
-  const i64 p = (item / nh) % np;
-  const i64 b = item / (nh * np);
-  if (b >= nb) return;
+  const kv_at at = kv_item(blockIdx.x, np, nh);
+  if (at.b >= nb) return;
   __shared__ u64 part[128];
-  const u64 d = kv_digest_of(table, ids, b, p, h0 + h, tokens, words, part);
-  if (threadIdx.x == 0 && d != expect[item]) atomicMin(bad, (u64)item);
+  const u64 d = kv_digest_of(table, ids, at.b, at.p, h0 + at.h, tokens, words, part);
+  if (threadIdx.x == 0 && d != expect[blockIdx.x]) atomicMin(bad, (u64)blockIdx.x);
 }
 """
 
