@@ -704,27 +704,25 @@ class Checker:
         rows = self._rows.get(req_id)
         return pack(got, rows) if got[0] and rows is not None else b""
 
-    def for_push(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
-                 lease: tuple[str, int] | None = None, into: AreaOpener | None = None
-                 ) -> WireDigests:
+    def for_push(self, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike,
+                 lease: tuple[str, int] | None, into: AreaOpener | None = None
+                 ) -> WireDigests | None:
         """(decode block ids, digests, folded) for a push's "written" note: the digests the
-        hold fixed (``lease``: (held request, generation)), else taken now over ``src_ids``
-        (the caller's blocks are final: it pushes them); the ids are the ones they land in.
-        ``into``: a landing board's digest area (its opener: kvlink.landing.DigestArea.open
-        with the push's tag), where they go too, unfolded, before the WRITE is posted."""
-        if not self.on or self.planes is None:
-            return [], b"", False
+        hold fixed (``lease``: (held request, generation)) of the blocks pushed, named by
+        the ids they land in; None where it fixed none (take them as the push's layers are
+        pushed: :meth:`for_layers`, the whole push being one range). ``into``: a landing
+        board's digest area (its opener: kvlink.landing.DigestArea.open with the push's tag),
+        where they go too, unfolded, before the WRITE is posted."""
+        got = self._fixed.get(lease[0]) if lease is not None else None
+        if not self.on or self.planes is None or got is None or lease is None \
+                or got[0] != lease[1]:
+            return None
         src = np.asarray(src_ids, dtype=np.int64)
         dst = np.asarray(dst_ids, dtype=np.int64)
-        got = self._fixed.get(lease[0]) if lease is not None else None
-        if got is not None and lease is not None and got[0] == lease[1]:
-            _, ids, d = got
-            where = {int(s): i for i, s in enumerate(src.tolist())}
-            keep = [j for j, b in enumerate(ids.tolist()) if int(b) in where]
-            sel, d = dst[[where[int(ids[j])] for j in keep]], d[keep]
-        else:
-            pick = checked(self.level, req_id, dst)
-            sel, d = dst[pick], digest(self.planes, src[pick])
+        _, ids, d = got
+        where = {int(s): i for i, s in enumerate(src.tolist())}
+        keep = [j for j, b in enumerate(ids.tolist()) if int(b) in where]
+        sel, d = dst[[where[int(ids[j])] for j in keep]], d[keep]
         place = into(sel, d.shape[1:]) if into is not None and sel.size else None
         if place is not None:
             place[...] = d.transpose(1, 2, 0, 3).reshape(place.shape)
@@ -732,8 +730,9 @@ class Checker:
 
     def for_layers(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike
                    ) -> RangeDigests | None:
-        """A layer-wise push's digests, to be taken range by range (:class:`RangeDigests`),
-        of the blocks ``checked`` picks by the request id; None with integrity off."""
+        """A push's digests, to be taken range by range as its layers are pushed
+        (:class:`RangeDigests`; a whole push is one range), of the blocks ``checked`` picks by
+        the request id; None with integrity off."""
         if not self.on or self.planes is None:
             return None
         dst = np.asarray(dst_ids, dtype=np.int64)

@@ -236,6 +236,35 @@ def test_a_range_that_cannot_be_digested_is_not_posted_and_fails_the_push(
         decode.close()
 
 
+def test_a_whole_push_whose_digests_cannot_be_read_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole push from a hold that fixed no digests takes them as it is pushed (on a GPU,
+    on the caller's stream, not waited for) and reads them for its note once the WRITE is
+    DONE; where they cannot be read then (injected: reading raises, as a device error would
+    — the real one cannot be made to fail on demand), the push fails naming why, and the
+    decode (no landing board: it waits for the note) is told it failed, never loaded."""
+    prefill = rank("p", 1, integrity="full")
+    decode = rank("d", 2, integrity="full", landing_board=False)
+    try:
+        prefill.hold("r0", HELD, final=False)
+        decode.expect_push("r0", remote(prefill), LOCAL, timeout=20)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg,) = prefill.push_requests()
+
+        def fails(self: RangeDigests, layers: int) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(RangeDigests, "wire", fails)
+        prefill.push(msg, HELD, lease="r0")
+        ended: dict[str, str] = {}
+        ok, reason = outcome(decode, "r0", 10, step=lambda: ended.update(prefill.poll()[1]))
+        assert not ok and "the pushed blocks' digests: RuntimeError" in reason, reason
+        assert any("the pushed blocks' digests" in why for why in ended.values()), ended
+    finally:
+        prefill.close()
+        decode.close()
+
+
 @pytest.mark.parametrize("final", [False, True], ids=["held not final", "held final: control"])
 def test_a_hold_before_its_kv_is_written_fixes_no_digests(final: bool) -> None:
     """vLLM's layer-wise flow holds a request when its forward starts, before the KV is

@@ -26,7 +26,7 @@ from kvlink.errors import KVLinkError
 from kvlink.grants import push_ticket, read_ticket
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import LAYOUT, fingerprint
-from kvlink.integrity import Digests, board_rows, unpack
+from kvlink.integrity import Digests, RangeDigests, board_rows, unpack
 from kvlink.landing import Signal
 from kvlink.layout import KVCacheSpec
 from kvlink.leases import Refusal
@@ -546,7 +546,9 @@ class _Parts(_Holds):
     # ------------------------------------------------------------------ a WRITE's notes
     def _written(self, req: _Request, ok: bool, detail: str = "") -> wire.Notification:
         push = req.push
-        ids, blob, folded = req.digests if ok and req.digests is not None else ([], b"", False)
+        got = req.digests
+        ids, blob, folded = (got if ok and got is not None and not isinstance(got, RangeDigests)
+                             else ([], b"", False))
         return self._note(push.req_id if push is not None else req.req_id,
                           push.push_id if push is not None else 0, ok=ok, detail=detail,
                           digest_ids=ids, digests=blob, folded=folded)

@@ -35,7 +35,7 @@ from kvlink.errors import (
 from kvlink.headmap import push_targets
 from kvlink.holdboard import fingerprint
 from kvlink.hostid import host_id
-from kvlink.integrity import AreaOpener, WireDigests, on_gpu
+from kvlink.integrity import AreaOpener, RangeDigests, WireDigests, on_gpu
 from kvlink.landing import NO_LEASE, Hold, LandingView, tag_of
 from kvlink.leases import Grant
 from kvlink.peers import RemoteEngine
@@ -166,10 +166,7 @@ class _PrefillPush(_Requests):
             # the lease check) besides the side-channel one _report sends
             held = None if lease is None else (lease, generation)
             landing = self._landing_of(msg, held)
-            # integrity: the digests go with "written" (fixed at the hold, or now: the blocks
-            # are final, they are being pushed), and into the landing slot's digest area
-            digests = (self.integrity.for_push(msg.req_id, local_ids, msg.block_ids, held,
-                                               self._area_opener(msg, landing))
+            digests = (self._push_digests(msg, local_ids, held, landing)
                        if self.integrity.on else None)
             self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
                         lease=held, digests=digests, landing=landing)
@@ -284,6 +281,34 @@ class _PrefillPush(_Requests):
             log.info("push of %s: landing slot refused (%s): it ends by note", msg.req_id, exc)
             return None
         return view, offer.slot, tag
+
+    def _push_digests(self, msg: wire.PushRequest, local_ids: npt.ArrayLike,
+                      held: tuple[str, int] | None,
+                      landing: tuple[LandingView, int, int] | None
+                      ) -> WireDigests | RangeDigests | None:
+        """A whole push's digests, for its "written" note and the landing slot's digest area:
+        the ones its hold fixed, else taken now as one range of every layer — on a GPU
+        launched on the caller's stream and not waited for (the WRITE, posted after them,
+        waits on the device; the note reads them once it is DONE). Taken on the host here
+        instead, the push's caller waited for its forward and the digest on each push.
+        Raises TransferError where they cannot be taken (nothing is posted)."""
+        opener = self._area_opener(msg, landing)
+        fixed = self.integrity.for_push(local_ids, msg.block_ids, held, opener)
+        if fixed is not None:
+            return fixed
+        taken = self.integrity.for_layers(msg.req_id, local_ids, msg.block_ids)
+        if taken is None:
+            return None
+        place = opener(taken.ids, taken.shape) if opener is not None else None
+        if place is not None:
+            taken.into(place)
+        try:
+            taken.take(0, self._require_spec().num_layers)
+        except Exception as exc:  # (a device error in the digest kernel, say)
+            log.exception("push of %s: digesting its blocks failed", msg.req_id)
+            raise TransferError(f"integrity: digesting the pushed blocks failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        return taken
 
     def _area_opener(self, msg: wire.PushRequest, landing: tuple[LandingView, int, int] | None
                      ) -> AreaOpener | None:

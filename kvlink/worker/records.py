@@ -174,8 +174,9 @@ class _Request:
     push_key: PushKey | None = None
     lease: tuple[str, int] | None = None  # a push from held blocks: (request, generation)
     fingerprint: int | None = None  # of remote_ids, for the hold board (once per request)
-    #: a push with integrity on: (decode block ids, digests, folded) for its "written" note
-    digests: tuple[list[int], bytes, bool] | None = None
+    #: a push with integrity on: (decode block ids, digests, folded) for its "written" note,
+    #: or those taken as it was pushed, read once it is DONE (kvlink.integrity.RangeDigests)
+    digests: tuple[list[int], bytes, bool] | RangeDigests | None = None
     #: one layer range of a layer-wise push: [from, to), and the push's id (see _Layered)
     layers: tuple[int, int] | None = None
     layered: str | None = None

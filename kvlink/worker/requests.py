@@ -25,6 +25,7 @@ from kvlink import wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.errors import ConfigError
 from kvlink.headmap import HeadRead, map_heads, notify_targets
+from kvlink.integrity import RangeDigests
 from kvlink.landing import LandingView
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
@@ -198,7 +199,7 @@ class _Requests(_Parts):
                remote_ids: npt.ArrayLike, reads: list[HeadRead] | None = None,
                push: wire.PushRequest | None = None, key: PushKey | None = None,
                generation: int | None = None, lease: tuple[str, int] | None = None,
-               digests: tuple[list[int], bytes, bool] | None = None,
+               digests: tuple[list[int], bytes, bool] | RangeDigests | None = None,
                layers: tuple[int, int] | None = None, layered: str | None = None,
                landing: tuple[LandingView, int, int] | None = None) -> None:
         spec = self._require_spec()
@@ -266,6 +267,13 @@ class _Requests(_Parts):
             if not errors and not intact:
                 errors.append(f"the lease of {req.lease[0]} ended under the WRITE: the "
                               "written bytes are not trusted")
+        if not errors and isinstance(req.digests, RangeDigests):  # taken as it was pushed
+            try:  # (its WRITE waited for them: they are there)
+                req.digests = req.digests.wire(req.digests.upto)
+            except Exception as exc:
+                log.exception("push %s: its digests", req.req_id)
+                errors.append(f"integrity: the pushed blocks' digests: "
+                              f"{type(exc).__name__}: {exc}")
         if errors:
             failed[req.req_id] = "; ".join(errors)
             log.warning("request %s failed: %s", req.req_id, failed[req.req_id])
