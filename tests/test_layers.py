@@ -18,10 +18,9 @@ LAYERS: dict[str, int] = {
     # 0: leaves — errors, facts about the host, state machines without I/O
     "kvlink": 0, "kvlink.errors": 0, "kvlink.hostid": 0, "kvlink.sockets": 0,
     "kvlink.holdboard": 0, "kvlink.leases": 0, "kvlink.options": 0, "kvlink.localkey": 0,
-    "kvlink.shmfile": 0, "kvlink.integrity_cuda": 0, "kvlink.native": 0, "kvlink.sampling": 0,
-    # 1: the transport contract's types (regions, extents, runs); the landing board (over the
-    # hold board) a transport signals on
-    "kvlink.transport": 1, "kvlink.landing": 1,
+    "kvlink.shmfile": 0, "kvlink.native": 0, "kvlink.sampling": 0, "kvlink.arena": 0,
+    # 1: the transport contract's types (regions, extents, runs)
+    "kvlink.transport": 1,
     # 2: the model: what bytes go where
     "kvlink.headmap": 2, "kvlink.layout": 2, "kvlink.compat": 2,
     # 3: planning, the wire, capabilities, raw host memory; the shared GPU machinery over the
@@ -30,6 +29,9 @@ LAYERS: dict[str, int] = {
     "kvlink.plan": 3, "kvlink.wire": 3, "kvlink.grants": 3, "kvlink.hostmem": 3,
     "kvlink.gpu": 3, "kvlink.gpu.ipc": 3, "kvlink.gpu.move": 3, "kvlink.gpu.kernels": 3,
     "kvlink.gpu.copy": 3, "kvlink.gpu.lane": 3, "kvlink.gpu.ends": 3,
+    # (and over it: the landing board a transport signals on, which page-locks itself for a
+    # push's digests; the integrity digest's kernels, launched through the driver)
+    "kvlink.landing": 3, "kvlink.integrity_cuda": 3,
     # 4: what the wire carries about ownership and integrity; the side channel
     "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
     "kvlink.sidechannel.framing": 4, "kvlink.sidechannel.auth": 4,
