@@ -607,7 +607,7 @@ class RangeDigests:
         """Put every range's digests in ``place`` (``[layers x planes, k, heads]`` words; for
         GPU planes, page-locked), from the first range on."""
         if self._ranges:
-            raise ValueError("a digest area is given before the first range")
+            raise ValueError("a digest area is given before the first range, not after")
         self._into = place
 
     def take(self, start: int, stop: int) -> None:

@@ -166,9 +166,10 @@ class _DecodePush(_Requests):
             if written is None:  # its hold board's view was closed under us: bind anew
                 del aw.ends[rank]
             elif written:  # (else its note says)
-                why = self._check_area(aw, rank, slot) if self.integrity.on else None
-                if why is _NO_AREA:
-                    continue  # no digests there: its note brings them
+                there, why = (self._check_area(aw, rank, slot) if self.integrity.on
+                              else (True, None))
+                if not there:
+                    continue  # no digests in its area: its note brings them
                 if why is not None:  # written, every layer (quiescent), but not as digested
                     aw.wait.ranks[rank] = Rank.SETTLED
                     aw.wait.fail(why)
@@ -176,16 +177,16 @@ class _DecodePush(_Requests):
                 aw.wait.ranks[rank] = Rank.WRITTEN
                 self.board_landed += 1
 
-    def _check_area(self, aw: _Awaiting, rank: int, slot: int) -> str | None:
+    def _check_area(self, aw: _Awaiting, rank: int, slot: int) -> tuple[bool, str | None]:
         """With integrity on, once ``rank``'s flag shows every layer: its digests in the
-        slot's area checked against what landed (None: they agree; else the reason), or
-        :data:`_NO_AREA` where the prefill put none there."""
+        slot's area checked against what landed — (True, None) where they agree, (True, the
+        reason) where not —; (False, None) where the prefill put none there."""
         assert self.landing is not None
         got = self.landing.digests(slot, aw.tag)
         if got is None:
-            return _NO_AREA
+            return False, None
         ids, d = got
-        return self._check_pushed(aw, rank, ids, d.tobytes(), False)
+        return True, self._check_pushed(aw, rank, ids, d.tobytes(), False)
 
     def _end_check(self, aw: _Awaiting, slot: int) -> EndCheck | None:
         """What the poll that ends the push checks for the prefill rank behind ``slot``, once
@@ -462,10 +463,6 @@ class _DecodePush(_Requests):
     def quarantined(self) -> int:
         """Pushes past their timeout whose blocks stay reserved (bytes may still land)."""
         return sum(aw.wait.cancelling for aw in self._awaiting.values())
-
-
-#: :meth:`_DecodePush._check_area`'s answer where the prefill put no digests in the area
-_NO_AREA = "no digests in the area"
 
 
 def _unshown() -> tuple[int, ...]:

@@ -223,11 +223,8 @@ class _PrefillPush(_Requests):
                            None if lease is None else (lease, generation),
                            self.integrity.for_layers(msg.req_id, local_ids, msg.block_ids))
             lay.landing = self._landing_of(msg, lay.lease)
-            opener = self._area_opener(msg, lay.landing) if lay.digests is not None else None
-            if opener is not None and lay.digests is not None:
-                place = opener(lay.digests.ids, lay.digests.shape)
-                if place is not None:  # (else its digests go with the note alone)
-                    lay.digests.into(place)
+            if lay.digests is not None:
+                _into_area(lay.digests, self._area_opener(msg, lay.landing))
             self._layered[rid] = lay
         else:
             if start != lay.next_layer:
@@ -299,9 +296,7 @@ class _PrefillPush(_Requests):
         taken = self.integrity.for_layers(msg.req_id, local_ids, msg.block_ids)
         if taken is None:
             return None
-        place = opener(taken.ids, taken.shape) if opener is not None else None
-        if place is not None:
-            taken.into(place)
+        _into_area(taken, opener)
         try:
             taken.take(0, self._require_spec().num_layers)
         except Exception as exc:  # (a device error in the digest kernel, say)
@@ -453,3 +448,11 @@ class _PrefillPush(_Requests):
         self._tell(msg.host, msg.port + msg.tp_rank,
                    self._note(msg.req_id, msg.push_id, ok=False, detail=reason))
         self._chan.flush()
+
+
+def _into_area(taken: RangeDigests, opener: AreaOpener | None) -> None:
+    """A push's digests go into the digest area the decode offered with its landing slot
+    too, where there is one and they fit (else with its note alone)."""
+    place = opener(taken.ids, taken.shape) if opener is not None else None
+    if place is not None:
+        taken.into(place)
