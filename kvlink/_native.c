@@ -1112,7 +1112,8 @@ PyMODINIT_FUNC PyInit__kvlink_native(void) {
   PyObject *m = PyModule_Create(&module);
   if (m && (PyModule_AddFunctions(m, kvl_gate_methods) < 0 ||
             PyModule_AddFunctions(m, kvl_reader_methods) < 0 ||
-            PyModule_AddFunctions(m, kvl_notes_methods) < 0))
+            PyModule_AddFunctions(m, kvl_notes_methods) < 0 ||
+            PyModule_AddFunctions(m, kvl_digest_methods) < 0))
     Py_CLEAR(m);
   return m;
 }

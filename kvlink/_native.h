@@ -63,5 +63,6 @@ KVL_HIDDEN int kvl_notes_push(kvl_notes_t *q, const char *agent, size_t alen, co
 extern PyMethodDef kvl_gate_methods[];
 extern PyMethodDef kvl_reader_methods[];
 extern PyMethodDef kvl_notes_methods[];
+extern PyMethodDef kvl_digest_methods[]; /* _digest.c */
 
 #endif

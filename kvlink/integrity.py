@@ -95,6 +95,8 @@ def digest(planes: Planes, block_ids: npt.ArrayLike,
         if fused is not None:
             out[...] = fused
             return out
+    elif _native_digest(planes, ids, h0, h1, out):
+        return out
     hashing = _numpy_plane if isinstance(first, np.ndarray) else _torch_plane
     for layer, per_layer in enumerate(planes):
         for kv, view in enumerate(per_layer):
@@ -284,6 +286,59 @@ def _numpy_plane(pages: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64], h0: i
     w = _weights(int(pages.shape[2]), hb // word)
     # one pass, no temporary (5x the multiply-then-sum); uint64 arithmetic wraps mod 2**64
     return np.asarray(np.einsum("bhtw,tw->bh", x, w), dtype=np.uint64)
+
+
+_UNSET: Any = object()
+_c_helpers: Any = _UNSET  # kvlink.native's module, once looked up (None: not built)
+#: id(planes) -> (planes, their C table or None: kvlink.native's digest cannot read them)
+_HOST_TABLES: dict[int, tuple[Planes, tuple[npt.NDArray[np.int64], int] | None]] = {}
+
+
+def _native_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int,
+                   out: U64) -> bool:
+    """:func:`digest` of host planes into ``out`` in one C call (kvlink.native's
+    ``digest``: every plane, each word read once in place, without the GIL), where kvlink's
+    C helpers build and every plane is whole aligned 8-byte words (a head of 2^k x 8 bytes,
+    as every KV head is); False: numpy's path. Ids outside a plane raise IndexError, as
+    numpy's indexing does."""
+    global _c_helpers
+    if _c_helpers is _UNSET:
+        from kvlink import native
+
+        _c_helpers = native.load()
+    if _c_helpers is None:
+        return False
+    got = _HOST_TABLES.get(id(planes))
+    if got is None or got[0] is not planes:
+        if len(_HOST_TABLES) > 64:
+            _HOST_TABLES.clear()
+        got = _HOST_TABLES[id(planes)] = (planes, _host_table(planes))
+    if got[1] is None:
+        return False
+    table, blocks = got[1]
+    first = planes[0][0]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
+        raise IndexError(f"block ids outside [0, {blocks}): {ids.min()}..{ids.max()}")
+    if not 0 <= h0 < h1 <= int(first.shape[1]):
+        raise IndexError(f"heads [{h0}, {h1}) outside [0, {first.shape[1]})")
+    tokens, words = int(first.shape[2]), int(first.shape[3]) // 8
+    _c_helpers.digest(table, np.ascontiguousarray(ids, dtype=np.int64),
+                      _weights(tokens, words), out, h0, tokens, words)
+    return True
+
+
+def _host_table(planes: Planes) -> tuple[npt.NDArray[np.int64], int] | None:
+    """(address, block stride, head stride, token stride) per plane, and the fewest blocks
+    a plane holds — for kvlink.native's ``digest`` —, or None where a plane is not whole
+    aligned 8-byte words of one shape (numpy's path takes those)."""
+    rows, shape = [], tuple(planes[0][0].shape[1:])
+    for view in (v for row in planes for v in row):
+        how = _plane_rows(view)
+        if how.word != 8 or how.words is None or tuple(view.shape[1:]) != shape:
+            return None
+        rows.append((int(view.__array_interface__["data"][0]), *view.strides[:3]))
+    blocks = min(int(v.shape[0]) for row in planes for v in row)
+    return np.array(rows, dtype=np.int64), blocks
 
 
 class _Cuda:

@@ -23,7 +23,9 @@ tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e
 - the bounds check of an extent array against sorted ranges (``inside``: registered regions,
   a grant's window), which both sides of a tcp READ make before a byte moves;
 - a request's plan on the RUNS path (``plan_runs``: :meth:`kvlink.plan.PlanTable.plan` in one
-  call where numpy's ~25 cost a 16-block request ~70 us cold; bench/results/plan_native).
+  call where numpy's ~25 cost a 16-block request ~70 us cold; bench/results/plan_native);
+- the integrity digest of host planes (``_digest.c``: ``digest``, every plane in one call,
+  without the GIL, where numpy gathered and summed plane by plane).
 
 The module is built the way Triton builds its launchers: at first use, with the compiler
 Python was built with (``sysconfig``'s ``CC``) and Python's headers, into a cache keyed by the
@@ -56,10 +58,11 @@ log = logging.getLogger("kvlink.gpu")
 
 _SOURCE = Path(__file__).with_name("_native.c")
 #: compiled with it into the one module: its shared declarations, tcp's grant gate and serving
-#: loop (``gate_*``, ``serve_frames``), tcp's initiator inbox (``inbox_*``, ``run_inbox``) and the
-#: owner's queue of notifications (``notes_*``)
+#: loop (``gate_*``, ``serve_frames``), tcp's initiator inbox (``inbox_*``, ``run_inbox``), the
+#: owner's queue of notifications (``notes_*``) and the integrity digest of host planes
+#: (``digest``)
 _WITH = tuple(Path(__file__).with_name(n)
-              for n in ("_native.h", "_gate.c", "_reader.c", "_notes.c"))
+              for n in ("_native.h", "_gate.c", "_reader.c", "_notes.c", "_digest.c"))
 _NAME = "_kvlink_native"  # PyInit__kvlink_native
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

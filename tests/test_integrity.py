@@ -97,6 +97,32 @@ def test_digest_is_the_same_across_layouts_and_tp_sizes() -> None:
         del buf
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_the_c_digest_equals_numpys(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host planes are digested in one C call where kvlink's helpers build
+    (kvlink/_digest.c); the same values as numpy's plane-by-plane path, whole and for a head
+    slice, on random KV — and ids outside the planes raise, as numpy's indexing does."""
+    from kvlink import integrity, native
+
+    if native.load() is None:
+        print(f"\nskipping: kvlink's C helpers did not build here ({native.why_not()})")
+        pytest.skip(f"kvlink's C helpers did not build here ({native.why_not()})")
+    geo = data.Geometry(layers=3, kv_heads=4, head_dim=16, block_size=4, layout=layout)
+    buf, layers = data.allocate(geo, NBLOCKS, 1, 0)
+    buf[:] = np.random.default_rng(5).integers(0, 2**16, buf.shape, dtype=np.uint16)
+    planes = spec_planes(data.spec_of(geo, layers, 1, 0))
+    ids = np.array([9, 0, 15, 4, 4])
+    c_whole, c_slice = digest(planes, ids), digest(planes, ids, (1, 3))
+    assert integrity._HOST_TABLES[id(planes)][1] is not None  # (the C path was taken)
+    with pytest.raises(IndexError):
+        digest(planes, np.array([NBLOCKS]))
+    monkeypatch.setattr(integrity, "_c_helpers", None)  # numpy's path
+    assert np.array_equal(c_whole, digest(planes, ids))
+    assert np.array_equal(c_slice, digest(planes, ids, (1, 3)))
+    assert np.array_equal(c_slice, c_whole[..., 1:3])
+    del buf
+
+
 def test_sample_picks_a_deterministic_subset_and_at_least_one_block() -> None:
     ids = np.arange(4096)
     keep = checked(Level.SAMPLE, "req-a", ids)
