@@ -95,8 +95,8 @@ def digest(planes: Planes, block_ids: npt.ArrayLike,
         if fused is not None:
             out[...] = fused
             return out
-    elif _native_digest(planes, ids, h0, h1, out):
-        return out
+    elif isinstance(first, np.ndarray) and _native_digest(planes, ids, h0, h1, out):
+        return out  # (torch's host tensors, a vLLM CPU cache's, take torch's path below)
     hashing = _numpy_plane if isinstance(first, np.ndarray) else _torch_plane
     for layer, per_layer in enumerate(planes):
         for kv, view in enumerate(per_layer):
