@@ -10,9 +10,9 @@
  * bytes, of views the caller owns and keeps alive (a worker's planes, fixed at register),
  * every address and stride 8-byte aligned; `ids` int64 [n], each inside its planes (the
  * caller's own, checked against its cache). Numpy gathers each plane's rows and sums them
- * with einsum: ~2 GB/s a core on this VM, so `full` on 1 GiB over tcp cost +48 % of the
- * transfer (bench/results/integrity_overhead_cpu_f81a16c.json); this reads each word once,
- * in place, without the GIL.
+ * with einsum, plane by plane; this reads each word once, in place, without the GIL: a
+ * producer's digest of 1 GiB 321 -> 221 ms, `full` over tcp on 1 GiB +70.0 -> +32.7 % of the
+ * same run's `off` on the 2-core VM (bench/results/integrity_overhead_cpu_c_digest_1f407ed/).
  */
 #define PY_SSIZE_T_CLEAN
 #include "_native.h"

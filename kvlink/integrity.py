@@ -772,12 +772,9 @@ class Checker:
         if not self.on or self.planes is None or got is None or lease is None \
                 or got[0] != lease[1]:
             return None
-        src = np.asarray(src_ids, dtype=np.int64)
-        dst = np.asarray(dst_ids, dtype=np.int64)
         _, ids, d = got
-        where = {int(s): i for i, s in enumerate(src.tolist())}
-        keep = [j for j, b in enumerate(ids.tolist()) if int(b) in where]
-        sel, d = dst[[where[int(ids[j])] for j in keep]], d[keep]
+        pushed, digested = match(src_ids, ids)  # (the held blocks this push writes)
+        sel, d = np.asarray(dst_ids, dtype=np.int64)[pushed], d[digested]
         place = into(sel, d.shape[1:]) if into is not None and sel.size else None
         if place is not None:
             place[...] = d.transpose(1, 2, 0, 3).reshape(place.shape)
