@@ -461,16 +461,23 @@ def _landed(planes: Planes, ids: npt.NDArray[np.int64], heads: tuple[int, int]) 
         return digest(planes, ids, heads)
 
 
-def _checked_on_gpu(planes: Planes, ids: npt.NDArray[np.int64], h0: int, theirs: U64
+def _checked_on_gpu(planes: Planes, ids: npt.NDArray[np.int64], h0: int, theirs: U64,
+                    plane_major: bool = False
                     ) -> tuple[bool, tuple[int, int, int, int] | None]:
     """What landed in blocks ``ids`` (heads from ``h0``) compared with ``theirs`` (``[blocks,
-    layers, planes, heads]``) on the GPU, in one kernel (integrity_cuda.Table.check): (True,
+    layers, planes, heads]``; with ``plane_major`` ``[layers x planes, blocks, heads]``, a
+    landing board's order) on the GPU, in one kernel (integrity_cuda.Table.check): (True,
     the first (block, layer, plane, head) that differs or None); (False, None) where the
     planes are not on a GPU or the kernel cannot run (the caller digests and compares)."""
     if not ids.size or not on_gpu(planes):
         return False, None
-    k, layers, per, heads = theirs.shape
-    got = _table(planes).check(ids, h0, np.ascontiguousarray(theirs).reshape(k, -1, heads))
+    per = len(planes[0])
+    if plane_major:
+        layers, heads = theirs.shape[0] // per, theirs.shape[2]
+        got = _table(planes).check(ids, h0, theirs, plane_major=True)
+    else:
+        k, layers, per, heads = theirs.shape
+        got = _table(planes).check(ids, h0, np.ascontiguousarray(theirs).reshape(k, -1, heads))
     if got is None:
         return False, None
     if got < 0:
@@ -616,6 +623,9 @@ def match(remote_ids: npt.ArrayLike, digest_ids: npt.ArrayLike
     if not rid.size or not did.size:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
+    if rid.shape == did.shape and np.array_equal(rid, did):  # every block digested (`full`)
+        every = np.arange(rid.size, dtype=np.int64)
+        return every, every
     order = np.argsort(rid, kind="stable")
     srt = rid[order]
     loc = np.minimum(np.searchsorted(srt, did), srt.size - 1)
@@ -835,23 +845,29 @@ class Checker:
 
     def check(self, req_id: str, local_ids: npt.NDArray[np.int64],
               remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
-              digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
-              folded: bool, layers: int, planes: int) -> str | None:
+              digest_ids: Sequence[int] | npt.NDArray[np.int64],
+              blob: bytes | memoryview | U64, folded: bool, layers: int, planes: int,
+              plane_major: bool = False) -> str | None:
         """None when what landed matches the producer's digests of the heads we read; else
-        the reason (naming request, block, layer, plane and head), which fails the receive."""
+        the reason (naming request, block, layer, plane and head), which fails the receive.
+        ``blob``: the digests as the wire carries them (``[blocks, layers, planes, heads]``
+        little-endian words), or with ``plane_major`` as a landing board's digest area keeps
+        them (``[layers x planes, blocks, heads]`` words: kvlink.landing), which the device
+        check takes as they are."""
         if not self.on:
             return None
         t0 = time.perf_counter()
         try:
             return self._check(req_id, local_ids, remote_ids, heads, digest_ids, blob, folded,
-                               layers, planes)
+                               layers, planes, plane_major)
         finally:
             self.check_seconds += time.perf_counter() - t0
 
     def _check(self, req_id: str, local_ids: npt.NDArray[np.int64],
                remote_ids: npt.NDArray[np.int64], heads: HeadSlice,
-               digest_ids: Sequence[int] | npt.NDArray[np.int64], blob: bytes | memoryview,
-               folded: bool, layers: int, planes: int) -> str | None:
+               digest_ids: Sequence[int] | npt.NDArray[np.int64],
+               blob: bytes | memoryview | U64, folded: bool, layers: int, planes: int,
+               plane_major: bool) -> str | None:
         if not len(digest_ids):
             self.failures += 1
             return (f"integrity {self.level.value}: the producer sent no digest for {req_id} "
@@ -863,17 +879,26 @@ class Checker:
             self.failures += 1
             return f"integrity: none of the producer's digested blocks of {req_id} was read"
         lp, rp, count = heads
-        theirs_all = np.frombuffer(blob, dtype="<u8")
-        shape = (len(digest_ids), 1 if folded else layers, 1 if folded else planes, -1)
+        k, n = len(digest_ids), int(i_idx.size)
+        ran, bad = False, None
         try:
-            theirs_all = theirs_all.reshape(shape)
+            if plane_major and not folded:  # (a landing board's area: [layers x planes][k])
+                by_plane = np.asarray(blob, dtype=np.uint64).reshape(layers * planes, k, -1)
+                if n == k and rp == 0 and count == by_plane.shape[2] and on_gpu(self.planes):
+                    # every digested block read, every head: the kernel takes them as they are
+                    ran, bad = _checked_on_gpu(self.planes, local_ids[i_idx], lp, by_plane,
+                                               plane_major=True)
+                theirs_all = by_plane.reshape(layers, planes, k, -1).transpose(2, 0, 1, 3)
+            else:
+                theirs_all = np.frombuffer(blob, dtype="<u8").reshape(
+                    (k, 1 if folded else layers, 1 if folded else planes, -1))
         except ValueError:
             self.failures += 1
             return f"integrity: the producer's digests of {req_id} have the wrong size"
-        n = int(i_idx.size)
-        theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
-        ran, bad = (False, None) if folded else _checked_on_gpu(self.planes, local_ids[i_idx],
-                                                                 lp, theirs)
+        if not ran:
+            theirs = theirs_all[j_idx][..., rp:rp + count].view(np.uint64)
+            ran, bad = (False, None) if folded else _checked_on_gpu(
+                self.planes, local_ids[i_idx], lp, theirs)
         if not ran:  # folded, or not on a GPU: digest what landed, compare here
             ours = _landed(self.planes, local_ids[i_idx], (lp, lp + count))
             if folded:

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 log = logging.getLogger("kvlink.integrity")
 
@@ -71,17 +75,36 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
   if (threadIdx.x == 0) out[params[6] ? (at.p * nb + at.b) * nh + at.h : blockIdx.x] = d;
 }
 
-// The same digests compared with ``expect`` ([blocks][planes][heads], the producer's): *bad
-// (set to all ones before) becomes the first (block, plane, head) item that differs. Every
-// argument by value: a check is a launch, with nothing uploaded for it but the ids and rows.
+// The same digests compared with the producer's, read where the host staged them (page-locked
+// host memory mapped into the device: nothing uploaded): ``ids`` [nb], ``expect``
+// [nb][planes][heads], or with ``plane_major`` [planes][nb][heads] (a landing board's digest
+// area's order). The first item that differs, in block-major order, is min-reduced in dev[0];
+// the grid's last block to finish (dev[1] counts them) hands it to the host (host[0], then the
+// launch's ``seq`` in host[1], each behind a system fence) and leaves both device words as the
+// next launch needs them (all ones, 0). So a check is one driver call, a launch, and a poll of
+// host memory: on the poll that ends a push the check's seven calls (a memset, two uploads, the
+// launch, a download, a synchronize and the context's query) took 25-110 us each
+// (bench/results/gpu_check_one_launch/). No block returns early: the grid is the items.
 extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
-                                           u64* bad, i64 nb, i64 np, i64 nh, i64 h0,
-                                           i64 tokens, i64 words) {
+                                           u64* dev, volatile u64* host, u64 seq, i64 nb,
+                                           i64 np, i64 nh, i64 h0, i64 tokens, i64 words,
+                                           i64 plane_major) {
   const kv_at at = kv_item(blockIdx.x, np, nh);
-  if (at.b >= nb) return;
   __shared__ u64 part[128];
+  u64 want = 0;  // (loaded first: its round trip to host memory overlaps the digest)
+  if (threadIdx.x == 0) want = expect[plane_major ? (at.p * nb + at.b) * nh + at.h : blockIdx.x];
   const u64 d = kv_digest_of(table, ids, at.b, at.p, h0 + at.h, tokens, words, part);
-  if (threadIdx.x == 0 && d != expect[blockIdx.x]) atomicMin(bad, (u64)blockIdx.x);
+  if (threadIdx.x == 0) {
+    if (d != want) atomicMin(&dev[0], (u64)blockIdx.x);
+    __threadfence();
+    if (atomicAdd(&dev[1], 1ull) == (u64)gridDim.x - 1) {
+      host[0] = atomicExch(&dev[0], ~0ull);
+      dev[1] = 0;
+      __threadfence_system();
+      host[1] = seq;
+      __threadfence_system();
+    }
+  }
 }
 """
 
@@ -175,13 +198,14 @@ class Table:
         torch.cuda.synchronize(self.device)  # once, at the first fused READ
         return int(g.data_ptr()), int(w.data_ptr()), (g, w)
 
-    def check(self, ids: Any, h0: int, expect: Any) -> int | None:
+    def check(self, ids: Any, h0: int, expect: Any, plane_major: bool = False) -> int | None:
         """Compare the digests of every plane of blocks ``ids`` (int64 numpy), heads ``[h0,
         h0 + expect.shape[2])``, with ``expect`` (``[blocks, planes, heads]`` uint64 numpy,
-        the producer's): the first item that differs, in that order (``(block x planes +
-        plane) x heads + head``), -1 where none does; None where the kernel can't run (the
-        caller digests and compares on the host). For bytes that have landed here (the
-        transport's completion was seen): on a stream of its own, waited for."""
+        the producer's; ``[planes, blocks, heads]`` with ``plane_major``): the first item
+        that differs, as ``(block x planes + plane) x heads + head``, -1 where none does;
+        None where the kernel can't run (the caller digests and compares on the host). For
+        bytes that have landed here (the transport's completion was seen): on a stream of
+        its own, waited for."""
         if self.fn is None or self.rows is None or self._checker is False:
             return None
         if self._checker is None:
@@ -192,7 +216,7 @@ class Table:
                             "compared on the host", type(exc).__name__, exc)
                 self._checker = False
                 return None
-        return self._checker.run(ids, h0, expect)
+        return self._checker.run(ids, h0, expect, plane_major)
 
     def digest(self, ids: Any, h0: int, h1: int, planes: tuple[int, int] | None = None,
                plane_major: bool = False) -> Any | None:
@@ -228,16 +252,22 @@ class Table:
 
 class _Check:
     """:meth:`Table.check`'s launch: ``kv_digest_check`` with every argument by value, through
-    the driver on a stream of its own, the ids and the producer's rows staged through
-    page-locked buffers kept between checks. Through torch (a pageable upload of the ids, the
-    parameters', an allocation, the compiled kernel's call, a copy back) the same check took
-    0.20-0.44 ms hot, 0.41-0.50 ms cold at `sample` and `full` on one H100 host, against
-    0.05-0.20 / 0.15-0.30 this way (bench/results/gpu_integrity_board_717bfb4/landed_check*):
-    a decode pays it on the poll that ends a push."""
+    the driver on a stream of its own. The ids and the producer's rows are staged in
+    page-locked host memory the kernel reads in place, and the kernel hands its answer to
+    host memory this polls: one driver call a check. (Before: the same launch with a memset,
+    two uploads, a download and a synchronize around it — each call 25-110 us on the poll
+    that ends a push, 0.29 ms of its 0.93 at `sample` on one H100 host; through torch before
+    that, 2-3x more again: bench/results/gpu_integrity_board_717bfb4/,
+    gpu_check_one_launch/.) A decode pays it on the poll that ends a push."""
 
-    ARGS = 10  # table, ids, expect, bad, blocks, planes, heads, first head, tokens, words
+    ARGS = 13  # table, ids, expect, dev, host, seq, blocks, planes, heads, h0, tokens, words,
+    # plane-major
+    #: how long a check's answer is polled for before the driver waits for it (the GIL let
+    #: go): a check of a 4096-token request's every block takes ~0.15 ms on the device
+    SPIN_S = 0.0005
 
     def __init__(self, table: Table) -> None:
+        import numpy as np
         import torch
 
         from kvlink.gpu import ipc
@@ -247,53 +277,83 @@ class _Check:
         if fn is None:
             raise RuntimeError("kv_digest_check did not compile")
         self._fn, self._drv, self._table = fn.func, ipc.driver(), table
+        self._ipc = ipc
         self._device = int(table.device.index or 0)
         self._stream = torch.cuda.Stream(table.device)  # type: ignore[no-untyped-call]
+        self._raw_stream = self._stream.cuda_stream
         self._vals, self._ptrs = arg_block(self.ARGS)
-        self._bad = torch.empty(1, dtype=torch.int64, device=table.device)
-        self._bad_host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        self._blocks = self._words = 0
+        # the kernel's reduction: (first differing item, blocks done), as a launch leaves them
+        self._dev = torch.tensor([-1, 0], dtype=torch.int64, device=table.device)
+        torch.cuda.synchronize(table.device)
+        self._seq = 0
+        self._staged: dict[str, tuple[object, int]] = {}  # name -> (mapping, its address)
+        self._answer, at = self._page_locked("answer", 16)  # (first differing item, seq)
+        self._answer[:] = 0
+        self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
+                                                       int(self._dev.data_ptr()), at)
+        self._ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._expect: np.ndarray = np.zeros(0, dtype=np.uint64)
         self._grow(16, 16 * table.planes)
 
+    def _page_locked(self, name: str, nbytes: int) -> tuple[npt.NDArray[np.uint64], int]:
+        """``nbytes`` of page-locked host memory mapped into the device, as uint64 words, and
+        its device address; what ``name`` had before is let go (no check is in flight: each
+        waits for its answer)."""
+        import mmap
+
+        buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+        words = np.frombuffer(buf, dtype=np.uint64)
+        addr = int(words.ctypes.data)
+        at = self._ipc.host_register(addr, len(buf))
+        old = self._staged.pop(name, None)
+        self._staged[name] = (buf, addr)
+        if old is not None:
+            self._ipc.host_unregister(old[1])
+        return words, at
+
     def _grow(self, blocks: int, words: int) -> None:
-        import torch
+        ids, ids_at = self._page_locked("ids", 8 * blocks)
+        expect, expect_at = self._page_locked("expect", 8 * words)
+        self._ids, self._expect = ids.view(np.int64), expect
+        self._vals[1], self._vals[2] = ids_at, expect_at
 
-        device = self._table.device
-        self._blocks, self._words = blocks, words
-        self._ids = torch.empty(blocks, dtype=torch.int64, device=device)
-        self._ids_host = torch.empty(blocks, dtype=torch.int64, pin_memory=True)
-        self._expect = torch.empty(words, dtype=torch.int64, device=device)
-        self._expect_host = torch.empty(words, dtype=torch.int64, pin_memory=True)
-
-    def run(self, ids: Any, h0: int, expect: Any) -> int:
-        import numpy as np
-
-        from kvlink.gpu import ipc
-
+    def run(self, ids: Any, h0: int, expect: Any, plane_major: bool = False) -> int:
+        """The first item of ``expect`` (``[blocks, planes, heads]``, or ``[planes, blocks,
+        heads]`` with ``plane_major``) the landed bytes of blocks ``ids`` do not digest like,
+        block-major; -1 where none."""
         t, drv = self._table, self._drv
-        nb, heads = int(ids.shape[0]), int(expect.shape[2])
+        nb = int(ids.shape[0])
+        heads = int(expect.shape[2])
         n = nb * t.planes * heads
-        if nb > self._blocks or n > self._words:
-            self._grow(max(nb, 2 * self._blocks), max(n, 2 * self._words))
-        ids_host = self._ids_host.numpy()
-        ids_host[:nb] = ids
-        exp_host = self._expect_host.numpy().view(np.uint64)
-        exp_host[:n] = expect.reshape(-1)
-        ipc.ensure_context(self._device)  # (the driver acts on this thread's context)
-        s = self._stream.cuda_stream
-        bad = self._bad.data_ptr()
-        drv.check(drv.cuMemsetD8Async(bad, 0xFF, 8, s), "cuMemsetD8Async")
-        drv.check(drv.cuMemcpyHtoDAsync(self._ids.data_ptr(), self._ids_host.data_ptr(),
-                                        8 * nb, s), "cuMemcpyHtoDAsync")
-        drv.check(drv.cuMemcpyHtoDAsync(self._expect.data_ptr(),
-                                        self._expect_host.data_ptr(), 8 * n, s),
-                  "cuMemcpyHtoDAsync")
-        self._vals[:] = [t.rows.data_ptr(), self._ids.data_ptr(),  # type: ignore[union-attr]
-                         self._expect.data_ptr(), bad, nb, t.planes, heads, h0, t.tokens,
-                         t.head_bytes // 8]
-        drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs,
-                                     None), "cuLaunchKernel(kv_digest_check)")
-        drv.check(drv.cuMemcpyDtoHAsync(self._bad_host.data_ptr(), bad, 8, s),
-                  "cuMemcpyDtoHAsync")
-        drv.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
-        return int(self._bad_host.numpy()[0])  # (all ones, -1: none differed)
+        if nb > self._ids.shape[0] or n > self._expect.shape[0]:
+            self._grow(max(nb, 2 * self._ids.shape[0]), max(n, 2 * self._expect.shape[0]))
+        self._ids[:nb] = ids
+        self._expect[:n].reshape(expect.shape)[...] = expect  # (one copy, in order)
+        self._seq += 1
+        seq = self._seq
+        v = self._vals
+        v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12] = (
+            seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8, int(plane_major))
+        rc = drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, self._raw_stream,
+                                self._ptrs, None)
+        if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so, again
+            self._ipc.ensure_context(self._device)
+            rc = drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, self._raw_stream,
+                                    self._ptrs, None)
+        drv.check(rc, "cuLaunchKernel(kv_digest_check)")
+        answer = self._answer
+        give_up = time.perf_counter() + self.SPIN_S
+        while answer[1] != seq:
+            if time.perf_counter() > give_up:  # a long check: the driver waits (no GIL)
+                drv.check(drv.cuStreamSynchronize(self._raw_stream), "cuStreamSynchronize")
+                if answer[1] != seq:  # (ended, and said nothing: its counts are off)
+                    raise RuntimeError("kv_digest_check ended without its answer")
+                break
+        got = int(answer[0])
+        return -1 if got == NO_MISMATCH else got
+
+
+#: cuLaunchKernel's answer where the calling thread's current context is none or another
+#: device's (CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE): nothing was enqueued
+_NOT_CURRENT = (201, 400)
+NO_MISMATCH = (1 << 64) - 1

@@ -192,9 +192,12 @@ class LandingBoard:
 
     def digests(self, slot: int, tag: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The digests the prefill put in ``slot``'s area for the push tagged ``tag``: (the
-        decode's block ids ``[k]``, digests ``[k, layers, planes, heads]``), copied out; None
+        decode's block ids ``[k]``, copied out; the digests as the area keeps them, plane by
+        plane: ``[layers x planes, k, heads]``, a view of the board — the decode's check stages
+        them for its kernel in that order, no transpose on the poll that ends the push); None
         where it put none (another tag, a header that does not fit the area). Read once the
-        flag shows every layer: each range's digests were there before its WRITE moved it."""
+        flag shows every layer: each range's digests were there before its WRITE moved it,
+        and the area is ours until the slot is given back."""
         area = self._areas.get(slot)
         if area is None or self._path is None:
             return None
@@ -206,8 +209,7 @@ class LandingBoard:
         k, layers, planes, heads = got
         ids = words[AREA_HEAD:AREA_HEAD + k].view(np.int64).copy()
         d = words[AREA_HEAD + k:AREA_HEAD + k + k * layers * planes * heads]
-        d = d.reshape(layers * planes, k, heads).transpose(1, 0, 2)
-        return ids, np.ascontiguousarray(d).reshape(k, layers, planes, heads)
+        return ids, d.reshape(layers * planes, k, heads)
 
     def landed(self, slot: int, tag: int) -> int:
         """Layers the flag says landed for the push tagged ``tag`` (0: none, or not ours)."""

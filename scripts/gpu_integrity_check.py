@@ -115,6 +115,17 @@ def check_equal() -> list[dict[str, Any]]:
         flipped = digest(spec_planes(spec), ids)
         changed = np.argwhere(flipped != fused).tolist()
         found = integrity._checked_on_gpu(planes, ids, 0, fused)
+        # the same check with the digests as a landing board's area keeps them (plane by
+        # plane: what a decode's end-of-push check hands the kernel as they are), then with
+        # the flipped byte's digests: the kernel's reduction words, left by the check that
+        # found it, serve the next one (they reset themselves: one launch a check)
+        k, nl, per, nh = fused.shape
+        by_plane = np.ascontiguousarray(fused.transpose(1, 2, 0, 3)).reshape(nl * per, k, nh)
+        found_by_plane = integrity._checked_on_gpu(planes, ids, 0, by_plane, plane_major=True)
+        agrees_after = integrity._checked_on_gpu(planes, ids, 0, flipped) == (True, None)
+        repeats = [integrity._checked_on_gpu(planes, ids, 0, want)[1]
+                   for want in (fused, flipped) * 20]
+        repeats_ok = repeats == [(2, 2, 0, 3), None] * 20
         row = {"layout": kind, "fused_equals_host": bool(np.array_equal(fused, host)),
                "fused_equals_torch_per_plane": bool(np.array_equal(fused, per_plane)),
                "head_slice_equal": bool(np.array_equal(sliced, fused[..., 1:3])),
@@ -125,13 +136,18 @@ def check_equal() -> list[dict[str, Any]]:
                "landed_check_equal": bool(np.array_equal(landed, fused)),
                "landed_check_ms_behind_busy_stream": landed_ms,
                "flip_changed": changed, "kernel_check_agrees": agrees,
-               "kernel_check_found": list(found[1] or ())}
+               "kernel_check_found": list(found[1] or ()),
+               "kernel_check_plane_major_found": list(found_by_plane[1] or ()),
+               "kernel_check_agrees_after_a_mismatch": agrees_after,
+               "kernel_check_40_alternating_ok": repeats_ok}
         row["ok"] = (row["fused_equals_host"] and row["fused_equals_torch_per_plane"]
                      and row["head_slice_equal"] and row["layer_range_later_equal"]
                      and launch_ms < 20 and row["landed_check_equal"] and landed_ms < 20
                      and area_equal and into_ms < 20
                      and changed == [[2, 2, 0, 3]] and agrees
-                     and found == (True, (2, 2, 0, 3)))
+                     and found == (True, (2, 2, 0, 3))
+                     and found_by_plane == (True, (2, 2, 0, 3)) and agrees_after
+                     and repeats_ok)
         print(row, flush=True)
         rows.append(row)
     return rows

@@ -446,6 +446,37 @@ def test_match_pairs_digested_blocks_with_the_positions_read() -> None:
     assert i.size == 0
 
 
+def test_a_landing_areas_digests_check_like_the_wires() -> None:
+    """A decode's end-of-push check takes the digests as its landing board's area keeps them
+    (plane by plane, kvlink.landing: ``plane_major``), which a GPU's kernel reads as they
+    are: the same verdicts as the wire's block-major form — agreement, and a flipped byte
+    named by block, layer, plane and head — for every block read and for a subset digested
+    (`sample`). Host planes here (the device's check: scripts/gpu_integrity_check.py)."""
+    buf, layers = data.allocate(GEO, NBLOCKS, 1, 0)
+    buf[:] = np.random.default_rng(3).integers(1, 2**16, buf.shape, dtype=np.uint16)
+    spec = data.spec_of(GEO, layers, 1, 0)
+    checker = Checker(Level.FULL)
+    checker.planes = spec_planes(spec)
+    ids = np.array(LOCAL, dtype=np.int64)
+
+    def verdicts(digested: npt.NDArray[np.int64], want: npt.NDArray[np.uint64]
+                 ) -> tuple[str | None, str | None]:
+        k, nl, per, nh = want.shape
+        by_plane = np.ascontiguousarray(want.transpose(1, 2, 0, 3)).reshape(nl * per, k, nh)
+        args = ("r", ids, ids, (0, 0, nh), digested)
+        return (checker.check(*args, want.astype("<u8").tobytes(), False, nl, per),
+                checker.check(*args, by_plane, False, nl, per, plane_major=True))
+
+    for digested in (ids, ids[[1, 3]]):  # every block, and a sample's subset
+        want = digest(checker.planes, digested)
+        assert verdicts(digested, want) == (None, None)
+        np.asarray(layers[2])[1, LOCAL[3], 0, 1, 0] ^= 1  # injected: one byte landed wrong
+        wire, area = verdicts(digested, want)
+        np.asarray(layers[2])[1, LOCAL[3], 0, 1, 0] ^= 1
+        assert wire == area and area is not None
+        assert f"local block {LOCAL[3]}" in area and "layer 2, plane 1, head 1" in area
+
+
 def test_the_copy_kernel_digests_what_it_lands() -> None:
     """kv_move_digest (the cuda_ipc READ with integrity on) against the reference digest, every
     layout, and its in-place compare. Needs a CUDA GPU: there it runs here; the device

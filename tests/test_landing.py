@@ -409,7 +409,8 @@ def test_a_digest_area_is_read_only_for_its_push_and_its_size(
     place[...] = want.transpose(1, 2, 0, 3).reshape(6, 2, 1)
     read = board.digests(slot, tag)
     assert read is not None
-    assert read[0].tolist() == [7, 3] and np.array_equal(read[1], want)
+    assert read[0].tolist() == [7, 3]  # the digests plane by plane, as the area keeps them
+    assert np.array_equal(read[1], want.transpose(1, 2, 0, 3).reshape(6, 2, 1))
     assert board.digests(slot, landing.tag_of(6)) is None  # another push's
     view._map[at + 16:at + 24] = (1 << 40).to_bytes(8, "little")  # injected: layers overrun
     assert board.digests(slot, tag) is None

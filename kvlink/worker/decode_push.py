@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import numpy.typing as npt
 
 from kvlink import wire
@@ -186,7 +187,7 @@ class _DecodePush(_Requests):
         if got is None:
             return False, None
         ids, d = got
-        return True, self._check_pushed(aw, rank, ids, d.tobytes(), False)
+        return True, self._check_pushed(aw, rank, ids, d, False, plane_major=True)
 
     def _end_check(self, aw: _Awaiting, slot: int) -> EndCheck | None:
         """What the poll that ends the push checks for the prefill rank behind ``slot``, once
@@ -301,10 +302,11 @@ class _DecodePush(_Requests):
         return min(landed, default=0)
 
     def _check_pushed(self, aw: _Awaiting, rank: int, digest_ids: Sequence[int] | npt.NDArray[Any],
-                      digests: bytes | memoryview, folded: bool) -> str | None:
+                      digests: bytes | memoryview | npt.NDArray[np.uint64], folded: bool,
+                      plane_major: bool = False) -> str | None:
         """With integrity on: None when the heads prefill ``rank`` wrote digest like the
-        prefill's (from its note or its digest area); else the reason (kvlink.integrity),
-        which fails the push."""
+        prefill's (from its note, or its digest area: ``plane_major``, as the area keeps
+        them); else the reason (kvlink.integrity), which fails the push."""
         if not self.integrity.on:
             return None
         spec = self._require_spec()
@@ -315,7 +317,8 @@ class _DecodePush(_Requests):
             return f"integrity: rank {rank} wrote heads we did not ask of it"
         why = self.integrity.check(aw.wait.req_id, aw.local_ids, aw.local_ids,
                                    (read.local_start, read.remote_start, read.count),
-                                   digest_ids, digests, folded, spec.num_layers, spec.num_kv)
+                                   digest_ids, digests, folded, spec.num_layers, spec.num_kv,
+                                   plane_major)
         if why is not None:
             log.warning("push of %s from %s rank %d: %s", aw.wait.req_id, aw.remote.engine_id,
                         rank, why)
