@@ -75,16 +75,16 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
   if (threadIdx.x == 0) out[params[6] ? (at.p * nb + at.b) * nh + at.h : blockIdx.x] = d;
 }
 
-// The same digests compared with the producer's, read where the host staged them (page-locked
-// host memory mapped into the device: nothing uploaded): ``ids`` [nb], ``expect``
-// [nb][planes][heads], or with ``plane_major`` [planes][nb][heads] (a landing board's digest
-// area's order). The first item that differs, in block-major order, is min-reduced in dev[0];
-// the grid's last block to finish (dev[1] counts them) hands it to the host (host[0], then the
-// launch's ``seq`` in host[1], each behind a system fence) and leaves both device words as the
-// next launch needs them (all ones, 0). So a check is one driver call, a launch, and a poll of
-// host memory: on the poll that ends a push the check's seven calls (a memset, two uploads, the
-// launch, a download, a synchronize and the context's query) took 25-110 us each
-// (bench/results/gpu_check_one_launch/). No block returns early: the grid is the items.
+// The same digests compared with the producer's: ``ids`` [nb], ``expect`` [nb][planes][heads],
+// or with ``plane_major`` [planes][nb][heads] (a landing board's digest area's order). The
+// first item that differs, in block-major order, is min-reduced in dev[0]; the grid's last
+// block to finish (dev[1] counts them) hands it to the host (host[0], then the launch's
+// ``seq`` in host[1], each behind a system fence: page-locked host memory the host polls) and
+// leaves both device words as the next launch needs them (all ones, 0). So a check is two
+// driver calls, the ids' and rows' upload and the launch, where it was seven (a memset, two
+// uploads, the launch, a download, a synchronize, the context's query): each took 25-110 us
+// on the poll that ends a push (bench/results/gpu_check_one_launch/). No block returns early:
+// the grid is the items.
 extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
                                            u64* dev, volatile u64* host, u64 seq, i64 nb,
                                            i64 np, i64 nh, i64 h0, i64 tokens, i64 words,
@@ -252,22 +252,22 @@ class Table:
 
 class _Check:
     """:meth:`Table.check`'s launch: ``kv_digest_check`` with every argument by value, through
-    the driver on a stream of its own. The ids and the producer's rows are staged in
-    page-locked host memory the kernel reads in place, and the kernel hands its answer to
-    host memory this polls: one driver call a check. (Before: the same launch with a memset,
-    two uploads, a download and a synchronize around it — each call 25-110 us on the poll
-    that ends a push, 0.29 ms of its 0.93 at `sample` on one H100 host; through torch before
-    that, 2-3x more again: bench/results/gpu_integrity_board_717bfb4/,
-    gpu_check_one_launch/.) A decode pays it on the poll that ends a push."""
+    the driver on a stream of its own, the ids and the producer's rows uploaded in one copy
+    from page-locked memory, the kernel's answer handed to host memory that this polls: two
+    driver calls a check. (Before: seven — a memset, two uploads, the launch, a download, a
+    synchronize, the context's query —, each 25-110 us on the poll that ends a push on one
+    H100 host, bench/results/gpu_check_one_launch/; through torch before that, 2-3x more
+    again, gpu_integrity_board_717bfb4/.) The rows are not read in place from host memory:
+    a `full` check's 40,960 small reads over PCIe took 490 us against 198 uploaded.
+    A decode pays it on the poll that ends a push."""
 
     ARGS = 13  # table, ids, expect, dev, host, seq, blocks, planes, heads, h0, tokens, words,
     # plane-major
     #: how long a check's answer is polled for before the driver waits for it (the GIL let
-    #: go): a check of a 4096-token request's every block takes ~0.15 ms on the device
+    #: go): a check of a 4096-token request's every block takes ~0.2 ms on the device
     SPIN_S = 0.0005
 
     def __init__(self, table: Table) -> None:
-        import numpy as np
         import torch
 
         from kvlink.gpu import ipc
@@ -276,8 +276,7 @@ class _Check:
         fn = load(table.device, "kv_digest_check")
         if fn is None:
             raise RuntimeError("kv_digest_check did not compile")
-        self._fn, self._drv, self._table = fn.func, ipc.driver(), table
-        self._ipc = ipc
+        self._fn, self._drv, self._table, self._ipc = fn.func, ipc.driver(), table, ipc
         self._device = int(table.device.index or 0)
         self._stream = torch.cuda.Stream(table.device)  # type: ignore[no-untyped-call]
         self._raw_stream = self._stream.cuda_stream
@@ -286,14 +285,13 @@ class _Check:
         self._dev = torch.tensor([-1, 0], dtype=torch.int64, device=table.device)
         torch.cuda.synchronize(table.device)
         self._seq = 0
-        self._staged: dict[str, tuple[object, int]] = {}  # name -> (mapping, its address)
+        self._mapped: dict[str, tuple[object, int]] = {}  # name -> (mapping, its address)
         self._answer, at = self._page_locked("answer", 16)  # (first differing item, seq)
-        self._answer[:] = 0
         self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
                                                        int(self._dev.data_ptr()), at)
-        self._ids: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._expect: np.ndarray = np.zeros(0, dtype=np.uint64)
-        self._grow(16, 16 * table.planes)
+        self._stage: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+        self._on_device: Any = None
+        self._grow(4096)
 
     def _page_locked(self, name: str, nbytes: int) -> tuple[npt.NDArray[np.uint64], int]:
         """``nbytes`` of page-locked host memory mapped into the device, as uint64 words, and
@@ -303,19 +301,20 @@ class _Check:
 
         buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
         words = np.frombuffer(buf, dtype=np.uint64)
+        words[:] = 0
         addr = int(words.ctypes.data)
         at = self._ipc.host_register(addr, len(buf))
-        old = self._staged.pop(name, None)
-        self._staged[name] = (buf, addr)
+        old = self._mapped.pop(name, None)
+        self._mapped[name] = (buf, addr)
         if old is not None:
             self._ipc.host_unregister(old[1])
         return words, at
 
-    def _grow(self, blocks: int, words: int) -> None:
-        ids, ids_at = self._page_locked("ids", 8 * blocks)
-        expect, expect_at = self._page_locked("expect", 8 * words)
-        self._ids, self._expect = ids.view(np.int64), expect
-        self._vals[1], self._vals[2] = ids_at, expect_at
+    def _grow(self, words: int) -> None:
+        import torch
+
+        self._stage, _ = self._page_locked("stage", 8 * words)
+        self._on_device = torch.empty(words, dtype=torch.int64, device=self._table.device)
 
     def run(self, ids: Any, h0: int, expect: Any, plane_major: bool = False) -> int:
         """The first item of ``expect`` (``[blocks, planes, heads]``, or ``[planes, blocks,
@@ -325,27 +324,30 @@ class _Check:
         nb = int(ids.shape[0])
         heads = int(expect.shape[2])
         n = nb * t.planes * heads
-        if nb > self._ids.shape[0] or n > self._expect.shape[0]:
-            self._grow(max(nb, 2 * self._ids.shape[0]), max(n, 2 * self._expect.shape[0]))
-        self._ids[:nb] = ids
-        self._expect[:n].reshape(expect.shape)[...] = expect  # (one copy, in order)
+        if nb + n > self._stage.shape[0]:
+            self._grow(max(nb + n, 2 * self._stage.shape[0]))
+        stage = self._stage
+        stage[:nb] = ids
+        stage[nb:nb + n].reshape(expect.shape)[...] = expect  # (one copy, in order)
         self._seq += 1
-        seq = self._seq
+        seq, dev = self._seq, int(self._on_device.data_ptr())
         v = self._vals
-        v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12] = (
-            seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8, int(plane_major))
-        rc = drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, self._raw_stream,
-                                self._ptrs, None)
+        v[1], v[2], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12] = (
+            dev, dev + 8 * nb, seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8,
+            int(plane_major))
+        s, up = self._raw_stream, 8 * (nb + n)
+        rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
         if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so, again
             self._ipc.ensure_context(self._device)
-            rc = drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, self._raw_stream,
-                                    self._ptrs, None)
-        drv.check(rc, "cuLaunchKernel(kv_digest_check)")
+            rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
+        drv.check(rc, "cuMemcpyHtoDAsync")
+        drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs, None),
+                  "cuLaunchKernel(kv_digest_check)")
         answer = self._answer
         give_up = time.perf_counter() + self.SPIN_S
         while answer[1] != seq:
             if time.perf_counter() > give_up:  # a long check: the driver waits (no GIL)
-                drv.check(drv.cuStreamSynchronize(self._raw_stream), "cuStreamSynchronize")
+                drv.check(drv.cuStreamSynchronize(s), "cuStreamSynchronize")
                 if answer[1] != seq:  # (ended, and said nothing: its counts are off)
                     raise RuntimeError("kv_digest_check ended without its answer")
                 break
