@@ -205,9 +205,9 @@ def push(prefill: Rank, decode: Rank, req: str = "r1", lease: bool = True,
     if landed is not None:
         orig = decode.w._check_pushed
 
-        def check(aw: Any, *args: Any) -> Any:
+        def check(aw: Any, *args: Any, **kw: Any) -> Any:
             landed(decode)
-            return orig(aw, *args)
+            return orig(aw, *args, **kw)
 
         decode.w._check_pushed = check  # type: ignore[method-assign]
     decode.w.expect_push(req, prefill.remote(), LOCAL, timeout=20)
