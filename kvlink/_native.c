@@ -372,15 +372,38 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * stream: the copy's stream; after: the caller's stream (None: no order), waited for through
  *   order_event only where it has work pending (cuStreamQuery). Raises RuntimeError naming
  *   the step where the driver refused one: before the launch nothing of this copy was
- *   enqueued; "marking the end" comes after it.
+ *   enqueued; "marking the end" and "signalling" come after it.
+ * signal (optional, a push's WRITE into a landing board, kvlink.landing): (the kv_signal
+ *   function, the flag's device address, the value it must show, the value it takes), launched
+ *   after the copy and before its end mark — so the status word it reads (the copy refused
+ *   nothing) is not handed back before it has read it: kvlink.gpu.move.CudaMove.signal's
+ *   launch, one call less on a push's host path than Python's.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 7 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 14 ||
-      !PyTuple_Check(args[6])) {
+  if (nargs < 7 || nargs > 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 14 ||
+      !PyTuple_Check(args[6]) ||
+      (nargs == 8 && args[7] != Py_None &&
+       (!PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 4))) {
     PyErr_SetString(PyExc_TypeError,
-                    "post(form, src_ids, dst_ids, stream, after, order_event, values), form a "
-                    "14-tuple");
+                    "post(form, src_ids, dst_ids, stream, after, order_event, values[, signal]), "
+                    "form a 14-tuple, signal None or (function, flag, expect, value)");
     return NULL;
+  }
+  /* kv_signal's arguments (status, seq, flag, expect, value): read before anything is
+   * written, like the rest (static: the GIL is held throughout, and the driver copies them
+   * at the launch) */
+  static int64_t sig_vals[5];
+  static void *sig_params[5];
+  void *sig_fn = NULL;
+  if (nargs == 8 && args[7] != Py_None) {
+    sig_fn = as_ptr(PyTuple_GET_ITEM(args[7], 0));
+    for (int i = 0; i < 3; ++i)
+      sig_vals[2 + i] = (int64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[7], 1 + i));
+    if (PyErr_Occurred()) return NULL;
+    if (!sig_fn) {
+      PyErr_SetString(PyExc_ValueError, "the signal's function is null");
+      return NULL;
+    }
   }
   if (!cu_launch) {
     PyErr_SetString(PyExc_RuntimeError, "post before bind()");
@@ -455,6 +478,10 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     vals[i] = PyBool_Check(v) ? (v == Py_True) : (int64_t)PyLong_AsLongLong(v);
     if (PyErr_Occurred()) return NULL;
   }
+  if (sig_fn && (status < 0 || !vals[status])) {
+    PyErr_SetString(PyExc_ValueError, "a signal needs the post's status word");
+    return NULL;
+  }
   if (write_ids(args[1], table + at, n, "source") < 0 ||
       write_ids(args[2], table + at + n, n, "destination") < 0)
     return NULL;  // (the table's ids only: written again by the next post)
@@ -511,6 +538,13 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   }
   if (!step && (rc = cu_launch(fn, grid, 1, 1, threads, 1, 1, 0, stream, params, NULL)))
     step = "cuLaunchKernel";
+  if (!step && sig_fn) {  // (a status word is what tells the signal the copy refused nothing)
+    sig_vals[0] = vals[status];
+    sig_vals[1] = vals[seq_at];
+    for (int i = 0; i < 5; ++i) sig_params[i] = &sig_vals[i];
+    if ((rc = cu_launch(sig_fn, 1, 1, 1, 1, 1, 1, 0, stream, sig_params, NULL)))
+      step = "signalling the landing (cuLaunchKernel(kv_signal)), after the launch";
+  }
   if (!step && status >= 0 && vals[status] &&
       (rc = cu_write(stream, (uint64_t)vals[status] + 8 * END_WORD, (uint32_t)vals[seq_at], 0)))
     step = "marking the end (cuStreamWriteValue32), after the launch";

@@ -211,12 +211,14 @@ class _Lane:
     A post after the peer connected anew rebinds its mappings; one after it disconnected
     fails like any post to an unknown peer.
 
-    ``post(local_ids, remote_ids, generation=0, sample=False) -> int | None``: post blocks
-    ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64 (an id out of
-    range is refused on the device: the handle polls FAILED naming it): a handle (the
-    transport's contract: never raises, FAILED says why), or None where this lane cannot
-    take the request (too many blocks for a launch's table; a digest lane without the hold's
-    ``generation``): post it the general way. ``sample`` (a digest lane): its kernel checks
+    ``post(local_ids, remote_ids, generation=0, sample=False, signal=None) -> int | None``:
+    post blocks ``remote_ids`` -> ``local_ids`` (READ; WRITE the other way), both int64 (an
+    id out of range is refused on the device: the handle polls FAILED naming it): a handle
+    (the transport's contract: never raises, FAILED says why), or None where this lane
+    cannot take the request (too many blocks for a launch's table; a digest lane without the
+    hold's ``generation``; a landing ``signal`` whose board cannot be mapped here): post it
+    the general way. ``signal``: a push's landing flag, moved after the copy (as
+    :meth:`CudaIpcTransport.post` takes it). ``sample`` (a digest lane): its kernel checks
     the blocks ``sample`` picks, as the producer picked them (kvlink.integrity.checked, by
     the generation), else every block. Where :attr:`takes_lists`, the ids may also be lists
     of ints, converted by the launch itself; ids it cannot take then raise TypeError,
@@ -702,8 +704,11 @@ class CudaIpcTransport(Transport):
 
     def _post_lane(self, lane: _Lane, local_ids: npt.NDArray[np.int64],
                    remote_ids: npt.NDArray[np.int64], generation: int = 0,
-                   sample: bool = False) -> int | None:
+                   sample: bool = False, signal: Signal | None = None) -> int | None:
         """``_Lane.post``: one post through ``lane`` (None: it cannot take this one).
+        ``signal`` (a push's WRITE into a landing board, kvlink.landing): the flag moved after
+        the copy, in stream order; None where the board cannot be mapped here (post it the
+        general way, which ends that push by its note).
 
         The common case — the peer as the lane bound it, our device current — takes a path
         of its own, the launch first and the bookkeeping after: a READ's host time before its
@@ -713,6 +718,9 @@ class CudaIpcTransport(Transport):
         moves, n = lane.moves, len(local_ids)
         if ((n not in moves.launches and not moves.fits(n))
                 or (moves.digest is not None and not generation)):
+            return None
+        sig = None if signal is None else self._device_signal(signal)
+        if signal is not None and sig is None:
             return None
         src, dst = (remote_ids, local_ids) if lane.op is Op.READ else (local_ids, remote_ids)
         copier, nbytes = self._copier, n * moves.segments * moves.unit
@@ -729,7 +737,7 @@ class CudaIpcTransport(Transport):
             if common:
                 assert target is not None and copier is not None
                 pending = copier.copy_lane(moves, src, dst, self._stream, after, generation,
-                                           sample)  # (its launch's errors make it fail)
+                                           sample, sig)  # (its launch's errors make it fail)
                 handle = next(self._handles)
                 ids = (None if pending.ids is None else _launched_ids(pending.ids, n, lane.op))
                 closable = self._keep_locked(handle, _Xfer(
@@ -745,7 +753,8 @@ class CudaIpcTransport(Transport):
                 lane.target = target
                 ours, theirs = self._local_map, target.map
                 moves.rebind((theirs, ours) if lane.op is Op.READ else (ours, theirs))
-            return copier.copy_lane(moves, src, dst, self._stream, after, generation, sample)
+            return copier.copy_lane(moves, src, dst, self._stream, after, generation, sample,
+                                    sig)
 
         return self._post(lane.peer, copy, None, None,
                           functools.partial(lane.runs, *_explained_ids(local_ids, remote_ids)),

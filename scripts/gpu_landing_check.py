@@ -13,7 +13,11 @@ the device (``cuMemHostRegister``), then through ``BatchCopier.copy`` / ``copy_r
 2. the flag's latency: host time from the post to the flag seen (spinning), for a 4 MiB copy,
    against the same copy's completion event seen by ``query()`` in the same loop;
 3. a copy that refuses an extent (outside the destination map): failed, flag unchanged;
-4. a signal whose ``expect`` is not the flag (a range before it never landed): unchanged.
+4. a signal whose ``expect`` is not the flag (a range before it never landed): unchanged;
+5. through a lane (``copy_lane``, the C launcher where it builds: how a whole push posts
+   since 2026-12-06): the flag moved, and already moved when the copy is seen done (the
+   signal comes before the end mark), the bytes there; a lane post the device refuses (a
+   block id past the destination's count): failed, flag unchanged.
 Writes gpu_landing_check.json; exit 1 on any failure.
 """
 
@@ -142,12 +146,41 @@ def main() -> None:
     p = copier.copy(s4, smap, d4, dmap, stream, None, sig(last + 5, last + 6))
     p.wait()
     out["out_of_chain_left_flag"] = _flag(board, slot) == before
+
+    # 5. a lane's post with its signal (a whole push's WRITE), then one the device refuses
+    unit = 64 << 10
+    blocks = n // unit
+    lane = copier.lane(np.array([src.data_ptr()], dtype=np.uint64),
+                       np.array([dst.data_ptr()], dtype=np.uint64), unit, (blocks, blocks),
+                       smap, dmap)
+    assert lane is not None, "no lane here"
+    dst.zero_()
+    ids = np.random.default_rng(5).permutation(blocks)[:64].astype(np.int64)
+    torch.cuda.synchronize()
+    p = copier.copy_lane(lane, ids, ids, stream, None, signal=sig(last, last + 1))
+    while not p.done():
+        pass
+    out["lane_flag_moved_when_done"] = _flag(board, slot) == landing.value(tag, last + 1)
+    p.wait()
+    out["lane_copy_ok"] = not p.failed()
+    want = src.view(blocks, unit)[torch.as_tensor(ids, device=dev)]
+    out["lane_bytes_there"] = bool(torch.equal(dst.view(blocks, unit)[
+        torch.as_tensor(ids, device=dev)], want))
+    out["lane_through_c_launcher"] = bool(copier.takes_lists)
+    far = ids.copy()
+    far[3] = blocks + 7  # past the destination's count: refused on the device
+    p = copier.copy_lane(lane, ids, far, stream, None, signal=sig(last + 1, last + 2))
+    p.wait()
+    out["lane_refused_failed"] = p.failed()
+    out["lane_refused_left_flag"] = _flag(board, slot) == landing.value(tag, last + 1)
     torch.cuda.synchronize()
     ipc.host_unregister(view.base)
     view.close()
     board.close()
     checks = ("flag_unmoved_while_caller_stream_busy", "bytes_there_when_flag_seen", "copy_ok",
-              "refused_copy_failed", "refused_copy_left_flag", "out_of_chain_left_flag")
+              "refused_copy_failed", "refused_copy_left_flag", "out_of_chain_left_flag",
+              "lane_flag_moved_when_done", "lane_copy_ok", "lane_bytes_there",
+              "lane_refused_failed", "lane_refused_left_flag")
     out["passed"] = all(bool(out[k]) for k in checks)
     for k, v in out.items():
         print(f"{k}: {v}")

@@ -7,6 +7,7 @@ scripts/gpu_cuda_ipc_check.py, run through the device tool.
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any
 
 import numpy as np
@@ -273,6 +274,7 @@ class _FakeCopy:
         self.error = ""
         self.refused = False
         self.ids = None  # (a lane's launch through the C launcher: the ids it took)
+        self.signal: Any = None  # (a lane's push: the landing flag it moves, as the device sees it)
 
     def done(self) -> bool:
         return self.event.done
@@ -888,8 +890,9 @@ class _FakeLaneCopier(_FakeCopier):
         return _FakeLane(src, dst, unit, (smap, dmap), digest)
 
     def copy_lane(self, lane: _FakeLane, src: Any, dst: Any, stream: object, after: object,
-                  generation: int = 0, sample: bool = False) -> _FakeCopy:
+                  generation: int = 0, sample: bool = False, signal: Any = None) -> _FakeCopy:
         c = _FakeCopy((lane, src, dst, stream, generation, sample), after)
+        c.signal = signal
         c.ids = np.concatenate([src, dst]).astype(np.int64)  # what the launch took
         self.copies.append(c)
         return c
@@ -983,6 +986,39 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     # an injected fault: CUDA refuses to map the board (the transport then says 0)
     monkeypatch.setattr(t, "_host_map", lambda region, ro, why: 0)
     assert t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests) is None
+
+
+def test_a_push_through_a_lane_moves_its_landing_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push's WRITE into a landing board takes the peer's WRITE lane with its signal: the
+    copier gets the ids (ours to theirs) and the flag as the device sees it (the board mapped
+    once); a board CUDA cannot map leaves the post to the general path (None), which ends the
+    push by its note. Until this stop a push never took a lane (bench/results/gpu_push_lane/)."""
+    from kvlink.landing import Signal
+    from kvlink.transport import XferStatus
+
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    mapped: list[tuple[int, int]] = []
+    # a stand-in for CUDA's host registration (no GPU here), as in the digest lane's test
+    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: mapped.append(region) or 0xB0A0)
+    t.connect("d", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    lane = t.lane(Op.WRITE, "d", local_base, remote_base, 4096, (64, 64))
+    lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
+    board = (0x7000_0000, 1 << 20)
+    view = types.SimpleNamespace(base=board[0], nbytes=board[1])  # (a landing board's mapping)
+    h = lane.post(lids, rids, signal=Signal(view, 0x48, 11, 99))  # type: ignore[arg-type]
+    c = t._copier.copies[-1]
+    assert c.args[1] is lids and c.args[2] is rids  # a WRITE: ours to theirs
+    assert c.signal == (0xB0A0 + 0x48, 11, 99) and mapped == [board]
+    c.event.done = True
+    assert t.poll(h).status is XferStatus.DONE
+    # an injected fault: CUDA refuses to map the board (the transport then says 0)
+    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: 0)
+    n = len(t._copier.copies)
+    assert lane.post(lids, rids, signal=Signal(view, 0x48, 11, 99)) is None  # type: ignore[arg-type]
+    assert len(t._copier.copies) == n  # nothing posted: the general path takes it
 
 
 class _MarkingCopier(_FakeLaneCopier):

@@ -122,6 +122,36 @@ def test_a_post_writes_the_ids_and_slots_then_launches_and_marks_its_end(
     assert drv.calls[1] == ("write", 0x51, at + 8 * END_WORD, 17)  # on the copy's stream
 
 
+def test_a_push_post_signals_its_landing_after_the_copy_and_before_its_end(
+        launcher: Any) -> None:
+    """A push into a landing board through a lane (kvlink.landing): kv_signal is launched
+    right after the copy, with the post's status word and sequence number (it moves the flag
+    only where the copy refused nothing) and the flag, and before the end mark — a poll that
+    sees the copy done may hand the status word back, so the signal must have read it by
+    then. Until this stop a push never took a lane: it was planned and posted the general
+    way, 0.6-0.8 ms of the prefill's host per push() on one H100 (bench/results/gpu_push_lane/)."""
+    table, slots, drv = _setup(launcher)
+    words = (ctypes.c_int64 * 8)()
+    at = ctypes.addressof(words)
+    one = np.array([3], dtype=np.int64)
+    form = _form(table, slots, 0xABC, 1, _PLAIN_SLOTS, status=1)
+    flag, expect, value = 0xF1A6, (5 << 40) | 7, (5 << 40) | 80
+    launcher.post(form, one, one, 0x51, None, 0xE1, (1, at, 17, 4), (0x516, flag, expect, value))
+    assert [c[0] for c in drv.calls] == ["launch", "launch", "write"]
+    assert drv.calls[0][1] == 0xF00  # the copy first
+    _, fn, grid, threads, stream, params, _, _ = drv.calls[1]
+    assert (fn, grid, threads, stream) == (0x516, 1, 1, 0x51)
+    args = (ctypes.c_void_p * 5).from_address(params)
+    got = [ctypes.c_uint64.from_address(args[i]).value for i in range(5)]
+    assert got == [at, 17, flag, expect, value]
+    assert drv.calls[2] == ("write", 0x51, at + 8 * END_WORD, 17)
+    drv.calls.clear()  # without a status word there is nothing to tell the signal: refused
+    with pytest.raises(ValueError, match="status word"):
+        launcher.post(_form(table, slots, 0xABC, 1, _PLAIN_SLOTS), one, one, 0x51, None, 0xE1,
+                      (1, 0, 17, 4), (0x516, flag, expect, value))
+    assert drv.calls == []  # before any driver call
+
+
 def test_a_digest_post_writes_the_check_and_sample_and_keeps_the_generation(
         launcher: Any) -> None:
     """The hold's generation is the launcher's (the board's slot, sample's pick), not an

@@ -721,7 +721,8 @@ class BatchCopier:
 
     def copy_lane(self, lane: Lane, src_ids: npt.NDArray[np.int64],
                   dst_ids: npt.NDArray[np.int64], stream: Any, after: int | None,
-                  generation: int = 0, sample: bool = False) -> Pending:
+                  generation: int = 0, sample: bool = False,
+                  signal: tuple[int, int, int] | None = None) -> Pending:
         """:meth:`copy_runs` (or, on a digest lane, :meth:`copy_digest`) of one run per block
         pair through ``lane`` (``lane.fits(len(src_ids))``; the device refuses an id out of
         range, like an extent outside the regions): the same kernels, status and completion,
@@ -731,7 +732,8 @@ class BatchCopier:
         done; ``sample``: it checks the blocks ``sample`` picks (kvlink.integrity.checked, by
         the generation), else every block. With the C launcher (``takes_lists``) the ids may
         also be lists of ints; ids it does not take raise TypeError, ValueError or
-        OverflowError, and nothing was enqueued."""
+        OverflowError, and nothing was enqueued. ``signal`` as :meth:`copy` takes it (a push
+        into a landing board), after the copy and before its end mark."""
         with self._lock:
             buf: _Pinned | None = None
             start = 0  # a timed copy's start event (see device_times)
@@ -749,6 +751,8 @@ class BatchCopier:
                     buf.status.value = buf.end.value = 0
                     self._after(raw, after)
                     lane.launch(src_ids, dst_ids, buf.ptr, seq, raw, check)
+                    if signal is not None:  # (before the end mark: see _enqueue)
+                        self._cuda.signal(buf.ptr, seq, *signal, raw)  # type: ignore[union-attr]
                     rc = self._events.mark_end(raw, buf.ptr + 8 * END_WORD, seq)
                     if rc:
                         raise RuntimeError(f"marking the end (cuStreamWriteValue32), after the "
@@ -765,7 +769,9 @@ class BatchCopier:
                         start = self._events.record_timed(raw)
                     try:
                         lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
-                                  self._order_event, check)
+                                  self._order_event, check,
+                                  None if signal is None else (
+                                      self._cuda.signal_fn(), *signal))  # type: ignore[union-attr]
                     except (TypeError, ValueError, OverflowError):  # ids it does not take:
                         self._pinned[buf.size].append(buf)  # nothing made
                         if start:  # (an event recorded again replaces its last record)

@@ -253,7 +253,8 @@ class Lane:
     def post(self, launcher: Any, src_ids: npt.NDArray[np.int64],
              dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
              after: int | None, order: int,
-             check: tuple[int, int, bool] | None = None) -> None:
+             check: tuple[int, int, bool] | None = None,
+             signal: tuple[int, int, int, int] | None = None) -> None:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
         has work pending) and has the stream mark the post's end after the kernel (``seq``
@@ -263,12 +264,15 @@ class Lane:
         the board (:func:`board_slot`). The ids may be lists of ints too (the launcher
         converts them); others raise TypeError, ValueError or OverflowError before any driver
         call. Raises RuntimeError naming the driver step that refused (before the launch:
-        nothing of this copy was enqueued; "marking the end" comes after it)."""
+        nothing of this copy was enqueued; "marking the end" and "signalling" come after it).
+        ``signal`` (a push into a landing board): (kv_signal, the flag's device address, the
+        value it must show, the value it takes), launched after the copy, before its end
+        mark (kvlink.landing: the flag follows every byte)."""
         n = len(src_ids)
         form, g = self._forms.get(n) or self._form(n)
         launcher.post(form, src_ids, dst_ids, stream, after, order,
                       (n, status, seq, g) if check is None else  # (_values, without its frame)
-                      (n, status, seq, check[0], check[1], check[2]))
+                      (n, status, seq, check[0], check[1], check[2]), signal)
 
     def posted(self, n: int) -> npt.NDArray[np.int64]:
         """The ids the last post of ``n`` blocks launched with (source ids, then destination

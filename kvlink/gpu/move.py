@@ -771,6 +771,14 @@ class CudaMove:
         if rc:
             raise RuntimeError(f"cuLaunchKernel(kv_move_digest) failed with CUDA error {rc}")
 
+    def signal_fn(self) -> int:
+        """kv_signal's CUfunction (compiled at first use), for the C launcher to launch after
+        a lane's copy (kvlink.gpu.lane.Lane.post)."""
+        if self._signal_fn is None:
+            self._signal_fn = _compile(self.device, SMALL_SHAPE, "kv_signal").func
+        fn = self._signal_fn
+        return int(getattr(fn, "value", fn) or 0)
+
     def signal(self, status: int, seq: int, flag: int, expect: int, value: int,
                stream: int) -> None:
         """kv_signal after the work on ``stream`` so far (see the kernel)."""

@@ -213,14 +213,18 @@ class _Parts(_Holds):
     def _post_lane(self, req: _Request, part: _Part, go: _Go, transport: Transport,
                    t0: float) -> bool:
         """Post through the peer's lane where the transport has one for this request (whole
-        blocks, no landing signal, no note on the WRITE, no ticket to check, integrity digested
-        by its kernel or off): what does not change between this pair's requests was worked
-        out at its first (:class:`_PeerLane`), so this post hands over both id arrays (the
-        remote ids' range checked on the device). False: post it the general way (nothing
-        was posted)."""
-        if (req.layers is not None or req.landing is not None
-                or transport.capabilities.enforces_grants
+        blocks, no note on the WRITE, no ticket to check, integrity digested by its kernel or
+        off; a push into a landing board with its signal): what does not change between this
+        pair's requests was worked out at its first (:class:`_PeerLane`), so this post hands
+        over both id arrays (the remote ids' range checked on the device). A whole push took
+        the general way, planned and posted per request, until 2026-12-06: 0.6-0.8 ms of the
+        prefill's host per push() on one H100, where a READ's lane post is tens of us
+        (bench/results/gpu_push_lane/). False: post it the general way (nothing was posted)."""
+        if (req.layers is not None or transport.capabilities.enforces_grants
                 or (req.op is Op.WRITE and self._notes_natively(req))):
+            return False
+        signal = None if req.landing is None else self._signal(req, transport)
+        if req.landing is not None and signal is None:  # (the general path ends it by note)
             return False
         digests = self.integrity.on  # a lane digests or not (a level may change at run time)
         key = (id(go.peer), part.read, req.op, digests)
@@ -238,9 +242,11 @@ class _Parts(_Holds):
                 return False
             generation = go.generation
         part.t_post = time.perf_counter()
-        handle = lane.lane.post(req.local_ids, rids, generation, self.integrity.sampling)
+        handle = (lane.lane.post(req.local_ids, rids, generation, self.integrity.sampling)
+                  if signal is None else lane.lane.post(req.local_ids, rids, signal=signal))
         if handle is None:
             return False
+        req.signalled = signal is not None
         req.phases.plan += part.t_post - t0
         part.handle = handle
         part.fusing = digests
