@@ -12,9 +12,11 @@ the same splitmix64 finaliser as the host's. Compiled by NVRTC through torch at 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Literal
 
 import numpy as np
@@ -216,7 +218,13 @@ class Table:
                             "compared on the host", type(exc).__name__, exc)
                 self._checker = False
                 return None
-        return self._checker.run(ids, h0, expect, plane_major)
+        try:
+            return self._checker.run(ids, h0, expect, plane_major)
+        except RuntimeError as exc:  # a driver step refused, or no answer: the host compares
+            log.warning("integrity check kernel failed (%s); digests are compared on the "
+                        "host from now on", exc)
+            self._checker = False
+            return None
 
     def digest(self, ids: Any, h0: int, h1: int, planes: tuple[int, int] | None = None,
                plane_major: bool = False) -> Any | None:
@@ -285,7 +293,10 @@ class _Check:
         self._dev = torch.tensor([-1, 0], dtype=torch.int64, device=table.device)
         torch.cuda.synchronize(table.device)
         self._seq = 0
-        self._mapped: dict[str, tuple[object, int]] = {}  # name -> (mapping, its address)
+        self._mapped: dict[str, tuple[Any, int]] = {}  # name -> (mapping, its address)
+        # page-locked until this check goes (its table with its planes: a worker's): a mapping
+        # freed while registered would leave host_register a stale entry at its address
+        weakref.finalize(self, _let_go, ipc, self._mapped)
         self._answer, at = self._page_locked("answer", 16)  # (first differing item, seq)
         self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
                                                        int(self._dev.data_ptr()), at)
@@ -353,6 +364,15 @@ class _Check:
                 break
         got = int(answer[0])
         return -1 if got == NO_MISMATCH else got
+
+
+def _let_go(ipc: Any, mapped: dict[str, tuple[Any, int]]) -> None:
+    """A check's page-locked mappings unregistered (its finalizer), before they are unmapped:
+    they go with the last of their arrays."""
+    for _, addr in mapped.values():
+        with contextlib.suppress(Exception):  # (a context gone at exit: nothing to release)
+            ipc.host_unregister(addr)
+    mapped.clear()
 
 
 #: cuLaunchKernel's answer where the calling thread's current context is none or another
