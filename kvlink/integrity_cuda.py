@@ -13,7 +13,6 @@ the same splitmix64 finaliser as the host's. Compiled by NVRTC through torch at 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import threading
 import time
@@ -83,15 +82,18 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
 // first item that differs, in block-major order, is min-reduced in dev[0]; the grid's last
 // block to finish (dev[1] counts them) hands it to the host (host[0], then the launch's
 // ``seq`` in host[1], each behind a system fence: page-locked host memory the host polls) and
-// leaves both device words as the next launch needs them (all ones, 0). No block returns
-// early: the grid is the items.
-__device__ __forceinline__ void kv_check_item(const i64* table, const i64* ids,
-                                              const u64* expect, u64* dev, volatile u64* host,
-                                              u64 seq, i64 nb, i64 np, i64 nh, i64 h0,
-                                              i64 tokens, i64 words, i64 plane_major) {
+// leaves both device words as the next launch needs them (all ones, 0). So a check is two
+// driver calls, the ids' and rows' upload and the launch, where it was seven (a memset, two
+// uploads, the launch, a download, a synchronize, the context's query): each took 25-110 us
+// on the poll that ends a push (bench/results/gpu_check_one_launch/). No block returns early:
+// the grid is the items.
+extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
+                                           u64* dev, volatile u64* host, u64 seq, i64 nb,
+                                           i64 np, i64 nh, i64 h0, i64 tokens, i64 words,
+                                           i64 plane_major) {
   const kv_at at = kv_item(blockIdx.x, np, nh);
   __shared__ u64 part[128];
-  u64 want = 0;  // (loaded before the digest: its latency overlaps it)
+  u64 want = 0;  // (loaded first: its round trip to host memory overlaps the digest)
   if (threadIdx.x == 0) want = expect[plane_major ? (at.p * nb + at.b) * nh + at.h : blockIdx.x];
   const u64 d = kv_digest_of(table, ids, at.b, at.p, h0 + at.h, tokens, words, part);
   if (threadIdx.x == 0) {
@@ -106,35 +108,9 @@ __device__ __forceinline__ void kv_check_item(const i64* table, const i64* ids,
     }
   }
 }
-
-// The ids and rows uploaded before the launch (device memory): a check of any size.
-extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
-                                           u64* dev, volatile u64* host, u64 seq, i64 nb,
-                                           i64 np, i64 nh, i64 h0, i64 tokens, i64 words,
-                                           i64 plane_major) {
-  kv_check_item(table, ids, expect, dev, host, seq, nb, np, nh, h0, tokens, words,
-                plane_major);
-}
-
-// The ids, then the rows, passed with the launch itself (KV_CHECK_WORDS words, read in place
-// from its parameter space): a check that fits is one driver call.
-struct kv_check_words { i64 w[KV_CHECK_WORDS]; };
-extern "C" __global__ void kv_digest_check_by_value(const __grid_constant__ kv_check_words a,
-                                                    const i64* table, u64* dev,
-                                                    volatile u64* host, u64 seq, i64 nb,
-                                                    i64 np, i64 nh, i64 h0, i64 tokens,
-                                                    i64 words, i64 plane_major) {
-  kv_check_item(table, a.w, (const u64*)(a.w + nb), dev, host, seq, nb, np, nh, h0, tokens,
-                words, plane_major);
-}
 """
 
 THREADS = 128
-#: words (int64) a check passes with its launch (``kv_digest_check_by_value``: its ids, then
-#: the producer's rows): the 70B TP8-rank request's `sample` check (~5 blocks x 160 rows) fits;
-#: a larger one is uploaded first (``kv_digest_check``). 16 KiB of parameters: within the
-#: driver's 32,764 bytes (CUDA 12.1+, Volta and later), as kvlink.gpu.move's tables
-CHECK_WORDS = 2048
 _kernels: dict[tuple[int, str], Any] = {}
 _failed: set[tuple[int, str]] = set()
 _lock = threading.Lock()
@@ -153,8 +129,7 @@ def load(device: Any, name: str = "kv_digest") -> Any | None:
             return None
         try:
             with torch.cuda.device(device):
-                fn = torch.cuda._compile_kernel(
-                    f"#define KV_CHECK_WORDS {CHECK_WORDS}\n" + SOURCE, name)
+                fn = torch.cuda._compile_kernel(SOURCE, name)
         except Exception as exc:  # no NVRTC, an old torch
             _failed.add(key)
             log.warning("integrity digest kernel %s unavailable (%s: %s); using torch ops",
@@ -284,16 +259,15 @@ class Table:
 
 
 class _Check:
-    """:meth:`Table.check`'s launch, through the driver on a stream of its own, the kernel's
-    answer handed to host memory that this polls: one driver call where the ids and the
-    producer's rows fit the launch's parameters (``kv_digest_check_by_value``,
-    :data:`CHECK_WORDS`: a `sample` check), else two — their upload in one copy from
-    page-locked memory, and ``kv_digest_check``. (Before: seven — a memset, two uploads, the
-    launch, a download, a synchronize, the context's query —, each 25-110 us on the poll that
-    ends a push on one H100 host, bench/results/gpu_check_one_launch/; through torch before
-    that, 2-3x more again, gpu_integrity_board_717bfb4/.) The rows are not read in place from
-    host memory: a `full` check's 40,960 small reads over PCIe took 490 us against 198
-    uploaded. A decode pays it on the poll that ends a push."""
+    """:meth:`Table.check`'s launch: ``kv_digest_check`` with every argument by value, through
+    the driver on a stream of its own, the ids and the producer's rows uploaded in one copy
+    from page-locked memory, the kernel's answer handed to host memory that this polls: two
+    driver calls a check. (Before: seven — a memset, two uploads, the launch, a download, a
+    synchronize, the context's query —, each 25-110 us on the poll that ends a push on one
+    H100 host, bench/results/gpu_check_one_launch/; through torch before that, 2-3x more
+    again, gpu_integrity_board_717bfb4/.) The rows are not read in place from host memory:
+    a `full` check's 40,960 small reads over PCIe took 490 us against 198 uploaded.
+    A decode pays it on the poll that ends a push."""
 
     ARGS = 13  # table, ids, expect, dev, host, seq, blocks, planes, heads, h0, tokens, words,
     # plane-major
@@ -311,14 +285,6 @@ class _Check:
         if fn is None:
             raise RuntimeError("kv_digest_check did not compile")
         self._fn, self._drv, self._table, self._ipc = fn.func, ipc.driver(), table, ipc
-        # a check that fits passes its ids and rows with the launch (one call); None: every
-        # check uploads them first (a driver or NVRTC without large kernel parameters)
-        small = load(table.device, "kv_digest_check_by_value")
-        self._small_fn = None if small is None else small.func
-        self._words = (ctypes.c_longlong * CHECK_WORDS)()
-        self._small: npt.NDArray[np.int64] = np.frombuffer(memoryview(self._words).cast("B"),
-                                                           dtype=np.int64)
-        self._svals, self._sptrs = arg_block(self.ARGS - 1, ctypes.addressof(self._words))
         self._device = int(table.device.index or 0)
         self._stream = torch.cuda.Stream(table.device)  # type: ignore[no-untyped-call]
         self._raw_stream = self._stream.cuda_stream
@@ -334,8 +300,6 @@ class _Check:
         self._answer, at = self._page_locked("answer", 16)  # (first differing item, seq)
         self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
                                                        int(self._dev.data_ptr()), at)
-        # (by value: the words, then table, dev, host, seq, blocks, ..., plane-major)
-        self._svals[0], self._svals[1], self._svals[2] = self._vals[0], self._vals[3], at
         self._stage: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
         self._on_device: Any = None
         self._grow(4096)
@@ -371,34 +335,18 @@ class _Check:
         nb = int(ids.shape[0])
         heads = int(expect.shape[2])
         n = nb * t.planes * heads
-        self._seq += 1
-        seq, s = self._seq, self._raw_stream
-        if self._small_fn is not None and nb + n <= CHECK_WORDS:  # with the launch: one call
-            words = self._small
-            words[:nb] = ids
-            words[nb:nb + n].view(np.uint64).reshape(expect.shape)[...] = expect
-            v = self._svals
-            v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10] = (
-                seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8, int(plane_major))
-            rc = drv.cuLaunchKernel(self._small_fn, n, 1, 1, THREADS, 1, 1, 0, s, self._sptrs,
-                                    None)
-            if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so
-                self._ipc.ensure_context(self._device)
-                rc = drv.cuLaunchKernel(self._small_fn, n, 1, 1, THREADS, 1, 1, 0, s,
-                                        self._sptrs, None)
-            drv.check(rc, "cuLaunchKernel(kv_digest_check_by_value)")
-            return self._answered(seq)
         if nb + n > self._stage.shape[0]:
             self._grow(max(nb + n, 2 * self._stage.shape[0]))
         stage = self._stage
         stage[:nb] = ids
         stage[nb:nb + n].reshape(expect.shape)[...] = expect  # (one copy, in order)
-        dev = int(self._on_device.data_ptr())
+        self._seq += 1
+        seq, dev = self._seq, int(self._on_device.data_ptr())
         v = self._vals
         v[1], v[2], v[5], v[6], v[7], v[8], v[9], v[10], v[11], v[12] = (
             dev, dev + 8 * nb, seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8,
             int(plane_major))
-        up = 8 * (nb + n)
+        s, up = self._raw_stream, 8 * (nb + n)
         rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
         if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so, again
             self._ipc.ensure_context(self._device)
@@ -406,13 +354,7 @@ class _Check:
         drv.check(rc, "cuMemcpyHtoDAsync")
         drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs, None),
                   "cuLaunchKernel(kv_digest_check)")
-        return self._answered(seq)
-
-    def _answered(self, seq: int) -> int:
-        """The launch ``seq``'s answer, polled in host memory (the driver waits past
-        :attr:`SPIN_S`)."""
-        answer, drv = self._answer, self._drv
-        s = self._raw_stream
+        answer = self._answer
         give_up = time.perf_counter() + self.SPIN_S
         while answer[1] != seq:
             if time.perf_counter() > give_up:  # a long check: the driver waits (no GIL)
