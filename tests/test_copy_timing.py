@@ -83,7 +83,7 @@ class _Lane:
         self.refuse_next = False
 
     def post(self, launcher: _Launcher, src: Any, dst: Any, status: int, seq: int,
-             stream: int, after: Any, order: int, check: Any) -> None:
+             stream: int, after: Any, order: int, check: Any, signal: Any = None) -> None:
         if self.refuse_next:
             self.refuse_next = False
             raise TypeError("ids it does not take")
