@@ -946,6 +946,22 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     assert len(t._copier.copies) == n
 
 
+def _mapping_transport(monkeypatch: pytest.MonkeyPatch, peer: str, device_address: int
+                       ) -> tuple[Any, list[tuple[int, int]], tuple[Any, Any]]:
+    """A transport with the lane copier, connected to ``peer``, whose host mappings (a hold
+    board, a landing board) are recorded and given ``device_address``: a stand-in for CUDA's
+    host registration (no GPU here), not a fault — the fake copier never dereferences it.
+    Returns it, the regions it mapped, and two segments' (local, remote) bases."""
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    mapped: list[tuple[int, int]] = []
+    monkeypatch.setattr(t, "_host_map",
+                        lambda region, ro, why: mapped.append(region) or device_address)
+    t.connect(peer, _desc(4242, b"a" * 64))
+    return t, mapped, (np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64),
+                       np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64))
+
+
 def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A READ lane with integrity on (kvlink.transport.LaneDigests): the producer's hold board
@@ -958,15 +974,7 @@ def test_a_digest_lane_binds_the_board_once_and_posts_only_the_generation(
     from kvlink.holdboard import LAYOUT
     from kvlink.transport import LaneDigests, XferStatus
 
-    t = _fake_transport(monkeypatch)
-    t._copier = _FakeLaneCopier()
-    mapped: list[tuple[int, int]] = []
-    # a stand-in for CUDA's host registration (no GPU here), not a fault: it records what
-    # the transport maps and hands back a device address the fake copier never dereferences
-    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: mapped.append(region) or 0xB0A4D)
-    t.connect("p", _desc(4242, b"a" * 64))
-    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
-    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    t, mapped, (local_base, remote_base) = _mapping_transport(monkeypatch, "p", 0xB0A4D)
     digests = LaneDigests(4096, 0x6E0, 0x3E1, 2, 1, (0x7000_0000, 1 << 20), LAYOUT)
     lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64), digests)
     assert lane is not None and mapped == [(0x7000_0000, 1 << 20)]
@@ -996,14 +1004,7 @@ def test_a_push_through_a_lane_moves_its_landing_flag(monkeypatch: pytest.Monkey
     from kvlink.landing import Signal
     from kvlink.transport import XferStatus
 
-    t = _fake_transport(monkeypatch)
-    t._copier = _FakeLaneCopier()
-    mapped: list[tuple[int, int]] = []
-    # a stand-in for CUDA's host registration (no GPU here), as in the digest lane's test
-    monkeypatch.setattr(t, "_host_map", lambda region, ro, why: mapped.append(region) or 0xB0A0)
-    t.connect("d", _desc(4242, b"a" * 64))
-    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
-    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    t, mapped, (local_base, remote_base) = _mapping_transport(monkeypatch, "d", 0xB0A0)
     lane = t.lane(Op.WRITE, "d", local_base, remote_base, 4096, (64, 64))
     lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
     board = (0x7000_0000, 1 << 20)
