@@ -213,12 +213,12 @@ class _Parts(_Holds):
     def _post_lane(self, req: _Request, part: _Part, go: _Go, transport: Transport,
                    t0: float) -> bool:
         """Post through the peer's lane where the transport has one for this request (whole
-        blocks, no note on the WRITE, no ticket to check, integrity digested by its kernel or
-        off; a push into a landing board with its signal): what does not change between this
-        pair's requests was worked out at its first (:class:`_PeerLane`), so this post hands
-        over both id arrays (the remote ids' range checked on the device). A whole push took
-        the general way, planned and posted per request, until 2026-12-06: 0.6-0.8 ms of the
-        prefill's host per push() on one H100, where a READ's lane post is tens of us
+        blocks, no note on the WRITE, no ticket to check; a READ with integrity on digested by
+        its kernel; a push into a landing board with its signal): what does not change between
+        this pair's requests was worked out at its first (:class:`_PeerLane`), so this post
+        hands over both id arrays (the remote ids' range checked on the device). A whole push
+        took the general way, planned and posted per request, until 2026-12-06: 0.6-0.8 ms of
+        the prefill's host per push() on one H100, where a READ's lane post is tens of us
         (bench/results/gpu_push_lane/). False: post it the general way (nothing was posted)."""
         if (req.layers is not None or transport.capabilities.enforces_grants
                 or (req.op is Op.WRITE and self._notes_natively(req))):
@@ -226,7 +226,10 @@ class _Parts(_Holds):
         signal = None if req.landing is None else self._signal(req, transport)
         if req.landing is not None and signal is None:  # (the general path ends it by note)
             return False
-        digests = self.integrity.on  # a lane digests or not (a level may change at run time)
+        # a READ's lane digests what it lands or not (a level may change at run time); a
+        # WRITE's never does: a push's digests are taken before its WRITE, on the caller's
+        # stream, for its landing area or its note (kvlink.worker.prefill_push)
+        digests = self.integrity.on and req.op is Op.READ
         key = (id(go.peer), part.read, req.op, digests)
         lane = self._lanes.get(key)
         if lane is None or lane.peer is not go.peer:
