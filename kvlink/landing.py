@@ -51,6 +51,8 @@ import numpy as np
 
 from kvlink import holdboard, shmfile
 from kvlink.arena import PageArena
+from kvlink.errors import KVLinkError
+from kvlink.gpu import ipc
 from kvlink.holdboard import Offer
 
 log = logging.getLogger("kvlink.landing")
@@ -382,9 +384,6 @@ class LandingView:
         stream on the host — a layer-wise prefill's forward loop with it. False where it
         cannot be (its pushes end by note)."""
         if self._pinned is None:
-            from kvlink.errors import KVLinkError
-            from kvlink.gpu import ipc
-
             try:
                 self._pinned = ipc.host_register(self.base, self.nbytes)
             except KVLinkError as exc:
