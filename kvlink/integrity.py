@@ -291,7 +291,7 @@ def _numpy_plane(pages: npt.NDArray[np.uint8], ids: npt.NDArray[np.int64], h0: i
 _UNSET: Any = object()
 _c_helpers: Any = _UNSET  # kvlink.native's module, once looked up (None: not built)
 #: id(planes) -> (planes, their C table or None: kvlink.native's digest cannot read them)
-_HOST_TABLES: dict[int, tuple[Planes, tuple[npt.NDArray[np.int64], int] | None]] = {}
+_HOST_TABLES: dict[int, tuple[Planes, Any]] = {}
 
 
 def _native_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int,
@@ -308,14 +308,10 @@ def _native_digest(planes: Planes, ids: npt.NDArray[np.int64], h0: int, h1: int,
         _c_helpers = native.load()
     if _c_helpers is None:
         return False
-    got = _HOST_TABLES.get(id(planes))
-    if got is None or got[0] is not planes:
-        if len(_HOST_TABLES) > 64:
-            _HOST_TABLES.clear()
-        got = _HOST_TABLES[id(planes)] = (planes, _host_table(planes))
-    if got[1] is None:
+    got = _per_planes(_HOST_TABLES, planes, _host_table)
+    if got is None:
         return False
-    table, blocks = got[1]
+    table, blocks = got
     first = planes[0][0]
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= blocks):
         raise IndexError(f"block ids outside [0, {blocks}): {ids.min()}..{ids.max()}")
@@ -428,8 +424,14 @@ def digest_later(planes: Planes, block_ids: npt.NDArray[np.int64], layers: tuple
             return Later(host, shape, event, into is not None)
     d = digest(planes[start:stop], ids)
     if into is not None:
-        into[...] = d.transpose(1, 2, 0, 3).reshape(into.shape)
+        _into_plane_major(into, d)
     return Later(d, shape)
+
+
+def _into_plane_major(place: U64, d: U64) -> None:
+    """``[k, layers, planes, heads]`` digests into ``place``, a landing board's digest area
+    (``[layers x planes, k, heads]``: kvlink.landing)."""
+    place[...] = d.transpose(1, 2, 0, 3).reshape(place.shape)
 
 
 def _upload(ids: npt.NDArray[np.int64], device: Any) -> Any:
@@ -492,12 +494,20 @@ def _table(planes: Planes) -> Any:
     register)."""
     from kvlink import integrity_cuda
 
-    got = _TABLES.get(id(planes))
+    return _per_planes(_TABLES, planes,
+                       lambda p: integrity_cuda.Table([v for row in p for v in row]))
+
+
+def _per_planes(cache: dict[int, tuple[Planes, Any]], planes: Planes,
+                build: Callable[[Planes], Any]) -> Any:
+    """``build(planes)``, made once per planes object (a worker's, fixed at register) and
+    kept in ``cache`` by its id, with the planes themselves (an id reused by other planes is
+    built anew); the last 64 kept."""
+    got = cache.get(id(planes))
     if got is None or got[0] is not planes:
-        if len(_TABLES) > 64:
-            _TABLES.clear()
-        got = (planes, integrity_cuda.Table([v for row in planes for v in row]))
-        _TABLES[id(planes)] = got
+        if len(cache) > 64:
+            cache.clear()
+        got = cache[id(planes)] = (planes, build(planes))
     return got[1]
 
 
@@ -787,7 +797,7 @@ class Checker:
         sel, d = np.asarray(dst_ids, dtype=np.int64)[pushed], d[digested]
         place = into(sel, d.shape[1:]) if into is not None and sel.size else None
         if place is not None:
-            place[...] = d.transpose(1, 2, 0, 3).reshape(place.shape)
+            _into_plane_major(place, d)
         return _wire_form(sel, d)
 
     def for_layers(self, req_id: str, src_ids: npt.ArrayLike, dst_ids: npt.ArrayLike

@@ -84,9 +84,10 @@ extern "C" __global__ void kv_digest(const i64* table, const i64* ids, u64* out,
 // ``seq`` in host[1], each behind a system fence: page-locked host memory the host polls) and
 // leaves both device words as the next launch needs them (all ones, 0). So a check is two
 // driver calls, the ids' and rows' upload and the launch, where it was seven (a memset, two
-// uploads, the launch, a download, a synchronize, the context's query): each took 25-110 us
-// on the poll that ends a push (bench/results/gpu_check_one_launch/). No block returns early:
-// the grid is the items.
+// uploads, the launch, a download, a synchronize, the context's query): on the poll that ends
+// a push the check took 0.577 / 0.748 ms at `sample` / `full` with seven, 0.297-0.332 /
+// 0.560-0.584 with two (bench/results/gpu_check_one_launch/: run1_stamps_82ecb4a/ and
+// run3_two_calls_27260a1/ layerwise_*.json). No block returns early: the grid is the items.
 extern "C" __global__ void kv_digest_check(const i64* table, const i64* ids, const u64* expect,
                                            u64* dev, volatile u64* host, u64 seq, i64 nb,
                                            i64 np, i64 nh, i64 h0, i64 tokens, i64 words,
@@ -263,11 +264,12 @@ class _Check:
     the driver on a stream of its own, the ids and the producer's rows uploaded in one copy
     from page-locked memory, the kernel's answer handed to host memory that this polls: two
     driver calls a check. (Before: seven — a memset, two uploads, the launch, a download, a
-    synchronize, the context's query —, each 25-110 us on the poll that ends a push on one
-    H100 host, bench/results/gpu_check_one_launch/; through torch before that, 2-3x more
-    again, gpu_integrity_board_717bfb4/.) The rows are not read in place from host memory:
-    a `full` check's 40,960 small reads over PCIe took 490 us against 198 uploaded.
-    A decode pays it on the poll that ends a push."""
+    synchronize, the context's query; see the kernel's comment for what each cost; through
+    torch before that, 2-3x more again, bench/results/gpu_integrity_board_717bfb4/.) The
+    rows are not read in place from host memory: a `full` check's 40,960 small reads over
+    PCIe took 636.5 us cold against 259.4 uploaded (gpu_check_one_launch/
+    run2_in_place_67b1fbc/landed_*--cold.json). A decode pays it on the poll that ends a
+    push."""
 
     ARGS = 13  # table, ids, expect, dev, host, seq, blocks, planes, heads, h0, tokens, words,
     # plane-major
@@ -301,6 +303,7 @@ class _Check:
         self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
                                                        int(self._dev.data_ptr()), at)
         self._stage: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+        self._stage_at = 0
         self._on_device: Any = None
         self._grow(4096)
 
@@ -325,6 +328,7 @@ class _Check:
         import torch
 
         self._stage, _ = self._page_locked("stage", 8 * words)
+        self._stage_at = int(self._stage.ctypes.data)  # (numpy's ctypes is a call per use)
         self._on_device = torch.empty(words, dtype=torch.int64, device=self._table.device)
 
     def run(self, ids: Any, h0: int, expect: Any, plane_major: bool = False) -> int:
@@ -347,10 +351,10 @@ class _Check:
             dev, dev + 8 * nb, seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8,
             int(plane_major))
         s, up = self._raw_stream, 8 * (nb + n)
-        rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
+        rc = drv.cuMemcpyHtoDAsync(dev, self._stage_at, up, s)
         if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so, again
             self._ipc.ensure_context(self._device)
-            rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
+            rc = drv.cuMemcpyHtoDAsync(dev, self._stage_at, up, s)
         drv.check(rc, "cuMemcpyHtoDAsync")
         drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs, None),
                   "cuLaunchKernel(kv_digest_check)")
