@@ -264,7 +264,7 @@ class _Check:
     the driver on a stream of its own, the ids and the producer's rows uploaded in one copy
     from page-locked memory, the kernel's answer handed to host memory that this polls: two
     driver calls a check. (Before: seven — a memset, two uploads, the launch, a download, a
-    synchronize, the context's query; see the kernel's comment for what each cost; through
+    synchronize, the context's query; the kernel's comment says what the check cost; through
     torch before that, 2-3x more again, bench/results/gpu_integrity_board_717bfb4/.) The
     rows are not read in place from host memory: a `full` check's 40,960 small reads over
     PCIe took 636.5 us cold against 259.4 uploaded (gpu_check_one_launch/
@@ -303,7 +303,6 @@ class _Check:
         self._vals[0], self._vals[3], self._vals[4] = (int(table.rows.data_ptr()),  # type: ignore[union-attr]
                                                        int(self._dev.data_ptr()), at)
         self._stage: npt.NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
-        self._stage_at = 0
         self._on_device: Any = None
         self._grow(4096)
 
@@ -328,7 +327,6 @@ class _Check:
         import torch
 
         self._stage, _ = self._page_locked("stage", 8 * words)
-        self._stage_at = int(self._stage.ctypes.data)  # (numpy's ctypes is a call per use)
         self._on_device = torch.empty(words, dtype=torch.int64, device=self._table.device)
 
     def run(self, ids: Any, h0: int, expect: Any, plane_major: bool = False) -> int:
@@ -351,10 +349,10 @@ class _Check:
             dev, dev + 8 * nb, seq, nb, t.planes, heads, h0, t.tokens, t.head_bytes // 8,
             int(plane_major))
         s, up = self._raw_stream, 8 * (nb + n)
-        rc = drv.cuMemcpyHtoDAsync(dev, self._stage_at, up, s)
+        rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
         if rc in _NOT_CURRENT:  # this thread's context is not the device's: made so, again
             self._ipc.ensure_context(self._device)
-            rc = drv.cuMemcpyHtoDAsync(dev, self._stage_at, up, s)
+            rc = drv.cuMemcpyHtoDAsync(dev, stage.ctypes.data, up, s)
         drv.check(rc, "cuMemcpyHtoDAsync")
         drv.check(drv.cuLaunchKernel(self._fn, n, 1, 1, THREADS, 1, 1, 0, s, self._ptrs, None),
                   "cuLaunchKernel(kv_digest_check)")
