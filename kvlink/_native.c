@@ -378,16 +378,29 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   after the copy and before its end mark — so the status word it reads (the copy refused
  *   nothing) is not handed back before it has read it: kvlink.gpu.move.CudaMove.signal's
  *   launch, one call less on a push's host path than Python's.
+ * start (optional, a copy timed on the device: kvlink.gpu.copy.BatchCopier.device_times): a
+ *   timing event recorded on the copy's stream right before the launch, after the order's
+ *   wait — so the copy's time is the kernel's, not also the host's steps before its launch
+ *   (recorded before this call, a 70B TP8-rank request's copy read 140 us on one H100 where
+ *   the kernel ran ~125: bench/results/gpu_stamps_7c35336/). A copy is not failed for its
+ *   timing: where the driver refuses that record, the post goes on untimed.
+ * Returns True where `start` was recorded, else False.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs < 7 || nargs > 8 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 14 ||
+  if (nargs < 7 || nargs > 9 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 14 ||
       !PyTuple_Check(args[6]) ||
-      (nargs == 8 && args[7] != Py_None &&
+      (nargs >= 8 && args[7] != Py_None &&
        (!PyTuple_Check(args[7]) || PyTuple_GET_SIZE(args[7]) != 4))) {
     PyErr_SetString(PyExc_TypeError,
-                    "post(form, src_ids, dst_ids, stream, after, order_event, values[, signal]), "
-                    "form a 14-tuple, signal None or (function, flag, expect, value)");
+                    "post(form, src_ids, dst_ids, stream, after, order_event, values[, signal"
+                    "[, start]]), form a 14-tuple, signal None or (function, flag, expect, "
+                    "value), start a timing event or None");
     return NULL;
+  }
+  void *start = NULL;  // a timing event, recorded right before the launch (see above)
+  if (nargs == 9 && args[8] != Py_None) {
+    start = as_ptr(args[8]);
+    if (PyErr_Occurred()) return NULL;
   }
   /* kv_signal's arguments (status, seq, flag, expect, value): read before anything is
    * written, like the rest (static: the GIL is held throughout, and the driver copies them
@@ -395,7 +408,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   static int64_t sig_vals[5];
   static void *sig_params[5];
   void *sig_fn = NULL;
-  if (nargs == 8 && args[7] != Py_None) {
+  if (nargs >= 8 && args[7] != Py_None) {
     sig_fn = as_ptr(PyTuple_GET_ITEM(args[7], 0));
     for (int i = 0; i < 3; ++i)
       sig_vals[2 + i] = (int64_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[7], 1 + i));
@@ -536,6 +549,8 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
       }
     }
   }
+  int timed = 0;
+  if (!step && start) timed = cu_record(start, stream) == 0;  // (refused: untimed, not failed)
   if (!step && (rc = cu_launch(fn, grid, 1, 1, threads, 1, 1, 0, stream, params, NULL)))
     step = "cuLaunchKernel";
   if (!step && sig_fn) {  // (a status word is what tells the signal the copy refused nothing)
@@ -552,7 +567,7 @@ static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyErr_Format(PyExc_RuntimeError, "%s failed with CUDA error %d", step, rc);
     return NULL;
   }
-  Py_RETURN_NONE;
+  return PyBool_FromLong(timed);
 }
 
 
@@ -1115,7 +1130,7 @@ static PyMethodDef methods[] = {
     {"event_query", (PyCFunction)event_query, METH_O,
      "event_query(event) -> CUresult of cuEventQuery"},
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
-     "post(form, src_ids, dst_ids, stream, after, order_event, values)"},
+     "post(form, src_ids, dst_ids, stream, after, order_event, values[, signal[, start]])"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,
      "board_shows(map, offset, fd, generation, ids): a READ's after-check"},
     {"move_extents", (PyCFunction)(void (*)(void))move_extents, METH_FASTCALL,

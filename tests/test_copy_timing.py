@@ -36,17 +36,27 @@ class _Buf:
 
 
 class _Events:
-    """The driver's events: timing events are numbers; a pair's time is in once ``done``."""
+    """The driver's events: timing events are numbers; a pair's time is in once ``done``.
+    A start is taken here and recorded by the launch (the lane's post); an end recorded
+    here."""
 
     def __init__(self) -> None:
         self.ids = itertools.count(1)
-        self.recorded: list[int] = []
+        self.taken: list[int] = []  # starts, handed to a launch
+        self.recorded: list[int] = []  # ends
         self.recycled: list[int] = []
         self.done: dict[tuple[int, int], float] = {}  # (start, end) -> seconds
         self.refuse = False
 
     def take(self) -> int:
         return 99
+
+    def take_timed(self) -> int:
+        if self.refuse:
+            return 0
+        ev = next(self.ids)
+        self.taken.append(ev)
+        return ev
 
     def record_timed(self, stream: int) -> int:
         if self.refuse:
@@ -74,20 +84,29 @@ class _Launcher:
 
 
 class _Lane:
-    """A lane as copy_lane uses it: its post writes nothing but counts, or refuses ids."""
+    """A lane as copy_lane uses it: its post writes nothing but counts (and records the
+    timing start it is handed, as the C launcher does right before its kernel), or refuses
+    ids, or (``refuse_start``: a driver refusing that record) launches untimed."""
 
     digest = None
     segments, unit = 160, 4096
 
     def __init__(self) -> None:
         self.refuse_next = False
+        self.refuse_start = False
+        self.started: list[int] = []
 
     def post(self, launcher: _Launcher, src: Any, dst: Any, status: int, seq: int,
-             stream: int, after: Any, order: int, check: Any, signal: Any = None) -> None:
+             stream: int, after: Any, order: int, check: Any, signal: Any = None,
+             start: int = 0) -> bool:
         if self.refuse_next:
             self.refuse_next = False
             raise TypeError("ids it does not take")
         launcher.posts += 1
+        if start and not self.refuse_start:
+            self.started.append(start)
+            return True
+        return False
 
     def posted(self, n: int) -> Any:
         return None
@@ -129,7 +148,10 @@ def test_the_first_five_posts_are_timed_then_one_in_32() -> None:
         if len(c.timed) > before:
             timed.append(i)
     assert timed == [1, 2, 3, 4, 5, 37, 69, 101, 133, 165, 197]  # the median of five at once
-    assert len(events.recorded) == 2 * len(timed)  # a start and an end a timed post
+    # a start a timed post, recorded by its launch (after the order, before the kernel), and
+    # an end after the copy's end mark
+    assert lane.started == events.taken and len(events.taken) == len(timed)
+    assert len(events.recorded) == len(timed)
 
 
 def test_device_times_come_in_once_the_events_are_and_leave_failed_copies_out() -> None:
@@ -172,13 +194,13 @@ def test_a_driver_that_refuses_timing_events_is_asked_once_in_32_posts() -> None
     c, events, lane = _copier()
     events.refuse = True
     asked = []
-    real = events.record_timed
+    real = events.take_timed
 
-    def counting(stream: int) -> int:
-        asked.append(stream)
-        return real(stream)
+    def counting() -> int:
+        asked.append(1)
+        return real()
 
-    events.record_timed = counting  # type: ignore[method-assign]
+    events.take_timed = counting  # type: ignore[method-assign]
     for _ in range(100):
         assert not _post(c, lane).failed()  # no copy fails for its timing
     assert len(asked) == 4  # posts 1, 33, 65, 97
@@ -189,7 +211,24 @@ def test_a_refused_post_hands_its_start_event_back() -> None:
     c, events, lane = _copier()
     lane.refuse_next = True
     with pytest.raises(TypeError):
-        _post(c, lane)  # the first post is timed: its start was recorded
-    assert events.recorded == events.recycled == [1]
+        _post(c, lane)  # the first post is timed: its start was taken
+    assert events.taken == events.recycled == [1] and not lane.started
     _post(c, lane)
     assert len(c.timed) == 1  # timed, the next one
+
+
+def test_a_start_the_launch_did_not_record_leaves_the_copy_untimed() -> None:
+    """The driver refusing the start's record at the launch: the copy is posted (not failed
+    for its timing), goes untimed, the start goes back, and the driver is asked again no
+    sooner than a timed post would be."""
+    c, events, lane = _copier()
+    lane.refuse_start = True
+    p = _post(c, lane)
+    assert not p.failed() and not c.timed and events.recycled == [1]
+    assert not events.recorded  # (no end for it)
+    lane.refuse_start = False
+    for _ in range(31):
+        _post(c, lane)
+    assert not c.timed
+    _post(c, lane)
+    assert len(c.timed) == 1 and lane.started == [2]

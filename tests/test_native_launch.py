@@ -268,6 +268,36 @@ def test_the_copy_waits_for_the_callers_stream_only_where_it_has_work(
     assert drv.calls[1] == ("record", 0xE1, None)  # (ctypes hands a null pointer as None)
 
 
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_timed_post_records_its_start_right_before_the_kernel(launcher: Any,
+                                                                 pending: bool) -> None:
+    """A copy timed on the device: its start event is recorded on the copy's stream by the
+    launcher, after the order's wait and right before the launch — so the copy's time is the
+    kernel's (recorded before the launcher's call, it also held the host's steps up to the
+    launch: a 70B TP8-rank request's copy read 140 us where its kernel ran ~125). A driver
+    that refuses that record leaves the copy untimed, not failed: it is still launched and
+    its end marked, and the post says False."""
+    table, slots, drv = _setup(launcher)
+    drv.rc["query"] = NOT_READY if pending else 0
+    one = np.array([1], dtype=np.int64)
+    words = (ctypes.c_int64 * 8)()
+    form = _form(table, slots, 1, 1, _PLAIN_SLOTS, status=1)
+    values = (1, ctypes.addressof(words), 5, 1)
+    assert launcher.post(form, one, one, 0x51, 0x77, 0xE1, values, None, 0x5A) is True
+    names = [c[0] for c in drv.calls]
+    order = ["query", "record", "wait"] if pending else ["query"]
+    assert names == [*order, "record", "launch", "write"]
+    assert drv.calls[len(order)] == ("record", 0x5A, 0x51)  # on the copy's stream
+    drv.calls.clear()
+    assert launcher.post(form, one, one, 0x51, 0x77, 0xE1, values) is False  # (untimed)
+    assert "record" not in [c[0] for c in drv.calls][len(order):]
+    drv.calls.clear()
+    drv.rc["record"] = 999  # the driver refuses a record: the order's too, where it is made
+    if not pending:
+        assert launcher.post(form, one, one, 0x51, 0x77, 0xE1, values, None, 0x5A) is False
+        assert [c[0] for c in drv.calls] == ["query", "record", "launch", "write"]
+
+
 @pytest.mark.parametrize(("step", "made"), [
     ("query", ["query"]),
     ("wait", ["query", "record", "wait"]),

@@ -766,18 +766,24 @@ class BatchCopier:
                     self._untimed -= 1
                     if self._untimed < 0:  # (a driver that refuses timing events is asked
                         self._untimed = _TIMED_EVERY - 1  # again no sooner than a timed post)
-                        start = self._events.record_timed(raw)
+                        start = self._events.take_timed()  # (recorded by the launch itself,
+                        # right before the kernel: the host's steps before it are no part of
+                        # the copy's time)
                     try:
-                        lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
-                                  self._order_event, check,
-                                  None if signal is None else (
-                                      self._cuda.signal_fn(), *signal))  # type: ignore[union-attr]
+                        timed = lane.post(launcher, src_ids, dst_ids, buf.ptr, seq, raw, after,
+                                          self._order_event, check,
+                                          None if signal is None else (
+                                              self._cuda.signal_fn(),  # type: ignore[union-attr]
+                                              *signal), start)
                     except (TypeError, ValueError, OverflowError):  # ids it does not take:
                         self._pinned[buf.size].append(buf)  # nothing made
-                        if start:  # (an event recorded again replaces its last record)
+                        if start:
                             self._events.recycle_timed(start)
                             self._untimed = 0  # (the next post is timed in its place)
                         raise
+                    if start and not timed:  # the driver refused to record it: untimed
+                        self._events.recycle_timed(start)
+                        start = 0
                 # (no event: the stream marks its end in buf, Pending.done reads it)
                 pending = self._track(stream, buf, seq, 0)
                 if start:  # after its end mark: the copy's time (the first few back to

@@ -254,7 +254,7 @@ class Lane:
              dst_ids: npt.NDArray[np.int64], status: int, seq: int, stream: int,
              after: int | None, order: int,
              check: tuple[int, int, bool] | None = None,
-             signal: tuple[int, int, int, int] | None = None) -> None:
+             signal: tuple[int, int, int, int] | None = None, start: int = 0) -> bool:
         """:meth:`launch` through the C launcher (kvlink.native: ``launcher``), which also
         orders ``stream`` after the caller's ``after`` (through the event ``order``, where it
         has work pending) and has the stream mark the post's end after the kernel (``seq``
@@ -267,12 +267,15 @@ class Lane:
         nothing of this copy was enqueued; "marking the end" and "signalling" come after it).
         ``signal`` (a push into a landing board): (kv_signal, the flag's device address, the
         value it must show, the value it takes), launched after the copy, before its end
-        mark (kvlink.landing: the flag follows every byte)."""
+        mark (kvlink.landing: the flag follows every byte). ``start`` (a copy timed on the
+        device): a timing event the launcher records right before the launch, after the
+        order's wait; returns whether it did (a refused record leaves the copy untimed)."""
         n = len(src_ids)
         form, g = self._forms.get(n) or self._form(n)
-        launcher.post(form, src_ids, dst_ids, stream, after, order,
-                      (n, status, seq, g) if check is None else  # (_values, without its frame)
-                      (n, status, seq, check[0], check[1], check[2]), signal)
+        return bool(launcher.post(form, src_ids, dst_ids, stream, after, order,
+                                  (n, status, seq, g) if check is None else  # (_values,
+                                  (n, status, seq, check[0], check[1], check[2]),  # no frame)
+                                  signal, start or None))
 
     def posted(self, n: int) -> npt.NDArray[np.int64]:
         """The ids the last post of ``n`` blocks launched with (source ids, then destination

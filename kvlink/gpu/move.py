@@ -897,10 +897,10 @@ def _elapsed_time(lib: Any) -> Any:
 class DriverEvents:
     """A copy's completion: driver events (no timing) recorded, queried and recycled through
     ctypes (and, bracketing the copies timed on the device now and then, timing events:
-    :meth:`record_timed`, :meth:`elapsed`) — queried through kvlink's C helper where it
-    builds (``event_query``: a poll of a READ in flight makes one, and a ctypes foreign call
-    costs about twice a C function's cold, 11.9 against 6.5 us for getppid on the CPU VM:
-    bench/results/cold_calls_alive).
+    :meth:`take_timed`, :meth:`record_timed`, :meth:`elapsed`) — queried through kvlink's C
+    helper where it builds (``event_query``: a poll of a READ in flight makes one, and a
+    ctypes foreign call costs about twice a C function's cold, 11.9 against 6.5 us for
+    getppid on the CPU VM: bench/results/cold_calls_alive).
     torch's Event objects cost several microseconds a call cold, and a request pays one
     record as it is posted and a query at every poll that looks at it. ``device``: the index
     whose primary context a thread without a current one takes (a poll may come from a
@@ -919,7 +919,7 @@ class DriverEvents:
         #: here makes no call (BatchCopier.copy_lane, before its launch)
         self.free: list[int] = []
         self._query: Callable[[int], int] | None = _bind_event_query(self._lib)
-        self._timing_free: list[int] = []  # timing events (record_timed) to record again
+        self._timing_free: list[int] = []  # timing events to record again
         self._elapsed: Any = None  # cuEventElapsedTime, bound at the first use
 
     def take(self) -> int:
@@ -967,10 +967,22 @@ class DriverEvents:
         """``ev`` (complete, or never waited on again) serves a later record."""
         self.free.append(ev)
 
+    def take_timed(self) -> int:
+        """A timing event not recorded yet, for a launch to record right before its kernel
+        (kvlink.native's ``post``: the copy's time then leaves out the host's steps before
+        the launch); 0 where the driver refused one (logged): a copy is not failed for its
+        timing. :meth:`recycle_timed` it where nothing recorded it."""
+        try:
+            return self._timing_free.pop() if self._timing_free else self._create(0)
+        except RuntimeError as exc:
+            log.debug("cuda_ipc: no timing event: %s", exc)
+            return 0
+
     def record_timed(self, stream: int) -> int:
-        """A timing event (:meth:`elapsed` reads two) recorded on ``stream`` now: what a copy
-        timed on the device is bracketed by (kvlink.gpu.copy.BatchCopier.copy_lane). 0
-        where the driver refused (logged): a copy is not failed for its timing."""
+        """A timing event (:meth:`elapsed` reads two) recorded on ``stream`` now: the end of
+        a copy timed on the device (kvlink.gpu.copy.BatchCopier.copy_lane; its start is
+        recorded by the launch: :meth:`take_timed`). 0 where the driver refused (logged): a
+        copy is not failed for its timing."""
         try:
             ev = self._timing_free.pop() if self._timing_free else self._create(0)
         except RuntimeError as exc:
