@@ -114,6 +114,13 @@ def print_table(device: str, cases: dict[str, Any]) -> None:
         if est and copy:  # (what those waits counted with, against the copy's own rate)
             print(f"  the transport expects its copies at {est:.0f} GB/s; a device copy ran "
                   f"at {copy['bytes'] / copy['median_s'] / 1e9:.0f} GB/s")
+        if est:  # (the rate of its copies timed on the device, each from right before its
+            # kernel: what the host adds around one request's kernel, start by start)
+            kernel = cases[n]["bytes_per_request"] / (est * 1e9)
+            above = [f"{m} +{cases[n]['modes'][m]['kvlink']['median_s'] * 1e3 - kernel * 1e3:.3f}"
+                     for m in ("sleep", "spin") if m in cases[n]["modes"]]
+            print(f"  one request's copy at that rate: {kernel * 1e3:.3f} ms; kvlink's median "
+                  f"post->done above it (the host's share), ms: {', '.join(above)}")
     rw = [(n, m, r["read_vs_write"]) for n, cr in cases.items()
           for m, r in cr["modes"].items() if "read_vs_write" in r]
     if rw:

@@ -380,10 +380,10 @@ static PyObject *board_shows(PyObject *self, PyObject *const *args, Py_ssize_t n
  *   launch, one call less on a push's host path than Python's.
  * start (optional, a copy timed on the device: kvlink.gpu.copy.BatchCopier.device_times): a
  *   timing event recorded on the copy's stream right before the launch, after the order's
- *   wait — so the copy's time is the kernel's, not also the host's steps before its launch
- *   (recorded before this call, a 70B TP8-rank request's copy read 140 us on one H100 where
- *   the kernel ran ~125: bench/results/gpu_stamps_7c35336/). A copy is not failed for its
- *   timing: where the driver refuses that record, the post goes on untimed.
+ *   wait — so the copy's time is the kernel's (recorded before this call, a timed copy also
+ *   held the host's steps up to its launch, and whatever else ran there:
+ *   bench/results/gpu_stamps_7c35336/). A copy is not failed for its timing: where the
+ *   driver refuses that record, the post goes on untimed.
  * Returns True where `start` was recorded, else False.
  */
 static PyObject *post(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

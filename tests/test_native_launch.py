@@ -274,9 +274,8 @@ def test_a_timed_post_records_its_start_right_before_the_kernel(launcher: Any,
     """A copy timed on the device: its start event is recorded on the copy's stream by the
     launcher, after the order's wait and right before the launch — so the copy's time is the
     kernel's (recorded before the launcher's call, it also held the host's steps up to the
-    launch: a 70B TP8-rank request's copy read 140 us where its kernel ran ~125). A driver
-    that refuses that record leaves the copy untimed, not failed: it is still launched and
-    its end marked, and the post says False."""
+    launch, and whatever else ran there). A driver that refuses that record leaves the copy
+    untimed, not failed: it is still launched and its end marked, and the post says False."""
     table, slots, drv = _setup(launcher)
     drv.rc["query"] = NOT_READY if pending else 0
     one = np.array([1], dtype=np.int64)
