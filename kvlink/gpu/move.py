@@ -983,10 +983,8 @@ class DriverEvents:
         a copy timed on the device (kvlink.gpu.copy.BatchCopier.copy_lane; its start is
         recorded by the launch: :meth:`take_timed`). 0 where the driver refused (logged): a
         copy is not failed for its timing."""
-        try:
-            ev = self._timing_free.pop() if self._timing_free else self._create(0)
-        except RuntimeError as exc:
-            log.debug("cuda_ipc: no timing event: %s", exc)
+        ev = self.take_timed()
+        if not ev:
             return 0
         rc = self._call(self._lib.cuEventRecord, ev, stream)
         if rc:
