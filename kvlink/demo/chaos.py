@@ -34,6 +34,7 @@ import numpy as np
 
 from kvlink import wire
 from kvlink.demo import data
+from kvlink.demo.proc import StopFlag
 from kvlink.errors import KVLinkError, SideChannelError
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
@@ -193,9 +194,9 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     try:
         for inc, budget in enumerate(budgets):
             tag = f"s{sched.seed}i{inc}"
-            # a queue and an event per producer: one killed inside either holds its lock forever
+            # a queue per producer: one killed inside a put holds the queue's lock for ever
             events: Any = _mp.Queue()
-            stop = _mp.Event()
+            stop = StopFlag(_mp)
             proc = _mp.Process(target=_produce, args=(
                 port, sched.seed * 100 + inc, tag, sched.lease, 1.5 * sched.push_timeout, budget,
                 events, stop))

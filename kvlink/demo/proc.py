@@ -63,6 +63,26 @@ def exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+class StopFlag:
+    """The parent's "stop now" to its ranks, which no rank's death can wedge.
+
+    ``multiprocessing.Event`` guards its flag with a lock every process shares: a rank
+    SIGKILLed inside ``is_set()`` (ranks look every few ms) leaves it held, and the parent's
+    ``set()`` then blocks for ever — ``kvlink serve`` hung instead of exiting 1 when a rank
+    was killed. This is one shared byte that only the parent writes and the ranks read without
+    a lock. Pass it to a child in its ``Process`` arguments (shared memory travels only there).
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._flag = ctx.RawValue(ctypes.c_bool, False)
+
+    def set(self) -> None:
+        self._flag.value = True
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+
 def child_main(target: Callable[..., None], level: int, parent_pid: int, report: Any,
                rank: int, *args: Any) -> None:
     """Entry point of a spawned child: the set-up above, then ``target(*args)``."""

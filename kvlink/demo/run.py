@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlink.demo.proc import child_main, exit_reason
+from kvlink.demo.proc import StopFlag, child_main, exit_reason
 from kvlink.demo.progress import Display
 from kvlink.demo.roles import DemoPlan, pull_rank, serve_rank
 from kvlink.errors import KVLinkError
@@ -77,7 +77,7 @@ class Serving:
         self.plan = plan
         self.display = display or Display(enabled=False)
         self.events: Any = _mp.Queue()
-        self.stop = _mp.Event()
+        self.stop = StopFlag(_mp)  # (not an Event: a rank killed looking at it wedged set())
         self.ready: set[int] = set()
         self.served: dict[int, dict[str, Any]] = {}
         self.reasons: dict[int, str] = {}  # a rank's own account of why it failed
