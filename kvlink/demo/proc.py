@@ -15,8 +15,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,40 @@ class StopFlag:
 
     def is_set(self) -> bool:
         return bool(self._flag.value)
+
+
+class RankEvents:
+    """What a parent's ranks tell it, on one queue per rank (``of(rank)``: the one to pass it).
+
+    A rank SIGKILLed while its queue's feeder thread writes leaves that queue's write lock
+    held for ever. With one queue for every rank, the other ranks' events stopped there too,
+    and a rank that had put its last report then blocked at exit flushing it — ``kvlink
+    serve`` waited for that rank until its deadline (minutes). Now only the dead rank's own
+    queue wedges, and it has nothing more to say. :meth:`get` looks at each queue in turn,
+    every ``_GRAIN`` s while none has anything (the parent only waits and shows progress)."""
+
+    _GRAIN = 0.005
+
+    def __init__(self, ctx: Any, ranks: int) -> None:
+        self._queues = [ctx.Queue() for _ in range(ranks)]
+
+    def of(self, rank: int) -> Any:
+        return self._queues[rank]
+
+    def get(self, timeout: float = 0.0) -> Any:
+        """The next event of any rank, waiting up to ``timeout`` s for one; raises
+        ``queue.Empty`` where none came."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for q in self._queues:
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            time.sleep(min(left, self._GRAIN))
 
 
 def child_main(target: Callable[..., None], level: int, parent_pid: int, report: Any,

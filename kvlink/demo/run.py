@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvlink.demo.proc import StopFlag, child_main, exit_reason
+from kvlink.demo.proc import RankEvents, StopFlag, child_main, exit_reason
 from kvlink.demo.progress import Display
 from kvlink.demo.roles import DemoPlan, pull_rank, serve_rank
 from kvlink.errors import KVLinkError
@@ -76,14 +76,15 @@ class Serving:
     def __init__(self, plan: DemoPlan, display: Display | None = None) -> None:
         self.plan = plan
         self.display = display or Display(enabled=False)
-        self.events: Any = _mp.Queue()
+        self.events = RankEvents(_mp, plan.prefill_tp)
         self.stop = StopFlag(_mp)  # (not an Event: a rank killed looking at it wedged set())
         self.ready: set[int] = set()
         self.served: dict[int, dict[str, Any]] = {}
         self.reasons: dict[int, str] = {}  # a rank's own account of why it failed
         self.procs = [
-            _mp.Process(target=child_main, args=(serve_rank, _level(), os.getpid(), self.events,
-                                                 r, plan, r, self.events, self.stop),
+            _mp.Process(target=child_main, args=(serve_rank, _level(), os.getpid(),
+                                                 self.events.of(r), r, plan, r,
+                                                 self.events.of(r), self.stop),
                         name=f"kvlink-prefill-{r}")
             for r in range(plan.prefill_tp)
         ]
@@ -97,8 +98,7 @@ class Serving:
         """Take every event queued now (waiting up to ``timeout`` for the first)."""
         while True:
             try:
-                ev = self.events.get(timeout=timeout) if timeout > 0 else \
-                    self.events.get_nowait()
+                ev = self.events.get(timeout)
             except queue.Empty:
                 return
             timeout = 0.0
@@ -208,11 +208,11 @@ def run_pull(plan: DemoPlan, show_progress: bool | Display = True,
 
 def _run_pull(plan: DemoPlan, display: Display,
               watch: Callable[[], dict[str, str]] | None) -> dict[str, Any]:
-    results: Any = _mp.Queue()
+    results = RankEvents(_mp, plan.decode_tp)
     procs = [
         _mp.Process(target=child_main,
-                    args=(pull_rank, _level(), os.getpid(), results, r, plan, r, results,
-                          display.enabled),
+                    args=(pull_rank, _level(), os.getpid(), results.of(r), r, plan, r,
+                          results.of(r), display.enabled),
                     name=f"kvlink-decode-{r}")
         for r in range(plan.decode_tp)
     ]
@@ -227,7 +227,7 @@ def _run_pull(plan: DemoPlan, display: Display,
     def take(timeout: float) -> None:
         while True:
             try:
-                msg = results.get(timeout=timeout) if timeout > 0 else results.get_nowait()
+                msg = results.get(timeout)
             except queue.Empty:
                 return
             timeout = 0.0
