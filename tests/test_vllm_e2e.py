@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -488,6 +490,34 @@ def test_a_synchronous_load_has_landed_when_start_returns(hold_board: bool,
         assert time.monotonic() - t0 < 1.0
         assert cons.results().invalid_blocks == {5}
     finally:
+        prod.close()
+        cons.close()
+
+
+def test_a_synchronous_load_that_waits_says_where_it_stands(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A synchronous load holds the forward until it settles; after a second the worker logs
+    where each such load stands (KVWorker.explain), not only that it waits. Here the prefill
+    holds the request 1.3 s after the decode asked (its step late): the log names the READ
+    and the producer's "not held yet" answers; then the load lands."""
+    port = free_port_range(1)
+    extra = {"side_channel_port": port, "hold_board": False}
+    prod, cons, src, dst = _pair(extra, extra)
+    late = threading.Timer(1.3, lambda: prod.start(StepPlan(send=[SendReq("r1", (1, 3))])))
+    try:
+        late.start()
+        with caplog.at_level(logging.WARNING, logger="kvlink"):
+            cons.start(StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 63,
+                                              sync=True)]))
+        late.join()
+        for s_t, d_t in zip(src, dst):
+            assert torch.equal(d_t[4], s_t[1]) and torch.equal(d_t[0], s_t[3])
+        said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "d1: READ of r1, " in said[0] and "P rank 0: " in said[0], said
+        assert "'not held yet' answer" in said[0], said
+    finally:
+        late.cancel()
         prod.close()
         cons.close()
 

@@ -445,6 +445,27 @@ class KVWorker(_PrefillPush, _DecodePush):
         return any(p.handle is not None and p.go is not None
                    and p.go.peer.transport.capabilities.python_threads for p in req.parts)
 
+    def explain(self, req_id: str) -> str | None:
+        """Where a request in flight stands, in one line: each part's step (the handshake,
+        the read intent and its "not held yet" answers, moving over which transport, the
+        producer's answer to its report, failing until quiescent), or a push's ranks — for a
+        log when a request takes long (the vLLM connector's synchronous loads say it after
+        a second). None where ``req_id`` is not in flight. On the thread that polls."""
+        now = time.monotonic()
+        req = self._requests.get(req_id)
+        if req is not None:
+            parts = "; ".join(f"{req.remote.engine_id} rank {p.read.remote_rank}: "
+                              f"{p.describe(now)}" for p in req.parts)
+            return f"{req.op.name} of {req_id}, {now - req.t_mono:.1f} s in flight: {parts}"
+        aw = self._awaiting.get(req_id)
+        if aw is None:
+            return None
+        w = aw.wait
+        ranks = ", ".join(f"rank {r} {state.value}" for r, state in sorted(w.ranks.items()))
+        return (f"push of {req_id} awaited for {now - w.started:.1f} s (its deadline in "
+                f"{w.deadline - now:.1f} s): {ranks}"
+                + (f"; failing: {w.error}" if w.error is not None else ""))
+
     def wait(self, timeout: float) -> None:
         """Sleep up to ``timeout`` seconds, waking early when a side-channel answer arrives
         (with the GIL released). For a caller with nothing else to do between polls."""

@@ -156,6 +156,35 @@ class _Part:
         return self.done or (self.error is not None and self.handle is None
                              and self.verdict is None)
 
+    def describe(self, now: float) -> str:
+        """Where this part stands, in words, in the order kvlink.worker.parts._Parts._advance
+        takes its steps (``now``: time.monotonic()). For :meth:`KVWorker.explain`."""
+        not_yet = f"{self.asks} 'not held yet' answer(s)"
+        if self.done:
+            return "done"
+        if self.error is not None:
+            return (f"failed: {self.error}" if self.settled else
+                    f"failing ({self.error}); waiting until nothing of it can still land")
+        if self.reask:
+            return f"reported; the producer had not held it yet ({not_yet}): reporting again"
+        if self.verdict is not None and self.refused:
+            return ("refused by the producer's transport before any byte moved; asking "
+                    f"whether it holds the request ({not_yet})")
+        if self.verdict is not None:
+            return "waiting for the producer's answer to its report"
+        if self.handle is not None:
+            name = self.go.peer.transport.name if self.go is not None else "?"
+            return f"moving over {name} (transfer handle {self.handle})"
+        if self.go is not None:
+            return "granted; not posted yet"
+        if not self.peer.done():
+            return "waiting for the handshake with the producer"
+        if self.intent is not None:
+            return f"read intent asked ({not_yet})"
+        if self.retry_at:
+            return f"trying again in {max(0.0, self.retry_at - now) * 1e3:.0f} ms ({not_yet})"
+        return "handshake done; starts at the next poll"
+
 
 @dataclasses.dataclass(slots=True)  # one or more per request: slots make and read faster
 class _Request:

@@ -512,19 +512,33 @@ class PullWorker(LayerwisePushes):
         report timeout; the scheduler asks for one only from a prefill whose last load
         finished (:meth:`PullScheduler._loads_in_step`)."""
         t0 = time.perf_counter()
-        slow = t0 + 1.0
+        said = t0 + 1.0  # then every 10 s, each time saying where every load stands
         while True:
             self._open_gates()
             self._poll(grace=True)
             if all(r in self._synced for r in req_ids):
                 break
             self._w().wait(0.0002)  # (GIL released: transport and side-channel threads run)
-            if slow and time.perf_counter() > slow:
-                slow = 0.0
-                log.warning("the forward has waited 1 s for synchronous load(s) %s to settle "
-                            "(sync_load_tokens; still waiting)",
-                            sorted(r for r in req_ids if r not in self._synced))
+            now = time.perf_counter()
+            if now > said:
+                said = now + 10.0
+                log.warning("the forward has waited %.0f s for synchronous load(s) to settle "
+                            "(sync_load_tokens; still waiting): %s", now - t0,
+                            " | ".join(self._where(r) for r in sorted(req_ids)
+                                       if r not in self._synced))
         self._count("sync_wait_seconds", time.perf_counter() - t0)
+
+    def _where(self, req_id: str) -> str:
+        """Where one of this worker's loads stands, for a log (KVWorker.explain)."""
+        gate = next((g for g in self._gates if g.req.req_id == req_id), None)
+        if gate is not None:
+            return (f"{req_id}: its READ waits for the handshakes with prefill ranks "
+                    f"{list(gate.ranks)} of the incarnation its params name")
+        rec = self._recv.get(req_id)
+        if rec is None:
+            return f"{req_id}: not started"
+        got = self._w().explain(rec.req.remote.request_id)
+        return f"{req_id}: {got or 'ended; its outcome not taken yet'}"
 
     def take_synced(self) -> dict[str, float]:
         """The synchronous loads settled since the last call: request -> the seconds it took
