@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+from test_lifecycle import until
+
 from kvlink.demo.proc import RankEvents, StopFlag
 
 _mp = mp.get_context("spawn")
@@ -48,10 +50,10 @@ def test_a_rank_killed_while_looking_at_the_stop_cannot_wedge_it() -> None:
         looking = _mp.RawValue(ctypes.c_bool, False)
         child = _mp.Process(target=_look, args=(stop, looking), daemon=True)
         child.start()
-        deadline = time.monotonic() + 60
-        while not looking.value:  # (spawned: the interpreter takes a moment to start)
-            assert child.is_alive() and time.monotonic() < deadline, child.exitcode
-            time.sleep(0.001)
+        # (spawned: the interpreter takes a moment to start)
+        until(lambda lk=looking, c=child: lk.value or not c.is_alive(), 60,
+              "the child looking at the flag")
+        assert looking.value, child.exitcode
         os.kill(child.pid, signal.SIGKILL)
         child.join(10)
         assert child.exitcode == -signal.SIGKILL
