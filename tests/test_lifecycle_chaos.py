@@ -7,11 +7,14 @@ with random delays and step stalls. After every finished receive its bytes must 
 request's own; no byte lands in a failed push's blocks afterwards; every receive resolves
 before its deadline; the producer that ran to the end released each hold once and holds
 nothing. CI runs ``KVLINK_CHAOS_SCHEDULES``
-schedules (default 6, about 15 s); ``bench/lifecycle_soak.py`` runs hundreds.
+schedules (default 6, about 15 s) over tcp, and half as many over NIXL (UCX) and Mooncake TE —
+their engines' connections to a killed producer, and to its restart at the same address, are
+theirs, not kvlink's; ``bench/lifecycle_soak.py`` runs hundreds.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -20,17 +23,35 @@ import pytest
 
 from kvlink.demo.chaos import run_schedules
 
+#: the transports a schedule runs over, each with the module it needs and how to install it
+_NEEDS = {"nixl": ("nixl._api", "pip install 'kvlink[nixl]'"),
+          "mooncake": ("mooncake.engine", "pip install 'kvlink[mooncake-cpu]' (+ apt-get install "
+                                          "libibverbs1)")}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # (its package is missing)
+        return False
+
 
 @pytest.mark.fault("randomized schedules: stalls, lease expiries, push cancels, kills, restarts")
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
 def test_random_schedules_never_finish_with_wrong_bytes(
-        observed: Callable[[str], None], caplog: pytest.LogCaptureFixture,
+        transport: str, observed: Callable[[str], None], caplog: pytest.LogCaptureFixture,
         capsys: pytest.CaptureFixture[str]) -> None:
+    if transport in _NEEDS and not _importable(_NEEDS[transport][0]):
+        why = f"{_NEEDS[transport][0]} is not importable: {_NEEDS[transport][1]}"
+        print(f"\nskipping the lifecycle schedules over {transport}: {why}")
+        pytest.skip(why)
     caplog.set_level(logging.ERROR)  # refusals and expiries are the point: not news
     n = int(os.environ.get("KVLINK_CHAOS_SCHEDULES", "6"))
-    total = run_schedules(range(n))
+    n = n if transport == "tcp" else max(1, n // 2)
+    total = run_schedules(range(n), transport=transport)
     with capsys.disabled():  # CI's log says how many schedules ran, and what they saw
-        print(f"\nlifecycle schedules run: {total}")
-    observed(f"{total['schedules']} schedules, {total['finished']} finished "
+        print(f"\nlifecycle schedules run over {transport}: {total}")
+    observed(f"{transport}: {total['schedules']} schedules, {total['finished']} finished "
              f"({total['verified']} verified, {total['pushed']} pushed), {total['failed']} "
              f"failed {total['reasons']}, {total['kills']} kills; violations: "
              f"{total['violations'] or 'none'}")

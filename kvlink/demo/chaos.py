@@ -4,9 +4,11 @@ cancels, kills and restarts.
 One producer process at a time (engine ``chaos-p`` on a fixed port; killed and restarted under
 the same engine id, i.e. a new incarnation) holds requests under short leases and, the moment
 the core releases one, overwrites its blocks with other bytes (the blocks are reused). The
-consumer (the calling process) takes every request it is told about over tcp, pulling some and
-having the others pushed; it stalls its step loop at random (sometimes past the lease), and
-the producer's step reaches a push request up to 1.5x the decode's push timeout late, so pushes
+consumer (the calling process) takes every request it is told about over the schedule's
+transport (tcp by default; nixl and mooncake too: a peer killed under their engines'
+connections and restarted at the same address), pulling some and having the others pushed; it
+stalls its step loop at random (sometimes past the lease), and the producer's step reaches a
+push request up to 1.5x the decode's push timeout late, so pushes
 are cancelled, refused and killed mid-flight. A schedule passes when:
 
 - every finished receive holds that request's own bytes;
@@ -70,17 +72,21 @@ class Schedule:
     deadline: float = 10.0  # every read must resolve within this
     push_share: float = 0.5  # requests the consumer has pushed (the rest it pulls)
     push_timeout: float = 0.3  # decode side; the producer's step reaches a push 0-1.5x this late
+    transport: str = "tcp"  # both sides' one transport (tcp, nixl, mooncake)
+    integrity: str = "off"  # both sides' integrity level (kvlink.integrity)
 
 
-def _produce(port: int, seed: int, tag: str, lease: float, push_delay: float, budget: int,
-             events: Any, stop: Any) -> None:
+def _produce(port: int, seed: int, tag: str, sched: Schedule, budget: int, events: Any,
+             stop: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rng = random.Random(seed)
+    lease, push_delay = sched.lease, 1.5 * sched.push_timeout
     _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
     for attempt in range(50):  # as a supervisor would: the port may be briefly taken
         w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
                                   read_seconds=lease / 2, handshake_timeout=1.0,
-                                  serve_pushes=True))
+                                  serve_pushes=True, transports=[sched.transport],
+                                  integrity=sched.integrity))
         try:
             w.register(data.spec_of(GEO, layers, 1, 0))
             break
@@ -177,7 +183,8 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     rng = random.Random(sched.seed)
     stop: Any = None
     _consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
-    w = KVWorker(WorkerConfig(engine_id="chaos-d", handshake_timeout=1.0, intent_timeout=1.0))
+    w = KVWorker(WorkerConfig(engine_id="chaos-d", handshake_timeout=1.0, intent_timeout=1.0,
+                              transports=[sched.transport], integrity=sched.integrity))
     w.register(data.spec_of(GEO, clayers, 1, 0))
     remote = RemoteEngine("chaos-p", "127.0.0.1", port)
     counts: dict[str, Any] = {"finished": 0, "failed": 0, "verified": 0, "kills": 0,
@@ -198,8 +205,7 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
             events: Any = _mp.Queue()
             stop = StopFlag(_mp)
             proc = _mp.Process(target=_produce, args=(
-                port, sched.seed * 100 + inc, tag, sched.lease, 1.5 * sched.push_timeout, budget,
-                events, stop))
+                port, sched.seed * 100 + inc, tag, sched, budget, events, stop))
             proc.start()
             held_here, last = 0, inc == len(budgets) - 1
             end = time.monotonic() + 60
