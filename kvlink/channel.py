@@ -29,7 +29,9 @@ not bound a whole multipart message on the server (see :mod:`kvlink.sidechannel`
 A connection that breaks with calls unanswered (reset, closed, refused) sends them again on a
 new one, which reaches whoever serves that address now (a restarted process answers "stale" and
 the worker handshakes again); a port nobody listens on is tried again every 50 ms until the
-calls' deadlines, as ZMQ's reconnects did. A call that times out resets its connection.
+calls' deadlines, as ZMQ's reconnects did — but a ``live_only`` call (a question only the
+process we talked to can answer) fails at once there. A call that times out resets its
+connection.
 
 One lock makes concurrent use correct, not fast: the worker drives it from its caller's thread.
 """
@@ -226,6 +228,8 @@ class Channels:
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret
         self._conns: dict[tuple[str, int], _Conn] = {}
+        #: addresses that have answered a call of ours (see :meth:`heard`)
+        self._heard: set[tuple[str, int]] = set()
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self.frames_sent = 0
@@ -251,6 +255,13 @@ class Channels:
                               live_only)
             conn.queued.append((0 if quiet else next(self._ids), msg, pending))
             return pending
+
+    def heard(self, host: str, port: int) -> bool:
+        """Whether ``host:port`` has answered a call of ours: a process was there. A question
+        only that process can answer is then ``live_only`` (:meth:`call`): nobody listening
+        there any more means it is gone, not that it has yet to start."""
+        with self._lock:
+            return (host, port) in self._heard
 
     def idle(self) -> bool:
         """Whether a :meth:`pump` has nothing to do now: no call awaits its answer, no session
@@ -286,6 +297,8 @@ class Channels:
                         self._fall_back(key, conn, exc)
                         continue
                     conn.answered += len(frames)
+                    if frames:
+                        self._heard.add(key)
                     for body in frames:
                         self._take(key, conn, body)
                         if self._conns.get(key) is not conn:

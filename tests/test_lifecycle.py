@@ -125,6 +125,36 @@ def test_push_to_a_dead_prefill_fails_after_fencing(observed: Callable[[str], No
         decode.close()
 
 
+@pytest.mark.fault("push: the prefill is gone before the decode asks")
+def test_a_push_asked_of_a_prefill_that_is_gone_fails_at_once(
+        observed: Callable[[str], None]) -> None:
+    """A prefill that answered this decode before and now refuses connections (its process is
+    gone; a restart there never held the request) cannot push: the ask fails at once, not at
+    the handshake timeout (10 s) — a vLLM decode's push from a SIGKILLed prefill took 12 s to
+    be recomputed (tests/test_vllm_e2e.py)."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d")
+    try:
+        decode.expect_push("r0", remote(prefill), [3], timeout=10)
+        until(lambda: prefill.queued_pushes() == 1, 10, "the push request arrived")
+        (msg,) = prefill.push_requests()
+        prefill.push(msg, [1])
+        assert outcome(decode, "r0", 10, step=lambda: prefill.poll()) == (True, "")
+        where = remote(prefill)
+        prefill.close()  # nothing listens at its side channel port any more
+        t0 = time.monotonic()
+        decode.expect_push("r1", where, [4], timeout=30)
+        ok, reason = outcome(decode, "r1", 20)
+        took = time.monotonic() - t0
+        observed(f"failed in {took:.2f}s: {reason}")
+        assert not ok and "nobody listens" in reason, reason
+        assert took < 2.0, f"{took:.1f}s to give up on a prefill that is gone"
+        assert decode.quarantined() == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_request_ids_with_at_signs_complete() -> None:
     """Item 10: request ids are client-controlled; ``@`` in one must not truncate it."""
     prefill, _ = make("p", seed=1)

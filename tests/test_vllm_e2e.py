@@ -18,8 +18,10 @@ reporting exactly those prompt tokens as loaded (kvlink's Prometheus counters; p
 counted as such) and none recomputed; a control where D gets prompt B with prompt A's KV (same
 length) answers differently (so the equality can fail); a decode that comes after the prefill's
 lease expired is refused by the prefill and recomputed (D) or failed (F), never served from
-stale KV. The end-to-end test is skipped, with the reason printed, only when vllm is not
-importable.
+stale KV. Last, P is SIGKILLed holding requests and started again on the same ports: their
+decodes end at once (recomputed, or failed on F), a request the dead P held is recomputed by
+its restart's decode, and new ones load again. The end-to-end tests are skipped, with the
+reason printed, only when vllm is not importable.
 
 The connector's vLLM-free helpers (layout detection, scheduler params, the worker's pull, push,
 lease and refusal logic over real tcp) are tested below without vLLM, in seconds.
@@ -269,6 +271,73 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
     assert cluster.counter("F", "kvlink_load_failed_requests") - failed_f == 1
     assert cluster.counter("F", "kvlink_loaded_tokens") == loaded_f
     assert cluster.counter("F", "kvlink_sync_loads") - synced_f == (mode == "pull")
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_prefill_is_recomputed_and_its_restart_serves_again(cluster: Cluster) -> None:
+    """The prefill server SIGKILLed (its whole process group, as a crash or the OOM killer
+    would) while it holds requests, then brought back on the same ports, with a new engine.
+
+    Each decode of a request it held must end on its own — D recomputes it with the right
+    answer, F fails it — in seconds, not at a lease or a hang; after the restart a request
+    held by the dead incarnation (its params still naming the same address) must be
+    recomputed too, never read from the new server's blocks, and a new request must load
+    again: D finds the new prefill by itself.
+    """
+    held = {m: prompt(400 + i, 96) for i, m in enumerate(MODES)}
+    answer = {m: cluster.single(p) for m, p in held.items()}  # (while P is alive)
+    params = {m: cluster.prefill(p) for m, p in held.items()}
+    late = prompt(410, 64)
+    late_answer, late_params = cluster.single(late), cluster.prefill(late)
+    f_prompt = prompt(411, 64)
+    f_params = cluster.prefill(f_prompt)
+    cluster.servers["P"].kill()
+
+    def recomputed(p: list[int], how: dict[str, Any], want: list[int], what: str) -> None:
+        failed, loaded = (cluster.counter("D", m) for m in (
+            "kvlink_load_failed_requests", "kvlink_loaded_tokens"))
+        t0 = time.monotonic()
+        got = cluster.tokens("D", p, params=how)
+        took = time.monotonic() - t0
+        print(f"{what}: answered in {took:.1f} s")
+        assert got == want, f"{what}: {got} != {want}"
+        assert cluster.counter("D", "kvlink_load_failed_requests") - failed == 1, \
+            cluster.diagnose("D")
+        assert cluster.counter("D", "kvlink_loaded_tokens") == loaded
+        # (a push asked of it waited out the 10 s handshake timeout before: 12 s)
+        assert took < 8, f"{what}: {took:.0f} s to give up on a dead prefill"
+
+    for m in MODES:  # the prefill is gone: nothing answers at its address
+        recomputed(held[m], {**params[m], "kvlink_mode": m}, answer[m], f"{m} from a dead prefill")
+    failed_f = cluster.counter("F", "kvlink_load_failed_requests")
+    t0 = time.monotonic()
+    try:
+        out = pd.completion(cluster.url("F"), cluster.model, f_prompt, MAX_TOKENS,
+                            {**f_params, "kvlink_mode": "pull"})
+    except RuntimeError as exc:  # an error status: failed, as policy "fail" says
+        print(f"policy 'fail' from a dead prefill, in {time.monotonic() - t0:.1f} s: {exc}")
+    else:
+        assert out["choices"][0].get("finish_reason") not in ("length", "stop"), out
+    assert cluster.counter("F", "kvlink_load_failed_requests") - failed_f == 1
+    assert time.monotonic() - t0 < 8
+
+    cluster.servers["P"] = cluster.servers["P"].restarted()
+    cluster.servers["P"].wait_healthy(420)
+    # the dead incarnation's request, asked of the new one at the same address
+    recomputed(late, {**late_params, "kvlink_mode": "pull"}, late_answer,
+               "pull of a request the dead prefill held, from its restart")
+    fresh = prompt(412, 128)
+    want = cluster.single(fresh)
+    loaded = cluster.counter("D", "kvlink_loaded_tokens")
+    for m in MODES:
+        with pd.running_proxy(cluster.url("P"), cluster.url("D"),
+                              decode_params={"kvlink_mode": m}) as proxy:
+            assert cluster.tokens(proxy, fresh) == want, m
+        assert cluster.counter("D", "kvlink_loaded_tokens") - loaded == len(fresh), \
+            cluster.diagnose("D", "P")
+        loaded += len(fresh)
+        fresh = prompt(413, 128)
+        want = cluster.single(fresh)
 
 
 # ---------------------------------------------------------------------------- no vLLM needed

@@ -95,7 +95,8 @@ class Server:
     def __init__(self, name: str, cmd: list[str], port: int, log: Path,
                  env: dict[str, str] | None = None) -> None:
         self.name, self.port, self.log = name, port, log
-        self._log: IO[bytes] = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.cmd, self.env = cmd, env
+        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in stop()
         # TORCH_COMPILE_DISABLE: vLLM's vocab-parallel embedding is torch.compile'd at module
         # level and compiles with inductor at a TP > 1 CPU rank's first forwards, whatever
         # --enforce-eager says, holding that worker's GIL for seconds (docs/vllm.md, "Known
@@ -135,6 +136,20 @@ class Server:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text: str = r.read().decode()
             return text
+
+    def restarted(self) -> Server:
+        """The same server started again (same command, ports and log file, appended), after
+        this one has stopped: a prefill that crashed and was brought back by its supervisor."""
+        return Server(self.name, self.cmd, self.port, self.log, self.env)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server, engine core, workers) at once, as a
+        crash or the OOM killer would: nothing of it says goodbye to its peers."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

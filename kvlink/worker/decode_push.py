@@ -121,8 +121,13 @@ class _DecodePush(_Requests):
                                              remote.tp_size, spec.total_kv_heads,
                                              spec.mla) - ranks)
         for rank in sorted(ranks):
-            aw.asked.append(self._send(remote.host, remote.port + rank,
-                                       self._with_landing(msg, aw, rank), ask))
+            # only the process that holds req_id can push it: where a process answered us at
+            # that address before and nobody listens there now, it is gone (a restart there
+            # never held req_id) and the ask fails at once, not at its timeout (a push from a
+            # SIGKILLed vLLM prefill took 12 s to fail over to recomputing)
+            port = remote.port + rank
+            aw.asked.append(self._send(remote.host, port, self._with_landing(msg, aw, rank),
+                                       ask, live_only=self._chan.heard(remote.host, port)))
         self._awaiting[req_id] = aw
         self._chan.flush()
 
@@ -233,10 +238,14 @@ class _DecodePush(_Requests):
         return self.config.host
 
     def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> Pending:
-        return self._send(remote.host, remote.port + rank, wire.PushCancel(
+        """Ask ``rank`` to stop the push. Where nobody listens at an address that answered
+        us before, it fails at once (``live_only``, as the push request): the rank's process
+        is gone, and its grant's revocation or a fence settles it (_settle_cancels)."""
+        port = remote.port + rank
+        return self._send(remote.host, port, wire.PushCancel(
             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
             tp_rank=self.config.tp_rank, push_id=wait.push_id),
-            min(2.0, self.config.handshake_timeout))
+            min(2.0, self.config.handshake_timeout), live_only=self._chan.heard(remote.host, port))
 
     def _take_written(self) -> None:
         notes: list[wire.Notification] = []
