@@ -46,8 +46,8 @@ all), ``metadata_server`` (default "P2PHANDSHAKE"), ``timeout_s`` (30), ``max_in
 ``sub_batch_bytes`` (256 MiB), ``max_retries`` (5), ``retry_backoff_s`` (0.01), ``location``
 (``register_memory`` location of cpu regions, default "*": the engine detects the NUMA node),
 ``probe`` (check the peer answers at :meth:`connect`, default True), ``quiet`` (default True:
-sets ``GLOG_minloglevel=1`` unless already set, before the engine loads, so its per-batch INFO
-lines stay out of the log).
+sets ``MC_LOG_LEVEL=WARNING`` and ``GLOG_minloglevel=1``, each unless already set, before the
+engine loads, so its INFO lines — per engine, connection and batch — stay out of the log).
 """
 
 from __future__ import annotations
@@ -106,8 +106,11 @@ _CLOSE_WAIT = 1.5  # seconds close() waits for the peer threads before giving up
 
 
 def _import_engine(quiet: bool) -> Any:
-    if quiet:
-        os.environ.setdefault("GLOG_minloglevel", "1")  # read once, when engine.so loads
+    if quiet:  # (each unless already set; read when the engine loads)
+        # the engine's own logger: GLOG_minloglevel alone left ~10 INFO lines per engine and
+        # per connection in every log (bench/results/lifecycle_soak_transports_d4f63ce: 2,809)
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        os.environ.setdefault("GLOG_minloglevel", "1")
     try:
         from mooncake import engine
     except ImportError as exc:
