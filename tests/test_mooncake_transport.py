@@ -24,7 +24,9 @@ import msgspec
 import numpy as np
 import pytest
 
-os.environ.setdefault("GLOG_minloglevel", "1")  # before the engine loads: no per-batch INFO
+# before the engine loads (what kvlink's `quiet` sets, read once then): none of its INFO lines
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+os.environ.setdefault("GLOG_minloglevel", "1")
 try:
     import mooncake.engine  # noqa: F401
 except ImportError as _exc:
