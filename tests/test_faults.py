@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import queue
+import signal
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from test_lifecycle import until
 
 from kvlink import sidechannel, wire
 from kvlink.compat import WIRE_VERSION
 from kvlink.demo import data
+from kvlink.demo.proc import StopFlag
+from kvlink.demo.run import free_port_range
 from kvlink.errors import AuthError, ConfigError, SideChannelError
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 
@@ -142,3 +150,83 @@ def test_unauthenticated_non_loopback_bind_refused() -> None:
     srv = sidechannel.SideChannelServer("0.0.0.0", 0, lambda m: wire.Ack(v=WIRE_VERSION),
                                         secret=b"x")
     srv.close()
+
+
+def _state(pid: int | None) -> str:
+    """A process's state as the kernel shows it (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _frozen_producer(port: int, events: Any, stop: Any) -> None:
+    """A producer process holding r0 and r1, polling until ``stop``; it reports its holds'
+    generations and every release (what the test watches once it is thawed)."""
+    _buf, layers = data.allocate(GEO, 8, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="p", side_port=port))
+    try:
+        w.register(data.spec_of(GEO, layers, 1, 0))
+        events.put(("held", w.hold("r0", [1, 2]), w.hold("r1", [3, 4])))
+        while not stop.is_set():
+            w.poll()
+            for rel in w.released():
+                events.put(("released", rel.req_id, rel.why))
+            time.sleep(0.001)
+    finally:
+        w.close()
+
+
+@pytest.mark.fault("a producer process stopped (SIGSTOP: alive, connections open, silent) "
+                   "under a READ, then resumed")
+def test_a_read_from_a_frozen_producer_fails_at_the_transports_deadline(
+        observed: Callable[[str], None]) -> None:
+    """A prefill that stops answering mid-flight (SIGSTOP; a hung host, a long pause) after a
+    READ of it went well: the next READ moves nothing, fails once its transport saw no byte
+    move for ``timeout_s`` (here 2 s; tcp's default 30) and its report went unanswered (2
+    s), so the request is failed — recomputed — in seconds, not held for ever; resumed, the
+    producer learns of the failure and releases the hold at once, not at its lease's end."""
+    ctx = mp.get_context("spawn")
+    events: Any = ctx.Queue()
+    stop = StopFlag(ctx)
+    port = free_port_range(1)
+    child = ctx.Process(target=_frozen_producer, args=(port, events, stop), daemon=True)
+    child.start()
+    w, _ = make("d", transport_options={"tcp": {"timeout_s": 2.0}})
+    stopped = False
+    try:
+        _, gen0, gen1 = events.get(timeout=60)
+        remote = RemoteEngine("p", "127.0.0.1", port)
+        w.read("r0", remote, [5, 6], [1, 2], generation=gen0)
+        assert wait(w, "r0") == (True, "")
+        os.kill(child.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        stopped = True
+        until(lambda: _state(child.pid) in ("T", "t"), 10, "the producer stopped")
+        t0 = time.monotonic()
+        w.read("r1", remote, [6, 7], [3, 4], generation=gen1)
+        ok, reason = wait(w, "r1", timeout=30)
+        took = time.monotonic() - t0
+        observed(f"failed after {took:.2f}s: {reason}")
+        assert not ok and "no bytes moved within 2.0s" in reason, reason
+        assert took < 8, f"{took:.1f}s for a READ of a frozen producer to fail"
+        os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        stopped = False
+        t1 = time.monotonic()
+        released: dict[str, object] = {}
+        while "r1" not in released:
+            w.poll()  # (our report of the failure leaves with a poll)
+            try:
+                ev = events.get(timeout=0.01)
+            except queue.Empty:
+                assert time.monotonic() - t1 < 10, f"r1 not released: {released}"
+                continue
+            released[ev[1]] = ev[2]
+        observed(f"resumed, it released r1 after {time.monotonic() - t1:.2f}s: "
+                 f"{released['r1']}")
+        assert "expired" not in str(released["r1"])
+    finally:
+        if stopped:
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+        w.close()
