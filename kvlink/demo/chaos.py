@@ -8,8 +8,8 @@ consumer (the calling process) takes every request it is told about over the sch
 transport (tcp by default; nixl and mooncake too: a peer killed under their engines'
 connections and restarted at the same address), pulling some and having the others pushed; it
 stalls its step loop at random (sometimes past the lease), and the producer's step reaches a
-push request up to 1.5x the decode's push timeout late, so pushes
-are cancelled, refused and killed mid-flight. A schedule passes when:
+push request up to 1.5x the decode's push timeout late, so pushes are cancelled, refused and
+killed mid-flight. A schedule passes when:
 
 - every finished receive holds that request's own bytes;
 - every receive resolves before its deadline;
