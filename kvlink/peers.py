@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
@@ -61,7 +63,13 @@ class Peer:
     board: BoardView | None = None
 
 
-Call = Callable[[str, int, wire._Msg], wire._Msg]
+class Call(Protocol):
+    """A blocking side-channel call (kvlink.sidechannel.request's shape)."""
+
+    def __call__(self, host: str, port: int, msg: wire._Msg, timeout: float | None = None,
+                 live_only: bool = False) -> wire._Msg: ...
+
+
 Submit = Callable[[Callable[[RemoteEngine, int], Peer], RemoteEngine, int], "cf.Future[Peer]"]
 
 
@@ -84,10 +92,14 @@ class PeerTable:
     def _key(remote: RemoteEngine, rank: int) -> tuple[str, str, int]:
         return (remote.engine_id, remote.host, remote.port + rank)
 
-    def get(self, remote: RemoteEngine, rank: int,
-            incarnation: int | None = None) -> cf.Future[Peer]:
+    def get(self, remote: RemoteEngine, rank: int, incarnation: int | None = None,
+            live: bool = False) -> cf.Future[Peer]:
         """The handshake with ``remote``'s ``rank``, started if none is cached (or the cached
-        one failed); ``incarnation``: what the peer says it is now, older state is dropped."""
+        one failed); ``incarnation``: what the peer says it is now, older state is dropped.
+        ``live``: the caller knows ``remote`` was serving (it holds what the caller is about
+        to READ, or asked the caller for a push), so a handshake this starts fails at once
+        where nobody listens there: that process is gone (a cold READ of a SIGKILLed
+        prefill waited out ``handshake_timeout``, 10 s, before)."""
         key = self._key(remote, rank)
         with self._lock:
             fut = self._peers.get(key)
@@ -97,7 +109,7 @@ class PeerTable:
                 if stale:
                     self._peers.pop(key)
                     _disconnect(fut, "it restarted")
-                fut = self._submit(self._handshake, remote, rank)
+                fut = self._submit(functools.partial(self._handshake, live=live), remote, rank)
                 self._peers[key] = fut
                 self.epoch += 1
             return fut
@@ -142,13 +154,14 @@ class PeerTable:
                         *endpoint, engine_id)
             _disconnect(fut, "replaced")
 
-    def _handshake(self, remote: RemoteEngine, rank: int) -> Peer:
+    def _handshake(self, remote: RemoteEngine, rank: int, live: bool = False) -> Peer:
         engine_id, agent_name, tp_rank, tp_size = self._me
         spec = self._spec()
         where = f"{remote.host}:{remote.port + rank}"
         reply = self._call(remote.host, remote.port + rank, wire.HandshakeRequest(
             v=WIRE_VERSION, engine_id=engine_id, agent_name=agent_name, tp_rank=tp_rank,
-            tp_size=tp_size, host_id=host_id(), compat=compat_hash(spec.geometry())))
+            tp_size=tp_size, host_id=host_id(), compat=compat_hash(spec.geometry())),
+            live_only=live)
         if not isinstance(reply, wire.HandshakeResponse):
             raise HandshakeError(f"{where} answered {type(reply).__name__} to a handshake")
         if reply.engine_id != remote.engine_id or reply.tp_rank != rank:

@@ -34,8 +34,9 @@ class _Call:
     ``cancel`` is seen within that, and nothing past ``timeout``."""
 
     def __init__(self, host: str, port: int, what: str, timeout: float,
-                 cancel: threading.Event | None) -> None:
+                 cancel: threading.Event | None, live_only: bool = False) -> None:
         self.host, self.port, self.what = host, port, what
+        self.live_only = live_only
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.cancel = cancel
@@ -69,7 +70,8 @@ class _Call:
 
     def connect(self) -> socket.socket:
         """Connected, or PeerUnreachable at the deadline: a refused connection is tried again
-        (a peer starting up binds a moment later), as ZMQ did."""
+        (a peer starting up binds a moment later), as ZMQ did — unless ``live_only``: the
+        caller knows a process was serving there (see :func:`request`)."""
         try:
             info = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         except OSError as exc:
@@ -94,6 +96,10 @@ class _Call:
                 return sock
             sock.close()
             self.why = f"connect: {os.strerror(err)}"
+            if self.live_only and err == errno.ECONNREFUSED:
+                raise PeerUnreachable(
+                    f"side channel {self.host}:{self.port}: nobody listens there (connection "
+                    f"refused; {self.what} not sent): the process that served there is gone")
             self._pause(_RETRY)
 
     def send(self, data: bytes) -> None:
@@ -156,7 +162,8 @@ def _raise_error(where: str, reply: wire._Msg) -> None:
 
 
 def request(host: str, port: int, msg: wire._Msg, timeout: float,
-            secret: bytes | None = None, cancel: threading.Event | None = None) -> wire._Msg:
+            secret: bytes | None = None, cancel: threading.Event | None = None,
+            live_only: bool = False) -> wire._Msg:
     """One request, one reply, within ``timeout`` seconds (PeerUnreachable otherwise).
 
     A fresh connection per call (so a call that timed out can never receive a stale reply
@@ -167,12 +174,14 @@ def request(host: str, port: int, msg: wire._Msg, timeout: float,
     set, the call gives up within 50 ms (a closing worker must not wait out a dead peer's
     timeout). An ``ErrorReply`` answer raises, with the peer's code in the exception's
     ``code``: AuthError (``auth``), IncompatibleSpecError (``incompatible``), else
-    SideChannelError.
+    SideChannelError. ``live_only``: the caller knows a process served at ``host:port`` (it
+    handed out what the caller asks about), so a refused connection fails at once: that
+    process is gone, and whoever starts there next never held it.
     """
     where = f"{host}:{port}"
     if secret is not None and not isinstance(msg, _REQUESTS):
         raise TypeError(f"{type(msg).__name__} is not a request (wire.Request)")
-    call = _Call(host, port, type(msg).__name__, timeout, cancel)
+    call = _Call(host, port, type(msg).__name__, timeout, cancel, live_only)
     try:
         call.connect()
         if secret is None:

@@ -87,10 +87,10 @@ class _Peering:
         with self._lock:
             self._calls.discard(fut)
 
-    def _call(self, host: str, port: int, msg: wire._Msg,
-              timeout: float | None = None) -> wire._Msg:
+    def _call(self, host: str, port: int, msg: wire._Msg, timeout: float | None = None,
+              live_only: bool = False) -> wire._Msg:
         return sidechannel.request(host, port, msg, timeout or self.config.handshake_timeout,
-                                   self._secret, cancel=self._abort)
+                                   self._secret, cancel=self._abort, live_only=live_only)
 
 
     # ------------------------------------------------------------------ handshake (server)
@@ -131,9 +131,9 @@ class _Peering:
         return out
 
     # ------------------------------------------------------------------ handshake (client)
-    def _peer(self, remote: RemoteEngine, rank: int,
-              incarnation: int | None = None) -> cf.Future[Peer]:
-        return self.peers.get(remote, rank, incarnation)
+    def _peer(self, remote: RemoteEngine, rank: int, incarnation: int | None = None,
+              live: bool = False) -> cf.Future[Peer]:
+        return self.peers.get(remote, rank, incarnation, live)
 
     def forget_peer(self, engine_id: str, rank: int) -> None:
         """Drop cached handshake state of ``engine_id``'s ``rank`` at every address (the next

@@ -215,8 +215,12 @@ class _Requests(_Parts):
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
         inc = push.incarnation if push is not None and push.incarnation else None
+        # a producer that held it (its generation) or a decode that asked for it (the push)
+        # was serving: a handshake with it that finds nobody listening fails at once
+        live = generation is not None or push is not None
         req = _Request(req_id, op, remote, lids, rids,
-                       [_Part(r, self._peer(remote, r.remote_rank, inc)) for r in reads],
+                       [_Part(r, self._peer(remote, r.remote_rank, inc, live))
+                        for r in reads],
                        time.perf_counter(), generation=generation, push=push, push_key=key,
                        lease=lease, digests=digests, layers=layers, layered=layered,
                        landing=landing)  # set before the first post: they decide how

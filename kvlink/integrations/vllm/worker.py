@@ -372,8 +372,9 @@ class PullWorker(LayerwisePushes):
         remote = _engine(gate.req.remote)
         for rank in gate.ranks:
             fut = gate.futs.get(rank)
-            if fut is None:  # starts the handshake if none is cached
-                fut = gate.futs[rank] = self._w().peers.get(remote, rank)
+            if fut is None:  # starts the handshake if none is cached (the prefill that made
+                # the params was serving: nobody listening there now means it is gone)
+                fut = gate.futs[rank] = self._w().peers.get(remote, rank, live=True)
             if not fut.done():
                 return _WAIT
             exc = fut.exception()
