@@ -96,10 +96,10 @@ class PeerTable:
             live: bool = False) -> cf.Future[Peer]:
         """The handshake with ``remote``'s ``rank``, started if none is cached (or the cached
         one failed); ``incarnation``: what the peer says it is now, older state is dropped.
-        ``live``: the caller knows ``remote`` was serving (it holds what the caller is about
-        to READ, or asked the caller for a push), so a handshake this starts fails at once
-        where nobody listens there: that process is gone (a cold READ of a SIGKILLed
-        prefill waited out ``handshake_timeout``, 10 s, before)."""
+        ``live``: the caller knows ``remote`` was serving (it answered with the params the
+        caller is about to READ by, or asked the caller for a push), so a handshake this
+        starts fails at once where nobody listens there: that process is gone (a decode's
+        first READ of a SIGKILLed vLLM prefill waited out ``handshake_timeout``, 10 s)."""
         key = self._key(remote, rank)
         with self._lock:
             fut = self._peers.get(key)

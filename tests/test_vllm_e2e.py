@@ -696,6 +696,30 @@ def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
     return first_received(cons.results, timeout)
 
 
+def test_a_load_from_a_prefill_that_is_gone_fails_at_once() -> None:
+    """A decode that never loaded from this prefill gets params from it (so it was serving),
+    and the prefill dies before the load: nobody listens at its side channel, so the first
+    handshake fails at once and the load is recomputed — it waited out ``handshake_timeout``
+    (10 s) before. (A caller of the core API may mint generations before its producer starts,
+    as the demo does: there a refused handshake is still tried again until the timeout.)"""
+    port = free_port_range(1)
+    extra = {"side_channel_port": port}
+    prod, cons, _src, _dst = _pair(extra, extra)
+    try:
+        prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
+        prod.close()
+        t0 = time.monotonic()
+        cons.start(StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 64)]))
+        res = steps_consumer_only(cons)
+        took = time.monotonic() - t0
+        assert res.finished_recving == {"d1"}
+        assert "nobody listens" in res.failed_recving["d1"], res.failed_recving
+        assert took < 2.0, f"{took:.1f}s to give up on a prefill that is gone"
+    finally:
+        prod.close()
+        cons.close()
+
+
 def test_push_times_out_when_the_prefill_never_writes() -> None:
     """A prefill that accepted the push and then hangs: the decode gives its blocks up at
     push_timeout and reports the receive failed (recomputed or failed by policy)."""

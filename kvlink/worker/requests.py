@@ -54,14 +54,18 @@ class _Requests(_Parts):
 
     # ------------------------------------------------------------------ transfers
     def read(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
-             remote_ids: npt.ArrayLike, generation: int | None = None) -> None:
+             remote_ids: npt.ArrayLike, generation: int | None = None, *,
+             live: bool = False) -> None:
         """Pull a request's blocks (non-blocking); completion is reported by :meth:`poll`.
 
         Finished means the producer confirmed its lease was intact for the whole READ.
         ``generation``: the producer's hold (:meth:`hold`'s answer, passed along with the block
         ids): the READ is posted here, at once (once the peer's handshake is cached), and
         validated after; without it, a read intent asks the producer for the generation first
-        (one more round trip)."""
+        (one more round trip). ``live``: the producer handed us this request itself (its
+        answer carried the ids, as vLLM's params do), so it was serving: where nobody listens
+        at its address any more, a first handshake with it fails at once rather than at
+        ``handshake_timeout`` — leave it False where the producer may not have started yet."""
         if generation is not None:
             if not 0 < generation < 2**63:
                 raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
@@ -74,7 +78,8 @@ class _Requests(_Parts):
                                                     remote_ids, generation, digests):
                 self._last_route = (remote, route)
                 return
-        self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation)
+        self._start(req_id, Op.READ, remote, local_ids, remote_ids, generation=generation,
+                    live=live)
 
     def _read_now(self, route: _Route, req_id: str, remote: RemoteEngine,
                   local_ids: npt.ArrayLike, remote_ids: npt.ArrayLike, generation: int,
@@ -201,7 +206,8 @@ class _Requests(_Parts):
                generation: int | None = None, lease: tuple[str, int] | None = None,
                digests: tuple[list[int], bytes, bool] | RangeDigests | None = None,
                layers: tuple[int, int] | None = None, layered: str | None = None,
-               landing: tuple[LandingView, int, int] | None = None) -> None:
+               landing: tuple[LandingView, int, int] | None = None,
+               live: bool = False) -> None:
         spec = self._require_spec()
         wire.check_id(req_id if push is None else push.req_id, "request id")
         if req_id in self._requests:
@@ -215,12 +221,13 @@ class _Requests(_Parts):
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
         inc = push.incarnation if push is not None and push.incarnation else None
-        # a producer that held it (its generation) or a decode that asked for it (the push)
-        # was serving: a handshake with it that finds nobody listening fails at once
-        live = generation is not None or push is not None
+        # a peer that handed us the request (``live``), or a decode that asked for this push,
+        # was serving: a handshake with it that finds nobody listening fails at once. (Not
+        # inferred from a READ's generation: a caller may mint it before the producer
+        # starts, as the demo does)
+        live = live or push is not None
         req = _Request(req_id, op, remote, lids, rids,
-                       [_Part(r, self._peer(remote, r.remote_rank, inc, live))
-                        for r in reads],
+                       [_Part(r, self._peer(remote, r.remote_rank, inc, live)) for r in reads],
                        time.perf_counter(), generation=generation, push=push, push_key=key,
                        lease=lease, digests=digests, layers=layers, layered=layered,
                        landing=landing)  # set before the first post: they decide how

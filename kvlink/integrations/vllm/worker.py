@@ -336,8 +336,10 @@ class PullWorker(LayerwisePushes):
                 self._w().expect_push(r.remote.request_id, _engine(r.remote), local,
                                       timeout=min(self.s.push_timeout, left))
             else:
+                # (the params are the prefill's answer: it was serving, so nobody listening
+                # there now means it is gone)
                 self._w().read(r.remote.request_id, _engine(r.remote), local, remote_ids,
-                               generation=r.remote.generation or None)
+                               generation=r.remote.generation or None, live=True)
         except KVLinkError as exc:
             self._fail(r, str(exc))
             return
