@@ -696,20 +696,26 @@ def steps_consumer_only(cons: PullWorker, timeout: float = 15.0) -> Any:
     return first_received(cons.results, timeout)
 
 
-def test_a_load_from_a_prefill_that_is_gone_fails_at_once() -> None:
-    """A decode that never loaded from this prefill gets params from it (so it was serving),
+@pytest.mark.parametrize("mode", MODES)
+def test_a_load_from_a_prefill_that_is_gone_fails_at_once(mode: str) -> None:
+    """A decode that never talked to this prefill gets params from it (so it was serving),
     and the prefill dies before the load: nobody listens at its side channel, so the first
-    handshake fails at once and the load is recomputed — it waited out ``handshake_timeout``
-    (10 s) before. (A caller of the core API may mint generations before its producer starts,
-    as the demo does: there a refused handshake is still tried again until the timeout.)"""
-    port = free_port_range(1)
-    extra = {"side_channel_port": port}
-    prod, cons, _src, _dst = _pair(extra, extra)
+    handshake (pull) or the push request fails at once and the load is recomputed. Before,
+    a pull waited out ``handshake_timeout`` (10 s) and a push ``push_timeout`` (30 s by
+    default, 4 s here). (A caller of the core API may mint generations before its producer
+    starts, as the demo does: there a refused handshake is still tried again until its
+    timeout.)"""
+    port, dport = free_port_range(1), free_port_range(1)
+    push = mode == "push"
+    extra_c = {"side_channel_port": dport, "mode": "push", "push_timeout": 4.0} if push \
+        else {"side_channel_port": dport}
+    prod, cons, _src, _dst = _pair({"side_channel_port": port}, extra_c)
     try:
         prod.start(StepPlan(send=[SendReq("r1", (1, 3))]))
         prod.close()
         t0 = time.monotonic()
-        cons.start(StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 64)]))
+        cons.start(StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 64,
+                                          push=push)]))
         res = steps_consumer_only(cons)
         took = time.monotonic() - t0
         assert res.finished_recving == {"d1"}

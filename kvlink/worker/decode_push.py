@@ -85,13 +85,15 @@ class _DecodePush(_Requests):
         return wire.Ack(v=WIRE_VERSION)
 
     def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
-                    timeout: float = 60.0) -> None:
+                    timeout: float = 60.0, *, live: bool = False) -> None:
         """Decode side: ask the prefill ranks to WRITE this request into ``local_ids``.
 
         Finished once every prefill rank signalled "written". After ``timeout`` (or a refusal)
         the push is cancelled; it is reported failed only once no byte of it can still land
         (every rank answered the cancel, or its transport fenced the prefill off), so the
-        caller may reuse the blocks the moment it is reported.
+        caller may reuse the blocks the moment it is reported. ``live`` (as :meth:`read`'s):
+        the prefill handed us this request itself, so where nobody listens at its address
+        the ask fails at once, as it does at an address that answered us before.
         """
         spec = self._require_spec()
         if self._server is None:
@@ -119,7 +121,7 @@ class _DecodePush(_Requests):
         aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id),
                        others=notify_targets(self.config.tp_size, self.config.tp_rank,
                                              remote.tp_size, spec.total_kv_heads,
-                                             spec.mla) - ranks)
+                                             spec.mla) - ranks, live=live)
         for rank in sorted(ranks):
             # only the process that holds req_id can push it: where a process answered us at
             # that address before and nobody listens there now, it is gone (a restart there
@@ -127,7 +129,8 @@ class _DecodePush(_Requests):
             # SIGKILLed vLLM prefill took 12 s to fail over to recomputing)
             port = remote.port + rank
             aw.asked.append(self._send(remote.host, port, self._with_landing(msg, aw, rank),
-                                       ask, live_only=self._chan.heard(remote.host, port)))
+                                       ask, live_only=live or self._chan.heard(remote.host,
+                                                                                port)))
         self._awaiting[req_id] = aw
         self._chan.flush()
 
@@ -237,15 +240,18 @@ class _DecodePush(_Requests):
             return socket.getfqdn()
         return self.config.host
 
-    def _cancel_push(self, remote: RemoteEngine, rank: int, wait: PushWait) -> Pending:
+    def _cancel_push(self, aw: _Awaiting, rank: int) -> Pending:
         """Ask ``rank`` to stop the push. Where nobody listens at an address that answered
-        us before, it fails at once (``live_only``, as the push request): the rank's process
-        is gone, and its grant's revocation or a fence settles it (_settle_cancels)."""
+        us before (or of a ``live`` push), it fails at once (``live_only``, as the push
+        request): the rank's process is gone, and its grant's revocation or a fence settles
+        it (_settle_cancels)."""
+        remote, wait = aw.remote, aw.wait
         port = remote.port + rank
         return self._send(remote.host, port, wire.PushCancel(
             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
             tp_rank=self.config.tp_rank, push_id=wait.push_id),
-            min(2.0, self.config.handshake_timeout), live_only=self._chan.heard(remote.host, port))
+            min(2.0, self.config.handshake_timeout),
+            live_only=aw.live or self._chan.heard(remote.host, port))
 
     def _take_written(self) -> None:
         notes: list[wire.Notification] = []
@@ -420,7 +426,7 @@ class _DecodePush(_Requests):
             fut = aw.cancels.get(rank)
             if fut is None:
                 if now >= wait.next_cancel:
-                    aw.cancels[rank] = self._cancel_push(aw.remote, rank, wait)
+                    aw.cancels[rank] = self._cancel_push(aw, rank)
                 continue
             if not fut.done():
                 continue

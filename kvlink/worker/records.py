@@ -272,6 +272,8 @@ class _Awaiting:
     #: per prefill rank, the check of its end on our landing board, bound once its hold
     #: is written there (kvlink.landing.EndCheck)
     ends: dict[int, EndCheck] = dataclasses.field(default_factory=dict)
+    #: the prefill handed us this request itself (expect_push's ``live``): it was serving
+    live: bool = False
 
 
 def _push_rid(msg: wire.PushRequest) -> str:
