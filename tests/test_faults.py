@@ -170,7 +170,7 @@ def _frozen_producer(port: int, events: Any, stop: Any) -> None:
             w.poll()
             for rel in w.released():
                 events.put(("released", rel.req_id, rel.why))
-            time.sleep(0.001)
+            w.wait(0.001)  # its step loop idles (woken by an answer), as a prefill's would
     finally:
         w.close()
 

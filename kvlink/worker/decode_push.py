@@ -127,10 +127,9 @@ class _DecodePush(_Requests):
             # that address before and nobody listens there now, it is gone (a restart there
             # never held req_id) and the ask fails at once, not at its timeout (a push from a
             # SIGKILLed vLLM prefill took 12 s to fail over to recomputing)
-            port = remote.port + rank
-            aw.asked.append(self._send(remote.host, port, self._with_landing(msg, aw, rank),
-                                       ask, live_only=live or self._chan.heard(remote.host,
-                                                                                port)))
+            aw.asked.append(self._send(remote.host, remote.port + rank,
+                                       self._with_landing(msg, aw, rank), ask,
+                                       live_only=self._gone_if_refused(aw, rank)))
         self._awaiting[req_id] = aw
         self._chan.flush()
 
@@ -246,12 +245,15 @@ class _DecodePush(_Requests):
         request): the rank's process is gone, and its grant's revocation or a fence settles
         it (_settle_cancels)."""
         remote, wait = aw.remote, aw.wait
-        port = remote.port + rank
-        return self._send(remote.host, port, wire.PushCancel(
+        return self._send(remote.host, remote.port + rank, wire.PushCancel(
             v=WIRE_VERSION, engine_id=self.config.engine_id, req_id=wait.req_id,
             tp_rank=self.config.tp_rank, push_id=wait.push_id),
-            min(2.0, self.config.handshake_timeout),
-            live_only=aw.live or self._chan.heard(remote.host, port))
+            min(2.0, self.config.handshake_timeout), live_only=self._gone_if_refused(aw, rank))
+
+    def _gone_if_refused(self, aw: _Awaiting, rank: int) -> bool:
+        """Whether a push's message to ``rank`` is ``live_only``: the push is ``live`` (the
+        prefill handed us the request), or that address answered us before."""
+        return aw.live or self._chan.heard(aw.remote.host, aw.remote.port + rank)
 
     def _take_written(self) -> None:
         notes: list[wire.Notification] = []
