@@ -85,6 +85,12 @@ class PushSlots:
         self._put(key, _Slot(Slot.QUEUED, now + ttl))
         return True
 
+    def asked_to_stop(self, key: PushKey) -> bool:
+        """Whether a cancel of ``key`` came before (a decode asks again every
+        ``handshake_timeout`` while the push is in flight)."""
+        slot = self._slots.get(key)
+        return slot is not None and (slot.stop or slot.state is Slot.CANCELLED)
+
     def cancel(self, key: PushKey) -> str:
         slot = self._slots.get(key)
         if slot is None:  # not arrived (yet): a tombstone refuses it if it does

@@ -9,6 +9,7 @@ before the fix. Nothing here waits by sleeping: every wait is on an answer, a pi
 
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
@@ -337,6 +338,31 @@ def test_expired_pushes_dropped_from_the_queue() -> None:
         state = sidechannel.request("127.0.0.1", w.side_port, wire.PushCancel(
             v=V, engine_id="attacker", req_id="r0", tp_rank=0, push_id=1), ATTACK_TIMEOUT)
         assert isinstance(state, wire.PushState) and state.state == "cancelled"
+    finally:
+        w.close()
+
+
+def test_a_cancel_asked_again_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A decode asks its cancel again every ``handshake_timeout`` while the prefill answers
+    that the push is in flight — for good, where the transport cannot revoke a posted WRITE
+    (NIXL: bench/results/vllm_transports_cpu/, an INFO line every 10 s in the prefill's log).
+    The prefill logs the first cancel of a push at INFO and the repeats at DEBUG; each is
+    still answered with where the push stands."""
+    w = KVWorker(WorkerConfig(engine_id="prefill", serve_pushes=True))
+    try:
+        w.register(data.spec_of(GEO, data.allocate(GEO, 8, 1, 0)[1], 1, 0))
+        assert isinstance(sidechannel.request("127.0.0.1", w.side_port, push_request(
+            push_id=7, ttl_ms=60_000), ATTACK_TIMEOUT), wire.Ack)
+        cancel = wire.PushCancel(v=V, engine_id="attacker", req_id="req-0", tp_rank=0,
+                                 push_id=7)
+        with caplog.at_level(logging.DEBUG, logger="kvlink"):
+            states = [sidechannel.request("127.0.0.1", w.side_port, cancel, ATTACK_TIMEOUT)
+                      for _ in range(3)]
+        assert all(isinstance(x, wire.PushState) and x.state == "cancelled" for x in states)
+        said = [(r.levelno, r.getMessage()) for r in caplog.records
+                if "cancelled by the decode" in r.getMessage()]
+        assert [level for level, _ in said] == [logging.INFO, logging.DEBUG, logging.DEBUG], said
+        assert said[1][1].endswith("(asked again)")
     finally:
         w.close()
 

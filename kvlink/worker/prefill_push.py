@@ -102,12 +102,16 @@ class _PrefillPush(_Requests):
                                "ids) wait already: is this rank serving pushes?")
 
     def _answer_cancel(self, msg: wire.PushCancel) -> wire.Reply:
-        """The decode cancels a push (it timed out): answered with where the push stands."""
+        """The decode cancels a push (it timed out): answered with where the push stands.
+        Logged once a push: a WRITE no transport can revoke stays in flight, and its decode
+        asks again every ``handshake_timeout`` (an INFO line each time filled the log)."""
+        key = push_key(msg.engine_id, msg.tp_rank, msg.req_id, msg.push_id)
         with self._lock:
-            state = self._push_slots.cancel(push_key(msg.engine_id, msg.tp_rank, msg.req_id,
-                                                     msg.push_id))
-        log.info("push of %s to %s rank %d cancelled by the decode: %s", msg.req_id,
-                 msg.engine_id, msg.tp_rank, state)
+            again = self._push_slots.asked_to_stop(key)
+            state = self._push_slots.cancel(key)
+        log.log(logging.DEBUG if again else logging.INFO,
+                "push of %s to %s rank %d cancelled by the decode: %s%s", msg.req_id,
+                msg.engine_id, msg.tp_rank, state, " (asked again)" if again else "")
         return wire.PushState(v=WIRE_VERSION, state=state)
 
     def queued_pushes(self) -> int:
