@@ -360,7 +360,7 @@ def _not_cut_once_moved(a: Node, b: Node, monkeypatch: pytest.MonkeyPatch) -> No
     def gil_starved(state: np.ndarray) -> None:  # injected timing: no GIL for a while
         # only the READ below: the first READ's thread may still be on its way to its own
         # leave (its reader saw DONE as the last byte went); starved, it held the connection
-        # 10 s and the READ below timed out unread (2 full-suite CI runs, 1 in 40 under load)
+        # 10 s and the READ below timed out unread (3 full-suite runs, 1 in 40 under load)
         if getattr(late, "on", False):
             held.set()
             go.wait(10.0)
