@@ -155,6 +155,30 @@ def test_a_push_asked_of_a_prefill_that_is_gone_fails_at_once(
         decode.close()
 
 
+@pytest.mark.fault("pull: the prefill is gone before the decode's first handshake with it")
+def test_a_read_of_a_prefill_that_is_gone_fails_at_once(observed: Callable[[str], None]) -> None:
+    """A READ told ``live=True`` (the prefill handed us the request: vLLM's params come from
+    its answer) whose prefill then died, from a decode that never talked to it: nobody
+    listens at its side channel, so the handshake fails at once — not at
+    ``handshake_timeout`` (10 s, the cold READ's wait before)."""
+    prefill, _ = make("p", seed=1)
+    decode, _ = make("d")
+    try:
+        gen = prefill.hold("r1", [1, 2])
+        where = remote(prefill)
+        prefill.close()
+        t0 = time.monotonic()
+        decode.read("r1", where, [3, 4], [1, 2], generation=gen, live=True)
+        ok, reason = outcome(decode, "r1", 20)
+        took = time.monotonic() - t0
+        observed(f"failed in {took:.2f}s: {reason}")
+        assert not ok and "nobody listens" in reason, reason
+        assert took < 2.0, f"{took:.1f}s to give up on a prefill that is gone"
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_request_ids_with_at_signs_complete() -> None:
     """Item 10: request ids are client-controlled; ``@`` in one must not truncate it."""
     prefill, _ = make("p", seed=1)

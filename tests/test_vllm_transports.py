@@ -13,32 +13,26 @@ transport's library is not importable (CI installs both).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_lifecycle_chaos import _NEEDS, _importable
+from test_vllm_e2e import VLLM_MISSING
 
 from kvlink.demo.run import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "examples" / "vllm_pd" / "launch.py"
-LIBRARY = {"nixl": "nixl._api", "mooncake": "mooncake.engine"}
-
-
-def _missing(module: str) -> str:
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ImportError as exc:
-        return f"{module} is not importable ({exc})"
-    return "" if found else f"{module} is not installed"
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", sorted(LIBRARY))
+@pytest.mark.parametrize("transport", sorted(_NEEDS))
 def test_the_example_pulls_and_pushes_over(transport: str, tmp_path: Path) -> None:
-    why = _missing("vllm") or _missing(LIBRARY[transport])
+    module, install = _NEEDS[transport]
+    why = VLLM_MISSING or ("" if _importable(module) else
+                           f"{module} is not importable: {install}")
     if why:
         print(f"\nskipping vLLM over {transport}: {why}")
         pytest.skip(why)
