@@ -97,10 +97,11 @@ def pinned(index: int, cmd: list[str], env: dict[str, str]) -> tuple[list[str], 
 
 #: a server's processes in a process group of their own (stop() ends its engine too), in the
 #: launcher's session: a session of its own is an autogroup of its own for Linux's scheduler,
-#: and two servers in two autogroups sharing a CPU met a kernel scheduler bug (EEVDF's
-#: zero_vruntime tracking, fixed upstream in 2026) that kept one server's group off that CPU
-#: for the whole 30 s of a transfer: both servers on one CPU failed 8 launches of 8 in
-#: sessions of their own and passed 6 of 6 in one (bench/results/vllm_transports_cpu/).
+#: and two servers in two autogroups sharing a CPU met a kernel scheduler bug (the running
+#: group's vruntime went backwards; most likely EEVDF's zero_vruntime tracking, which Linux
+#: fixed in 2026) that kept the other server's group off that CPU for the whole 30 s of a
+#: transfer: both servers' workers on one CPU failed 11 launches of 11 in sessions of their
+#: own and passed 6 of 6 in one (bench/results/vllm_transports_cpu/autogroup/).
 #: Python 3.10 has no process_group: a session of its own there.
 _OWN_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
