@@ -61,8 +61,8 @@ def test_a_server_is_a_process_group_of_the_launchers_session(tmp_path: Path) ->
     bug that kept one server's whole group off that CPU for the 30 s of a transfer: with
     both workers on one CPU, 11 launches of 11 failed in sessions of their own and 6 of 6
     passed in one, unpinned 3 of 3 (bench/results/vllm_transports_cpu/autogroup/)."""
-    server = pd.Server("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], 0,
-                       tmp_path / "sleeper.log")
+    server = pd.Server("pauser", [sys.executable, "-c", "import signal; signal.pause()"], 0,
+                       tmp_path / "pauser.log")
     try:
         child = server.proc.pid
         assert os.getpgid(child) == child, "the server leads no process group of its own"
