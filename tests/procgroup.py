@@ -1,11 +1,21 @@
-"""Test helper: end a child started in its own process group, and everything it started."""
+"""Test helper: start a child in a process group of its own, and end it with everything it
+started."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 from typing import Any
+
+#: ``Popen`` keywords that put a child in a process group of its own inside our session, so
+#: ``kill_group`` ends it and whatever it spawned. Not ``start_new_session``: a session of its
+#: own is an autogroup of its own to Linux's scheduler, and on a shared CPU this VM's kernel
+#: kept a whole autogroup off the CPU for seconds (bench/results/vllm_transports_cpu/autogroup/).
+#: Python 3.10 has no ``process_group``: a session of its own there.
+OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True})
 
 
 def kill_group(proc: subprocess.Popen[Any]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from procgroup import kill_group
+from procgroup import OWN_GROUP, kill_group
 
 from kvlink.bench import wire
 from kvlink.errors import WireError, WireVersionError
@@ -97,7 +97,7 @@ def _serving(*args: str, env: dict[str, str] | None = None,
     with its session whatever the outcome."""
     proc = subprocess.Popen([*KVLINK, "bench", "--server", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
-                            start_new_session=True, env=env or ENV)
+                            **OWN_GROUP, env=env or ENV)
     out = Lines(proc)
     try:
         line = out.next(60)

@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 import pytest
-from procgroup import kill_group
+from procgroup import OWN_GROUP, kill_group
 
 from kvlink.demo.run import free_port_range
 
@@ -209,7 +209,7 @@ def test_decode_rank_killed_at_startup_ends_demo_at_once() -> None:
     demo ends within 5 s, naming it and the signal."""
     proc = subprocess.Popen([*KVLINK, "demo", "--requests", "4", "--cache-gib", "0.5",
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, **OWN_GROUP)
     try:
         deadline = time.monotonic() + 120
         while len(kids := _children(proc.pid)) < 2:  # prefill first, then the decode
@@ -267,7 +267,7 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
     proc = subprocess.Popen([*KVLINK, "serve", *SMALL, "--prefill-tp", "2",
                              "--port", str(port), "--cache-gib", "0.01"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            **OWN_GROUP)
     assert proc.stdout is not None
     try:
         with selectors.DefaultSelector() as sel:

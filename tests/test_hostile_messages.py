@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from procgroup import OWN_GROUP
 from test_lifecycle import outcome
 
 from kvlink import sidechannel, wire
@@ -49,7 +50,7 @@ class Serve:
              "--block-size", str(GEO.block_size), "--tokens", "64", "--requests", str(requests),
              "--cache-gib", str(self.plan.cache_bytes / 2**30), "--mode", mode,
              "--timeout", "20", "--port", str(self.plan.port)],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=self.log, text=True, **OWN_GROUP)
         assert self.proc.stdout is not None
         with selectors.DefaultSelector() as sel:  # the CLI prints once its ranks are ready
             sel.register(self.proc.stdout, selectors.EVENT_READ)
