@@ -27,6 +27,7 @@ import pytest
 from procgroup import OWN_GROUP, kill_group
 
 from kvlink.demo.run import free_port_range
+from kvlink.sampling import SAMPLE_EVERY
 
 KVLINK = [sys.executable, "-m", "kvlink.cli"]
 SMALL = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64"]
@@ -145,6 +146,14 @@ def test_version_and_help() -> None:
         assert text in proc.stdout, text
     proc, _ = kvlink()
     assert proc.returncode == 2 and "demo" in proc.stderr
+
+
+def test_integrity_help_says_how_much_sample_checks() -> None:
+    """The help states the rate kvlink.sampling applies (it said one block in 32 while
+    ``sample`` checked one in 64)."""
+    proc, _ = kvlink("demo", "--help")
+    text = " ".join(proc.stdout.split())
+    assert f"about 1 block in {SAMPLE_EVERY} per request" in text, text
 
 
 def test_verbosity_anywhere_reaches_the_ranks() -> None:

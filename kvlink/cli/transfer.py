@@ -30,6 +30,7 @@ from kvlink.cli.options import (
     transport_problem,
 )
 from kvlink.errors import KVLinkError
+from kvlink.sampling import SAMPLE_EVERY
 
 
 def _geometry(f: F) -> F:
@@ -61,7 +62,8 @@ def _geometry(f: F) -> F:
              help="pull: decode READs (NIXL style); push: prefill WRITEs (Mooncake style)."),
         _opt("--integrity", type=click.Choice(["off", "sample", "full"]), default="off",
              help="Check the KV that landed against the prefill's digests (pull and push): "
-                  "sample = about 1 block in 32 per request, full = every block."),
+                  f"sample = about 1 block in {SAMPLE_EVERY} per request and its last, "
+                  "full = every block."),
         _opt("--cache-gib", type=_POS_FLOAT, default=1.0,
              help="KV cache per instance, GiB (split over its ranks)."),
         _opt("--timeout", type=_POS_FLOAT, default=60.0, help="Seconds per request."),
