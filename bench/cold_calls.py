@@ -5,7 +5,7 @@
 Also a READ's after-check on the hold board and its system calls (the flock that says the
 producer is alive), against a plain system call.
 
-Why: stamps along a cuda_ipc READ on the H200 host (docs/e2e.md, "Lanes") put 40 us in the
+Why: stamps along a cuda_ipc READ on the H200 host (docs/history/e2e.md, "Lanes") put 40 us in the
 local ids' range check and 30 us in the writes of a launch table, where each is a microsecond
 back to back. Between two requests a serving process runs other code (here: a pass over 64
 MiB, torch and numpy work of other shapes, a burst of Python objects), so the code of the next

@@ -89,7 +89,7 @@ from e2e_report import (
 #: the modes of --inflight requests posted at once: the caller sleeping 0.2 ms between polls
 #: (a serving loop), and polling in a tight loop. In the first the last request is seen only
 #: at the poll after a sleep: half the sleep's 0.27 ms grain on average, a sixth of the 70B
-#: TP8-rank batch's 0.8 ms (docs/e2e.md, "8 in flight")
+#: TP8-rank batch's 0.8 ms (docs/history/e2e.md, "8 in flight")
 INFLIGHT_MODES = ("inflight8", "inflight8_spin")
 
 
@@ -378,7 +378,7 @@ class Consumer:
         for i in range(n_req):  # sleep and spin interleaved: they share the machine's noise,
             # in a fresh order each round: a fixed one gives each mode the same predecessor,
             # and anything with a period of two polls showed up as a mode difference (the
-            # worker's poll rule at 9f1d728: docs/e2e.md, "Launch first")
+            # worker's poll rule at 9f1d728: docs/history/e2e.md, "Launch first")
             for mode in order_rng.permutation(["sleep", "spin"]).tolist():
                 rounds(mode, 1, mode == "spin")
             if (i + 1) % 10 == 0:

@@ -4,7 +4,7 @@ transport's, with the transport taken out.
     .venv/bin/python bench/worker_host.py [--requests 200] [--out bench/results/worker_host.json]
 
 Why: a cuda_ipc READ through the public API is ~50 Python steps and four driver calls around
-a 0.09 ms copy (docs/e2e.md, "Launch first"), and only the GPU machine can time it there —
+a 0.09 ms copy (docs/history/e2e.md, "Launch first"), and only the GPU machine can time it there —
 thirty minutes a session. The worker's share of those steps is plain Python, and it runs the
 same here. So this bench measures it on CPU, through the public API (a producer holding, a
 consumer's ``read(..., generation)`` and the ``poll()`` that reports it). Two workers in one

@@ -2,7 +2,7 @@
 block ids written in advance.
 
 A request's host time before its launch is its latency, and on a serving host that time is
-cold: every step costs several times what it costs back to back (docs/e2e.md, "Why cold costs
+cold: every step costs several times what it costs back to back (docs/history/e2e.md, "Why cold costs
 what it costs"). :meth:`BatchCopier.copy_runs` works out per post what never changes between
 two requests of one peer pair — the segment bases in the table, the region maps, the launch
 shape and size class, the kernel's constant arguments. A :class:`Lane` works them out once

@@ -64,7 +64,7 @@ log = logging.getLogger("kvlink.worker")
 #: requests) after one that did all of it, or after one that found nothing else to do
 #: (KVWorker._quiet): a serving loop polls every step, and a reply or a report waiting 2 ms
 #: more costs nobody; a request reported a whole poll later costs its caller that poll
-#: (~0.15 ms cold on one H200 host: docs/e2e.md, "Launch first"), and asking again on the
+#: (~0.15 ms cold on one H200 host: docs/history/e2e.md, "Launch first"), and asking again on the
 #: poll that finishes it ~10 us (bench/results/gpu_stamps_e98e4fa/)
 _FULL_EVERY = 0.002
 #: seconds a poll with nothing else to do may go without a whole one: its requests all
@@ -395,7 +395,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         at most ``poll_grace_us`` in all. A caller that sleeps between polls (or a scheduler
         that polls once a step) would see such a copy a sleep (a step) later; on one H200
         host the poll after a 70B READ's ``read()`` looked tens of microseconds before its
-        copy ended once the host outran it (docs/e2e.md, "A lane's end marked by its
+        copy ended once the host outran it (docs/history/e2e.md, "A lane's end marked by its
         stream"). The wait spins on the transports' polls, each a word read for cuda_ipc."""
         soon: list[tuple[float, str]] = []
         for rid in stepped:
