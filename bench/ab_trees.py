@@ -4,8 +4,8 @@
     python bench/ab_trees.py --a DIR --b DIR --device cuda --spin            # GPU, cuda_ipc
 
 Why: on one H200 the same tree run four times in a row measured the 70B TP8-rank request at
-0.42-0.57 ms polled in a loop (bench/results/gpu_checks_1c48c77/, docs/history/e2e.md "What one start
-can resolve"), so two trees run one after the other cannot show a change of a few percent.
+0.42-0.57 ms polled in a loop (bench/results/gpu_checks_1c48c77/, docs/history/e2e.md "What
+one start can resolve"), so two trees run one after the other cannot show a change of a few percent.
 Here each tree — a directory holding ``kvlink/`` and ``kvlink_transports/`` (``git worktree
 add``, or ``git archive REV kvlink kvlink_transports | tar -x -C DIR``) — gets a process pair of
 its own, bench/e2e_request.py's producer and consumer importing that tree, side by side on the

@@ -886,3 +886,18 @@ def test_restarted_prefill_is_handshaken_again_before_the_read(pair: _Pair) -> N
              "remote_registration_generation": 4711}
     res = pair.receive("d3", stale, (3,))
     assert "4711" in res.failed_recving["d3"]
+
+
+def test_the_plan_says_whether_the_step_runs_a_forward(model: str,
+                                                        engines: Callable[..., Engine]) -> None:
+    """Each step's plan carries whether vLLM scheduled tokens: the worker's idle steps are
+    decided by it, not by the forward context (vLLM's GPU model runner V2 calls
+    ``start_load_kv`` outside any, where every step looked idle)."""
+    e = engines(vllm_config(model, KVLINK, "kv_producer"))
+    e.add(request("r", 40, None, max_tokens=1))
+    meta = e.step()
+    assert e.scheduled == {"r": 40} and meta.plan.forward is True
+    e.step(eos=["r"])  # (its token sampled: finished)
+    assert not e.scheduled
+    meta = e.step()
+    assert not e.scheduled and meta.plan.forward is False

@@ -2,16 +2,17 @@
 block ids written in advance.
 
 A request's host time before its launch is its latency, and on a serving host that time is
-cold: every step costs several times what it costs back to back (docs/history/e2e.md, "Why cold costs
-what it costs"). :meth:`BatchCopier.copy_runs` works out per post what never changes between
-two requests of one peer pair — the segment bases in the table, the region maps, the launch
-shape and size class, the kernel's constant arguments. A :class:`Lane` works them out once
-(per peer, at its first request), so a post copies the two block-id arrays into the launch's
-own parameter buffer, writes a handful of argument slots, and launches: the shape of a
-request's work that a few calls can do. The kernels take the ids themselves (their KV_IDS
-form): they compute each block's addresses and refuse an id past its side's block count, so
-the host neither multiplies nor bounds-checks the ids on this path — on a serving host every
-numpy call a request makes costs tens of microseconds cold (docs/e2e.md).
+cold: every step costs several times what it costs back to back (docs/history/e2e.md, "Why
+cold costs what it costs"). :meth:`BatchCopier.copy_runs` works out per post what never
+changes between two requests of one peer pair — the segment bases in the table, the region
+maps, the launch shape and size class, the kernel's constant arguments. A :class:`Lane`
+works them out once (per peer, at its first request), so a post copies the two block-id
+arrays into the launch's own parameter buffer, writes a handful of argument slots, and
+launches: the shape of a request's work that a few calls can do. The kernels take the ids
+themselves (their KV_IDS form): they compute each block's addresses and refuse an id past
+its side's block count, so the host neither multiplies nor bounds-checks the ids on this
+path — on a serving host every numpy call a request makes costs tens of microseconds cold
+(docs/e2e.md).
 
 The kernels are the ones :meth:`BatchCopier.copy_runs` and :meth:`BatchCopier.copy_digest`
 launch (``kv_move_runs`` with one run per block, ``kv_move_digest``) in their block-id form,

@@ -50,9 +50,9 @@ class WorkerConfig:
     #: ("this rank serves pulls"), so nothing queues on a rank that never takes them
     serve_pushes: bool = False
     #: end-to-end KV integrity (kvlink.integrity, docs/integrity.md): "off", "sample" (about
-    #: one block in 64 of every request, kvlink.sampling.SAMPLE_EVERY, and its last) or "full". A producer sends its digests
-    #: with every "intact" verdict; a reader with it on fails a receive whose landed KV differs,
-    #: or that came without digests (fail closed)
+    #: one block in 64 of every request, kvlink.sampling.SAMPLE_EVERY, and its last) or
+    #: "full". A producer sends its digests with every "intact" verdict; a reader with it on
+    #: fails a receive whose landed KV differs, or that came without digests (fail closed)
     integrity: str = "off"
     #: same-host readers validate READs in shared memory instead of asking us after each one
     #: (kvlink.holdboard): a producer publishes its holds there; a reader uses the boards

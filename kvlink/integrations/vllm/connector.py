@@ -264,7 +264,11 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             sched.plan_layerwise(scheduled, self._block_ids_of if self.settings.layerwise
                                  else None)
-        return KVLinkConnectorMetadata(sched.build_plan())
+        plan = sched.build_plan()
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        if isinstance(tokens, int):
+            plan.forward = tokens > 0
+        return KVLinkConnectorMetadata(plan)
 
     def _block_ids_of(self, req_id: str) -> tuple[int, ...]:
         """A request's blocks (group 0) as the scheduler's cache manager has them now: the
@@ -368,10 +372,19 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Post this step's loads; a synchronous one (``sync_load_tokens``) is settled here,
         before the forward that reads it (vLLM calls this before the forward of a step with
-        synchronous loads)."""
+        synchronous loads).
+
+        A step without a forward is idle (the worker then yields to its transfers): the
+        scheduler's plan says which, from the tokens it scheduled. Not the forward context's
+        attention metadata: vLLM's GPU model runner V2 (the default on CUDA) calls this
+        outside any forward's context, where every step looked idle and a busy prefill
+        holding blocks yielded ``idle_yield_ms`` every step. The context decides only where
+        the scheduler's output had no token count."""
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, KVLinkConnectorMetadata):
-            idle = getattr(forward_context, "attn_metadata", None) is None
+            forward = meta.plan.forward
+            idle = (not forward if forward is not None
+                    else getattr(forward_context, "attn_metadata", None) is None)
             self._worker.start(meta.plan, idle)
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:

@@ -134,6 +134,10 @@ class StepPlan:
     #: prefill: layer-wise candidates that finished otherwise (aborted, stopped early): a
     #: worker that held them early releases them; either way they are reported sent
     aborted: list[str] = dataclasses.field(default_factory=list)
+    #: whether this step runs a forward (the scheduler scheduled tokens); None where its
+    #: output did not say, and then the forward context does (see KVLinkConnector
+    #: .start_load_kv: vLLM's GPU model runner V2 calls it outside any forward's context)
+    forward: bool | None = None
 
 
 def flat_block_ids(raw: Any) -> tuple[int, ...] | None:
