@@ -290,6 +290,20 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
         kill_group(proc)
 
 
+def test_pull_reads_every_request_a_serve_holds(serve: tuple[subprocess.Popen[str], int]
+                                                ) -> None:
+    """The two-host flow in its default mode (pull), on one host: every request verified, and
+    the serve then ends by itself. A pull is a process of its own: it announces each READ
+    and is told the hold's generation (before, it READ with generations of its own drawing,
+    and every request failed: "the hold it was told ended before its READ")."""
+    proc, port = serve
+    out, _ = kvlink("pull", *SMALL, "--prefill-tp", "2", "--remote-port", str(port),
+                    "--cache-gib", "0.01", "--no-progress", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "yes, every byte" in out.stdout and "FAILED" not in out.stdout, out.stdout
+    assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
 def test_serve_ranks_die_with_their_parent(serve: tuple[subprocess.Popen[str], int],

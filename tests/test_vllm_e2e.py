@@ -29,12 +29,14 @@ lease and refusal logic over real tcp) are tested below without vLLM, in seconds
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib.util
 import logging
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -271,6 +273,51 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
     assert cluster.counter("F", "kvlink_load_failed_requests") - failed_f == 1
     assert cluster.counter("F", "kvlink_loaded_tokens") == loaded_f
     assert cluster.counter("F", "kvlink_sync_loads") - synced_f == (mode == "pull")
+
+
+@pytest.mark.timeout(600)
+def test_vllm_033s_push_proxy_asks_both_sides_at_once(cluster: Cluster) -> None:
+    """vLLM 0.33's push proxy (its examples/disaggregated/disaggregated_serving/
+    disagg_proxy_pushconnector_demo.py, written for NixlPushConnector) asks the prefill and
+    the decode at once, with one ``X-Request-Id``: the decode's kv_transfer_params name the
+    prefill's address and the shared id, but no block ids and no kvlink key. D (mode push) is
+    pushed into: every prompt token loaded, each answer the single instance's. Before, D
+    computed every such prompt itself, and P held each request's blocks for its whole lease
+    with no reader coming."""
+    address = {k: v for k, v in cluster.prefill(prompt(500, 40)).items()
+               if k in pd.pd_proxy.ADDRESS_KEYS}
+    prompts = [prompt(510 + i, n) for i, n in enumerate((40, 96, 150, 230))]
+    single = [cluster.single(p) for p in prompts]
+    assert len({tuple(s) for s in single}) == len(prompts)
+    metrics = ("kvlink_loaded_tokens", "kvlink_load_failed_requests",
+               "kvlink_recv_pushed_requests")
+    before = {m: cluster.counter("D", m) for m in metrics}
+    sent_before = cluster.counter("P", "kvlink_push_sent_requests")
+
+    def both(p: list[int]) -> list[int]:
+        rid = str(uuid.uuid4())
+        headers = {"X-Request-Id": rid}
+        body = {"model": cluster.model, "prompt": p, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "return_token_ids": True}
+        decode = {**body, "kv_transfer_params": {
+            "do_remote_decode": False, "do_remote_prefill": True, **address, "pp_size": 1,
+            "remote_request_id": rid}}  # (what the proxy's _build_decode_kv_params makes)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            pre = pool.submit(pd.pd_proxy.post_json, cluster.url("P"), "/v1/completions",
+                              pd.pd_proxy.prefill_body(body), headers)
+            out = pool.submit(pd.pd_proxy.post_json, cluster.url("D"), "/v1/completions",
+                              decode, headers).result(300)
+            pre.result(300)
+        ids: list[int] = out["choices"][0]["token_ids"]
+        return ids
+
+    for n, want, p in zip((40, 96, 150, 230), single, prompts):
+        assert both(p) == want, f"prompt of {n} tokens"
+    got = {m: cluster.counter("D", m) - before[m] for m in metrics}
+    assert got == {"kvlink_loaded_tokens": sum(map(len, prompts)),
+                   "kvlink_load_failed_requests": 0,
+                   "kvlink_recv_pushed_requests": len(prompts)}, cluster.diagnose("D", "P")
+    assert cluster.counter("P", "kvlink_push_sent_requests") - sent_before == len(prompts)
 
 
 @pytest.mark.timeout(900)
@@ -644,7 +691,7 @@ def test_push_mode_and_its_failures() -> None:
         assert time.monotonic() - t0 < 2.0  # refused, not timed out
         assert bool((dst[0][3] == -1.0).all())
 
-        # Never held: the prefill gives up after read_intent_timeout and says so.
+        # Never held: the prefill gives up after the push's time to live and says so.
         ghost = dataclasses.replace(remote, request_id="r3", block_ids=(2,))
         cons.start(StepPlan(recv=[RecvReq("d3", ghost, (3,), 32, push=True)]))
         res = steps.recv()

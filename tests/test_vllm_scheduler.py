@@ -901,3 +901,17 @@ def test_the_plan_says_whether_the_step_runs_a_forward(model: str,
     assert not e.scheduled
     meta = e.step()
     assert not e.scheduled and meta.plan.forward is False
+
+
+def test_a_prefill_request_is_found_by_its_base_id_unless_two_share_it(
+        model: str, engines: Callable[..., Engine]) -> None:
+    """vLLM 0.33's push proxy: the decode names its push request by the id both sides were
+    given (vLLM's engine adds ``-<8 hex>`` to each), so the prefill tells its workers that
+    base id for its request; two live requests of one base id are told as neither."""
+    e = engines(vllm_config(model, KVLINK, "kv_producer"))
+    remote_decode = {"do_remote_decode": True, "do_remote_prefill": False}
+    e.add(request("cmpl-u1-0a1b2c3d", 40, dict(remote_decode), max_tokens=1))
+    assert e.step().plan.keys == {"cmpl-u1": "cmpl-u1-0a1b2c3d"}
+    e.add(request("cmpl-u2-0a1b2c3d", 40, dict(remote_decode), max_tokens=1, seed=1))
+    e.add(request("cmpl-u2-99887766", 40, dict(remote_decode), max_tokens=1, seed=2))
+    assert e.step().plan.keys == {"cmpl-u2": ""}

@@ -347,7 +347,7 @@ def pull(remote_host: str, remote_port: int, **kw: Any) -> int:
     from kvlink.demo.run import run_pull
 
     plan = dataclasses.replace(_plan(a, remote_port), advertise_host=remote_host,
-                               decode_device=a.device)
+                               decode_device=a.device, told_generations=False)
     result = run_pull(plan, not a.no_progress)
     result["device"] = "remote"  # the serve's: not known here
     return _report(result, a.json_path)

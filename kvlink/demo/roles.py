@@ -51,6 +51,11 @@ class DemoPlan:
     #: the holds' generations derive from it, as the block ids derive from the request index
     #: (both standing in for what a router passes along in kv_transfer_params)
     run_id: int = dataclasses.field(default_factory=new_generation)
+    #: whether the decode is told each hold's generation (so it READs at once): true where one
+    #: plan drives both sides (``kvlink demo``); a ``kvlink pull`` is a process of its own,
+    #: which cannot know the generations its ``kvlink serve`` minted, so it announces each
+    #: READ and is told the generation (kvlink.worker's read intent)
+    told_generations: bool = True
     #: where the prefill's KV cache lives: "cpu" (numpy) or "cuda:N" (a torch tensor there)
     device: str = "cpu"
     #: where the decode's lives (None: ``device``)
@@ -280,7 +285,8 @@ def pull_rank(plan: DemoPlan, rank: int, results: Any, report_progress: bool = T
                     worker.expect_push(req_id, remote, plan.decode_blocks(i), plan.timeout)
                 else:
                     worker.read(req_id, remote, plan.decode_blocks(i), plan.prefill_blocks(i),
-                                generation=plan.generation(i))
+                                generation=(plan.generation(i) if plan.told_generations
+                                            else None))
             before = worker.finished_bytes
             done_ids: list[str] = []
             waiting = set(wave)

@@ -96,6 +96,9 @@ class LayerwisePushes:
         if self.worker is None:
             return
         for key, rid in plan.keys.items():
+            if not rid:  # (a key two requests share: it names neither)
+                self._alias.pop(key, None)
+                continue
             self._alias[key] = rid
             while len(self._alias) > 8192:
                 self._alias.popitem(last=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,20 @@ TRANSFER_MODE_PARAM = "transfer_mode"
 #: ``remote_request_id`` (with no ``remote_block_ids``: the prefill WRITEs into the decode's
 #: blocks as its forward reaches each layer, so the decode must ask before the prefill computes)
 PUSH_KEY_PARAM = "kvlink_push_key"
+
+#: the suffix vLLM's input processor appends to a request's external id (``-`` and 8 hex
+#: digits of a random uuid: ``assign_request_id``), so that two requests sent the same
+#: ``X-Request-Id`` stay apart inside the engine
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(req_id: str) -> str:
+    """A vLLM request id without the random suffix its engine added: the id the client (or a
+    router's ``X-Request-Id``) gave the request, the same on a prefill and a decode asked
+    with one id — what vLLM 0.33's push proxy relies on to pair them (docs/vllm.md, "Push
+    mode")."""
+    return _RANDOM_SUFFIX.sub("", req_id)
+
 
 #: kv_transfer_params keys vLLM's NixlConnector (0.32 and 0.33) uses, same names, same meaning.
 PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",

@@ -37,6 +37,7 @@ from kvlink.integrations.vllm.metadata import (
     Remote,
     SendReq,
     StepPlan,
+    base_request_id,
     parse_remote,
     registration_generation,
     size_refusal,
@@ -115,6 +116,8 @@ class PullScheduler:
         # push request some worker rank reported (key -> ranks), and the candidates handed to
         # the workers with the generation minted for them
         self._keyed: dict[str, tuple[str, Any]] = {}
+        # prefill: live requests by base id (base_request_id), where no router keyed them
+        self._bases: dict[str, set[str]] = {}
         self._asked: dict[str, float] = {}
         self._arrived: collections.OrderedDict[str, set[int]] = collections.OrderedDict()
         self._streamed: dict[str, int] = {}
@@ -146,9 +149,11 @@ class PullScheduler:
                                ) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None)
         if params and params.get("do_remote_decode") and not params.get("do_remote_prefill"):
+            self._key_by_base(request, params)
             return (None, False) if self._wait_for_decode(request, params) else (0, False)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        self._adopt_push_proxy(request, params)
         if parse_remote(params) is None:
             return 0, False
         self._seen.setdefault(request.request_id, time.perf_counter())
@@ -182,6 +187,58 @@ class PullScheduler:
             return False
         per_token = self._per_token.get(remote.engine_id, 0.0)
         return count * per_token <= self.s.sync_load_ms / 1e3
+
+    def _adopt_push_proxy(self, request: Any, params: dict[str, Any]) -> None:
+        """vLLM 0.33's push proxy (its NixlPushConnector example) asks the decode and the
+        prefill at once, with one ``X-Request-Id``, and gives the decode the prefill's address
+        but no ``remote_block_ids`` — the prefill WRITEs into our blocks, so we never need its
+        own. Taken as the keyed push flow (docs/layerwise.md, "The router contract"): the push
+        request is named by our request's base id, which the prefill finds its request by
+        (:meth:`_key_by_base`). Nothing can be pulled without block ids, so a decode that runs
+        no side channel to be pushed through (``mode`` pull) computes such a request itself,
+        saying why once."""
+        if "remote_block_ids" in params:
+            return
+        if not self.s.serves:
+            self._warn_once("push-proxy-pull", "request %s came without remote_block_ids, as "
+                            "vLLM 0.33's push proxy sends it: only a decode with mode push can "
+                            "take it (the prefill writes into its blocks); computed locally "
+                            "(logged once)", request.request_id)
+            return
+        params["remote_block_ids"] = []
+        params["remote_request_id"] = base_request_id(request.request_id)
+        params[MODE_PARAM] = "push"
+
+    # ------------------------------------------------------------------ prefill: keys
+    def _key_by_base(self, request: Any, params: Mapping[str, Any]) -> None:
+        """A prefill request no router keyed (no ``kvlink_push_key``) is found by its base id
+        too (:func:`base_request_id`): vLLM 0.33's push proxy names the decode's push request
+        by the id both sides were given (:meth:`_adopt_push_proxy`). Two live requests of one
+        base id (a client that reused an ``X-Request-Id``) are found by neither: their
+        decodes' pushes wait out their time to live and fail, never taking the other one's
+        KV."""
+        rid = request.request_id
+        base = base_request_id(rid)
+        if PUSH_KEY_PARAM in params or base == rid or rid in self._keyed:
+            return
+        owners = self._bases.setdefault(base, set())
+        owners.add(rid)
+        if len(owners) == 1:
+            self._keyed[rid] = (base, request)
+            return
+        for other in owners:
+            self._keyed.pop(other, None)
+        self._plan.keys[base] = ""  # (the workers drop what they were told of it)
+        self._warn_once(f"base-{base}", "requests %s share the id %s: a decode's push "
+                        "request named by it finds neither", sorted(owners), base)
+
+    def _forget_base(self, rid: str) -> None:
+        base = base_request_id(rid)
+        owners = self._bases.get(base)
+        if owners is not None:
+            owners.discard(rid)
+            if not owners:
+                del self._bases[base]
 
     # ------------------------------------------------------------------ prefill: layer-wise
     def _layerwise_candidate(self, request: Any, params: Mapping[str, Any]) -> str:
@@ -338,6 +395,7 @@ class PullScheduler:
         self._seen.pop(request.request_id, None)
         self._sync_hit.pop(request.request_id, None)
         self._keyed.pop(request.request_id, None)
+        self._forget_base(request.request_id)
         self._asked.pop(request.request_id, None)
         streamed = self._streamed.pop(request.request_id, None)
         status = getattr(getattr(request, "status", None), "name", "")

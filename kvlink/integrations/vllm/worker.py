@@ -241,7 +241,8 @@ class PullWorker(LayerwisePushes):
                     continue
                 why = (f"request {msg.req_id} is no longer held: {gone}" if gone else
                        f"request {msg.req_id} was not held within "
-                       f"{self.s.intent_timeout:.0f}s of the push request")
+                       f"{max(self.s.intent_timeout, msg.ttl_ms / 1e3):.0f}s of the push "
+                       "request")
             elif not 0 < len(msg.block_ids) <= len(held):
                 why = (f"{len(msg.block_ids)} blocks asked for but {len(held)} are held for "
                        f"{msg.req_id}")
@@ -261,14 +262,13 @@ class PullWorker(LayerwisePushes):
             w.refuse_push(msg, why)
 
     def _take_push_requests(self) -> None:
-        """Decode ranks' push requests, parked until their request is held. In the layer-wise
-        flow they come before the prefill even computed it: they wait up to their own time to
-        live (the decode's push_timeout), not just ``read_intent_timeout``."""
+        """Decode ranks' push requests, parked until their request is held. Where a router
+        asks both sides at once (the layer-wise flow, vLLM 0.33's push proxy) they come
+        before the prefill even computed it: they wait up to their own time to live (the
+        decode's push_timeout), not just ``read_intent_timeout``."""
         now = time.monotonic()
         for m in self._w().push_requests():
-            wait = self.s.intent_timeout
-            if self.s.layerwise:
-                wait = max(wait, m.ttl_ms / 1e3)
+            wait = max(self.s.intent_timeout, m.ttl_ms / 1e3)
             self._push_waiting.append((m, now + wait))
 
     # ------------------------------------------------------------------ consumer
