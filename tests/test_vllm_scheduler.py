@@ -915,3 +915,22 @@ def test_a_prefill_request_is_found_by_its_base_id_unless_two_share_it(
     e.add(request("cmpl-u2-0a1b2c3d", 40, dict(remote_decode), max_tokens=1, seed=1))
     e.add(request("cmpl-u2-99887766", 40, dict(remote_decode), max_tokens=1, seed=2))
     assert e.step().plan.keys == {"cmpl-u2": ""}
+
+
+def test_what_the_connector_tells_vllm_about_itself(model: str) -> None:
+    """Sleep mode refused at startup (vLLM 0.32 never asks supports_sleep_mode; a wake-up
+    would remap the KV cache under readers' handshakes); PIECEWISE CUDA graphs with
+    ``layerwise`` (a FULL graph's replay skips save_kv_layer); loaded tokens counted as a
+    peer's (vLLM's cache-hit source P2P, as NixlConnector's)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    cfg = vllm_config(model, KVLINK, "kv_consumer")
+    cfg.model_config.enable_sleep_mode = True
+    with pytest.raises(ConfigError, match="sleep mode"):
+        KVLinkConnector(cfg, KVConnectorRole.SCHEDULER, _kv_cache_config(64, ("full",)))
+    assert KVLinkConnector.requires_piecewise_for_cudagraph({"layerwise": True})
+    assert not KVLinkConnector.requires_piecewise_for_cudagraph({"mode": "push"})
+    conn = KVLinkConnector(vllm_config(model, KVLINK, "kv_consumer"), KVConnectorRole.SCHEDULER,
+                           _kv_cache_config(64, ("full",)))
+    req = request("r", 40, None)
+    assert conn.get_external_cache_hit_sources(req, 32) == {CacheHitSource.P2P: 32}

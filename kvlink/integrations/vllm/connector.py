@@ -76,6 +76,12 @@ try:  # vLLM >= 0.32: completions and receive failures reported together
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
+try:  # where a request's prefix hits came from, in vLLM's metrics (>= 0.32)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _CacheHitSource
+    _P2P: Any = _CacheHitSource.P2P
+except (ImportError, AttributeError):  # pragma: no cover - older vLLM
+    _P2P = None
+
 try:  # vLLM >= 0.32 names physical orders by RFC 42082 (LBHNC = the old HND)
     from vllm.v1.kv_cache_layout import KVCacheLayout as _KVCacheLayout  # noqa: F401
     _HAS_LAYOUTS = True
@@ -189,9 +195,17 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     model of one full-attention group is served as before, and any other is refused at
     startup naming its groups' kinds and what to do (:func:`kv_groups_refusal`)."""
 
+    if _P2P is not None:  # loaded tokens come from another instance (as NixlConnector's)
+        _cache_hit_source = _P2P
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         _refuse_unsupported_parallelism(vllm_config.parallel_config)
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False) is True:
+            # (vLLM 0.33 asks supports_sleep_mode first; 0.32 does not ask)
+            raise ConfigError("kvlink does not support sleep mode (enable_sleep_mode): it "
+                              "registers the KV cache once, and a wake-up would remap it "
+                              "under its readers' handshakes")
         _check_kv_cache_groups(kv_cache_config)
         init: Any = super().__init__
         if "kv_cache_config" in _INIT_PARAMS:
@@ -320,6 +334,13 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         in-flight output (vLLM's default: the producer role). Any instance that holds
         do_remote_decode requests for readers hands KV off, whatever its role."""
         return self.settings.serves
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """With ``layerwise`` on: each layer's WRITE is posted from ``save_kv_layer``, which
+        a FULL CUDA graph's replay skips (the request would be pushed whole after the
+        forward, its layers no longer overlapped); PIECEWISE graphs run it between pieces."""
+        return bool((extra_config or {}).get("layerwise"))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
