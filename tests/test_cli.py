@@ -74,6 +74,13 @@ BAD_VALUES = [
     (["demo", "--port", "70000"], ["--port 70000"]),
     (["demo", "--transport", "warp"], ["--transport warp", "unknown transport 'warp'", "tcp"]),
     (["demo", "--json", "/nonexistent-dir/r.json"], ["--json", "/nonexistent-dir"]),
+    (["demo", "--json", "/tmp"], ["--json /tmp", "is a directory"]),
+    (["demo", "--host", "nonexistent.invalid"], ["--host nonexistent.invalid", "resolve"]),
+    (["demo", "--host", "10.255.255.1"], ["--host 10.255.255.1", "cannot be bound"]),
+    (["serve", "--advertise-host", "nonexistent.invalid"], ["--advertise-host", "resolve"]),
+    (["pull", "--remote-host", "nonexistent.invalid"], ["--remote-host", "resolve"]),
+    (["demo", "--tokens", "1024", "--cache-gib", "0.01"],
+     ["--cache-gib 0.01", "--tokens 1024", "128 MiB", "--cache-gib 0.125 at least"]),
     (["serve", "--port", "0"], ["--port 0"]),
     (["serve", "--port", "65535", "--prefill-tp", "2"], ["--port 65535", "2 ranks"]),
     (["pull", "--remote-port", "70000"], ["--remote-port 70000"]),
@@ -269,12 +276,14 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.fixture
-def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """``kvlink serve`` with 2 prefill ranks, ready; its own session, so the test can clean
-    up whatever is left whatever the outcome."""
+def serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """``kvlink serve`` with 2 prefill ranks, ready (its ``--json`` in tmp_path/serve.json);
+    a process group of its own, so the test can clean up whatever is left whatever the
+    outcome."""
     port = free_port_range(2)
     proc = subprocess.Popen([*KVLINK, "serve", *SMALL, "--prefill-tp", "2",
-                             "--port", str(port), "--cache-gib", "0.01"],
+                             "--port", str(port), "--cache-gib", "0.01",
+                             "--json", str(tmp_path / "serve.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **OWN_GROUP)
     assert proc.stdout is not None
@@ -290,18 +299,21 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], int]]:
         kill_group(proc)
 
 
-def test_pull_reads_every_request_a_serve_holds(serve: tuple[subprocess.Popen[str], int]
-                                                ) -> None:
+def test_pull_reads_every_request_a_serve_holds(serve: tuple[subprocess.Popen[str], int],
+                                                tmp_path: Path) -> None:
     """The two-host flow in its default mode (pull), on one host: every request verified, and
-    the serve then ends by itself. A pull is a process of its own: it announces each READ
-    and is told the hold's generation (before, it READ with generations of its own drawing,
-    and every request failed: "the hold it was told ended before its READ")."""
+    the serve then ends by itself, its lease accounting in its --json file. A pull is a
+    process of its own: it announces each READ and is told the hold's generation (before, it
+    READ with generations of its own drawing, and every request failed: "the hold it was told
+    ended before its READ"; and serve wrote no --json file)."""
     proc, port = serve
     out, _ = kvlink("pull", *SMALL, "--prefill-tp", "2", "--remote-port", str(port),
                     "--cache-gib", "0.01", "--no-progress", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "yes, every byte" in out.stdout and "FAILED" not in out.stdout, out.stdout
     assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    leases = json.loads((tmp_path / "serve.json").read_text())["prefill_leases"]
+    assert leases, leases
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
@@ -474,6 +486,17 @@ def test_device_cuda_without_cuda_is_one_line_naming_why(command: str, tmp_path:
     assert proc.returncode == 2 and took < FAST
     assert line.startswith("kvlink: error: --device cuda:0: "), line
     assert "torch failed to import" in line and "hidden by the test" in line, line
+
+
+def test_verbose_says_which_default_transports_were_skipped(tmp_path: Path) -> None:
+    """A CUDA build of torch (faked) without nixl: -v says the default list dropped it (the
+    line was logged before logging was set up, and lost)."""
+    env = _fake_torch(tmp_path, True, 1)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"],
+                                         _hide(tmp_path, "nixl")["PYTHONPATH"]])
+    proc, _ = kvlink("-v", "demo", "--device", "cuda", "--port", "70000", env=env)
+    assert proc.returncode == 2  # (the bad port: nothing ran)
+    assert "default transport skipped: nixl" in proc.stderr, proc.stderr
 
 
 def test_device_n_missing_or_no_device_is_named(tmp_path: Path) -> None:

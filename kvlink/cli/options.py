@@ -8,6 +8,7 @@ import importlib
 import logging
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,29 @@ def _port_range(option: str, port: int, n: int, allow_zero: bool) -> None:
                    + (f" (rank r uses {option[2:]} + r, {n} ranks)" if n > 1 else ""))
 
 
+def _bindable_host(option: str, host: str) -> None:
+    """A bind address this machine has: resolved, and bound once on an ephemeral port (the
+    ranks bind it a moment later, in processes of their own)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise _bad(option, host, f"does not resolve ({exc})") from None
+    family, kind, proto, _, addr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.bind(addr)
+    except OSError as exc:
+        raise _bad(option, host, f"cannot be bound here ({exc.strerror or exc})") from None
+
+
+def _resolvable_host(option: str, host: str) -> None:
+    """A host a peer will be dialled at: it must resolve."""
+    try:
+        socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise _bad(option, host, f"does not resolve ({exc})") from None
+
+
 def transport_problem(name: str) -> str | None:
     """Why ``name`` cannot be used on this machine (not registered, its library missing), or
     None. Imports the transport's library: the children would, a moment later."""
@@ -174,6 +198,8 @@ def memory_problem(name: str, kinds: set[str]) -> str | None:
 def _writable_file(option: str, path: str | None) -> None:
     if path is None:
         return
+    if Path(path).expanduser().is_dir():
+        raise _bad(option, path, "is a directory (name a file)")
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise _bad(option, path, f"directory {parent} does not exist")

@@ -20,8 +20,10 @@ from kvlink.cli.options import (
     CUDA_TRANSPORTS,
     F,
     _bad,
+    _bindable_host,
     _opt,
     _port_range,
+    _resolvable_host,
     _setup_logging,
     _verbosity,
     _writable_file,
@@ -66,7 +68,8 @@ def _geometry(f: F) -> F:
                   "full = every block."),
         _opt("--cache-gib", type=_POS_FLOAT, default=1.0,
              help="KV cache per instance, GiB (split over its ranks)."),
-        _opt("--timeout", type=_POS_FLOAT, default=60.0, help="Seconds per request."),
+        _opt("--timeout", type=_POS_FLOAT, default=60.0,
+             help="Seconds per request: a run gives up after S x --requests in all."),
         _opt("--handshake-timeout", type=_POS_FLOAT, default=10.0,
              help="Seconds to reach a peer before giving up on it."),
         _opt("--json", "json_path", metavar="PATH", default=None,
@@ -126,7 +129,11 @@ def _check(a: _Args) -> None:
                     f"split over {tp} ranks (one must divide the other)") from None
     if a.cache_gib * (1 << 30) < 1:
         raise _bad("--cache-gib", a.cache_gib, "less than a byte")
+    _fits_cache(a)
     _writable_file("--json", a.json_path)
+    _bindable_host("--host", a.host)
+    if a.advertise_host is not None:
+        _resolvable_host("--advertise-host", a.advertise_host)
     for opt in ("--device", "--decode-device"):
         value = getattr(a, opt[2:].replace("-", "_"))
         if value is None:
@@ -136,6 +143,23 @@ def _check(a: _Args) -> None:
             raise _bad(opt, value, why)
         setattr(a, opt[2:].replace("-", "_"), norm)
     a.transport = _transports(a)
+
+
+def _fits_cache(a: _Args) -> None:
+    """One request must fit each rank's share of --cache-gib (requests move in waves of what
+    fits; a request larger than the cache was allocated whole, past the limit)."""
+    from kvlink.demo.data import Geometry
+
+    geo = Geometry(layers=a.layers, kv_heads=1 if a.mla else a.kv_heads,
+                   head_dim=a.head_dim, block_size=a.block_size, layout=a.layout, mla=a.mla)
+    blocks = -(-a.tokens // a.block_size)
+    for side, tp in (("prefill", a.prefill_tp), ("decode", a.decode_tp)):
+        need = blocks * geo.block_bytes(tp)
+        if a.cache_gib * (1 << 30) / tp < need:
+            raise _bad("--cache-gib", a.cache_gib,
+                       f"one request of --tokens {a.tokens} takes {need / 2**20:.3g} MiB on each "
+                       f"of the {side}'s {tp} rank(s): --cache-gib "
+                       f"{need * tp / 2**30:.3g} at least")
 
 
 def _transports(a: _Args) -> str:
@@ -267,9 +291,9 @@ def demo(port: int, **kw: Any) -> int:
     Exit code 0: every byte verified; 1: a failure (printed); 2: a bad value.
     """
     a = _args(kw)
+    _setup_logging()  # (first: the checks log the default transports they skip)
     _check(a)
     _port_range("--port", port, a.prefill_tp, allow_zero=True)
-    _setup_logging()
     from kvlink.demo.run import free_port_range, run_demo
 
     base = port or free_port_range(a.prefill_tp, a.host)
@@ -296,9 +320,9 @@ def serve(port: int, **kw: Any) -> int:
     import signal
 
     a = _args(kw)
+    _setup_logging()  # (first: the checks log the default transports they skip)
     _check(a)
     _port_range("--port", port, a.prefill_tp, allow_zero=False)
-    _setup_logging()
     from kvlink.demo.progress import Display
     from kvlink.demo.run import Serving
 
@@ -315,6 +339,9 @@ def serve(port: int, **kw: Any) -> int:
               f"..{port + a.prefill_tp - 1}; waiting for readers (Ctrl-C stops)", flush=True)
         stats = serving.wait_served(timeout=a.timeout * max(1, a.requests) + 600)
         print(json.dumps({"prefill_leases": stats}))
+        if a.json_path:
+            with open(a.json_path, "w") as f:
+                json.dump({"prefill_leases": stats}, f, indent=2)
     except KeyboardInterrupt:
         pass
     finally:
@@ -341,9 +368,10 @@ def pull(remote_host: str, remote_port: int, **kw: Any) -> int:
     --handshake-timeout seconds.
     """
     a = _args(kw)
+    _setup_logging()  # (first: the checks log the default transports they skip)
     _check(a)
     _port_range("--remote-port", remote_port, a.prefill_tp, allow_zero=False)
-    _setup_logging()
+    _resolvable_host("--remote-host", remote_host)
     from kvlink.demo.run import run_pull
 
     plan = dataclasses.replace(_plan(a, remote_port), advertise_host=remote_host,
