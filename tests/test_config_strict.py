@@ -13,6 +13,7 @@ import pytest
 from kvlink.errors import ConfigError
 from kvlink.integrations.vllm.config import Settings
 from kvlink.transport import TransportContext, create_transport
+from kvlink.worker import WorkerConfig
 
 
 def _s(extra: dict[str, Any], role: str = "kv_producer") -> Settings:
@@ -287,3 +288,16 @@ def test_integrity_is_checked_naming_its_key() -> None:
     with pytest.raises(ConfigError, match=r"integrity must be one of .*got 'ful'"):
         _s({"integrity": "ful"})
     assert _s({"integrity": "full", "mode": "push"}, "kv_consumer").integrity == "full"
+
+
+def test_out_of_range_values_are_refused_where_they_are_written() -> None:
+    """Refused when the config is made, naming the value (before: poll_grace_us only when a
+    worker was made from the settings; side_port only at bind, as an OverflowError)."""
+    with pytest.raises(ConfigError, match=r"poll_grace_us must be 0 to 1e6 .* got 2000000"):
+        _s({"poll_grace_us": 2_000_000})
+    with pytest.raises(ConfigError, match=r"poll_grace_us .* got -1"):
+        _s({"poll_grace_us": -1})
+    with pytest.raises(ConfigError, match=r"side_port must be 0 .* to 65535 .* got 70000"):
+        WorkerConfig(engine_id="e", side_port=70000)
+    with pytest.raises(ConfigError, match=r"side_port must be 0 .* to 65534 \(tp_size 2\)"):
+        WorkerConfig(engine_id="e", side_port=65535, tp_size=2)

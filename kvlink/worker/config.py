@@ -76,6 +76,10 @@ class WorkerConfig:
         wire.check_id(self.engine_id, "engine_id")
         if not self.transports:
             raise ConfigError("transports must name at least one transport")
+        top = 65535 - (self.tp_size - 1)  # (rank r listens on side_port + r)
+        if not 0 <= self.side_port <= top:
+            raise ConfigError(f"side_port must be 0 (any free port) to {top} (tp_size "
+                              f"{self.tp_size}), got {self.side_port!r}")
         Level.parse(self.integrity, "integrity")
         for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
                     "close_timeout"):

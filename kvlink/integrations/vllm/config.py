@@ -300,6 +300,9 @@ class Settings:
                 raise ConfigError(f"{key} must be positive, got {value}")
         if not s.idle_yield_s >= 0:
             raise ConfigError(f"idle_yield_ms must be >= 0, got {x.idle_yield_ms}")
+        if not 0 <= s.poll_grace_us <= 1e6:  # (as WorkerConfig says, but at startup)
+            raise ConfigError(f"poll_grace_us must be 0 to 1e6 (a second), got "
+                              f"{s.poll_grace_us!r}")
         if not 0 < s.side_port < 65536:
             raise ConfigError(f"side_channel_port {s.side_port} out of range")
         return s
