@@ -46,20 +46,30 @@ def achieved(before: dict[str, float] | None, after: dict[str, float]) -> dict[s
             "gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0}
 
 
-def baseline_gbps(path: str) -> tuple[float, str] | None:
-    """The best same-machine figure from a `kvlink bench` JSON (largest ucx_perftest or kvlink)."""
+def baseline_gbps(path: str) -> tuple[float, str] | str:
+    """The best same-machine figure from a `kvlink bench` JSON: the largest ucx_perftest
+    figure, else (a bench run without perftest, or on a host without it) kvlink's own
+    largest. Where there is none, why (the file missing, unreadable, or without figures)."""
     try:
         with open(path) as f:
             doc: dict[str, Any] = json.load(f)
-    except (OSError, ValueError):
-        return None
-    best: tuple[float, str] | None = None
-    for p in doc.get("points", []):
-        for key in ("ucx_perftest_get_gbps", "ucx_perftest_put_gbps"):
-            v = p.get(key)
-            if isinstance(v, float) and (best is None or v > best[0]):
-                best = (v, f"{key.removesuffix('_gbps')} at {p['block_bytes']} B")
-    return best
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}: run `kvlink bench`"
+    except ValueError as exc:
+        return f"{path} is not a kvlink bench JSON ({exc})"
+    points = doc.get("points", []) if isinstance(doc, dict) else []
+    for keys in (("ucx_perftest_get_gbps", "ucx_perftest_put_gbps"), ("gbps",)):
+        best: tuple[float, str] | None = None
+        for p in points:
+            for key in keys:
+                v = p.get(key)
+                if isinstance(v, (int, float)) and v > 0 and (best is None or v > best[0]):
+                    what = (key.removesuffix("_gbps") if key != "gbps" else
+                            f"kvlink {p.get('transport', '?')} {p.get('op', '?')}")
+                    best = (float(v), f"{what} at {p.get('block_bytes', '?')} B")
+        if best is not None:
+            return best
+    return f"{path} has no bandwidth figure"
 
 
 class ProbeError(Exception):
@@ -88,8 +98,8 @@ def run(url: str, interval: float = 0.0, nic_gbit: float = 400.0,
     print(f"NIC        {nic:8.2f} GB/s ({nic_gbit:.0f} Gb/s line rate) -> "
           f"{100 * res['gbps'] / nic:.0f} %")
     base = baseline_gbps(baseline)
-    if base is None:
-        print(f"baseline   none ({baseline} missing: run `kvlink bench`)")
+    if isinstance(base, str):
+        print(f"baseline   none ({base})")
     else:
         print(f"baseline   {base[0]:8.2f} GB/s ({base[1]}, {baseline}) -> "
               f"{100 * res['gbps'] / base[0]:.0f} %")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client absent")
 
 from kvlink.cli import main  # noqa: E402
-from kvlink.probe import achieved, parse_metrics, scrape  # noqa: E402
+from kvlink.probe import achieved, baseline_gbps, parse_metrics, scrape  # noqa: E402
 
 
 @pytest.fixture
@@ -54,7 +56,25 @@ def test_probe_reads_kvlink_series(server: tuple[str, object, object],
     assert window["gbps"] == pytest.approx(2.0) and window["pulls"] == 1
     assert main(["probe", url, "--nic-gbit", "400", "--baseline", "/nonexistent.json"]) == 0
     out = capsys.readouterr().out
-    assert "achieved" in out and "NIC" in out and "missing" in out
+    assert "achieved" in out and "NIC" in out and "/nonexistent.json" in out
+    assert "No such file" in out and "run `kvlink bench`" in out
+
+
+def test_a_baseline_without_perftest_figures_uses_kvlink_s_own(tmp_path: Path) -> None:
+    """A `kvlink bench --no-perftest` JSON (or one from a host without ucx_perftest) has
+    kvlink's figures only: its best is the baseline (before: called "missing")."""
+    bench = tmp_path / "bandwidth.json"
+    bench.write_text(json.dumps({"points": [
+        {"transport": "tcp", "op": "read", "block_bytes": 4096, "gbps": 1.5},
+        {"transport": "nixl", "op": "write", "block_bytes": 1 << 20, "gbps": 6.25}]}))
+    assert baseline_gbps(str(bench)) == (6.25, f"kvlink nixl write at {1 << 20} B")
+    bench.write_text(json.dumps({"points": [
+        {"block_bytes": 4096, "gbps": 1.5, "ucx_perftest_get_gbps": 2.0}]}))
+    assert baseline_gbps(str(bench)) == (2.0, "ucx_perftest_get at 4096 B")
+    bench.write_text(json.dumps({"points": []}))
+    assert baseline_gbps(str(bench)) == f"{bench} has no bandwidth figure"
+    bench.write_text("{")
+    assert "is not a kvlink bench JSON" in str(baseline_gbps(str(bench)))
 
 
 def test_parse_ignores_comments_and_sums_labels() -> None:
