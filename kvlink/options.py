@@ -16,11 +16,15 @@ import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
 from kvlink.errors import ConfigError
+
+#: seconds that must be positive (a deadline of 0 or less fails every transfer, or the thread
+#: that waits on it: tcp's peer thread died on a negative socket timeout, its READs hanging)
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class _Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -28,8 +32,8 @@ class _Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class TcpOptions(_Options):
-    timeout_s: float = 30.0  # a transfer's deadline
-    hello_timeout_s: float = 5.0  # an accepted connection's hello must arrive within this
+    timeout_s: Seconds = 30.0  # a transfer's deadline
+    hello_timeout_s: Seconds = 5.0  # an accepted connection's hello must arrive within this
     max_unauthenticated: int = 64  # pending hellos kept (the oldest is dropped beyond)
     max_connections: int = 1024  # connections in all (a new one is closed beyond)
     stream_order: bool = True  # staged device memory waits for the caller's current stream
@@ -55,7 +59,7 @@ class NixlOptions(_Options):
     progress_thread: bool = False  # NIXL's own progress thread
     progress_interval: float = 0.001
     progress_fast_interval: float = 0.00005
-    timeout_s: float = 30.0
+    timeout_s: Seconds = 30.0
     num_threads: int = 0  # nixl_agent_config(num_threads=...)
     #: bytes per descriptor of the lists prepped once per peer (0: 4 KiB, doubled until the
     #: registered memory needs at most prep_max_descriptors); requests whose extents are not
@@ -76,7 +80,7 @@ class MooncakeOptions(_Options):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = ""
     metadata_server: str = "P2PHANDSHAKE"
-    timeout_s: float = 30.0
+    timeout_s: Seconds = 30.0
     #: default 1024, or env MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER with the tcp protocol
     max_inflight_per_peer: int | None = None
     sub_batch: int | None = None  # default max_inflight_per_peer // 4
@@ -133,6 +137,11 @@ def describe(tp: Any) -> str:
         return "a string"
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Annotated:  # a constrained value: what it must be, then its bound
+        bounds = [f"{op} {getattr(m, name)}" for m in args[1:] if isinstance(m, msgspec.Meta)
+                  for name, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+                  if getattr(m, name, None) is not None]
+        return " ".join([describe(args[0]), *bounds])
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (list, tuple):

@@ -73,6 +73,17 @@ def test_tcp_option_typo_fails_in_settings() -> None:
         _s({"transport_options": {"tcp": {"timeout": 5}}})
 
 
+@pytest.mark.parametrize("transport,key", [("tcp", "timeout_s"), ("tcp", "hello_timeout_s"),
+                                           ("nixl", "timeout_s"), ("mooncake", "timeout_s")])
+@pytest.mark.parametrize("value", [0, -1, "-2"])
+def test_a_deadline_must_be_positive(transport: str, key: str, value: Any) -> None:
+    """Refused where it is written (before: tcp took timeout_s=-1, and its peer thread died
+    on the socket timeout at the first READ, which then never ended)."""
+    with pytest.raises(ConfigError, match=rf"{transport} option {key}: expected a number > 0, "
+                                          rf"got {value!r}"):
+        _s({"transport_options": {transport: {key: value}}})
+
+
 def test_tcp_option_typo_fails_in_create_transport() -> None:
     with pytest.raises(ConfigError, match=r"tcp transport: unknown option 'timeout'; "
                                           r"did you mean 'timeout_s'\?"):
@@ -80,7 +91,7 @@ def test_tcp_option_typo_fails_in_create_transport() -> None:
 
 
 def test_tcp_option_bad_type_names_key_and_value() -> None:
-    with pytest.raises(ConfigError, match=r"tcp option timeout_s: expected a number, got 'x'"):
+    with pytest.raises(ConfigError, match=r"tcp option timeout_s: expected a number > 0, got 'x'"):
         create_transport("tcp", TransportContext(agent_name="strict/0/1"), {"timeout_s": "x"})
     with pytest.raises(ConfigError, match=r"tcp option stage_host_memory: expected true or "
                                           r"false, got 'false'"):

@@ -158,6 +158,44 @@ def test_block_ids_bounds_checked_before_posting(observed: Callable[[str], None]
         serving.close()
 
 
+def _worker(engine: str) -> tuple[KVWorker, Any]:
+    buf, layers = data.allocate(SMALL, 16, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id=engine))
+    w.register(data.spec_of(SMALL, layers, 1, 0))
+    return w, (buf, layers)
+
+
+@pytest.mark.parametrize("bad", [[-1, 4], [2**31, 4], [1.7, 4.2]],
+                         ids=["negative", "past-the-wire", "float"])
+def test_remote_ids_the_wire_cannot_carry_are_refused_at_read(bad: list[Any]) -> None:
+    """Refused at read(), naming the id (or its type), nothing sent. Before: a float was
+    truncated (block 1 read for 1.7); a negative id failed at poll, and the report of that
+    failure, carrying it, broke the producer's frame — another request's intent in it failed
+    ("bad_message") and the hold stayed until its lease."""
+    prod, keep_p = _worker("p")
+    cons, keep_c = _worker("c")
+    try:
+        remote = RemoteEngine("p", "127.0.0.1", prod.side_port)
+        prod.hold("a", [1, 2])
+        gen = prod.hold("b", [3, 4])
+        cons.read("a", remote, [5, 6], [1, 2])  # (an intent: the same frame as b's report)
+        with pytest.raises(BlockIdOutOfRange, match=r"remote block id|must be integers"):
+            cons.read("b", remote, [7, 8], bad, generation=gen)
+        deadline = time.monotonic() + 10
+        done: set[str] = set()
+        while "a" not in done:
+            assert time.monotonic() < deadline, "a never finished"
+            prod.poll()
+            got, failed = cons.poll()
+            assert not failed, failed
+            done |= got
+            time.sleep(0.001)
+    finally:
+        cons.close()
+        prod.close()
+    del keep_p, keep_c
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)

@@ -19,6 +19,9 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvlink import wire
 from kvlink.channel import Pending
 from kvlink.compat import WIRE_VERSION
@@ -338,7 +341,8 @@ class _Parts(_Holds):
         failed = state.status is XferStatus.FAILED
         reason = f"{self._where(req, part)}: {state.reason}" if failed else ""
         if (failed and state.refused and req.generation is not None
-                and part.t_post - req.t_start < self.config.intent_timeout):
+                and part.t_post - req.t_start < self.config.intent_timeout
+                and _on_wire(req.remote_ids)):
             # nothing moved: the producer had not held it yet (we were told the generation
             # first), or no longer does. Ask which (an intent answers with the generation);
             # nobody listening there any more fails it at once (live_only)
@@ -525,8 +529,8 @@ class _Parts(_Holds):
                              req_id=req.req_id, tp_rank=self.config.tp_rank,
                              tp_size=self.config.tp_size, incarnation=part.go.peer.incarnation,
                              generation=part.go.generation, ok=ok,
-                             block_ids=(req.remote_ids.tolist()
-                                        if req.generation is not None else None))
+                             block_ids=(req.remote_ids.tolist() if req.generation is not None
+                                        and (ok or _on_wire(req.remote_ids)) else None))
 
     def _tell_read_done(self, req: _Request, part: _Part) -> None:
         """A READ validated on the hold board: the producer may count us done."""
@@ -581,3 +585,11 @@ class _Parts(_Holds):
                 self._slices.clear()
             got = self._slices[key] = (spec, spec.layers(start, stop))
         return got[1]
+
+
+def _on_wire(ids: npt.NDArray[np.int64]) -> bool:
+    """Whether block ids are ones the wire carries: a READ launched on a route leaves their
+    range to the device, which fails it naming an id outside its cache — whose report must
+    then not carry that id (the producer's strict decoder refuses the whole frame it is in,
+    other requests' messages with it). A failed READ's report needs none of them."""
+    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) <= wire.MAX_BLOCK_ID)

@@ -23,10 +23,11 @@ import numpy.typing as npt
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import ConfigError
+from kvlink.errors import BlockIdOutOfRange, ConfigError
 from kvlink.headmap import HeadRead, map_heads, notify_targets
 from kvlink.integrity import RangeDigests
 from kvlink.landing import LandingView
+from kvlink.layout import check_in_range
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
 from kvlink.transport import Op
@@ -213,10 +214,7 @@ class _Requests(_Parts):
         if req_id in self._requests:
             raise ConfigError(f"request {req_id!r} is already in flight")
         lids = spec.check_block_ids(local_ids, "local")
-        rids = np.array(remote_ids, dtype=np.int64)  # ours: the caller may reuse theirs
-        if rids.ndim != 1 or rids.shape != lids.shape:
-            raise ConfigError(f"request {req_id}: {lids.shape[0]} local vs "
-                              f"{np.shape(rids)} remote block ids")
+        rids = _remote_ids(req_id, remote_ids, lids.shape[0])
         if reads is None:
             reads = map_heads(self.config.tp_size, self.config.tp_rank, remote.tp_size,
                               spec.total_kv_heads, spec.mla)
@@ -360,6 +358,23 @@ def _own_ids(ids: object) -> npt.NDArray[np.int64]:
         return np.frombuffer(ids, dtype=np.int64).copy()  # type: ignore[call-overload,no-any-return]
     except (TypeError, ValueError):
         return np.zeros(0, dtype=np.int64)
+
+
+def _remote_ids(req_id: str, ids: npt.ArrayLike, n: int) -> npt.NDArray[np.int64]:
+    """The remote block ids as int64 of our own (the caller may reuse theirs), checked as far
+    as this side can: integers (a float was truncated), one per local id, each one a block id
+    the wire carries; the producer's cache bounds them further (a READ past it fails, naming
+    the id). A negative one used to fail the READ, and the report of that failure, carrying
+    it, then broke the producer's whole frame of messages (other requests' with it)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ConfigError(f"request {req_id}: {n} local vs {arr.shape} remote block ids")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise BlockIdOutOfRange(f"remote block ids must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64)  # (a uint64 past 2**63 turns negative: out of range below)
+    if out.size and (int(out.min()) < 0 or int(out.max()) > wire.MAX_BLOCK_ID):
+        check_in_range(out, wire.MAX_BLOCK_ID + 1, "remote")
+    return out
 
 
 def _int_ids(ids: object) -> npt.NDArray[np.int64] | None:
