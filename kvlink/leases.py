@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvlink.errors import ConfigError
+
 log = logging.getLogger("kvlink.scheduler")  # the module's old name: log settings keep working
 
 _REMEMBERED = 100_000  # released request ids kept to tell "released" from "not held yet"
@@ -111,6 +113,37 @@ def new_generation() -> int:
     return secrets.randbits(62) + 1
 
 
+def _integer(x: object) -> int | None:
+    """``x`` as an int where it is an integer (Python's or numpy's, not a bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        return None
+    return int(x)
+
+
+def check_generation(generation: object) -> int | None:
+    """A caller-minted hold generation: None (minted here) or a positive 63-bit integer,
+    returned as an int."""
+    if generation is None:
+        return None
+    g = _integer(generation)
+    if g is None or not 0 < g < 2**63:
+        raise ConfigError(f"generation must be a positive 63-bit integer, got {generation!r}")
+    return g
+
+
+def check_readers(readers: object) -> int | None:
+    """A hold's reader count: None (the first reader's TP says) or an integer >= 1, returned
+    as an int (a reader's report compares its count with it, on the side channel's thread:
+    a string there failed every report, and the hold stayed until its lease)."""
+    if readers is None:
+        return None
+    n = _integer(readers)
+    if n is None or n < 1:
+        raise ConfigError(f"readers must be None (the first reader's TP says) or an integer "
+                          f">= 1, got {readers!r}")
+    return n
+
+
 class BlockLeases:
     """Holds a producer's blocks for remote readers (see the module docstring for the rules)."""
 
@@ -147,15 +180,14 @@ class BlockLeases:
         does, to hand it to the decode with the block ids before this worker holds them). It
         must be positive and unique per hold: a reader that names it validates against it."""
         ids = [int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1)]
-        if generation is not None and not 0 < generation < 2**63:
-            raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
+        generation, readers = check_generation(generation), check_readers(readers)
         with self._lock:
             if req_id in self._leases:
-                raise ValueError(f"request {req_id!r} already holds blocks")
+                raise ConfigError(f"request {req_id!r} already holds blocks")
             if generation is not None and self._gone_generation.get(req_id) == generation:
                 # that hold came and went (a second path delivering the same hold late)
-                raise ValueError(f"request {req_id!r} was held under generation {generation} "
-                                 "and released already")
+                raise ConfigError(f"request {req_id!r} was held under generation "
+                                  f"{generation} and released already")
             self._gone.pop(req_id, None)
             # random, never counted up: the generation is what lets a reader in (kvlink.grants)
             gen = new_generation() if generation is None else generation

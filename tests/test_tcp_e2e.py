@@ -23,7 +23,7 @@ from kvlink import native, wire
 from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
 from kvlink.demo.run import Serving, free_port_range, run_demo
-from kvlink.errors import BlockIdOutOfRange, TransportUnavailable
+from kvlink.errors import BlockIdOutOfRange, ConfigError, TransportUnavailable
 from kvlink.transport import Op, Region, TransportContext, XferState, XferStatus, make_extents
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
@@ -194,6 +194,31 @@ def test_remote_ids_the_wire_cannot_carry_are_refused_at_read(bad: list[Any]) ->
         cons.close()
         prod.close()
     del keep_p, keep_c
+
+
+def test_hold_and_read_arguments_are_typed_errors_at_the_call() -> None:
+    """A caller's bad value is a ConfigError naming it, at the call. Before: readers="2" was
+    taken, and every reader's report then failed on the producer's side-channel thread
+    (TypeError), the hold staying until its lease; a duplicate hold, generation 0 or "5"
+    were a ValueError or a TypeError."""
+    prod, keep = _worker("p")
+    try:
+        for readers in ("2", 0, -3, True, 1.5):
+            with pytest.raises(ConfigError, match=r"readers must be None .* got"):
+                prod.hold("a", [1, 2], readers=readers)  # type: ignore[arg-type]
+        for generation in (0, -1, 2**63, "5", 7.0):
+            with pytest.raises(ConfigError, match=r"generation must be a positive 63-bit"):
+                prod.hold("a", [1, 2], generation=generation)  # type: ignore[arg-type]
+        assert prod.hold("n", [4], readers=np.int64(1), generation=np.int64(77)) == 77
+        prod.hold("a", [1, 2], readers=1)
+        with pytest.raises(ConfigError, match=r"request 'a' already holds blocks"):
+            prod.hold("a", [3])
+        remote = RemoteEngine("p", "127.0.0.1", prod.side_port)
+        with pytest.raises(ConfigError, match=r"generation must be a positive 63-bit"):
+            prod.read("r", remote, [1], [1], generation="5")  # type: ignore[arg-type]
+    finally:
+        prod.close()
+    del keep
 
 
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")

@@ -23,7 +23,16 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.grants import block_extents, read_ticket
 from kvlink.headmap import notify_targets
 from kvlink.integrity import Checker
-from kvlink.leases import BlockLeases, Grant, Refusal, Refused, Released, new_generation
+from kvlink.leases import (
+    BlockLeases,
+    Grant,
+    Refusal,
+    Refused,
+    Released,
+    check_generation,
+    check_readers,
+    new_generation,
+)
 from kvlink.transport import Op, Transport
 from kvlink.worker.peering import _Peering
 
@@ -61,8 +70,7 @@ class _Holds(_Peering):
         are written (a layer-wise push each range as it is pushed, a whole push at its call)."""
         wire.check_id(req_id, "request id")
         self._require_spec().check_block_ids(block_ids, "held")  # a window is granted over them
-        if generation is not None and not 0 < generation < 2**63:
-            raise ValueError(f"generation must be a positive 63-bit integer, got {generation!r}")
+        generation, readers = check_generation(generation), check_readers(readers)
         gen = new_generation() if generation is None else generation
         # granted before the hold is visible: a reader told the generation may READ at once;
         # digested before too: the verdict of that READ carries them

@@ -28,6 +28,7 @@ from kvlink.headmap import HeadRead, map_heads, notify_targets
 from kvlink.integrity import RangeDigests
 from kvlink.landing import LandingView
 from kvlink.layout import check_in_range
+from kvlink.leases import check_generation
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
 from kvlink.transport import Op
@@ -68,9 +69,11 @@ class _Requests(_Parts):
         at its address any more, a first handshake with it fails at once rather than at
         ``handshake_timeout`` — leave it False where the producer may not have started yet."""
         if generation is not None:
-            if not 0 < generation < 2**63:
-                raise ConfigError(f"request {req_id}: generation must be a positive 63-bit "
-                                  f"integer, got {generation!r}")
+            if type(generation) is not int or not 0 < generation < 2**63:
+                try:  # (numpy's integers are taken too)
+                    generation = int(check_generation(generation) or 0)
+                except ConfigError as exc:
+                    raise ConfigError(f"request {req_id}: {exc}") from None
             last, route = self._last_route  # (a RemoteEngine's hash is a Python call)
             digests = self.integrity.on
             if last is not remote or route is None or route.digests is not digests:
