@@ -221,6 +221,31 @@ def test_hold_and_read_arguments_are_typed_errors_at_the_call() -> None:
     del keep
 
 
+def test_register_once_and_a_failed_one_leaves_nothing_open() -> None:
+    """A second register() is a ConfigError (it opened a second data plane and side
+    channel, the first pair left running past close()); a register() that fails (here: an
+    unauthenticated side channel on every interface) closes what it had opened."""
+    before = {t.name for t in threading.enumerate()}
+    buf, layers = data.allocate(SMALL, 16, 1, 0)
+    spec = data.spec_of(SMALL, layers, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="open", host="0.0.0.0"))
+    with pytest.raises(ConfigError, match="refusing to bind an unauthenticated side channel"):
+        w.register(spec)
+    assert {t.name for t in threading.enumerate()} <= before
+    assert not w.transports and w.spec is None
+    w.close()
+    ok = KVWorker(WorkerConfig(engine_id="once"))
+    try:
+        ok.register(spec)
+        port = ok.side_port
+        with pytest.raises(ConfigError, match="registered its cache already"):
+            ok.register(spec)
+        assert ok.side_port == port and list(ok.transports) == ["tcp"]
+    finally:
+        ok.close()
+    del buf
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import os
@@ -27,7 +28,7 @@ from typing import Any
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import KVLinkError, TransportUnavailable
+from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import BoardView, HoldBoard
 from kvlink.hostid import host_id
@@ -184,7 +185,33 @@ class KVWorker(_PrefillPush, _DecodePush):
         """Register the cache with every configured transport that can take it; start serving.
 
         ``planes``: the framework's own logical views of the cache (``integrity.tensor_planes``)
-        for integrity digests; default: views of the memory as ``spec`` describes it."""
+        for integrity digests; default: views of the memory as ``spec`` describes it.
+
+        Once per worker (a ConfigError the second time: another cache is another worker).
+        Where it fails, what it had opened is closed again (transports, boards, the side
+        channel): a worker whose setup failed holds no port, thread or shared memory."""
+        if self.spec is not None:
+            raise ConfigError("this worker registered its cache already: a worker serves one "
+                              "cache (make another worker for another)")
+        try:
+            self._register(spec, planes)
+        except BaseException:
+            self._unregister()
+            raise
+
+    def _unregister(self) -> None:
+        """Close what a failed :meth:`register` opened (each close is quiet: the cause of the
+        failure is what the caller hears)."""
+        opened: list[Any] = [*self.transports.values(), self._server, self.board, self.landing]
+        for thing in opened:
+            if thing is not None:
+                with contextlib.suppress(Exception):
+                    thing.close()
+        self.transports.clear()
+        self._server = self.board = self.landing = None
+        self.spec = None
+
+    def _register(self, spec: KVCacheSpec, planes: Planes | None) -> None:
         if spec.tp_size != self.config.tp_size or spec.tp_rank != self.config.tp_rank:
             spec = dataclasses.replace(spec, tp_size=self.config.tp_size,
                                        tp_rank=self.config.tp_rank)
