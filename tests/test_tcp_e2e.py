@@ -246,6 +246,32 @@ def test_register_once_and_a_failed_one_leaves_nothing_open() -> None:
     del buf
 
 
+def test_a_closed_worker_reports_what_was_in_flight_and_takes_nothing_new() -> None:
+    """After close(): the READ in flight (its producer never answers its handshake) is
+    reported failed by the next poll, nothing is pending, and read()/hold()/register() are
+    ConfigErrors. Before: read() raised a bare RuntimeError from a thread pool, hold() took
+    blocks, and the READ stayed pending (a caller draining until nothing was pending spun)."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()  # accepts (in the backlog), never answers
+    w, keep = _worker("closing")
+    try:
+        remote = RemoteEngine("mute", "127.0.0.1", mute.getsockname()[1])
+        w.read("r", remote, [1], [1])
+        assert w.pending() == 1
+        w.close()
+        assert w.poll() == (set(), {"r": "the worker was closed with it in flight"})
+        assert w.poll() == (set(), {}) and w.pending() == 0
+        for call in (lambda: w.read("s", remote, [1], [1]), lambda: w.hold("h", [1]),
+                     lambda: w.register(w.spec)):  # type: ignore[arg-type]
+            with pytest.raises(ConfigError, match="this worker is closed"):
+                call()
+    finally:
+        w.close()
+        mute.close()
+    del keep
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)

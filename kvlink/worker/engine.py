@@ -169,6 +169,10 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._told: list[Pending] = []  # reports nobody waits for, kept to log failures
         self._later: list[Callable[[], None]] = []  # reports for a later poll (_tell_later)
         self._later_since = 0.0
+        #: closed (close()): nothing new is taken; the requests in flight at the close are
+        #: reported failed by the next poll
+        self._closed = False
+        self._left_at_close: dict[str, str] = {}
         self._readers: dict[int, int] = {}  # consumer TP -> readers per hold (see below)
         #: what callers read back (transfers, xfer_seconds, phases, counts; see the
         #: properties below), written off the request's path
@@ -190,6 +194,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         Once per worker (a ConfigError the second time: another cache is another worker).
         Where it fails, what it had opened is closed again (transports, boards, the side
         channel): a worker whose setup failed holds no port, thread or shared memory."""
+        if self._closed:
+            raise ConfigError("this worker is closed (make another one)")
         if self.spec is not None:
             raise ConfigError("this worker registered its cache already: a worker serves one "
                               "cache (make another worker for another)")
@@ -289,6 +295,9 @@ class KVWorker(_PrefillPush, _DecodePush):
         before it could take a report (vLLM's connector, before a forward)."""
         finished: set[str] = set()
         failed: dict[str, str] = {}
+        if self._closed:  # what was in flight at the close, once
+            failed, self._left_at_close = self._left_at_close, {}
+            return finished, failed
         if self._awaiting:  # pushes written on our landing board need no message
             self._poll_landed(finished)
         stepped = self._poll_moving(finished, failed) if self._requests and not finished else ()
@@ -563,7 +572,11 @@ class KVWorker(_PrefillPush, _DecodePush):
 
     def close(self) -> None:
         """Stop serving, give queued reports until ``close_timeout``, cancel the rest, close
-        the transports. Returns within about ``close_timeout`` whatever the peers do."""
+        the transports. Returns within about ``close_timeout`` whatever the peers do. The
+        requests in flight then are reported failed by the next :meth:`poll` (nothing of
+        them moves any more); every other call raises a ConfigError from then on."""
+        if self._closed:
+            return
         end = time.monotonic() + self.config.close_timeout
         if self._server is not None:
             self._server.close()
@@ -596,3 +609,11 @@ class KVWorker(_PrefillPush, _DecodePush):
             if hv is not None:
                 hv.close()
         self._hold_views.clear()
+        self._left_at_close = {r: "the worker was closed with it in flight"
+                               for r in [*self._requests, *self._awaiting]}
+        self._requests.clear()
+        self._awaiting.clear()
+        self._later.clear()
+        self._routes.clear()
+        self._last_route = (None, None)
+        self._closed = True

@@ -53,6 +53,7 @@ class _Peering:
     _lock: threading.Lock  # what the side channel thread shares with the caller's
     _secret: bytes | None
     _abort: threading.Event  # set at close: running handshakes give up
+    _closed: bool  # close() ran: nothing new is taken
     _calls: set[cf.Future[Any]]  # handshakes running on helper threads
     # (engine, rank) -> agents that handshook with us: fenced off when a push goes silent
     _handshook: dict[tuple[str, int], set[str]]
@@ -69,8 +70,9 @@ class _Peering:
         return int(self._server.port)
 
     def _require_spec(self) -> KVCacheSpec:
-        if self.spec is None:
-            raise ConfigError("register() a KV cache before transferring")
+        if self.spec is None or self._closed:
+            raise ConfigError("this worker is closed" if self._closed else
+                              "register() a KV cache before transferring")
         return self.spec
 
     # ------------------------------------------------------------------ side-channel calls
