@@ -272,6 +272,44 @@ def test_a_closed_worker_reports_what_was_in_flight_and_takes_nothing_new() -> N
     del keep
 
 
+def test_a_push_with_wrong_local_ids_can_be_pushed_again() -> None:
+    """push() with the caller's ids wrong (too few, out of range) raises naming them and
+    leaves the push to be written: the corrected call lands it. Before, the first call used
+    the push up — the retry was refused as "already taken (failed)" and the decode, never
+    told, waited out its timeout."""
+    buf, layers = data.allocate(SMALL, 16, 1, 0)
+    prod = KVWorker(WorkerConfig(engine_id="p", serve_pushes=True, grants=False))
+    prod.register(data.spec_of(SMALL, layers, 1, 0))
+    cons, keep = _worker("c")
+    try:
+        cons.expect_push("e", RemoteEngine("p", "127.0.0.1", prod.side_port), [3, 4],
+                         timeout=10)
+        deadline = time.monotonic() + 10
+        while not prod.queued_pushes():
+            assert time.monotonic() < deadline, "the push request never came"
+            cons.poll()
+            prod.poll()
+            time.sleep(0.001)
+        (msg,) = prod.push_requests()
+        with pytest.raises(ConfigError, match="1 local block ids for the decode's 2"):
+            prod.push(msg, [1])
+        with pytest.raises(BlockIdOutOfRange, match="local block id 99"):
+            prod.push(msg, [1, 99])
+        prod.push(msg, [1, 2])
+        while True:
+            assert time.monotonic() < deadline, "the corrected push never landed"
+            prod.poll()
+            done, failed = cons.poll()
+            assert not failed, failed
+            if "e" in done:
+                break
+            time.sleep(0.001)
+    finally:
+        cons.close()
+        prod.close()
+    del buf, keep
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)

@@ -159,6 +159,12 @@ class _PrefillPush(_Requests):
         if layers is not None:
             return self._push_layers(msg, local_ids, lease, layers)
         spec = self._require_spec()
+        # the caller's ids first: a wrong one is the caller's to correct, and must not use
+        # the push up (its retry was refused as taken, and the decode never told)
+        lids = spec.check_block_ids(local_ids, "local")
+        if lids.shape[0] != len(msg.block_ids):
+            raise ConfigError(f"push of {msg.req_id}: {lids.shape[0]} local block ids for the "
+                              f"decode's {len(msg.block_ids)}")
         key, generation = self._begin_push(msg, local_ids, lease)
         rid = _push_rid(msg)
         try:
@@ -174,10 +180,14 @@ class _PrefillPush(_Requests):
                        if self.integrity.on else None)
             self._start(rid, Op.WRITE, remote, local_ids, msg.block_ids, reads, msg, key,
                         lease=held, digests=digests, landing=landing)
-        except KVLinkError:
+        except KVLinkError as exc:
             with self._lock:
                 self._push_slots.finish(key, False)
             self._unread_push(msg, lease, generation)
+            # the decode learns now, not at its timeout: this push will not come
+            self._tell(msg.host, msg.port + msg.tp_rank,
+                       self._note(msg.req_id, msg.push_id, ok=False, detail=str(exc)))
+            self._chan.flush()
             raise
         return rid
 
