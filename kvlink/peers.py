@@ -21,7 +21,7 @@ from typing import Protocol
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
-from kvlink.errors import HandshakeError, KVLinkError
+from kvlink.errors import HandshakeError, IncompatibleSpecError, KVLinkError
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
@@ -167,6 +167,11 @@ class PeerTable:
         if reply.engine_id != remote.engine_id or reply.tp_rank != rank:
             raise HandshakeError(f"{where} is engine {reply.engine_id!r} rank {reply.tp_rank}, "
                                  f"expected {remote.engine_id!r} rank {rank}")
+        if reply.tp_size != remote.tp_size:  # (its heads were mapped over remote.tp_size)
+            raise IncompatibleSpecError(
+                f"engine {remote.engine_id!r} at {where} runs {reply.tp_size} TP rank(s), but "
+                f"it was named with tp_size {remote.tp_size} (RemoteEngine.tp_size; vLLM: "
+                "the kv_transfer_params' tp_size)")
         rspec = reply.spec.to_spec()
         check_compatible(spec.geometry(), rspec.geometry(), tp_size, reply.tp_size)
         same_host = reply.host_id == host_id()

@@ -310,6 +310,33 @@ def test_a_push_with_wrong_local_ids_can_be_pushed_again() -> None:
     del buf, keep
 
 
+def test_a_remote_named_with_another_tp_size_fails_naming_both() -> None:
+    """A producer of one TP rank named with tp_size 2: the handshake says so (before: the
+    READ failed on a grant refusal and a side channel that never answered)."""
+    prod, keep_p = _worker("p")
+    buf, layers = data.allocate(SMALL, 16, 1, 0)
+    cons = KVWorker(WorkerConfig(engine_id="c", handshake_timeout=1.0))
+    cons.register(data.spec_of(SMALL, layers, 1, 0))
+    try:
+        gen = prod.hold("a", [1, 2])
+        cons.read("a", RemoteEngine("p", "127.0.0.1", prod.side_port, 2), [5, 6], [1, 2],
+                  generation=gen)
+        deadline = time.monotonic() + 10
+        while True:
+            assert time.monotonic() < deadline, "the READ was never reported"
+            prod.poll()
+            done, failed = cons.poll()
+            assert not done
+            if failed:
+                break
+            time.sleep(0.001)
+        assert "runs 1 TP rank(s), but it was named with tp_size 2" in failed["a"], failed
+    finally:
+        cons.close()
+        prod.close()
+    del keep_p, buf
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)
