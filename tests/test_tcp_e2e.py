@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -335,6 +336,23 @@ def test_a_remote_named_with_another_tp_size_fails_naming_both() -> None:
         cons.close()
         prod.close()
     del keep_p, buf
+
+
+def test_a_transport_name_nothing_registered_is_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A typo in ``transports`` beside a name that works is said at WARNING (a library
+    missing on this host stays at INFO); before, both were INFO lines."""
+    buf, layers = data.allocate(SMALL, 16, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="typo", transports=["tpc", "tcp"]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvlink"):
+            w.register(data.spec_of(SMALL, layers, 1, 0))
+        assert list(w.transports) == ["tcp"]
+        assert any("unknown transport 'tpc'" in r.getMessage() for r in caplog.records
+                   if r.levelno == logging.WARNING), caplog.text
+    finally:
+        w.close()
+    del buf
 
 
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")

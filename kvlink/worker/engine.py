@@ -28,7 +28,12 @@ from typing import Any
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels, Pending
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import ConfigError, KVLinkError, TransportUnavailable
+from kvlink.errors import (
+    ConfigError,
+    KVLinkError,
+    TransportUnavailable,
+    UnknownTransportError,
+)
 from kvlink.headmap import HeadRead
 from kvlink.holdboard import BoardView, HoldBoard
 from kvlink.hostid import host_id
@@ -234,7 +239,9 @@ class KVWorker(_PrefillPush, _DecodePush):
                 t.register(spec.regions)
             except KVLinkError as exc:
                 reasons.append(f"{name}: {exc}")
-                log.info("transport %s unavailable: %s", name, exc)
+                # a name nothing registered is a typo, not a library missing on this host
+                (log.warning if isinstance(exc, UnknownTransportError) else log.info)(
+                    "transport %s unavailable: %s", name, exc)
                 continue
             self.transports[name] = t
         self._threaded = any(t.capabilities.python_threads for t in self.transports.values())

@@ -201,7 +201,11 @@ class _Requests(_Parts):
 
     def write(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
               remote_ids: npt.ArrayLike) -> None:
-        """Push a request's blocks into the remote's blocks (non-blocking)."""
+        """WRITE a request's blocks into the remote's blocks (non-blocking); :meth:`poll`
+        reports it. The remote must take WRITEs it did not ask for: with its
+        :attr:`WorkerConfig.grants` on (the default), transports that enforce grants (tcp)
+        refuse such a WRITE ("no grant for this transfer"). A decode that wants its blocks
+        written asks for a push instead (:meth:`expect_push`; the producer's :meth:`push`)."""
         self._start(req_id, Op.WRITE, remote, local_ids, remote_ids)
 
     def _start(self, req_id: str, op: Op, remote: RemoteEngine, local_ids: npt.ArrayLike,
