@@ -87,7 +87,7 @@ BAD_VALUES = [
     (["pull", "--tokens", "0"], ["--tokens", "0"]),
     (["bench", "--sizes", "4X"], ["--sizes", "4X"]),
     (["bench", "--sizes", "0"], ["--sizes", "0"]),
-    (["bench", "--sizes", "1G", "--total-mib", "1"], ["--sizes 1073741824", "--total-mib 1"]),
+    (["bench", "--sizes", "1G", "--total-mib", "1"], ["--sizes 1 GiB", "--total-mib 1"]),
     (["bench", "--ops", "copy"], ["--ops", "copy"]),
     (["bench", "--transports", "foo"], ["--transports foo", "tcp"]),
     (["bench", "--reps", "0"], ["--reps", "0"]),

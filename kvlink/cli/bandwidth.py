@@ -138,10 +138,12 @@ def bench(host: str | None, server: bool, port: int, bind: str, secret: str | No
         if n not in known:
             raise click.UsageError(f"--transports {n}: unknown transport; registered: "
                                      f"{', '.join(known) or 'none'}")
+    from kvlink.bench.facts import human
+
     total = total_mib << 20
     for s in sizes:
         if s > total:
-            raise click.UsageError(f"--sizes {s}: larger than --total-mib {total_mib} "
+            raise click.UsageError(f"--sizes {human(s)}: larger than --total-mib {total_mib} "
                                      f"({total:,} bytes)")
     if memory == "vram":
         try:

@@ -74,7 +74,8 @@ def _geometry(f: F) -> F:
              help="Seconds to reach a peer before giving up on it."),
         _opt("--json", "json_path", metavar="PATH", default=None,
              help="Also write the results as JSON to PATH."),
-        _opt("--no-progress", is_flag=True, help="No progress bar on stderr."),
+        _opt("--no-progress", is_flag=True,
+             help="Nothing on stderr but logs and errors: no phase lines, no progress bar."),
     ]
     for o in reversed(opts):
         f = o(f)
