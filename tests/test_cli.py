@@ -82,6 +82,7 @@ BAD_VALUES = [
     (["demo", "--tokens", "1024", "--cache-gib", "0.01"],
      ["--cache-gib 0.01", "--tokens 1024", "128 MiB", "--cache-gib 0.125 at least"]),
     (["serve", "--port", "0"], ["--port 0"]),
+    (["serve", "--lease-seconds", "0"], ["--lease-seconds", "0"]),
     (["serve", "--port", "65535", "--prefill-tp", "2"], ["--port 65535", "2 ranks"]),
     (["pull", "--remote-port", "70000"], ["--remote-port 70000"]),
     (["pull", "--tokens", "0"], ["--tokens", "0"]),

@@ -311,8 +311,10 @@ def _interrupt(signum: int, frame: object) -> None:
 @_opt("--advertise-host", default=None, help="Address peers dial (default: --host).")
 @_opt("--port", type=int, default=5600,
       help="Side-channel base port: rank r listens on PORT + r.")
+@_opt("--lease-seconds", type=_POS_FLOAT, default=120.0,
+      help="How long each request stays held for its reader (a READ after it is refused).")
 @_verbosity
-def serve(port: int, **kw: Any) -> int:
+def serve(port: int, lease_seconds: float, **kw: Any) -> int:
     """The prefill half: fill a KV cache and serve it until every request was read.
 
     Stops on Ctrl-C or SIGTERM; its ranks die with it even on SIGKILL (Linux). Exit code 1
@@ -328,7 +330,7 @@ def serve(port: int, **kw: Any) -> int:
     from kvlink.demo.run import Serving
 
     signal.signal(signal.SIGTERM, _interrupt)
-    plan = _plan(a, port)
+    plan = dataclasses.replace(_plan(a, port), lease_seconds=lease_seconds)
     display = Display(not a.no_progress)
     serving = Serving(plan, display)
     try:
