@@ -744,3 +744,32 @@ def test_a_post_waits_for_the_callers_stream_before_nixl_moves_a_byte(
     t.release(h)  # released while waiting: nothing was handed to NIXL
     assert stream.dropped == 2
     assert np.array_equal(peer.buffer()[n:2 * n], before[n:2 * n])
+
+
+def test_prepped_blocks_of_a_size_not_a_power_of_two_move_the_right_bytes() -> None:
+    """prep_block_bytes 3000: an extent at offset 8 is not made of whole prepped blocks (it
+    goes the per-request way). Before, its alignment test OR-ed offset and length (a shortcut
+    that holds for powers of two only): 8 | 3000 = 3000 mapped it onto block 0, the READ was
+    DONE with the wrong bytes, and 8 bytes landed before the extent."""
+    o = {"ucx_probe": False, "prep_block_bytes": 3000}
+    peer = f"np2b-{uuid.uuid4().hex[:6]}"
+    a = create_transport("nixl", TransportContext(agent_name=f"np2a-{uuid.uuid4().hex[:6]}"), o)
+    b = create_transport("nixl", TransportContext(agent_name=peer), o)
+    n = 30000
+    dst = np.zeros(n, np.uint8)
+    src = np.random.default_rng(1).integers(1, 256, n, dtype=np.uint8)
+    try:
+        a.register([Region(dst.ctypes.data, n)])
+        b.register([Region(src.ctypes.data, n)])
+        a.connect(peer, b.descriptor())
+        for off, length in ((8, 3000), (24, 2976), (3000, 6000)):
+            dst[:] = 0
+            h = a.post(Op.READ, peer, make_extents(dst.ctypes.data + off, length),
+                       make_extents(src.ctypes.data + off, length))
+            assert a.wait(h, 10).status is XferStatus.DONE
+            assert np.array_equal(dst[off:off + length], src[off:off + length]), (off, length)
+            assert not dst[:off].any() and not dst[off + length:].any(), (off, length)
+            a.release(h)
+    finally:
+        a.close()
+        b.close()

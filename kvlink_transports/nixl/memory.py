@@ -155,8 +155,9 @@ def _first_blocks(
         if ((off | ext["len"]) & np.uint64(b - 1)).any():
             return None
         first = (off >> np.uint64(prep.shift)).view(np.int64)
-    else:
-        if ((off | ext["len"]) % np.uint64(b)).any():
+    else:  # (each on its own: an OR of the two is a multiple of b only for a power of two;
+        # 8 | 3000 = 3000 mapped an extent at offset 8 onto block 0, and moved the wrong bytes)
+        if (off % np.uint64(b)).any() or (ext["len"] % np.uint64(b)).any():
             return None
         first = (off // np.uint64(b)).view(np.int64)
     if one or bool((ri == r0).all()):
