@@ -355,6 +355,44 @@ def test_a_transport_name_nothing_registered_is_a_warning(
     del buf
 
 
+def test_an_unexpected_error_under_a_transfer_fails_it_and_the_next_one_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error the peer's thread did not expect (injected: a fake _transfer raising once,
+    standing in for a bug, which the real code cannot be made to show on demand) fails that
+    transfer naming it, and the next one moves. Before, it ended the peer's thread: that
+    transfer and every later one to the peer stayed PENDING past timeout_s."""
+    import kvlink_transports.tcp.client as tcp_client
+
+    real = tcp_client._Peer._transfer
+    calls = {"n": 0}
+
+    def once_broken(self: Any, sock: Any, x: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ZeroDivisionError("injected")
+        real(self, sock, x)
+
+    monkeypatch.setattr(tcp_client._Peer, "_transfer", once_broken)
+    opts = {"timeout_s": 2.0}
+    a = TcpTransport(TransportContext(agent_name="bug-a", require_grants=False), opts)
+    b = TcpTransport(TransportContext(agent_name="bug-b", require_grants=False), opts)
+    n = 1 << 16
+    dst, src = np.zeros(n, np.uint8), np.arange(n, dtype=np.uint8)
+    try:
+        a.register([Region(dst.ctypes.data, n)])
+        b.register([Region(src.ctypes.data, n)])
+        a.connect("bug-b", b.descriptor())
+        ext = (make_extents(dst.ctypes.data, n), make_extents(src.ctypes.data, n))
+        first = a.wait(a.post(Op.READ, "bug-b", *ext), 10)
+        assert first.status is XferStatus.FAILED and "injected" in first.reason, first
+        second = a.wait(a.post(Op.READ, "bug-b", *ext), 10)
+        assert second.status is XferStatus.DONE, second
+        assert np.array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.fault("prefill killed mid-READ (256 MiB in flight)")
 def test_producer_killed_mid_transfer_fails_within_timeout(observed: Callable[[str], None]) -> None:
     geo = data.Geometry(layers=8, kv_heads=8, head_dim=128, block_size=16)

@@ -314,6 +314,11 @@ class _Peer:
                     self._transfer(sock, item)
             except (OSError, _PeerGone, KVLinkError) as exc:
                 self._broken(exc, item if isinstance(item, _Xfer) else None)
+            except Exception as exc:  # a bug here, not the peer: said, and the transfers
+                # fail naming it — an escape ended this thread, and every transfer to the
+                # peer stayed PENDING past its deadline
+                log.exception("tcp: peer %s: unexpected error under a transfer", self.name)
+                self._broken(exc, item if isinstance(item, _Xfer) else None)
         if self.sock is not None:
             self.sock.close()
         self._fail_queued(f"peer {self.name} disconnected")
