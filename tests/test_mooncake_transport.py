@@ -255,6 +255,33 @@ def test_queue_full_retried_then_failed_cleanly(peer: Peer) -> None:
         t.close()
 
 
+def test_retries_stop_at_timeout_s(peer: Peer) -> None:
+    """A sub-batch the engine keeps refusing (larger than its TCP queue), with retries to
+    spare: FAILED once its next try would start past timeout_s, saying so. Before, the
+    doubling backoff ran on uncounted (PENDING after 20 s with timeout_s 2; its 30th try
+    ~62 days out)."""
+    t = kmc.MooncakeTransport(_ctx(), {"max_inflight_per_peer": 6000, "sub_batch": 6000,
+                                       "max_retries": 30, "retry_backoff_s": 0.01,
+                                       "timeout_s": 2.0})
+    buf = np.zeros(64 << 20, dtype=np.uint8)
+    _KEEP.append(buf)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(peer.name, peer.descriptor)
+        off = np.arange(6000, dtype=np.uint64) * 8192
+        t0 = time.monotonic()
+        h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096),
+                   make_extents(peer.addr + off, 4096))
+        state = t.wait(h, TIMEOUT)
+        took = time.monotonic() - t0
+        assert state.status is XferStatus.FAILED, state
+        assert "past timeout_s=2s" in state.reason and peer.name in state.reason, state.reason
+        assert took < 4.0, took
+        t.release(h)
+    finally:
+        t.close()
+
+
 def test_decode_killed_mid_write_fails_within_timeout() -> None:
     p = Peer(f"victim-{uuid.uuid4().hex[:8]}", 256 << 20, seed=3)
     t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 10.0})

@@ -80,6 +80,8 @@ class _Owner(Protocol):
     @property
     def retry_backoff(self) -> float: ...
 
+    timeout: float  # timeout_s: no transfer is retried past it
+
     def _submit(self, op: Op, session: str, local: Extents, remote: Extents) -> tuple[int, str]:
         ...
 
@@ -255,6 +257,16 @@ class _Peer:
                 x.failure = (
                     f"mooncake: {what} to {self.where()} failed {tries} time(s); "
                     f"last: {why}" + ("" if not self.closed else "; disconnected")
+                )
+                owner._settle(x)
+            elif (late := time.perf_counter() - x.t_post
+                  + owner.retry_backoff * 2 ** sub.attempts) > owner.timeout:
+                # its next try would start past timeout_s (a backoff that doubles each
+                # time, counted by nobody while it waits: 20 s and on with timeout_s 2)
+                x.failure = (
+                    f"mooncake: {what} to {self.where()} failed {sub.attempts + 1} time(s); "
+                    f"last: {why}; its next try would start {late:.2f}s after the post, past "
+                    f"timeout_s={owner.timeout:g}s"
                 )
                 owner._settle(x)
             else:
