@@ -25,6 +25,10 @@ from kvlink.errors import ConfigError
 #: seconds that must be positive (a deadline of 0 or less fails every transfer, or the thread
 #: that waits on it: tcp's peer thread died on a negative socket timeout, its READs hanging)
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+#: counts and sizes with a least sensible value (0 or less stopped a thread, refused every
+#: connection, or divided by zero under a transfer)
+AtLeast1 = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 class _Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -34,13 +38,13 @@ class _Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class TcpOptions(_Options):
     timeout_s: Seconds = 30.0  # a transfer's deadline
     hello_timeout_s: Seconds = 5.0  # an accepted connection's hello must arrive within this
-    max_unauthenticated: int = 64  # pending hellos kept (the oldest is dropped beyond)
-    max_connections: int = 1024  # connections in all (a new one is closed beyond)
+    max_unauthenticated: AtLeast1 = 64  # pending hellos kept (the oldest is dropped beyond)
+    max_connections: AtLeast1 = 1024  # connections in all (a new one is closed beyond)
     stream_order: bool = True  # staged device memory waits for the caller's current stream
-    port: int = 0  # data-plane listen port (0: ephemeral)
+    port: Port = 0  # data-plane listen port (0: ephemeral)
     stage_host_memory: bool = False  # host memory through the staging pipeline (tests)
-    staging_chunk: int = 4 << 20  # bytes per staging buffer
-    staging_buffers: int = 8  # pinned staging buffers
+    staging_chunk: Annotated[int, msgspec.Meta(ge=4096)] = 4 << 20  # bytes per staging buffer
+    staging_buffers: Annotated[int, msgspec.Meta(ge=2)] = 8  # pinned staging buffers
     #: a peer's thread waits in C on an inbox of plain READs and WRITEs (kvlink/_reader.c);
     #: false: in Python, as before it (a READ's answer, a WRITE's send then wait for the GIL
     #: where the caller is busy)
@@ -60,12 +64,12 @@ class NixlOptions(_Options):
     progress_interval: float = 0.001
     progress_fast_interval: float = 0.00005
     timeout_s: Seconds = 30.0
-    num_threads: int = 0  # nixl_agent_config(num_threads=...)
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # nixl_agent_config(num_threads=...)
     #: bytes per descriptor of the lists prepped once per peer (0: 4 KiB, doubled until the
     #: registered memory needs at most prep_max_descriptors); requests whose extents are not
     #: multiples of it build per-request lists (slower)
     prep_block_bytes: int = 0
-    prep_max_descriptors: int = 1 << 22
+    prep_max_descriptors: AtLeast1 = 1 << 22
     #: a GPU pair whose measured UCX lanes are tcp, cuda_copy or software emulation fails its
     #: posts (reason names the fix) unless this is set
     allow_slow_gpu: bool = False
@@ -82,11 +86,11 @@ class MooncakeOptions(_Options):
     metadata_server: str = "P2PHANDSHAKE"
     timeout_s: Seconds = 30.0
     #: default 1024, or env MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER with the tcp protocol
-    max_inflight_per_peer: int | None = None
-    sub_batch: int | None = None  # default max_inflight_per_peer // 4
-    sub_batch_bytes: int = 256 << 20
-    max_retries: int = 5
-    retry_backoff_s: float = 0.01
+    max_inflight_per_peer: AtLeast1 | None = None
+    sub_batch: AtLeast1 | None = None  # default max_inflight_per_peer // 4
+    sub_batch_bytes: AtLeast1 = 256 << 20
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=30)] = 5
+    retry_backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.01
     location: str = "*"
     probe: bool = True
     quiet: bool = True
@@ -97,7 +101,7 @@ class MooncakeOptions(_Options):
 
 class CudaIpcOptions(_Options):
     chunk_bytes: int | None = None  # None: the kernel's own default
-    piece_extents: int = 4096
+    piece_extents: AtLeast1 = 4096
     kernel: Literal["auto", "cuda", "triton"] = "auto"
     stream_order: bool = True
     #: plan a request as runs of consecutive blocks (True) or one extent per block (False: no
@@ -141,7 +145,7 @@ def describe(tp: Any) -> str:
         bounds = [f"{op} {getattr(m, name)}" for m in args[1:] if isinstance(m, msgspec.Meta)
                   for name, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
                   if getattr(m, name, None) is not None]
-        return " ".join([describe(args[0]), *bounds])
+        return f"{describe(args[0])} {' and '.join(bounds)}".rstrip()
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (list, tuple):

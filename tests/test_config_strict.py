@@ -84,6 +84,42 @@ def test_a_deadline_must_be_positive(transport: str, key: str, value: Any) -> No
         _s({"transport_options": {transport: {key: value}}})
 
 
+@pytest.mark.parametrize("transport,key,value,bound", [
+    ("tcp", "max_unauthenticated", 0, ">= 1"),  # its accept thread died evicting from none
+    ("tcp", "max_connections", 0, ">= 1"),  # every connection refused, the client not told
+    ("tcp", "staging_chunk", 0, ">= 4096"),  # a ZeroDivisionError under a staged transfer
+    ("tcp", "staging_buffers", 1, ">= 2"),
+    ("tcp", "port", 70000, ">= 0 and <= 65535"),
+    ("nixl", "num_threads", -1, ">= 0"),
+    ("mooncake", "sub_batch", 0, ">= 1"),
+    ("mooncake", "max_retries", 31, ">= 0 and <= 30"),
+    ("mooncake", "retry_backoff_s", -0.5, ">= 0"),
+    ("cuda_ipc", "piece_extents", 0, ">= 1"),
+])
+def test_option_bounds_are_checked_with_the_config(transport: str, key: str, value: Any,
+                                                  bound: str) -> None:
+    """Refused where the config is read (the connector's settings, a WorkerConfig's
+    register()), naming the bound. Before, these were taken and broke the transport later
+    (comments), or register() skipped the transport at INFO and ran on the next one."""
+    with pytest.raises(ConfigError, match=rf"{transport} option {key}: expected .*{bound}"):
+        _s({"transport_options": {transport: {key: value}}})
+
+
+def test_register_refuses_a_bad_option_instead_of_skipping_the_transport() -> None:
+    """A ConfigError from register(), not the transport skipped at INFO (and, with it the
+    only one, a TransportUnavailable that read as a missing library)."""
+    from kvlink.demo import data
+    from kvlink.worker import KVWorker
+
+    geo = data.Geometry(layers=1, kv_heads=1, head_dim=8, block_size=4)
+    _buf, layers = data.allocate(geo, 4, 1, 0)
+    worker = KVWorker(WorkerConfig(engine_id="bad-opt",
+                                   transport_options={"tcp": {"max_connections": 0}}))
+    with pytest.raises(ConfigError, match="tcp option max_connections"):
+        worker.register(data.spec_of(geo, layers, 1, 0))
+    worker.close()
+
+
 def test_tcp_option_typo_fails_in_create_transport() -> None:
     with pytest.raises(ConfigError, match=r"tcp transport: unknown option 'timeout'; "
                                           r"did you mean 'timeout_s'\?"):

@@ -237,6 +237,8 @@ class KVWorker(_PrefillPush, _DecodePush):
             try:
                 t = create_transport(name, ctx, self.config.transport_options.get(name))
                 t.register(spec.regions)
+            except ConfigError:  # a bad option is the caller's to correct, not a transport
+                raise  # that is missing here (it was skipped, said at INFO only)
             except KVLinkError as exc:
                 reasons.append(f"{name}: {exc}")
                 # a name nothing registered is a typo, not a library missing on this host
