@@ -6,6 +6,7 @@ engine's own threads serve our READs and WRITEs against it. Protocol tcp, metada
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import re
@@ -253,6 +254,19 @@ def test_queue_full_retried_then_failed_cleanly(peer: Peer) -> None:
         assert t.stats.failed == 1 and t.stats.transfers == 0
     finally:
         t.close()
+
+
+def test_more_in_flight_than_the_engines_queue_is_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """max_inflight_per_peer past the engine's per-peer queue (1024 unless
+    MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER raises it) is said at startup; before, only where
+    the variable was set, and every large post then failed on queue-full refusals with no
+    word of the limit."""
+    monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvlink"):
+        t = kmc.MooncakeTransport(_ctx(), {"max_inflight_per_peer": 6000})
+    t.close()
+    assert "exceeds the engine's queue of 1024 entries" in caplog.text, caplog.text
 
 
 def test_retries_stop_at_timeout_s(peer: Peer) -> None:

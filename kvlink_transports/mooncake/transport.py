@@ -189,12 +189,15 @@ class MooncakeTransport(Transport):
         self._stream_order = bool(opts["stream_order"])
         self._marks: StreamMarks | None = None
         self._vram = np.zeros(0, dtype=bool)  # per region of self._table: in VRAM
-        if self.protocol == "tcp" and env_cap.isdigit() and self.max_inflight > int(env_cap):
+        engine_cap = int(env_cap) if env_cap.isdigit() else 1024  # (the engine's default)
+        if self.protocol == "tcp" and self.max_inflight > engine_cap:
             log.warning(
-                "mooncake: max_inflight_per_peer=%d exceeds the engine's "
-                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=%s; expect queue-full retries",
+                "mooncake: max_inflight_per_peer=%d exceeds the engine's queue of %d entries "
+                "per peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER%s); expect queue-full "
+                "refusals: set that variable to at least the option",
                 self.max_inflight,
-                env_cap,
+                engine_cap,
+                f"={env_cap}" if env_cap.isdigit() else " unset: 1024",
             )
         host = ctx.advertise_host or ctx.host
         if host in ("", "0.0.0.0", "::"):
