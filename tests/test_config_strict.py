@@ -348,3 +348,18 @@ def test_out_of_range_values_are_refused_where_they_are_written() -> None:
         WorkerConfig(engine_id="e", side_port=70000)
     with pytest.raises(ConfigError, match=r"side_port must be 0 .* to 65534 \(tp_size 2\)"):
         WorkerConfig(engine_id="e", side_port=65535, tp_size=2)
+
+
+def test_the_connector_docs_list_every_transport_option() -> None:
+    """docs/vllm.md's table of transport_options names every option each built-in
+    transport's schema takes (it had drifted: nine were missing)."""
+    from pathlib import Path
+
+    from kvlink import options
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in doc.splitlines()
+            if line.startswith("| `") and line.count("|") == 3}
+    for name, schema in options.SCHEMAS.items():
+        missing = [k for k in options.field_types(schema) if f"`{k}`" not in rows.get(name, "")]
+        assert not missing, f"docs/vllm.md's {name} row lacks {missing}"
