@@ -48,6 +48,7 @@ from kvlink.transport import (
     Op,
     Region,
     TransportContext,
+    XferState,
     XferStatus,
     create_transport,
     make_extents,
@@ -233,20 +234,30 @@ def test_bounds_checked_before_posting(peer: Peer, local: tuple[Any, np.ndarray]
     t.disconnect(peer.name)
 
 
-def test_queue_full_retried_then_failed_cleanly(peer: Peer) -> None:
-    # a sub-batch larger than the engine's TCP queue is refused every time: bounded retries,
-    # then FAILED with a reason naming the peer and the count
+def _past_the_queue(peer: Peer, **opts: Any) -> tuple[Any, int, XferState, float]:
+    """A WRITE of 6000 entries in one sub-batch, more than the engine's TCP queue takes: it
+    is refused every time. (transport, handle, its end state, seconds from the post)"""
     t = kmc.MooncakeTransport(_ctx(), {"max_inflight_per_peer": 6000, "sub_batch": 6000,
-                                       "max_retries": 2, "retry_backoff_s": 0.01})
+                                       "retry_backoff_s": 0.01, **opts})
     buf = np.zeros(64 << 20, dtype=np.uint8)
     _KEEP.append(buf)
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
         t.connect(peer.name, peer.descriptor)
         off = np.arange(6000, dtype=np.uint64) * 8192
+        t0 = time.monotonic()
         h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096),
                    make_extents(peer.addr + off, 4096))
-        state = t.wait(h, TIMEOUT)
+        return t, h, t.wait(h, TIMEOUT), time.monotonic() - t0
+    except BaseException:
+        t.close()
+        raise
+
+
+def test_queue_full_retried_then_failed_cleanly(peer: Peer) -> None:
+    # bounded retries, then FAILED with a reason naming the peer and the count
+    t, h, state, _ = _past_the_queue(peer, max_retries=2)
+    try:
         assert state.status is XferStatus.FAILED, state
         assert peer.name in state.reason and "6000 entries" in state.reason
         assert "3 time(s)" in state.reason, state.reason
@@ -274,20 +285,8 @@ def test_retries_stop_at_timeout_s(peer: Peer) -> None:
     spare: FAILED once its next try would start past timeout_s, saying so. Before, the
     doubling backoff ran on uncounted (PENDING after 20 s with timeout_s 2; its 30th try
     ~62 days out)."""
-    t = kmc.MooncakeTransport(_ctx(), {"max_inflight_per_peer": 6000, "sub_batch": 6000,
-                                       "max_retries": 30, "retry_backoff_s": 0.01,
-                                       "timeout_s": 2.0})
-    buf = np.zeros(64 << 20, dtype=np.uint8)
-    _KEEP.append(buf)
+    t, h, state, took = _past_the_queue(peer, max_retries=30, timeout_s=2.0)
     try:
-        t.register([Region(buf.ctypes.data, buf.nbytes)])
-        t.connect(peer.name, peer.descriptor)
-        off = np.arange(6000, dtype=np.uint64) * 8192
-        t0 = time.monotonic()
-        h = t.post(Op.WRITE, peer.name, make_extents(buf.ctypes.data + off, 4096),
-                   make_extents(peer.addr + off, 4096))
-        state = t.wait(h, TIMEOUT)
-        took = time.monotonic() - t0
         assert state.status is XferStatus.FAILED, state
         assert "past timeout_s=2s" in state.reason and peer.name in state.reason, state.reason
         assert took < 4.0, took

@@ -166,6 +166,19 @@ def _worker(engine: str) -> tuple[KVWorker, Any]:
     return w, (buf, layers)
 
 
+def _outcome(cons: KVWorker, prod: KVWorker, rid: str, timeout: float = 10.0
+             ) -> tuple[bool, str]:
+    """Poll both workers (one process) until ``cons`` reports ``rid``: (finished, why not)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        prod.poll()
+        done, failed = cons.poll()
+        if rid in done or rid in failed:
+            return rid in done, failed.get(rid, "")
+        time.sleep(0.001)  # polling interval (the reports are what is waited on)
+    raise AssertionError(f"{rid} was never reported")
+
+
 @pytest.mark.parametrize("bad", [[-1, 4], [2**31, 4], [1.7, 4.2]],
                          ids=["negative", "past-the-wire", "float"])
 def test_remote_ids_the_wire_cannot_carry_are_refused_at_read(bad: list[Any]) -> None:
@@ -182,15 +195,7 @@ def test_remote_ids_the_wire_cannot_carry_are_refused_at_read(bad: list[Any]) ->
         cons.read("a", remote, [5, 6], [1, 2])  # (an intent: the same frame as b's report)
         with pytest.raises(BlockIdOutOfRange, match=r"remote block id|must be integers"):
             cons.read("b", remote, [7, 8], bad, generation=gen)
-        deadline = time.monotonic() + 10
-        done: set[str] = set()
-        while "a" not in done:
-            assert time.monotonic() < deadline, "a never finished"
-            prod.poll()
-            got, failed = cons.poll()
-            assert not failed, failed
-            done |= got
-            time.sleep(0.001)
+        assert _outcome(cons, prod, "a") == (True, "")
     finally:
         cons.close()
         prod.close()
@@ -297,14 +302,7 @@ def test_a_push_with_wrong_local_ids_can_be_pushed_again() -> None:
         with pytest.raises(BlockIdOutOfRange, match="local block id 99"):
             prod.push(msg, [1, 99])
         prod.push(msg, [1, 2])
-        while True:
-            assert time.monotonic() < deadline, "the corrected push never landed"
-            prod.poll()
-            done, failed = cons.poll()
-            assert not failed, failed
-            if "e" in done:
-                break
-            time.sleep(0.001)
+        assert _outcome(cons, prod, "e") == (True, "")
     finally:
         cons.close()
         prod.close()
@@ -322,16 +320,8 @@ def test_a_remote_named_with_another_tp_size_fails_naming_both() -> None:
         gen = prod.hold("a", [1, 2])
         cons.read("a", RemoteEngine("p", "127.0.0.1", prod.side_port, 2), [5, 6], [1, 2],
                   generation=gen)
-        deadline = time.monotonic() + 10
-        while True:
-            assert time.monotonic() < deadline, "the READ was never reported"
-            prod.poll()
-            done, failed = cons.poll()
-            assert not done
-            if failed:
-                break
-            time.sleep(0.001)
-        assert "runs 1 TP rank(s), but it was named with tp_size 2" in failed["a"], failed
+        ok, why = _outcome(cons, prod, "a")
+        assert not ok and "runs 1 TP rank(s), but it was named with tp_size 2" in why, why
     finally:
         cons.close()
         prod.close()
