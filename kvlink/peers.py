@@ -21,7 +21,7 @@ from typing import Protocol
 
 from kvlink import wire
 from kvlink.compat import WIRE_VERSION, check_compatible, compat_hash
-from kvlink.errors import HandshakeError, IncompatibleSpecError, KVLinkError
+from kvlink.errors import ConfigError, HandshakeError, IncompatibleSpecError, KVLinkError
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
 from kvlink.layout import KVCacheSpec
@@ -40,12 +40,30 @@ def _warn_once(message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RemoteEngine:
-    """How to reach a remote instance: the keys vLLM's kv_transfer_params carry."""
+    """How to reach a remote instance: the keys vLLM's kv_transfer_params carry. Checked
+    when made (a caller's values, or a router's): a port or TP size that cannot be failed
+    later, as a peer that never answers."""
 
     engine_id: str
     host: str
     port: int  # side channel base port (rank r at port + r)
     tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if type(self.tp_size) is not int or not 1 <= self.tp_size <= wire.MAX_TP:
+            raise ConfigError(f"remote {self.engine_id!r}: tp_size must be an integer 1.."
+                              f"{wire.MAX_TP}, got {self.tp_size!r}")
+        if type(self.port) is not int or not 0 < self.port <= 65536 - self.tp_size:
+            raise ConfigError(f"remote {self.engine_id!r}: port must be an integer 1.."
+                              f"{65536 - self.tp_size} (rank r at port + r, {self.tp_size} "
+                              f"rank(s)), got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"remote {self.engine_id!r}: host must be a name or an address, "
+                              f"got {self.host!r}")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ConfigError(f"remote engine id must be a non-empty string, got "
+                              f"{self.engine_id!r}")
+        wire.check_id(self.engine_id, "remote engine id")
 
 
 @dataclasses.dataclass

@@ -309,6 +309,21 @@ def test_a_push_with_wrong_local_ids_can_be_pushed_again() -> None:
     del buf, keep
 
 
+@pytest.mark.parametrize("args,named", [
+    (("p", "127.0.0.1", "41377"), "port must be an integer"),
+    (("p", "127.0.0.1", 70000), "port must be an integer 1..65535"),
+    (("p", "127.0.0.1", 65535, 2), "port must be an integer 1..65534"),
+    (("p", "127.0.0.1", 5600, 0), "tp_size must be an integer"),
+    (("p", "", 5600), "host must be a name or an address"),
+    ((None, "127.0.0.1", 5600), "remote engine id must be a non-empty string"),
+])
+def test_a_remote_engine_is_checked_when_made(args: tuple[Any, ...], named: str) -> None:
+    """A ConfigError naming the field where the RemoteEngine is made (before: a TypeError
+    deep in a handshake, or a READ that failed 10 s later as "nobody listens there")."""
+    with pytest.raises(ConfigError, match=named):
+        RemoteEngine(*args)
+
+
 def test_a_remote_named_with_another_tp_size_fails_naming_both() -> None:
     """A producer of one TP rank named with tp_size 2: the handshake says so (before: the
     READ failed on a grant refusal and a side channel that never answered)."""
