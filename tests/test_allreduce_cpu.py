@@ -185,10 +185,37 @@ def _scenario_faults(rank: int, world: int) -> dict[str, Any]:
     return {"stall": _probe(stalled, x), "dead": _probe(died, x)}
 
 
+def _scenario_misuse(rank: int, world: int) -> dict[str, Any]:
+    """Calls the communicator cannot serve: refused, typed, on every rank, never a wrong sum.
+    A tensor that requires grad is refused before any barrier (the communicator stays
+    usable); ranks that pass different shapes, or dtypes, all raise at that step (before:
+    each got a silently wrong result — rank 0 [3.0], rank 1 [2.0, 3.0])."""
+    from kvlink.allreduce import AllReduceError, ShmAllReduce
+
+    out: dict[str, Any] = {}
+    cfg = AllReduceConfig(max_bytes=64 * 1024, timeout_s=DEAD_TIMEOUT_S)
+    with ShmAllReduce(config=cfg) as ar:
+        try:
+            ar.all_reduce(torch.ones(4, requires_grad=True))
+            out["grad"] = "no error"
+        except AllReduceError as exc:
+            out["grad"] = str(exc)
+        out["after_grad"] = ar.all_reduce(torch.ones(4)).tolist()
+    for name, x in (("shape", torch.ones(100 * (rank + 1))),
+                    ("dtype", torch.ones(64, dtype=(torch.float32, torch.bfloat16)[rank % 2]))):
+        with ShmAllReduce(config=cfg) as ar:
+            try:
+                out[name] = f"no error: {ar.all_reduce(x)[:3].tolist()}"
+            except AllReduceError as exc:
+                out[name] = str(exc)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
     try:
         _init(rank, world, port)
-        fn = {"full": _scenario_full, "faults": _scenario_faults}[scenario]
+        fn = {"full": _scenario_full, "faults": _scenario_faults,
+              "misuse": _scenario_misuse}[scenario]
         result: dict[str, Any] = {"ok": True, **fn(rank, world)}
     except BaseException:
         result = {"ok": False, "traceback": traceback.format_exc()}
@@ -313,6 +340,17 @@ def test_dead_peer_raises_within_timeout(fault_run: list[dict[str, Any]]) -> Non
     """A peer whose process is gone is caught (by pid, usually ~0.1 s) and named."""
     for res in fault_run:
         _check_fault(res["dead"], culprit=2)
+
+
+def test_calls_it_cannot_serve_are_refused_on_every_rank(tmp_path: Path) -> None:
+    results = _run(2, "misuse", tmp_path, deadline_s=120.0)
+    for r, res in enumerate(results):
+        assert res.get("ok"), f"rank {r} failed:\n{res.get('traceback', res)}"
+        assert "outside autograd" in res["grad"], res["grad"]
+        assert res["after_grad"] == [2.0] * 4
+        for name in ("shape", "dtype"):
+            assert "different tensors" in res[name], (r, name, res[name])
+        assert "rank 0: 100 elements" in res["shape"] and "rank 1: 200 elements" in res["shape"]
 
 
 def test_mode_choice_is_a_pure_function_of_size() -> None:

@@ -147,6 +147,8 @@ class _Shm:
             return f"tensor on {x.device}"
         if x.dtype not in SUPPORTED_DTYPES:
             return f"dtype {x.dtype}"
+        if x.requires_grad:
+            return "a tensor that requires grad"
         return None
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

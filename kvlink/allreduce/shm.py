@@ -287,6 +287,11 @@ class ShmAllReduce:
             raise AllReduceError(f"shm all-reduce takes CPU tensors, got device {x.device}")
         if x.dtype not in SUPPORTED_DTYPES:
             raise AllReduceError(f"shm all-reduce supports bf16/fp16/fp32, got {x.dtype}")
+        if x.requires_grad or (out is not None and out.requires_grad):
+            # (refused before any barrier: inside a step, torch's out= refusal broke the
+            # communicator on every rank for good)
+            raise AllReduceError("shm all-reduce takes tensors outside autograd (under "
+                                 "torch.no_grad() or inference_mode, or x.detach())")
         src = (x if x.is_contiguous() else x.contiguous()).view(-1)
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype)
@@ -318,10 +323,17 @@ class ShmAllReduce:
     def _step(self, src: torch.Tensor, dst: torch.Tensor, mode: str) -> None:
         views = self._views(src.dtype, src.numel())
         epoch = self._epoch + 1
+        me = _signature(src, mode)
         try:
             views.slots[self.rank].copy_(src)
-            self._start.arrive(epoch)
+            self._start.arrive(epoch, me)
             self._start.wait(epoch)
+            notes = self._start.notes()
+            if any(n != me for n in notes):  # (every rank sees the same notes: all raise)
+                raise AllReduceError(
+                    "the ranks called all-reduce with different tensors (each must make the "
+                    "same calls, same shapes and dtypes): "
+                    + "; ".join(f"rank {r}: {_described(n)}" for r, n in enumerate(notes)))
             if mode == "one_shot":
                 _reduce_in_order(views.slots, dst, views.acc)
                 self._end.arrive(epoch)
@@ -378,6 +390,20 @@ class ShmAllReduce:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+_MODES = ("one_shot", "two_shot")
+
+
+def _signature(src: torch.Tensor, mode: str) -> int:
+    """What one step reduces, as one word: elements, dtype and mode (a rank that disagrees on
+    any of them would sum other bytes than its peers, and return a silently wrong result)."""
+    return (src.numel() << 8) | (SUPPORTED_DTYPES.index(src.dtype) << 4) | _MODES.index(mode)
+
+
+def _described(signature: int) -> str:
+    n, dtype, mode = signature >> 8, (signature >> 4) & 0xF, signature & 0xF
+    return f"{n} elements of {SUPPORTED_DTYPES[dtype]}, {_MODES[mode]}"
 
 
 def _reduce_in_order(

@@ -43,6 +43,8 @@ from kvlink.allreduce.exceptions import PeerExitedError, PeerTimeoutError
 #: Flags are one per 64-byte cache line so that peers polling never share a line with a writer.
 FLAG_STRIDE_WORDS = 8
 _SLEEP_WORD = 1
+#: a word of each rank's line the caller may use for what this step is (EpochBarrier.note)
+_NOTE_WORD = 2
 _SPIN_SECONDS = 20e-6
 _FUTEX_SLICE = 200e-6
 _MAX_SLEEP = 1e-3
@@ -162,9 +164,12 @@ class EpochBarrier:
         """Drop the view of the shared array so the mapping can be closed."""
         self._words.release()
 
-    def arrive(self, epoch: int) -> None:
-        """Publish that this rank reached the barrier of ``epoch``; wake peers sleeping on it."""
+    def arrive(self, epoch: int, note: int = 0) -> None:
+        """Publish that this rank reached the barrier of ``epoch``; wake peers sleeping on it.
+        ``note``: a word the peers read with :meth:`notes` once they saw the arrival (stored
+        before the epoch: x86 keeps the two stores in order, see ordering_is_safe)."""
         words = self._words
+        words[self._me + _NOTE_WORD] = note
         words[self._me] = epoch
         for idx in self._sleep_index:
             if words[idx] == epoch:
@@ -184,6 +189,11 @@ class EpochBarrier:
 
     def value(self, rank: int) -> int:
         return int(self._words[rank * FLAG_STRIDE_WORDS])
+
+    def notes(self) -> list[int]:
+        """Every rank's note of its last arrival, by rank (after :meth:`wait` returned)."""
+        words = self._words
+        return [int(words[r * FLAG_STRIDE_WORDS + _NOTE_WORD]) for r in range(self._world)]
 
     def _wait_slow(self, epoch: int) -> None:
         words = self._words
