@@ -365,6 +365,16 @@ def test_mode_choice_is_a_pure_function_of_size() -> None:
         AllReduceConfig(max_bytes=10)
 
 
+@pytest.mark.parametrize("kw,named", [({"timeout_s": float("nan")}, "finite number > 0"),
+                                       ({"timeout_s": float("inf")}, "finite number > 0"),
+                                       ({"one_shot_max_bytes": -5}, "one_shot_max_bytes")])
+def test_config_refuses_a_wait_that_never_ends(kw: dict[str, Any], named: str) -> None:
+    """A NaN timeout passed (a barrier's ``waited > nan`` never holds: a silent peer hung it
+    for good), and a negative one-shot limit too."""
+    with pytest.raises(AllReduceError, match=named):
+        AllReduceConfig(**kw)
+
+
 def test_package_imports_without_triton_or_cuda() -> None:
     import importlib
     import subprocess

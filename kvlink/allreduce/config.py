@@ -15,6 +15,7 @@ rank's own pointer, or of anything else that may differ between ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Literal
@@ -103,8 +104,11 @@ class AllReduceConfig:
             raise AllReduceError(f"max_blocks must be in [1, {FLAG_BLOCKS}], got {self.max_blocks}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise AllReduceError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
-        if self.timeout_s <= 0:
-            raise AllReduceError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 < self.timeout_s < math.inf:  # (NaN too: a wait past NaN never ends)
+            raise AllReduceError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+        if self.one_shot_max_bytes is not None and self.one_shot_max_bytes < 0:
+            raise AllReduceError(f"one_shot_max_bytes must be >= 0 (or None: the measured "
+                                 f"tables), got {self.one_shot_max_bytes}")
 
 
 #: GPU flag arrays have one row per thread block; the kernels never launch more blocks than this.

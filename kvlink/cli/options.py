@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import re
 import socket
@@ -211,7 +212,21 @@ def _opt(*decls: str, **kw: Any) -> Callable[[F], F]:
 
 
 _POS_INT = click.IntRange(min=1)
-_POS_FLOAT = click.FloatRange(min=0, min_open=True)
+
+
+class _PositiveFinite(click.FloatRange):
+    """A number > 0 and finite: click's range lets NaN through (no comparison holds) and
+    inf (no upper bound); a deadline of either never ended, or overflowed a timestamp."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        got = super().convert(value, param, ctx)
+        if not math.isfinite(got):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return got
+
+
+_POS_FLOAT = _PositiveFinite(min=0, min_open=True)
 _TP = click.IntRange(1, MAX_TP)
 
 
