@@ -30,6 +30,7 @@ import resource
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvlink.transport import registered_transports
@@ -304,16 +305,18 @@ def _verdicts(rep: dict[str, Any]) -> dict[str, dict[str, str]]:
     if rep["versions"]["nixl"] is None or "nixl" not in reg:
         out["nixl"] = {"verdict": "missing", "fix": PIP["nixl"]}
     else:
-        meas = rep["ucx"].get("measured_same_host", {})
+        meas = rep["ucx"].get("measured_same_host") or {}
         slow = [f"{m}: {v['why']}" for m, v in meas.items() if v.get("verdict") == "slow"]
         fail = [f"{m}: {v['error']}" for m, v in meas.items() if not v.get("ok")]
         if fail:
             out["nixl"] = {"verdict": "broken", "why": "; ".join(fail)}
         elif slow:
             out["nixl"] = {"verdict": "slow", "why": "; ".join(slow)}
+        elif not meas:  # (installed is all that is known: usable is what a probe says)
+            out["nixl"] = {"verdict": "installed", "why": "not measured (--no-probe)"}
         else:
             lanes = ", ".join(f"{m} {'/'.join(v.get('lanes', {}).get('read', []))}"
-                              for m, v in meas.items()) or "not measured (--no-probe)"
+                              for m, v in meas.items())
             out["nixl"] = {"verdict": "usable", "why": f"same host over {lanes}"}
         if rep["ucx"]["predicted_rma_other_host"] and not any(
                 "rc" in t or "dc" in t for t in rep["ucx"]["predicted_rma_other_host"]):
@@ -450,17 +453,50 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _failed(section: Any) -> str | None:
+    """Why a section of the report could not be collected (collect's ``{"error": ...}``)."""
+    if isinstance(section, dict) and set(section) == {"error"}:
+        return str(section["error"])
+    return None
+
+
 def render(rep: dict[str, Any]) -> str:
+    """The report as text; a section that could not be collected says why in its place (one
+    broken piece must not hide the rest: it raised here before, taking the whole report)."""
     lines: list[str] = []
     add = lines.append
     add("kvlink doctor: what carries the bytes here")
+    for title, part in (("versions", _versions_text), ("UCX", _ucx_text),
+                        ("transports", _verdicts_text), ("system", _system_text),
+                        ("C helpers", _native_text), ("CUDA", _cuda_text)):
+        add("")
+        try:
+            part(rep, add)
+        except (KeyError, TypeError, AttributeError) as exc:
+            add(f"{title}: could not be shown ({type(exc).__name__}: {exc})")
     add("")
+    ws = rep["warnings"]
+    add(f"warnings ({len(ws)})" if ws else "warnings: none")
+    for w in ws:
+        add(f"  ! {w}")
+    return "\n".join(lines)
+
+
+def _versions_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     add("versions")
+    if (why := _failed(rep["versions"])) is not None:
+        add(f"  could not be checked: {why}")
+        return
     for k, v in rep["versions"].items():
         add(f"  {k:18s} {_fmt(v)}")
+
+
+def _ucx_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     ucx = rep["ucx"]
-    add("")
     add("UCX settings (this process's environment)")
+    if (why := _failed(ucx)) is not None:
+        add(f"  could not be checked: {why}")
+        return
     for k, v in ucx.get("settings", {}).items():
         add(f"  {k:32s} {v if v is not None else '(unset)'}")
     adds = ucx.get("kvlink_adds")
@@ -488,14 +524,24 @@ def render(rep: dict[str, Any]) -> str:
                 f"{f'{gbps:.2f} GB/s' if gbps is not None else '-'}")
         add(f"    verdict: {v['verdict']} ({v['why']})" + (f"; error: {v['error']}"
                                                           if v.get("error") else ""))
-    add("")
+
+
+def _verdicts_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     add("transports")
+    if (why := _failed(rep["verdicts"])) is not None:
+        add(f"  could not be judged: {why}")
+        return
     for name, v in rep["verdicts"].items():
         rest = "; ".join(f"{k}: {x}" for k, x in v.items() if k != "verdict")
-        add(f"  {name:10s} {v['verdict']:8s} {rest}")
-    add("")
+        add(f"  {name:10s} {v['verdict']:9s} {rest}")
+
+
+def _system_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     add("system")
     s = rep["system"]
+    if (why := _failed(s)) is not None:
+        add(f"  could not be checked: {why}")
+        return
     add(f"  memlock ulimit      soft {s['memlock_soft']}, hard {s['memlock_hard']}")
     shm = s["dev_shm"]
     add("  /dev/shm            " + (f"{shm['size_bytes'] >> 20} MiB, {shm['free_bytes'] >> 20} "
@@ -511,23 +557,23 @@ def render(rep: dict[str, Any]) -> str:
     add(f"  GPU/NIC affinity    {_fmt(aff.get('pairs')) if aff.get('pairs') else aff.get('note')}")
     add(f"  nvidia_peermem      {_fmt(s['nvidia_peermem'])}")
     add(f"  dma-buf             {_fmt(s['dma_buf'])}")
+
+
+def _native_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     nat = rep.get("native") or {}
-    add("")
     add("C helpers (kvlink.native) "
         + (f"built, kept in {nat.get('cache')}" if nat.get("built")
            else f"not built: {nat.get('why_not') or nat.get('error')}"))
+
+
+def _cuda_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
     cuda = rep["cuda"]
-    add("")
     add("CUDA                  "
-        + (_fmt(cuda.get("devices")) if cuda.get("available") else str(cuda.get("note"))))
+        + (_fmt(cuda.get("devices")) if cuda.get("available")
+           else str(cuda.get("note") or cuda.get("error"))))
     if cuda.get("topology"):
-        lines.extend("  " + ln for ln in str(cuda["topology"]).splitlines())
-    add("")
-    ws = rep["warnings"]
-    add(f"warnings ({len(ws)})" if ws else "warnings: none")
-    for w in ws:
-        add(f"  ! {w}")
-    return "\n".join(lines)
+        for ln in str(cuda["topology"]).splitlines():
+            add("  " + ln)
 
 
 def run(*, as_json: bool = False, strict: bool = False, probe: bool = True) -> int:

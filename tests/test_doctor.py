@@ -59,3 +59,27 @@ def test_the_c_helpers_are_reported_and_their_absence_warned(
                              "cache": str(native.cache_dir())}
     assert any("C helpers not built (KVLINK_NATIVE=0)" in w for w in rep["warnings"])
     assert "not built: KVLINK_NATIVE=0" in doctor.render(rep)
+
+
+@pytest.mark.parametrize("section", ["versions", "ucx", "system", "cuda", "verdicts"])
+def test_a_section_that_failed_says_so_and_the_rest_is_shown(
+        section: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A section whose check raised (here: made to raise) is one line in the text report; the
+    others are all there. Before, render() raised on it and the text report was lost whole
+    (the JSON survived)."""
+    real = doctor.collect(probe=False)
+    real[section] = {"error": "RuntimeError: made to fail by the test"}
+    text = doctor.render(real)
+    assert "made to fail by the test" in text, text
+    for title in ("versions", "UCX settings", "transports", "system", "CUDA", "warnings"):
+        assert title in text, (title, text)
+
+
+def test_nixl_not_measured_is_installed_not_usable() -> None:
+    """Under --no-probe nothing was measured: nixl is "installed" (it said "usable", over
+    lanes "not measured")."""
+    rep = doctor.collect(probe=False)
+    if rep["verdicts"]["nixl"]["verdict"] == "missing":
+        pytest.skip("nixl is not installed here")
+    nixl = rep["verdicts"]["nixl"]
+    assert (nixl["verdict"], nixl["why"]) == ("installed", "not measured (--no-probe)"), nixl
