@@ -14,8 +14,11 @@ transport's library is not importable (CI installs both).
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,46 @@ def test_a_server_is_a_process_group_of_the_launchers_session(tmp_path: Path) ->
     finally:
         server.stop()
     assert server.proc.returncode is not None
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_launcher_stops_its_servers(tmp_path: Path) -> None:
+    """The example as a supervisor (or ``timeout``, or ``kill``) stops it: SIGTERM to
+    launch.py ends both vLLM servers and frees their ports, as Ctrl-C does. Before, only
+    Ctrl-C ran its cleanup: the servers, in process groups of their own, kept running and
+    their ports taken."""
+    if VLLM_MISSING:
+        print(f"\nskipping the launcher's SIGTERM: {VLLM_MISSING}")
+        pytest.skip(VLLM_MISSING)
+    prefill, decode, proxy = free_port_range(1), free_port_range(1), free_port_range(1)
+    side = free_port_range(101)
+    proc = subprocess.Popen(
+        [sys.executable, str(LAUNCH), "--prefill-port", str(prefill), "--decode-port",
+         str(decode), "--proxy-port", str(proxy), "--side-port", str(side), "--logs",
+         str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:  # until the servers are up and the proxy serves
+            if line.startswith("proxy on "):
+                break
+        else:
+            raise AssertionError(f"launch.py ended before serving: rc {proc.wait()}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) is not None
+        deadline = time.monotonic() + 60
+        while not all(_port_free(p) for p in (prefill, decode)):
+            assert time.monotonic() < deadline, "a server outlived its launcher's SIGTERM"
+            time.sleep(0.2)  # polling interval (the ports are what is waited on)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -265,6 +265,10 @@ def check(prefill: Server, decode: Server, model: str, mode: str) -> bool:
     return ok
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="prefill + decode vLLM servers with kvlink")
     ap.add_argument("--model", help="model dir or name (default: build a tiny random Llama)")
@@ -316,6 +320,9 @@ def main() -> None:
             block_size=args.block_size, dtype=args.dtype, extra_args=extra),
          args.decode_port, env_d),
     ]
+    # SIGTERM (a supervisor, `timeout`, `kill`) stops everything as Ctrl-C does: the servers
+    # run in process groups of their own, and without this they outlived the launcher
+    signal.signal(signal.SIGTERM, _interrupted)
     servers = []
     for index, (name, cmd, port, env) in enumerate(commands):
         if args.device == "cpu" and args.tp == 1:  # a core each (where there are as many)
