@@ -158,6 +158,7 @@ class Proxy:
                     self._reply(404, {"error": f"no route {self.path}"})
 
             def do_POST(self) -> None:
+                self._answering = False  # (one handler serves a keep-alive connection's posts)
                 if self.path not in ROUTES:
                     self._reply(404, {"error": f"no route {self.path}"})
                     return
@@ -183,6 +184,12 @@ class Proxy:
                         body["kv_transfer_params"] = {**params, **proxy.decode_params}
                     self._relay(decode, "/v1" + api, body, headers)
                 except Exception as exc:  # the client gets the reason, the proxy keeps serving
+                    if self._answering:
+                        # the decode's answer was under way: a second response in its body
+                        # would corrupt it; the client sees the stream end unterminated
+                        log.warning("decode answer cut short: %s: %s", type(exc).__name__, exc)
+                        self.close_connection = True
+                        return
                     self._reply(502, {"error": f"{type(exc).__name__}: {exc}"})
 
             def _layerwise(self, prefill: str, decode: str, api: str, body: dict[str, Any],
@@ -221,6 +228,7 @@ class Proxy:
                     if sent is not None:
                         sent()
                     resp = conn.getresponse()
+                    self._answering = True  # (from here on the client's response is under way)
                     self.send_response(resp.status)
                     self.send_header("Content-Type",
                                      resp.getheader("Content-Type", "application/json"))
