@@ -201,6 +201,17 @@ def _scenario_misuse(rank: int, world: int) -> dict[str, Any]:
         except AllReduceError as exc:
             out["grad"] = str(exc)
         out["after_grad"] = ar.all_reduce(torch.ones(4)).tolist()
+    from kvlink.allreduce import AllReduce
+
+    gloo_path = AllReduce(device="cpu", config=cfg)  # float64: not shm's, the gloo fallback
+    for name, target in (("out_dtype", torch.empty(4, dtype=torch.int32)),
+                         ("out_shape", torch.empty(8, dtype=torch.float64))):
+        try:
+            got = gloo_path.all_reduce(torch.ones(4, dtype=torch.float64), target)
+            out[name] = f"no error: {got}"
+        except AllReduceError as exc:
+            out[name] = str(exc)
+    gloo_path.close()
     for name, x in (("shape", torch.ones(100 * (rank + 1))),
                     ("dtype", torch.ones(64, dtype=(torch.float32, torch.bfloat16)[rank % 2]))):
         with ShmAllReduce(config=cfg) as ar:
@@ -350,6 +361,8 @@ def test_calls_it_cannot_serve_are_refused_on_every_rank(tmp_path: Path) -> None
         assert res["after_grad"] == [2.0] * 4
         for name in ("shape", "dtype"):
             assert "different tensors" in res[name], (r, name, res[name])
+        for name in ("out_dtype", "out_shape"):  # (the gloo path cast or broadcast silently)
+            assert "out must be (4,) torch.float64 like x" in res[name], (r, name, res[name])
         assert "rank 0: 100 elements" in res["shape"] and "rank 1: 200 elements" in res["shape"]
 
 

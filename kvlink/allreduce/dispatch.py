@@ -291,7 +291,12 @@ class AllReduce:
         raise AllReduceError(f"no all-reduce backend takes this call ({'; '.join(reasons)})")
 
     def all_reduce(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum ``x`` over the group; returns a new tensor, or ``out`` (which may be ``x``)."""
+        """Sum ``x`` over the group; returns a new tensor, or ``out`` (which may be ``x``).
+        ``out`` must have ``x``'s shape and dtype, whichever backend takes the call (a copy
+        into another shape or dtype broadcast or cast silently on the gloo and NCCL paths)."""
+        if out is not None and out is not x and (out.shape != x.shape or out.dtype != x.dtype):
+            raise AllReduceError(f"out must be {tuple(x.shape)} {x.dtype} like x, got "
+                                 f"{tuple(out.shape)} {out.dtype}")
         if self.world_size == 1:
             if out is None:
                 return x.clone(memory_format=torch.contiguous_format)
