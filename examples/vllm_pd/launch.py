@@ -171,16 +171,43 @@ class Server:
         self._log.close()
 
     def stop(self) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left of it after a grace:
+        the API server's exit does not end its engine core and workers, which hold sockets
+        they inherited from it (its port stayed taken while they lingered)."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling interval: the group's members are not our children
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
         self._log.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which hold no socket and which
+    only their reaper ends, do not count). Linux's /proc; elsewhere, whether the group exists."""
+    try:
+        stats = [f for f in os.listdir("/proc") if f.isdigit()]
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for pid in stats:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # (gone meanwhile)
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def metric_sum(metrics_text: str, name: str) -> float:
