@@ -6,6 +6,7 @@ No vLLM server: Settings.from_config and create_transport directly.
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import pytest
@@ -363,3 +364,17 @@ def test_the_connector_docs_list_every_transport_option() -> None:
     for name, schema in options.SCHEMAS.items():
         missing = [k for k in options.field_types(schema) if f"`{k}`" not in rows.get(name, "")]
         assert not missing, f"docs/vllm.md's {name} row lacks {missing}"
+
+
+@pytest.mark.parametrize("kw,named", [
+    ({"handshake_timeout": "5"}, "WorkerConfig.handshake_timeout: expected float, got '5'"),
+    ({"side_port": "5000"}, "WorkerConfig.side_port: expected int, got '5000'"),
+    ({"tp_rank": True}, "WorkerConfig.tp_rank: expected int, got True"),
+    ({"transports": "tcp"}, "WorkerConfig.transports: expected list[str], got 'tcp'"),
+    ({"secret": 3}, "WorkerConfig.secret: expected str | None, got 3"),
+])
+def test_worker_config_fields_of_another_type_are_named(kw: dict[str, Any], named: str) -> None:
+    """A ConfigError naming the field (before: a TypeError from a comparison, or a failure
+    later — transports="tcp" tried transports "t", "c", "p")."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        WorkerConfig(engine_id="e", **kw)

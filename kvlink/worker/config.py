@@ -8,6 +8,8 @@ without reading the engine.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from typing import Any
 
 from kvlink import wire
@@ -69,6 +71,7 @@ class WorkerConfig:
     poll_grace_us: float = DEFAULT_POLL_GRACE_US
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
         if self.tp_size > wire.MAX_TP:
@@ -89,3 +92,25 @@ class WorkerConfig:
             raise ConfigError(f"poll_grace_us must be 0 to 1e6 (a second), got "
                               f"{self.poll_grace_us!r}")
 
+
+def _check_types(config: WorkerConfig) -> None:
+    """Each field of the type it is declared with, else a ConfigError naming it (a string
+    where a number goes was a TypeError from a comparison, or a failure much later)."""
+    hints = typing.get_type_hints(WorkerConfig)
+    for f in dataclasses.fields(WorkerConfig):
+        value, tp = getattr(config, f.name), hints[f.name]
+        union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+        origins = {typing.get_origin(m) or m for m in (typing.get_args(tp) if union else (tp,))}
+        if value is None and type(None) in origins:
+            continue
+        if float in origins:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif int in origins:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, tuple(o for o in origins if isinstance(o, type)))
+        if ok and list in origins:
+            ok = all(isinstance(x, str) for x in value)
+        if not ok:
+            want = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+            raise ConfigError(f"WorkerConfig.{f.name}: expected {want}, got {value!r}")
