@@ -169,14 +169,18 @@ def _worker(engine: str) -> tuple[KVWorker, Any]:
 def _outcome(cons: KVWorker, prod: KVWorker, rid: str, timeout: float = 10.0
              ) -> tuple[bool, str]:
     """Poll both workers (one process) until ``cons`` reports ``rid``: (finished, why not)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    done: set[str] = set()
+    failed: dict[str, str] = {}
+
+    def reported() -> bool:
         prod.poll()
-        done, failed = cons.poll()
-        if rid in done or rid in failed:
-            return rid in done, failed.get(rid, "")
-        time.sleep(0.001)  # polling interval (the reports are what is waited on)
-    raise AssertionError(f"{rid} was never reported")
+        got, bad = cons.poll()
+        done.update(got)
+        failed.update(bad)
+        return rid in done or rid in failed
+
+    assert until(reported, timeout), f"{rid} was never reported"
+    return rid in done, failed.get(rid, "")
 
 
 @pytest.mark.parametrize("bad", [[-1, 4], [2**31, 4], [1.7, 4.2]],
@@ -290,12 +294,8 @@ def test_a_push_with_wrong_local_ids_can_be_pushed_again() -> None:
     try:
         cons.expect_push("e", RemoteEngine("p", "127.0.0.1", prod.side_port), [3, 4],
                          timeout=10)
-        deadline = time.monotonic() + 10
-        while not prod.queued_pushes():
-            assert time.monotonic() < deadline, "the push request never came"
-            cons.poll()
-            prod.poll()
-            time.sleep(0.001)
+        assert until(lambda: (cons.poll(), prod.poll(), prod.queued_pushes())[2] > 0, 10), \
+            "the push request never came"
         (msg,) = prod.push_requests()
         with pytest.raises(ConfigError, match="1 local block ids for the decode's 2"):
             prod.push(msg, [1])

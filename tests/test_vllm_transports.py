@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from test_cli import _port_free as port_free
 from test_lifecycle_chaos import _NEEDS, _importable
+from test_transport_contract import wait_until
 from test_vllm_e2e import VLLM_MISSING, pd
 
 from kvlink.demo.run import free_port_range
@@ -100,20 +100,10 @@ def test_sigterm_to_the_launcher_stops_its_servers(tmp_path: Path) -> None:
             raise AssertionError(f"launch.py ended before serving: rc {proc.wait()}")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) is not None
-        deadline = time.monotonic() + 60
-        while not all(_port_free(p) for p in (prefill, decode)):
-            assert time.monotonic() < deadline, "a server outlived its launcher's SIGTERM"
-            time.sleep(0.2)  # polling interval (the ports are what is waited on)
+        assert wait_until(lambda: all(port_free(p) for p in (prefill, decode)), 60), \
+            "a server outlived its launcher's SIGTERM"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -8,6 +8,7 @@ without reading the engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -93,10 +94,15 @@ class WorkerConfig:
                               f"{self.poll_grace_us!r}")
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(WorkerConfig)
+
+
 def _check_types(config: WorkerConfig) -> None:
     """Each field of the type it is declared with, else a ConfigError naming it (a string
     where a number goes was a TypeError from a comparison, or a failure much later)."""
-    hints = typing.get_type_hints(WorkerConfig)
+    hints = _hints()
     for f in dataclasses.fields(WorkerConfig):
         value, tp = getattr(config, f.name), hints[f.name]
         union = typing.get_origin(tp) in (typing.Union, types.UnionType)

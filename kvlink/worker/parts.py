@@ -592,4 +592,4 @@ def _on_wire(ids: npt.NDArray[np.int64]) -> bool:
     range to the device, which fails it naming an id outside its cache — whose report must
     then not carry that id (the producer's strict decoder refuses the whole frame it is in,
     other requests' messages with it). A failed READ's report needs none of them."""
-    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) <= wire.MAX_BLOCK_ID)
+    return not ids.size or int(ids.view(np.uint64).max()) <= wire.MAX_BLOCK_ID

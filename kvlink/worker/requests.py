@@ -379,7 +379,8 @@ def _remote_ids(req_id: str, ids: npt.ArrayLike, n: int) -> npt.NDArray[np.int64
     if arr.size and arr.dtype.kind not in "iu":
         raise BlockIdOutOfRange(f"remote block ids must be integers, got dtype {arr.dtype}")
     out = arr.astype(np.int64)  # (a uint64 past 2**63 turns negative: out of range below)
-    if out.size and (int(out.min()) < 0 or int(out.max()) > wire.MAX_BLOCK_ID):
+    # one reduction on every general post: a negative id wraps to a huge unsigned one
+    if out.size and int(out.view(np.uint64).max()) > wire.MAX_BLOCK_ID:
         check_in_range(out, wire.MAX_BLOCK_ID + 1, "remote")
     return out
 
