@@ -271,7 +271,12 @@ def test_bench_server_dying_at_startup_ends_bench_at_once(tmp_path: Path) -> Non
 
 # ------------------------------------------------------------------- serve and pull
 def _port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` again: bound as servers bind (SO_REUSEADDR,
+    as socket.create_server and uvicorn set), so a listener holds it and a TIME_WAIT does not.
+    A plain bind also fails for the 60 s TIME_WAIT of a connection the server closed (a health
+    check's): the launcher's SIGTERM test failed in CI on exactly that, every process gone."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
