@@ -31,7 +31,7 @@ except ImportError as exc:
 
 from test_nixl_transport import OPTS, TIMEOUT, Peer
 
-from kvlink.errors import ConfigError
+from kvlink.errors import ConfigError, HandshakeError
 from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
 from kvlink_transports import nixl as knixl
 
@@ -272,5 +272,46 @@ def test_disconnect_of_stopped_peer_fails_read_only_once_nothing_can_land(
         observed(f"peer resumed: destination unchanged for {QUIET:.0f}s")
         t.release(h)
         assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 0}
+    finally:
+        t.close()
+
+
+
+@pytest.mark.fault("a NIXL peer SIGSTOPped after handing over its descriptor, before connect "
+                   "(UCX tcp, timeout_s=2); it resumes after connect failed")
+def test_a_peer_hung_before_the_wire_up_fails_connect_and_connects_once_it_runs(
+    peers: Callable[..., Peer], observed: Callable[[str], None]
+) -> None:
+    """UCX wires an endpoint up at its first operation; with the peer stopped as
+    ``add_remote_agent`` dialled it, the deadline's teardown could not end that operation.
+    Old code: connect returned, and the first READ stayed PENDING past timeout_s for as long as
+    the peer was stopped (8 s of 8 in a probe), then landed. Now connect completes the wire-up
+    (a small READ into a buffer of the transport's own) or fails the handshake."""
+    victim = peers("victim", 51)
+    t = _transport({"timeout_s": DEADLINE})
+    buf = np.zeros(N, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        _stop(victim.pid)
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match="wire-up") as err:
+            t.connect(victim.name, victim.descriptor)
+        took = time.monotonic() - t0
+        observed(f"connect to the stopped peer: HandshakeError after {took:.2f}s: {err.value}")
+        assert took < 2 * DEADLINE, took
+        assert victim.name in str(err.value) and f"timeout_s={DEADLINE:g}s" in str(err.value)
+        assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 0}
+        h = _read(t, victim, buf, 0, N)  # not connected: FAILED at once, nothing posted
+        assert t.poll(h).status is XferStatus.FAILED
+        t.release(h)
+
+        os.kill(victim.pid, signal.SIGCONT)
+        t.connect(victim.name, victim.descriptor)  # the same descriptor, once it runs
+        h = _read(t, victim, buf, 0, N)
+        assert t.wait(h, TIMEOUT).status is XferStatus.DONE
+        t.release(h)
+        assert np.array_equal(buf, victim.reference())
+        observed("resumed: connect with the same descriptor, its READ verified")
+        assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 1}
     finally:
         t.close()

@@ -61,8 +61,8 @@ from kvlink_transports.nixl.lanes import _LaneChecks
 from kvlink_transports.nixl.memory import _MEM_NAMES, _auto_block, _make_prep, _mem_of, _Prep, _Side
 from kvlink_transports.nixl.progress import ProgressThread
 from kvlink_transports.nixl.records import _Peer
-from kvlink_transports.nixl.transfers import _Transfers
 from kvlink_transports.nixl.wire import _VERSION, _decode_descriptor, _Descriptor, _enc, _RegionWire
+from kvlink_transports.nixl.wireup import _WireUp
 
 log = logging.getLogger("kvlink.nixl")
 
@@ -70,7 +70,7 @@ _DRAIN_WAIT = 2.0  # connect: how long to wait for a dropped peer's requests bef
 _CLOSE_DRAIN = 0.5  # close: how long torn-down endpoints get to end their requests
 
 
-class NixlTransport(_LaneChecks, _Transfers):
+class NixlTransport(_LaneChecks, _WireUp):
     name = "nixl"
     capabilities = Capabilities(
         ops=frozenset({Op.READ, Op.WRITE}),
@@ -318,6 +318,7 @@ class NixlTransport(_LaneChecks, _Transfers):
                               side.has_vram or self._local.has_vram)
             self._peers[peer] = entry
             self._by_agent[name] = peer
+        self._wire_up(entry)  # HandshakeError (and the peer dropped) if it does not answer
         self._check_ucx_path(peer, desc.host == self._host, side.has_vram or self._local.has_vram)
 
     def _prep_peer(self, p: _Peer) -> _Prep | None:
