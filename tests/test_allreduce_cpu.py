@@ -106,6 +106,16 @@ def _scenario_full(rank: int, world: int) -> dict[str, Any]:
             y = ar.all_reduce(x, out=x)
             if y is not x or not torch.equal(x.view(-1), ref):
                 res["failures"].append(f"{dtype_name}/{n}: in-place result wrong")
+    # a decode's many batch sizes: the fp32 accumulators of 16-bit calls stay one buffer
+    # (one per cached size before: 4 bytes an element of each, up to 256 sizes)
+    for k in range(16):
+        n = SEGMENT // 2 - 64 * k
+        out = ar.all_reduce(torch.ones(n, dtype=torch.bfloat16), mode="one_shot")
+        if float(out[-1]) != world:
+            res["failures"].append(f"bf16/{n} ones: got {float(out[-1])}, want {world}")
+    storages = {v.acc.untyped_storage().data_ptr(): v.acc.untyped_storage().nbytes()
+                for v in ar._cache.values() if v.acc is not None}
+    res["acc_bytes"] = sum(storages.values())
     # thousands of calls: epochs stay in step across modes and sizes
     start_epoch = ar.calls
     t0 = time.perf_counter()
@@ -295,6 +305,16 @@ def test_results_bit_identical_across_ranks(full_run: tuple[int, list[dict[str, 
     for key, digest in first.items():
         if key.endswith("/one_shot"):
             assert first[key.replace("one_shot", "two_shot")] == digest, key
+
+
+def test_accumulators_stay_bounded_whatever_the_sizes(
+        full_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """7 sizes x 2 16-bit dtypes, then 16 sizes near the segment's top: the fp32 room they
+    hold is one buffer of 2 x the segment (before: 4 bytes per element of every size cached,
+    ~35 x the segment here; a decode's distinct batch sizes grew it to GBs)."""
+    _, results = full_run
+    for r, res in enumerate(results):
+        assert 0 < res["acc_bytes"] <= 2 * SEGMENT, (r, res["acc_bytes"], SEGMENT)
 
 
 def test_epochs_survive_thousands_of_calls(full_run: tuple[int, list[dict[str, Any]]]) -> None:

@@ -141,6 +141,9 @@ class ShmAllReduce:
         self._broken: str | None = None
         self._epoch = 0
         self._cache: dict[tuple[torch.dtype, int], _Views] = {}
+        #: the fp32 accumulator of 16-bit calls, one for every size (calls run one at a time):
+        #: one per cached size held up to 256 of them, 2 x the segment each at the top
+        self._acc: torch.Tensor | None = None
         cap = _round_up(self.config.max_bytes, _PAGE)
         self.layout = ShmLayout(self.world_size, cap)
         self._mmap: mmap.mmap | None = None
@@ -257,8 +260,7 @@ class ShmAllReduce:
         lo = min(n, self.rank * chunk)
         hi = min(n, lo + chunk)
         chunks = [s[lo:hi] for s in slots]
-        need_acc = dtype != torch.float32
-        acc = torch.empty(n, dtype=torch.float32) if need_acc else None
+        acc = self._accumulator()[:n] if dtype != torch.float32 else None
         views = _Views(
             slots=slots,
             result=result,
@@ -269,6 +271,13 @@ class ShmAllReduce:
         )
         self._cache[key] = views
         return views
+
+    def _accumulator(self) -> torch.Tensor:
+        """fp32 room for the most elements of a 16-bit call the segment takes, made at the
+        first such call and sliced by every size."""
+        if self._acc is None:
+            self._acc = torch.empty(self.layout.capacity // 2, dtype=torch.float32)
+        return self._acc
 
     # ---------------------------------------------------------------- hot path
     def all_reduce(
@@ -363,6 +372,7 @@ class ShmAllReduce:
             return
         self._closed = True
         self._cache.clear()
+        self._acc = None
         for attr in ("_start", "_end"):
             barrier = self.__dict__.pop(attr, None)
             if isinstance(barrier, EpochBarrier):
