@@ -53,7 +53,8 @@ LAYERS: dict[str, int] = {
     "kvlink_transports.nixl.memory": 7, "kvlink_transports.nixl.wire": 7,
     "kvlink_transports.nixl.records": 7, "kvlink_transports.nixl.progress": 7,
     "kvlink_transports.nixl.requests": 7, "kvlink_transports.nixl.transfers": 7,
-    "kvlink_transports.nixl.lanes": 7, "kvlink_transports.nixl.transport": 7,
+    "kvlink_transports.nixl.lanes": 7, "kvlink_transports.nixl.wireup": 7,
+    "kvlink_transports.nixl.transport": 7,
     "kvlink_transports.mooncake": 7, "kvlink_transports.mooncake.wire": 7,
     "kvlink_transports.mooncake.peer": 7, "kvlink_transports.mooncake.transport": 7,
     # 8: the control plane's engine (reaches plugins only through the registry)
@@ -91,7 +92,7 @@ PLUGINS = 7
 PACKAGES: dict[str, tuple[str, ...]] = {
     "kvlink_transports._ucx": ("info", "env", "measure", "connections", "__init__", "__main__"),
     "kvlink_transports.nixl": ("agent", "memory", "wire", "records", "progress", "requests",
-                               "transfers", "lanes", "transport"),
+                               "transfers", "wireup", "lanes", "transport"),
     "kvlink_transports.tcp": ("wire", "memory", "client", "server", "transport"),
     "kvlink_transports.mooncake": ("wire", "peer", "transport"),
     "kvlink.worker": ("config", "records", "ledger", "peering", "holds", "parts", "requests",

@@ -32,10 +32,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
+import json
 import logging
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -277,6 +280,31 @@ def test_disaggregated_equals_single_instance(cluster: Cluster, mode: str) -> No
 
 
 @pytest.mark.timeout(600)
+def _post(url: str, data: bytes) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_the_proxy_passes_on_what_vllm_refuses(cluster: Cluster) -> None:
+    """A request vLLM refuses (a model it does not serve, a negative temperature) reaches
+    the client as vLLM's own answer, status and body; a body that is not JSON is the client's
+    400. Before, the proxy answered 502 Bad Gateway for all three, vLLM's message wrapped."""
+    bad = [{"model": "no-such-model", "prompt": "hi", "max_tokens": 4},
+           {"model": cluster.model, "prompt": "hi", "max_tokens": 4, "temperature": -1.0}]
+    with pd.running_proxy(cluster.url("P"), cluster.url("D")) as proxy:
+        for body in bad:
+            want = _post(cluster.url("P") + "/v1/completions",
+                         json.dumps(pd.pd_proxy.prefill_body(body)).encode())
+            assert 400 <= want[0] < 500, want
+            assert _post(proxy + "/v1/completions", json.dumps(body).encode()) == want
+        status, text = _post(proxy + "/v1/completions", b"{not json")
+        assert status == 400 and b"not a JSON object" in text, (status, text)
+
+
 def test_vllm_033s_push_proxy_asks_both_sides_at_once(cluster: Cluster) -> None:
     """vLLM 0.33's push proxy (its examples/disaggregated/disaggregated_serving/
     disagg_proxy_pushconnector_demo.py, written for NixlPushConnector) asks the prefill and

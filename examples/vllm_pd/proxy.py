@@ -76,6 +76,15 @@ def layerwise_bodies(body: dict[str, Any], address: dict[str, Any], key: str,
     return prefill, decode
 
 
+class UpstreamError(RuntimeError):
+    """A server answered other than 200: its status and body, which the proxy passes on
+    where the fault is the client's (4xx: a model name or max_tokens it refused)."""
+
+    def __init__(self, url: str, status: int, body: bytes) -> None:
+        super().__init__(f"{url} answered {status}: {body[:500]!r}")
+        self.status, self.body = status, body
+
+
 def _connection(base: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
     u = urllib.parse.urlsplit(base)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port or 80, timeout=timeout)
@@ -91,7 +100,7 @@ def post_json(base: str, path: str, body: dict[str, Any], headers: dict[str, str
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
-            raise RuntimeError(f"{base}{path} answered {resp.status}: {data[:500]!r}")
+            raise UpstreamError(base + path, resp.status, data)
         out: dict[str, Any] = json.loads(data)
         return out
     finally:
@@ -143,8 +152,8 @@ class Proxy:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-            def _reply(self, status: int, payload: dict[str, Any]) -> None:
-                data = json.dumps(payload).encode()
+            def _reply(self, status: int, payload: dict[str, Any] | bytes) -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -165,6 +174,12 @@ class Proxy:
                 try:
                     n = int(self.headers.get("Content-Length") or 0)
                     body = json.loads(self.rfile.read(n) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError(f"a JSON object, not {type(body).__name__}")
+                except ValueError as exc:  # (json's errors are ValueErrors)
+                    self._reply(400, {"error": f"the request body is not a JSON object: {exc}"})
+                    return
+                try:
                     api = self.path.removeprefix("/v1")
                     prefill, decode = proxy.pick()
                     headers = {"X-Request-Id": self.headers.get("X-Request-Id")
@@ -189,6 +204,10 @@ class Proxy:
                         # would corrupt it; the client sees the stream end unterminated
                         log.warning("decode answer cut short: %s: %s", type(exc).__name__, exc)
                         self.close_connection = True
+                        return
+                    if isinstance(exc, UpstreamError) and 400 <= exc.status < 500:
+                        # the client's fault (a model name, max_tokens): vLLM's own answer
+                        self._reply(exc.status, exc.body)
                         return
                     self._reply(502, {"error": f"{type(exc).__name__}: {exc}"})
 
