@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from test_transport_contract import wait_until
 
 # before the engine loads (what kvlink's `quiet` sets, read once then): none of its INFO lines
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -366,6 +367,32 @@ def test_hung_peer_fails_at_timeout_s(monkeypatch: pytest.MonkeyPatch) -> None:
         assert x.inflight == 0 and x.queued == 0
         assert "within 2.0s" in state.reason and elapsed < 12.0, (elapsed, state)
         t.release(h)
+    finally:
+        p.kill()
+        t.close()
+
+
+def test_connect_to_a_hung_peer_fails_at_timeout_s() -> None:
+    """A peer stopped before the handshake (alive, its port open, nothing answered): connect's
+    probe fails within ``timeout_s``. Old code: connect waited out the engine's own session
+    setup, 60.4 s with timeout_s=2 in a probe, on the thread of the handshake."""
+    p = Peer(f"hung-{uuid.uuid4().hex[:8]}", 1 << 20, seed=6)
+    t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 2.0})
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        p.signal(signal.SIGSTOP)
+
+        def stopped() -> bool:
+            with open(f"/proc/{p.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+        assert wait_until(stopped, 10.0), "the peer did not stop"
+        t0 = time.monotonic()
+        with pytest.raises(TransportUnavailable, match="does not answer within timeout_s=2s"):
+            t.connect(p.name, p.descriptor)
+        assert time.monotonic() - t0 < 6.0
+        assert p.name not in t._peers
     finally:
         p.kill()
         t.close()

@@ -290,12 +290,12 @@ class MooncakeTransport(Transport):
                 f"mooncake peer {peer} speaks {desc.protocol!r}, we speak {self.protocol!r}"
             )
         if self._probe:
-            rc = int(self._engine.send_probe(desc.session))
+            rc = self._probe_within(desc.session)
             if rc != 0:
+                why = (f"within timeout_s={self.timeout:g}s (peer hung)" if rc is None
+                       else f"(send_probe returned {rc})")
                 raise TransportUnavailable(
-                    f"mooncake peer {peer} at {desc.session} does not "
-                    f"answer (send_probe returned {rc})"
-                )
+                    f"mooncake peer {peer} at {desc.session} does not answer {why}")
         with self._lock:
             if self._closed:
                 raise TransportUnavailable("mooncake transport is closed")
@@ -304,6 +304,25 @@ class MooncakeTransport(Transport):
             if old is not None:
                 old.closed = True
                 old.fail_all(f"mooncake: peer {peer} reconnected")
+
+    def _probe_within(self, session: str) -> int | None:
+        """``send_probe``'s answer, or None when it has not come within ``timeout_s``. Why a
+        thread: the engine waits for a hung (stopped) peer in its own session setup, ~60 s
+        whatever ``timeout_s`` says (a connect took 60.4 s with timeout_s=2), and a handshake
+        must not. The thread ends when the engine returns; it touches nothing of ours."""
+        answer: list[int] = []
+
+        def probe() -> None:
+            try:
+                answer.append(int(self._engine.send_probe(session)))
+            except Exception:  # an error is no answer
+                answer.append(-1)
+
+        thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{session}",
+                                  daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        return answer[0] if answer else None
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
