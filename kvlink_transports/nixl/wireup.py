@@ -69,14 +69,12 @@ class _WireUp(_Transfers):
         while True:
             with self._lock:
                 pending = self._check_reqs(x)  # notes an error in x.failure
-                if pending and time.monotonic() < deadline:
-                    pass
-                elif not pending and x.failure is None:
+                if not pending and x.failure is None:
                     self._release_reqs(x)
                     log.debug("nixl peer %s: UCX wired up in %.2f ms", p.key,
                               (time.monotonic() - t0) * 1e3)
                     return
-                else:
+                if not pending or time.monotonic() >= deadline:
                     # a hung READ goes on into the scratch, never freed: forgetting it is safe,
                     # and the peer's agent can go at once
                     self._release_reqs(x)
