@@ -7,10 +7,12 @@ demand. The proxy under test is the real one.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -58,6 +60,9 @@ class _StandIn(BaseHTTPRequestHandler):
         self.connection.shutdown(socket.SHUT_RDWR)
 
 
+IDLE = 1.0  # the proxy's idle_timeout here
+
+
 @pytest.fixture
 def proxy_url() -> Iterator[tuple[str, int]]:
     servers = []
@@ -69,7 +74,7 @@ def proxy_url() -> Iterator[tuple[str, int]]:
         threading.Thread(target=s.serve_forever, daemon=True).start()
         servers.append(s)
         urls.append(f"http://127.0.0.1:{s.server_address[1]}")
-    proxy = _proxy_module().serve([urls[0]], [urls[1]], port=0)
+    proxy = _proxy_module().serve([urls[0]], [urls[1]], port=0, idle_timeout=IDLE)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         yield "127.0.0.1", proxy.server_address[1]
@@ -93,3 +98,22 @@ def test_a_decode_dying_mid_stream_ends_the_clients_stream(proxy_url: tuple[str,
     assert got.startswith(b"HTTP/1.1 200"), got
     assert b'data: {"tok": 0}' in got, got
     assert got.count(b"HTTP/1.1") == 1, got
+
+
+def test_an_idle_keep_alive_client_is_closed(proxy_url: tuple[str, int]) -> None:
+    """A client that keeps its connection open and silent after an answer (HTTP/1.1
+    keep-alive) is closed after ``idle_timeout``: each connection holds one of the proxy's
+    threads. Before, it held one until the client went (a client pool's idle connections: a
+    thread each, for good)."""
+    conn = http.client.HTTPConnection(*proxy_url, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        answer = conn.getresponse()
+        assert answer.status == 200 and answer.read() == b'{"status": "ok"}'
+        assert conn.sock is not None  # (kept open: HTTP/1.1, a Content-Length answer)
+        t0 = time.monotonic()
+        assert conn.sock.recv(1) == b"", "the proxy sent more than its answer"
+        took = time.monotonic() - t0
+    finally:
+        conn.close()
+    assert IDLE * 0.5 <= took < IDLE * 10, took

@@ -40,6 +40,7 @@ from typing import Any
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 #: what a decode needs of a prefill before it answered, learnt from its kv_transfer_params
 ADDRESS_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+IDLE_TIMEOUT = 75.0  #: seconds a silent client's connection is kept (nginx's keepalive_timeout)
 
 log = logging.getLogger("kvlink.proxy")
 
@@ -109,7 +110,8 @@ def post_json(base: str, path: str, body: dict[str, Any], headers: dict[str, str
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0,
-                 decode_params: dict[str, Any] | None = None, layerwise: bool = False) -> None:
+                 decode_params: dict[str, Any] | None = None, layerwise: bool = False,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode server")
         #: the layer-wise flow (decode first, see the module docstring)
@@ -122,6 +124,9 @@ class Proxy:
         self._decode = itertools.cycle(decode)
         self._lock = threading.Lock()
         self.timeout = timeout
+        #: seconds a client's connection may be silent (between requests, or not reading its
+        #: answer) before the proxy closes it: each connection holds a thread
+        self.idle_timeout = idle_timeout
         #: merged into the kv_transfer_params the decode gets (e.g. {"kvlink_mode": "push"})
         self.decode_params = dict(decode_params or {})
 
@@ -148,6 +153,7 @@ class Proxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = proxy.idle_timeout  # (the client's socket: an idle keep-alive ends)
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -268,15 +274,16 @@ class Proxy:
 
 def serve(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,
           timeout: float = 600.0, decode_params: dict[str, Any] | None = None,
-          layerwise: bool = False) -> ThreadingHTTPServer:
+          layerwise: bool = False, idle_timeout: float = IDLE_TIMEOUT) -> ThreadingHTTPServer:
     """Bind the proxy (``port=0``: any free port); call ``serve_forever`` on the result (its
     ``proxy`` attribute is the :class:`Proxy`).
 
     ``decode_params`` are added to the ``kv_transfer_params`` every decode request gets: with
     KVLinkConnector, ``{"kvlink_mode": "pull"}`` or ``"push"`` picks the mode per request.
     ``layerwise``: the decode-first flow (module docstring, docs/layerwise.md).
+    ``idle_timeout``: a client connection silent this long is closed (a thread each).
     """
-    proxy = Proxy(prefill, decode, timeout, decode_params, layerwise)
+    proxy = Proxy(prefill, decode, timeout, decode_params, layerwise, idle_timeout)
     server = ThreadingHTTPServer((host, port), proxy.handler())
     server.daemon_threads = True
     server.proxy = proxy  # type: ignore[attr-defined]
@@ -295,9 +302,12 @@ def main() -> None:
     ap.add_argument("--layerwise", action="store_true",
                     help="decode first, then the prefill, which streams the KV layer by layer "
                          "(prefill: layerwise true; decode: mode push); docs/layerwise.md")
+    ap.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT,
+                    help="seconds a silent client connection is kept (default %(default)s)")
     args = ap.parse_args()
     server = serve(args.prefill, args.decode, args.host, args.port,
-                   decode_params=args.decode_params, layerwise=args.layerwise)
+                   decode_params=args.decode_params, layerwise=args.layerwise,
+                   idle_timeout=args.idle_timeout)
     print(f"proxy on http://{args.host}:{server.server_address[1]} -> prefill {args.prefill}, "
           f"decode {args.decode}", flush=True)
     try:
