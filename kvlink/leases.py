@@ -18,6 +18,9 @@ API, the demo and the vLLM connector alike. Never touches memory. Its rules:
   done, so a failed pull frees the producer's blocks without waiting for the lease.
 - **A READ touches only the request's own blocks**: ``begin_read`` refuses block ids the hold
   does not contain.
+- **A waiting reader may renew**: :meth:`renew` (a decode whose request waits in its queue)
+  moves the deadline to a full lease from now, never past ``renew_limit`` seconds after the
+  hold: a reader that never comes cannot pin the blocks for good.
 
 Thread-safe: the side channel thread answers intents and done reports while the step thread
 holds, expires and drains releases.
@@ -71,6 +74,7 @@ class _Lease:
     generation: int
     deadline: float
     limit: float  # no read intent extends the deadline past this
+    cap: float  # no renewal extends the deadline past this (hold time + renew_limit)
     expected: int | None  # readers still unknown until the first report says
     done: set[str] = dataclasses.field(default_factory=set)
     reading: set[str] = dataclasses.field(default_factory=set)  # granted, not yet reported
@@ -88,6 +92,7 @@ class LeaseStats:
     reads_refused: int = 0
     reads_not_intact: int = 0  # READs whose lease ended under them (the reader was told)
     reads_failed: int = 0  # readers that gave up (their READ failed or never ran)
+    renewed: int = 0  # leases a waiting reader renewed (renew)
     duplicate_notifications: int = 0
     unknown_notifications: int = 0
 
@@ -149,9 +154,11 @@ class BlockLeases:
 
     def __init__(self, lease_seconds: float = 120.0,
                  clock: Callable[[], float] = time.monotonic, *,
-                 read_seconds: float = 30.0,
+                 read_seconds: float = 30.0, renew_limit: float = 600.0,
                  on_release: Callable[[str, int], None] | None = None) -> None:
         self.lease_seconds = lease_seconds
+        #: renewals (:meth:`renew`) keep a hold at most this long after it began
+        self.renew_limit = max(renew_limit, lease_seconds)
         # a READ granted near the lease's end extends it this far, once: read intents cannot
         # keep a hold alive past lease_seconds + read_seconds, whoever sends them
         self.read_seconds = read_seconds
@@ -194,7 +201,7 @@ class BlockLeases:
             now = self._clock()
             self._leases[req_id] = _Lease(ids, frozenset(ids), gen, now + self.lease_seconds,
                                           now + self.lease_seconds + self.read_seconds,
-                                          readers)
+                                          now + self.renew_limit, readers)
             self.stats.held += 1
             self.stats.held_blocks += len(ids)
             return gen
@@ -224,6 +231,22 @@ class BlockLeases:
         """Why a recently released request went ("read", "expired", "aborted"), else None."""
         with self._lock:
             return self._gone.get(req_id)
+
+    def renew(self, req_id: str) -> float | None:
+        """A reader still wants ``req_id`` (its request waits to be scheduled): the deadline
+        moves to a full lease from now, capped at ``renew_limit`` after the hold, and a read
+        intent may again extend it by ``read_seconds`` past that. Returns the seconds the
+        lease now holds, or None when ``req_id`` is not held. Never shortens a lease, never
+        changes its generation (a READ under it stays valid)."""
+        with self._lock:
+            lease = self._leases.get(req_id)
+            if lease is None:
+                return None
+            now = self._clock()
+            lease.deadline = max(lease.deadline, min(now + self.lease_seconds, lease.cap))
+            lease.limit = max(lease.limit, min(lease.deadline + self.read_seconds, lease.cap))
+            self.stats.renewed += 1
+            return lease.deadline - now
 
     # ---------------------------------------------------------------- readers
     def begin_read(self, req_id: str, reader: str,

@@ -373,6 +373,15 @@ class Welcome(_Msg, tag="welcome", frozen=True):
     nonce: Nonce
 
 
+class Renew(_Msg, tag="renew", frozen=True):
+    """Reader -> producer: these requests still wait for us (queued in a busy decode): renew
+    their leases (:meth:`kvlink.leases.BlockLeases.renew`, capped by the producer's
+    ``renew_limit``). Ids not held there are skipped; sent quiet (nothing answered)."""
+
+    engine_id: Id
+    req_ids: Annotated[list[Id], msgspec.Meta(min_length=1, max_length=MAX_CALLS)]
+
+
 class Hold(_Msg, tag="hold", frozen=True):
     """A producer's scheduler -> its own workers, the moment it keeps a finished request's
     blocks: hold them now, under this generation (the one handed to the decode), instead of at
@@ -396,7 +405,7 @@ def hold_body(engine_id: str, req_id: str, block_ids: list[int], generation: int
 
 #: what a client asks (inside a :class:`Batch`) and what a server answers (in :class:`Replies`)
 Request = (HandshakeRequest | Notification | PushRequest | PushCancel | ReadIntent | ReadDone
-           | Hold)
+           | Hold | Renew)
 Reply = HandshakeResponse | PushState | ReadGrant | ReadVerdict | ErrorReply | Ack
 
 
@@ -434,7 +443,7 @@ class Replies(_Msg, tag="replies", frozen=True):
 Message = (
     HandshakeRequest | HandshakeResponse | Notification | PushRequest | PushCancel | PushState
     | ReadIntent | ReadGrant | ReadDone | ReadVerdict | ErrorReply | Ack | Challenge | Signed
-    | Hello | Welcome | Batch | Sealed | Replies | Hold
+    | Hello | Welcome | Batch | Sealed | Replies | Hold | Renew
 )
 
 

@@ -246,6 +246,36 @@ def test_read_is_not_posted_past_the_grant_deadline() -> None:
         decode.close()
 
 
+@pytest.mark.fault("pull: the decode's request waits in its queue past the prefill's lease")
+def test_a_waiting_reader_renews_the_lease_and_reads_after_it(
+        observed: Callable[[str], None]) -> None:
+    """A decode whose request waits to be scheduled renews the prefill's lease of it
+    (``KVWorker.renew``): held past ``lease_seconds`` and read intact after, while a request
+    nobody renews expires. Before: no renewal, and a decode queueing past the lease had its
+    READ refused ("no longer held: expired") and recomputed."""
+    prefill, _ = make("p", seed=1, lease_seconds=1.0, read_seconds=0.1)
+    decode, _ = make("d", serve=False)
+    try:
+        prefill.hold("r0", [2, 3])
+        prefill.hold("r1", [4])
+        end, sent = time.monotonic() + 2.2, 0
+        while time.monotonic() < end:  # r0 waits in the decode's queue, renewed; r1 not
+            decode.renew(["r0"], remote(prefill))
+            decode.poll()  # (sends the frame)
+            sent += 1
+            sleep_until(time.monotonic() + 0.25)
+        until(lambda: prefill.leases.stats.renewed >= sent, 10, "the renewals arrived")
+        assert [(r.req_id, r.why) for r in prefill.released()] == [("r1", "expired")]
+        decode.read("r0", remote(prefill), [7, 8], [2, 3])
+        ok, reason = outcome(decode, "r0", 10)
+        observed(f"{sent} renewals over 2.2 s of a 1.0 s lease: read {ok} {reason}")
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [7, 8]), blocks(prefill, [2, 3]))
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_failed_pull_releases_the_prefill_at_once() -> None:
     """Item 11: a READ that fails after its grant frees the prefill's blocks now, not after
     the 60 s lease. (The decode's transport is closed under the request: post gives FAILED.)"""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvlink.leases import BlockLeases, Grant, Refused
 
 
@@ -39,6 +41,31 @@ def test_lease_expiry_frees_once() -> None:
     assert leases.expire() == []
     assert leases.reader_done("a", "d/0") is None  # a reader arriving after expiry frees nothing
     assert leases.stats.released_expired == 2 and leases.stats.held_blocks == 0
+
+
+def test_renewal_extends_to_a_full_lease_from_now_up_to_the_limit() -> None:
+    """A waiting reader's renewals keep a hold past lease_seconds, never shorten it, never
+    change its generation, and stop at renew_limit after the hold (a reader that never comes
+    cannot pin the blocks for good); a read intent still adds read_seconds after a renewal."""
+    clock = Clock()
+    leases = BlockLeases(5.0, clock, read_seconds=2.0, renew_limit=12.0)
+    gen = leases.hold("a", [7])
+    leases.hold("b", [8])
+    assert leases.renew("gone") is None
+    clock.now = 4.0
+    assert leases.renew("a") == 5.0  # a full lease from now: deadline 9
+    clock.now = 3.0  # (a renewal never shortens: deadline stays 9)
+    assert leases.renew("a") == 6.0
+    clock.now = 5.0
+    assert leases.expire() == [("b", [8])]
+    clock.now = 8.0
+    assert leases.renew("a") == 4.0  # capped: hold at 0 + renew_limit 12
+    assert leases.begin_read("a", "d/0") == Grant(gen, 4.0)  # still inside the cap
+    clock.now = 11.9
+    assert leases.expire() == [] and leases.renew("a") == pytest.approx(0.1)
+    clock.now = 12.0
+    assert leases.expire() == [("a", [7])] and leases.renew("a") is None
+    assert leases.stats.renewed == 4
 
 
 def test_abort_and_unknown() -> None:

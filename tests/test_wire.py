@@ -99,6 +99,8 @@ if hasattr(wire, "Signed"):  # authenticated envelope (side-channel auth)
 STRATEGIES[wire.Hold] = st.builds(wire.Hold, v=st.just(WIRE_VERSION), engine_id=text,
                                   req_id=text, block_ids=st.lists(block_id, max_size=20),
                                   generation=u63)
+STRATEGIES[wire.Renew] = st.builds(wire.Renew, v=st.just(WIRE_VERSION), engine_id=text,
+                                   req_ids=st.lists(text, min_size=1, max_size=20))
 STRATEGIES[wire.Hello] = st.builds(wire.Hello, v=st.just(WIRE_VERSION), nonce=blob)
 STRATEGIES[wire.Welcome] = st.builds(wire.Welcome, v=st.just(WIRE_VERSION), nonce=blob)
 STRATEGIES[wire.Sealed] = st.builds(wire.Sealed, v=st.just(WIRE_VERSION), counter=u63,

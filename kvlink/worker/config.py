@@ -41,6 +41,8 @@ class WorkerConfig:
     allow_insecure: bool = False  # bind an unauthenticated side channel on a non-loopback host
     lease_seconds: float = 120.0  # producer: how long a held request waits for its readers
     read_seconds: float = 30.0  # producer: a granted READ extends its lease this far (a hint)
+    #: producer: readers' renewals (KVWorker.renew) keep a hold at most this long after it began
+    renew_limit: float = 600.0
     intent_timeout: float = 10.0  # reader: how long to retry a request not held (yet)
     close_timeout: float = 2.0  # close() returns within this, cancelling what it cannot send
     #: least privilege on the data plane (docs/security.md): a transport that can enforce it
@@ -86,7 +88,7 @@ class WorkerConfig:
                               f"{self.tp_size}), got {self.side_port!r}")
         Level.parse(self.integrity, "integrity")
         for key in ("handshake_timeout", "lease_seconds", "read_seconds", "intent_timeout",
-                    "close_timeout"):
+                    "close_timeout", "renew_limit"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)!r}")
         if not 0 <= self.poll_grace_us <= 1e6:

@@ -137,7 +137,7 @@ class KVWorker(_PrefillPush, _DecodePush):
                                            initializer=self._thread_init)
         #: producer side: the requests held for readers (see the module docstring)
         self.leases = BlockLeases(config.lease_seconds, read_seconds=config.read_seconds,
-                                  on_release=self._revoke_hold)
+                                  renew_limit=config.renew_limit, on_release=self._revoke_hold)
         self.integrity = Checker(Level(config.integrity))
         #: producer: our holds in shared memory for same-host readers (created at register)
         self.board: HoldBoard | None = None
@@ -289,6 +289,8 @@ class KVWorker(_PrefillPush, _DecodePush):
             return self._answer_hold(msg)
         if isinstance(msg, wire.PushCancel):
             return self._answer_cancel(msg)
+        if isinstance(msg, wire.Renew):
+            return self._answer_renew(msg)
         return wire.ErrorReply(v=WIRE_VERSION, code="unsupported",
                                message=f"{type(msg).__name__} not handled here")
 

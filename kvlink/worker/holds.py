@@ -231,6 +231,12 @@ class _Holds(_Peering):
         hook(msg)
         return wire.Ack(v=WIRE_VERSION)
 
+    def _answer_renew(self, msg: wire.Renew) -> wire.Reply:
+        """A reader whose requests still wait (a decode's queue) renews their leases."""
+        renewed = sum(self.leases.renew(r) is not None for r in msg.req_ids)
+        log.debug("%s renewed %d of %d lease(s)", msg.engine_id, renewed, len(msg.req_ids))
+        return wire.Ack(v=WIRE_VERSION)
+
     def engine_key(self) -> bytes:
         """The key our own engine's scheduler signs its holds with (:mod:`kvlink.localkey`)."""
         if self._engine_key is None:

@@ -318,6 +318,24 @@ class _Requests(_Parts):
         :meth:`poll`)."""
         self._release_at(req_id, remote, self._holders(remote, skip or set()), generation)
 
+    def renew(self, req_ids: list[str], remote: RemoteEngine) -> None:
+        """Reader side: ``req_ids`` of ``remote`` still wait for us (a decode's queue, before
+        their READ): the producer ranks holding them for us renew their leases, up to their
+        ``renew_limit`` (:meth:`kvlink.leases.BlockLeases.renew`). Fire and forget: sent
+        with the next frame to each peer (at the latest by the next :meth:`poll`); ids not
+        held there are skipped. Renew well within the producer's lease (vLLM's connector:
+        every quarter of it)."""
+        if isinstance(req_ids, str) or not all(isinstance(r, str) for r in req_ids):
+            raise ConfigError(f"renew takes a list of request ids (str), got {req_ids!r:.80}")
+        ids = [wire.check_id(r, "request id") for r in req_ids]
+        if not ids:
+            return
+        for start in range(0, len(ids), wire.MAX_CALLS):
+            msg = wire.Renew(v=WIRE_VERSION, engine_id=self.config.engine_id,
+                             req_ids=ids[start:start + wire.MAX_CALLS])
+            for rank in sorted(self._holders(remote, set())):
+                self._tell(remote.host, remote.port + rank, msg, quiet=True)
+
     def _holders(self, remote: RemoteEngine, skip: set[int]) -> frozenset[int]:
         """The ranks of ``remote`` that hold heads of ours, except ``skip``."""
         spec = self._require_spec()
