@@ -60,6 +60,7 @@ from kvlink.integrations.vllm.config import Settings  # noqa: E402
 from kvlink.integrations.vllm.layout import detect  # noqa: E402
 from kvlink.integrations.vllm.metadata import (  # noqa: E402
     RecvReq,
+    Renewal,
     SendReq,
     StepPlan,
     parse_remote,
@@ -577,6 +578,45 @@ def test_pull_and_refusal_of_expired_lease() -> None:
         counters, _ = prod.take_stats()
         assert counters.get("reads_refused") == 2 and counters.get("send_expired_requests")
         assert np.isclose(cons.take_stats()[0]["recv_failed_requests"], 2)
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_a_waiting_decodes_renewals_keep_the_prefills_blocks() -> None:
+    """The decode's plan renews a request still in its queue (``StepPlan.renew``, what its
+    scheduler plans a quarter of the lease apart): its workers tell the prefill's, which
+    keep the blocks past ``kv_lease_duration``, and the READ after 1.2 s of a 0.5 s lease
+    lands; a request nobody renews expires meanwhile. Before: no renewal, the READ refused."""
+    port = free_port_range(1)
+    extra = {"side_channel_port": port, "kv_lease_duration": 0.5}
+    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+    prod = PullWorker(Settings.from_config("P", "kv_producer", extra), 0, 1)
+    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra), 0, 1)
+    try:
+        for w, caches in ((prod, src), (cons, dst)):
+            w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
+                              tp_size=1, tp_rank=0, use_mla=False).spec)
+        remote = _remote_r1(port, [1, 3])
+        steps = _Steps(prod, cons)
+        prod.start(StepPlan(send=[SendReq("r1", (1, 3)), SendReq("r2", (2,))]))
+        end, sent = time.monotonic() + 1.2, 0
+        while time.monotonic() < end:  # r1 waits in the decode's queue, renewed; r2 not
+            cons.start(StepPlan(renew=[Renewal(remote, ("r1",))]))
+            sent += 1
+            t = time.monotonic() + 0.15
+            while time.monotonic() < t:
+                steps.step()  # (the prefill's steps expire what is not renewed)
+                time.sleep(0.01)
+        assert wait_until(lambda: steps.step() is not None and "r2" in steps.sent, 5.0)
+        assert "r1" not in steps.sent and prod.worker is not None
+        assert wait_until(lambda: prod.worker.leases.stats.renewed >= sent, 5.0)
+        cons.start(StepPlan(recv=[RecvReq("d1", remote, (4, 0), 64)]))
+        res = steps.recv()
+        assert res.finished_recving == {"d1"} and not res.failed_recving, res.failed_recving
+        for s_t, d_t in zip(src, dst):
+            assert torch.equal(d_t[4], s_t[1]) and torch.equal(d_t[0], s_t[3])
     finally:
         prod.close()
         cons.close()

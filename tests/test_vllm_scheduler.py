@@ -402,6 +402,37 @@ def test_decode_lifecycle(model: str, engines: Callable[..., Engine], role: str,
     assert recv.expires_in is not None and 100 < recv.expires_in <= 120
 
 
+def test_a_waiting_decode_request_renews_the_prefills_lease(
+        model: str, engines: Callable[..., Engine]) -> None:
+    """vLLM calls on_new_request as a request arrives; while it waits (here it needs more
+    blocks than the decode has) each step a quarter of the prefill's lease after the last one
+    renews it, one Renewal per prefill, and the lease left counts from the renewal; the
+    renewals stop when it ends. As NixlConnector's heartbeats. Before: nothing renewed, and a
+    request that waited past the lease was refused when it was finally allocated."""
+    e = engines(vllm_config(model, KVLINK, "kv_consumer"), num_blocks=4)
+    now = time.perf_counter()
+    lease = 0.4  # the prefill's, as its params say: renewed every 0.1 s
+    req = e.add(request("d1", 80, prefill_params(blocks=5, remote_blocks_expiry_time=now + lease,
+                                                 kvlink_clock=now)))
+    renewals: list[tuple[str, tuple[str, ...]]] = []
+    end = now + 1.0
+    while time.perf_counter() < end:
+        renewals += [(r.remote.engine_id, r.request_ids) for r in _plan(e.step()).renew]
+        assert req.status == RequestStatus.WAITING  # 5 blocks asked of 3
+        time.sleep(0.01)  # (a step every 10 ms: the renewals' pace is the lease's, not ours)
+    # (each comes at the first step past its time: fewer on a loaded host, never more)
+    assert set(renewals) == {("P", ("p1",))} and 4 <= len(renewals) <= 10, renewals
+    # counted from the last renewal, not the arrival (1.0 s ago: 0.6 s past the lease)
+    expires_in = e.sched.connector._s()._expires_in(
+        "d1", parse_remote(req.kv_transfer_params), req.kv_transfer_params,
+        e.sched.connector._s()._seen["d1"])
+    assert expires_in is not None and 0 < expires_in <= lease
+    e.abort("d1")
+    assert not _plan(e.step()).renew
+    time.sleep(0.15)
+    assert not _plan(e.step()).renew  # stopped with the request
+
+
 def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
         model: str, engines: Callable[..., Engine]) -> None:
     """``sync_load_tokens``: vLLM's synchronous load. The first load from a prefill is

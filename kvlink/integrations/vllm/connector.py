@@ -264,6 +264,9 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         assert self._sched is not None, "scheduler-side method called on a worker connector"
         return self._sched
 
+    def on_new_request(self, request: Any) -> None:
+        self._s().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self._s().num_new_matched_tokens(request, num_computed_tokens)

@@ -138,6 +138,15 @@ class LayerReq:
 
 
 @dataclasses.dataclass
+class Renewal:
+    """Decode: requests of one prefill that still wait in our queue; the workers ask each
+    prefill rank holding heads of theirs to renew the leases (KVWorker.renew)."""
+
+    remote: Remote  # (one of them: the prefill's address)
+    request_ids: tuple[str, ...]  # the prefill's request ids
+
+
+@dataclasses.dataclass
 class StepPlan:
     recv: list[RecvReq] = dataclasses.field(default_factory=list)
     send: list[SendReq] = dataclasses.field(default_factory=list)
@@ -153,6 +162,8 @@ class StepPlan:
     #: output did not say, and then the forward context does (see KVLinkConnector
     #: .start_load_kv: vLLM's GPU model runner V2 calls it outside any forward's context)
     forward: bool | None = None
+    #: decode: leases to renew for requests still waiting to be scheduled (Renewal)
+    renew: list[Renewal] = dataclasses.field(default_factory=list)
 
 
 def flat_block_ids(raw: Any) -> tuple[int, ...] | None:

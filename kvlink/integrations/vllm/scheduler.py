@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -35,6 +36,7 @@ from kvlink.integrations.vllm.metadata import (
     LayerReq,
     RecvReq,
     Remote,
+    Renewal,
     SendReq,
     StepPlan,
     base_request_id,
@@ -75,6 +77,26 @@ class _Load:
     engine: str  # the prefill's engine id
 
 
+@dataclasses.dataclass(slots=True)
+class _Waiting:
+    """Decode: a request in our queue whose prefill's lease we renew until its receive is
+    planned (or it ends)."""
+
+    remote: Remote
+    lease: float  # the prefill's lease, as its params say (expiry - clock)
+    last: float  # perf_counter of the last renewal (of the arrival, before the first)
+
+    @property
+    def every(self) -> float:
+        """Seconds between renewals."""
+        return self.lease * RENEW_EVERY
+
+
+#: renewals come at this fraction of the prefill's lease (its params say how long it is):
+#: three chances before it would end, one message per prefill engine each time
+RENEW_EVERY = 0.25
+
+
 class PullScheduler:
     """``sync_loads``: whether this decode may load synchronously at all (vLLM's per-step
     worker metadata carries each outcome, vLLM >= 0.32; a decode of TP 1: see
@@ -102,6 +124,10 @@ class PullScheduler:
         # decode: when a request's params were first seen here (perf_counter), the point the
         # prefill's remaining lease is counted from (see _expires_in)
         self._seen: dict[str, float] = {}
+        # decode: requests waiting to be scheduled whose prefill's lease we renew, from
+        # their arrival (on_new_request) until their receive is planned or they end
+        self._waiting: dict[str, _Waiting] = {}
+        self._next_renewal = math.inf  # perf_counter of the first one due
         # prefill: our workers' incarnations by TP rank (vLLM's handshake metadata)
         self._incarnations: dict[int, int] = {}
         self._warned: set[str] = set()
@@ -316,8 +342,52 @@ class PullScheduler:
             self._arrived.pop(key, None)
             self._asked.pop(req_id, None)
 
+    def on_new_request(self, request: Any) -> None:
+        """Decode (vLLM >= 0.32 calls it as a request arrives): a request to load from a
+        prefill whose params give its lease is renewed while it waits in our queue, every
+        :data:`RENEW_EVERY` of that lease (:meth:`_plan_renewals`), so a busy decode does not
+        lose the prefill's blocks to the lease before it schedules the request. NixlConnector
+        renews by heartbeats the same way."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not params or not params.get("do_remote_prefill"):
+            return
+        remote = parse_remote(params)
+        if remote is None or remote.expiry is None or remote.clock is None:
+            return
+        lease = remote.expiry - remote.clock
+        if lease > 0:
+            now = time.perf_counter()
+            self._seen.setdefault(request.request_id, now)
+            self._waiting[request.request_id] = _Waiting(remote, lease, now)
+            self._next_renewal = min(self._next_renewal, now + lease * RENEW_EVERY)
+
+    def _plan_renewals(self) -> None:
+        """The waiting requests due a renewal go in this step's plan, one per prefill; from
+        now on the lease left is counted from now (:meth:`_expires_in`): the prefill renews
+        it on the message's arrival, later. Were it lost (the prefill restarted, the cap of
+        its ``renew_limit``), the READ is refused or told not intact: a failed receive."""
+        now = time.perf_counter()
+        if now < self._next_renewal:
+            return
+        due: dict[tuple[str, str, int], tuple[Remote, list[str]]] = {}
+        self._next_renewal = math.inf
+        for req_id, w in list(self._waiting.items()):
+            if now - w.last >= w.every:
+                if self._seen.get(req_id, w.last) + w.lease <= now:
+                    # over by our count already (no step came within the lease): the prefill
+                    # may have released it, and no renewal makes that good: refused when
+                    # its blocks come (_expires_in)
+                    del self._waiting[req_id]
+                    continue
+                w.last = self._seen[req_id] = now
+                r = w.remote
+                due.setdefault((r.engine_id, r.host, r.port), (r, []))[1].append(r.request_id)
+            self._next_renewal = min(self._next_renewal, w.last + w.every)
+        self._plan.renew.extend(Renewal(r, tuple(ids)) for r, ids in due.values())
+
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = getattr(request, "kv_transfer_params", None)
+        self._waiting.pop(request.request_id, None)
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
@@ -393,6 +463,7 @@ class PullScheduler:
                                                                             | None]:
         params = getattr(request, "kv_transfer_params", None)
         self._seen.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._sync_hit.pop(request.request_id, None)
         self._keyed.pop(request.request_id, None)
         self._forget_base(request.request_id)
@@ -498,6 +569,8 @@ class PullScheduler:
                 if p.exception() is not None:
                     log.info("a hold did not reach its worker now (the step's plan carries "
                              "it): %s", p.exception())
+        if self._waiting:
+            self._plan_renewals()
         plan, self._plan = self._plan, StepPlan()
         return plan
 

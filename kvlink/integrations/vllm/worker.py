@@ -501,6 +501,13 @@ class PullWorker(LayerwisePushes):
             self._w().release(remote.request_id, _engine(remote),
                               generation=remote.generation or None)
             self._told = True
+        for renewal in plan.renew:  # requests still in our queue: their leases
+            try:
+                self._w().renew(list(renewal.request_ids), _engine(renewal.remote))
+            except KVLinkError as exc:  # (a bad id: its request fails at its READ instead)
+                log.warning("could not renew %d lease(s) of %s: %s",
+                            len(renewal.request_ids), renewal.remote.engine_id, exc)
+            self._told = True
         if self._recv or self._writes or self._told:
             self._poll()
         sync = {r.req_id for r in plan.recv if r.sync}
