@@ -590,14 +590,8 @@ def test_a_waiting_decodes_renewals_keep_the_prefills_blocks() -> None:
     lands; a request nobody renews expires meanwhile. Before: no renewal, the READ refused."""
     port = free_port_range(1)
     extra = {"side_channel_port": port, "kv_lease_duration": 0.5}
-    src = [_packed((0, 1, 2, 3)) for _ in range(2)]
-    dst = [torch.zeros_like(t) for t in src]
-    prod = PullWorker(Settings.from_config("P", "kv_producer", extra), 0, 1)
-    cons = PullWorker(Settings.from_config("D", "kv_consumer", extra), 0, 1)
+    prod, cons, src, dst = _pair(extra, extra)
     try:
-        for w, caches in ((prod, src), (cons, dst)):
-            w.register(detect({f"l{i}": t for i, t in enumerate(caches)}, total_kv_heads=2,
-                              tp_size=1, tp_rank=0, use_mla=False).spec)
         remote = _remote_r1(port, [1, 3])
         steps = _Steps(prod, cons)
         prod.start(StepPlan(send=[SendReq("r1", (1, 3)), SendReq("r2", (2,))]))
