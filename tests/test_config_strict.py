@@ -67,6 +67,16 @@ def test_grants_reaches_worker_config() -> None:
     assert vllm_worker.PullWorker(_s({}), 0, 1).worker_config().grants is True
 
 
+def test_the_renewal_limit_reaches_the_worker_and_must_be_positive() -> None:
+    from kvlink.integrations.vllm import worker as vllm_worker
+
+    cfg = vllm_worker.PullWorker(_s({"kv_lease_renew_limit": 45}), 0, 1).worker_config()
+    assert cfg.renew_limit == 45.0
+    assert vllm_worker.PullWorker(_s({}), 0, 1).worker_config().renew_limit == 600.0
+    with pytest.raises(ConfigError, match="kv_lease_renew_limit must be positive, got 0"):
+        _s({"kv_lease_renew_limit": 0})
+
+
 # ----------------------------------------------------------------------------- transport options
 def test_tcp_option_typo_fails_in_settings() -> None:
     with pytest.raises(ConfigError, match=r"tcp transport: unknown option 'timeout'; "
@@ -304,7 +314,8 @@ FULL: dict[str, Any] = {
                                    "post_mode": "direct"},
                           "mooncake": {"protocol": "rdma"}, "cuda_ipc": {"chunk_bytes": 1 << 20}},
     "side_channel_host": "10.0.0.5", "side_channel_port": 5700, "advertise_host": "pf.example",
-    "kv_lease_duration": 45.0, "read_pin_seconds": 20.0, "handshake_timeout": 3.0,
+    "kv_lease_duration": 45.0, "read_pin_seconds": 20.0, "kv_lease_renew_limit": 300.0,
+    "handshake_timeout": 3.0,
     "read_intent_timeout": 4.0, "idle_yield_ms": 5.0, "secret": "s3cret",
     "allow_insecure": False, "mode": "push", "push_timeout": 12.0, "grants": False,
     "integrity": "off", "hold_board": False, "landing_board": False, "poll_grace_us": 50.0,

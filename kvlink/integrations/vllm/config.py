@@ -56,6 +56,7 @@ class ExtraConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     kv_lease_duration: float | None = None
     lease_seconds: float | None = None  # alias of kv_lease_duration
     read_pin_seconds: float = 60.0
+    kv_lease_renew_limit: float = 600.0
     handshake_timeout: float = 10.0
     read_intent_timeout: float = 10.0
     idle_yield_ms: float = 2.0
@@ -218,6 +219,8 @@ class Settings:
     side_port: int = DEFAULT_SIDE_PORT
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     pin_seconds: float = 60.0
+    #: prefill: a decode's renewals keep a hold at most this long (WorkerConfig.renew_limit)
+    renew_limit: float = 600.0
     handshake_timeout: float = 10.0
     intent_timeout: float = 10.0
     idle_yield_s: float = 0.002  # sleep of an idle step while transfers are outstanding
@@ -268,7 +271,8 @@ class Settings:
             side_port=port if port is not None else DEFAULT_SIDE_PORT,
             lease_seconds=(x.kv_lease_duration if x.kv_lease_duration is not None
                            else DEFAULT_LEASE_SECONDS),
-            pin_seconds=x.read_pin_seconds, handshake_timeout=x.handshake_timeout,
+            pin_seconds=x.read_pin_seconds, renew_limit=x.kv_lease_renew_limit,
+            handshake_timeout=x.handshake_timeout,
             intent_timeout=x.read_intent_timeout, idle_yield_s=x.idle_yield_ms / 1e3,
             secret=x.secret, allow_insecure=x.allow_insecure, mode=x.mode,
             push_timeout=x.push_timeout, grants=x.grants, integrity=x.integrity,
@@ -294,6 +298,7 @@ class Settings:
         for key, value in (("kv_lease_duration", s.lease_seconds),
                            ("push_timeout", s.push_timeout),
                            ("read_pin_seconds", s.pin_seconds),
+                           ("kv_lease_renew_limit", s.renew_limit),
                            ("handshake_timeout", s.handshake_timeout),
                            ("read_intent_timeout", s.intent_timeout)):
             if not value > 0:
@@ -315,7 +320,8 @@ class Settings:
             "transport_options": {k: dict(v) for k, v in self.transport_options.items()},
             "side_channel_host": self.host, "side_channel_port": self.side_port,
             "advertise_host": self.advertise_host, "kv_lease_duration": self.lease_seconds,
-            "read_pin_seconds": self.pin_seconds, "handshake_timeout": self.handshake_timeout,
+            "read_pin_seconds": self.pin_seconds, "kv_lease_renew_limit": self.renew_limit,
+            "handshake_timeout": self.handshake_timeout,
             "read_intent_timeout": self.intent_timeout, "idle_yield_ms": self.idle_yield_s * 1e3,
             "secret": self.secret, "allow_insecure": self.allow_insecure, "mode": self.mode,
             "push_timeout": self.push_timeout, "grants": self.grants,

@@ -156,6 +156,7 @@ class PullWorker(LayerwisePushes):
             handshake_timeout=self.s.handshake_timeout, serve=self.s.serves,
             secret=self.s.secret, allow_insecure=self.s.allow_insecure,
             lease_seconds=self.s.lease_seconds, read_seconds=self.s.pin_seconds,
+            renew_limit=self.s.renew_limit,
             intent_timeout=self.s.intent_timeout, grants=self.s.grants,
             integrity=self.s.integrity, hold_board=self.s.hold_board,
             landing_board=self.s.landing_board, poll_grace_us=self.s.poll_grace_us,
