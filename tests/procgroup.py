@@ -29,3 +29,21 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
     for f in (proc.stdin, proc.stdout, proc.stderr):
         if f is not None:
             f.close()
+
+
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` (alive, its sockets open, nothing answered: a hung peer) and return once
+    the kernel shows it stopped, or fail at ``timeout``."""
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while state(pid) not in ("T", "t"):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop within {timeout}s"
+        time.sleep(1e-3)
+
+
+def state(pid: int) -> str:
+    """A process's state as the kernel shows it (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from test_transport_contract import wait_until
+from procgroup import stop
 
 # before the engine loads (what kvlink's `quiet` sets, read once then): none of its INFO lines
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -381,13 +381,7 @@ def test_connect_to_a_hung_peer_fails_at_timeout_s() -> None:
     buf = np.zeros(1 << 20, dtype=np.uint8)
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
-        p.signal(signal.SIGSTOP)
-
-        def stopped() -> bool:
-            with open(f"/proc/{p.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-        assert wait_until(stopped, 10.0), "the peer did not stop"
+        stop(p.pid)  # alive, its port open, nothing answered
         t0 = time.monotonic()
         with pytest.raises(TransportUnavailable, match="does not answer within timeout_s=2s"):
             t.connect(p.name, p.descriptor)

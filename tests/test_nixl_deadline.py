@@ -29,6 +29,7 @@ except ImportError as exc:
     pytest.skip(f"NIXL is not importable ({exc}): pip install 'kvlink[nixl]'",
                 allow_module_level=True)
 
+from procgroup import stop
 from test_nixl_transport import OPTS, TIMEOUT, Peer
 
 from kvlink.errors import ConfigError, HandshakeError
@@ -58,17 +59,6 @@ def _transport(opts: dict[str, Any]) -> knixl.NixlTransport:
             os.environ["UCX_TLS"] = old
 
 
-
-
-def _stop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until the kernel shows it stopped."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-    assert _until(stopped, 10.0), f"pid {pid} did not stop"
 
 
 def _reap(p: Peer) -> None:
@@ -132,7 +122,7 @@ def test_read_from_stopped_peer_fails_at_deadline_and_nothing_lands(
             assert t.wait(h, TIMEOUT).status is XferStatus.DONE
             t.release(h)
             assert np.array_equal(buf[:4096], p.reference()[:4096])
-        _stop(victim.pid)
+        stop(victim.pid)
         mine, theirs = buf[:N], buf[N:]
         mine[:] = SENTINEL
         hv = _read(t, victim, buf, 0, N)
@@ -206,7 +196,7 @@ def test_read_behind_a_notification_fails_at_deadline_and_reconnects(
                    make_extents(victim.addr, 4096), notify=b"warm")
         assert t.wait(h, TIMEOUT).status is XferStatus.DONE
         t.release(h)
-        _stop(victim.pid)
+        stop(victim.pid)
         h = _read(t, victim, buf, 0, N)
         t0 = time.monotonic()
         assert _until(lambda: t.poll(h).status is not XferStatus.PENDING, 2 * DEADLINE)
@@ -256,7 +246,7 @@ def test_disconnect_of_stopped_peer_fails_read_only_once_nothing_can_land(
         h = _read(t, victim, buf, 0, 4096)
         assert t.wait(h, TIMEOUT).status is XferStatus.DONE
         t.release(h)
-        _stop(victim.pid)
+        stop(victim.pid)
         buf[:] = SENTINEL
         h = _read(t, victim, buf, 0, N)
         assert t.poll(h).status is XferStatus.PENDING
@@ -292,7 +282,7 @@ def test_a_peer_hung_before_the_wire_up_fails_connect_and_connects_once_it_runs(
     buf = np.zeros(N, dtype=np.uint8)
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
-        _stop(victim.pid)
+        stop(victim.pid)
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match="wire-up") as err:
             t.connect(victim.name, victim.descriptor)

@@ -599,10 +599,9 @@ def test_a_waiting_decodes_renewals_keep_the_prefills_blocks() -> None:
         while time.monotonic() < end:  # r1 waits in the decode's queue, renewed; r2 not
             cons.start(StepPlan(renew=[Renewal(remote, ("r1",))]))
             sent += 1
-            t = time.monotonic() + 0.15
-            while time.monotonic() < t:
-                steps.step()  # (the prefill's steps expire what is not renewed)
-                time.sleep(0.01)
+            t = time.monotonic() + 0.15  # (the prefill's steps expire what is not renewed)
+            assert wait_until(lambda t=t: steps.step() is not None and time.monotonic() >= t,
+                              5.0)
         assert wait_until(lambda: steps.step() is not None and "r2" in steps.sent, 5.0)
         assert "r1" not in steps.sent and prod.worker is not None
         assert wait_until(lambda: prod.worker.leases.stats.renewed >= sent, 5.0)

@@ -36,6 +36,7 @@ pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from test_transport_contract import wait_until  # noqa: E402
 from tinymodel import build_tiny_llama  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -415,11 +416,15 @@ def test_a_waiting_decode_request_renews_the_prefills_lease(
     req = e.add(request("d1", 80, prefill_params(blocks=5, remote_blocks_expiry_time=now + lease,
                                                  kvlink_clock=now)))
     renewals: list[tuple[str, tuple[str, ...]]] = []
-    end = now + 1.0
-    while time.perf_counter() < end:
-        renewals += [(r.remote.engine_id, r.request_ids) for r in _plan(e.step()).renew]
-        assert req.status == RequestStatus.WAITING  # 5 blocks asked of 3
-        time.sleep(0.01)  # (a step every 10 ms: the renewals' pace is the lease's, not ours)
+
+    def steps_until(t: float) -> bool:
+        """One engine step; whether ``t`` (perf_counter) has come."""
+        renewals.extend((r.remote.engine_id, r.request_ids) for r in _plan(e.step()).renew)
+        return time.perf_counter() >= t
+
+    # steps as fast as they come for 1.0 s: the renewals' pace is the lease's, not theirs
+    assert wait_until(lambda: steps_until(now + 1.0), 10.0)
+    assert req.status == RequestStatus.WAITING  # 5 blocks asked of 3
     # (each comes at the first step past its time: fewer on a loaded host, never more)
     assert set(renewals) == {("P", ("p1",))} and 4 <= len(renewals) <= 10, renewals
     # counted from the last renewal, not the arrival (1.0 s ago: 0.6 s past the lease)
@@ -428,9 +433,10 @@ def test_a_waiting_decode_request_renews_the_prefills_lease(
         e.sched.connector._s()._seen["d1"])
     assert expires_in is not None and 0 < expires_in <= lease
     e.abort("d1")
-    assert not _plan(e.step()).renew
-    time.sleep(0.15)
-    assert not _plan(e.step()).renew  # stopped with the request
+    renewals.clear()
+    later = time.perf_counter() + 0.15  # past the next renewal's time
+    assert wait_until(lambda: steps_until(later), 10.0)
+    assert not renewals  # stopped with the request
 
 
 def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(

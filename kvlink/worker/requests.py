@@ -330,10 +330,11 @@ class _Requests(_Parts):
         ids = [wire.check_id(r, "request id") for r in req_ids]
         if not ids:
             return
+        ranks = sorted(self._holders(remote, set()))
         for start in range(0, len(ids), wire.MAX_CALLS):
             msg = wire.Renew(v=WIRE_VERSION, engine_id=self.config.engine_id,
                              req_ids=ids[start:start + wire.MAX_CALLS])
-            for rank in sorted(self._holders(remote, set())):
+            for rank in ranks:
                 self._tell(remote.host, remote.port + rank, msg, quiet=True)
 
     def _holders(self, remote: RemoteEngine, skip: set[int]) -> frozenset[int]:
