@@ -335,7 +335,10 @@ def test_decode_killed_mid_write_fails_within_timeout() -> None:
 def test_hung_peer_fails_at_timeout_s(monkeypatch: pytest.MonkeyPatch) -> None:
     """At ``timeout_s`` the transfer is marked failed, but it reports FAILED only once the
     engine has given its batch back (its own timeout, MC_TRANSFER_TIMEOUT, 5 s here): until then
-    bytes could still land (contract rule 1)."""
+    bytes could still land (contract rule 1). The peer hangs right after ``connect``, before any
+    transfer: connect's wire-up READ opened the engine's session, so the transfer waits in the
+    batch wait MC_TRANSFER_TIMEOUT bounds. Old code: connect only probed, the transfer blocked
+    in the engine's session setup and reported FAILED 60.5 s after its post."""
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # read by the engine this test starts
     p = Peer(f"hung-{uuid.uuid4().hex[:8]}", 256 << 20, seed=4)
     t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 2.0})
@@ -343,14 +346,7 @@ def test_hung_peer_fails_at_timeout_s(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         t.register([Region(buf.ctypes.data, buf.nbytes)])
         t.connect(p.name, p.descriptor)
-        # a first transfer opens the engine's session to the peer: without it the next submit
-        # blocks in the engine's handshake (~60 s), not in the batch wait that MC_TRANSFER_TIMEOUT
-        # bounds
-        warm = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, 4096),
-                      make_extents(p.addr, 4096))
-        assert t.wait(warm, TIMEOUT).status is XferStatus.DONE
-        t.release(warm)
-        p.signal(signal.SIGSTOP)  # alive but silent: sockets stay open, nothing is answered
+        stop(p.pid)  # alive but silent: sockets stay open, nothing is answered
         h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, buf.nbytes),
                    make_extents(p.addr, p.nbytes))
         t0 = time.monotonic()

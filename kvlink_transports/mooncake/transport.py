@@ -103,6 +103,10 @@ PIP_HINT = (
     " apt-get install libibverbs1"
 )
 _CLOSE_WAIT = 1.5  # seconds close() waits for the peer threads before giving up on them
+_WIRE_UP_BYTES = 64  # what connect reads of a peer: any transfer opens the engine's session
+#: connect's scratch buffers, one per transport: a wire-up READ to a peer that hung may land
+#: whenever the peer resumes, so none is ever unregistered or freed
+_KEEP: list[npt.NDArray[np.uint8]] = []
 
 
 def _import_engine(quiet: bool) -> Any:
@@ -223,6 +227,7 @@ class MooncakeTransport(Transport):
         self._peers: dict[str, _Peer] = {}
         self._handles = itertools.count(1)
         self._closed = False
+        self._wire_scratch: npt.NDArray[np.uint8] | None = None  # (see _probe_within)
         log.info(
             "mooncake engine %s (%s, metadata %s)",
             self.session,
@@ -290,10 +295,10 @@ class MooncakeTransport(Transport):
                 f"mooncake peer {peer} speaks {desc.protocol!r}, we speak {self.protocol!r}"
             )
         if self._probe:
-            rc = self._probe_within(desc.session)
+            rc = self._probe_within(desc)
             if rc != 0:
                 why = (f"within timeout_s={self.timeout:g}s (peer hung)" if rc is None
-                       else f"(send_probe returned {rc})")
+                       else f"({rc})")
                 raise TransportUnavailable(
                     f"mooncake peer {peer} at {desc.session} does not answer {why}")
         with self._lock:
@@ -305,24 +310,56 @@ class MooncakeTransport(Transport):
                 old.closed = True
                 old.fail_all(f"mooncake: peer {peer} reconnected")
 
-    def _probe_within(self, session: str) -> int | None:
-        """``send_probe``'s answer, or None when it has not come within ``timeout_s``. Why a
-        thread: the engine waits for a hung (stopped) peer in its own session setup, ~60 s
-        whatever ``timeout_s`` says (a connect took 60.4 s with timeout_s=2), and a handshake
-        must not. The thread ends when the engine returns; it touches nothing of ours."""
-        answer: list[int] = []
+    def _probe_within(self, desc: _Descriptor) -> int | str | None:
+        """0 where the peer answered ``send_probe`` and served a READ of
+        ``_WIRE_UP_BYTES`` of its first region within ``timeout_s``; None where it did not
+        answer in time; else what failed. Why a thread: the engine waits for a hung (stopped)
+        peer in its own session setup, ~60 s whatever ``timeout_s`` says (a connect took
+        60.4 s with timeout_s=2), and a handshake must not. The thread ends when the engine
+        returns; it touches nothing of ours but the scratch, which is never freed.
+
+        Why the READ: ``send_probe`` does not open the engine's data session to the peer, the
+        first transfer does — and a peer that hung after connect held that first transfer in
+        the same ~60 s setup, past every deadline of ours (FAILED at 60.5 s with timeout_s=2,
+        where a transfer on an open session fails at the engine's batch timeout, 5 s). After
+        this READ every transfer finds the session open."""
+        answer: list[int | str] = []
+        target = next((r for r in sorted(desc.regions, key=lambda r: r[2] != "cpu")
+                       if r[1] > 0), None)  # (host memory first: any engine build reads it)
+        scratch = self._scratch() if target is not None else 0
 
         def probe() -> None:
             try:
-                answer.append(int(self._engine.send_probe(session)))
-            except Exception:  # an error is no answer
-                answer.append(-1)
+                rc = int(self._engine.send_probe(desc.session))
+                if rc != 0 or target is None:
+                    answer.append(rc if rc == 0 else f"send_probe returned {rc}")
+                    return
+                n = min(_WIRE_UP_BYTES, int(target[1]))
+                rc = int(self._engine.transfer_sync_read(desc.session, scratch, int(target[0]), n))
+                answer.append(rc if rc == 0 else
+                              f"a READ of {n} bytes at {int(target[0]):#x} returned {rc}")
+            except Exception as exc:  # an error is no answer
+                answer.append(f"{type(exc).__name__}: {exc}")
 
-        thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{session}",
+        thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{desc.session}",
                                   daemon=True)
         thread.start()
         thread.join(self.timeout)
         return answer[0] if answer else None
+
+    def _scratch(self) -> int:
+        """Our registered scratch for wire-up READs (made once per transport, kept forever)."""
+        with self._lock:
+            if self._wire_scratch is None:
+                buf = np.zeros(4096, dtype=np.uint8)
+                rc = self._engine.register_memory(buf.ctypes.data, buf.nbytes, self._cpu_location)
+                if rc != 0:
+                    raise TransportUnavailable(
+                        f"mooncake register_memory of connect's {buf.nbytes}-byte scratch "
+                        f"failed with {rc}")
+                _KEEP.append(buf)
+                self._wire_scratch = buf
+            return int(self._wire_scratch.ctypes.data)
 
     def disconnect(self, peer: str) -> None:
         with self._lock:
