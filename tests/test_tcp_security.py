@@ -634,5 +634,50 @@ def test_a_read_under_an_oversized_ticket_is_refused_and_the_connection_serves_o
         t.close()
 
 
+@pytest.mark.attack("a reader arriving while the owner is at max_connections (1: an idle "
+                    "connection holds it)")
+def test_a_reader_over_max_connections_is_told_why_and_connects_anew_once_there_is_room(
+        owner: Callable[..., Owner], observed: Callable[[str], None]) -> None:
+    """Old code: the owner closed such a connection at once, unread, and the reader's READ
+    failed "connection lost (Connection reset by peer)" — nothing named the limit — and its
+    next READ failed on that dead connection too ("connection closed by peer"). Now the owner
+    answers E naming max_connections before it closes (draining the reader's hello, so the
+    close is no reset that loses the E), and the reader drops the connection at the refusal:
+    once a connection is free its next READ connects anew and lands."""
+    o = owner(max_connections=1)
+    hog = socket.create_connection(o.where, timeout=5)  # (accepted first: the listen queue)
+    t = TcpTransport(TransportContext(agent_name=f"reader-{uuid.uuid4().hex[:8]}"),
+                     {"timeout_s": 5.0})
+    local = np.zeros(4096, dtype=np.uint8)
+    try:
+        t.register([Region(local.ctypes.data, local.nbytes)])
+        t.connect("owner", o.descriptor)
+
+        def read() -> Any:
+            h = t.post(Op.READ, "owner", make_extents(local.ctypes.data, local.nbytes),
+                       make_extents(o.addr, local.nbytes), ticket=TICKET)
+            state = t.wait(h, 10.0)
+            t.release(h)
+            return state
+
+        first = read()
+        observed(f"over the limit: {first.reason!r}")
+        assert first.status is XferStatus.FAILED and first.refused, first
+        assert "max_connections=1" in first.reason, first
+        hog.close()
+        seen: list[Any] = []
+
+        def lands() -> bool:  # refused again until the owner has seen the idle one go
+            seen.append(read())
+            return seen[-1].status is XferStatus.DONE
+
+        assert until(lands, 10.0), seen[-1]
+        assert all("max_connections=1" in s.reason for s in seen[:-1]), seen
+        assert np.array_equal(local, owner_bytes()[:local.nbytes])
+    finally:
+        hog.close()
+        t.close()
+
+
 if __name__ == "__main__":
     _serve_main(json.loads(sys.argv[1]))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -493,8 +494,22 @@ class _Peer:
             xfer, XferState(XferStatus.FAILED, f"peer {self.name} refused: {reply.reason}",
                             refused=True)
         )
-        if reconnect:  # the owner closed this connection (a WRITE's payload cannot be skipped)
-            self._drop_sock()
+        if reconnect or self._closed_by_owner():  # (a WRITE's payload cannot be skipped;
+            self._drop_sock()  # an owner at max_connections refuses the whole connection)
+
+    def _closed_by_owner(self) -> bool:
+        """Whether the owner has closed our connection (its E was its last word): the next
+        transfer then connects anew instead of failing on this one. One peek, on a refusal
+        only."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:  # (a socket with a timeout waits for data whatever MSG_DONTWAIT says: select)
+            if not select.select([sock], [], [], 0)[0]:
+                return False
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except (ValueError, OSError):  # (closed meanwhile, or reset: gone either way)
+            return True
 
     @staticmethod
     def _answer_after_break(sock: socket.socket, exc: object) -> _Hdr | None:

@@ -72,6 +72,12 @@ _ACCEPT_PAUSE = 0.1  # seconds the accept thread stops accepting when out of des
 # failing the *next* READ on them); what the grace bounds is a hung peer's socket, not
 # correctness (a READ the hold ended under is refused at its verdict anyway)
 _CUT_GRACE = 1.0
+#: a connection refused at max_connections is told why (an E), then drained until the peer
+#: closes, at most this many seconds and _REFUSED_KEPT connections at once (beyond: closed
+#: at once, untold). Why drained: a close with the peer's hello unread sends a reset, which
+#: can destroy the E before the peer reads it ("connection reset by peer" is all it saw)
+_REFUSED_LINGER = 1.0
+_REFUSED_KEPT = 64
 
 
 class _Notes:
@@ -198,6 +204,8 @@ class _Server(_LocalMemory):
         a serving thread of its own only once its memory key checked out)."""
         sel = selectors.DefaultSelector()
         pending: dict[socket.socket, _Hello] = {}  # in accept order, so in deadline order
+        #: refused at max_connections, told why, drained until closed (in deadline order)
+        refused: dict[socket.socket, float] = {}
         paused_until: float | None = None  # out of descriptors: accepting again at
         try:
             sel.register(self._listener, selectors.EVENT_READ)
@@ -205,6 +213,7 @@ class _Server(_LocalMemory):
             while not self._closed:
                 now = time.monotonic()
                 due = [h.deadline for h in itertools.islice(pending.values(), 1)]
+                due += itertools.islice(refused.values(), 1)
                 if paused_until is not None:
                     due.append(paused_until)
                 cut = self._run_cuts(now)
@@ -212,11 +221,13 @@ class _Server(_LocalMemory):
                     due.append(cut)
                 for key, _ in sel.select(max(min(due) - now, 0.0) if due else None):
                     if key.fileobj is self._listener:
-                        if not self._accept_ready(sel, pending):
+                        if not self._accept_ready(sel, pending, refused):
                             sel.unregister(self._listener)
                             paused_until = time.monotonic() + _ACCEPT_PAUSE
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
+                    elif key.fileobj in refused:
+                        self._drain_refused(sel, refused, key.fileobj)
                     elif key.fileobj in pending:
                         try:
                             self._hello_step(sel, pending, key.data)
@@ -230,6 +241,8 @@ class _Server(_LocalMemory):
                         break
                     self._drop_hello(sel, pending, first, "slow-hello",
                                      f"no complete hello within {self.hello_timeout:.1f}s")
+                while refused and next(iter(refused.values())) <= now:
+                    self._drop_refused(sel, refused, next(iter(refused)))
                 if paused_until is not None and now >= paused_until and not self._closed:
                     sel.register(self._listener, selectors.EVENT_READ)
                     paused_until = None
@@ -237,8 +250,8 @@ class _Server(_LocalMemory):
             if not self._closed:
                 log.exception("tcp: the accept thread failed; the port no longer accepts")
         finally:
-            for h in pending.values():
-                h.conn.close()
+            for conn in (*pending, *refused):
+                conn.close()
             with self._lock:
                 self._pending = 0
             sel.close()
@@ -250,8 +263,8 @@ class _Server(_LocalMemory):
         except OSError:
             pass
 
-    def _accept_ready(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello]
-                      ) -> bool:
+    def _accept_ready(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello],
+                      refused: dict[socket.socket, float]) -> bool:
         """Accept every connection the listener has; False when out of descriptors."""
         while not self._closed:
             try:
@@ -271,7 +284,8 @@ class _Server(_LocalMemory):
             with self._lock:
                 total = len(self._inbound) + len(pending)
             if total >= self.max_connections:
-                conn.close()
+                self._refuse(sel, refused, conn, f"the owner has {total} connections open "
+                             f"(max_connections={self.max_connections}); this one is closed")
                 self._throttle(logging.WARNING, "max-connections", "tcp: refused a connection "
                                "from %s: %d open (max_connections)", addr, total)
                 continue
@@ -290,6 +304,48 @@ class _Server(_LocalMemory):
             with self._lock:
                 self._pending = len(pending)
         return True
+
+    @staticmethod
+    def _refuse(sel: selectors.BaseSelector, refused: dict[socket.socket, float],
+                conn: socket.socket, why: str) -> None:
+        """Tell a connection we do not serve why (an E: the answer its first request reads),
+        stop writing, and drain it until its peer closes (:meth:`_drain_refused`), so its
+        unread hello does not make our close a reset that loses the E."""
+        try:
+            if len(refused) >= _REFUSED_KEPT:
+                raise OSError("too many refused connections draining")
+            conn.setblocking(False)  # (the E is a few dozen bytes: an empty send buffer)
+            frame = _Hdr(_VERSION, "E", reason=why[:_MAX_REASON])
+            _send_hdr(conn, frame)
+            conn.shutdown(socket.SHUT_WR)
+            sel.register(conn, selectors.EVENT_READ)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        refused[conn] = time.monotonic() + _REFUSED_LINGER
+
+    @staticmethod
+    def _drain_refused(sel: selectors.BaseSelector, refused: dict[socket.socket, float],
+                       conn: socket.socket) -> None:
+        """Read and drop what a refused connection sent; closed once its peer has closed."""
+        try:
+            while conn.recv(65536):
+                pass
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        _Server._drop_refused(sel, refused, conn)
+
+    @staticmethod
+    def _drop_refused(sel: selectors.BaseSelector, refused: dict[socket.socket, float],
+                      conn: socket.socket) -> None:
+        refused.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def _drop_hello(self, sel: selectors.BaseSelector, pending: dict[socket.socket, _Hello],
                     h: _Hello, kind: str, why: str, level: int = logging.WARNING) -> None:
