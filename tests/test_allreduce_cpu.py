@@ -14,7 +14,10 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import shlex
+import shutil
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -232,11 +235,31 @@ def _scenario_misuse(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _scenario_late(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 (in a PID namespace of its own: see the test) arrives late at a call, alive."""
+    from kvlink.allreduce import ShmAllReduce
+
+    cfg = AllReduceConfig(max_bytes=64 * 1024, timeout_s=DEAD_TIMEOUT_S * 5)
+    out: dict[str, Any] = {"pid": os.getpid()}
+    with ShmAllReduce(config=cfg) as ar:
+        x = torch.full((100,), float(rank + 1))
+        for _ in range(3):
+            ar.all_reduce(x.clone())
+        if rank == 1:
+            # the injected fault, not synchronisation: late by five liveness checks, alive
+            time.sleep(0.5)
+        try:
+            out["sum"] = ar.all_reduce(x.clone())[:3].tolist()
+        except AllReduceError as exc:
+            out["error"] = str(exc)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
     try:
         _init(rank, world, port)
         fn = {"full": _scenario_full, "faults": _scenario_faults,
-              "misuse": _scenario_misuse}[scenario]
+              "misuse": _scenario_misuse, "late": _scenario_late}[scenario]
         result: dict[str, Any] = {"ok": True, **fn(rank, world)}
     except BaseException:
         result = {"ok": False, "traceback": traceback.format_exc()}
@@ -427,3 +450,55 @@ def test_package_imports_without_triton_or_cuda() -> None:
     with pytest.raises(ipc.CudaIpcError) as err:  # the IPC layer's own error, not the
         ipc.IpcHandle.from_bytes(b"short")  # all-reduce's: the cuda_ipc transport uses it too
     assert not isinstance(err.value, AllReduceError)
+
+
+def _unused_pid() -> int:
+    """A pid number no process of this namespace has."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        top = int(f.read())
+    used = {int(d) for d in os.listdir("/proc") if d.isdigit()}
+    return next(p for p in range(top - 2, 300, -1) if p not in used and p + 1 not in used)
+
+
+def test_a_live_peer_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Path) -> None:
+    """Ranks in two PID namespaces (two containers sharing /dev/shm; here rank 1 under
+    ``unshare --pid``, its pid a number no process of ours has): rank 1 comes late to a call,
+    alive. Old code: rank 0's liveness check looked rank 1's pid up here, found no such
+    process, and raised PeerExitedError ("rank(s) 1 (pid N) exited") 0.1 s into the wait. Now
+    a peer in another namespace is left to the timeout, and the late call sums right."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        why = "needs root and unshare(1) for a PID namespace"
+        print(f"SKIP {why}")
+        pytest.skip(why)
+    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True,
+                           text=True, timeout=30)
+    if probe.returncode:
+        why = f"unshare --pid refused here: {probe.stderr.strip()}"
+        print(f"SKIP {why}")
+        pytest.skip(why)
+    port, ns_pid = _free_port(), _unused_pid()
+    ctx = mp.get_context("spawn")
+    rank0 = ctx.Process(target=_worker, args=(0, 2, port, "late", str(tmp_path)), daemon=True)
+    rank0.start()
+    code = (f"import sys; sys.path[:0] = {sys.path!r}; import test_allreduce_cpu as t; "
+            f"t._worker(1, 2, {port}, 'late', {str(tmp_path)!r})")
+    # the next pid of the new namespace is ns_pid: python, forked by the shell (not exec'd)
+    shell = (f"echo {ns_pid - 1} > /proc/sys/kernel/ns_last_pid && "
+             f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}; exit $?")
+    rank1 = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", shell])
+    try:
+        rank1.wait(120)
+        rank0.join(120)
+    finally:
+        for proc in (rank0,):
+            if proc.exitcode is None:
+                proc.kill()
+        if rank1.poll() is None:
+            rank1.kill()
+    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
+    for r, res in enumerate(results):
+        assert res.get("ok"), f"rank {r}: {res.get('traceback', res)}"
+    assert results[1]["pid"] == ns_pid, results[1]  # (the namespace the test means)
+    for res in results:
+        assert "error" not in res, res["error"]
+        assert res["sum"] == [3.0, 3.0, 3.0], res

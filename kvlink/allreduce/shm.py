@@ -7,7 +7,8 @@ a memcpy, the reduction itself and two barriers of a few microseconds each.
 Segment layout (one file in /dev/shm, created by group rank 0, unlinked as soon as every rank has
 mapped it, so a crash leaks nothing)::
 
-    header  (4 KiB)   magic, version, world, capacity, abort word, pid of every rank
+    header  (4 KiB)   magic, version, world, capacity, abort word, pid of every rank, the
+                      PID namespace of every rank
     start   flags     one 64-byte line per rank (int64 epoch)
     end     flags     one 64-byte line per rank
     slot[r]           per-rank input, ``capacity`` bytes each (4 KiB aligned)
@@ -54,14 +55,29 @@ log = logging.getLogger("kvlink.allreduce")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _MAGIC = 0x6B766C6B5F617231  # "kvlk_ar1"
-_VERSION = 1
+_VERSION = 2  # (2: the ranks' PID namespaces in the header)
 _PAGE = 4096
 _LINE = 64
 _HEADER_BYTES = _PAGE
 _H_MAGIC, _H_VERSION, _H_WORLD, _H_CAPACITY, _H_ABORT = 0, 1, 2, 3, 4
 _H_PIDS = 8
+#: where the ranks' PID namespaces are (the inode of /proc/self/ns/pid; 0: unknown). A pid
+#: means a process only in its own namespace: ranks in two containers sharing /dev/shm (or
+#: one started under ``unshare --pid``) see each other's pids as other processes or none, and
+#: a live peer was taken for one that exited (PeerExitedError) where its number was unused
+#: here. Such a peer's liveness is left to the timeout.
+_H_PIDNS = 256
+MAX_RANKS = _H_PIDNS - _H_PIDS  # (the header's words for the pids)
 #: Two-shot chunk boundaries fall on this many elements, so ranks never write the same line.
 _CHUNK_ALIGN = 32
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (the inode of its /proc entry; 0 where there is none)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -137,7 +153,11 @@ class ShmAllReduce:
     ) -> None:
         self.config = config or AllReduceConfig()
         self.rank, self.world_size = rank_and_world(group)
+        if self.world_size > MAX_RANKS:
+            raise AllReduceError(f"shared-memory all-reduce: a group of {self.world_size} ranks "
+                                 f"(at most {MAX_RANKS})")
         self._closed = False
+        self._pidns = _pid_namespace()
         self._broken: str | None = None
         self._epoch = 0
         self._cache: dict[tuple[torch.dtype, int], _Views] = {}
@@ -211,6 +231,7 @@ class ShmAllReduce:
         if self._header[_H_MAGIC] != _MAGIC or self._header[_H_WORLD] != self.world_size:
             raise OSError("segment header does not match this group (magic/world)")
         self._header[_H_PIDS + self.rank] = os.getpid()
+        self._header[_H_PIDNS + self.rank] = self._pidns
         lay = self.layout
         span = self.world_size * _LINE
 
@@ -233,6 +254,10 @@ class ShmAllReduce:
         assert FLAG_STRIDE_WORDS * 8 == _LINE
 
     def _pid_of(self, rank: int) -> int:
+        """``rank``'s pid as this process can check it; 0 (not checked) where it lives in
+        another PID namespace (see _H_PIDNS)."""
+        if self._header[_H_PIDNS + rank] != self._pidns:
+            return 0
         return int(self._header[_H_PIDS + rank])
 
     def _aborted(self) -> int:
