@@ -53,6 +53,10 @@ class TcpOptions(_Options):
     #: between two processes of one host, autotuning between hosts
     #: (kvlink_transports/tcp/wire.py, _tune)
     socket_buffer_bytes: int | None = None
+    #: seconds a kept-open connection may be idle before the kernel probes its peer (every
+    #: quarter of it, 4 probes: a vanished host's connection ends in ~2x this; 0: never).
+    #: kvlink.sockets.keepalive
+    keepalive_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
 
 
 class NixlOptions(_Options):

@@ -33,6 +33,7 @@ from kvlink.bench.facts import MiB, buffer, start_versions, versions
 from kvlink.demo.proc import describe
 from kvlink.errors import AuthError, HandshakeError, PeerUnreachable, TransferError, WireError
 from kvlink.hostid import host_id
+from kvlink.sockets import keepalive
 from kvlink.transport import (
     Op,
     Region,
@@ -73,6 +74,7 @@ class BenchPeer:
             try:
                 sock = socket.create_connection(
                     (host, port), timeout=max(0.05, deadline - time.monotonic()))
+                keepalive(sock, wire.KEEPALIVE_S)  # (a server host that vanishes mid-sweep)
                 break
             except (ConnectionRefusedError, TimeoutError) as exc:
                 if time.monotonic() >= deadline:

@@ -28,6 +28,7 @@ from kvlink.demo.proc import child_main, describe, exit_reason
 from kvlink.errors import AuthError, ConfigError, HandshakeError, TransferError, WireError
 from kvlink.hostid import host_id
 from kvlink.sidechannel import is_loopback
+from kvlink.sockets import keepalive
 from kvlink.transport import Region, Transport, TransportContext, create_transport
 
 log = logging.getLogger("kvlink.bench")
@@ -237,6 +238,7 @@ def serve(bind: str, port: int, once: bool = False, command: str = "kvlink bench
             ready(bind, actual)
         while True:
             sock, addr = listener.accept()
+            keepalive(sock, wire.KEEPALIVE_S)
             conn = wire.Conn(sock, f"{addr[0]}:{addr[1]}", wire.CLIENT_FRAME_BYTES)
             session = _Session(conn, bind, command, say, secret)
             try:

@@ -54,6 +54,10 @@ CLIENT_FRAME_BYTES = 64 << 10
 #: a frame the client takes from the server (a Ready: nixl's metadata is a few KiB)
 SERVER_FRAME_BYTES = MAX_MESSAGE_BYTES
 FRAME_TIMEOUT = 10.0  # s from a frame's first byte to its last
+#: seconds a control connection may be idle before the kernel probes its peer
+#: (kvlink.sockets.keepalive): the server waits for a client's next message however long its
+#: sweep runs, and a client whose host vanished held it — and every client behind it — forever
+KEEPALIVE_S = 30.0
 CLIENT_LABEL = b"kvlink-bench-client-v1"
 SERVER_LABEL = b"kvlink-bench-server-v1"
 _CHUNK = 256 << 10  # bytes one recv takes at most

@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from kvlink import native
 from kvlink.errors import KVLinkError, TransportUnavailable, WireError
-from kvlink.sockets import shutdown
+from kvlink.sockets import keepalive, shutdown
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -127,6 +127,9 @@ class _Owner(Protocol):
 
     @property
     def socket_buffer(self) -> int | None: ...
+
+    @property
+    def keepalive(self) -> float: ...
 
     def _finish(self, xfer: _Xfer, state: XferState) -> None: ...
 
@@ -264,6 +267,7 @@ class _Peer:
                     raise _PeerGone("disconnected")
                 self.sock = sock
             _tune(sock, self.owner.socket_buffer)
+            keepalive(sock, self.owner.keepalive)
             _send_hdr(
                 sock, _Hdr(_VERSION, "H", agent=self.owner.ctx.agent_name, token=self.desc.token)
             )

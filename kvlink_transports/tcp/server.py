@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 from kvlink.errors import ExtentOutOfBounds, KVLinkError, WireError
 from kvlink.grants import FENCED, Grants
-from kvlink.sockets import shutdown
+from kvlink.sockets import keepalive, shutdown
 from kvlink.transport import Extents, Op
 from kvlink.wire import extents_from_bytes
 from kvlink_transports.tcp.memory import _LocalMemory
@@ -171,6 +171,7 @@ class _Server(_LocalMemory):
     max_unauthenticated: int
     max_connections: int
     socket_buffer: int | None  # socket_buffer_bytes (wire._tune)
+    keepalive: float  # keepalive_s (kvlink.sockets.keepalive)
     _closed: bool
     _listener: socket.socket
     _wake_r: socket.socket  # close() and revoke() wake the accept thread through it
@@ -415,6 +416,7 @@ class _Server(_LocalMemory):
             try:
                 conn.setblocking(True)
                 _tune(conn, self.socket_buffer)
+                keepalive(conn, self.keepalive)
             except OSError:
                 conn.close()
                 return

@@ -115,6 +115,7 @@ class TcpTransport(_Server):
         if self.socket_buffer is not None and self.socket_buffer < 0:
             raise ConfigError(f"tcp option socket_buffer_bytes must be >= 0 (0: the kernel's): "
                               f"{self.socket_buffer!r}")
+        self.keepalive = float(self.options["keepalive_s"])  # (kvlink.sockets.keepalive)
         port = int(self.options["port"])
         try:
             self._listener = socket.create_server((ctx.host, port), backlog=64)

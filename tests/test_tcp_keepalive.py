@@ -1,0 +1,92 @@
+"""A reader whose host vanishes without closing (powered off, cut off): the owner ends its
+kept-open connection by TCP keepalive (the tcp option ``keepalive_s``).
+
+Real TcpTransports over real sockets, in a network namespace of their own (``unshare --net``,
+this file run as a script), whose loopback is taken down once the reader's READ is done: from
+then on no packet of that connection arrives anywhere and neither side closes it — a vanished
+host as the owner sees it, which no process on this machine can otherwise produce on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+from test_transport_contract import wait_until
+
+from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
+from kvlink_transports.tcp import TcpTransport
+
+SIZE = 1 << 20
+
+
+def _read(reader: TcpTransport, owner: TcpTransport, theirs: np.ndarray) -> Any:
+    mine = np.zeros(4096, dtype=np.uint8)
+    reader.register([Region(mine.ctypes.data, mine.nbytes)])
+    reader.connect("owner", owner.descriptor())
+    h = reader.post(Op.READ, "owner", make_extents(mine.ctypes.data, mine.nbytes),
+                    make_extents(theirs.ctypes.data, mine.nbytes))
+    state = reader.wait(h, 10.0)
+    return state.status is XferStatus.DONE and bool(np.array_equal(mine, theirs[:4096]))
+
+
+def _scenario() -> dict[str, Any]:
+    """In the namespace: an owner with room for one connection, reader A's READ, A's host gone
+    (the loopback down), then reader B's READ once the loopback is back."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    theirs = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+    ctx = TransportContext(agent_name="owner", host="127.0.0.1")
+    owner = TcpTransport(ctx, {"max_connections": 1, "keepalive_s": 1.0})
+    owner.register([Region(theirs.ctypes.data, theirs.nbytes)])
+    out: dict[str, Any] = {}
+    a = TcpTransport(TransportContext(agent_name=f"a-{uuid.uuid4().hex[:6]}", host="127.0.0.1"),
+                     {"keepalive_s": 0})  # (the reader's own probes: not what is tested)
+    out["a_read"] = _read(a, owner, theirs)
+    out["a_connections"] = len(owner._inbound)
+    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    t0 = time.monotonic()
+    ended = wait_until(lambda: not owner._inbound, 20.0)
+    out["ended_after_s"] = round(time.monotonic() - t0, 2) if ended else None
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    b = TcpTransport(TransportContext(agent_name=f"b-{uuid.uuid4().hex[:6]}", host="127.0.0.1"),
+                     {"keepalive_s": 0})
+    out["b_read"] = _read(b, owner, theirs)
+    for t in (b, owner):
+        t.close()
+    return out
+
+
+def test_a_vanished_readers_connection_ends_and_frees_its_place() -> None:
+    """Old code (no keepalive): the owner's connection to a reader whose host vanished stayed
+    open for good — its serving thread, its descriptor and one of ``max_connections`` — so
+    with room for one connection every reader after it was refused. Now the kernel's probes
+    end it within ~2x ``keepalive_s`` (1 s here: ~5 s), and the next reader is served."""
+    if not shutil.which("unshare") or not shutil.which("ip"):
+        why = "needs unshare(1) and ip(8) for a network namespace"
+        print(f"SKIP {why}")
+        pytest.skip(why)
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True,
+                           timeout=30)
+    if probe.returncode:
+        why = f"unshare --net refused here: {probe.stderr.strip()}"
+        print(f"SKIP {why}")
+        pytest.skip(why)
+    run = subprocess.run(["unshare", "--net", sys.executable, __file__], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["a_read"] and got["a_connections"] == 1, got
+    assert got["ended_after_s"] is not None and got["ended_after_s"] < 15.0, got
+    assert got["b_read"], got
+
+
+if __name__ == "__main__":
+    print(json.dumps(_scenario()), flush=True)
