@@ -22,6 +22,11 @@ def keepalive(sock: socket.socket, idle_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 4))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        # the same bound where bytes we sent are still unacknowledged as the host vanishes
+        # (keepalive probes only an idle connection: the kernel otherwise retransmits for
+        # ~15 min), a delayed ACK of our last message included
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 2000 * idle)
 
 
 def shutdown(sock: socket.socket) -> None:

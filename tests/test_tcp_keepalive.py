@@ -1,5 +1,6 @@
-"""A reader whose host vanishes without closing (powered off, cut off): the owner ends its
-kept-open connection by TCP keepalive (the tcp option ``keepalive_s``).
+"""A peer whose host vanishes without closing (powered off, cut off): the tcp owner ends a
+reader's kept-open connection by TCP keepalive (the tcp option ``keepalive_s``), and the bench
+server a client's control connection (``kvlink.bench.wire.KEEPALIVE_S``).
 
 Real TcpTransports over real sockets, in a network namespace of their own (``unshare --net``,
 this file run as a script), whose loopback is taken down once the reader's READ is done: from
@@ -13,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -63,11 +65,33 @@ def _scenario() -> dict[str, Any]:
     return out
 
 
-def test_a_vanished_readers_connection_ends_and_frees_its_place() -> None:
-    """Old code (no keepalive): the owner's connection to a reader whose host vanished stayed
-    open for good — its serving thread, its descriptor and one of ``max_connections`` — so
-    with room for one connection every reader after it was refused. Now the kernel's probes
-    end it within ~2x ``keepalive_s`` (1 s here: ~5 s), and the next reader is served."""
+def _bench_scenario() -> dict[str, Any]:
+    """In the namespace: a bench server for one client; the client's hello and ready, then
+    its host gone (the loopback down): the server's session must end."""
+    from kvlink.bench import wire
+    from kvlink.bench.client import BenchPeer, SweepConfig
+    from kvlink.bench.server import serve
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    wire.KEEPALIVE_S = 1.0  # (the test's setting: 30 s would take a minute)
+    port: list[int] = []
+    said: list[str] = []
+    server = threading.Thread(target=serve, args=("127.0.0.1", 0, True),
+                              kwargs={"ready": lambda _h, p: port.append(p),
+                                      "say": said.append}, daemon=True)
+    server.start()
+    assert wait_until(lambda: bool(port), 30.0), "the bench server did not start"
+    peer = BenchPeer("127.0.0.1", port[0], 30.0)
+    peer.hello(SweepConfig(total=4096, transports=["tcp"], perftest=False), ["tcp"])
+    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    t0 = time.monotonic()
+    ended = wait_until(lambda: not server.is_alive(), 20.0)
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    return {"ended_after_s": round(time.monotonic() - t0, 2) if ended else None, "said": said}
+
+
+def _in_a_network_namespace(scenario: str) -> dict[str, Any]:
+    """This file's ``scenario`` run under ``unshare --net``; skipped where that cannot run."""
     if not shutil.which("unshare") or not shutil.which("ip"):
         why = "needs unshare(1) and ip(8) for a network namespace"
         print(f"SKIP {why}")
@@ -78,15 +102,34 @@ def test_a_vanished_readers_connection_ends_and_frees_its_place() -> None:
         why = f"unshare --net refused here: {probe.stderr.strip()}"
         print(f"SKIP {why}")
         pytest.skip(why)
-    run = subprocess.run(["unshare", "--net", sys.executable, __file__], capture_output=True,
-                         text=True, timeout=120)
+    run = subprocess.run(["unshare", "--net", sys.executable, __file__, scenario],
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
     print(got)
+    return got
+
+
+def test_a_vanished_readers_connection_ends_and_frees_its_place() -> None:
+    """Old code (no keepalive): the owner's connection to a reader whose host vanished stayed
+    open for good — its serving thread, its descriptor and one of ``max_connections`` — so
+    with room for one connection every reader after it was refused. Now the kernel's probes
+    end it within ~2x ``keepalive_s`` (1 s here: ~5 s), and the next reader is served."""
+    got = _in_a_network_namespace("tcp")
     assert got["a_read"] and got["a_connections"] == 1, got
     assert got["ended_after_s"] is not None and got["ended_after_s"] < 15.0, got
     assert got["b_read"], got
 
 
+def test_a_vanished_bench_client_does_not_hold_the_server() -> None:
+    """Old code: the bench server, which serves one client after the other, waited for a
+    vanished client's next message for good — every client behind it too. Now its session
+    ends within ~2x the keepalive (1 s here) and the server goes on (here: returns, once)."""
+    got = _in_a_network_namespace("bench")
+    assert got["ended_after_s"] is not None and got["ended_after_s"] < 15.0, got
+    assert any("ended" in line for line in got["said"]), got
+
+
 if __name__ == "__main__":
-    print(json.dumps(_scenario()), flush=True)
+    run = {"tcp": _scenario, "bench": _bench_scenario}[sys.argv[1]]
+    print(json.dumps(run()), flush=True)
