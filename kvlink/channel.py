@@ -58,7 +58,15 @@ from kvlink.errors import (
     PeerUnreachable,
     SideChannelError,
 )
-from kvlink.sidechannel import FRAME, PREAUTH_BYTES, REQUEST_BYTES, seal, session_key
+from kvlink.sidechannel import (
+    FRAME,
+    KEEPALIVE_S,
+    PREAUTH_BYTES,
+    REQUEST_BYTES,
+    seal,
+    session_key,
+)
+from kvlink.sockets import keepalive
 
 log = logging.getLogger("kvlink.channel")
 
@@ -128,6 +136,7 @@ class _TcpPipe:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                                   socket.SOCK_STREAM)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keepalive(self.sock, KEEPALIVE_S)  # (kept open: a producer host that vanishes)
         self.sock.setblocking(False)
         err = self.sock.connect_ex((host, port))
         if err not in (0, errno.EINPROGRESS):

@@ -90,6 +90,40 @@ def _bench_scenario() -> dict[str, Any]:
     return {"ended_after_s": round(time.monotonic() - t0, 2) if ended else None, "said": said}
 
 
+def _side_scenario() -> dict[str, Any]:
+    """In the namespace: a side channel server with room for one connection, a worker's
+    kept-open session (kvlink.channel) answered, its host gone, then a new peer's request."""
+    from kvlink import sidechannel, wire
+    from kvlink.channel import Channels
+    from kvlink.compat import WIRE_VERSION
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    key = b"k" * 32
+    srv = sidechannel.SideChannelServer("127.0.0.1", 0, lambda m: wire.Ack(v=WIRE_VERSION),
+                                        secret=key, max_connections=1, keepalive_s=1.0)
+    chan = Channels(key)
+    note = wire.Notification(v=WIRE_VERSION, engine_id="a", req_id="r", tp_rank=0, tp_size=1)
+    pending = chan.call("127.0.0.1", srv.port, note, 5.0)
+    chan.flush()
+    while not pending.done():  # the call's own deadline ends this
+        chan.wait(0.05)
+    out: dict[str, Any] = {"a_answered": isinstance(pending.result(), wire.Ack),
+                           "a_connections": srv.stats()["connections"]}
+    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    t0 = time.monotonic()
+    ended = wait_until(lambda: srv.stats()["connections"] == 0, 20.0)
+    out["ended_after_s"] = round(time.monotonic() - t0, 2) if ended else None
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    hs = wire.HandshakeRequest(v=WIRE_VERSION, engine_id="b", agent_name="b/0", tp_rank=0,
+                               tp_size=1, host_id="h", compat="")
+    try:
+        out["b"] = type(sidechannel.request("127.0.0.1", srv.port, hs, 5.0, key)).__name__
+    except Exception as exc:
+        out["b"] = f"{type(exc).__name__}: {exc}"
+    srv.close()
+    return out
+
+
 def _in_a_network_namespace(scenario: str) -> dict[str, Any]:
     """This file's ``scenario`` run under ``unshare --net``; skipped where that cannot run."""
     if not shutil.which("unshare") or not shutil.which("ip"):
@@ -130,6 +164,17 @@ def test_a_vanished_bench_client_does_not_hold_the_server() -> None:
     assert any("ended" in line for line in got["said"]), got
 
 
+def test_a_vanished_peers_side_channel_session_ends_and_frees_its_place() -> None:
+    """Old code: a side channel session whose peer host vanished stayed open for good, and
+    authenticated sessions are never evicted for a newcomer — with room for one (1024 by
+    default: a prefill's after that many vanished decodes), every later peer was refused.
+    Now it ends within ~2x the keepalive (1 s here) and the next peer is answered."""
+    got = _in_a_network_namespace("side")
+    assert got["a_answered"] and got["a_connections"] == 1, got
+    assert got["ended_after_s"] is not None and got["ended_after_s"] < 15.0, got
+    assert got["b"] == "Ack", got
+
+
 if __name__ == "__main__":
-    run = {"tcp": _scenario, "bench": _bench_scenario}[sys.argv[1]]
+    run = {"tcp": _scenario, "bench": _bench_scenario, "side": _side_scenario}[sys.argv[1]]
     print(json.dumps(run()), flush=True)

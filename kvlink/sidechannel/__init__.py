@@ -59,6 +59,7 @@ from kvlink.sidechannel.framing import FRAME, PREAUTH_BYTES, REQUEST_BYTES, fram
 from kvlink.sidechannel.server import (
     AUTH_TIMEOUT,
     FRAME_TIMEOUT,
+    KEEPALIVE_S,
     MAX_CONNECTIONS,
     MAX_PENDING,
     Handler,
@@ -66,8 +67,8 @@ from kvlink.sidechannel.server import (
 )
 
 __all__ = [
-    "AUTH_TIMEOUT", "FRAME", "FRAME_TIMEOUT", "MAX_CONNECTIONS", "MAX_PENDING", "PREAUTH_BYTES",
-    "REQUEST_BYTES", "SESSION_LABEL", "Handler", "SideChannelServer", "_exchange", "_mac",
-    "frame", "is_loopback", "request", "seal", "seal_mac", "secret_from_env", "session_key",
-    "shutdown_write",
+    "AUTH_TIMEOUT", "FRAME", "FRAME_TIMEOUT", "KEEPALIVE_S", "MAX_CONNECTIONS", "MAX_PENDING",
+    "PREAUTH_BYTES", "REQUEST_BYTES", "SESSION_LABEL", "Handler", "SideChannelServer",
+    "_exchange", "_mac", "frame", "is_loopback", "request", "seal", "seal_mac",
+    "secret_from_env", "session_key", "shutdown_write",
 ]

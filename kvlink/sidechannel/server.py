@@ -32,6 +32,7 @@ from kvlink.sidechannel.framing import (
     frame,
     shutdown_write,
 )
+from kvlink.sockets import keepalive
 
 log = logging.getLogger("kvlink.sidechannel")
 
@@ -39,6 +40,10 @@ MAX_CONNECTIONS = 1024  # connections one server holds at most
 MAX_PENDING = 64  # of them, not yet authenticated
 AUTH_TIMEOUT = 10.0  # s from accept to authenticated
 FRAME_TIMEOUT = 10.0  # s from a frame's first byte to its last
+#: s a kept-open session may be idle before the kernel probes its peer (kvlink.sockets): a
+#: peer host that vanished without closing kept its session — and one of max_connections, which
+#: authenticated sessions are never evicted from — for good
+KEEPALIVE_S = 60.0
 _DRAIN = 1.0  # s a refused connection is read (and dropped) after its error reply, then closed
 _SWEEP = 0.1  # s between deadline checks
 Handler = Callable[[object], "wire.Reply"]
@@ -85,8 +90,8 @@ class SideChannelServer:
                  secret: bytes | None = None, allow_insecure: bool = False, *,
                  max_connections: int = MAX_CONNECTIONS, max_pending: int = MAX_PENDING,
                  auth_timeout: float = AUTH_TIMEOUT, frame_timeout: float = FRAME_TIMEOUT,
-                 preauth_bytes: int = PREAUTH_BYTES, request_bytes: int = REQUEST_BYTES
-                 ) -> None:
+                 preauth_bytes: int = PREAUTH_BYTES, request_bytes: int = REQUEST_BYTES,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         if secret is None and not is_loopback(host) and not allow_insecure:
             raise ConfigError(
                 f"refusing to bind an unauthenticated side channel on {host}: set a shared "
@@ -100,6 +105,7 @@ class SideChannelServer:
         self._frame_timeout = frame_timeout
         self._preauth = preauth_bytes
         self._request = request_bytes
+        self._keepalive = keepalive_s
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -256,6 +262,7 @@ class SideChannelServer:
                             "holds)")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keepalive(sock, self._keepalive)
             self._ids += 1
             peer = _Peer(sock, self._ids, where, time.monotonic())
             self._peers[peer.ident] = self._pending[peer.ident] = peer
