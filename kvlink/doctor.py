@@ -156,10 +156,9 @@ def ucx_section(probe: bool) -> dict[str, Any]:
 
     settings = _ucx.ucx_settings()
     offered = _ucx.ucx_transports(tls="")  # everything this UCX build can open here
-    env_add = {k: v for k, v in _ucx.KVLINK_UCX_DEFAULTS.items() if k not in os.environ}
     out: dict[str, Any] = {
         "settings": settings,
-        "kvlink_adds": env_add if _ucx.cuda_driver_present() else {},
+        "kvlink_adds": _ucx.kvlink_adds(),
         "ucx_info": _ucx.ucx_info_path(),
         "transports_built": offered,
         "transports_allowed": tls_allowed(offered, settings.get("UCX_TLS")),
@@ -501,7 +500,7 @@ def _ucx_text(rep: dict[str, Any], add: Callable[[str], None]) -> None:
         add(f"  {k:32s} {v if v is not None else '(unset)'}")
     adds = ucx.get("kvlink_adds")
     add("  kvlink's nixl transport adds: "
-        + (_fmt(adds) if adds else "nothing (no NVIDIA driver, or already set)"))
+        + (_fmt(adds) if adds else "nothing (already set)"))
     add("")
     add("UCX transports")
     add(f"  built here (ucx_info -d)   {_fmt(ucx.get('transports_built'))}")

@@ -80,12 +80,14 @@ def test_apply_kvlink_env_keeps_the_users_setting(monkeypatch: pytest.MonkeyPatc
     # faked: whether an NVIDIA driver is loaded (this CPU machine has none; the GPU machine
     # runs the real path in scripts/gpu_nixl_check.py)
     monkeypatch.setattr("kvlink_transports._ucx.env.cuda_driver_present", lambda: True)
-    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n", "UCX_KEEPALIVE_INTERVAL": "30s"}
     assert _ucx.apply_kvlink_env(env) == {} and env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "n"
     env = {}
-    assert _ucx.apply_kvlink_env(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert _ucx.apply_kvlink_env(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+                                          "UCX_KEEPALIVE_INTERVAL": "inf"}
     monkeypatch.setattr("kvlink_transports._ucx.env.cuda_driver_present", lambda: False)
-    assert _ucx.apply_kvlink_env({}) == {}  # no driver: UCX would warn "unused variable"
+    # no driver: UCX would warn "unused variable" of the CUDA one
+    assert _ucx.apply_kvlink_env({}) == {"UCX_KEEPALIVE_INTERVAL": "inf"}
 
 
 def _pair(opts: dict[str, object]) -> tuple[object, object, list[np.ndarray]]:

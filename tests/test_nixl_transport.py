@@ -10,11 +10,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -556,6 +559,25 @@ def test_dead_peer_default_transports() -> None:
     finally:
         t.close()
         p.stop()
+
+
+def test_a_peer_dead_after_its_connection_was_up_does_not_abort_us() -> None:
+    """Old code: with UCX's keepalive on (its default), an endpoint whose peer died holding a
+    keepalive queued asserted as the agent was destroyed (``arbiter.c:36 Assertion
+    `ucs_arbiter_group_is_empty(group)' failed``) and SIGABRT took the whole process — 5 of 8
+    processes running these two tests four times, one CI run of the suite. kvlink turns UCX's
+    keepalive off (kvlink_transports._ucx.env). The two tests above, six times, in a process
+    of their own: it must exit 0, its dead peers' transfers failed as before."""
+    code = ("import gc, test_nixl_transport as t\n"
+            "for _ in range(6):\n"
+            "    t.test_peer_killed_mid_transfer_fails(); gc.collect()\n"
+            "    t.test_dead_peer_default_transports(); gc.collect()\n"
+            "print('survived', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_KEEPALIVE_INTERVAL"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "survived" in run.stdout, (run.returncode,
+                                                              run.stderr[-2000:])
 
 
 def test_restarted_peer_same_name_gets_new_metadata(local: tuple[Any, np.ndarray]) -> None:

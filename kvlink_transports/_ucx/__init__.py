@@ -25,6 +25,7 @@ from kvlink_transports._ucx.env import (
     apply_kvlink_env,
     apply_safe_env,
     cuda_driver_present,
+    kvlink_adds,
     rdma_devices,
     ucx_settings,
 )
@@ -59,11 +60,10 @@ from kvlink_transports._ucx.measure import (
 
 __all__ = [
     "GPU_DIRECT_TRANSPORTS", "KVLINK_UCX_DEFAULTS", "RDMA_TRANSPORTS", "SHM_TRANSPORTS",
-    "UCX_SETTINGS", "LaneVerdict", "NixlProbe", "PerftestResult", "TcpEnd", "TcpSocket",
-    "UcxLane", "apply_kvlink_env", "apply_safe_env", "classify_lanes", "cuda_driver_present",
-    "gpu_staged", "lane_transports", "new_ucx_connections", "nixl_probe", "nixl_protocols",
-    "parse_proto_info", "parse_proto_rows", "rdma_devices", "report", "rma_transports",
-    "rows_for", "run_perftest", "shutdown_connections", "tcp_fallback_between_hosts", "tcp_sockets",
-    "ucx_env", "ucx_info_path", "ucx_lanes", "ucx_perftest_path", "ucx_settings",
-    "ucx_transports",
+    "UCX_SETTINGS", "LaneVerdict", "NixlProbe", "PerftestResult", "TcpEnd", "TcpSocket", "UcxLane",
+    "apply_kvlink_env", "apply_safe_env", "classify_lanes", "cuda_driver_present", "gpu_staged",
+    "kvlink_adds", "lane_transports", "new_ucx_connections", "nixl_probe", "nixl_protocols",
+    "parse_proto_info", "parse_proto_rows", "rdma_devices", "report", "rma_transports", "rows_for",
+    "run_perftest", "shutdown_connections", "tcp_fallback_between_hosts", "tcp_sockets", "ucx_env",
+    "ucx_info_path", "ucx_lanes", "ucx_perftest_path", "ucx_settings", "ucx_transports",
 ]

@@ -38,13 +38,26 @@ def apply_safe_env(env: dict[str, str] | None = None) -> str | None:
     return "^ib"
 
 
-#: UCX settings kvlink applies to the NIXL agents it creates, unless already set. Why: UCX's
-#: cuda_ipc turns GET zero-copy off when NVML reports no active NVLink (its default "auto"), and
-#: NIXL's READ of VRAM then ran at ~0.5 GB/s instead of 330-500 GB/s on one H200 (issue 22).
-KVLINK_UCX_DEFAULTS: dict[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+#: UCX settings kvlink applies to the NIXL agents it creates, unless already set. Why:
+#: - ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``: UCX's cuda_ipc turns GET zero-copy off when NVML reports
+#:   no active NVLink (its default "auto"), and NIXL's READ of VRAM then ran at ~0.5 GB/s
+#:   instead of 330-500 GB/s on one H200 (issue 22). Set only where an NVIDIA driver is
+#:   loaded (elsewhere UCX warns of an unused variable at each init).
+#: - ``UCX_KEEPALIVE_INTERVAL``: off. With it on, an endpoint whose peer died holding a
+#:   keepalive queued asserts as it is destroyed (UCX 1.x, ``arbiter.c:36 Assertion
+#:   `ucs_arbiter_group_is_empty(group)' failed``) and aborts the whole process: a decode
+#:   whose prefill died after their connection was up took SIGABRT closing its transport (3 to
+#:   6 processes in 10 here, nixl 1.5.1: tests/test_nixl_transport.py). What keepalive would
+#:   find, kvlink finds itself: a killed peer's reset connection still fails its transfers
+#:   at once, a hung one's at ``timeout_s``, and the side channel says who is gone.
+KVLINK_UCX_DEFAULTS: dict[str, str] = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+                                       "UCX_KEEPALIVE_INTERVAL": "inf"}
+#: of them, the ones UCX reads only where its CUDA transports load
+_CUDA_ONLY = frozenset({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY"})
 
 #: settings the doctor shows and checks
 UCX_SETTINGS = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
+                "UCX_KEEPALIVE_INTERVAL",
                 "UCX_PROTO_EMULATION_ENABLE", "UCX_MODULES", "UCX_RNDV_SCHEME",
                 "UCX_IB_GPU_DIRECT_RDMA", "UCX_MAX_RNDV_RAILS")
 
@@ -68,13 +81,17 @@ def apply_kvlink_env(env: dict[str, str] | None = None) -> dict[str, str]:
     Returns what was set (empty when the user's own values stand)."""
     target = os.environ if env is None else env
     done: dict[str, str] = {}
-    if not cuda_driver_present():  # UCX would warn "unused environment variable" at each init
-        return done
+    cuda = cuda_driver_present()  # (else UCX would warn "unused environment variable")
     for k, v in KVLINK_UCX_DEFAULTS.items():
-        if k not in target:
+        if k not in target and (cuda or k not in _CUDA_ONLY):
             target[k] = v
             done[k] = v
     return done
+
+
+def kvlink_adds(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What :func:`apply_kvlink_env` would set here (the doctor's report), changing nothing."""
+    return apply_kvlink_env(dict(os.environ if env is None else env))
 
 
 def ucx_settings(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
