@@ -1,11 +1,13 @@
-"""A peer whose host vanishes without closing (powered off, cut off): the tcp owner ends a
-reader's kept-open connection by TCP keepalive (the tcp option ``keepalive_s``), and the bench
-server a client's control connection (``kvlink.bench.wire.KEEPALIVE_S``).
+"""A peer whose host vanishes without closing (powered off, cut off) gives its connection back
+(kvlink.sockets.keepalive): the tcp owner a reader's kept-open connection (the tcp option
+``keepalive_s``), the bench server a client's control connection
+(``kvlink.bench.wire.KEEPALIVE_S``), the side channel a peer's session (``keepalive_s``).
 
-Real TcpTransports over real sockets, in a network namespace of their own (``unshare --net``,
-this file run as a script), whose loopback is taken down once the reader's READ is done: from
-then on no packet of that connection arrives anywhere and neither side closes it — a vanished
-host as the owner sees it, which no process on this machine can otherwise produce on demand.
+Real TcpTransports, bench server and side channel over real sockets, in a network namespace
+of their own (``unshare --net``, this file run as a script), whose loopback is taken down once
+the connection is up: from then on no packet of it arrives anywhere and neither side closes it
+— a vanished host as the server sees it, which no process on this machine can otherwise
+produce on demand.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from kvlink_transports.tcp import TcpTransport
 SIZE = 1 << 20
 
 
+def _loopback(state: str) -> None:
+    subprocess.run(["ip", "link", "set", "lo", state], check=True)
+
+
 def _read(reader: TcpTransport, owner: TcpTransport, theirs: np.ndarray) -> Any:
     mine = np.zeros(4096, dtype=np.uint8)
     reader.register([Region(mine.ctypes.data, mine.nbytes)])
@@ -42,7 +48,7 @@ def _read(reader: TcpTransport, owner: TcpTransport, theirs: np.ndarray) -> Any:
 def _scenario() -> dict[str, Any]:
     """In the namespace: an owner with room for one connection, reader A's READ, A's host gone
     (the loopback down), then reader B's READ once the loopback is back."""
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     theirs = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
     ctx = TransportContext(agent_name="owner", host="127.0.0.1")
     owner = TcpTransport(ctx, {"max_connections": 1, "keepalive_s": 1.0})
@@ -52,11 +58,11 @@ def _scenario() -> dict[str, Any]:
                      {"keepalive_s": 0})  # (the reader's own probes: not what is tested)
     out["a_read"] = _read(a, owner, theirs)
     out["a_connections"] = len(owner._inbound)
-    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    _loopback("down")
     t0 = time.monotonic()
     ended = wait_until(lambda: not owner._inbound, 20.0)
     out["ended_after_s"] = round(time.monotonic() - t0, 2) if ended else None
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     b = TcpTransport(TransportContext(agent_name=f"b-{uuid.uuid4().hex[:6]}", host="127.0.0.1"),
                      {"keepalive_s": 0})
     out["b_read"] = _read(b, owner, theirs)
@@ -72,7 +78,7 @@ def _bench_scenario() -> dict[str, Any]:
     from kvlink.bench.client import BenchPeer, SweepConfig
     from kvlink.bench.server import serve
 
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     wire.KEEPALIVE_S = 1.0  # (the test's setting: 30 s would take a minute)
     port: list[int] = []
     said: list[str] = []
@@ -83,10 +89,10 @@ def _bench_scenario() -> dict[str, Any]:
     assert wait_until(lambda: bool(port), 30.0), "the bench server did not start"
     peer = BenchPeer("127.0.0.1", port[0], 30.0)
     peer.hello(SweepConfig(total=4096, transports=["tcp"], perftest=False), ["tcp"])
-    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    _loopback("down")
     t0 = time.monotonic()
     ended = wait_until(lambda: not server.is_alive(), 20.0)
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     return {"ended_after_s": round(time.monotonic() - t0, 2) if ended else None, "said": said}
 
 
@@ -97,7 +103,7 @@ def _side_scenario() -> dict[str, Any]:
     from kvlink.channel import Channels
     from kvlink.compat import WIRE_VERSION
 
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     key = b"k" * 32
     srv = sidechannel.SideChannelServer("127.0.0.1", 0, lambda m: wire.Ack(v=WIRE_VERSION),
                                         secret=key, max_connections=1, keepalive_s=1.0)
@@ -109,11 +115,11 @@ def _side_scenario() -> dict[str, Any]:
         chan.wait(0.05)
     out: dict[str, Any] = {"a_answered": isinstance(pending.result(), wire.Ack),
                            "a_connections": srv.stats()["connections"]}
-    subprocess.run(["ip", "link", "set", "lo", "down"], check=True)
+    _loopback("down")
     t0 = time.monotonic()
     ended = wait_until(lambda: srv.stats()["connections"] == 0, 20.0)
     out["ended_after_s"] = round(time.monotonic() - t0, 2) if ended else None
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    _loopback("up")
     hs = wire.HandshakeRequest(v=WIRE_VERSION, engine_id="b", agent_name="b/0", tp_rank=0,
                                tp_size=1, host_id="h", compat="")
     try:
