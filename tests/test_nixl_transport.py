@@ -26,7 +26,13 @@ import pytest
 
 pytest.importorskip("nixl", reason="NIXL not installed: pip install 'kvlink[nixl]'")
 
-from kvlink.errors import ExtentOutOfBounds, TransferError, WireError, WireVersionError
+from kvlink.errors import (
+    ConfigError,
+    ExtentOutOfBounds,
+    TransferError,
+    WireError,
+    WireVersionError,
+)
 from kvlink.transport import (
     EXTENT_DTYPE,
     Op,
@@ -795,3 +801,27 @@ def test_prepped_blocks_of_a_size_not_a_power_of_two_move_the_right_bytes() -> N
     finally:
         a.close()
         b.close()
+
+
+def test_a_prep_block_given_in_tokens_is_refused_naming_its_unit() -> None:
+    """Old code: an explicit ``prep_block_bytes`` was taken whatever it made of the memory: 16
+    (a KV block's tokens, not its bytes) cut a 10 GiB cache into 671M descriptors, prepped at
+    register. Now a block that makes more than ``prep_max_descriptors`` is refused there,
+    before NIXL registers anything, naming the option, the count and its unit; the KV block's
+    bytes are taken."""
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    t = knixl.NixlTransport(_ctx(), {**OPTS, "prep_block_bytes": 16, "prep_max_descriptors": 4096})
+    try:
+        with pytest.raises(ConfigError, match=r"prep_block_bytes=16 cuts 1048576 registered "
+                                              r"bytes into 65536 descriptors.*in bytes"):
+            t.register([Region(buf.ctypes.data, buf.nbytes)])
+        assert t._reg_dlists == []
+    finally:
+        t.close()
+    t = knixl.NixlTransport(_ctx(), {**OPTS, "prep_block_bytes": 4096,
+                                     "prep_max_descriptors": 4096})
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        assert 4096 in t._lpreps
+    finally:
+        t.close()

@@ -74,6 +74,20 @@ def _auto_block(regions: Sequence[Region], cap: int) -> int:
     return b
 
 
+def _check_block(block: int, regions: Sequence[Region], cap: int) -> None:
+    """Raise ConfigError where an explicit ``prep_block_bytes`` cuts ``regions`` into more than
+    ``cap`` (``prep_max_descriptors``) descriptors. Why: the option is in bytes, and a KV block's
+    token count given for it (16) made a descriptor of every 16 bytes — 671M of them, prepped
+    one by one, for a 10 GiB cache — where the default grows its block to stay under ``cap``."""
+    count = sum(r.nbytes // block for r in regions)
+    if count > cap:
+        total = sum(r.nbytes for r in regions)
+        raise ConfigError(
+            f"nixl option prep_block_bytes={block} cuts {total} registered bytes into {count} "
+            f"descriptors (prep_max_descriptors={cap}): it is in bytes — a KV block's bytes "
+            f"(block_size x heads x head_dim x dtype bytes), or 0 for the default")
+
+
 @dataclasses.dataclass
 class _Prep:
     """Descriptor lists prepped ONCE for one side (ours, or a peer's) at one block size: every

@@ -58,7 +58,15 @@ from kvlink.transport import Capabilities, Op, PerBases, Region, TransportContex
 from kvlink_transports import _ucx
 from kvlink_transports.nixl.agent import _import_nixl, _nixl_reason, _warn_once, start_agent
 from kvlink_transports.nixl.lanes import _LaneChecks
-from kvlink_transports.nixl.memory import _MEM_NAMES, _auto_block, _make_prep, _mem_of, _Prep, _Side
+from kvlink_transports.nixl.memory import (
+    _MEM_NAMES,
+    _auto_block,
+    _check_block,
+    _make_prep,
+    _mem_of,
+    _Prep,
+    _Side,
+)
 from kvlink_transports.nixl.progress import ProgressThread
 from kvlink_transports.nixl.records import _Peer
 from kvlink_transports.nixl.wire import _VERSION, _decode_descriptor, _Descriptor, _enc, _RegionWire
@@ -176,6 +184,8 @@ class NixlTransport(_LaneChecks, _WireUp):
         with self._lock:
             self._check_open()
             side = _Side(self._regions + new)  # raises on overlap with what is registered
+            if self._prep_block and self._post_mode == "prepped":
+                _check_block(self._prep_block, self._regions + new, self._prep_max)
             self._ensure_cuda_device(new)
             groups: dict[tuple[int, int], list[Region]] = {}
             for r in new:
@@ -329,6 +339,12 @@ class NixlTransport(_LaneChecks, _WireUp):
         block = self._prep_block or max(
             self._local_block(), _auto_block(p.side.table.regions, self._prep_max)
         )
+        try:
+            _check_block(block, p.side.table.regions, self._prep_max)
+        except ConfigError as exc:  # (its memory, not ours: its posts list their extents)
+            log.warning("nixl peer %s: %s; its posts build their own descriptor lists", p.key,
+                        exc)
+            return None
         if self._local_prep(block) is None:
             return None
         t0 = time.perf_counter()
