@@ -1,13 +1,17 @@
-"""Test helper: start a child in a process group of its own, and end it with everything it
-started."""
+"""Test helpers for the processes a test starts: a process group of its own (ended with
+everything it started), a hung peer (SIGSTOP), and namespaces of their own (``unshare``)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from typing import Any
+
+import pytest
+from test_transport_contract import wait_until
 
 #: ``Popen`` keywords that put a child in a process group of its own inside our session, so
 #: ``kill_group`` ends it and whatever it spawned. Not ``start_new_session``: a session of its
@@ -34,16 +38,30 @@ def kill_group(proc: subprocess.Popen[Any]) -> None:
 def stop(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP ``pid`` (alive, its sockets open, nothing answered: a hung peer) and return once
     the kernel shows it stopped, or fail at ``timeout``."""
-    import time
-
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while state(pid) not in ("T", "t"):
-        assert time.monotonic() < deadline, f"pid {pid} did not stop within {timeout}s"
-        time.sleep(1e-3)
+    assert wait_until(lambda: state(pid) in ("T", "t"), timeout), (
+        f"pid {pid} did not stop within {timeout}s")
 
 
 def state(pid: int) -> str:
     """A process's state as the kernel shows it (``T``: stopped)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def unshare_or_skip(flag: str, *tools: str) -> None:
+    """Skip, saying why, where ``unshare <flag>`` (a namespace of its own: ``--net``,
+    ``--pid``) or one of ``tools`` cannot run here (no root, no such tool, a container that
+    refuses it). CI's machine runs them (root)."""
+    missing = [t for t in ("unshare", *tools) if not shutil.which(t)]
+    why = ""
+    if missing:
+        why = f"needs {', '.join(missing)} for a namespace of its own"
+    else:
+        args = ["unshare", flag, *(["--fork"] if flag == "--pid" else []), "true"]
+        probe = subprocess.run(args, capture_output=True, text=True, timeout=30)
+        if probe.returncode:
+            why = f"unshare {flag} refused here: {probe.stderr.strip()}"
+    if why:
+        print(f"SKIP {why}")
+        pytest.skip(why)

@@ -15,7 +15,6 @@ import multiprocessing.connection as mp_connection
 import os
 import pickle
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from typing import Any
 
 import pytest
 import torch
+from procgroup import unshare_or_skip
+from test_transport_contract import wait_until
 
 from kvlink.allreduce import AllReduceConfig, AllReduceError, choose_mode, one_shot_limit
 from kvlink.allreduce.exceptions import PeerTimeoutError
@@ -236,18 +237,30 @@ def _scenario_misuse(rank: int, world: int) -> dict[str, Any]:
 
 
 def _scenario_late(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1 (in a PID namespace of its own: see the test) arrives late at a call, alive."""
-    from kvlink.allreduce import ShmAllReduce
+    """Rank 1 (in a PID namespace of its own: see the test) arrives late at a call, alive:
+    once rank 0, waiting for it, has looked its pid up twice (its liveness checks, counted
+    into a file both see — the real check, recorded, not replaced)."""
+    from kvlink.allreduce import ShmAllReduce, spin
 
+    looked = Path(os.environ["KVLINK_TEST_OUT"]) / "liveness_checks"
+    if rank == 0:
+        real = spin.pid_alive
+
+        def recorded(pid: int) -> bool:
+            with open(looked, "ab") as f:
+                f.write(b".")
+            return real(pid)
+
+        spin.pid_alive = recorded
     cfg = AllReduceConfig(max_bytes=64 * 1024, timeout_s=DEAD_TIMEOUT_S * 5)
     out: dict[str, Any] = {"pid": os.getpid()}
     with ShmAllReduce(config=cfg) as ar:
         x = torch.full((100,), float(rank + 1))
         for _ in range(3):
             ar.all_reduce(x.clone())
-        if rank == 1:
-            # the injected fault, not synchronisation: late by five liveness checks, alive
-            time.sleep(0.5)
+        if rank == 1:  # late, alive, until rank 0 checked on it twice
+            out["checked"] = wait_until(
+                lambda: looked.exists() and looked.stat().st_size >= 2, DEAD_TIMEOUT_S * 4)
         try:
             out["sum"] = ar.all_reduce(x.clone())[:3].tolist()
         except AllReduceError as exc:
@@ -256,6 +269,7 @@ def _scenario_late(rank: int, world: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+    os.environ["KVLINK_TEST_OUT"] = outdir
     try:
         _init(rank, world, port)
         fn = {"full": _scenario_full, "faults": _scenario_faults,
@@ -466,16 +480,7 @@ def test_a_live_peer_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Pa
     alive. Old code: rank 0's liveness check looked rank 1's pid up here, found no such
     process, and raised PeerExitedError ("rank(s) 1 (pid N) exited") 0.1 s into the wait. Now
     a peer in another namespace is left to the timeout, and the late call sums right."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        why = "needs root and unshare(1) for a PID namespace"
-        print(f"SKIP {why}")
-        pytest.skip(why)
-    probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True,
-                           text=True, timeout=30)
-    if probe.returncode:
-        why = f"unshare --pid refused here: {probe.stderr.strip()}"
-        print(f"SKIP {why}")
-        pytest.skip(why)
+    unshare_or_skip("--pid")  # (and root: writing ns_last_pid below)
     port, ns_pid = _free_port(), _unused_pid()
     ctx = mp.get_context("spawn")
     rank0 = ctx.Process(target=_worker, args=(0, 2, port, "late", str(tmp_path)), daemon=True)
@@ -499,6 +504,7 @@ def test_a_live_peer_in_another_pid_namespace_is_not_taken_for_dead(tmp_path: Pa
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r}: {res.get('traceback', res)}"
     assert results[1]["pid"] == ns_pid, results[1]  # (the namespace the test means)
+    assert results[1]["checked"], "rank 0 never looked rank 1's pid up twice"
     for res in results:
         assert "error" not in res, res["error"]
         assert res["sum"] == [3.0, 3.0, 3.0], res

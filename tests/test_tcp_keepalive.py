@@ -13,7 +13,6 @@ produce on demand.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-import pytest
+from procgroup import unshare_or_skip
 from test_transport_contract import wait_until
 
 from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
@@ -132,16 +131,7 @@ def _side_scenario() -> dict[str, Any]:
 
 def _in_a_network_namespace(scenario: str) -> dict[str, Any]:
     """This file's ``scenario`` run under ``unshare --net``; skipped where that cannot run."""
-    if not shutil.which("unshare") or not shutil.which("ip"):
-        why = "needs unshare(1) and ip(8) for a network namespace"
-        print(f"SKIP {why}")
-        pytest.skip(why)
-    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, text=True,
-                           timeout=30)
-    if probe.returncode:
-        why = f"unshare --net refused here: {probe.stderr.strip()}"
-        print(f"SKIP {why}")
-        pytest.skip(why)
+    unshare_or_skip("--net", "ip")
     run = subprocess.run(["unshare", "--net", sys.executable, __file__, scenario],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
