@@ -394,6 +394,18 @@ def check_board_lanes(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[s
             p = bl.post(copier, stream, gen, level)
             p.wait()
             row["changed_source_caught"] = p.mismatch not in (None, NO_MISMATCH)
+            # and one in the last layer's instead: its segments are the grid's last rows of
+            # units, whose checked units a `sample` kernel takes in the grid's middle
+            # (kvlink.gpu.move, KV_TAIL)
+            if kind == "joined":
+                c.src[0][last, 0].view(torch.int16).view(-1)[5] ^= 1
+                c.src[-1][last, 1].view(torch.int16).view(-1)[7] ^= 1
+            else:
+                c.src[0][0, last].view(torch.int16).view(-1)[5] ^= 1
+                c.src[-1][1, last].view(torch.int16).view(-1)[7] ^= 1
+            p = bl.post(copier, stream, gen, level)
+            p.wait()
+            row["changed_last_layer_caught"] = p.mismatch not in (None, NO_MISMATCH)
             row["ok"] = (row["bytes_copied"] and row["rows_compared"][0] == k
                          and all(v for key, v in row.items() if isinstance(v, bool)))
         finally:
