@@ -121,6 +121,44 @@ static PyObject *event_query(PyObject *self, PyObject *ev) {
   return PyLong_FromLong(cu_event_query(e));
 }
 
+/* lane_end(buffer, seq, checks) -> None | (failed, first, rows, missed)
+ *
+ * The look a poll takes at a lane's copy (kvlink.gpu.copy.Pending.done): its status buffer
+ * (kvlink.gpu.copy._Pinned, at `buffer`: the status word, a digest lane's three check words,
+ * the end word END_WORD words on) — None while the end word does not show the post's `seq`
+ * (the stream writes it once the kernel has ended); once it does, in one call, whether the
+ * status word shows `seq` (the device refused an extent), and, where `checks` (a digest lane)
+ * and it did not, the check words: the first differing index, the rows compared, whether a
+ * unit found none (else 0, 0, 0). Read through ctypes after the end word, the status and check
+ * words cost a poll that sees a READ done ~4 us more at `sample` than at `off`, cold
+ * (bench/results/gpu_session_5dc24ba/, stamps_io). */
+static PyObject *lane_end(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "lane_end(buffer, seq, checks)");
+    return NULL;
+  }
+  const int64_t *w = (const int64_t *)as_ptr(args[0]);
+  const long long seq = PyLong_AsLongLong(args[1]);
+  const int checks = PyObject_IsTrue(args[2]);
+  if (PyErr_Occurred() || checks < 0) return NULL;
+  if (!w) {
+    PyErr_SetString(PyExc_ValueError, "a lane's status buffer is null");
+    return NULL;
+  }
+  /* (the stream's write of the end word comes after the kernel's stores: read it first) */
+  const int32_t end = __atomic_load_n((const int32_t *)(w + END_WORD), __ATOMIC_ACQUIRE);
+  if ((long long)end != seq) Py_RETURN_NONE;
+  const int failed = __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) == seq;
+  uint64_t first = 0, rows = 0, missed = 0;
+  if (checks && !failed) {
+    first = (uint64_t)__atomic_load_n(&w[1], __ATOMIC_ACQUIRE);
+    rows = (uint64_t)__atomic_load_n(&w[2], __ATOMIC_ACQUIRE);
+    missed = (uint64_t)__atomic_load_n(&w[3], __ATOMIC_ACQUIRE);
+  }
+  return Py_BuildValue("(NKKK)", PyBool_FromLong(failed), (unsigned long long)first,
+                       (unsigned long long)rows, (unsigned long long)missed);
+}
+
 /* n ids into out: from a list of ints (converted here, each through __index__: a float or a
  * string raises TypeError, an id past 64 bits OverflowError), or from a 1-D C-contiguous
  * buffer of 8-byte signed integers (a numpy int64 array, array.array('q')); anything else, or
@@ -1129,6 +1167,8 @@ static PyMethodDef methods[] = {
      "bind_event_query(address): cuEventQuery's address"},
     {"event_query", (PyCFunction)event_query, METH_O,
      "event_query(event) -> CUresult of cuEventQuery"},
+    {"lane_end", (PyCFunction)(void (*)(void))lane_end, METH_FASTCALL,
+     "lane_end(buffer, seq, checks) -> None | (failed, first, rows, missed): a lane's end"},
     {"post", (PyCFunction)(void (*)(void))post, METH_FASTCALL,
      "post(form, src_ids, dst_ids, stream, after, order_event, values[, signal[, start]])"},
     {"board_shows", (PyCFunction)(void (*)(void))board_shows, METH_FASTCALL,

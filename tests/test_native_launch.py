@@ -458,6 +458,31 @@ def test_event_query_asks_the_bound_driver_function_and_hands_back_its_answer(
         launcher.bind_event_query(0)
 
 
+def test_a_lanes_end_is_read_with_its_status_and_check_words_in_one_call(
+        launcher: Any) -> None:
+    """A poll's look at a lane's copy (kvlink.gpu.copy.Pending.done through ``lane_end``):
+    nothing while the end word does not show the post's sequence number; once it does, the
+    status word's verdict (the device refused an extent: it shows the sequence number too)
+    and, for a digest lane that refused nothing, its three check words as the kernel left
+    them — the same words the ctypes reads took (kvlink.gpu.copy._Pinned's layout)."""
+    words = np.zeros(END_WORD + 1, dtype=np.int64)
+    at = int(words.ctypes.data)
+    seq = 41
+    words[1:4] = [7, 12, 0]  # first differing index, rows compared, none missed
+    assert launcher.lane_end(at, seq, True) is None  # not ended: the end word shows 0
+    words[END_WORD] = seq - 1  # an earlier post's end
+    assert launcher.lane_end(at, seq, True) is None
+    words[END_WORD] = seq
+    assert launcher.lane_end(at, seq, True) == (False, 7, 12, 0)
+    assert launcher.lane_end(at, seq, False) == (False, 0, 0, 0)  # a plain lane's
+    words[1] = -1  # NO_MISMATCH, all ones: read as the unsigned word it is
+    assert launcher.lane_end(at, seq, True) == (False, 2**64 - 1, 12, 0)
+    words[0] = seq  # refused by the device: the check words say nothing then
+    assert launcher.lane_end(at, seq, True) == (True, 0, 0, 0)
+    with pytest.raises(ValueError, match="null"):
+        launcher.lane_end(0, seq, True)
+
+
 def test_the_c_bounds_check_is_numpys(launcher: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """kvlink.transport.RegionTable.locate and kvlink.grants.Window.covers through C
     (``inside``, both sides of every tcp READ) give numpy's answers: the same regions, the

@@ -193,7 +193,7 @@ class Pending:
 
     __slots__ = ("_done", "_failed", "buf", "checks_lane", "compared", "dbuf", "digest_at",
                  "digests", "end", "error", "event", "ids", "keep", "looks", "mismatch",
-                 "owner", "samples", "seq", "shared", "stream")
+                 "owner", "ptr", "samples", "seq", "shared", "stream")
 
     def __init__(self, owner: BatchCopier, event: int, buf: _Pinned | None, seq: int,
                  keep: tuple[Extents, ...] = (), dbuf: Any = None, error: str = "",
@@ -201,6 +201,7 @@ class Pending:
         self.owner, self.event, self.buf, self.seq = owner, event, buf, seq
         #: a lane's copy: the word its stream sets to ``seq`` once it ended (None: the event)
         self.end: Any = None if event or buf is None else buf.end
+        self.ptr = 0 if buf is None else buf.ptr  # (that buffer's address: lane_end reads it)
         self.looks = 0  # (how often it was found not ended: see _LOOKS_BEFORE_ASKING)
         self.keep = keep  # caller's pinned records the kernel reads: alive until it has run
         self.dbuf = dbuf  # device copy of the records, if uploaded
@@ -227,10 +228,18 @@ class Pending:
     def done(self) -> bool:
         if not self._done:
             owner, end = self.owner, self.end
-            if owner._events.query(self.event) if end is None else end.value == self.seq:
+            if end is None:
+                if owner._events.query(self.event):
+                    with owner._lock:
+                        owner._finish_locked(self)
+                return self._done
+            lane_end = owner._lane_end
+            words = (lane_end(self.ptr, self.seq, self.checks_lane) if lane_end is not None
+                     else () if end.value == self.seq else None)
+            if words is not None:
                 with owner._lock:  # (BatchCopier._finish without its frame: the poll that
-                    owner._finish_locked(self)  # sees a READ done is on its path, cold)
-            elif end is not None:
+                    owner._finish_locked(self, words)  # sees a READ done is on its path)
+            else:
                 self.looks += 1
                 if self.looks % _LOOKS_BEFORE_ASKING == 0:
                     owner._ask_stream(self)
@@ -391,6 +400,10 @@ class BatchCopier:
         elif kernel == "auto":
             self._cuda = move.load(self.device)
         self.kernel = "cuda" if self._cuda is not None else "triton"
+        #: the C look at a lane's end (kvlink.native ``lane_end``: its end word, and once that
+        #: shows, its status and check words, in one call); None: read through ctypes
+        self._lane_end: Callable[[int, int, bool], tuple[bool, int, int, int] | None] | None = (
+            getattr(self._cuda.launcher, "lane_end", None) if self._cuda is not None else None)
         if chunk is None:
             chunk = move.CHUNK if self._cuda is not None else CHUNK
         self.chunk = max(4096, int(chunk))
@@ -478,19 +491,22 @@ class BatchCopier:
             return self.torch.empty(_size_class(nbytes), dtype=self.torch.uint8,
                                     device=self.device)
 
-    def _finish_locked(self, p: Pending) -> None:
+    def _finish_locked(self, p: Pending, words: tuple[bool, int, int, int] | tuple[()] = ()
+                       ) -> None:
+        """``p`` seen complete: its outcome kept, its buffers and event given back. ``words``:
+        a lane's status and check words as ``lane_end`` read them (else read here)."""
         if p._done:
             return
         if p.dbuf is not None:
             self._onboard[p.dbuf.shape[0]].append(p.dbuf)
             p.dbuf = None
         if p.buf is not None:
-            p._failed = p.buf.status.value == p.seq
+            p._failed = words[0] if words else p.buf.status.value == p.seq
             bad, at, count = p.digest_at
             if p.checks_lane and not p._failed:
                 # a digest lane's words side by side — the first index that differed, the rows
                 # compared, whether a unit found none: one read (this is a READ's DONE poll)
-                first, rows, missed = p.buf.check[:]
+                first, rows, missed = words[1:] if words else p.buf.check[:]
                 p.mismatch = first
                 p.compared = 0 if missed else rows
                 if not p.compared and p.mismatch == NO_MISMATCH:
