@@ -4,7 +4,8 @@ Steps that are cheaper in C than through numpy, ctypes or CPython's socket calls
 tens of microseconds on a request's path, cold (bench/results/gpu_checks_61d7f7e_stamps):
 
 - a cuda_ipc lane's launch (``post``: the ids into its parameters, the order after the
-  caller's stream, the kernel, its completion event);
+  caller's stream, the kernel, its completion event) and the look at its end (``lane_end``:
+  the end word, and once it shows, the status and check words);
 - the fingerprint of a block-id list (``fingerprint``, what the hold board compares;
   :func:`kvlink.holdboard.fingerprint` computes the same in numpy where this is not built);
 - the hold board's after-check (``board_shows``), with its alive word (``sentinel_arm``:
