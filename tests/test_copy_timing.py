@@ -125,6 +125,7 @@ def _copier() -> tuple[Any, _Events, _Lane]:
     c._status_free = c._pinned[4096]
     c._take = lambda nbytes: _Buf()
     c._cuda = type("Cuda", (), {"launcher": _Launcher()})()
+    c._lane_end = None  # (a lane's end words read through ctypes: no C helpers here)
     c._order_event = None
     c._events = events
     c._inflight = collections.deque()
