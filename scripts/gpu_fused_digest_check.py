@@ -395,8 +395,8 @@ def check_board_lanes(copier: BatchCopier, stream: Any, dev: Any) -> list[dict[s
             p.wait()
             row["changed_source_caught"] = p.mismatch not in (None, NO_MISMATCH)
             # and one in the last layer's instead: its segments are the grid's last rows of
-            # units, whose checked units a `sample` kernel takes in the grid's middle
-            # (kvlink.gpu.move, KV_TAIL)
+            # units, the ones a change to the order the kernel takes units in moves first
+            # (bench/results/gpu_session_5dc24ba/tail_swap/ moved their checked units)
             if kind == "joined":
                 c.src[0][last, 0].view(torch.int16).view(-1)[5] ^= 1
                 c.src[-1][last, 1].view(torch.int16).view(-1)[7] ^= 1
