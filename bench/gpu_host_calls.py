@@ -30,13 +30,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import sweep, write_result
+
 SEGS, RUNS, UNIT = 160, 256, 4096
 
 
 def _per_call_us(fn: Callable[[], Any], n: int = 300, cold: bool = False
                  ) -> dict[str, float]:
-    from _common import sweep
-
     xs = []
     for _ in range(n):
         if cold:  # what a request meets: the call's code and data evicted first
@@ -162,7 +162,6 @@ def main() -> None:
     ap.add_argument("--no-copy", action="store_true", help="the driver calls only")
     args = ap.parse_args()
     import torch
-    from _common import write_result
 
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     out: dict[str, Any] = {"device_name": torch.cuda.get_device_name(0),
