@@ -33,6 +33,15 @@ directly, whose TTFT (prefill compute and first token, no proxy, second server o
 pair can beat; ``ttft_p50_alone_over_nixl`` bounds what ``ttft_p50_kvlink_over_nixl`` can
 reach on the machine of that run.
 
+``--kvlink-tree DIR`` adds setup ``kvlink_tree``: kvlink's connector, configured as setup
+``kvlink``, imported from another tree (e.g. ``git archive <commit> | tar x -C DIR``) by both
+its servers, so that "no worse than commit X" is a same-run comparison
+(``ttft_p50_kvlink_over_kvlink_tree``) rather than one against a figure of another day's
+machine::
+
+    python bench/vllm_pd.py --pin --setups kvlink,kvlink_tree,nixl --transport tcp \
+        --kvlink-tree /tmp/kvlink_168f41c --kvlink-tree-commit 168f41c
+
 A long run can be split so that no single invocation holds the machine too long::
 
     python bench/vllm_pd.py --rounds 1 --first-round 0 --out /tmp/a.json
@@ -120,14 +129,16 @@ METRICS: dict[str, dict[str, str]] = {
 }
 METRICS["kvlink"]["sync"] = "kvlink_sync_loads_total"  # loads run in their request's step
 METRICS["kvlink_sync"] = METRICS["kvlink"]
+METRICS["kvlink_tree"] = METRICS["kvlink"]  # (an older tree lacks some: their deltas read 0)
 METRICS["alone"] = {}
 #: plain counters among METRICS' quantities (the others are histograms: _sum and _count)
 COUNTER_KEYS = ("bytes", "sync")
 #: the setups a run may alternate: kvlink at its defaults, kvlink with synchronous loads
-#: (``sync_load_tokens``, SYNC_LOAD_TOKENS: every bench prompt qualifies), NixlConnector, and
+#: (``sync_load_tokens``, SYNC_LOAD_TOKENS: every bench prompt qualifies), NixlConnector,
 #: ``alone``: one server, no connector, asked directly — the floor of any PD pair's TTFT (its
-#: prefill compute and first token, with no second server, proxy or load)
-SETUPS = ("kvlink", "kvlink_sync", "nixl", "alone")
+#: prefill compute and first token, with no second server, proxy or load), and ``kvlink_tree``:
+#: setup ``kvlink`` with kvlink imported from ``--kvlink-tree`` (KVLINK_TREE)
+SETUPS = ("kvlink", "kvlink_sync", "kvlink_tree", "nixl", "alone")
 SYNC_LOAD_TOKENS = 4096
 #: vLLM's own request histograms on the decode server (same code for both setups)
 VLLM_HISTS = {"d_ttft": "vllm:time_to_first_token_seconds",
@@ -210,6 +221,16 @@ NIXL_PTHR_DELAY_US = [1000]
 PIN = [False]
 #: kvlink's kv_connector_extra_config additions (NIXL telemetry: the same xfer clock as vLLM's)
 KVLINK_EXTRA: dict[str, Any] = {"transport_options": {"nixl": {"telemetry": True}}}
+#: --kvlink-tree: the tree setup ``kvlink_tree``'s servers import kvlink from
+KVLINK_TREE: list[Path | None] = [None]
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment that has a server import kvlink from ``tree``: PYTHONPATH=tree, and
+    PYTHONSAFEPATH, because ``python -m`` otherwise puts the working directory first on
+    sys.path, and run from the repository root that is HEAD's kvlink, shadowing the tree's
+    (the venv's editable install comes after both)."""
+    return {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
 
 
 def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str, dict[str, str]]:
@@ -218,8 +239,10 @@ def setup_config(setup: str, role: str, side: int, transport: str) -> tuple[str,
     if setup.startswith("kvlink"):
         extra = {**KVLINK_EXTRA, **({"sync_load_tokens": SYNC_LOAD_TOKENS}
                                     if setup == "kvlink_sync" else {})}
+        tree = KVLINK_TREE[0]
         return pd.kv_transfer_config(kv_role, side, transport=transport, policy="fail",
-                                     extra=extra), {}
+                                     extra=extra), (tree_env(tree) if setup == "kvlink_tree"
+                                                    and tree else {})
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}
     if NIXL_PTHR_DELAY_US[0] > 0:
         env["KVLINK_BENCH_NIXL_PTHR_DELAY_US"] = str(NIXL_PTHR_DELAY_US[0])
@@ -346,11 +369,11 @@ def source() -> dict[str, Any]:
     """The code measured: git commit and whether the tree had local changes."""
     import subprocess
 
-    def git(*a: str) -> str:
+    def git(*a: str) -> str:  # (not stripped: a porcelain line starts with its status)
         return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
-                              timeout=30).stdout.strip()
+                              timeout=30).stdout
     try:
-        commit = git("rev-parse", "HEAD")
+        commit = git("rev-parse", "HEAD").strip()
         status = git("status", "--porcelain") if commit else ""
     except (OSError, subprocess.SubprocessError):
         commit, status = "", ""
@@ -359,6 +382,40 @@ def source() -> dict[str, Any]:
     return {"commit": commit, "dirty": sorted(
         line[3:] for line in status.splitlines()
         if line[3:].startswith(("kvlink", "bench", "examples")))}
+
+
+def tree_source(tree: Path, commit: str | None) -> dict[str, Any]:
+    """What ``kvlink_tree`` measured: the tree, the commit it was made from (its own HEAD if it
+    is a checkout, else ``commit``, resolved in this repository), whether its kvlink and
+    kvlink_transports files are that commit's byte for byte (a ``git archive`` copy has no
+    .git to say so), and where a server's interpreter, with the servers' environment and
+    working directory, imports them from: a figure of the wrong tree would pass unnoticed."""
+    import subprocess
+
+    def git(where: Path, *a: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *a], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    pkgs = ("kvlink", "kvlink_transports")
+    full = git(tree, "rev-parse", "HEAD") if (tree / ".git").exists() else ""
+    full = full or (git(ROOT, "rev-parse", "--verify", f"{commit}^{{commit}}") if commit else "")
+    differ: list[str] = []
+    if full:
+        listed = [line.split("\t", 1) for line in
+                  git(ROOT, "ls-tree", "-r", full, "--", *pkgs).splitlines()]
+        files = [(meta.split()[2], path) for meta, path in listed]
+        here = subprocess.run(["git", "hash-object", "--stdin-paths"], capture_output=True,
+                              text=True, timeout=60, cwd=tree,
+                              input="\n".join(path for _, path in files)).stdout.split()
+        differ = [path for (want, path), got in zip(files, here + [""] * len(files))
+                  if want != got]
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kvlink, kvlink_transports as t; "
+                               "print(kvlink.__file__); print(t.__file__)"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, **tree_env(tree)}).stdout.split()
+    return {"dir": str(tree), "commit": full or None, "files_differ_from_commit": differ
+            if full else "no commit to compare with", "imported_from": probe,
+            "environment": tree_env(tree)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -470,6 +527,12 @@ def main() -> None:
                          "bound there), both setups alike: unpinned, the two servers' engine "
                          "loops spin on the cores the other's forward needs "
                          "(bench/results/vllm_pd_spin_696c5fb/)")
+    ap.add_argument("--kvlink-tree", default=None, metavar="DIR",
+                    help="another tree of kvlink (e.g. `git archive <commit> | tar x -C DIR`) "
+                         "for setup kvlink_tree: setup kvlink's config, kvlink imported from DIR")
+    ap.add_argument("--kvlink-tree-commit", default=None, metavar="COMMIT",
+                    help="the commit --kvlink-tree was made from (recorded, and its files "
+                         "compared; default: DIR's own HEAD where DIR is a checkout)")
     ap.add_argument("--first-round", type=int, default=0,
                     help="number of the first round (tags kvlink<N>, nixl<N>; to split a run)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -481,6 +544,7 @@ def main() -> None:
     NIXL_EXTRA.update(json.loads(args.nixl_extra))
     NIXL_PTHR_DELAY_US[0] = args.nixl_pthr_delay_us
     PIN[0] = args.pin
+    KVLINK_TREE[0] = Path(args.kvlink_tree).resolve() if args.kvlink_tree else None
 
     measured = source()  # at the start: the tree may change while the rounds run
     work = Path(tempfile.mkdtemp(prefix="kvlink-bench-pd-"))
@@ -501,6 +565,17 @@ def main() -> None:
     setups = [args.only] if args.only else [x for x in args.setups.split(",") if x]
     if not setups or any(x not in SETUPS for x in setups):
         raise SystemExit(f"--setups {args.setups!r}: name setups of {', '.join(SETUPS)}")
+    tree = KVLINK_TREE[0]
+    if "kvlink_tree" in setups and not args.merge:
+        if tree is None or not (tree / "kvlink" / "integrations").is_dir():
+            raise SystemExit(f"setup kvlink_tree: --kvlink-tree {args.kvlink_tree!r} is no "
+                             "tree of kvlink")
+        tree_info = tree_source(tree, args.kvlink_tree_commit)
+        say(f"kvlink_tree: {tree_info}")
+        imported = tree_info["imported_from"]
+        if not imported or not all(f.startswith(f"{tree}{os.sep}") for f in imported):
+            raise SystemExit(f"setup kvlink_tree: its servers would import kvlink from "
+                             f"{imported}, not from {tree}")
     order = [(s, args.first_round + r) for r in range(args.rounds) for s in setups]
     if args.merge:
         order = []
@@ -550,6 +625,8 @@ def main() -> None:
                              "KVLINK_BENCH_NIXL_PTHR_DELAY_US; 0 = stock (busy-spins a core "
                              "per server); NixlConnector has no setting for it"},
         }
+        if "kvlink_tree" in setups:
+            config["kvlink_tree"]["tree"] = tree_info
 
     # greedy outputs: same token ids for the same prompt in every round of both setups
     ref = {tuple(p): None for p in map(tuple, prompts)}
@@ -572,8 +649,9 @@ def main() -> None:
     summary = {s: summarize(rounds, s) for s in present}
     ratios: dict[str, Any] = {}
     for a, b in (("kvlink", "nixl"), ("kvlink_sync", "nixl"), ("kvlink_sync", "kvlink"),
-                 ("kvlink", "alone"), ("kvlink_sync", "alone"), ("nixl", "alone"),
-                 ("alone", "nixl")):
+                 ("kvlink", "kvlink_tree"), ("kvlink_tree", "nixl"),
+                 ("kvlink", "alone"), ("kvlink_sync", "alone"), ("kvlink_tree", "alone"),
+                 ("nixl", "alone"), ("alone", "nixl")):
         if a in summary and b in summary:
             ratios.update(ratios_of(summary, a, b))
     for s in present:
@@ -621,7 +699,9 @@ def main() -> None:
         "goal_met": {"ttft": bool(ratios.get("ttft_p50_kvlink_over_nixl")
                                   and ratios["ttft_p50_kvlink_over_nixl"] <= 1.0),
                      "throughput": bool(ratios.get("throughput_p50_kvlink_over_nixl")
-                                        and ratios["throughput_p50_kvlink_over_nixl"] >= 1.0)},
+                                        and ratios["throughput_p50_kvlink_over_nixl"] >= 1.0),
+                     **({"ttft_no_worse_than_tree": ratios["ttft_p50_kvlink_over_kvlink_tree"]
+                         <= 1.0} if ratios.get("ttft_p50_kvlink_over_kvlink_tree") else {})},
         "config": config,
         "source": ({"measured": [p2.get("source") for p2 in parts], "merged_by": source()}
                    if parts else measured),
