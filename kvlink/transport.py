@@ -73,6 +73,12 @@ nixl and mooncake):
    producer did (kvlink.integrity.checked, by the generation); ``landed_check(handle)`` says
    how it went. The worker keeps
    one per peer and plan table, for transports that enforce no grants (it takes no ticket).
+   Optional hook ``end_probe(handle) -> Callable[[], int | None] | None`` (cuda_ipc's lane
+   posts): a call that says, without the transport's bookkeeping of the end, None while the
+   transfer moves, else how it ended: -1 where :meth:`~Transport.poll` must say (FAILED, or a
+   digest lane whose kernel did not find every digest equal), else DONE and the digest rows
+   found equal (0 for a plain lane). :meth:`~Transport.poll` or :meth:`~Transport.release`
+   still take the end as they would have (release accounts a DONE nobody polled).
 8. **Grants** (:mod:`kvlink.grants`): every ``post`` names the ``ticket`` its owner granted.
    A transport that serves peers' transfers on the owner's side and declares
    ``Capabilities.enforces_grants`` serves, when its context says ``require_grants``, only

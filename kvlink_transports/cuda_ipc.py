@@ -835,6 +835,33 @@ class CudaIpcTransport(Transport):
         with: the median of the last few timed on the device); 0 while not known."""
         return self._ends.rate
 
+    def end_probe(self, handle: int) -> Callable[[], int | None] | None:
+        """Optional hook (kvlink.transport, rule 7): for a lane's post, a call that reads how
+        its copy ended — the end word its stream marks and a digest lane's check words, taken
+        by the copier's ``Pending.done`` — without this transport's bookkeeping of the end
+        (the peer's mapping reference, the counts, the rate), which :meth:`poll` or
+        :meth:`release` does later: on the poll that reports a READ that bookkeeping was
+        ~10 us cold on one H100 host, on the request's path (docs/e2e.md). None while the
+        copy runs; -1 where :meth:`poll` must say (it failed or was cut, or its kernel did
+        not find every digest equal); else the digest rows found equal (0: a plain lane).
+        None (no call) where the handle is no lane's copy in flight."""
+        x = self._xfers.get(handle)
+        p = None if x is None else x.pending
+        if x is None or p is None or p.end is None or x.state is not PENDING:
+            return None
+        checks = p.checks_lane
+
+        def probe() -> int | None:
+            if not p.done():  # (a copy long not seen ended has its stream asked: as poll)
+                return None
+            if p.failed() or x.cut:
+                return -1
+            if not checks:
+                return 0
+            return int(p.compared) if p.mismatch == NO_MISMATCH else -1
+
+        return probe
+
     def ends_in(self, handle: int) -> float | None:
         """Optional hook (kvlink.transport, rule 6): seconds until ``handle``'s copy should
         have ended (:class:`~kvlink.gpu.ends.CopyEnds`: after the copies before it on our
@@ -911,7 +938,12 @@ class CudaIpcTransport(Transport):
         return x.state
 
     def release(self, handle: int) -> None:
-        """Forget the handle. A copy still running keeps its mapping reference until it ends."""
+        """Forget the handle. A copy still running keeps its mapping reference until it ends;
+        one that ended without a poll seeing it (its end read by :meth:`end_probe`'s call) is
+        taken as :meth:`poll` takes it first, so the counts hold every transfer."""
+        x = self._xfers.get(handle)
+        if x is not None and x.state.status is XferStatus.PENDING:
+            self.poll(handle)
         with self._lock:
             x = self._xfers.pop(handle, None)
             if x is None or x.settled:

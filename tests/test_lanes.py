@@ -28,6 +28,7 @@ from kvlink.errors import BlockIdOutOfRange, KVLinkError
 from kvlink.integrity import Level
 from kvlink.layout import check_in_range
 from kvlink.transport import (
+    PENDING,
     Capabilities,
     Op,
     XferState,
@@ -202,6 +203,49 @@ class ListLaneTcp(LaneTcp):
 register_transport("list_lane_tcp", ListLaneTcp)
 
 
+class ProbeLaneTcp(LaneTcp):
+    """LaneTcp whose lane posts offer ``end_probe`` as cuda_ipc's do (kvlink.transport, rule
+    7): a call that says how a copy ended without the transport's poll — here the tcp
+    transfer's own state, read as it is — and a poll that records what it was asked. A copy
+    in ``stuck`` reads as moving both ways (an injected fault: tcp cannot be held
+    mid-transfer on demand). The worker's side, with real bytes behind it; the GPU scripts
+    and benches run cuda_ipc's probe."""
+
+    name = "probe_lane_tcp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.polled: list[int] = []
+        self.stuck: set[int] = set()
+
+    def poll(self, handle: int) -> XferState:
+        self.polled.append(handle)
+        return PENDING if handle in self.stuck else super().poll(handle)
+
+    def end_probe(self, handle: int) -> Any:
+        x = self._xfers.get(handle)
+        if x is None:
+            return None
+
+        def probe() -> int | None:
+            status = x.state.status
+            if handle in self.stuck or (status is XferStatus.PENDING and not x.has_landed):
+                return None
+            return -1 if status is XferStatus.FAILED else 0
+
+        return probe
+
+    def release(self, handle: int) -> None:
+        """As cuda_ipc's: a transfer that ended unpolled is taken as poll() takes it first."""
+        x = self._xfers.get(handle)
+        if x is not None and x.state.status is XferStatus.PENDING:
+            self.poll(handle)
+        super().release(handle)
+
+
+register_transport("probe_lane_tcp", ProbeLaneTcp)
+
+
 def _pair(transport: str = "lane_tcp", **cfg: Any) -> tuple[Any, Any]:
     prefill, _ = make("p", seed=1, transports=[transport], grants=False, **cfg)
     decode, _ = make("d", transports=[transport], grants=False, **cfg)
@@ -320,6 +364,100 @@ def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted(routed: bool) -> No
     finally:
         prefill.close()
         decode.close()
+
+
+def _held_on_route(decode: Any, prefill: Any, rid: str) -> tuple[Any, int]:
+    """READ ``rid`` (prefill blocks 8, 9 into decode blocks 1, 2) on its route with its copy
+    held (ProbeLaneTcp.stuck), and the poll that makes its records: (transport, handle)."""
+    t = decode.transports["probe_lane_tcp"]
+    gen = prefill.hold(rid, [8, 9])
+    decode.read(rid, remote(prefill), [1, 2], [8, 9], generation=gen)
+    handle = decode._requests[rid].parts[0].handle
+    t.stuck.add(handle)
+    assert decode.poll() == (set(), {})
+    assert decode._requests[rid].early  # its records made, its probe and after-check bound
+    until(lambda: t._xfers[handle].has_landed, 10, "the bytes moved")
+    return t, handle
+
+
+def test_a_routed_read_is_reported_on_its_probe_and_after_check_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ on its route whose copy ended DONE, its hold still shown on the producer's board
+    after it, is reported by the poll that sees the end without asking its transport's poll
+    (``end_probe`` read instead) — that poll's bookkeeping, the transfer's record, the
+    board count and the producer's report follow off the request's path, and nothing of them
+    is lost: the transfer is recorded, the producer is told and releases the hold. Until
+    this stop the reporting poll took the transport's poll and every record on its way."""
+    _threadless(monkeypatch)
+    prefill, decode = _pair("probe_lane_tcp")
+    try:
+        _routed(decode, prefill)
+        decode.poll()  # (what the warm-up READs owe leaves)
+        decode.take_transfers()
+        validated, moved = decode.board_validated, decode.finished_bytes
+        t, handle = _held_on_route(decode, prefill, "r")
+        t.stuck.clear()
+        t.polled.clear()
+        done, failed = decode.poll()
+        assert (done, failed) == ({"r"}, {})
+        assert handle not in t.polled, "the reporting poll asked the transport's poll"
+        assert np.array_equal(blocks(decode, [1, 2]), blocks(prefill, [8, 9]))
+        assert decode.reports_owed and decode.pending()  # the producer is still owed its report
+        got = decode.take_transfers()  # (settles what is owed)
+        assert [(x.transport, x.ok) for x in got] == [("probe_lane_tcp", True)]
+        assert got[0].nbytes > 0 and decode.finished_bytes == moved + got[0].nbytes
+        assert "r" in decode.phases and "r" in decode.xfer_seconds
+        assert decode.board_validated == validated + 1
+        assert handle in t.polled  # the transport took the end as it would have (release)
+        until(lambda: decode.poll() is not None and "r" in [
+            x.req_id for x in prefill.released()], 10, "the producer released the hold")
+        assert decode.pending() == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_routed_read_whose_hold_ended_under_it_is_not_reported_on_its_probe(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the hold ends (its lease expires) before the copy's end is seen: the
+    probe says DONE, the after-check does not show the hold, and the READ fails as any
+    other would ("not confirmed"), though every byte arrived."""
+    _threadless(monkeypatch)
+    prefill, _ = make("p", seed=1, transports=["probe_lane_tcp"], grants=False,
+                      lease_seconds=0.5, read_seconds=0.1)
+    decode, _ = make("d", transports=["probe_lane_tcp"], grants=False)
+    try:
+        _routed(decode, prefill)
+        decode.poll()
+        t, _ = _held_on_route(decode, prefill, "r")
+        sleep_until(time.monotonic() + 0.6)  # the decode's step stalls past the lease
+        assert "r" in [x.req_id for x in prefill.released()]
+        t.stuck.clear()
+        ok, reason = outcome(decode, "r", 10)
+        assert not ok and "not confirmed" in reason
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_routed_read_whose_copy_failed_is_reported_by_its_transports_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that says the copy did not end DONE sends the READ through the step: the
+    transport's poll says why, and the request fails naming it."""
+    _threadless(monkeypatch)
+    prefill, decode = _pair("probe_lane_tcp")
+    try:
+        _routed(decode, prefill)
+        decode.poll()
+        t, handle = _held_on_route(decode, prefill, "r")
+        x = t._xfers[handle]
+        x.state = XferState(XferStatus.FAILED, "an injected failure")  # (a fault: injected)
+        t.stuck.clear()
+        ok, reason = outcome(decode, "r", 10)
+        assert not ok and "an injected failure" in reason, reason
+    finally:
+        decode.close()
+        prefill.close()
 
 
 @pytest.mark.parametrize("transport", ["lane_tcp", "list_lane_tcp"])

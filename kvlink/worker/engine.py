@@ -371,6 +371,8 @@ class KVWorker(_PrefillPush, _DecodePush):
             self._look_again(finished, failed)
         if stepped and grace and self._grace:
             self._await_ends(stepped, finished, failed)
+        if self._ledger.later:  # (requests that ended early owe their producers a report)
+            self._ledger.settle()
         if self._later and ((not finished and not self._requests) or self._later_overdue()):
             self._send_later()  # what earlier polls' requests owe peers (_tell_later)
         self._chan.flush()
@@ -414,13 +416,27 @@ class KVWorker(_PrefillPush, _DecodePush):
                     break
             else:  # (a READ launched on a route makes its records here: _step, first)
                 recording = req.route is not None
-                if self._step(req):
-                    self._report(req, finished, failed)
-                else:
+                if not self._look(req, finished, failed):
                     stepped.add(req.req_id)
                     if recording:
                         self._recorded.append(req)
         return stepped
+
+    def _look(self, req: _Request, finished: set[str], failed: dict[str, str]) -> bool:
+        """One look at a request in flight: a READ that may end on its transports' word and
+        its after-check (:meth:`_end_early`) is looked at so, else it is stepped; True where
+        it was reported."""
+        if req.early:
+            ended = self._end_early(req, finished)
+            if ended is None:
+                return False
+            if ended:
+                return True
+            req.early = False  # (the step decides from here: nothing was taken)
+        if self._step(req):
+            self._report(req, finished, failed)
+            return True
+        return False
 
     def _look_again(self, finished: set[str], failed: dict[str, str]) -> None:
         """The READs whose records this poll's first look made (:meth:`_poll_moving`), looked
@@ -431,8 +447,8 @@ class KVWorker(_PrefillPush, _DecodePush):
         (docs/e2e.md)."""
         recorded, self._recorded = self._recorded, []
         for req in recorded:
-            if self._requests.get(req.req_id) is req and self._step(req):
-                self._report(req, finished, failed)
+            if self._requests.get(req.req_id) is req:
+                self._look(req, finished, failed)
 
     def _await_ends(self, stepped: set[str], finished: set[str], failed: dict[str, str]
                     ) -> None:
@@ -460,17 +476,28 @@ class KVWorker(_PrefillPush, _DecodePush):
             req = self._requests.get(rid)
             if req is None:
                 continue
-            while any(p.handle is not None and p.go is not None and
-                      p.go.peer.transport.poll(p.handle).status is XferStatus.PENDING
-                      for p in req.parts):
+            while self._moving(req):
                 if time.perf_counter() >= end:
                     stats.timed_out += 1
                     stats.seconds += time.perf_counter() - t0
                     return
-            if self._step(req):
-                self._report(req, finished, failed)
+            if self._look(req, finished, failed):
                 stats.reported += 1
         stats.seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _moving(req: _Request) -> bool:
+        """Whether a part of ``req`` is still with its transport, moving: read off each part's
+        ``probe`` where it has one (one word, no bookkeeping), else its transport's poll."""
+        for p in req.parts:
+            if p.handle is None or p.go is None:
+                continue
+            if p.probe is not None and req.early:
+                if p.probe() is None:
+                    return True
+            elif p.go.peer.transport.poll(p.handle).status is XferStatus.PENDING:
+                return True
+        return False
 
     @staticmethod
     def _ends_in(req: _Request) -> float | None:
@@ -575,7 +602,8 @@ class KVWorker(_PrefillPush, _DecodePush):
 
     def pending(self) -> int:
         """Requests in flight, pushes awaited, and reports owed to peers (a poll sends them)."""
-        return len(self._requests) + len(self._awaiting) + len(self._later)
+        return (len(self._requests) + len(self._awaiting) + len(self._later)
+                + len(self._ledger.later))
 
     # ------------------------------------------------------------------ the rest
     def stats(self) -> Mapping[str, TransportStats]:

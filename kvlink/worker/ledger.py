@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 from kvlink.errors import KVLinkError
@@ -67,12 +68,19 @@ class Ledger:
         #: itself: a method per note was a frame more on a request's path, cold
         self.ended: list[_Spent] = []
         self.reported: list[tuple[_Request, float]] = []
+        #: records owed by a poll that reported a request on its transports' word alone (the
+        #: worker's ``_end_early``): each call notes that request's parts and report here
+        self.later: list[Callable[[], None]] = []
 
     def owed(self) -> int:
-        return len(self.ended) + len(self.reported)
+        return len(self.ended) + len(self.reported) + len(self.later)
 
     def settle(self) -> None:
         """Write down everything owed, in the order it happened; release the handles."""
+        if self.later:
+            later, self.later = self.later, []
+            for note in later:
+                note()
         if self.ended:
             ended, self.ended = self.ended, []
             for s in ended:

@@ -28,6 +28,7 @@ from kvlink.layout import KVCacheSpec
 from kvlink.peers import Peer, PeerTable, RemoteEngine
 from kvlink.transport import Transport
 from kvlink.worker.config import WorkerConfig
+from kvlink.worker.ledger import Ledger
 
 log = logging.getLogger("kvlink.worker")
 T = TypeVar("T")
@@ -61,6 +62,7 @@ class _Peering:
     _told: list[Pending]  # reports nobody waits for, kept to log failures
     _later: list[Callable[[], None]]  # reports that leave with a later poll (_tell_later)
     _later_since: float  # monotonic time the oldest of them was queued
+    _ledger: Ledger  # (reports_owed counts what it owes peers too)
     reports_failed: int
 
     @property
@@ -195,8 +197,9 @@ class _Peering:
 
     @property
     def reports_owed(self) -> int:
-        """Reports queued for a later :meth:`poll` (see :meth:`_tell_later`)."""
-        return len(self._later)
+        """Reports queued for a later :meth:`poll` (see :meth:`_tell_later`), and those of
+        READs reported early, whose records a poll still owes (``_Requests._end_early``)."""
+        return len(self._later) + len(self._ledger.later)
 
     def _log_told(self) -> None:
         if not self._told:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,6 +140,9 @@ class _Part:
     failure: str | None = None  # a READ told its generation FAILED: did the producer restart?
     #: READ validated on the producer's hold board once it is DONE: the check, bound at post
     check: AfterCheck | None = None
+    #: a lane's post: how its copy ended, read without the transport's bookkeeping (the
+    #: transport's optional ``end_probe``: kvlink.transport, rule 7)
+    probe: Callable[[], int | None] | None = None
     #: READ with integrity on, digested and compared by the copy kernel (a digest lane, or
     #: kvlink.transport.DigestJob); once DONE its answer — -1 all matched, else the first
     #: index that differed; None: not compared — and the producer's rows it compared
@@ -219,6 +223,7 @@ class _Request:
     #: a READ launched on this route whose records (what it moves, its after-check) are owed:
     #: made by the first look at it (kvlink.worker.requests._Requests._record_launch)
     route: _Route | None = None
+    early: bool = False  # every part has a probe and an after-check: _Requests._end_early
     #: over its transfers, as written down (kvlink.worker.ledger): the slowest one's
     #: transport seconds, and the descriptors of those that were DONE
     xfer_seconds: float = 0.0

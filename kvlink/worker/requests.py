@@ -32,6 +32,7 @@ from kvlink.leases import check_generation
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushKey
 from kvlink.transport import Op
+from kvlink.worker.ledger import _Spent
 from kvlink.worker.parts import _Parts
 from kvlink.worker.records import (
     Moved,
@@ -149,9 +150,65 @@ class _Requests(_Parts):
                 nbytes, descriptors, raw = leg.per_block
                 part.plan = Moved(n * nbytes, n * descriptors, n * raw)
                 self._posted(req, part, go, part.plan.nbytes, part.post_seconds)
+                probe = getattr(go.peer.transport, "end_probe", None)
+                if probe is not None and part.check is not None:
+                    part.probe = probe(part.handle)
             except Exception as exc:
                 log.exception("request %s: recording a launched part failed", req.req_id)
                 self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
+        req.early = all(p.probe is not None and p.error is None for p in req.parts)
+
+    def _end_early(self, req: _Request, finished: set[str]) -> bool | None:
+        """A READ launched on a route (:attr:`_Request.early`) that ended as nearly every one
+        does — each part's copy DONE (a digest lane's kernel found every digest equal) and
+        the hold still shown on the producer's board after it — reported on its transports'
+        word and the after-check alone, with nothing else on its path: its records, the
+        transports' bookkeeping of the ends and the producer's report are noted for the
+        ledger to write (:meth:`_early_records`). On one H100 host those were ~25 us of the
+        ~40 between the copy's end word seen and the poll's return, cold
+        (bench/results/gpu_session_5dc24ba/stamps_e2e). None while a copy runs. False where
+        the step must decide (a copy failed, a digest differed or was not compared, the hold
+        is gone, integrity turned on or off since the launch): nothing was taken then."""
+        rows = 0
+        checking = self.integrity.on
+        for part in req.parts:
+            probe = part.probe
+            if probe is None or part.fusing is not checking:
+                return False
+            got = probe()
+            if got is None:
+                return None
+            if got < 0:
+                return False
+            rows += got
+        for part in req.parts:  # (after every end: validated after the READ)
+            if part.check is None or not part.check():
+                return False
+        del self._requests[req.req_id]
+        finished.add(req.req_id)
+        self._ledger.later.append(functools.partial(self._early_records, req, rows,
+                                                    time.perf_counter()))
+        return True
+
+    def _early_records(self, req: _Request, rows: int, t_done: float) -> None:
+        """What the general step and report would have left of a READ :meth:`_end_early`
+        reported at ``t_done``: each part DONE and validated on the board (its transfer
+        noted, the producer told later), the digest rows its kernels compared, the replicas
+        not read released, the request counted."""
+        for part in req.parts:
+            go = part.go
+            assert go is not None and part.handle is not None
+            self._ledger.ended.append(_Spent(req, go.peer.transport, part.handle, True,
+                                             part.t_post, t_done, part.post_seconds,
+                                             part.nbytes, part.plan))
+            part.handle, part.t_done, part.done = None, t_done, True
+            self.board_validated += 1
+            self._tell_later(functools.partial(self._tell_read_done, req, part))
+        if rows:
+            self.integrity.checked_blocks += rows
+            self.integrity.fused_blocks += rows
+        self._release_rest(req)
+        self._ledger.reported.append((req, t_done))
 
     @staticmethod
     def _post_as_given(route: _Route, local_ids: object, remote_ids: object, checked: int,
@@ -265,17 +322,8 @@ class _Requests(_Parts):
             self._report_layers(req, finished, failed)
             return
         errors = [p.error for p in req.parts if p.error]
-        if req.op is Op.READ:  # replicas holding our heads that we did not read: a producer
-            # takes a release only with the hold's generation (the one we read under, where
-            # the producer ranks share it, as a generation minted by the caller is shared)
-            rest = (req.others if req.others is not None else
-                    self._holders(req.remote, {p.read.remote_rank for p in req.parts}))
-            if rest:  # (none where the TP sizes are equal)
-                granted = [p.go.generation for p in req.parts if p.go is not None and
-                           p.go.generation]
-                self._tell_later(functools.partial(
-                    self._release_at, req.req_id, req.remote, rest,
-                    req.generation or (granted[0] if granted else None)))
+        if req.op is Op.READ:
+            self._release_rest(req)
         if req.lease is not None and req.push is not None:
             intact = self.leases.finish_read(
                 req.lease[0], f"{req.push.engine_id}/{req.push.tp_rank}", req.lease[1],
@@ -307,6 +355,19 @@ class _Requests(_Parts):
         if req.push_key is not None:
             with self._lock:
                 self._push_slots.finish(req.push_key, not errors)
+
+    def _release_rest(self, req: _Request) -> None:
+        """A READ ended: the replicas holding our heads that it did not read are told later. A
+        producer takes a release only with the hold's generation (the one we read under,
+        where the producer ranks share it, as a generation minted by the caller is shared)."""
+        rest = (req.others if req.others is not None else
+                self._holders(req.remote, {p.read.remote_rank for p in req.parts}))
+        if rest:  # (none where the TP sizes are equal)
+            granted = [p.go.generation for p in req.parts if p.go is not None and
+                       p.go.generation]
+            self._tell_later(functools.partial(
+                self._release_at, req.req_id, req.remote, rest,
+                req.generation or (granted[0] if granted else None)))
 
     def release(self, req_id: str, remote: RemoteEngine, skip: set[int] | None = None,
                 generation: int | None = None) -> None:
