@@ -42,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import sweep, write_result
 
 from kvlink.demo import data
-from kvlink.transport import DONE, Capabilities, Op, make_extents, register_transport
+from kvlink.transport import (
+    DONE,
+    PENDING,
+    Capabilities,
+    Op,
+    make_extents,
+    register_transport,
+)
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
 from kvlink_transports.tcp.client import _Xfer
@@ -70,7 +77,19 @@ class _NullLane:
 
 class NullLaneTcp(TcpTransport):
     """tcp's handshake and bookkeeping, with a lane that moves nothing; as cuda_ipc: no
-    Python threads move its transfers, no ticket checks, no native notifications."""
+    Python threads move its transfers, no ticket checks, no native notifications, and an
+    ``end_probe`` (kvlink.transport, rule 7). A handle in ``held`` reads as moving (to time
+    the poll that reports a READ whose records an earlier poll made, as on a GPU)."""
+
+    held: set[int]
+
+    def poll(self, handle: int) -> Any:
+        return PENDING if handle in self.held else super().poll(handle)
+
+    def end_probe(self, handle: int) -> Any:
+        def probe() -> int | None:
+            return None if handle in self.held else 0
+        return probe
 
     name = "null_lane"
     capabilities = Capabilities(ops=frozenset({Op.READ}), memory_kinds=frozenset({"cpu"}),
@@ -80,6 +99,7 @@ class NullLaneTcp(TcpTransport):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.null = _NullLane(self)
+        self.held = set()
 
     def lane(self, op: Op, peer: str, local_base: Any, remote_base: Any, unit: int,
              blocks: tuple[int, int], digests: Any = None) -> _NullLane | None:
@@ -161,6 +181,44 @@ def one(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
             "total": t2 - t0}
 
 
+def after_records(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
+                  rng: np.random.Generator, cold: bool) -> float | None:
+    """The poll that reports a READ on the route whose records an earlier poll made, as on a
+    GPU (the first poll finds its copy moving: here the lane's end is held for it): seconds,
+    or None where its hold's board slot was taken. Its end is read through the lane's
+    ``end_probe`` where the worker takes one."""
+    theirs = list(range(BLOCKS))
+    ours = rng.permutation(CACHE)[:BLOCKS].astype(np.int64)
+    board = prefill.board
+    assert board is not None
+    collisions = board.collisions
+    gen = prefill.hold(rid, theirs)
+    t: NullLaneTcp = decode.transports["null_lane"]  # type: ignore[assignment]
+    decode.read(rid, remote, ours, theirs, generation=gen)
+    handle = decode._requests[rid].parts[0].handle
+    assert handle is not None
+    t.held.add(handle)
+    first = decode.poll()
+    t.held.clear()
+    if rid in first[0] or rid in first[1]:
+        raise RuntimeError(f"{rid} ended while held: {first}")
+    if cold:
+        sweep()
+    t0 = time.perf_counter()
+    done, failed = decode.poll()
+    seconds = time.perf_counter() - t0
+    deadline = time.monotonic() + 10
+    while rid not in done:  # (validated by asking where its slot was taken: not timed)
+        if rid in failed or time.monotonic() > deadline:
+            raise RuntimeError(f"{rid} did not finish: {failed.get(rid)}")
+        prefill.poll()
+        time.sleep(0.0005)
+        done, failed = decode.poll()
+    decode.poll()
+    prefill.poll()
+    return None if board.collisions != collisions else seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
@@ -194,6 +252,10 @@ def main() -> None:
                 got = one(prefill, decode, remote, f"{mode}{i}", rng, mode == "cold")
                 for k, v in (got or {}).items():
                     series[mode].setdefault(k, []).append(v)
+                late = after_records(prefill, decode, remote, f"{mode}late{i}", rng,
+                                     mode == "cold")
+                if late is not None:
+                    series[mode].setdefault("poll_after_records", []).append(late)
     finally:
         decode.close()
         prefill.close()
@@ -204,12 +266,15 @@ def main() -> None:
         m = med[mode]
         print(f"  {mode}: read() to the lane {m['read_to_lane']:6.1f} us, rest of read() "
               f"{m['read_after_lane']:6.1f} us, reporting poll {m['poll']:6.1f} us, "
-              f"total {m['total']:6.1f} us")
+              f"total {m['total']:6.1f} us; reporting poll after an earlier one made the "
+              f"records {m['poll_after_records']:6.1f} us")
     print(f"  Python calls (C calls included): read() {calls['read']}, reporting poll "
           f"{calls['poll']}")
     write_result("worker_host", {
         "what": "the worker's own host time for a READ on a route (a lane that moves nothing), "
-                "median us per phase, cold (after a 32 MiB + Python sweep) and hot",
+                "median us per phase, cold (after a 32 MiB + Python sweep) and hot; "
+                "poll_after_records: the poll that reports a READ whose records an earlier "
+                "poll made (its lane's end held for that one), as on a GPU",
         "request": "80 layers, 1 KV head, 256 blocks (70B TP8 rank's shape)",
         "requests": args.requests, "median_us": med, "python_calls": calls,
     }, args.out)

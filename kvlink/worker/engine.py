@@ -420,6 +420,7 @@ class KVWorker(_PrefillPush, _DecodePush):
                     stepped.add(req.req_id)
                     if recording:
                         self._recorded.append(req)
+                        self._bind_probes(req)
         return stepped
 
     def _look(self, req: _Request, finished: set[str], failed: dict[str, str]) -> bool:

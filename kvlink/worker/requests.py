@@ -150,13 +150,25 @@ class _Requests(_Parts):
                 nbytes, descriptors, raw = leg.per_block
                 part.plan = Moved(n * nbytes, n * descriptors, n * raw)
                 self._posted(req, part, go, part.plan.nbytes, part.post_seconds)
-                probe = getattr(go.peer.transport, "end_probe", None)
-                if probe is not None and part.check is not None:
-                    part.probe = probe(part.handle)
             except Exception as exc:
                 log.exception("request %s: recording a launched part failed", req.req_id)
                 self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
-        req.early = all(p.probe is not None and p.error is None for p in req.parts)
+
+    def _bind_probes(self, req: _Request) -> None:
+        """A READ launched on a route that the look which made its records found still
+        moving: each part's end probe (its transport's ``end_probe``), so the look that sees
+        it end may take :meth:`_end_early`. Bound here, not with the records: a READ whose
+        first look finds it ended (a caller that slept past its copy) takes the step, and
+        would only have paid for them."""
+        for part in req.parts:
+            go = part.go
+            make = (None if go is None or part.handle is None or part.check is None
+                    or part.error is not None else getattr(go.peer.transport, "end_probe",
+                                                           None))
+            part.probe = None if make is None else make(part.handle)
+            if part.probe is None:
+                return
+        req.early = True
 
     def _end_early(self, req: _Request, finished: set[str]) -> bool | None:
         """A READ launched on a route (:attr:`_Request.early`) that ended as nearly every one
