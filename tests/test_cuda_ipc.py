@@ -268,6 +268,11 @@ class _FakeDriverEvents:
 class _FakeCopy:
     """What kvlink.gpu.copy.Pending offers the transport."""
 
+    end: Any = None  # a lane's copy: its end word (read by done())
+    checks_lane = False  # a digest lane's copy: its kernel's check words (compared, mismatch)
+    compared = 0
+    mismatch: int | None = None
+
     def __init__(self, args: tuple[object, ...], after: object) -> None:
         self.args, self.after = args, after
         self.event = _FakeEvent()
@@ -944,6 +949,56 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     st = t.poll(lane.post(lids, rids))
     assert st.status is XferStatus.FAILED and "not connected" in st.reason
     assert len(t._copier.copies) == n
+
+
+def test_a_lane_posts_end_probe_says_how_it_ended_and_release_counts_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda_ipc's ``end_probe`` (kvlink.transport, rule 7), which the worker's poll reads a
+    routed READ's end through: None while the copy runs; once it ended, 0 for a plain lane's
+    DONE copy, a digest lane's rows where its kernel found every digest equal, -1 where poll()
+    must say (refused, cut by a disconnect, a digest that differed or was not compared) —
+    and none of the transport's bookkeeping of the end, which release() then takes as poll()
+    would (the transfer counted once). A post that is no lane's copy has no probe."""
+    from kvlink.gpu.copy import NO_MISMATCH
+    from kvlink.transport import XferStatus, make_extents
+
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    t.connect("p", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
+    lids, rids = np.array([3, 1], dtype=np.int64), np.array([0, 5], dtype=np.int64)
+
+    def posted(checks: bool = False) -> tuple[int, Any, Any]:
+        h = lane.post(lids, rids)
+        c = t._copier.copies[-1]
+        c.end, c.checks_lane = object(), checks  # (a lane's copy, as the copier makes it)
+        probe = t.end_probe(h)
+        assert probe is not None and probe() is None  # moving
+        return h, c, probe
+
+    h, c, probe = posted()
+    c.event.done = True
+    counted = t.stats.transfers
+    assert probe() == 0 and t.stats.transfers == counted  # ended DONE; nothing counted yet
+    t.release(h)
+    assert t.stats.transfers == counted + 1 and h not in t._xfers
+    h, c, probe = posted()
+    c.refused, c.event.done = True, True
+    assert probe() == -1 and t.poll(h).status is XferStatus.FAILED
+    for mismatch, compared, says in ((NO_MISMATCH, 7, 7), (3, 7, -1), (None, 0, -1)):
+        h, c, probe = posted(checks=True)
+        c.mismatch, c.compared, c.event.done = mismatch, compared, True
+        assert probe() == says, (mismatch, compared)
+    h, c, probe = posted()
+    t.disconnect("p")  # cut while in flight: FAILED once it ends, whatever it did
+    c.event.done = True
+    assert probe() == -1 and t.poll(h).status is XferStatus.FAILED
+    t.connect("p", _desc(4242, b"a" * 64))
+    general = t.post(Op.READ, "p", make_extents([0x1000], [4096]),
+                     make_extents([0x9000], [4096]), None)
+    assert t.end_probe(general) is None and t.end_probe(10**9) is None
 
 
 def _mapping_transport(monkeypatch: pytest.MonkeyPatch, peer: str, device_address: int
