@@ -420,13 +420,16 @@ class KVWorker(_PrefillPush, _DecodePush):
                     stepped.add(req.req_id)
                     if recording:
                         self._recorded.append(req)
-                        self._bind_probes(req)
         return stepped
 
     def _look(self, req: _Request, finished: set[str], failed: dict[str, str]) -> bool:
         """One look at a request in flight: a READ that may end on its transports' word and
         its after-check (:meth:`_end_early`) is looked at so, else it is stepped; True where
-        it was reported."""
+        it was reported. The first look at a READ launched on its route makes its records and
+        binds its probes first (a caller that slept past its copy sees it ended there)."""
+        if req.route is not None:
+            self._record_launch(req)
+            self._bind_probes(req)
         if req.early:
             ended = self._end_early(req, finished)
             if ended is None:

@@ -155,11 +155,8 @@ class _Requests(_Parts):
                 self._part_failed(req, part, f"{type(exc).__name__}: {exc}")
 
     def _bind_probes(self, req: _Request) -> None:
-        """A READ launched on a route that the look which made its records found still
-        moving: each part's end probe (its transport's ``end_probe``), so the look that sees
-        it end may take :meth:`_end_early`. Bound here, not with the records: a READ whose
-        first look finds it ended (a caller that slept past its copy) takes the step, and
-        would only have paid for them."""
+        """A READ launched on a route, its records made: each part's end probe (its
+        transport's ``end_probe``), so a look that sees it end may take :meth:`_end_early`."""
         for part in req.parts:
             go = part.go
             make = (None if go is None or part.handle is None or part.check is None
