@@ -31,10 +31,12 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -129,18 +131,27 @@ class _Calls:
             self.n += 1
 
 
-def one(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
-        rng: np.random.Generator, cold: bool, calls: _Calls | None = None
-        ) -> dict[str, float] | None:
-    """One READ on the route: (phase -> seconds), or with ``calls`` (phase -> calls); None
-    where its hold's board slot was taken (then it is not on the route's path: not timed)."""
+def _held(prefill: KVWorker, rid: str, rng: np.random.Generator
+          ) -> tuple[list[int], npt.NDArray[np.int64], int, Callable[[], bool]]:
+    """A request of the 70B shape held by the producer: (its ids, ours for it, the hold's
+    generation, whether its board slot was taken by then — its READ is then validated by
+    asking, not on the board, and not what the bench times)."""
     theirs = list(range(BLOCKS))
     ours = rng.permutation(CACHE)[:BLOCKS].astype(np.int64)
     board = prefill.board
     assert board is not None
     collisions = board.collisions
     gen = prefill.hold(rid, theirs)
-    if board.collisions != collisions:  # its generation's slot was taken (about one hold in
+    return theirs, ours, gen, lambda: board.collisions != collisions
+
+
+def one(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid: str,
+        rng: np.random.Generator, cold: bool, calls: _Calls | None = None
+        ) -> dict[str, float] | None:
+    """One READ on the route: (phase -> seconds), or with ``calls`` (phase -> calls); None
+    where its hold's board slot was taken (then it is not on the route's path: not timed)."""
+    theirs, ours, gen, slot_taken = _held(prefill, rid, rng)
+    if slot_taken():  # its generation's slot was taken (about one hold in
         # a few thousand here): this READ is validated by asking, not on the board. Not
         # timed: finished off the record
         decode.read(rid, remote, ours, theirs, generation=gen)
@@ -187,12 +198,7 @@ def after_records(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid
     GPU (the first poll finds its copy moving: here the lane's end is held for it): seconds,
     or None where its hold's board slot was taken. Its end is read through the lane's
     ``end_probe`` where the worker takes one."""
-    theirs = list(range(BLOCKS))
-    ours = rng.permutation(CACHE)[:BLOCKS].astype(np.int64)
-    board = prefill.board
-    assert board is not None
-    collisions = board.collisions
-    gen = prefill.hold(rid, theirs)
+    theirs, ours, gen, slot_taken = _held(prefill, rid, rng)
     t: NullLaneTcp = decode.transports["null_lane"]  # type: ignore[assignment]
     decode.read(rid, remote, ours, theirs, generation=gen)
     handle = decode._requests[rid].parts[0].handle
@@ -216,7 +222,7 @@ def after_records(prefill: KVWorker, decode: KVWorker, remote: RemoteEngine, rid
         done, failed = decode.poll()
     decode.poll()
     prefill.poll()
-    return None if board.collisions != collisions else seconds
+    return None if slot_taken() else seconds
 
 
 def main() -> None:

@@ -903,6 +903,17 @@ class _FakeLaneCopier(_FakeCopier):
         return c
 
 
+def _read_lane(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A transport with the lane copier (GPU parts faked), connected to peer "p", and its READ
+    lane over two segments of 64 blocks of 4 KiB a side."""
+    t = _fake_transport(monkeypatch)
+    t._copier = _FakeLaneCopier()
+    t.connect("p", _desc(4242, b"a" * 64))
+    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
+    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
+    return t, t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
+
+
 def test_a_lane_posts_block_ids_under_the_transports_contract(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """cuda_ipc's lane (kvlink.gpu.lane bound once per peer pair): a post hands the copier
@@ -912,12 +923,8 @@ def test_a_lane_posts_block_ids_under_the_transports_contract(
     checks, named); what the lane cannot take is left to the general post (None)."""
     from kvlink.transport import XferStatus
 
-    t = _fake_transport(monkeypatch)
-    t._copier = _FakeLaneCopier()
-    t.connect("p", _desc(4242, b"a" * 64))
-    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
-    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
-    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
+    t, lane = _read_lane(monkeypatch)
+    remote_base = lane.remote_base
     lids, rids = np.array([3, 1, 2], dtype=np.int64), np.array([0, 5, 6], dtype=np.int64)
     h = lane.post(lids, rids)
     c = t._copier.copies[-1]
@@ -962,12 +969,7 @@ def test_a_lane_posts_end_probe_says_how_it_ended_and_release_counts_it(
     from kvlink.gpu.copy import NO_MISMATCH
     from kvlink.transport import XferStatus, make_extents
 
-    t = _fake_transport(monkeypatch)
-    t._copier = _FakeLaneCopier()
-    t.connect("p", _desc(4242, b"a" * 64))
-    local_base = np.array([0x1000, 0x1000 + (64 << 12)], dtype=np.uint64)
-    remote_base = np.array([0x9000, 0x9000 + (64 << 12)], dtype=np.uint64)
-    lane = t.lane(Op.READ, "p", local_base, remote_base, 4096, (64, 64))
+    t, lane = _read_lane(monkeypatch)
     lids, rids = np.array([3, 1], dtype=np.int64), np.array([0, 5], dtype=np.int64)
 
     def posted(checks: bool = False) -> tuple[int, Any, Any]:
