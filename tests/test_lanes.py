@@ -243,7 +243,39 @@ class ProbeLaneTcp(LaneTcp):
         super().release(handle)
 
 
+class FusingProbeLaneTcp(ProbeLaneTcp):
+    """ProbeLaneTcp whose lanes are made digesting (as FusingLaneTcp's), and whose "kernel"
+    found every digest of a post equal — two rows, the posts' two blocks — except for the
+    handles in ``differs``: there it found the first one different. Its probe and
+    ``landed_check`` say so as cuda_ipc's read the kernel's check words. A stand-in for the
+    copy kernel (no GPU here; scripts/gpu_fused_digest_check.py runs the real one)."""
+
+    name = "fusing_probe_lane_tcp"
+    fuses_digests = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.differs: set[int] = set()
+
+    def end_probe(self, handle: int) -> Any:
+        ended = super().end_probe(handle)
+        if ended is None:
+            return None
+
+        def probe() -> int | None:
+            got = ended()
+            if got is None or got < 0:
+                return got
+            return -1 if handle in self.differs else 2
+
+        return probe
+
+    def landed_check(self, handle: int) -> tuple[int, int] | None:
+        return (0, 2) if handle in self.differs else (-1, 2)
+
+
 register_transport("probe_lane_tcp", ProbeLaneTcp)
+register_transport("fusing_probe_lane_tcp", FusingProbeLaneTcp)
 
 
 def _pair(transport: str = "lane_tcp", **cfg: Any) -> tuple[Any, Any]:
@@ -366,10 +398,11 @@ def test_a_lane_read_whose_hold_ends_under_it_is_not_trusted(routed: bool) -> No
         decode.close()
 
 
-def _held_on_route(decode: Any, prefill: Any, rid: str) -> tuple[Any, int]:
+def _held_on_route(decode: Any, prefill: Any, rid: str, transport: str = "probe_lane_tcp"
+                   ) -> tuple[Any, int]:
     """READ ``rid`` (prefill blocks 8, 9 into decode blocks 1, 2) on its route with its copy
     held (ProbeLaneTcp.stuck), and the poll that makes its records: (transport, handle)."""
-    t = decode.transports["probe_lane_tcp"]
+    t = decode.transports[transport]
     gen = prefill.hold(rid, [8, 9])
     decode.read(rid, remote(prefill), [1, 2], [8, 9], generation=gen)
     handle = decode._requests[rid].parts[0].handle
@@ -455,6 +488,44 @@ def test_a_routed_read_whose_copy_failed_is_reported_by_its_transports_poll(
         t.stuck.clear()
         ok, reason = outcome(decode, "r", 10)
         assert not ok and "an injected failure" in reason, reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_digest_lanes_read_ends_early_only_where_its_kernel_found_every_digest_equal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Integrity on, a routed READ through a digest lane: where its kernel found every
+    digest equal to the producer's (the stand-in's word, read as cuda_ipc's probe reads the
+    kernel's check words), the READ ends early and its rows count as checked on the device;
+    where the kernel found one different, the READ takes the general step and fails closed —
+    though the bytes landed intact and the host's own check of them passes: the kernel's
+    word is not overruled."""
+    _threadless(monkeypatch)
+    prefill, _ = make("p", seed=1, transports=["fusing_probe_lane_tcp"], grants=False,
+                      integrity="full")
+    decode, _ = make("d", transports=["fusing_probe_lane_tcp"], grants=False, integrity="full")
+    # a stand-in, not a fault: our views as the copy kernel would take them (CPU planes have
+    # none, no GPU here) — device pointers the stand-in lane never dereferences
+    decode.integrity.fused_views = lambda: (0x6E0, 0x3E1, 2 * decode.spec.num_layers,  # type: ignore[method-assign]
+                                            decode.spec.num_kv_heads)
+    try:
+        _routed(decode, prefill)
+        decode.poll()
+        checked, fused = decode.integrity.checked_blocks, decode.integrity.fused_blocks
+        t, handle = _held_on_route(decode, prefill, "equal", "fusing_probe_lane_tcp")
+        t.stuck.clear()
+        t.polled.clear()
+        assert decode.poll()[0] == {"equal"} and handle not in t.polled  # ended early
+        decode.take_transfers()  # (settles what it owes)
+        assert decode.integrity.checked_blocks == checked + 2
+        assert decode.integrity.fused_blocks == fused + 2
+        t, handle = _held_on_route(decode, prefill, "differs", "fusing_probe_lane_tcp")
+        t.differs.add(handle)
+        t.stuck.clear()
+        ok, reason = outcome(decode, "differs", 10)
+        assert not ok and "copy kernel's digest" in reason, reason
+        assert np.array_equal(blocks(decode, [1, 2]), blocks(prefill, [8, 9]))  # intact
     finally:
         decode.close()
         prefill.close()
