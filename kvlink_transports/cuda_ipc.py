@@ -148,6 +148,9 @@ class _Xfer:
     #: 0: not known)
     t_queued: float = 0.0
     ends_at: float = 0.0
+    #: when (perf_counter) :meth:`CudaIpcTransport.end_probe`'s call first saw the copy ended
+    #: (0: none did): its time for the counts and the rate, which poll() may take later
+    ended_at: float = 0.0
 
 
 _ALIGNED = PerBases()
@@ -854,6 +857,8 @@ class CudaIpcTransport(Transport):
         def probe() -> int | None:
             if not p.done():  # (a copy long not seen ended has its stream asked: as poll)
                 return None
+            if not x.ended_at:
+                x.ended_at = time.perf_counter()
             if p.failed() or x.cut:
                 return -1
             if not checks:
@@ -926,11 +931,12 @@ class CudaIpcTransport(Transport):
                                             x.pending.error or self._refusal(x))
                     else:
                         x.state = DONE
-                        self._ends.ended(x.nbytes, time.perf_counter() - x.t_queued)
+                        self._ends.ended(x.nbytes, (x.ended_at or time.perf_counter())
+                                         - x.t_queued)
             if closable:  # (the last copy of a peer gone meanwhile)
                 self._unmap(closable)
             if x.state is DONE:
-                self._account_done(x.nbytes, time.perf_counter() - x.t_post)
+                self._account_done(x.nbytes, (x.ended_at or time.perf_counter()) - x.t_post)
             else:
                 self._account(failed=1)
             if self._retiring:

@@ -982,10 +982,13 @@ def test_a_lane_posts_end_probe_says_how_it_ended_and_release_counts_it(
 
     h, c, probe = posted()
     c.event.done = True
-    counted = t.stats.transfers
+    counted, seconds = t.stats.transfers, t.stats.xfer_seconds
     assert probe() == 0 and t.stats.transfers == counted  # ended DONE; nothing counted yet
+    x = t._xfers[h]
     t.release(h)
     assert t.stats.transfers == counted + 1 and h not in t._xfers
+    # its time is to when the probe saw it end, not to the release
+    assert t.stats.xfer_seconds - seconds == pytest.approx(x.ended_at - x.t_post, abs=1e-12)
     h, c, probe = posted()
     c.refused, c.event.done = True, True
     assert probe() == -1 and t.poll(h).status is XferStatus.FAILED
