@@ -366,14 +366,7 @@ class _Parts(_Holds):
             digests = (self._board_digests(req, part.go)
                        if shown and checking and not matched else None)
             if shown and (matched or digests is not None or not checking):
-                # still held now that the READ is over: intact (kvlink.holdboard). The report
-                # only lets the producer count us done: nobody waits for its answer, and it
-                # leaves with a later poll's frame, off this request's path (_tell_later)
-                self.board_validated += 1
-                self._tell_later(functools.partial(self._tell_read_done, req, part))
-                if matched:  # and what landed digests like the hold (the copy kernel said)
-                    self.integrity.checked_blocks += part.fused_rows
-                    self.integrity.fused_blocks += part.fused_rows
+                self._held_throughout(req, part, part.fused_rows if matched else 0)
                 if digests is None:
                     part.done = True
                 else:
@@ -382,6 +375,18 @@ class _Parts(_Holds):
                 part.verdict = self._report_read(req, part, True)
         else:
             part.done = True
+
+    def _held_throughout(self, req: _Request, part: _Part, rows: int) -> None:
+        """A READ still held now that it is over: intact (kvlink.holdboard), counted so. The
+        report only lets the producer count us done: nobody waits for its answer, and it
+        leaves with a later poll's frame, off this request's path (_tell_later). ``rows``:
+        the digest rows its copy kernel found equal to the hold's (what landed digests like
+        the hold), counted as checked on the device."""
+        self.board_validated += 1
+        self._tell_later(functools.partial(self._tell_read_done, req, part))
+        if rows:
+            self.integrity.checked_blocks += rows
+            self.integrity.fused_blocks += rows
 
     def _digest_job(self, req: _Request, part: _Part, transport: Transport,
                     spec: KVCacheSpec) -> DigestJob | None:

@@ -178,8 +178,8 @@ class _Requests(_Parts):
         (bench/results/gpu_session_5dc24ba/stamps_e2e). None while a copy runs. False where
         the step must decide (a copy failed, a digest differed or was not compared, the hold
         is gone, integrity turned on or off since the launch): nothing was taken then."""
-        rows = 0
         checking = self.integrity.on
+        rows = []  # each part's digest rows its kernel found equal (0: a plain lane)
         for part in req.parts:
             probe = part.probe
             if probe is None or part.fusing is not checking:
@@ -189,7 +189,7 @@ class _Requests(_Parts):
                 return None
             if got < 0:
                 return False
-            rows += got
+            rows.append(got)
         for part in req.parts:  # (after every end: validated after the READ)
             if part.check is None or not part.check():
                 return False
@@ -199,23 +199,19 @@ class _Requests(_Parts):
                                                     time.perf_counter()))
         return True
 
-    def _early_records(self, req: _Request, rows: int, t_done: float) -> None:
+    def _early_records(self, req: _Request, rows: list[int], t_done: float) -> None:
         """What the general step and report would have left of a READ :meth:`_end_early`
-        reported at ``t_done``: each part DONE and validated on the board (its transfer
-        noted, the producer told later), the digest rows its kernels compared, the replicas
+        reported at ``t_done``: each part DONE and held throughout (its transfer noted, the
+        producer told later, ``rows``: the digest rows its kernel found equal), the replicas
         not read released, the request counted."""
-        for part in req.parts:
+        for part, equal in zip(req.parts, rows):
             go = part.go
             assert go is not None and part.handle is not None
             self._ledger.ended.append(_Spent(req, go.peer.transport, part.handle, True,
                                              part.t_post, t_done, part.post_seconds,
                                              part.nbytes, part.plan))
             part.handle, part.t_done, part.done = None, t_done, True
-            self.board_validated += 1
-            self._tell_later(functools.partial(self._tell_read_done, req, part))
-        if rows:
-            self.integrity.checked_blocks += rows
-            self.integrity.fused_blocks += rows
+            self._held_throughout(req, part, equal)
         self._release_rest(req)
         self._ledger.reported.append((req, t_done))
 
