@@ -25,7 +25,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedules", type=int, default=200)
     ap.add_argument("--start", type=int, default=1000, help="first seed (CI runs 0..5)")
-    ap.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "mooncake"])
+    ap.add_argument("--transport", default="tcp",
+                    choices=["tcp", "nixl", "mooncake", "cuda_ipc"],
+                    help="cuda_ipc: both caches on GPU 0 (a GPU machine)")
     ap.add_argument("--integrity", default="off", choices=["off", "sample", "full"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

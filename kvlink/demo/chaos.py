@@ -6,7 +6,9 @@ the same engine id, i.e. a new incarnation) holds requests under short leases an
 the core releases one, overwrites its blocks with other bytes (the blocks are reused). The
 consumer (the calling process) takes every request it is told about over the schedule's
 transport (tcp by default; nixl and mooncake too: a peer killed under their engines'
-connections and restarted at the same address), pulling some and having the others pushed; it
+connections and restarted at the same address; cuda_ipc with both caches on one GPU: a peer
+killed with the consumer's mappings of its cache open, its copies maybe in flight), pulling
+some and having the others pushed; it
 stalls its step loop at random (sometimes past the lease), and the producer's step reaches a
 push request up to 1.5x the decode's push timeout late, so pushes are cancelled, refused and
 killed mid-flight. A schedule passes when:
@@ -33,6 +35,7 @@ import zlib
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlink import wire
 from kvlink.demo import data
@@ -46,20 +49,40 @@ CONSUMER_BLOCKS = 256
 _mp = mp.get_context("spawn")
 
 
-def _stamp(layers: list[object], ids: list[int], tag: str) -> None:
-    """Fill block ``ids[k]`` of every layer with bytes only ``(tag, k)`` produces."""
+def _stamp(layers: list[Any], ids: list[int], tag: str) -> None:
+    """Fill block ``ids[k]`` of every layer with bytes only ``(tag, k)`` produces. A cache on
+    a GPU (torch) is written on the current stream and waited for: what a hold or a failed
+    push's quarantine then holds is on the device, as a prefill's KV is once its forward's
+    step has ended."""
     for li, lv in enumerate(layers):
-        arr = np.asarray(lv)
         for k, b in enumerate(ids):
             h = zlib.crc32(f"{tag}/{k}/{li}".encode())
-            arr[:, b] = ((np.arange(arr[:, b].size, dtype=np.uint32) * 7 + h) % 65521
-                         ).astype(np.uint16).reshape(arr[:, b].shape)
+            shape = tuple(lv[:, b].shape)
+            words = ((np.arange(int(np.prod(shape)), dtype=np.uint32) * 7 + h) % 65521
+                     ).astype(np.uint16).reshape(shape)
+            if data.is_torch(lv):
+                import torch
+
+                lv[:, b] = torch.from_numpy(words.view(np.int16)).to(lv.device)
+            else:
+                np.asarray(lv)[:, b] = words
+    if layers and data.is_torch(layers[0]) and layers[0].is_cuda:
+        import torch
+
+        torch.cuda.synchronize(layers[0].device)
 
 
-def _matches(layers: list[object], ids: list[int], tag: str) -> bool:
+def _host(block: Any) -> npt.NDArray[np.uint16]:
+    """A block's words on the host (a torch cache's copied there), as 16-bit words."""
+    if data.is_torch(block):
+        return block.cpu().numpy().view(np.uint16)  # type: ignore[no-any-return]
+    return np.asarray(block)
+
+
+def _matches(layers: list[Any], ids: list[int], tag: str) -> bool:
     _want_buf, want = data.allocate(GEO, len(ids), 1, 0)
     _stamp(want, list(range(len(ids))), tag)
-    return all(np.array_equal(np.asarray(lv)[:, ids], np.asarray(w))
+    return all(np.array_equal(_host(lv[:, ids]), np.asarray(w))
                for lv, w in zip(layers, want))
 
 
@@ -72,8 +95,14 @@ class Schedule:
     deadline: float = 10.0  # every read must resolve within this
     push_share: float = 0.5  # requests the consumer has pushed (the rest it pulls)
     push_timeout: float = 0.3  # decode side; the producer's step reaches a push 0-1.5x this late
-    transport: str = "tcp"  # both sides' one transport (tcp, nixl, mooncake)
+    transport: str = "tcp"  # both sides' one transport (tcp, nixl, mooncake, cuda_ipc)
     integrity: str = "off"  # both sides' integrity level (kvlink.integrity)
+
+    @property
+    def device(self) -> str:
+        """Where both caches live: cuda_ipc's on one GPU (its peers share a host and a
+        device here), every other transport's in host memory."""
+        return "cuda:0" if self.transport == "cuda_ipc" else "cpu"
 
 
 def _produce(port: int, seed: int, tag: str, sched: Schedule, budget: int, events: Any,
@@ -81,7 +110,7 @@ def _produce(port: int, seed: int, tag: str, sched: Schedule, budget: int, event
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rng = random.Random(seed)
     lease, push_delay = sched.lease, 1.5 * sched.push_timeout
-    _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0)
+    _buf, layers = data.allocate(GEO, PRODUCER_BLOCKS, 1, 0, sched.device)
     for attempt in range(50):  # as a supervisor would: the port may be briefly taken
         w = KVWorker(WorkerConfig(engine_id="chaos-p", side_port=port, lease_seconds=lease,
                                   read_seconds=lease / 2, handshake_timeout=1.0,
@@ -182,7 +211,7 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     """Run one schedule; returns its counts (``violations`` must be empty)."""
     rng = random.Random(sched.seed)
     stop: Any = None
-    _consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0)
+    _consumer_buf, clayers = data.allocate(GEO, CONSUMER_BLOCKS, 1, 0, sched.device)
     w = KVWorker(WorkerConfig(engine_id="chaos-d", handshake_timeout=1.0, intent_timeout=1.0,
                               transports=[sched.transport], integrity=sched.integrity))
     w.register(data.spec_of(GEO, clayers, 1, 0))
@@ -289,7 +318,7 @@ def _wait_done(events: Any, counts: dict[str, Any], timeout: float) -> None:
     counts["violations"].append("the last producer never reported its books")
 
 
-def _settle(w: KVWorker, layers: list[object], reading: dict[str, _Read], free: list[int],
+def _settle(w: KVWorker, layers: list[Any], reading: dict[str, _Read], free: list[int],
             counts: dict[str, Any], deadline: float) -> None:
     done, failed = w.poll()
     for req in done:
