@@ -22,9 +22,11 @@
 #   layerwise  bench/layerwise.py --device cuda at integrity off, sample and full (a
 #          layer-wise push digested range by range on the forward's stream, checked whole)
 #   landing  scripts/gpu_landing_check.py: the landing board's signal on the device
+#   soak   bench/lifecycle_soak.py --transport cuda_ipc: randomized kills, restarts, stalls and
+#          reuse with both caches on the GPU (integrity sample), 8 schedules; 0 violations
 # Every step's log and JSON go to $OUT/results.tgz; each step's last telling lines print here.
 set -u
-label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io integrity layerwise landing]}
+label=${1:?usage: gpu_checks.sh LABEL [runs order ipc fused e2e host io integrity layerwise landing soak]}
 shift
 steps=${*:-runs order ipc fused e2e host io}
 tree=$(cd "$(dirname "$0")/.." && pwd)
@@ -74,7 +76,10 @@ for step in $steps; do
             grep -E "^(whole|layered|one) |mismatches" $O/layerwise_$lv.log
         done ;;
     landing) go landing 90 python3 scripts/gpu_landing_check.py --out $O ;;
-    *) echo "unknown step $step (runs order ipc fused e2e host io integrity layerwise landing)"
+    soak) go soak 150 python3 bench/lifecycle_soak.py --transport cuda_ipc --integrity sample \
+              --schedules 8 --start 0 --out $O/lifecycle_soak_cuda_ipc.json
+          grep -E "violations" $O/soak.log | cut -c1-300 ;;
+    *) echo "unknown step $step (runs order ipc fused e2e host io integrity layerwise landing soak)"
        exit 2 ;;
     esac
 done

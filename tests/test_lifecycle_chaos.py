@@ -9,7 +9,10 @@ before its deadline; the producer that ran to the end released each hold once an
 nothing. CI runs ``KVLINK_CHAOS_SCHEDULES``
 schedules (default 6, about 15 s) over tcp, and half as many over NIXL (UCX) and Mooncake TE —
 their engines' connections to a killed producer, and to its restart at the same address, are
-theirs, not kvlink's; ``bench/lifecycle_soak.py`` runs hundreds.
+theirs, not kvlink's; ``bench/lifecycle_soak.py`` runs hundreds. Over cuda_ipc (both caches
+on one GPU, a producer killed with the consumer's mappings of its cache open) where CUDA is
+here; elsewhere that case is skipped, saying so, and runs in ``scripts/gpu_checks.sh``'s
+``soak`` step on a GPU machine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ _NEEDS = {"nixl": ("nixl._api", "pip install 'kvlink[nixl]'"),
                                           "libibverbs1)")}
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _importable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -37,13 +48,18 @@ def _importable(module: str) -> bool:
 
 
 @pytest.mark.fault("randomized schedules: stalls, lease expiries, push cancels, kills, restarts")
-@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "mooncake", "cuda_ipc"])
 def test_random_schedules_never_finish_with_wrong_bytes(
         transport: str, observed: Callable[[str], None], caplog: pytest.LogCaptureFixture,
         capsys: pytest.CaptureFixture[str]) -> None:
     if transport in _NEEDS and not _importable(_NEEDS[transport][0]):
         why = f"{_NEEDS[transport][0]} is not importable: {_NEEDS[transport][1]}"
         print(f"\nskipping the lifecycle schedules over {transport}: {why}")
+        pytest.skip(why)
+    if transport == "cuda_ipc" and not _cuda():
+        why = ("no CUDA GPU here: the schedules over cuda_ipc run on a GPU machine "
+               "(scripts/gpu_checks.sh LABEL soak)")
+        print(f"\nskipping the lifecycle schedules over cuda_ipc: {why}")
         pytest.skip(why)
     caplog.set_level(logging.ERROR)  # refusals and expiries are the point: not news
     n = int(os.environ.get("KVLINK_CHAOS_SCHEDULES", "6"))
