@@ -1,4 +1,4 @@
-"""Randomized lifecycle schedules over real processes and tcp (see kvlink/demo/chaos.py).
+"""Randomized lifecycle schedules over real processes and transports (kvlink/demo/chaos.py).
 
 Each schedule: a producer process holding requests under 0.5 s leases and reusing blocks the
 moment they are released, serving push requests late, killed mid-flight and restarted under

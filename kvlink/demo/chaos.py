@@ -8,10 +8,9 @@ consumer (the calling process) takes every request it is told about over the sch
 transport (tcp by default; nixl and mooncake too: a peer killed under their engines'
 connections and restarted at the same address; cuda_ipc with both caches on one GPU: a peer
 killed with the consumer's mappings of its cache open, its copies maybe in flight), pulling
-some and having the others pushed; it
-stalls its step loop at random (sometimes past the lease), and the producer's step reaches a
-push request up to 1.5x the decode's push timeout late, so pushes are cancelled, refused and
-killed mid-flight. A schedule passes when:
+some and having the others pushed; it stalls its step loop at random (sometimes past the
+lease), and the producer's step reaches a push request up to 1.5x the decode's push timeout
+late, so pushes are cancelled, refused and killed mid-flight. A schedule passes when:
 
 - every finished receive holds that request's own bytes;
 - every receive resolves before its deadline;
