@@ -120,9 +120,11 @@ level's kernel time (`full`'s kernel is +15 us in situ, the request +3-5 us). Th
 {H_SOAK}
 
 Both caches on the one GPU, the producer killed once a schedule with the consumer's mappings
-of its cache open and reads in flight or posted after its death, then restarted under the same
-engine id: {soak['schedules']} schedules, {soak['kills']} kills, {soak['finished']} finished
-receives ({soak['verified']} verified byte for byte), {soak['failed']} failed
+of its cache open (a READ may be in flight then, or posted after the death on the mapping
+the consumer still holds: the schedule does not record which happened), then restarted under
+the same engine id: {soak['schedules']} schedules, {soak['kills']} kills,
+{soak['finished']} finished receives ({soak['verified']} verified byte for byte),
+{soak['failed']} failed
 ({soak['reasons']}), **{len(soak['violations'])} violations**, no CUDA error in the consumer
 (`call1/soak_ipc.log`). Its first run on a GPU.
 
