@@ -12,7 +12,8 @@ some and having the others pushed; it stalls its step loop at random (sometimes 
 lease), and the producer's step reaches a push request up to 1.5x the decode's push timeout
 late, so pushes are cancelled, refused and killed mid-flight. A schedule passes when:
 
-- every finished receive holds that request's own bytes;
+- every finished receive holds that request's own bytes, and none was asked after its
+  producer was killed (nobody is left to confirm it);
 - every receive resolves before its deadline;
 - no byte lands in a failed push's blocks after the decode was told it failed (they are
   stamped at that moment and checked once every producer is gone);
@@ -187,6 +188,7 @@ class _Read:
     local: list[int]
     t0: float
     push: bool = False
+    orphan: bool = False  # asked after its producer was killed: it must fail
 
 
 def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
@@ -194,11 +196,12 @@ def run_schedules(seeds: range, **kw: Any) -> dict[str, Any]:
     from kvlink.demo.run import free_port_range
 
     total: dict[str, Any] = {"schedules": 0, "finished": 0, "verified": 0, "failed": 0,
-                             "kills": 0, "pushed": 0, "reasons": {}, "violations": []}
+                             "kills": 0, "pushed": 0, "after_kill": 0, "reasons": {},
+                             "violations": []}
     for seed in seeds:
         c = run_schedule(Schedule(seed=seed, **kw), free_port_range(1))
         total["schedules"] += 1
-        for k in ("finished", "verified", "failed", "kills", "pushed"):
+        for k in ("finished", "verified", "failed", "kills", "pushed", "after_kill"):
             total[k] += c[k]
         for k, n in c["reasons"].items():
             total["reasons"][k] = total["reasons"].get(k, 0) + n
@@ -216,8 +219,8 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
     w.register(data.spec_of(GEO, clayers, 1, 0))
     remote = RemoteEngine("chaos-p", "127.0.0.1", port)
     counts: dict[str, Any] = {"finished": 0, "failed": 0, "verified": 0, "kills": 0,
-                              "pushed": 0, "violations": [], "producers": [], "reasons": {},
-                              "quarantine": []}
+                              "pushed": 0, "after_kill": 0, "violations": [], "producers": [],
+                              "reasons": {}, "quarantine": []}
     incarnations = sched.kills + 1
     budgets = [sched.requests // incarnations] * incarnations
     budgets[-1] += sched.requests - sum(budgets)
@@ -253,7 +256,12 @@ def run_schedule(sched: Schedule, port: int) -> dict[str, Any]:
                     pending.remove(item)
                     local = [free.pop(rng.randrange(len(free))) for _ in item[2]]
                     push = rng.random() < sched.push_share
-                    reading[item[1]] = _Read(item[1], local, now, push)
+                    # held by an incarnation killed since: asked of a dead producer, which
+                    # nobody can confirm (a pull told its generation may still launch, over
+                    # cuda_ipc on the mapping of the dead producer's cache the consumer holds)
+                    orphan = not item[1].startswith(tag + "-")
+                    counts["after_kill"] += orphan
+                    reading[item[1]] = _Read(item[1], local, now, push, orphan)
                     if push:
                         w.expect_push(item[1], remote, local, timeout=sched.push_timeout)
                     else:
@@ -328,6 +336,8 @@ def _settle(w: KVWorker, layers: list[Any], reading: dict[str, _Read], free: lis
             counts["verified"] += 1
         else:
             counts["violations"].append(f"{req} finished with bytes that are not its own")
+        if r.orphan:
+            counts["violations"].append(f"{req} finished, asked after its producer was killed")
         free.extend(r.local)
     for req, why in failed.items():
         r = reading.pop(req)
