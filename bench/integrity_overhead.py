@@ -273,12 +273,20 @@ def main() -> None:
     try:
         for n in names:
             cases[n] = run_case(args, n, prod)
+        bad = _write(args, omp, cases)  # (before the producer's stop: a slow teardown, or a
+        # run cut off during it, loses no result)
     finally:
         prod.stop()
-    # the fault round's failures are wanted; anything else is a failure of the run
-    bad = sum(sum(c["mismatches"].values()) + c["integrity_failures"]
-              - c["faults"]["sample"]["counted"] - c["faults"]["full"]["counted"]
-              + (0 if c["faults"]["ok"] else 1) for c in cases.values())
+    if bad:
+        sys.exit(f"FAILED: {bad} mismatches or integrity failures")
+
+
+def _write(args: argparse.Namespace, omp: str, cases: dict[str, Any]) -> int:
+    """Print the goals and write the run's JSON; returns how many requests went wrong (the
+    fault round's failures are wanted; anything else is a failure of the run)."""
+    bad = int(sum(sum(c["mismatches"].values()) + c["integrity_failures"]
+                  - c["faults"]["sample"]["counted"] - c["faults"]["full"]["counted"]
+                  + (0 if c["faults"]["ok"] else 1) for c in cases.values()))
     goals: dict[str, bool | None] = {"gpu 70b full <= 10%": None, "gpu 70b sample <= 2%": None,
                                      "cpu 1 GiB sample <= 2%": None}
     if "70b-tp8" in cases:
@@ -304,8 +312,7 @@ def main() -> None:
         "omp_wait_policy": omp,
         "goals": goals, "total_bad": bad, "cases": cases,
     }, args.out or f"bench/results/integrity_overhead_{args.device}{suffix}.json")
-    if bad:
-        sys.exit(f"FAILED: {bad} mismatches or integrity failures")
+    return bad
 
 
 if __name__ == "__main__":
