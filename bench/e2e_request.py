@@ -622,8 +622,19 @@ def main() -> None:
             del cons
             if args.device == "cuda":
                 _torch().cuda.empty_cache()
+        bad = _report(args, name, out, omp, load0, commit, cases)  # (before the producer's
+        # stop: a slow teardown, or a run cut off during it, loses no result)
     finally:
         prod.stop()
+    if bad:
+        print(f"FAILED: {bad} elements did not match what the producer wrote")
+        sys.exit(1)
+
+
+def _report(args: argparse.Namespace, name: str, out: str | None, omp: str,
+            load0: list[float] | None, commit: str | None, cases: dict[str, Any]) -> int:
+    """Print the table and the goals, write the run's JSON; returns the elements that did not
+    match what the producer wrote."""
     print_table(args.device, cases)
     gl = goals(args.device, args.transport, cases)
     print("goals (from the issue):")
@@ -662,9 +673,7 @@ def main() -> None:
         "goals": gl, "total_mismatches": bad, "cases": cases,
     }
     write_result(name, payload, out)
-    if bad:
-        print(f"FAILED: {bad} elements did not match what the producer wrote")
-        sys.exit(1)
+    return int(bad)
 
 
 
