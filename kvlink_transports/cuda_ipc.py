@@ -921,6 +921,8 @@ class CudaIpcTransport(Transport):
         if x is None:
             return XferState(XferStatus.FAILED, f"unknown or released handle {handle}")
         if x.state.status is XferStatus.PENDING and x.pending.done():
+            if not x.ended_at:  # (its end, once, for the rate and the counts below)
+                x.ended_at = time.perf_counter()
             with self._lock:
                 closable = self._settle_locked(x)
                 if x.state.status is XferStatus.PENDING:  # not decided by another thread
@@ -931,12 +933,11 @@ class CudaIpcTransport(Transport):
                                             x.pending.error or self._refusal(x))
                     else:
                         x.state = DONE
-                        self._ends.ended(x.nbytes, (x.ended_at or time.perf_counter())
-                                         - x.t_queued)
+                        self._ends.ended(x.nbytes, x.ended_at - x.t_queued)
             if closable:  # (the last copy of a peer gone meanwhile)
                 self._unmap(closable)
             if x.state is DONE:
-                self._account_done(x.nbytes, (x.ended_at or time.perf_counter()) - x.t_post)
+                self._account_done(x.nbytes, x.ended_at - x.t_post)
             else:
                 self._account(failed=1)
             if self._retiring:

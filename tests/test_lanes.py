@@ -292,6 +292,18 @@ def _read(decode: Any, prefill: Any, rid: str, ours: list[int], theirs: list[int
     assert np.array_equal(blocks(decode, ours), blocks(prefill, theirs))
 
 
+def _digest_pair(transport: str) -> tuple[Any, Any]:
+    """A producer and a consumer at integrity ``full`` over a digest lane's stand-in
+    ``transport``, the consumer's views given as the copy kernel would take them (a stand-in,
+    not a fault: CPU planes have none, no GPU here — device pointers the stand-in lane never
+    dereferences)."""
+    prefill, _ = make("p", seed=1, transports=[transport], grants=False, integrity="full")
+    decode, _ = make("d", transports=[transport], grants=False, integrity="full")
+    decode.integrity.fused_views = lambda: (  # type: ignore[method-assign]
+        0x6E0, 0x3E1, 2 * decode.spec.num_layers, decode.spec.num_kv_heads)
+    return prefill, decode
+
+
 def _routed(decode: Any, prefill: Any) -> None:
     """Two READs: the second binds the route the next ones launch through."""
     _read(decode, prefill, "warm0", [4, 5], [2, 3])
@@ -502,13 +514,7 @@ def test_a_digest_lanes_read_ends_early_only_where_its_kernel_found_every_digest
     though the bytes landed intact and the host's own check of them passes: the kernel's
     word is not overruled."""
     _threadless(monkeypatch)
-    prefill, _ = make("p", seed=1, transports=["fusing_probe_lane_tcp"], grants=False,
-                      integrity="full")
-    decode, _ = make("d", transports=["fusing_probe_lane_tcp"], grants=False, integrity="full")
-    # a stand-in, not a fault: our views as the copy kernel would take them (CPU planes have
-    # none, no GPU here) — device pointers the stand-in lane never dereferences
-    decode.integrity.fused_views = lambda: (0x6E0, 0x3E1, 2 * decode.spec.num_layers,  # type: ignore[method-assign]
-                                            decode.spec.num_kv_heads)
+    prefill, decode = _digest_pair("fusing_probe_lane_tcp")
     try:
         _routed(decode, prefill)
         decode.poll()
@@ -1076,13 +1082,7 @@ def test_a_digest_lane_is_bound_to_the_board_and_posts_only_the_generation() -> 
     general path's first, the route's after) hands it the hold's generation and nothing read
     off the board. Where the kernel compared nothing, the host checks what landed: a byte
     flipped in the producer's block after its hold fails the receive, naming the block."""
-    prefill, _ = make("p", seed=1, transports=["fusing_lane_tcp"], grants=False,
-                      integrity="full")
-    decode, _ = make("d", transports=["fusing_lane_tcp"], grants=False, integrity="full")
-    # a stand-in, not a fault: our views as the copy kernel would take them (CPU planes have
-    # none, no GPU here) — device pointers the stand-in lane never dereferences
-    decode.integrity.fused_views = lambda: (0x6E0, 0x3E1, 2 * decode.spec.num_layers,  # type: ignore[method-assign]
-                                            decode.spec.num_kv_heads)
+    prefill, decode = _digest_pair("fusing_lane_tcp")
     try:
         t = decode.transports["fusing_lane_tcp"]
         gens = []
