@@ -27,6 +27,7 @@ import pytest
 from procgroup import OWN_GROUP, kill_group
 
 from kvlink.demo.run import free_port_range
+from kvlink.doctor import cuda_section
 from kvlink.sampling import SAMPLE_EVERY
 
 KVLINK = [sys.executable, "-m", "kvlink.cli"]
@@ -444,14 +445,6 @@ def _fake_torch(tmp: Path, available: bool, count: int) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(d)}
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
 DEVICE_VALUES = [
     (["demo", "--device", "gpu"], ["--device gpu", "not a device", "cuda:N"]),
     (["demo", "--device", "cuda:x"], ["--device cuda:x", "not a device"]),
@@ -476,7 +469,7 @@ def test_bad_device_or_transport_list_is_one_line_exit_2(args: list[str],
     assert took < FAST and not proc.stdout
 
 
-@pytest.mark.skipif(_has_cuda(), reason="this machine has a CUDA device")
+@pytest.mark.skipif(cuda_section()["available"], reason="this machine has a CUDA device")
 @pytest.mark.parametrize("command", ["demo", "serve", "pull"])
 def test_device_cuda_without_cuda_is_one_line_naming_why(command: str, tmp_path: Path) -> None:
     """No CUDA here: the parent says why in one line within 5 s (before: no such option; a

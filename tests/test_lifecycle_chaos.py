@@ -25,19 +25,12 @@ from collections.abc import Callable
 import pytest
 
 from kvlink.demo.chaos import run_schedules
+from kvlink.doctor import cuda_section
 
 #: the transports a schedule runs over, each with the module it needs and how to install it
 _NEEDS = {"nixl": ("nixl._api", "pip install 'kvlink[nixl]'"),
           "mooncake": ("mooncake.engine", "pip install 'kvlink[mooncake-cpu]' (+ apt-get install "
                                           "libibverbs1)")}
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
 
 
 def _importable(module: str) -> bool:
@@ -56,7 +49,7 @@ def test_random_schedules_never_finish_with_wrong_bytes(
         why = f"{_NEEDS[transport][0]} is not importable: {_NEEDS[transport][1]}"
         print(f"\nskipping the lifecycle schedules over {transport}: {why}")
         pytest.skip(why)
-    if transport == "cuda_ipc" and not _cuda():
+    if transport == "cuda_ipc" and not cuda_section()["available"]:
         why = ("no CUDA GPU here: the schedules over cuda_ipc run on a GPU machine "
                "(scripts/gpu_checks.sh LABEL soak)")
         print(f"\nskipping the lifecycle schedules over cuda_ipc: {why}")
