@@ -3,7 +3,7 @@
     python bench/landed_check.py [--reps 50] [--out bench/results/landed_check.json]
 
 What a decode pays, with integrity on, on the poll that ends a push (or a READ whose digests
-were not compared by its copy kernel): ``kvlink.integrity._landed`` — the digests of the
+were not compared by its copy kernel): ``kvlink.integrity.compute.landed`` — the digests of the
 blocks that landed, on a stream of its own, waited for — for the Llama-3-70B TP8-rank
 4096-token request (80 layers, 1 KV head, 256 blocks of 16 tokens, bf16: 160 MiB), at
 ``sample``'s blocks and at ``full``'s. Wall time per check (median of ``--reps``, after a
@@ -11,7 +11,7 @@ warm-up), and the same check while another stream of this process is busy (the c
 forward: it must not be waited for); the baseline measured in the same run: a device copy of
 the request's 160 MiB (CUDA events) and ``integrity.digest`` of the same blocks on the
 caller's stream; and the check as a decode makes it now, in one kernel that digests and
-compares (``integrity._checked_on_gpu``). Values are checked equal to ``digest``'s.
+compares (``kvlink.integrity.device.checked_on_gpu``). Values are checked equal to ``digest``'s.
 ``--cold``: each check after a sweep of the host's caches (bench/_common.sweep). JSON with
 command, machine, date.
 """
@@ -44,8 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from kvlink import integrity
-    from kvlink.integrity import Level, checked, digest, spec_planes
+    from kvlink.integrity import Level, checked, compute, device, digest, spec_planes
     from kvlink.layout import KVCacheSpec
 
     nb, req = 512, 256
@@ -85,14 +84,14 @@ def main() -> None:
     res: dict[str, Any] = {"device_copy_ms": copy, "bytes": nbytes}
     for level in ("sample", "full"):
         sel = ids[checked(Level(level), "bench", ids)]
-        equal = bool(np.array_equal(integrity._landed(planes, sel, (0, 1)),
+        equal = bool(np.array_equal(compute.landed(planes, sel, (0, 1)),
                                     digest(planes, sel)))
-        landed = wall_us(lambda sel=sel: integrity._landed(planes, sel, (0, 1)))
-        busy = wall_us(lambda sel=sel: integrity._landed(planes, sel, (0, 1)), busy=True)
+        landed = wall_us(lambda sel=sel: compute.landed(planes, sel, (0, 1)))
+        busy = wall_us(lambda sel=sel: compute.landed(planes, sel, (0, 1)), busy=True)
         plain = wall_us(lambda sel=sel: digest(planes, sel))
         want = digest(planes, sel)
-        kernel_ok = integrity._checked_on_gpu(planes, sel, 0, want) == (True, None)
-        kernel = wall_us(lambda sel=sel, want=want: integrity._checked_on_gpu(
+        kernel_ok = device.checked_on_gpu(planes, sel, 0, want) == (True, None)
+        kernel = wall_us(lambda sel=sel, want=want: device.checked_on_gpu(
             planes, sel, 0, want))
         row = {"blocks": int(sel.shape[0]), "values_equal_digest": equal,
                "landed_check_us_median": statistics.median(landed),
@@ -114,8 +113,8 @@ def main() -> None:
     res["ok"] = all(res[lv]["values_equal_digest"] and res[lv]["kernel_check_agrees"]
                     for lv in ("sample", "full"))
     write_result("landed_check", {
-        "what": "a consumer's integrity check of landed bytes (kvlink.integrity._landed), wall "
-                "us per check, 70B TP8-rank 4096-token request, sample and full blocks",
+        "what": "a consumer's integrity check of landed bytes (kvlink.integrity.compute.landed), "
+                "wall us per check, 70B TP8-rank 4096-token request, sample and full blocks",
         "device": torch.cuda.get_device_name(), "reps": args.reps, "cold": args.cold, **res},
         args.out)
 

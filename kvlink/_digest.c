@@ -5,7 +5,7 @@
  * plane p and head h of `out` (uint64 [n][planes][heads], C order), the sum modulo 2**64 over
  * (token t, word w) of the 8-byte word at table[p].address + ids[b] x block stride +
  * (first_head + h) x head stride + t x token stride + 8w, times weights[t][w] — what
- * kvlink.integrity._numpy_plane computes plane by plane (tests/test_integrity.py compares
+ * kvlink.integrity.host.numpy_plane computes plane by plane (tests/test_integrity.py compares
  * them). `table`: int64 [planes][4] = (address, block stride, head stride, token stride) in
  * bytes, of views the caller owns and keeps alive (a worker's planes, fixed at register),
  * every address and stride 8-byte aligned; `ids` int64 [n], each inside its planes (the

@@ -50,7 +50,7 @@ from kvlink.gpu.copy import NO_MISMATCH, BatchCopier, DigestLaunch, RegionMap
 from kvlink.gpu.ipc import host_register, host_unregister
 from kvlink.gpu.lane import BoardDigest
 from kvlink.holdboard import LAYOUT, BoardView, HoldBoard
-from kvlink.integrity import Level, checked, tensor_planes
+from kvlink.integrity import Level, checked, device, tensor_planes, weights
 
 
 def _cache(kind: str, layers: int, blocks: int, heads: int, dev: Any, seed: int
@@ -150,8 +150,8 @@ class Case:
             return copier.copy_runs(table, segs, n, self.smap, self.dmap, stream, None,
                                     self.unit)
         first = self.planes[0][0]
-        fused = integrity._table(self.planes).fused(
-            integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
+        fused = device.device_table(self.planes).fused(
+            weights.weights(int(first.shape[2]), int(first.shape[3]) // 8))
         assert fused is not None, "the views' geometry was not taken"
         count = int((rows >= 0).sum())
         launch = DigestLaunch(fused[0], fused[1], self.pages, self.page, count,
@@ -303,8 +303,8 @@ class BoardLane:
         base, size = view.region
         dev_board = host_register(base, size, read_only=True)
         first = case.planes[0][0]
-        fused = integrity._table(case.planes).fused(
-            integrity._weights(int(first.shape[2]), int(first.shape[3]) // 8))
+        fused = device.device_table(case.planes).fused(
+            weights.weights(int(first.shape[2]), int(first.shape[3]) // 8))
         assert fused is not None, "the views' geometry was not taken"
         digest = BoardDigest(case.pages, case.page, fused[0], fused[1], dev_board, LAYOUT,
                              base)

@@ -2,7 +2,7 @@
 
     python scripts/gpu_integrity_check.py [--out bench/results/gpu_integrity_check.json]
 
-1. Equal: the fused kernel's digests (kvlink.integrity_cuda) equal the host's (numpy over a copy
+1. Equal: the fused kernel's digests (kvlink.integrity.kernel) equal the host's (numpy over a copy
    of the same bytes) and the torch per-plane path's, for K/V split NHD and HND caches, the
    packed ``(B, H, N, C)`` layout and a head slice; a range of layers taken later
    (``digest_later``, a layer-wise push's) equals those layers' digests, and launching it
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from _common import write_result  # noqa: E402
 
 from kvlink import integrity  # noqa: E402
-from kvlink.integrity import Level, checked, digest, spec_planes  # noqa: E402
+from kvlink.integrity import Level, checked, compute, device, digest, spec_planes  # noqa: E402  # noqa: E402
 from kvlink.layout import KVCacheSpec  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def check_equal() -> list[dict[str, Any]]:
         planes = spec_planes(spec)  # (its digest table, built once: as a worker's)
         fused = digest(planes, ids)
         per_plane = np.stack([
-            np.stack([integrity._torch_plane(v, ids, 0, 4) for v in row], axis=1)
+            np.stack([device.torch_plane(v, ids, 0, 4) for v in row], axis=1)
             for row in spec_planes(spec)], axis=1)
         host_layers = [t.cpu() for t in layers]
         host = digest(spec_planes(_spec(kind, host_layers)), ids)
@@ -88,21 +88,21 @@ def check_equal() -> list[dict[str, Any]]:
         # plane by plane), as a same-host push's ranges go: launched behind a busy stream,
         # the host not waiting; what the decode reads there, the same values
         into_ms, area_equal = _into_area(planes, ids, fused[:, 1:3])
-        # a consumer's check of landed bytes (kvlink.integrity._landed): on a stream of its
+        # a consumer's check of landed bytes (kvlink.integrity.compute.landed): on a stream of its
         # own, so a busy caller's stream (a forward in flight) is not waited for. Once first,
         # as a worker's first check: its stream and pinned buffers are made then (a first
         # pinned allocation may wait for the device: 28 ms behind the busy stream, once)
-        integrity._landed(planes, ids, (0, 4))
+        compute.landed(planes, ids, (0, 4))
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)
         t0 = time.perf_counter()
-        landed = integrity._landed(planes, ids, (0, 4))
+        landed = compute.landed(planes, ids, (0, 4))
         landed_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
-        # the consumer's check in one kernel (integrity_cuda.Table.check): agrees with the
+        # the consumer's check in one kernel (kvlink.integrity.kernel.Table.check): agrees with the
         # producer's digests, whole and for a head slice, and finds the flipped byte below
-        agrees = (integrity._checked_on_gpu(planes, ids, 0, fused) == (True, None)
-                  and integrity._checked_on_gpu(planes, ids, 1, fused[..., 1:3])
+        agrees = (device.checked_on_gpu(planes, ids, 0, fused) == (True, None)
+                  and device.checked_on_gpu(planes, ids, 1, fused[..., 1:3])
                   == (True, None))
         # one flipped byte: layer 2, plane 0, block 5, head 3
         raw = layers[2].view(torch.int16)
@@ -114,16 +114,16 @@ def check_equal() -> list[dict[str, Any]]:
             raw[0, 5, 7, 3, 1] ^= 1  # the transposed view: (2, B, N, H, D) indices
         flipped = digest(spec_planes(spec), ids)
         changed = np.argwhere(flipped != fused).tolist()
-        found = integrity._checked_on_gpu(planes, ids, 0, fused)
+        found = device.checked_on_gpu(planes, ids, 0, fused)
         # the same check with the digests as a landing board's area keeps them (plane by
         # plane: what a decode's end-of-push check hands the kernel as they are), then with
         # the flipped byte's digests: the kernel's reduction words, left by the check that
         # found it, serve the next one (they reset themselves: one launch a check)
         k, nl, per, nh = fused.shape
         by_plane = np.ascontiguousarray(fused.transpose(1, 2, 0, 3)).reshape(nl * per, k, nh)
-        found_by_plane = integrity._checked_on_gpu(planes, ids, 0, by_plane, plane_major=True)
-        agrees_after = integrity._checked_on_gpu(planes, ids, 0, flipped) == (True, None)
-        repeats = [integrity._checked_on_gpu(planes, ids, 0, want)[1]
+        found_by_plane = device.checked_on_gpu(planes, ids, 0, by_plane, plane_major=True)
+        agrees_after = device.checked_on_gpu(planes, ids, 0, flipped) == (True, None)
+        repeats = [device.checked_on_gpu(planes, ids, 0, want)[1]
                    for want in (fused, flipped) * 20]
         repeats_ok = repeats == [(2, 2, 0, 3), None] * 20
         row = {"layout": kind, "fused_equals_host": bool(np.array_equal(fused, host)),

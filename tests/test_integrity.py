@@ -102,7 +102,8 @@ def test_the_c_digest_equals_numpys(layout: str, monkeypatch: pytest.MonkeyPatch
     """Host planes are digested in one C call where kvlink's helpers build
     (kvlink/_digest.c); the same values as numpy's plane-by-plane path, whole and for a head
     slice, on random KV — and ids outside the planes raise, as numpy's indexing does."""
-    from kvlink import integrity, native
+    from kvlink import native
+    from kvlink.integrity import host
 
     if native.load() is None:
         print(f"\nskipping: kvlink's C helpers did not build here ({native.why_not()})")
@@ -113,11 +114,11 @@ def test_the_c_digest_equals_numpys(layout: str, monkeypatch: pytest.MonkeyPatch
     planes = spec_planes(data.spec_of(geo, layers, 1, 0))
     ids = np.array([9, 0, 15, 4, 4])
     c_whole, c_slice = digest(planes, ids), digest(planes, ids, (1, 3))
-    assert integrity._HOST_TABLES[id(planes)][1] is not None  # (the C path was taken)
+    assert host.HOST_TABLES[id(planes)][1] is not None  # (the C path was taken)
     with pytest.raises(IndexError):
         digest(planes, np.array([NBLOCKS]))
     # numpy's path, as where the helpers do not build (not a fake: the path they replace)
-    monkeypatch.setattr(integrity, "_c_helpers", None)
+    monkeypatch.setattr(host, "_c_helpers", None)
     assert np.array_equal(c_whole, digest(planes, ids))
     assert np.array_equal(c_slice, digest(planes, ids, (1, 3)))
     assert np.array_equal(c_slice, c_whole[..., 1:3])

@@ -30,10 +30,14 @@ LAYERS: dict[str, int] = {
     "kvlink.gpu": 3, "kvlink.gpu.ipc": 3, "kvlink.gpu.move": 3, "kvlink.gpu.kernels": 3,
     "kvlink.gpu.copy": 3, "kvlink.gpu.lane": 3, "kvlink.gpu.ends": 3,
     # (and over it: the landing board a transport signals on, which page-locks itself for a
-    # push's digests; the integrity digest's kernels, launched through the driver)
-    "kvlink.landing": 3, "kvlink.integrity_cuda": 3,
-    # 4: what the wire carries about ownership and integrity; the side channel
-    "kvlink.integrity": 4, "kvlink.push": 4, "kvlink.sidechannel": 4,
+    # push's digests)
+    "kvlink.landing": 3,
+    # 4: what the wire carries about ownership and integrity (the digests, their kernels
+    # launched through the driver); the side channel
+    "kvlink.integrity": 4, "kvlink.integrity.weights": 4, "kvlink.integrity.levels": 4,
+    "kvlink.integrity.host": 4, "kvlink.integrity.kernel": 4, "kvlink.integrity.device": 4,
+    "kvlink.integrity.compute": 4, "kvlink.integrity.board": 4, "kvlink.integrity.checker": 4,
+    "kvlink.push": 4, "kvlink.sidechannel": 4,
     "kvlink.sidechannel.framing": 4, "kvlink.sidechannel.auth": 4,
     "kvlink.sidechannel.server": 4, "kvlink.sidechannel.client": 4,
     # 5: sessions and peers
@@ -100,6 +104,8 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "kvlink.integrations.vllm": ("config", "metadata", "layout", "layerwise", "worker",
                                  "scheduler", "metrics", "connector"),
     "kvlink.sidechannel": ("framing", "auth", "server", "client"),
+    "kvlink.integrity": ("weights", "levels", "host", "kernel", "device", "compute", "board",
+                         "checker"),
     "kvlink.cli": ("options", "transfer", "bandwidth", "diagnostics", "__init__", "__main__"),
 }
 

@@ -97,7 +97,7 @@ class _Driver:
             ("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
             [p(_CUdeviceptr), ctypes.c_void_p, ctypes.c_uint],
         )
-        # a kernel's launch and its small copies on a stream (kvlink.integrity_cuda's check)
+        # a kernel's launch and its small copies on a stream (kvlink.integrity.kernel's check)
         self.cuLaunchKernel = bind(("cuLaunchKernel",), [ctypes.c_void_p] + [ctypes.c_uint] * 7
                                    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p])
         self.cuMemsetD8Async = bind(("cuMemsetD8Async",), [_CUdeviceptr, ctypes.c_ubyte,
