@@ -179,13 +179,20 @@ class BlockLeases:
 
     # ---------------------------------------------------------------- holding
     def hold(self, req_id: str, block_ids: Sequence[int] | npt.ArrayLike,
-             readers: int | None = None, generation: int | None = None) -> int:
+             readers: int | None = None, generation: int | None = None, *,
+             on_hold: Callable[[int], None] | None = None) -> int:
         """Hold ``block_ids`` for ``req_id``'s readers (``None``: the first report says how
         many); returns the generation.
 
         ``generation``: one the caller minted when it reserved the blocks (vLLM's scheduler
         does, to hand it to the decode with the block ids before this worker holds them). It
-        must be positive and unique per hold: a reader that names it validates against it."""
+        must be positive and unique per hold: a reader that names it validates against it.
+
+        ``on_hold``: called with the generation once the hold exists, under the lock, like
+        :attr:`on_release` — so nothing that ends the hold (a reader told the generation
+        before it was held, an abort on another thread) runs between the two: what it
+        publishes is withdrawn by the release, never left showing a hold that ended. Must
+        not block."""
         ids = [int(b) for b in np.asarray(block_ids, dtype=np.int64).reshape(-1)]
         generation, readers = check_generation(generation), check_readers(readers)
         with self._lock:
@@ -204,6 +211,8 @@ class BlockLeases:
                                           now + self.renew_limit, readers)
             self.stats.held += 1
             self.stats.held_blocks += len(ids)
+            if on_hold is not None:
+                on_hold(gen)
             return gen
 
     def generation_of(self, req_id: str) -> int | None:

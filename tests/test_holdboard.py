@@ -112,6 +112,49 @@ def test_a_hold_that_ends_under_the_read_is_not_trusted(integrity: str) -> None:
         decode.close()
 
 
+def test_a_hold_that_ends_as_it_begins_is_not_left_on_the_board() -> None:
+    """A hold that ends the moment it begins (an abort on another thread; a reader told the
+    generation first, whose report ends it) is not left shown on the board: its publish and
+    its release are ordered by the lease table's lock, so the release withdraws what the
+    publish showed. Before, the release could run between the hold and its publish, which
+    then showed a hold that had ended — for good — and a later same-host READ of that
+    generation was validated by it: finished with whatever the reused blocks held (shown
+    here with grants off, the setting where nothing else refuses that READ).
+    Fault injection: the publish waits up to 2 s for the abort to finish first (the real
+    gap is a few lines of Python, not hit on demand)."""
+    prefill, _ = make("p", seed=1, grants=False)
+    decode, _ = make("d", serve=False)
+    try:
+        _warm(decode, prefill)
+        board, real = prefill.board, prefill.board.publish
+        assert board is not None
+        abort = threading.Thread(target=prefill.abort, args=("r0",))
+
+        def publish(*args: Any, **kwargs: Any) -> bool:
+            abort.start()
+            abort.join(2.0)  # (returns at 2 s where the abort waits for the hold's lock)
+            return real(*args, **kwargs)
+
+        board.publish = publish  # type: ignore[method-assign]
+        gen = prefill.hold("r0", [2])
+        abort.join(10)
+        assert [r.req_id for r in prefill.released() if r.req_id == "r0"] == ["r0"]
+        view = BoardView.open(board.offer().name, board.offer().token)
+        assert view is not None
+        assert not view.still_holds(gen, fingerprint([2]))
+        # the producer reuses block 2; a READ of the ended hold must not finish
+        _buf, layers = prefill._keep  # type: ignore[attr-defined]
+        for lv in layers:
+            np.asarray(lv)[:, 2] = 0x1234
+        decode.read("r0", remote(prefill), [4], [2], generation=gen)
+        ok, reason = outcome(decode, "r0", 10)
+        assert not ok, "a READ of an ended hold finished"
+        assert reason
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_reads_the_board_cannot_answer_are_validated_by_asking() -> None:
     """A subset of the held blocks (another fingerprint), and with integrity on a hold whose
     digests did not fit the board's arena, both finish through the round trip."""

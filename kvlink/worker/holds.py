@@ -13,6 +13,7 @@ reader's machinery; the push paths above reuse its grants and its count of reade
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import Callable
 
@@ -79,16 +80,29 @@ class _Holds(_Peering):
         if final:
             self.integrity.fix(req_id, gen, block_ids)
         try:
-            held = self.leases.hold(req_id, block_ids, readers, gen)
+            # published under the lease table's lock: a release can only follow it, and
+            # withdraws it (a reader told the generation may end the hold at once)
+            held = self.leases.hold(req_id, block_ids, readers, gen, on_hold=(
+                None if self.board is None else functools.partial(
+                    self._publish, req_id, block_ids)))
         except ValueError:
             if self.leases.generation_of(req_id) != gen:  # not the same hold delivered twice
                 self.integrity.drop(req_id, gen)
                 for t in self._enforcing():
                     t.revoke(ticket)
             raise
-        if self.board is not None:  # after the hold exists; withdrawn as it ends
-            self.board.publish(held, block_ids, self.integrity.for_board(req_id, held))
         return held
+
+    def _publish(self, req_id: str, block_ids: npt.ArrayLike, generation: int) -> None:
+        """Show the hold on the hold board (BlockLeases calls this under its lock as the hold
+        begins; withdrawn as it ends). Best effort: a hold the board does not show is
+        validated by asking, so a failure here is logged, not raised into the hold."""
+        assert self.board is not None
+        try:
+            self.board.publish(generation, block_ids,
+                               self.integrity.for_board(req_id, generation))
+        except Exception:
+            log.exception("hold board: %s not published (its readers ask)", req_id)
 
     def _enforcing(self) -> list[Transport]:
         if not self.config.grants:
