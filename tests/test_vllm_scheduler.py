@@ -502,6 +502,45 @@ def test_a_short_pull_from_a_prefill_that_served_runs_in_the_step_that_plans_it(
     e.assert_empty()
 
 
+def test_an_answer_for_a_step_that_got_no_blocks_does_not_outlive_a_later_answer(
+        model: str, engines: Callable[..., Engine]) -> None:
+    """vLLM may ask for a request's matched tokens again before it allocates its blocks: the
+    first answer (a load in the step: its prefill had served) met no free blocks, and by the
+    second its prefill no longer qualified (another load from it failed), so the second says
+    asynchronous — WAITING_FOR_REMOTE_KVS — and the load must be planned asynchronous too.
+    Before, the first answer's mark stayed and the load was planned synchronous: its worker
+    reported it only as a synchronous one, which vLLM does not wait for, and the request
+    stayed WAITING_FOR_REMOTE_KVS with its blocks for good."""
+    e = engines(vllm_config(model, KVLINK, "kv_consumer", extra={"sync_load_tokens": 64}),
+                num_blocks=12)  # 11 usable
+    e.add(request("d1", 40, prefill_params(rid="p1")))
+    e.step()
+    e.step(recving={"d1"})
+    e.step(eos={"d1"})
+    e.step()
+    e.assert_empty()  # P served: its next short pull qualifies for a load in the step
+    e.add(request("hog", 80, None, max_tokens=200, seed=9))  # 5 blocks, then 6
+    e.step()
+    dx = e.add(request("dx", 80, prefill_params(rid="px", blocks=6), seed=3))  # 5 blocks
+    e.step()
+    assert dx.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    d2 = e.add(request("d2", 40, prefill_params(rid="p2"), seed=1))
+    e.step()  # asked (in the step: 40 <= 64, P served) but no blocks left
+    assert d2.status == RequestStatus.WAITING
+    recvs = list(_plan(e.step(failed={"dx"})).recv)  # dx's load fails: P no longer qualifies
+    e.abort("dx")
+    for kw in ({}, {"eos": {"hog"}}, {}, {}):
+        recvs += _plan(e.step(**kw)).recv
+        if any(r.req_id == "d2" for r in recvs):
+            break
+    assert d2.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # vLLM loads it asynchronously
+    (recv,) = [r for r in recvs if r.req_id == "d2"]
+    assert not recv.sync and recv.num_tokens == 40
+    e.step(recving={"d2"})  # its worker reports it received: vLLM wakes it
+    e.step()
+    assert d2.status == RequestStatus.RUNNING
+
+
 def test_synchronous_loads_of_several_ranks_are_loaded_only_if_on_every_rank() -> None:
     """vLLM aggregates the worker metadata of a step over the TP ranks: a synchronous load is
     loaded if every rank loaded it (the slowest rank's seconds size the next ones), failed

@@ -179,6 +179,10 @@ class PullScheduler:
             return (None, False) if self._wait_for_decode(request, params) else (0, False)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        # only this answer's decision counts: vLLM may ask again before it allocates (no
+        # blocks this step), and an earlier "in this step" must not outlive an asynchronous
+        # answer (its load then planned synchronous: never reported, the request never woken)
+        self._sync_hit.pop(request.request_id, None)
         self._adopt_push_proxy(request, params)
         if parse_remote(params) is None:
             return 0, False
