@@ -541,6 +541,32 @@ def test_an_answer_for_a_step_that_got_no_blocks_does_not_outlive_a_later_answer
     assert d2.status == RequestStatus.RUNNING
 
 
+@pytest.mark.parametrize("bad", [
+    {"remote_port": float("inf")},  # JSON 1e400
+    {"remote_port": 70000}, {"tp_size": 10**9}, {"kvlink_block_size": 2**62},
+    {"remote_block_ids": [[10, 11, 2**70]]}, {"remote_block_ids": [10, -1, 12]},
+    {"remote_request_id": "p1\n"}, {"remote_request_id": "p" * 300},
+    {"remote_engine_id": "P\x00"}, {"remote_host": ["127.0.0.1"]},
+], ids=lambda bad: next(iter(bad)) + "=" + repr(next(iter(bad.values())))[:12])
+def test_params_out_of_bounds_compute_locally_not_kill_the_engine(
+        model: str, engines: Callable[..., Engine], bad: dict[str, Any]) -> None:
+    """kv_transfer_params come from the client: a value the connector cannot take is a
+    request computed locally, never an exception in vLLM's scheduler (which ends the engine)
+    or its worker. Before: a port of 1e400 (JSON) raised OverflowError out of the
+    scheduler's schedule(); a block id past int64 or a block size of 2**62 raised in the
+    worker's start_load_kv; an id with a control character or over 256 characters went out
+    in a release, and the prefill refused its whole frame — other requests' releases with
+    it (their blocks held until their leases ended)."""
+    e = engines(vllm_config(model, KVLINK, "kv_consumer"))
+    req = e.add(request("d1", 40, prefill_params(**bad)))
+    meta = e.step()
+    assert not _plan(meta).recv and not _plan(meta).release
+    assert e.scheduled == {"d1": 40} and req.status == RequestStatus.RUNNING
+    e.step(eos={"d1"})
+    e.step()
+    e.assert_empty()
+
+
 def test_synchronous_loads_of_several_ranks_are_loaded_only_if_on_every_rank() -> None:
     """vLLM aggregates the worker metadata of a step over the TP ranks: a synchronous load is
     loaded if every rank loaded it (the slowest rank's seconds size the next ones), failed

@@ -381,7 +381,9 @@ class _Requests(_Parts):
         (those we read, or that wrote to us: they count us themselves). ``generation``: the
         hold's, where known (a producer ignores a release naming another hold of the same
         request id). Sent with the next frame to each peer (at the latest by the next
-        :meth:`poll`)."""
+        :meth:`poll`). Raises ConfigError for an id a peer would refuse (with every other
+        message of the frame it travels in)."""
+        wire.check_id(req_id, "request id")
         self._release_at(req_id, remote, self._holders(remote, skip or set()), generation)
 
     def renew(self, req_ids: list[str], remote: RemoteEngine) -> None:

@@ -17,6 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvlink import wire
+
 #: kv_transfer_params key a router may set to pick the mode of one request (decode side)
 MODE_PARAM = "kvlink_mode"
 #: kv_transfer_params key: the prefill's hold generation, so the decode READs without asking
@@ -234,20 +236,51 @@ def size_refusal(params: Mapping[str, Any]) -> str:
 
 
 def parse_remote(params: Mapping[str, Any]) -> Remote | None:
-    """The remote prefill named by a request's kv_transfer_params, or None if incomplete."""
-    try:
-        ids = flat_block_ids(params.get("remote_block_ids"))
-        engine, req = params.get("remote_engine_id"), params.get("remote_request_id")
-        host, port = params.get("remote_host"), params.get("remote_port")
-        if ids is None or not engine or not req or not host or port is None:
-            return None
-        return Remote(engine_id=str(engine), request_id=str(req), host=str(host),
-                      port=int(port), tp_size=int(params.get("tp_size") or 1), block_ids=ids,
-                      block_size=int(params.get("kvlink_block_size") or 0),
-                      generation=_generation(params.get(GENERATION_PARAM)),
-                      registration=_generation(params.get(REGISTRATION_PARAM)),
-                      incarnations=_incarnations(params.get(INCARNATIONS_PARAM)),
-                      expiry=_seconds(params.get(EXPIRY_PARAM)),
-                      clock=_seconds(params.get(CLOCK_PARAM)))
-    except (TypeError, ValueError):
+    """The remote prefill named by a request's kv_transfer_params, or None if incomplete or
+    out of bounds — what a client sent, checked here, on the scheduler's path: a value the
+    rest cannot take (a port of 1e400, a block id past int64, an id with a newline, which
+    the prefill's side channel would refuse with every message in its frame) makes the
+    request compute locally, never an exception in vLLM's scheduler or worker."""
+    ids = flat_block_ids(params.get("remote_block_ids"))
+    engine, req = _text(params.get("remote_engine_id")), _text(params.get("remote_request_id"))
+    host = _text(params.get("remote_host"), wire.MAX_HOST_LEN)
+    port = _bounded(params.get("remote_port"), 1, wire.MAX_PORT)
+    tp_size = _bounded(params.get("tp_size") or 1, 1, wire.MAX_TP)
+    block_size = _bounded(params.get("kvlink_block_size") or 0, 0, wire.MAX_BLOCK_SIZE)
+    if (ids is None or len(ids) > wire.MAX_BLOCK_IDS
+            or not all(0 <= b <= wire.MAX_BLOCK_ID for b in ids) or engine is None
+            or req is None or host is None or port is None or tp_size is None
+            or block_size is None):
         return None
+    return Remote(engine_id=engine, request_id=req, host=host, port=port, tp_size=tp_size,
+                  block_ids=ids, block_size=block_size,
+                  generation=_generation(params.get(GENERATION_PARAM)),
+                  registration=_generation(params.get(REGISTRATION_PARAM)),
+                  incarnations=_incarnations(params.get(INCARNATIONS_PARAM)),
+                  expiry=_seconds(params.get(EXPIRY_PARAM)),
+                  clock=_seconds(params.get(CLOCK_PARAM)))
+
+
+def _bounded(raw: Any, lo: int, hi: int) -> int | None:
+    """An integer in ``[lo, hi]`` off the params (an int, an integral float or a numeral, as
+    ``int()`` took them before), else None."""
+    if isinstance(raw, bool):
+        return None
+    try:
+        value = int(raw)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if isinstance(raw, float) and raw != value:
+        return None
+    return value if lo <= value <= hi else None
+
+
+def _text(raw: Any, limit: int = wire.MAX_ID_LEN) -> str | None:
+    """A non-empty id or host off the params that a peer's side channel takes (at most
+    ``limit`` characters, no control characters), else None."""
+    if raw is None or isinstance(raw, (bool, list, tuple, dict)):
+        return None
+    text = str(raw)
+    if not text or len(text) > limit or any(ord(c) < 32 or ord(c) == 127 for c in text):
+        return None
+    return text

@@ -295,16 +295,13 @@ class PullWorker(LayerwisePushes):
             self._fail(r, f"{n} local blocks but the prefill offers only "
                        f"{len(r.remote.block_ids)}")
             return
-        remote_ratio = self.block_ratio
-        if r.remote.block_size:
-            remote_ratio = r.remote.block_size // spec.block_size
-        remote_ids = expand_blocks(r.remote.block_ids[len(r.remote.block_ids) - n:],
-                                   remote_ratio)
-        if remote_ids.shape != local.shape or remote_ratio * spec.block_size != (
-                r.remote.block_size or remote_ratio * spec.block_size):
-            self._fail(r, f"block sizes differ: local {self.block_ratio * spec.block_size} "
-                       f"vs remote {r.remote.block_size} tokens (pages of {spec.block_size})")
+        ours = self.block_ratio * spec.block_size
+        if r.remote.block_size not in (0, ours):  # (told before its ids are expanded by it)
+            self._fail(r, f"block sizes differ: local {ours} vs remote "
+                       f"{r.remote.block_size} tokens (pages of {spec.block_size})")
             return
+        remote_ids = expand_blocks(r.remote.block_ids[len(r.remote.block_ids) - n:],
+                                   self.block_ratio)
         try:
             reads = map_heads(self.tp_size, self.tp_rank, r.remote.tp_size,
                               spec.total_kv_heads, spec.mla)
