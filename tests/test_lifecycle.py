@@ -102,6 +102,55 @@ def test_push_cancelled_on_timeout_is_never_written(observed: Callable[[str], No
         decode.close()
 
 
+def _rank(engine: str, tp: int, rank: int, geo: data.Geometry, seed: int = 0,
+          **cfg: Any) -> KVWorker:
+    """Rank ``rank`` of a ``tp``-way engine over ``geo`` (its share of the heads)."""
+    buf, layers = data.allocate(geo, NBLOCKS, tp, rank)
+    buf[:] = np.random.default_rng(seed).integers(1, 2**16, buf.shape, dtype=np.uint16)
+    cfg.setdefault("serve_pushes", True)
+    w = KVWorker(WorkerConfig(engine_id=engine, tp_size=tp, tp_rank=rank, **cfg))
+    w.register(data.spec_of(geo, layers, tp, rank))
+    w._keep = (buf, layers)  # type: ignore[attr-defined]
+    return w
+
+
+def test_a_push_releases_the_replicas_it_did_not_ask() -> None:
+    """A TP2 prefill of one KV head (each rank holds a replica of it) and a TP1 decode: the
+    decode asks rank 0 to push, and rank 1 — holding the same blocks for it — is told at the
+    end that its hold is released, under the generation the decode was given
+    (``expect_push(..., generation=)``; the vLLM connector passes the params'). Before, that
+    release named no generation, rank 1 refused it, and its blocks stayed held until its
+    lease ended (120 s by default) — in every hetero-TP push through vLLM."""
+    geo = data.Geometry(layers=2, kv_heads=1, head_dim=8, block_size=4)
+    p0 = _rank("p", 2, 0, geo, seed=1)
+    ranks = [p0]
+    try:
+        p1 = _rank("p", 2, 1, geo, seed=1, side_port=p0.side_port)
+        ranks.append(p1)
+        decode = _rank("d", 1, 0, geo)
+        ranks.append(decode)
+        gen = p0.hold("r0", [5])
+        assert p1.hold("r0", [5], generation=gen) == gen
+        decode.expect_push("r0", RemoteEngine("p", "127.0.0.1", p0.side_port, 2), [3],
+                           timeout=10, generation=gen)
+        until(lambda: p0.queued_pushes() == 1, 10, "the push request arrived at rank 0")
+        assert p1.queued_pushes() == 0  # (the decode reads its one head from rank 0)
+        (msg,) = p0.push_requests()
+        key = p0.push(msg, [5], lease="r0")
+        pushed: set[str] = set()
+        assert outcome(decode, "r0", 10, step=lambda: pushed.update(p0.poll()[0])) == (
+            True, "")
+        until(lambda: key in pushed or bool(pushed.update(p0.poll()[0])), 10,
+              "rank 0's push reported")
+        until(lambda: (decode.poll(), not p1.leases.is_held("r0"))[1], 10,
+              "rank 1's replica released")
+        assert [(r.req_id, r.why) for r in p1.released()] == [("r0", "read")]
+        assert p1.refusals["release"] == 0
+    finally:
+        for w in ranks:
+            w.close()
+
+
 @pytest.mark.fault("push: prefill dead when the decode times out")
 def test_push_to_a_dead_prefill_fails_after_fencing(observed: Callable[[str], None]) -> None:
     """A cancel nobody answers: the decode reports failure only after fencing the prefill's

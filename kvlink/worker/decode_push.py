@@ -35,6 +35,7 @@ from kvlink.headmap import map_heads, notify_targets
 from kvlink.holdboard import BoardView
 from kvlink.hostid import host_id
 from kvlink.landing import AREA_HEAD, NO_LEASE, EndCheck, Hold, LandingBoard, tag_of
+from kvlink.leases import check_generation
 from kvlink.peers import RemoteEngine
 from kvlink.push import PushWait, Rank
 from kvlink.transport import Op
@@ -85,7 +86,8 @@ class _DecodePush(_Requests):
         return wire.Ack(v=WIRE_VERSION)
 
     def expect_push(self, req_id: str, remote: RemoteEngine, local_ids: npt.ArrayLike,
-                    timeout: float = 60.0, *, live: bool = False) -> None:
+                    timeout: float = 60.0, *, live: bool = False,
+                    generation: int | None = None) -> None:
         """Decode side: ask the prefill ranks to WRITE this request into ``local_ids``.
 
         Finished once every prefill rank signalled "written". After ``timeout`` (or a refusal)
@@ -94,8 +96,14 @@ class _DecodePush(_Requests):
         caller may reuse the blocks the moment it is reported. ``live`` (as :meth:`read`'s):
         the prefill handed us this request itself, so where nobody listens at its address
         the ask fails at once, as it does at an address that answered us before.
+        ``generation``: the prefill's hold, where we were told it (vLLM: the params'
+        ``kvlink_generation``, shared by its ranks): the ranks holding replicas of our heads
+        that are not asked to push are released under it at the end — a producer takes a
+        release only with the hold's generation, so without it they keep the blocks until
+        their lease ends.
         """
         spec = self._require_spec()
+        generation = check_generation(generation)
         if self._server is None:
             raise ConfigError("push mode needs a side channel server on the decode side "
                               "(serve=True): the prefill handshakes back to write")
@@ -121,7 +129,8 @@ class _DecodePush(_Requests):
         aw = _Awaiting(remote, wait, lids, tag=tag_of(wait.push_id),
                        others=notify_targets(self.config.tp_size, self.config.tp_rank,
                                              remote.tp_size, spec.total_kv_heads,
-                                             spec.mla) - ranks, live=live)
+                                             spec.mla) - ranks, live=live,
+                       generation=generation)
         for rank in sorted(ranks):
             # only the process that holds req_id can push it: where a process answered us at
             # that address before and nobody listens there now, it is gone (a restart there
@@ -388,7 +397,7 @@ class _DecodePush(_Requests):
         self._end_landing(aw, slots_later=slots_later)
         self._revoke_push(wait, 0.0)  # no WRITE of this push is taken from now on
         if aw.others:  # replicas holding our heads that did not write
-            self.release(req_id, aw.remote, set(wait.ranks))
+            self.release(req_id, aw.remote, set(wait.ranks), aw.generation)
         if outcome:
             finished.add(req_id)
         else:

@@ -279,6 +279,9 @@ class _Awaiting:
     ends: dict[int, EndCheck] = dataclasses.field(default_factory=dict)
     #: the prefill handed us this request itself (expect_push's ``live``): it was serving
     live: bool = False
+    #: the prefill's hold, where the caller knew it (expect_push's ``generation``): what the
+    #: replicas in ``others`` are released under
+    generation: int | None = None
 
 
 def _push_rid(msg: wire.PushRequest) -> str:

@@ -333,7 +333,8 @@ class PullWorker(LayerwisePushes):
                 # the prefill never WRITEs after the push's time to live: not after its lease
                 # (live: the params are the prefill's answer, as for a READ below)
                 self._w().expect_push(r.remote.request_id, _engine(r.remote), local,
-                                      timeout=min(self.s.push_timeout, left), live=True)
+                                      timeout=min(self.s.push_timeout, left), live=True,
+                                      generation=r.remote.generation or None)
             else:
                 # (the params are the prefill's answer: it was serving, so nobody listening
                 # there now means it is gone)
