@@ -44,6 +44,41 @@ def test_scattered_buffers_cross_windows_and_partial_calls() -> None:
     assert np.array_equal(src, dst)
 
 
+def test_empty_extents_move_nothing_and_end() -> None:
+    """Extents of 0 bytes (last, first, between) through the Python movers (where kvlink's C
+    helpers are not built — the path they replace, not a fake): every byte of the others
+    arrives and both sides end. Before, a batch of only empty buffers made the sender's
+    sendmsg return 0 for ever (a thread spinning at 100 % until the connection closed; a
+    WRITE past its timeout) and the receiver's a read of 0, taken as the peer's close."""
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    mems = []
+    for buf in (src, dst):
+        mem = memory._Memory([Region(buf.ctypes.data, buf.nbytes)])
+        mem.native = None
+        mems.append(mem)
+    offsets, sizes = [0, 0, 16, 16, 48, 64], [0, 16, 0, 32, 16, 0]
+
+    def ext(buf: np.ndarray) -> np.ndarray:
+        return make_extents([buf.ctypes.data + o for o in offsets], sizes)
+
+    stopped = threading.Event()
+    a, b = socket.socketpair()
+    try:
+        b.settimeout(5)
+        sender = threading.Thread(target=mems[0].move, args=(a, ext(src), True, stopped.is_set),
+                                  daemon=True)
+        sender.start()
+        mems[1].move(b, ext(dst), False, None)
+        sender.join(5)
+        assert not sender.is_alive(), "the sender did not end"
+    finally:
+        stopped.set()  # (ends a spinning sender at its next call)
+        a.close()
+        b.close()
+    assert np.array_equal(src, dst)
+
+
 def _across(send: Callable[[socket.socket], None], recv: Callable[[socket.socket], None],
             timeout: float | None = None) -> None:
     """``send`` on one end of a socket pair (on a thread of its own), ``recv`` on the other;

@@ -86,11 +86,16 @@ class _Memory:
     def _batches(self, ext: Extents) -> Iterator[list[memoryview]]:
         """The slices of ``ext`` (checked), ``_IOV`` at a time as they are consumed: O(batch)
         Python objects and O(_CHECK) numpy temporaries, not one memoryview per extent for the
-        whole request."""
+        whole request. Empty extents are left out: a socket call handed only empty buffers
+        moves 0 bytes, which a send would retry for ever and a receive read as the peer's
+        close (the C helper skips them too)."""
         starts, views = self.table.starts, self.views
         for k in range(0, ext.shape[0], _CHECK):
             chunk = ext[k : k + _CHECK]
             idx = self.table.locate(chunk)
+            moving = chunk["len"] > 0
+            if not moving.all():
+                chunk, idx = chunk[moving], idx[moving]
             for j in range(0, chunk.shape[0], _IOV):
                 part, at = chunk[j : j + _IOV], idx[j : j + _IOV]
                 off = (part["addr"] - starts[at]).tolist()
