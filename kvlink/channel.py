@@ -63,8 +63,10 @@ from kvlink.sidechannel import (
     KEEPALIVE_S,
     PREAUTH_BYTES,
     REQUEST_BYTES,
+    answer_key,
     seal,
     session_key,
+    unseal_answers,
 )
 from kvlink.sockets import keepalive
 
@@ -220,6 +222,8 @@ class _Conn:
     nonce: bytes = b""  # our Hello's nonce while the session opens
     key: bytes | None = None
     counter: int = 0
+    answers: bytes | None = None  # the key the server seals its answers with
+    answered_at: int = 0  # the last sealed answer's frame number
     hello_deadline: float = 0.0
     broken: str = ""  # a send failed: the connection is gone
     refused: bool = False  # ... because nobody listens at the address (ECONNREFUSED)
@@ -442,18 +446,36 @@ class Channels:
             conn.broken, conn.refused = f"{exc}", _refused(exc)
 
     def _take(self, key: tuple[str, int], conn: _Conn, body: bytes) -> None:
+        sealed = False
         try:
             reply = wire.decode(body)
+            if conn.answers is not None and isinstance(reply, wire.Sealed):
+                counter = reply.counter
+                reply = unseal_answers(conn.answers, conn.answered_at, reply, conn.where)
+                conn.answered_at, sealed = counter, True
+        except AuthError as exc:  # not our session's server: nothing it says is taken
+            self._reset(key, conn, exc)
+            return
         except KVLinkError as exc:
             log.warning("dropped a malformed answer from %s: %s", conn.where, exc)
             return
-        if isinstance(reply, wire.Replies):
+        if isinstance(reply, wire.Replies) and self._secret is not None and not sealed:
+            self._reset(key, conn, AuthError(  # nothing it says is taken
+                f"{conn.where} answered unsealed: a session's answers are sealed (it does "
+                "not hold our secret, or is older than wire version 7)"))
+        elif isinstance(reply, wire.Replies):
             for ans in reply.answers:
                 got = conn.waiting.pop(ans.id, None)
                 if got is not None:
                     got[1]._settle(ans.msg)
         elif isinstance(reply, wire.Welcome) and conn.nonce and self._secret is not None:
+            if not reply.nonce:  # a server without a secret: it could not seal anything
+                self._reset(key, conn, AuthError(f"{conn.where} did not open an "
+                                                 "authenticated session (does it have a "
+                                                 "secret?)"))
+                return
             conn.key = session_key(self._secret, conn.nonce, reply.nonce)
+            conn.answers, conn.answered_at = answer_key(conn.key), 0
             conn.nonce = b""
             self._send(conn)
         elif isinstance(reply, wire.ErrorReply):  # the frame as a whole was refused

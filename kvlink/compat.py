@@ -16,12 +16,14 @@ import msgspec
 from kvlink.errors import IncompatibleSpecError
 from kvlink.headmap import check_tp
 
-WIRE_VERSION = 6  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
+WIRE_VERSION = 7  # 2: transfer lifecycle (grants, validate-after-read, push cancel)
 #                  3: kept-open sessions, batches, READs validated without an intent
 #                  4: the hold board (HandshakeResponse.board), calls that want no answer
 #                     (Call.id 0), push digests and layer ranges on Notification
 #                  5: the landing board (PushRequest.landing)
 #                  6: digest areas on the landing board (LandingMsg.digests_at, _bytes)
+#                  7: with a secret, a session's answers are sealed too (the server proves
+#                     the key: an impostor at a peer's address cannot answer for it)
 
 
 def compat_hash(geometry: dict[str, Any]) -> str:

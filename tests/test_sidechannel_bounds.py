@@ -29,7 +29,7 @@ from test_lifecycle import until
 from kvlink import sidechannel, wire
 from kvlink.channel import Channels
 from kvlink.compat import WIRE_VERSION
-from kvlink.errors import PeerUnreachable
+from kvlink.errors import AuthError, PeerUnreachable
 
 SECRET = "bounds-s3cret"
 KEY = SECRET.encode()
@@ -170,6 +170,12 @@ def _sealed(key: bytes, counter: int) -> wire.Sealed:
                        mac=sidechannel.seal_mac(key, counter, body), body=body)
 
 
+def _answers(key: bytes, got: Any) -> wire.Replies:
+    """A session's answers, sealed by the server under its answer key (checked)."""
+    assert isinstance(got, wire.Sealed), got
+    return sidechannel.unseal_answers(sidechannel.answer_key(key), 0, got, "the server")
+
+
 def session(port: int) -> tuple[socket.socket, bytes]:
     """A raw authenticated session: Hello, Welcome, one sealed (empty) batch answered."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -179,7 +185,7 @@ def session(port: int) -> tuple[socket.socket, bytes]:
     assert isinstance(welcome, wire.Welcome), welcome
     key = sidechannel.session_key(KEY, nonce, welcome.nonce)
     _put(sock, _sealed(key, 1))
-    assert isinstance(_get(sock), wire.Replies)
+    assert isinstance(_answers(key, _get(sock)), wire.Replies)
     return sock, key
 
 
@@ -383,7 +389,7 @@ def test_half_frames_and_silent_connections_are_closed_at_their_deadline(
         assert set(closed) == set(socks), closed
         assert max(closed.values()) < 1.0 + 0.6  # the deadline, one sweep, scheduling
         _put(idle, _sealed(key, 2))  # idle past the deadlines, and still served
-        assert isinstance(_get(idle), wire.Replies)
+        assert isinstance(_answers(key, _get(idle)), wire.Replies)
         assert legit(srv) < 2.0
         for s in [*socks.values(), idle]:
             s.close()
@@ -474,7 +480,7 @@ def test_connection_caps_close_the_oldest_unauthenticated_then_refuse() -> None:
         g = dial()  # full of authenticated sessions: refused
         assert "g" in wait_closed({"g": g}, 3.0)
         _put(c, _sealed(c_key, 2))  # the sessions are all still served
-        assert isinstance(_get(c), wire.Replies)
+        assert isinstance(_answers(c_key, _get(c)), wire.Replies)
         assert srv.stats() == {"connections": 4, "pending": 0, "authenticated": 4}
         for s in (a, b, c, d, e, f, g):
             s.close()
@@ -600,3 +606,85 @@ def test_an_answer_followed_at_once_by_the_end_of_the_connection_is_taken() -> N
         chan.wait(0.05)
     assert isinstance(pending.result(), wire.Ack)
     chan.close()
+
+
+def _impostor(welcome_nonce: bytes, sealing: bytes | None) -> tuple[socket.socket, list[str]]:
+    """A server at an address a client with our secret dials, that does not hold it (a
+    process bound there after the peer died; a forger on the path): the real framing and
+    messages, any Welcome, and a forged verdict for every call — unsealed, or sealed with a
+    session key from ``sealing`` (another secret). Real sockets; the impostor is the fault."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[str] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                hello, counter = b"", 0
+                try:
+                    while True:
+                        msg = _get(conn)
+                        seen.append(type(msg).__name__)
+                        if isinstance(msg, wire.Hello):
+                            hello = msg.nonce
+                            _put(conn, wire.Welcome(v=WIRE_VERSION, nonce=welcome_nonce))
+                            continue
+                        batch = wire.decode(msg.body, wire.Batch)
+                        forged = wire.Replies(v=WIRE_VERSION, answers=[
+                            wire.Answer(c.id, wire.ReadVerdict(v=WIRE_VERSION, intact=True,
+                                                               reason="forged"))
+                            for c in batch.calls])
+                        if sealing is None:
+                            _put(conn, forged)
+                        else:
+                            counter += 1
+                            key = sidechannel.session_key(sealing, hello, welcome_nonce)
+                            _put(conn, sidechannel.seal(sidechannel.answer_key(key), counter,
+                                                        forged))
+                except (OSError, ConnectionResetError):
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, seen
+
+
+def _verdict_asked() -> wire.ReadDone:
+    return wire.ReadDone(v=WIRE_VERSION, engine_id="e", req_id="r1", tp_rank=0, tp_size=1,
+                         generation=5, ok=True)
+
+
+@pytest.mark.attack("a server without the secret at a peer's address answers a session's "
+                    "calls with a forged 'intact' verdict (unsealed, or sealed under another "
+                    "secret; KVLINK_SECRET set)")
+@pytest.mark.parametrize("sealing", [None, b"another secret"], ids=["unsealed", "other key"])
+@pytest.mark.parametrize("nonce", [b"0123456789abcdef", b""], ids=["nonce", "empty nonce"])
+def test_an_answer_from_a_server_without_our_secret_is_never_taken(
+        sealing: bytes | None, nonce: bytes, observed: Callable[[str], None]) -> None:
+    """With a secret, a session's answers are sealed by its server (wire version 7): a
+    server that does not hold the secret cannot answer for the peer, whether it answers
+    unsealed or seals under another key — the one-shot call (handshakes) raises AuthError
+    and the kept-open channel's calls fail; neither returns the forged "intact" verdict.
+    Before, only the client's frames were authenticated: both returned it."""
+    listener, seen = _impostor(nonce, sealing)
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(AuthError) as one_shot:
+            sidechannel.request("127.0.0.1", port, _verdict_asked(), timeout=5, secret=KEY)
+        chan = Channels(KEY)
+        try:
+            pending = chan.call("127.0.0.1", port, _verdict_asked(), 2.0)
+            chan.flush()
+            while not pending.done():
+                chan.wait(0.05)
+            with pytest.raises(AuthError) as kept_open:
+                pending.result()
+        finally:
+            chan.close()
+    finally:
+        listener.close()
+    observed(f"one-shot: {one_shot.value}; kept open: {kept_open.value}; the impostor "
+             f"saw {seen}")
+    assert "forged" not in f"{one_shot.value}{kept_open.value}"

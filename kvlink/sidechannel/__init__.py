@@ -13,8 +13,12 @@ Who may connect: the handshake hands out what is needed to reach registered memo
 shared secret (config or ``KVLINK_SECRET``) a connection authenticates before anything but a
 handshake-sized frame is read: ``Hello`` (client nonce) -> ``Welcome`` (server nonce), a key
 derived from both, then :class:`wire.Sealed` frames, HMAC-SHA256 over a counter that only grows
-(replayed and reordered frames are refused). A lone :class:`wire.Signed` message (single-use
-server nonce from a ``Challenge``) is taken too. Without a secret the server binds loopback
+(replayed and reordered frames are refused), both ways: the server seals its answers under a
+key of their own (:func:`~kvlink.sidechannel.auth.answer_key`), so a client takes no answer
+from whoever holds the address without the secret (a process bound there after the peer
+died, a forger on the path) — an unsealed ``ErrorReply`` can only fail its calls. A lone
+:class:`wire.Signed` message (single-use server nonce from a ``Challenge``) is taken too (its
+answer is not sealed: no kvlink client sends one). Without a secret the server binds loopback
 only, unless told explicitly that the network is trusted (then it warns).
 
 Bounds, with and without a secret (issue 20, item 4): a frame's body is read as it arrives —
@@ -46,13 +50,16 @@ module's attribute patches it where it lives.
 """
 
 from kvlink.sidechannel.auth import (
+    ANSWER_LABEL,
     SESSION_LABEL,
     _mac,
+    answer_key,
     is_loopback,
     seal,
     seal_mac,
     secret_from_env,
     session_key,
+    unseal_answers,
 )
 from kvlink.sidechannel.client import _exchange, request
 from kvlink.sidechannel.framing import FRAME, PREAUTH_BYTES, REQUEST_BYTES, frame, shutdown_write
@@ -67,8 +74,8 @@ from kvlink.sidechannel.server import (
 )
 
 __all__ = [
-    "AUTH_TIMEOUT", "FRAME", "FRAME_TIMEOUT", "KEEPALIVE_S", "MAX_CONNECTIONS", "MAX_PENDING",
-    "PREAUTH_BYTES", "REQUEST_BYTES", "SESSION_LABEL", "Handler", "SideChannelServer",
-    "_exchange", "_mac", "frame", "is_loopback", "request", "seal", "seal_mac",
-    "secret_from_env", "session_key", "shutdown_write",
+    "ANSWER_LABEL", "AUTH_TIMEOUT", "FRAME", "FRAME_TIMEOUT", "KEEPALIVE_S", "MAX_CONNECTIONS",
+    "MAX_PENDING", "PREAUTH_BYTES", "REQUEST_BYTES", "SESSION_LABEL", "Handler",
+    "SideChannelServer", "_exchange", "_mac", "answer_key", "frame", "is_loopback", "request",
+    "seal", "seal_mac", "secret_from_env", "session_key", "shutdown_write", "unseal_answers",
 ]

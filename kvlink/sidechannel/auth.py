@@ -13,8 +13,12 @@ import secrets
 import time
 
 from kvlink import wire
+from kvlink.errors import AuthError
 
 SESSION_LABEL = b"kvlink-session-v1"
+#: the label of a session's answer key (:func:`answer_key`): the server seals its answers
+#: under a key of their own, so a client's sealed frame reflected back is no answer
+ANSWER_LABEL = b"kvlink-answers-v1"
 
 
 def is_loopback(host: str) -> bool:
@@ -43,15 +47,32 @@ def session_key(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> byte
     return hmac.new(secret, SESSION_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
+def answer_key(key: bytes) -> bytes:
+    """The key a session's answers are sealed with (the server's side of the session)."""
+    return hmac.new(key, ANSWER_LABEL, hashlib.sha256).digest()
+
+
 def seal_mac(key: bytes, counter: int, body: bytes) -> bytes:
     return hmac.new(key, counter.to_bytes(8, "little") + body, hashlib.sha256).digest()
 
 
-def seal(key: bytes, counter: int, batch: wire.Batch | bytes) -> wire.Sealed:
-    """``batch`` (or its encoding) under a session key, as frame number ``counter``."""
-    body = batch if isinstance(batch, bytes) else wire.encode(batch)
+def seal(key: bytes, counter: int, msg: wire.Batch | wire.Replies | bytes) -> wire.Sealed:
+    """``msg`` (or its encoding) under a session key, as frame number ``counter``."""
+    body = msg if isinstance(msg, bytes) else wire.encode(msg)
     return wire.Sealed(v=wire.WIRE_VERSION, counter=counter, mac=seal_mac(key, counter, body),
                        body=body)
+
+
+def unseal_answers(key: bytes, after: int, sealed: wire.Sealed, where: str) -> wire.Replies:
+    """The answers a server sealed under ``key`` (:func:`answer_key`), frame ``after + 1``
+    or later; raises AuthError for a frame the session's server did not seal (a MAC that
+    fails: whoever answered does not hold the secret) or one replayed or reordered."""
+    if sealed.counter <= after:
+        raise AuthError(f"{where} answered frame {sealed.counter} after {after}: replayed or "
+                        "reordered")
+    if not hmac.compare_digest(sealed.mac, seal_mac(key, sealed.counter, sealed.body)):
+        raise AuthError(f"{where} answered under another key: it does not hold our secret")
+    return wire.decode(sealed.body, wire.Replies)
 
 
 class _Nonces:

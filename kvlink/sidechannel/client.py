@@ -22,7 +22,7 @@ from kvlink.errors import (
     SideChannelError,
     WireError,
 )
-from kvlink.sidechannel.auth import seal, session_key
+from kvlink.sidechannel.auth import answer_key, seal, session_key, unseal_answers
 from kvlink.sidechannel.framing import _SCRATCH, FRAME, PREAUTH_BYTES, frame
 
 _STEP = 0.05  # s: request() looks at its cancel event at least this often
@@ -202,9 +202,15 @@ def request(host: str, port: int, msg: wire._Msg, timeout: float,
                 frames = [seal(key, 1, wire.Batch(v=wire.WIRE_VERSION, calls=[])),
                           seal(key, 2, body)]
             call.send(b"".join(frame(f) for f in frames))
+            answers, last = answer_key(key), 0
             for _ in frames:
-                reply = call.reply()
-                _raise_error(where, reply)
+                got = call.reply()
+                _raise_error(where, got)  # (unsealed: it can only fail the call)
+                if not isinstance(got, wire.Sealed):
+                    raise AuthError(f"{where} answered a session's call unsealed: it does "
+                                    "not hold our secret (or is older than wire version 7)")
+                reply = unseal_answers(answers, last, got, where)
+                last = got.counter
             if not isinstance(reply, wire.Replies) or [a.id for a in reply.answers] != [1]:
                 raise SideChannelError(f"{where} answered a {type(reply).__name__} to a "
                                        "session's call")

@@ -23,7 +23,15 @@ from kvlink.errors import (
     SideChannelError,
     WireError,
 )
-from kvlink.sidechannel.auth import _mac, _Nonces, is_loopback, seal_mac, session_key
+from kvlink.sidechannel.auth import (
+    _mac,
+    _Nonces,
+    answer_key,
+    is_loopback,
+    seal,
+    seal_mac,
+    session_key,
+)
 from kvlink.sidechannel.framing import (
     _SCRATCH,
     FRAME,
@@ -52,8 +60,8 @@ Handler = Callable[[object], "wire.Reply"]
 class _Peer:
     """One accepted connection: its partial input, unsent output, deadlines and session."""
 
-    __slots__ = ("authed", "closed", "counter", "drain_until", "events", "ident", "inbuf",
-                 "key", "opened", "out", "out_since", "sock", "started", "where")
+    __slots__ = ("answered", "authed", "closed", "counter", "drain_until", "events", "ident",
+                 "inbuf", "key", "opened", "out", "out_since", "sock", "started", "where")
 
     def __init__(self, sock: socket.socket, ident: int, where: str, now: float) -> None:
         self.sock = sock
@@ -67,6 +75,7 @@ class _Peer:
         self.authed = False
         self.key: bytes | None = None  # the session's, once Hello was answered
         self.counter = 0  # the last Sealed frame's
+        self.answered = 0  # the last sealed answer's frame number (our side of the session)
         self.drain_until = 0.0  # refused: its input is dropped until it closes or this passes
         self.closed = False
         self.events = selectors.EVENT_READ
@@ -451,6 +460,7 @@ class SideChannelServer:
                 raise AuthError(f"a Hello nonce of {len(msg.nonce)} B (8-64 expected)")
             ours = secrets.token_bytes(16)
             peer.key, peer.counter = session_key(self._secret, msg.nonce, ours), 0
+            peer.answered = 0
             return wire.Welcome(v=wire.WIRE_VERSION, nonce=ours)
         if isinstance(msg, wire.Sealed):
             if self._secret is not None:
@@ -480,7 +490,13 @@ class SideChannelServer:
                          type(c.msg).__name__, reply.code, reply.message)
         if batch.calls and not answers:
             return None  # only reports that want no answer: no frame back
-        return wire.Replies(v=wire.WIRE_VERSION, answers=answers)
+        replies = wire.Replies(v=wire.WIRE_VERSION, answers=answers)
+        if peer.key is None:
+            return replies
+        # sealed too: the client takes no answer that whoever holds its address made up
+        # (a process bound there after ours, a forger on the path) without the secret
+        peer.answered += 1
+        return seal(answer_key(peer.key), peer.answered, replies)
 
     def _handle(self, msg: object) -> wire.Reply:
         try:
