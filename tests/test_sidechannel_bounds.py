@@ -688,3 +688,28 @@ def test_an_answer_from_a_server_without_our_secret_is_never_taken(
     observed(f"one-shot: {one_shot.value}; kept open: {kept_open.value}; the impostor "
              f"saw {seen}")
     assert "forged" not in f"{one_shot.value}{kept_open.value}"
+
+
+@pytest.mark.attack("one unauthenticated connection sends 10,000 malformed and unsigned frames "
+                    "(KVLINK_SECRET set)")
+def test_a_flood_of_refused_frames_is_logged_a_line_a_second(
+        caplog: pytest.LogCaptureFixture, observed: Callable[[str], None]) -> None:
+    """Every refused frame is answered (an ErrorReply), and logged at most once a second of
+    each kind, as the server's other refusals: before, one line each — 10,000 lines for one
+    connection within its authentication deadline."""
+    srv = sidechannel.SideChannelServer("127.0.0.1", 0, lambda m: wire.Ack(v=WIRE_VERSION),
+                                        secret=KEY)
+    try:
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        junk = FRAME.pack(1) + b"\xc1"  # a byte msgpack never uses: malformed
+        unsigned = sidechannel.frame(wire.Ack(v=WIRE_VERSION))  # unsigned, under a secret
+        with caplog.at_level("WARNING", logger="kvlink.sidechannel"):
+            sock.sendall((junk + unsigned) * 5000)
+            answers = [_get(sock) for _ in range(10000)]  # (each logged before it is sent)
+        sock.close()
+    finally:
+        srv.close()
+    lines = [r for r in caplog.records if r.name == "kvlink.sidechannel"]
+    observed(f"{len(answers)} frames refused, {len(lines)} warning lines")
+    assert all(isinstance(a, wire.ErrorReply) for a in answers)
+    assert len(lines) < 20

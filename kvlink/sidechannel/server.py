@@ -438,12 +438,12 @@ class SideChannelServer:
             elif isinstance(msg, wire.Signed):
                 msg = wire.decode(msg.body)  # a peer with a secret talking to one without
             self._authenticated(peer)
-        except WireError as exc:
-            log.warning("side channel rejected a message: %s", exc)
+        except WireError as exc:  # (a peer may send these as fast as it likes: throttled)
+            self._warn("bad_message", f"side channel rejected a message from {peer!r}: {exc}")
             return wire.ErrorReply(v=wire.WIRE_VERSION, code="bad_message",
                                    message=str(exc)[:wire.MAX_TEXT_LEN])
         except AuthError as exc:
-            log.warning("side channel refused a peer: %s", exc)
+            self._warn("auth", f"side channel refused {peer!r}: {exc}")
             return wire.ErrorReply(v=wire.WIRE_VERSION, code="auth",
                                    message=str(exc)[:wire.MAX_TEXT_LEN])
         return self._handle(msg)
