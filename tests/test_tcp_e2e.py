@@ -1205,3 +1205,37 @@ def test_a_peer_on_another_host_keeps_the_kernels_socket_buffers() -> None:
         near = Across(peer, local)
         tcp_wire._tune(near, None)  # type: ignore[arg-type]
         assert (socket.SO_RCVBUF, tcp_wire.SAME_HOST_BUFFER) in near.set, (peer, local)
+
+
+def test_a_connection_no_thread_can_serve_is_refused_and_forgotten(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner cannot start a serving thread for a connection (the OS's thread limit):
+    the connection is closed (the READ on it fails) and forgotten — not left counted
+    against ``max_connections`` for good, nor joined by ``fence()`` and ``close()``, which
+    raised "cannot join thread before it is started" (and close() then left its listener
+    open). The fault is injected (Thread.start raising for the serving thread, as CPython
+    does when the OS refuses one); the transports and sockets are real."""
+    src, dst = np.ones(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    owner = TcpTransport(TransportContext(agent_name="B"), {"timeout_s": 2.0})
+    reader = TcpTransport(TransportContext(agent_name="A"), {"timeout_s": 2.0})
+    try:
+        owner.register([Region(src.ctypes.data, src.nbytes)])
+        reader.register([Region(dst.ctypes.data, dst.nbytes)])
+        reader.connect("B", owner.descriptor())
+        real_start = threading.Thread.start
+
+        def start(self: threading.Thread) -> None:
+            if self.name == "kvlink-tcp-serve":
+                raise RuntimeError("can't start new thread")
+            real_start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        h = reader.post(Op.READ, "B", make_extents(dst.ctypes.data, 64),
+                        make_extents(src.ctypes.data, 64))
+        assert reader.wait(h, 10).status.name == "FAILED"
+        monkeypatch.undo()
+        assert not owner._inbound
+        owner.fence("A", 1.0)
+    finally:
+        reader.close()
+        owner.close()

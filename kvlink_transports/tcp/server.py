@@ -428,7 +428,13 @@ class _Server(_LocalMemory):
                 target=self._serve, args=(conn, addr), name="kvlink-tcp-serve", daemon=True
             ), agent=hello.agent)
             self._inbound[conn] = inb  # before the thread starts: _serve finds it here
-            inb.thread.start()
+            try:
+                inb.thread.start()
+            except RuntimeError as exc:  # (no thread to be had: the OS's limit)
+                del self._inbound[conn]  # never counted, fenced or joined: it never ran
+                conn.close()
+                self._throttle(logging.WARNING, "thread", "tcp: refused %s from %s: no "
+                               "thread to serve it (%s)", hello.agent[:64], addr, exc)
 
     def _recv_request(self, inb: _Inbound) -> _Hdr:
         """The next request header Python serves. Its first byte may take any time (an idle
