@@ -52,7 +52,8 @@ KVL_HIDDEN Py_ssize_t kvl_inside(const uint64_t *lo, const uint64_t *hi, Py_ssiz
                                  const uint64_t *x, Py_ssize_t nx, Py_ssize_t *out);
 
 /* The owner's queue of notifications (_notes.c): the serving loop pushes what a peer
- * notified (agent and notification, copied; -1 out of memory), the caller takes them. */
+ * notified (agent and notification, copied; -1 out of memory, 1 dropped: the queue is full),
+ * the caller takes them. */
 typedef struct kvl_notes kvl_notes_t;
 KVL_HIDDEN kvl_notes_t *kvl_as_notes(PyObject *o); /* (needs the GIL) */
 KVL_HIDDEN int kvl_notes_push(kvl_notes_t *q, const char *agent, size_t alen, const char *note,

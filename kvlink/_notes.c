@@ -6,7 +6,12 @@
  * interval where the caller's Python is busy (a decode's step loop), the very caller that
  * waits for it. Here the serving loop queues it under a mutex, and the caller's own
  * notifications() takes it (notes_take). Python's serving path (what C leaves to it) queues
- * here too, so one connection's notifications keep their order whichever side took them. */
+ * here too, so one connection's notifications keep their order whichever side took them.
+ *
+ * Bounded: a caller that never takes them (a prefill: nothing notifies it in a pull) and a
+ * peer that sends them anyway (it holds the memory key: a buggy or hostile decode) must not
+ * grow the owner's memory without end. Past NOTES_MAX notes or NOTES_MAX_BYTES bytes queued,
+ * a new one is dropped and counted (notes_dropped), the queue left as it was. */
 #define PY_SSIZE_T_CLEAN
 #include "_native.h"
 #include <pthread.h>
@@ -19,9 +24,14 @@ typedef struct note {
   char bytes[]; /* the agent (UTF-8), then the notification */
 } note_t;
 
+#define NOTES_MAX 65536
+#define NOTES_MAX_BYTES ((size_t)64 << 20)
+
 struct kvl_notes {
   pthread_mutex_t mu;
   note_t *head, *tail; /* oldest first */
+  size_t count, bytes; /* queued */
+  unsigned long long dropped; /* refused, the queue full */
 };
 
 static void notes_destroy(PyObject *capsule) {
@@ -41,7 +51,13 @@ KVL_HIDDEN kvl_notes_t *kvl_as_notes(PyObject *o) {
 
 KVL_HIDDEN int kvl_notes_push(kvl_notes_t *q, const char *agent, size_t alen, const char *note,
                               size_t nlen) {
-  note_t *n = malloc(sizeof *n + alen + nlen);
+  const size_t size = sizeof(note_t) + alen + nlen;
+  pthread_mutex_lock(&q->mu);
+  const int full = q->count >= NOTES_MAX || q->bytes + size > NOTES_MAX_BYTES;
+  if (full) ++q->dropped;
+  pthread_mutex_unlock(&q->mu);
+  if (full) return 1; /* (dropped: the queue is as it was) */
+  note_t *n = malloc(size);
   if (!n) return -1;
   n->next = NULL;
   n->alen = alen;
@@ -55,6 +71,8 @@ KVL_HIDDEN int kvl_notes_push(kvl_notes_t *q, const char *agent, size_t alen, co
     q->head = n;
   }
   q->tail = n;
+  ++q->count;
+  q->bytes += size;
   pthread_mutex_unlock(&q->mu);
   return 0;
 }
@@ -97,6 +115,7 @@ static PyObject *notes_take(PyObject *self, PyObject *notes) {
   pthread_mutex_lock(&q->mu);
   note_t *n = q->head;
   q->head = q->tail = NULL;
+  q->count = q->bytes = 0;
   pthread_mutex_unlock(&q->mu);
   PyObject *out = PyList_New(0);
   for (note_t *next; n; n = next) {
@@ -111,10 +130,22 @@ static PyObject *notes_take(PyObject *self, PyObject *notes) {
   return out;
 }
 
+/* notes_dropped(notes) -> int: notifications refused so far, the queue full. */
+static PyObject *notes_dropped(PyObject *self, PyObject *notes) {
+  kvl_notes_t *q = kvl_as_notes(notes);
+  if (!q) return NULL;
+  pthread_mutex_lock(&q->mu);
+  const unsigned long long dropped = q->dropped;
+  pthread_mutex_unlock(&q->mu);
+  return PyLong_FromUnsignedLongLong(dropped);
+}
+
 PyMethodDef kvl_notes_methods[] = {
     {"notes_new", (PyCFunction)notes_new, METH_NOARGS, "notes_new() -> an empty queue"},
     {"notes_push", (PyCFunction)(void (*)(void))notes_push, METH_FASTCALL,
      "notes_push(notes, agent, note): queued last"},
     {"notes_take", (PyCFunction)notes_take, METH_O,
      "notes_take(notes) -> [(agent, note)], oldest first"},
+    {"notes_dropped", (PyCFunction)notes_dropped, METH_O,
+     "notes_dropped(notes) -> notifications refused so far, the queue full"},
     {NULL, NULL, 0, NULL}};

@@ -1239,3 +1239,35 @@ def test_a_connection_no_thread_can_serve_is_refused_and_forgotten(
     finally:
         reader.close()
         owner.close()
+
+
+@pytest.mark.parametrize("helpers", [True, False], ids=["C queue", "Python queue"])
+def test_notifications_nobody_takes_are_bounded(helpers: bool) -> None:
+    """An owner whose caller never takes notifications (a prefill: nothing notifies it in a
+    pull) and a peer that sends them anyway (it holds the memory key: a buggy or hostile
+    decode): the owner queues at most 64 MiB of them, drops and counts the rest, and the
+    queue it keeps is intact. Before, every byte sent was kept (392 MiB for 48 notes of
+    8 MiB). Real transports and sockets; the Python queue is the one used where kvlink's C
+    helpers are not built (not a fake: the path they replace)."""
+    src, dst = np.ones(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    owner = TcpTransport(TransportContext(agent_name="B"), {"timeout_s": 5.0})
+    peer = TcpTransport(TransportContext(agent_name="A"), {"timeout_s": 5.0})
+    try:
+        if not helpers:
+            owner._notifs = tcp_server._Notes(None)
+        owner.register([Region(src.ctypes.data, src.nbytes)])
+        peer.register([Region(dst.ctypes.data, dst.nbytes)])
+        peer.connect("B", owner.descriptor())
+        note = b"n" * (8 << 20)
+        for _ in range(12):
+            peer.notify("B", note)
+        assert until(lambda: owner._notifs.dropped == 5, 30)  # 12 of 8 MiB: 7 kept
+        kept = owner.notifications()
+        assert len(kept) == 7 and all(n == ("A", note) for n in kept)
+        peer.notify("B", b"after")  # room again once taken
+        later: list[tuple[str, bytes]] = []
+        assert until(lambda: bool(later.extend(owner.notifications()) or later), 10)
+        assert later == [("A", b"after")]
+    finally:
+        peer.close()
+        owner.close()

@@ -86,19 +86,29 @@ class _Notes:
     (``serve_frames``) queues a WRITE's notification there without the GIL, which a busy
     caller's Python holds — the caller waiting for that very notification (a push's end).
     Python's serving path queues there too, so one connection's notifications keep their
-    order whichever side took them."""
+    order whichever side took them. Bounded as the C queue is (``_notes.c``: 65,536 notes,
+    64 MiB): past that a new one is dropped and counted (:attr:`dropped`) — an owner whose
+    caller never takes them (a prefill) must not grow for a peer that sends them anyway."""
+
+    MAX, MAX_BYTES = 65536, 64 << 20
 
     def __init__(self, helpers: Any) -> None:
         self._c = helpers
         #: the C queue serve_frames fills (None: no C helpers, a deque)
         self.queue: object | None = helpers.notes_new() if helpers is not None else None
         self._py: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._py_bytes = self._py_dropped = 0
 
     def append(self, note: tuple[str, bytes]) -> None:
         if self.queue is not None:
             self._c.notes_push(self.queue, *note)
-        else:
-            self._py.append(note)
+            return
+        size = len(note[0]) + len(note[1])
+        if len(self._py) >= self.MAX or self._py_bytes + size > self.MAX_BYTES:
+            self._py_dropped += 1
+            return
+        self._py.append(note)
+        self._py_bytes += size
 
     def take(self) -> list[tuple[str, bytes]]:
         if self.queue is not None:
@@ -107,7 +117,15 @@ class _Notes:
         out = []
         while self._py:
             out.append(self._py.popleft())
+        self._py_bytes = 0
         return out
+
+    @property
+    def dropped(self) -> int:
+        """Notifications refused so far, the queue full."""
+        if self.queue is not None:
+            return int(self._c.notes_dropped(self.queue))
+        return self._py_dropped
 
 
 class _Throttle:
