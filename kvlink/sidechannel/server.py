@@ -60,8 +60,9 @@ Handler = Callable[[object], "wire.Reply"]
 class _Peer:
     """One accepted connection: its partial input, unsent output, deadlines and session."""
 
-    __slots__ = ("answered", "authed", "closed", "counter", "drain_until", "events", "ident",
-                 "inbuf", "key", "opened", "out", "out_since", "sock", "started", "where")
+    __slots__ = ("answer_key", "answered", "authed", "closed", "counter", "drain_until",
+                 "events", "ident", "inbuf", "key", "opened", "out", "out_since", "sock",
+                 "started", "where")
 
     def __init__(self, sock: socket.socket, ident: int, where: str, now: float) -> None:
         self.sock = sock
@@ -75,6 +76,7 @@ class _Peer:
         self.authed = False
         self.key: bytes | None = None  # the session's, once Hello was answered
         self.counter = 0  # the last Sealed frame's
+        self.answer_key = b""  # what our answers are sealed with (auth.answer_key)
         self.answered = 0  # the last sealed answer's frame number (our side of the session)
         self.drain_until = 0.0  # refused: its input is dropped until it closes or this passes
         self.closed = False
@@ -460,7 +462,7 @@ class SideChannelServer:
                 raise AuthError(f"a Hello nonce of {len(msg.nonce)} B (8-64 expected)")
             ours = secrets.token_bytes(16)
             peer.key, peer.counter = session_key(self._secret, msg.nonce, ours), 0
-            peer.answered = 0
+            peer.answer_key, peer.answered = answer_key(peer.key), 0
             return wire.Welcome(v=wire.WIRE_VERSION, nonce=ours)
         if isinstance(msg, wire.Sealed):
             if self._secret is not None:
@@ -496,7 +498,7 @@ class SideChannelServer:
         # sealed too: the client takes no answer that whoever holds its address made up
         # (a process bound there after ours, a forger on the path) without the secret
         peer.answered += 1
-        return seal(answer_key(peer.key), peer.answered, replies)
+        return seal(peer.answer_key, peer.answered, replies)
 
     def _handle(self, msg: object) -> wire.Reply:
         try:
