@@ -97,27 +97,27 @@ class _Notes:
         #: the C queue serve_frames fills (None: no C helpers, a deque)
         self.queue: object | None = helpers.notes_new() if helpers is not None else None
         self._py: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._py_bytes = self._py_dropped = 0
+        self._py_bytes = self._py_dropped = 0  # (under _py_lock: serving threads append)
+        self._py_lock = threading.Lock()
 
     def append(self, note: tuple[str, bytes]) -> None:
         if self.queue is not None:
             self._c.notes_push(self.queue, *note)
             return
         size = len(note[0]) + len(note[1])
-        if len(self._py) >= self.MAX or self._py_bytes + size > self.MAX_BYTES:
-            self._py_dropped += 1
-            return
-        self._py.append(note)
-        self._py_bytes += size
+        with self._py_lock:
+            if len(self._py) >= self.MAX or self._py_bytes + size > self.MAX_BYTES:
+                self._py_dropped += 1
+                return
+            self._py.append(note)
+            self._py_bytes += size
 
     def take(self) -> list[tuple[str, bytes]]:
         if self.queue is not None:
             out: list[tuple[str, bytes]] = self._c.notes_take(self.queue)
             return out
-        out = []
-        while self._py:
-            out.append(self._py.popleft())
-        self._py_bytes = 0
+        with self._py_lock:
+            out, self._py, self._py_bytes = list(self._py), collections.deque(), 0
         return out
 
     @property
