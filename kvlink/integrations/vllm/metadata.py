@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvlink import wire
+from kvlink.errors import ConfigError
 
 #: kv_transfer_params key a router may set to pick the mode of one request (decode side)
 MODE_PARAM = "kvlink_mode"
@@ -276,11 +277,14 @@ def _bounded(raw: Any, lo: int, hi: int) -> int | None:
 
 
 def _text(raw: Any, limit: int = wire.MAX_ID_LEN) -> str | None:
-    """A non-empty id or host off the params that a peer's side channel takes (at most
-    ``limit`` characters, no control characters), else None."""
+    """A non-empty id or host off the params that a peer's side channel takes
+    (:func:`kvlink.wire.check_id`, and at most ``limit`` characters), else None."""
     if raw is None or isinstance(raw, (bool, list, tuple, dict)):
         return None
     text = str(raw)
-    if not text or len(text) > limit or any(ord(c) < 32 or ord(c) == 127 for c in text):
+    if not text or len(text) > limit:
         return None
-    return text
+    try:
+        return wire.check_id(text, "kv_transfer_params value")
+    except ConfigError:
+        return None
