@@ -12,13 +12,17 @@
  * asking for Python (a notification, a transfer of another kind queued behind, or close)
  * once the inbox is empty.
  *
- * Who sends a job's header: a READ's goes out on the caller's thread (inbox_push says so)
- * while no job ahead of it still has a header to send — its answer then comes as soon as the
- * owner has it, and READs posted one after another are all on the wire at once. A WRITE's
- * header and bytes are sent here, in turn (the caller's thread is not held for a payload),
- * and so is every header queued behind one that is unsent: two senders never interleave on
- * the socket. Each job is sent only once every answer before it was taken, so this thread
- * never writes a payload while the owner waits to write an answer to it.
+ * Who sends a job's header: a READ's goes out on the caller's thread, inside inbox_push,
+ * while no job ahead of it still has a header to send and no other caller is sending one —
+ * its answer then comes as soon as the owner has it, and READs posted one after another are
+ * all on the wire at once. That send never blocks: the caller sends what the connection
+ * takes at once (all of it, but where the owner has stopped reading: a hung host, a paused
+ * process, or its buffers full of earlier headers) and hands the rest to this thread, which
+ * waits for either the owner's answer or that hand-over before it reads. A WRITE's header
+ * and bytes are sent here, in turn (the caller's thread is not held for a payload), and so is
+ * every header queued behind one that is unsent: two senders never interleave on the socket.
+ * Each job is sent only once every answer before it was taken, so this thread never writes a
+ * payload while the owner waits to write an answer to it.
  *
  * The inbox copies each job's extents and header (the caller's may go before the bytes
  * move); its landed word belongs to the caller, who keeps it until the job is retired (its
@@ -26,8 +30,12 @@
 #define PY_SSIZE_T_CLEAN
 #include "_native.h"
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +62,10 @@ typedef struct {
   uint64_t retired;        /* jobs done (landed) or dropped since the inbox was made */
   int mode;                /* C: inbox_push takes jobs; PYTHON: it refuses them */
   int python;              /* asked for Python: run_inbox returns once the inbox is empty */
+  int sending;             /* a caller is inside its send of job `sending_seq`'s header */
+  uint64_t sending_seq;    /* (jobs are numbered from 0 as pushed: retired + index) */
+  int wake[2];             /* a pipe: a caller's send returned (what run_inbox polls beside
+                              the socket while the job it runs is that send's) */
 } inbox_t;
 
 static void job_free(job_t *j) {
@@ -68,6 +80,8 @@ static void inbox_destroy(PyObject *capsule) {
   if (!b) return;
   for (size_t i = 0; i < b->count; ++i) job_free(&b->ring[(b->head + i) % b->cap]);
   free(b->ring);
+  close(b->wake[0]);
+  close(b->wake[1]);
   pthread_cond_destroy(&b->more);
   pthread_mutex_destroy(&b->mu);
   free(b);
@@ -92,10 +106,19 @@ static PyObject *inbox_new(PyObject *self, PyObject *unused) {
     free(b);
     return PyErr_NoMemory();
   }
+  if (pipe(b->wake) < 0) {
+    free(b->ring);
+    free(b);
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  for (int i = 0; i < 2; ++i) /* (a wake-up never blocks its caller; the reader drains) */
+    fcntl(b->wake[i], F_SETFL, fcntl(b->wake[i], F_GETFL) | O_NONBLOCK);
   pthread_mutex_init(&b->mu, NULL);
   pthread_cond_init(&b->more, NULL);
   PyObject *capsule = PyCapsule_New(b, "kvlink.inbox", inbox_destroy);
   if (!capsule) {
+    close(b->wake[0]);
+    close(b->wake[1]);
     pthread_cond_destroy(&b->more);
     pthread_mutex_destroy(&b->mu);
     free(b->ring);
@@ -104,24 +127,61 @@ static PyObject *inbox_new(PyObject *self, PyObject *unused) {
   return capsule;
 }
 
-/* inbox_push(inbox, extents, landed, header, write, signal) -> int: a job queued for the
+/* The caller's send of job `seq`'s header (inbox_push, the job queued): what the socket
+ * takes without waiting; the rest, if any, becomes the job's header for the thread to send.
+ * A caller is never held by an owner that stopped reading. */
+static void caller_send(inbox_t *b, int fd, const char *hdr, size_t len, uint64_t seq) {
+  size_t off = 0;
+  Py_BEGIN_ALLOW_THREADS
+  while (off < len) {
+    ssize_t r = send(fd, hdr + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r > 0)
+      off += (size_t)r;
+    else if (r < 0 && errno == EINTR)
+      continue;
+    else
+      break; /* full, or broken: the thread's send of the rest says which */
+  }
+  pthread_mutex_lock(&b->mu);
+  if (off < len && seq - b->retired < b->count) { /* (still queued) */
+    job_t *j = &b->ring[(b->head + (seq - b->retired)) % b->cap];
+    j->hdr = malloc(len - off);
+    if (j->hdr) {
+      memcpy(j->hdr, hdr + off, len - off);
+      j->hlen = len - off;
+      ++b->unsent;
+    } else {
+      shutdown(fd, SHUT_RDWR); /* no room for the rest: the connection cannot go on */
+    }
+  }
+  b->sending = 0;
+  pthread_cond_broadcast(&b->more);
+  pthread_mutex_unlock(&b->mu);
+  (void)!write(b->wake[1], "", 1);
+  Py_END_ALLOW_THREADS
+}
+
+/* inbox_push(inbox, extents, landed, header, write, signal, fd) -> int: a job queued for the
  * parked thread. `header`: the job's framed request (bytes); `write`: a WRITE (its bytes are
  * sent from `extents` after the header) or a READ (taken into them); `signal`: None, or a
  * WRITE's landing signal (address, expect, value): the 8-byte word at `address` (a landing
  * board's flag, mapped until the transport's threads have ended) compare-and-set from
- * `expect` to `value` once the owner said "ok", before the landed word. 0: nothing queued,
- * the inbox is in Python's mode (the thread runs its jobs in Python: queue it there); 1:
- * queued, and the header is the caller's to send, after this (a READ with no unsent header
- * ahead); 2: queued, the thread sends the header. */
+ * `expect` to `value` once the owner said "ok", before the landed word; `fd`: the peer's
+ * socket (the one the thread is parked on). 0: nothing queued, the inbox is in Python's mode
+ * (the thread runs its jobs in Python: queue it there); 1: queued, and its header sent here,
+ * on the caller's thread (a READ with no unsent header ahead and no other caller sending:
+ * what the socket took at once, the rest handed to the thread); 2: queued, the thread sends
+ * the header. */
 static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 6) {
+  if (nargs != 7) {
     PyErr_SetString(PyExc_TypeError,
-                    "inbox_push(inbox, extents, landed, header, write, signal)");
+                    "inbox_push(inbox, extents, landed, header, write, signal, fd)");
     return NULL;
   }
   inbox_t *b = as_inbox(args[0]);
   int write = PyObject_IsTrue(args[4]);
-  if (!b || write < 0) return NULL;
+  int fd = (int)PyLong_AsLong(args[6]);
+  if (!b || write < 0 || PyErr_Occurred()) return NULL;
   unsigned long long flag = 0, expect = 0, value = 0;
   if (args[5] != Py_None &&
       !PyArg_ParseTuple(args[5], "KKK;signal: (address, expect, value)", &flag, &expect,
@@ -165,6 +225,7 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyErr_NoMemory();
   }
   int taken = 0, oom = 0;
+  uint64_t seq = 0;
   pthread_mutex_lock(&b->mu);
   if (b->mode == C && !b->python) {
     if (b->count == b->cap) { /* twice the room, in order */
@@ -179,7 +240,7 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
         oom = 1;
       }
     }
-    if (!oom && (write || b->unsent)) { /* ours to send, in turn: a copy of the header */
+    if (!oom && (write || b->unsent || b->sending)) { /* ours to send, in turn: a copy */
       j.hdr = malloc(j.hlen);
       if (j.hdr)
         memcpy(j.hdr, hv.buf, j.hlen);
@@ -188,12 +249,18 @@ static PyObject *inbox_push(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (!oom) { /* (else the caller sends it: nothing can be sent before it) */
       taken = j.hdr ? 2 : 1;
-      if (j.hdr) ++b->unsent;
+      if (j.hdr) {
+        ++b->unsent;
+      } else { /* the caller's, below: the thread sends no header until that send returned */
+        b->sending = 1;
+        b->sending_seq = seq = b->retired + b->count;
+      }
       b->ring[(b->head + b->count++) % b->cap] = j;
-      pthread_cond_signal(&b->more);
+      pthread_cond_signal(&b->more); /* (before the send: the thread waits for its answer) */
     }
   }
   pthread_mutex_unlock(&b->mu);
+  if (taken == 1) caller_send(b, fd, hv.buf, (size_t)hv.len, seq);
   PyBuffer_Release(&hv);
   if (!taken) job_free(&j);
   if (oom) return PyErr_NoMemory();
@@ -264,6 +331,25 @@ static int stopped(const kvl_move_t *m) {
 
 /* Every byte of ext[0..n) moved (send: to fd; else from it, after `prefix`), EINTR moved
  * past (signal handlers run on Python's main thread), `done` set at the end. */
+/* (under b->mu; returns under it) The oldest job's header is being sent by its caller: wait
+ * until that send returned (the rest, if any, is then this thread's to send) or the owner's
+ * answer is there to read (it answers once the whole header is in). */
+static void await_caller(inbox_t *b, int fd, int timeout_ms, kvl_move_t *m) {
+  *m = (kvl_move_t){0};
+  while (b->sending && b->sending_seq == b->retired) {
+    pthread_mutex_unlock(&b->mu);
+    struct pollfd p[2] = {{fd, POLLIN, 0}, {b->wake[0], POLLIN, 0}};
+    int r = poll(p, 2, timeout_ms), e = errno;
+    char drained[64];
+    while (read(b->wake[0], drained, sizeof drained) > 0) {
+    }
+    pthread_mutex_lock(&b->mu);
+    if (r == 0) m->timed_out = 1;
+    if (r < 0 && e != EINTR) m->err = e;
+    if (r == 0 || m->err || p[0].revents) return;
+  }
+}
+
 static void move_whole(int fd, int send, const uint64_t *ext, Py_ssize_t n, int timeout_ms,
                        const char *prefix, size_t plen, uint32_t *done, kvl_move_t *m) {
   *m = (kvl_move_t){0};
@@ -308,6 +394,8 @@ static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nar
   for (;;) {
     while (!b->count && !b->python) pthread_cond_wait(&b->more, &b->mu);
     if (!b->count) break; /* Python asked for, nothing queued */
+    await_caller(b, fd, timeout_ms, &m);
+    if (stopped(&m)) break;
     job_t j = b->ring[b->head]; /* (stays queued while run: the oldest) */
     pthread_mutex_unlock(&b->mu);
     if (j.hdr) { /* ours to send: every answer before it is in */
@@ -338,6 +426,7 @@ static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nar
   }
   b->mode = PYTHON;
   b->python = 0;
+  while (b->sending) pthread_cond_wait(&b->more, &b->mu); /* (its socket is Python's now) */
   pthread_mutex_unlock(&b->mu);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&pv);
@@ -350,7 +439,7 @@ static PyObject *run_inbox(PyObject *self, PyObject *const *args, Py_ssize_t nar
 PyMethodDef kvl_reader_methods[] = {
     {"inbox_new", (PyCFunction)inbox_new, METH_NOARGS, "inbox_new() -> an empty READ inbox"},
     {"inbox_push", (PyCFunction)(void (*)(void))inbox_push, METH_FASTCALL,
-     "inbox_push(inbox, extents, landed, header, write, signal) -> 0, 1 caller sends, 2"},
+     "inbox_push(inbox, extents, landed, header, write, signal, fd) -> 0, 1 sent here, 2"},
     {"inbox_open", (PyCFunction)inbox_open, METH_O,
      "inbox_open(inbox): inbox_push takes jobs from now on"},
     {"inbox_python", (PyCFunction)inbox_python, METH_O,

@@ -175,6 +175,73 @@ def _frozen_producer(port: int, events: Any, stop: Any) -> None:
         w.close()
 
 
+WIDE = data.Geometry(layers=256, kv_heads=1, head_dim=8, block_size=4)  # many small extents
+TINY_BUFFERS = {"tcp": {"socket_buffer_bytes": 4096, "timeout_s": 2.0}}
+
+
+def _frozen_wide_producer(port: int, events: Any, stop: Any) -> None:
+    """A producer of WIDE holding r0 and r1 (every block each), its sockets' buffers the
+    kernel's least, polling until ``stop``."""
+    _buf, layers = data.allocate(WIDE, 8, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="p", side_port=port, transport_options=TINY_BUFFERS))
+    try:
+        w.register(data.spec_of(WIDE, layers, 1, 0))
+        events.put(("held", w.hold("r0", list(range(8))), w.hold("r1", list(range(8)))))
+        while not stop.is_set():
+            w.poll()
+            w.wait(0.001)
+    finally:
+        w.close()
+
+
+@pytest.mark.fault("a producer process stopped (SIGSTOP) while a READ's request is more "
+                   "than its connection's buffers hold")
+def test_a_read_posted_to_a_frozen_producer_never_holds_the_caller(
+        observed: Callable[[str], None]) -> None:
+    """A READ's request (its header: every remote extent) went out on the caller's thread
+    with a blocking send: where the producer had stopped reading (SIGSTOP here; a hung host,
+    a long GC pause) and the request was more than the socket buffers hold — 4096 extents
+    here, a 70B request is 10x that — ``read()`` itself hung until tcp's deadline (2 s here,
+    30 s by default), and a decode's step loop with it. Now the caller sends what the
+    connection takes at once and the peer's thread sends the rest: ``read()`` returns in
+    milliseconds and the request fails at the transport's deadline, through ``poll()``."""
+    ctx = mp.get_context("spawn")
+    events: Any = ctx.Queue()
+    stop = StopFlag(ctx)
+    port = free_port_range(1)
+    child = ctx.Process(target=_frozen_wide_producer, args=(port, events, stop), daemon=True)
+    child.start()
+    _buf, layers = data.allocate(WIDE, 8, 1, 0)
+    w = KVWorker(WorkerConfig(engine_id="d", transport_options=TINY_BUFFERS))
+    w.register(data.spec_of(WIDE, layers, 1, 0))
+    stopped = False
+    try:
+        _, gen0, gen1 = events.get(timeout=60)
+        remote = RemoteEngine("p", "127.0.0.1", port)
+        w.read("r0", remote, list(range(8)), list(range(8)), generation=gen0)
+        assert wait(w, "r0") == (True, "")
+        os.kill(child.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        stopped = True
+        until(lambda: _state(child.pid) in ("T", "t"), 10, "the producer stopped")
+        shuffled = [5, 2, 7, 0, 3, 6, 1, 4]  # one extent per block, layer and plane: 4096
+        t0 = time.monotonic()
+        w.read("r1", remote, shuffled, list(range(8)), generation=gen1)
+        took = time.monotonic() - t0
+        observed(f"read() returned after {took * 1e3:.1f} ms")
+        assert took < 0.5, f"read() held the caller {took:.2f}s: its request's send blocked"
+        ok, reason = wait(w, "r1", timeout=30)
+        observed(f"failed after {time.monotonic() - t0:.2f}s: {reason}")
+        assert not ok and "no bytes moved within 2.0s" in reason, reason
+    finally:
+        if stopped:
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+        w.close()
+
+
 @pytest.mark.fault("a producer process stopped (SIGSTOP: alive, connections open, silent) "
                    "under a READ, then resumed")
 def test_a_read_from_a_frozen_producer_fails_at_the_transports_deadline(

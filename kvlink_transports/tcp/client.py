@@ -10,7 +10,8 @@ With option ``reader_in_c`` (default true, kvlink.options) and kvlink's C helper
 the thread waits for work in C, not in Python: parked in
 ``run_inbox`` (``_reader.c``) on an inbox. A plain transfer (one request of host memory:
 ``_Xfer.landed``) posted while it is parked goes into the inbox: a READ's header is sent by
-the caller as it queues it, and C takes its answer and bytes; a WRITE's header and bytes
+the caller as it queues it (what the connection takes at once: C sends any rest, so the
+caller never waits for the owner), and C takes its answer and bytes; a WRITE's header and bytes
 (and its notification, in the header) are sent by C, which takes its answer. Either is then
 marked landed for ``poll()``: that thread runs no Python for it, so it never waits for the
 GIL, which a caller busy in Python between polls (a decode's step loop, a prefill's) holds
@@ -36,7 +37,7 @@ import numpy.typing as npt
 
 from kvlink import native
 from kvlink.errors import KVLinkError, TransportUnavailable, WireError
-from kvlink.sockets import keepalive, shutdown
+from kvlink.sockets import keepalive
 from kvlink.transport import (
     DONE,
     PENDING,
@@ -62,7 +63,6 @@ from kvlink_transports.tcp.wire import (
     _PeerGone,
     _recv_exact,
     _recv_hdr,
-    _send_frame,
     _send_hdr,
     _tune,
     _why,
@@ -84,10 +84,6 @@ class _Xfer:
     mark: Any = None
     ticket: bytes = b""  # the grant its owner checks (contract rule 8)
     signal: Any = None  # kvlink.landing.Signal: applied once the owner acknowledged the bytes
-    #: its first request's header goes out on the caller's thread (_Peer.submit): True until
-    #: its answer came (a READ in the peer's inbox: until retired), a reason string if that
-    #: send failed (the connection is then broken), False not tried
-    sent: bool | str = False
     #: a plain transfer (one request of host memory; a READ without a notification or a
     #: landing signal): a word kvlink's C helper sets to 1 once its bytes moved and its owner
     #: said "ok" (a WRITE's signal applied), which poll() reads — DONE without this thread's
@@ -157,7 +153,6 @@ class _Peer:
         self.closed = False
         self.sock: socket.socket | None = None
         self.idle = False  # the thread waits for work in Python, on an open connection (cv)
-        self._sending = threading.Lock()  # held while the caller sends a header (submit)
         self._helpers = native.load() if owner.reader_in_c else None
         #: the jobs C runs while the thread is parked (None: not built, or not asked for)
         self.inbox: object | None = self._helpers.inbox_new() if self._helpers else None
@@ -170,21 +165,20 @@ class _Peer:
 
     def submit(self, item: tuple[int, _Xfer] | tuple[None, bytes]) -> None:
         """Queue ``item`` for this peer's thread. Where the thread is parked in C, a plain
-        transfer goes into its inbox: a READ's header is sent here, on the caller's thread,
-        unless C has a header ahead of it still to send (then C sends it, in turn), and C
+        transfer goes into its inbox: a READ's header is sent there, on the caller's thread,
+        unless a header ahead of it is still to be sent (then C sends it, in turn), and C
         takes the answer and the bytes (READs posted one after another are all on the wire
         at once); a WRITE's header and bytes are sent by C (the caller is not held for a
-        payload). Where the thread waits in Python on an open connection with nothing queued
-        (no C helpers), a READ of one request sends its header here too: the owner starts on
-        it at once. Anything else is queued and the thread woken (a wake-up is a good part of
-        a small READ's time on a busy host).
+        payload). Anything else is queued for the thread's Python, woken.
 
-        The thread is woken before that send, not after it: the owner's thread, woken by the
-        header, may take this CPU from the caller (on two cores, for ~2 ms in a third of the
-        16-block READs: bench/results/e2e_request_cpu_tcp_85e8581/probe/), and our thread
-        then already waits for the answer instead of for the caller. Both may use the socket
-        at once: the caller only sends this header, and the thread only reads until the
-        answer, which the owner sends once the whole header is in."""
+        The caller's send never waits for the owner: it sends what the connection takes at
+        once and C sends the rest (``_reader.c``, inbox_push). It used to be a blocking
+        send, and an owner that had stopped reading (a hung host; its buffers full of
+        earlier requests) held the caller — a decode's step loop — until tcp's deadline.
+        The job is queued before that send, so the thread already waits for its answer: on
+        two cores the owner's thread, woken by the header, may take this CPU from the
+        caller (for ~2 ms in a third of the 16-block READs:
+        bench/results/e2e_request_cpu_tcp_85e8581/probe/)."""
         _, xfer = item
         frame = None  # a plain transfer's request, framed before the lock is taken
         if isinstance(xfer, _Xfer) and xfer.landed is not None and self._helpers is not None:
@@ -192,41 +186,22 @@ class _Peer:
         with self.cv:
             if self.closed:
                 raise TransportUnavailable(f"peer {self.name} is disconnected")
-            sock = self.sock
-            first = not self.queue and sock is not None  # nothing queued for Python ahead
-            taken = 0  # the inbox's answer: 1 taken, its header ours to send; 2 taken
-            if first and self.parked and frame is not None:
+            if frame is not None and self.parked and not self.queue and self.sock is not None:
                 assert isinstance(xfer, _Xfer) and self._helpers is not None
                 sig = xfer.signal
-                taken = self._helpers.inbox_push(
-                    self.inbox, xfer.local, xfer.landed, frame, xfer.op is Op.WRITE,
-                    None if sig is None else (sig.region[0] + sig.offset, sig.expect, sig.value))
-            send = taken == 1 or (not taken and first and self.idle and isinstance(xfer, _Xfer)
-                                  and xfer.op is Op.READ
-                                  and xfer.remote.shape[0] <= _MAX_EXTENTS)
-            if send:
-                assert isinstance(xfer, _Xfer)
-                xfer.sent = True
-                self._sending.acquire()  # (released once the send returned: _run's failures)
-            if taken:
-                assert item[0] is not None and isinstance(xfer, _Xfer)
-                self.in_c.append((item[0], xfer))
-                self._retire()
-            else:
-                if self.parked and self._helpers is not None:  # its Python is wanted
-                    self._helpers.inbox_python(self.inbox)
-                self.queue.append(item)
-                self.cv.notify()
-        if send:
-            assert sock is not None and isinstance(xfer, _Xfer)
-            try:
-                _send_frame(sock, frame or _frame(self._header(xfer, slice(0, _MAX_EXTENTS),
-                                                               True)))
-            except OSError as exc:
-                xfer.sent = f"sending its request: {exc}"
-                shutdown(sock)  # the thread's read of the answer ends, with this reason
-            finally:
-                self._sending.release()
+                if self._helpers.inbox_push(
+                        self.inbox, xfer.local, xfer.landed, frame, xfer.op is Op.WRITE,
+                        None if sig is None else (sig.region[0] + sig.offset, sig.expect,
+                                                  sig.value),
+                        self.sock.fileno()):
+                    assert item[0] is not None
+                    self.in_c.append((item[0], xfer))
+                    self._retire()
+                    return
+            if self.parked and self._helpers is not None:  # its Python is wanted
+                self._helpers.inbox_python(self.inbox)
+            self.queue.append(item)
+            self.cv.notify()
 
     def close(self, reason: str) -> None:
         """Fail what is queued and break the connection; the transfer in progress (if any)
@@ -334,17 +309,9 @@ class _Peer:
         dropped, and everything pending on it fails — the jobs in the inbox, the queue, then
         ``first`` — so a transfer the caller submits once it hears of the failure opens a new
         connection and is never failed with this one's reason (it was, when this ran the
-        other way round). The cause named is the caller's failed header send where there was
-        one (read once that send has returned), else ``exc``."""
-        where = f"{self.desc.host}:{self.desc.port}"
-        why = _why(exc, self.owner.timeout)
-        with self.cv:
-            sent = [x for x in (*(x for _, x in self.in_c), first) if x is not None and x.sent]
-        if sent:
-            with self._sending:  # the caller's send of a header has returned:
-                failed = [x.sent for x in sent if isinstance(x.sent, str)]
-                why = failed[0] if failed else why  # its failure is the first cause
-        reason = f"peer {self.name} ({where}): {why}"
+        other way round)."""
+        reason = f"peer {self.name} ({self.desc.host}:{self.desc.port}): " \
+                 f"{_why(exc, self.owner.timeout)}"
         with self.cv:
             broken, self.sock = self.sock, None
         if broken is not None:
@@ -417,14 +384,11 @@ class _Peer:
         back to the front of the queue, in order, to run on a new connection (a READ's
         header the caller sent on the old one went nowhere; a READ is safe to ask again)."""
         assert self._helpers is not None
-        with self._sending:  # a caller's send into the old connection has returned (none
-            pass             # starts now: the connection is gone)
         with self.cv:
             behind = list(self.in_c)
             self._helpers.inbox_drop(self.inbox, True)
             self._retire()
             for handle, xfer in reversed(behind):
-                xfer.sent = False
                 self.queue.appendleft((handle, xfer))
 
     def _transfer(self, sock: socket.socket, xfer: _Xfer) -> None:
@@ -443,10 +407,7 @@ class _Peer:
         """One request of ``xfer``; False when the owner refused it (``xfer`` FAILED)."""
         owner = self.owner
         local = xfer.local[part]
-        if isinstance(xfer.sent, str):  # the caller's send broke the connection midway
-            raise _PeerGone(xfer.sent)
-        if not xfer.sent:  # (else the caller sends it, submit: this request's answer is next)
-            _send_hdr(sock, self._header(xfer, part, last))
+        _send_hdr(sock, self._header(xfer, part, last))
         if xfer.op is Op.WRITE:
             try:
                 owner._send_ext(sock, local)
@@ -461,7 +422,6 @@ class _Peer:
             # the answer and the bytes in one call (the GIL taken back once, not per socket
             # call: where this process's Python is busy each costs up to a switch interval)
             came = owner._recv_ext(sock, local, expect=_A_FRAME, done=xfer.landed)
-            xfer.sent = False  # (the owner answers once the whole header is in)
             if came is not None:  # not our "ok" bytes: the rest of its answer says what
                 reply = _reply_after(sock, came)
                 self._answered(xfer, reply)
@@ -472,7 +432,6 @@ class _Peer:
                 _send_hdr(sock, _Hdr(_VERSION, "N", agent=owner.ctx.agent_name, notify=xfer.notify))
             return True
         reply = _recv_hdr(sock)
-        xfer.sent = False
         self._answered(xfer, reply)
         return reply.op == "A"
 
