@@ -409,15 +409,19 @@ class Channels:
                     f"{REQUEST_BYTES} B request bound"))
                 continue
             frame = body if conn.key is None else wire.encode(self._seal(conn, body))
-            quiet = []
+            self._put(conn, frame)
+            if conn.broken:
+                # not sent (the pipe raises only with the frame's tail unsent: no server took
+                # it): back to the queue's head, which _fall_back sends again in order. Its
+                # quiet calls were lost here before — out of the queue, never awaited, never
+                # settled: a report (a release) whose frame did not leave was neither sent
+                # again nor failed, and its Pending stayed open for good
+                conn.queued = chunk + conn.queued
+                return
             for cid, m, pending in chunk:
                 if cid:
                     conn.waiting[cid] = (m, pending)
-                else:
-                    quiet.append(pending)
-            self._put(conn, frame)
-            if not conn.broken:
-                for pending in quiet:  # sent: nothing comes back for it
+                else:  # sent: nothing comes back for it
                     pending._settle(wire.Ack(v=WIRE_VERSION))
             self.calls_sent += len(chunk)
 

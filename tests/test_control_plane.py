@@ -7,6 +7,7 @@ every side-channel message opened its own socket (plus a challenge round trip wi
 
 from __future__ import annotations
 
+import select
 import time
 from collections.abc import Callable
 from typing import Any
@@ -234,13 +235,13 @@ def test_sessions_refuse_wrong_secrets_unsealed_batches_and_replays() -> None:
         srv.close()
 
 
-def _rebind(port: int) -> sidechannel.SideChannelServer:
+def _rebind(port: int, handler: sidechannel.Handler = lambda m: wire.Ack(v=WIRE_VERSION)
+            ) -> sidechannel.SideChannelServer:
     """The same port again (tried until it is free: a closed port may linger a moment)."""
     deadline = time.monotonic() + 5
     while True:
         try:
-            return sidechannel.SideChannelServer(
-                "127.0.0.1", port, lambda m: wire.Ack(v=WIRE_VERSION), secret=b"k")
+            return sidechannel.SideChannelServer("127.0.0.1", port, handler, secret=b"k")
         except SideChannelError:
             if time.monotonic() > deadline:
                 raise
@@ -269,6 +270,51 @@ def test_a_restarted_server_gets_a_new_session_and_a_dead_one_times_out() -> Non
     with pytest.raises(PeerUnreachable):
         _ack(chan, port, timeout=0.3)
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_quiet_report_whose_frame_did_not_leave_goes_on_the_next_connection() -> None:
+    """A report that wants no answer is settled once its frame leaves; one whose frame our
+    kernel refused (the kept-open connection had ended: its server restarted, and the frame
+    before it drew the reset) did not leave, and goes on the next connection like any call.
+    Before, it was taken off the queue and neither sent again nor settled: lost, its Pending
+    never done (a worker kept it among its reports for good, its failure never logged)."""
+    srv = _server(b"k")
+    port = srv.port
+    chan = Channels(b"k")
+    seen: list[str] = []
+
+    def note(req_id: str) -> wire.Notification:
+        return wire.Notification(v=WIRE_VERSION, engine_id="e", req_id=req_id, tp_rank=0,
+                                 tp_size=1, kind="write", ok=True)
+
+    def record(msg: object) -> wire.Reply:
+        assert isinstance(msg, wire.Notification)
+        seen.append(msg.req_id)
+        return wire.Ack(v=WIRE_VERSION)
+
+    try:
+        assert isinstance(_ack(chan, port), wire.Ack)  # the kept-open connection, answered
+        pipe = chan._conns[("127.0.0.1", port)].pipe
+        assert pipe is not None
+        srv.close()  # nothing awaits an answer: the connection is not read, its end unseen
+        srv = _rebind(port, record)
+        lost = chan.call("127.0.0.1", port, note("lost"), 5.0, quiet=True)
+        chan.flush()  # taken by our kernel: sent, not delivered (Channels.call says so) ...
+        assert isinstance(lost.result(), wire.Ack)
+        hangup = select.poll()  # ... and the closed end answers it with a reset
+        hangup.register(pipe.fileno(), select.POLLHUP | select.POLLERR)
+        assert hangup.poll(5000), "no reset from the closed end within 5 s"
+        again = chan.call("127.0.0.1", port, note("again"), 2.0, quiet=True)
+        chan.flush()  # refused by our kernel (the reset): not sent
+        assert chan._conns[("127.0.0.1", port)].broken
+        until(lambda: (chan.wait(0.01), again.done())[1], 5.0,  # past its 2 s deadline
+              "the report sent on a new connection, or failed")
+        assert isinstance(again.result(), wire.Ack)
+        until(lambda: bool(seen), 5.0, "the report at the restarted server")
+        assert seen == ["again"]
+    finally:
+        srv.close()
+        chan.close()
 
 
 def test_wait_sleeps_when_nothing_is_awaited() -> None:
