@@ -152,6 +152,16 @@ class PushSlots:
         slot = self._slots.get(key)
         return slot is None or slot.stop or slot.state is Slot.CANCELLED
 
+    def overdue(self, key: PushKey, now: float, grace: float = 0.0) -> bool:
+        """A push taken and not finished (starting or posted) that is ``grace`` seconds past
+        its time to live: its decode gave up on it then. A decode that can cancels it (within
+        ``grace``: the cancel is its say); one that cannot (it died, or its cancels do not
+        reach us) never does, so the time to live is what ends a layer-wise push whose caller
+        stopped feeding it layers."""
+        slot = self._slots.get(key)
+        return (slot is not None and slot.state in (Slot.STARTING, Slot.POSTED)
+                and now > slot.deadline + grace)
+
     def still_queued(self, key: PushKey, now: float) -> bool:
         """A queued push may still be taken: not cancelled and within its time to live (one
         past it is cancelled here, so a late cancel is answered "cancelled")."""

@@ -8,6 +8,7 @@ no fake. Each test failed on the code before (push had no ``layers``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,34 @@ def test_a_cancel_between_ranges_stops_the_push_and_fails_it_quiescent() -> None
         for i in (1, 2, 3):
             assert np.array_equal(layer(decode, i, LOCAL), before[i])
         assert prefill.pending() == 0 and decode.quarantined() == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.fault("layer-wise push: the prefill stops feeding layers and its decode is gone")
+def test_a_layer_wise_push_short_of_layers_fails_at_its_time_to_live(
+        observed: Callable[[str], None]) -> None:
+    """The prefill pushes layer 0 of a push with a 0.5 s time to live, then feeds no more
+    layers, and the decode closes (gone: no cancel comes). The push fails once past its time
+    to live and the wait for a cancel (``handshake_timeout``), naming it; the writer's read of
+    the hold ends with it (the hold is released), and a late range is refused. Before, it was
+    never reported, and its slot and the hold stayed taken."""
+    prefill, decode = rank("p", 1, handshake_timeout=0.5), rank("d", 2)
+    try:
+        msg = asked(prefill, decode, timeout=0.5)
+        rid = prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        decode.close()
+        ended: dict[str, str] = {}
+        until(lambda: bool(ended.update(prefill.poll()[1])) or rid in ended, 10,
+              "the prefill ended the push")
+        observed(f"prefill: {ended[rid]}")
+        assert "past its time to live (500 ms) with layers [1, 4) not pushed" in ended[rid]
+        assert "r0" in [r.req_id for r in prefill.released()]
+        assert not prefill._layered and prefill._push_slots.live() == 0
+        with pytest.raises(TransferCancelled, match="time to live"):
+            prefill.push(msg, HELD, lease="r0", layers=(1, 2))
     finally:
         prefill.close()
         decode.close()

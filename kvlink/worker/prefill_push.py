@@ -9,7 +9,9 @@ layers as the prefill's forward reaches them, tells the decode each range that l
 checked once, at the end (:meth:`_PrefillPush._finish_layered`); with integrity on, each
 range is digested as it is pushed, and "written" carries them all — as does a same-host
 decode's landing slot, so that the push ends there (kvlink.landing's digest areas). Nothing
-is posted after a push's time to live or a cancel (:mod:`kvlink.push` keeps that state).
+is posted after a push's time to live or a cancel (:mod:`kvlink.push` keeps that state); a
+layer-wise push still short of layers then, and not cancelled, fails
+(:meth:`_PrefillPush._poll_layered`).
 Separate because it is the producer's half of push ownership, independent of the decode's
 (:mod:`kvlink.worker.decode_push`).
 """
@@ -384,12 +386,24 @@ class _PrefillPush(_Requests):
                     msg.req_id, msg.push_id, "layers", layer_from=start, layer_to=stop))
 
     def _poll_layered(self, finished: set[str], failed: dict[str, str]) -> None:
-        """Layer-wise pushes the decode cancelled between two ranges: end them."""
+        """Layer-wise pushes the decode cancelled between two ranges, or still short of layers
+        ``handshake_timeout`` past their time to live with no cancel come: end them. A decode
+        that is there cancels at its timeout (the push's time to live), its cancel a side
+        channel call bounded by ``handshake_timeout``; past both, it is gone (or cannot reach
+        us) and nothing else would end a push whose caller stopped feeding it layers: before,
+        it was never reported, and its slot and its writer's read of the hold stayed taken."""
+        now, grace = time.monotonic(), self.config.handshake_timeout
         for rid, lay in list(self._layered.items()):
             with self._lock:
                 stopped = self._push_slots.stopped(lay.key)
+                overdue = (lay.next_layer < lay.layers
+                           and self._push_slots.overdue(lay.key, now, grace))
             if stopped and lay.error is None:
                 lay.error = f"cancelled by the decode after layer {lay.next_layer}"
+            elif overdue and lay.error is None:
+                lay.error = (f"past its time to live ({lay.msg.ttl_ms} ms) with layers "
+                             f"[{lay.next_layer}, {lay.layers}) not pushed, and no cancel "
+                             f"from its decode within {grace:g} s of it")
             if lay.error is not None:
                 self._finish_layered(rid, finished, failed)
 
