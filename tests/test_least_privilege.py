@@ -20,7 +20,8 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import AuthError, KVLinkError
 from kvlink.grants import read_ticket
 from kvlink.hostid import host_id
-from kvlink.leases import BlockLeases
+from kvlink.integrity import checker
+from kvlink.leases import BlockLeases, new_generation
 from kvlink.transport import Op, TransportContext, XferStatus, create_transport, make_extents
 from kvlink.worker import KVWorker
 
@@ -221,3 +222,42 @@ def test_read_intents_cannot_pin_a_hold_past_its_lease(observed: Callable[[str],
             break
     assert now[0] <= 13.0
     observed(f"expired at t={now[0]:.0f} s (lease 10 s + one read window of 3 s)")
+
+
+@pytest.mark.fault("hold(): the integrity digests of the held blocks cannot be taken (injected)")
+def test_a_hold_that_raises_leaves_no_grant(monkeypatch: pytest.MonkeyPatch,
+                                            observed: Callable[[str], None]) -> None:
+    """A hold whose digests cannot be fixed (injected: the digest raises, as a device error in
+    its kernel would — the real one cannot be made to fail on demand) raises and leaves
+    nothing: not held, no digests, and no grant — a reader told the generation (minted before
+    the hold, as vLLM's scheduler does) has its READ refused by the owner, its block
+    untouched. Before, the grant outlived the raise: the owner served the READ and the
+    prefill's bytes landed, only its verdict failed it. The same hold taken again then serves
+    its reader."""
+    prefill, _ = make("p", seed=1, integrity="full")
+    decode, _ = make("d", intent_timeout=0.5)
+    try:
+        gen = new_generation()
+
+        def fails(*args: object, **kw: object) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(checker, "digest", fails)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            prefill.hold("r0", [3], generation=gen)
+        monkeypatch.undo()
+        assert not prefill.leases.is_held("r0") and "r0" not in prefill.integrity._fixed
+        before = blocks(decode, [5]).copy()
+        decode.read("r0", remote(prefill), [5], [3], generation=gen)
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        observed(f"reader: {reason}")
+        assert not ok and "no grant for this transfer" in reason, reason
+        assert np.array_equal(blocks(decode, [5]), before)
+        assert prefill.hold("r0", [3], generation=gen) == gen
+        decode.read("r0", remote(prefill), [5], [3], generation=gen)
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        assert ok, reason
+        assert np.array_equal(blocks(decode, [5]), blocks(prefill, [3]))
+    finally:
+        prefill.close()
+        decode.close()

@@ -77,15 +77,18 @@ class _Holds(_Peering):
         # digested before too: the verdict of that READ carries them
         ticket = read_ticket(req_id, gen)
         self._grant(ticket, Op.READ, block_ids)
-        if final:
-            self.integrity.fix(req_id, gen, block_ids)
         try:
+            # (inside: digests that cannot be taken, a device error in their kernel, leave
+            # nothing granted either; before, the grant outlived the raise, and a reader told
+            # the generation READ blocks the caller then believed not held)
+            if final:
+                self.integrity.fix(req_id, gen, block_ids)
             # published under the lease table's lock: a release can only follow it, and
             # withdraws it (a reader told the generation may end the hold at once)
             held = self.leases.hold(req_id, block_ids, readers, gen, on_hold=(
                 None if self.board is None else functools.partial(
                     self._publish, req_id, block_ids)))
-        except ValueError:
+        except BaseException:
             if self.leases.generation_of(req_id) != gen:  # not the same hold delivered twice
                 self.integrity.drop(req_id, gen)
                 for t in self._enforcing():
