@@ -139,6 +139,35 @@ def test_a_layer_wise_push_short_of_layers_fails_at_its_time_to_live(
         decode.close()
 
 
+def test_an_open_layer_wise_push_is_pending_until_its_decode_is_told() -> None:
+    """Layer 0 pushed and landed, then the decode times out and cancels between two ranges
+    (answered "in flight": it keeps its blocks until the prefill says the push ended).
+    Nothing of the push is in flight, but it is open: ``pending()`` counts it, so a caller
+    that polls while anything is pending (README: how owed reports get sent) polls until the
+    push ended and its decode was told. Before, ``pending()`` read 0 here: that loop stopped
+    at once, the decode kept its blocks quarantined and the prefill's hold stayed taken."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode, timeout=0.5)
+        rid = prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        key = prefill._layered[rid].key
+        until(lambda: decode.poll() is None or prefill._push_slots.asked_to_stop(key), 10,
+              "the decode cancelled the push")
+        assert decode.quarantined() == 1
+        ended: dict[str, str] = {}
+        until(lambda: not prefill.pending() or bool(ended.update(prefill.poll()[1])), 10,
+              "the prefill's loop: poll while anything is pending")
+        assert "cancelled by the decode after layer 1" in ended.get(rid, ""), ended
+        ok, reason = outcome(decode, "r0", 10)  # the prefill polls no more
+        assert not ok and "did not push within the timeout" in reason, reason
+        assert decode.quarantined() == 0
+        assert "r0" in [r.req_id for r in prefill.released()]
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_layer_ranges_are_checked_naming_the_values() -> None:
     prefill, decode = rank("p", 1), rank("d", 2)
     try:

@@ -605,8 +605,15 @@ class KVWorker(_PrefillPush, _DecodePush):
         return self._ledger.descriptors
 
     def pending(self) -> int:
-        """Requests in flight, pushes awaited, and reports owed to peers (a poll sends them)."""
-        return (len(self._requests) + len(self._awaiting) + len(self._later)
+        """Requests in flight, pushes awaited, and reports owed to peers (a poll sends them).
+
+        A layer-wise push counts until it ended, also between two ranges (none of it in
+        flight): only a poll ends it — cancelled by its decode, which keeps its blocks until
+        told, or past its time to live — and tells its decode. Counted by its ranges alone, a
+        caller polling while anything is pending stopped with the push open, its decode's
+        blocks quarantined and the hold it writes from taken."""
+        between = sum(not lay.inflight for lay in self._layered.values()) if self._layered else 0
+        return (len(self._requests) + len(self._awaiting) + between + len(self._later)
                 + len(self._ledger.later))
 
     # ------------------------------------------------------------------ the rest
