@@ -168,6 +168,25 @@ def test_an_open_layer_wise_push_is_pending_until_its_decode_is_told() -> None:
         decode.close()
 
 
+def test_close_reports_an_open_layer_wise_push_under_its_id() -> None:
+    """close() with a layer-wise push open (layer 0 landed, layer 1 posted): the next poll
+    reports the push failed under the id push() returned. Before, it reported the range's
+    internal id (``<id>@1-2``), which the caller never saw, and never the push's own."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode)
+        rid = prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        assert prefill.push(msg, HELD, lease="r0", layers=(1, 2)) == rid
+        prefill.close()
+        done, failed = prefill.poll()
+        assert not done and list(failed) == [rid], failed
+        assert "closed with it in flight" in failed[rid]
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_layer_ranges_are_checked_naming_the_values() -> None:
     prefill, decode = rank("p", 1), rank("d", 2)
     try:

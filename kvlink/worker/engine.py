@@ -659,9 +659,13 @@ class KVWorker(_PrefillPush, _DecodePush):
             if hv is not None:
                 hv.close()
         self._hold_views.clear()
-        self._left_at_close = {r: "the worker was closed with it in flight"
-                               for r in [*self._requests, *self._awaiting]}
+        # a layer-wise push under the id push() returned, not its ranges' own (internal) ids:
+        # the caller never saw those, and the push itself was never reported
+        self._left_at_close = {r: "the worker was closed with it in flight" for r in [
+            *(r for r, req in self._requests.items() if req.layered is None),
+            *self._layered, *self._awaiting]}
         self._requests.clear()
+        self._layered.clear()
         self._awaiting.clear()
         self._later.clear()
         self._routes.clear()
