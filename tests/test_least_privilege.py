@@ -22,8 +22,16 @@ from kvlink.grants import read_ticket
 from kvlink.hostid import host_id
 from kvlink.integrity import checker
 from kvlink.leases import BlockLeases, new_generation
-from kvlink.transport import Op, TransportContext, XferStatus, create_transport, make_extents
+from kvlink.transport import (
+    Op,
+    TransportContext,
+    XferStatus,
+    create_transport,
+    make_extents,
+    register_transport,
+)
 from kvlink.worker import KVWorker
+from kvlink_transports.tcp import TcpTransport
 
 
 def _handshake(prefill: KVWorker, engine: str = "attacker") -> wire.HandshakeResponse:
@@ -258,6 +266,43 @@ def test_a_hold_that_raises_leaves_no_grant(monkeypatch: pytest.MonkeyPatch,
         ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
         assert ok, reason
         assert np.array_equal(blocks(decode, [5]), blocks(prefill, [3]))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+class _GrantFailsTcp(TcpTransport):
+    """A second transport that enforces grants, whose grant raises: no real one fails on
+    demand (only tcp enforces grants today, and its gate only when out of memory)."""
+
+    name = "grant_fails_tcp"
+
+    def grant(self, ticket: bytes, op: Op, extents: np.ndarray) -> None:
+        raise MemoryError("grant window (injected)")
+
+
+@pytest.mark.fault("hold(): the second of two transports that enforce grants cannot grant "
+                   "(injected)")
+def test_a_grant_that_fails_partway_leaves_no_grant(observed: Callable[[str], None]) -> None:
+    """The prefill serves over tcp and a second grant-enforcing transport whose grant raises
+    (injected, see _GrantFailsTcp): hold() raises, and tcp, granted first, keeps no grant — a
+    reader told the generation has its READ refused by the owner, its block untouched.
+    Before, tcp's grant was taken outside the hold's cleanup and outlived the raise: the owner
+    served the READ of blocks the caller believed not held."""
+    register_transport("grant_fails_tcp", _GrantFailsTcp)
+    prefill, _ = make("p", seed=1, transports=["tcp", "grant_fails_tcp"])
+    decode, _ = make("d", intent_timeout=0.5)
+    try:
+        gen = new_generation()
+        with pytest.raises(MemoryError, match="injected"):
+            prefill.hold("r0", [3], generation=gen)
+        assert not prefill.leases.is_held("r0")
+        before = blocks(decode, [5]).copy()
+        decode.read("r0", remote(prefill), [5], [3], generation=gen)
+        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+        observed(f"reader: {reason}")
+        assert not ok and "no grant for this transfer" in reason, reason
+        assert np.array_equal(blocks(decode, [5]), before)
     finally:
         prefill.close()
         decode.close()

@@ -76,11 +76,12 @@ class _Holds(_Peering):
         # granted before the hold is visible: a reader told the generation may READ at once;
         # digested before too: the verdict of that READ carries them
         ticket = read_ticket(req_id, gen)
-        self._grant(ticket, Op.READ, block_ids)
         try:
-            # (inside: digests that cannot be taken, a device error in their kernel, leave
-            # nothing granted either; before, the grant outlived the raise, and a reader told
-            # the generation READ blocks the caller then believed not held)
+            # (inside: a grant that fails partway, the second of two transports that enforce
+            # grants raising, and digests that cannot be taken, a device error in their
+            # kernel, leave nothing granted; before, the grant outlived the raise, and a
+            # reader told the generation READ blocks the caller then believed not held)
+            self._grant(ticket, Op.READ, block_ids)
             if final:
                 self.integrity.fix(req_id, gen, block_ids)
             # published under the lease table's lock: a release can only follow it, and
