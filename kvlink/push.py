@@ -6,10 +6,11 @@ byte of the push can still land*:
 
 - Prefill (:class:`PushSlots`): a push is ``queued`` on arrival, ``starting`` once the caller
   takes it (handshake, plan), ``posted`` from the first WRITE, then ``done`` or ``failed``
-  (failed means quiescent: the transport contract). It is never posted after its deadline or
-  after a cancel; a cancel is answered with the state (``cancelled``, ``in_flight``, ``done``,
-  ``failed``), and a cancel that arrives before its push leaves a tombstone, so the late push is
-  refused.
+  (failed means quiescent: the transport contract). No WRITE of it starts after its deadline
+  or after a cancel (a layer-wise push's next range neither; one in flight then runs to its
+  end, and the decode keeps its blocks until told); a cancel is answered with the state
+  (``cancelled``, ``in_flight``, ``done``, ``failed``), and a cancel that arrives before its
+  push leaves a tombstone, so the late push is refused.
 - Decode (:class:`PushWait`): each prefill rank asked is ``asked`` until it is ``written``, or
   ``settled`` (nothing more can land: it said cancelled/failed, or the transport fenced it off).
   On timeout or error the decode cancels the unsettled ranks and reports the request only once
@@ -137,15 +138,22 @@ class PushSlots:
         slot.state = Slot.POSTED
         return None
 
-    def resume(self, key: PushKey) -> None:
+    def resume(self, key: PushKey, now: float) -> None:
         """A layer-wise push's next layers: raises TransferCancelled unless the push is still
-        being written (started, not cancelled, not finished)."""
+        being written (started, not cancelled, not finished) and within its time to live —
+        its decode gives up on it then, so a range posted later would only be written into
+        blocks it keeps quarantined until told (never lost, never reused: but wasted, and
+        the push's end delayed)."""
         slot = self._slots.get(key)
         if slot is None or slot.stop or slot.state not in (Slot.STARTING, Slot.POSTED):
             state = "unknown" if slot is None else (
                 "cancelled" if slot.stop else slot.state.value)
-            raise TransferCancelled(f"push of {key[2]} to {key[0]} rank {key[1]}: no more "
-                                    f"layers are written ({state})")
+        elif now > slot.deadline:
+            state = "past its time to live"
+        else:
+            return
+        raise TransferCancelled(f"push of {key[2]} to {key[0]} rank {key[1]}: no more "
+                                f"layers are written ({state})")
 
     def stopped(self, key: PushKey) -> bool:
         """The decode cancelled this push (queued, starting or in flight)."""

@@ -8,6 +8,7 @@ no fake. Each test failed on the code before (push had no ``layers``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -134,6 +135,33 @@ def test_a_layer_wise_push_short_of_layers_fails_at_its_time_to_live(
         assert not prefill._layered and prefill._push_slots.live() == 0
         with pytest.raises(TransferCancelled, match="time to live"):
             prefill.push(msg, HELD, lease="r0", layers=(1, 2))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_no_range_of_a_layer_wise_push_is_posted_past_its_time_to_live() -> None:
+    """Layer 0 pushed and landed with a 0.5 s time to live; the next range comes once that
+    has passed, before any cancel (the decode does not step). It is refused, naming why, and
+    nothing of it is written — the decode gave up on the push at its time to live; the next
+    poll ends the push, naming it. Before, the range was posted (a WRITE into blocks its
+    decode keeps quarantined only until told) and the push ran on."""
+    prefill, decode = rank("p", 1), rank("d", 2)
+    try:
+        msg = asked(prefill, decode, timeout=0.5)
+        before = [layer(decode, i, LOCAL) for i in range(4)]
+        rid = prefill.push(msg, HELD, lease="r0", layers=(0, 1))
+        landed(prefill, decode, 1)
+        slot = prefill._push_slots._slots[prefill._layered[rid].key]
+        until(lambda: time.monotonic() > slot.deadline, 5, "its time to live passed")
+        with pytest.raises(TransferCancelled, match="past its time to live"):
+            prefill.push(msg, HELD, lease="r0", layers=(1, 2))
+        ended: dict[str, str] = {}
+        until(lambda: bool(ended.update(prefill.poll()[1])) or rid in ended, 5,
+              "the prefill ended the push")
+        assert "past its time to live" in ended[rid], ended
+        for i in (1, 2, 3):
+            assert np.array_equal(layer(decode, i, LOCAL), before[i])
     finally:
         prefill.close()
         decode.close()

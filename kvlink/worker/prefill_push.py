@@ -8,10 +8,10 @@ layers as the prefill's forward reaches them, tells the decode each range that l
 (:meth:`_PrefillPush._tell_landed`) and says "written" once the last range is DONE, its lease
 checked once, at the end (:meth:`_PrefillPush._finish_layered`); with integrity on, each
 range is digested as it is pushed, and "written" carries them all — as does a same-host
-decode's landing slot, so that the push ends there (kvlink.landing's digest areas). Nothing
-is posted after a push's time to live or a cancel (:mod:`kvlink.push` keeps that state); a
-layer-wise push still short of layers then, and not cancelled, fails
-(:meth:`_PrefillPush._poll_layered`).
+decode's landing slot, so that the push ends there (kvlink.landing's digest areas). No
+WRITE starts after a push's time to live or a cancel, a layer-wise push's next range neither
+(:mod:`kvlink.push` keeps that state); a layer-wise push still short of layers then, and not
+cancelled, fails (:meth:`_PrefillPush._poll_layered`).
 Separate because it is the producer's half of push ownership, independent of the decode's
 (:mod:`kvlink.worker.decode_push`).
 """
@@ -248,8 +248,12 @@ class _PrefillPush(_Requests):
                                   f"{lay.next_layer}, got [{start}, {stop})")
             if lay.error is not None:
                 raise TransferCancelled(f"push of {msg.req_id}: {lay.error}")
-            with self._lock:
-                self._push_slots.resume(lay.key)
+            try:
+                with self._lock:
+                    self._push_slots.resume(lay.key, time.monotonic())
+            except TransferCancelled as exc:  # (the next poll ends the push and says why)
+                lay.error = str(exc)
+                raise
         sub = f"{rid}@{start}-{stop}"
         remote = RemoteEngine(msg.engine_id, msg.host, msg.port, msg.tp_size)
         reads = push_targets(self.config.tp_size, self.config.tp_rank, msg.tp_size,
