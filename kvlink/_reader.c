@@ -34,10 +34,10 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sys/socket.h>
-#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 typedef struct {
   uint64_t *ext; /* (addr, len) pairs, a copy */
@@ -329,8 +329,6 @@ static int stopped(const kvl_move_t *m) {
   return m->err || m->timed_out || m->closed || m->differs;
 }
 
-/* Every byte of ext[0..n) moved (send: to fd; else from it, after `prefix`), EINTR moved
- * past (signal handlers run on Python's main thread), `done` set at the end. */
 /* (under b->mu; returns under it) The oldest job's header is being sent by its caller: wait
  * until that send returned (the rest, if any, is then this thread's to send) or the owner's
  * answer is there to read (it answers once the whole header is in). */
@@ -350,6 +348,8 @@ static void await_caller(inbox_t *b, int fd, int timeout_ms, kvl_move_t *m) {
   }
 }
 
+/* Every byte of ext[0..n) moved (send: to fd; else from it, after `prefix`), EINTR moved
+ * past (signal handlers run on Python's main thread), `done` set at the end. */
 static void move_whole(int fd, int send, const uint64_t *ext, Py_ssize_t n, int timeout_ms,
                        const char *prefix, size_t plen, uint32_t *done, kvl_move_t *m) {
   *m = (kvl_move_t){0};
