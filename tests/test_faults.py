@@ -175,6 +175,17 @@ def _frozen_producer(port: int, events: Any, stop: Any) -> None:
         w.close()
 
 
+def _end(child: Any, stop: Any, stopped: bool) -> None:
+    """A producer process this test stopped (``stopped``: SIGSTOP still on) resumed, told to
+    stop, and reaped (killed if it does not end in 10 s)."""
+    if stopped:
+        os.kill(child.pid, signal.SIGCONT)
+    stop.set()
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+
+
 WIDE = data.Geometry(layers=256, kv_heads=1, head_dim=8, block_size=4)  # many small extents
 TINY_BUFFERS = {"tcp": {"socket_buffer_bytes": 4096, "timeout_s": 2.0}}
 
@@ -233,12 +244,7 @@ def test_a_read_posted_to_a_frozen_producer_never_holds_the_caller(
         observed(f"failed after {time.monotonic() - t0:.2f}s: {reason}")
         assert not ok and "no bytes moved within 2.0s" in reason, reason
     finally:
-        if stopped:
-            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
-        stop.set()
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        _end(child, stop, stopped)
         w.close()
 
 
@@ -290,10 +296,5 @@ def test_a_read_from_a_frozen_producer_fails_at_the_transports_deadline(
                  f"{released['r1']}")
         assert "expired" not in str(released["r1"])
     finally:
-        if stopped:
-            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
-        stop.set()
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        _end(child, stop, stopped)
         w.close()

@@ -232,6 +232,18 @@ def test_read_intents_cannot_pin_a_hold_past_its_lease(observed: Callable[[str],
     observed(f"expired at t={now[0]:.0f} s (lease 10 s + one read window of 3 s)")
 
 
+def _read_refused(prefill: KVWorker, decode: KVWorker, gen: int,
+                  observed: Callable[[str], None]) -> None:
+    """A READ of the prefill's block 3 under ``gen`` into the decode's block 5 is refused by
+    the owner (no grant), the block untouched."""
+    before = blocks(decode, [5]).copy()
+    decode.read("r0", remote(prefill), [5], [3], generation=gen)
+    ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
+    observed(f"reader: {reason}")
+    assert not ok and "no grant for this transfer" in reason, reason
+    assert np.array_equal(blocks(decode, [5]), before)
+
+
 @pytest.mark.fault("hold(): the integrity digests of the held blocks cannot be taken (injected)")
 def test_a_hold_that_raises_leaves_no_grant(monkeypatch: pytest.MonkeyPatch,
                                             observed: Callable[[str], None]) -> None:
@@ -255,12 +267,7 @@ def test_a_hold_that_raises_leaves_no_grant(monkeypatch: pytest.MonkeyPatch,
             prefill.hold("r0", [3], generation=gen)
         monkeypatch.undo()
         assert not prefill.leases.is_held("r0") and "r0" not in prefill.integrity._fixed
-        before = blocks(decode, [5]).copy()
-        decode.read("r0", remote(prefill), [5], [3], generation=gen)
-        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
-        observed(f"reader: {reason}")
-        assert not ok and "no grant for this transfer" in reason, reason
-        assert np.array_equal(blocks(decode, [5]), before)
+        _read_refused(prefill, decode, gen, observed)
         assert prefill.hold("r0", [3], generation=gen) == gen
         decode.read("r0", remote(prefill), [5], [3], generation=gen)
         ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
@@ -297,12 +304,7 @@ def test_a_grant_that_fails_partway_leaves_no_grant(observed: Callable[[str], No
         with pytest.raises(MemoryError, match="injected"):
             prefill.hold("r0", [3], generation=gen)
         assert not prefill.leases.is_held("r0")
-        before = blocks(decode, [5]).copy()
-        decode.read("r0", remote(prefill), [5], [3], generation=gen)
-        ok, reason = outcome(decode, "r0", 10, step=lambda: prefill.poll())
-        observed(f"reader: {reason}")
-        assert not ok and "no grant for this transfer" in reason, reason
-        assert np.array_equal(blocks(decode, [5]), before)
+        _read_refused(prefill, decode, gen, observed)
     finally:
         prefill.close()
         decode.close()
