@@ -32,7 +32,7 @@ except ImportError as exc:
 from procgroup import stop
 from test_nixl_transport import OPTS, TIMEOUT, Peer
 
-from kvlink.errors import ConfigError, HandshakeError
+from kvlink.errors import ConfigError, HandshakeError, TransferError
 from kvlink.transport import Op, Region, TransportContext, XferStatus, make_extents
 from kvlink_transports import nixl as knixl
 
@@ -265,6 +265,42 @@ def test_disconnect_of_stopped_peer_fails_read_only_once_nothing_can_land(
     finally:
         t.close()
 
+
+
+@pytest.mark.fault("release() of a READ still in flight from a SIGSTOPped peer (UCX tcp), then "
+                   "disconnect(); the peer resumes after")
+def test_a_read_released_in_flight_is_torn_down_by_disconnect_and_nothing_lands(
+    peers: Callable[..., Peer], observed: Callable[[str], None]
+) -> None:
+    """Releasing a handle does not stop NIXL's request (docs/nixl.md "Deadlines"), so the
+    transport keeps a released READ that is still in flight until UCX ends it: a disconnect
+    tears its peer down, and close finds nothing left. Old code: release handed the request
+    to NIXL and forgot it; disconnect saw no transfer in flight, removed the peer's agent
+    without a teardown, and the whole READ landed once the peer resumed."""
+    victim = peers("victim", 61)
+    t = _transport({"timeout_s": 600.0})  # the deadline plays no part here
+    buf = np.zeros(N, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(victim.name, victim.descriptor)
+        stop(victim.pid)
+        buf[:] = SENTINEL
+        h = _read(t, victim, buf, 0, N)
+        assert t.poll(h).status is XferStatus.PENDING
+        t.release(h)  # abandoned while in flight (the caller gave up on it)
+        with pytest.raises(TransferError, match="released"):
+            t.poll(h)
+        t.disconnect(victim.name)
+        os.kill(victim.pid, signal.SIGCONT)
+        untouched = _untouched_while(buf, t, QUIET)
+        observed(f"READ released in flight, then disconnect: destination "
+                 f"{'unchanged' if untouched else 'written'} for {QUIET:.0f}s after the peer "
+                 f"resumed ({int(np.count_nonzero(buf != SENTINEL))} bytes changed)")
+        assert untouched, "bytes of a released READ landed after its peer was disconnected"
+        t.release(h)  # released twice: nothing to do, and what UCX ended is forgotten
+        assert t._handle_counts() == {"xfers": 0, "nixl_requests": 0, "zombies": 0, "peers": 0}
+    finally:
+        t.close()
 
 
 @pytest.mark.fault("a NIXL peer SIGSTOPped after handing over its descriptor, before connect "

@@ -52,3 +52,6 @@ class _Xfer:
     #: stream order: (mark of the caller's stream at post, what _issue takes) until poll finds
     #: the device past the mark and hands the descriptors to NIXL; None once issued
     after: tuple[Any, tuple[Any, ...]] | None = None
+    #: released by its caller while a request of it was in flight: kept, answering no call,
+    #: until UCX ends it (:meth:`~kvlink_transports.nixl.requests._Requests._abandon`)
+    abandoned: bool = False

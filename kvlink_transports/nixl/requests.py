@@ -52,6 +52,7 @@ class _Requests(Transport):
     _draining: dict[str, _Peer]
     _xfers: dict[int, _Xfer]
     _zombies: list[Any]  # NIXL requests whose release failed; retried later
+    _abandoned: list[int]  # handles released in flight, kept in _xfers until UCX ends them
     #: the owner's calls that progress UCX (a transfer started or asked about), counted so
     #: the progress thread stays out of the way of an owner that polls (kvlink_transports.
     #: nixl.progress)
@@ -214,6 +215,42 @@ class _Requests(Transport):
             self._fail(x, f"nixl notification to {x.peer!r} failed: {_nixl_reason(exc)}")
             return False
         return True
+
+    def _abandon(self, handle: int, x: _Xfer) -> bool:
+        """The caller released ``x`` (lock held): True where it is kept, a request of it being
+        still in flight. Why: releasing a NIXL request does not stop UCX's READ or WRITE (the
+        module doc), and one forgotten is invisible to what does stop it: a disconnect saw no
+        transfer in flight and removed the peer's agent without a teardown (a 4 MiB READ from
+        a stopped peer, released, landed whole once the peer resumed), and close deregistered
+        the memory under it. So it stays in ``_xfers`` under its handle, which no call answers
+        any more, until UCX ends it (:meth:`_reap_abandoned`): a disconnect, a replaced peer or
+        close tear its peer down as for any transfer in flight, and its deadline still holds."""
+        if x.state.status is not XferStatus.PENDING or not self._check_reqs(x):
+            return False
+        x.abandoned = True
+        self._xfers[handle] = x
+        self._abandoned.append(handle)
+        log.debug("nixl %s with %r (agent %s) released in flight: kept until UCX ends it",
+                  x.op or "transfer", x.peer, x.agent)
+        return True
+
+    def _reap_abandoned(self) -> None:
+        """Forget the transfers released in flight that UCX has ended, and tear down the peer
+        of one past its deadline (lock held; :meth:`_abandon`)."""
+        keep: list[int] = []
+        now = time.monotonic()
+        for handle in self._abandoned:
+            x = self._xfers[handle]
+            if x.state.status is XferStatus.PENDING and self._check_reqs(x):
+                if not x.expired and now >= x.deadline:
+                    self._expire(x)
+                keep.append(handle)
+                continue
+            del self._xfers[handle]
+            self._release_reqs(x)
+        self._abandoned = keep
+        if self._draining:
+            self._settle_draining()
 
     def _release_reqs(self, x: _Xfer) -> None:
         for req in x.reqs:

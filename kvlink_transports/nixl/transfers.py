@@ -78,6 +78,8 @@ class _Transfers(_Requests):
         notif = bytes(notify) if notify else None
         with self._lock:
             li = self._local.table.locate(local, "local extent")
+            if self._abandoned:  # (first: its deadline may drop the peer)
+                self._reap_abandoned()
             p = self._peers.get(peer)
             if self._closed or p is None:
                 why = "the transport is closed" if self._closed else "it is not connected"
@@ -116,6 +118,8 @@ class _Transfers(_Requests):
         stream, runs of unequal length) it is ``post`` of the expanded extents."""
         t0 = time.perf_counter()
         with self._lock:
+            if self._abandoned:  # (first: its deadline may drop the peer)
+                self._reap_abandoned()
             got = self._indexed_runs(peer, runs)
             if got is not None:
                 handle, x = self._post_runs_locked(op, runs, t0, *got)
@@ -249,7 +253,7 @@ class _Transfers(_Requests):
         prepped at connect, no list built), "per-request" or "direct"."""
         with self._lock:
             x = self._xfers.get(handle)
-            if x is None:
+            if x is None or x.abandoned:
                 raise TransferError(f"nixl: unknown or released handle {handle}")
             return {
                 "pre_transfer_s": (x.t_transfer or x.t_posted) - x.t_post,
@@ -325,7 +329,7 @@ class _Transfers(_Requests):
     def poll(self, handle: int) -> XferState:
         with self._lock:
             x = self._xfers.get(handle)
-            if x is None:
+            if x is None or x.abandoned:
                 raise TransferError(f"nixl: unknown or released handle {handle}")
             if x.after is not None and not self._issue_after(x):
                 return x.state
@@ -377,14 +381,20 @@ class _Transfers(_Requests):
         return True
 
     def release(self, handle: int) -> None:
+        """Forget the handle; one still in flight is kept until UCX ends it
+        (:meth:`_abandon`: releasing its NIXL requests would not stop them)."""
         with self._lock:
-            x = self._xfers.pop(handle, None)
-            if x is not None and x.after is not None:  # never issued: nothing to end
-                assert self._marks is not None
-                self._marks.drop(x.after[0])
-                x.after = None
-            if x is not None:
-                self._release_reqs(x)
+            x = self._xfers.get(handle)
+            if x is not None and not x.abandoned:
+                del self._xfers[handle]
+                if x.after is not None:  # never issued: nothing to end
+                    assert self._marks is not None
+                    self._marks.drop(x.after[0])
+                    x.after = None
+                if not self._abandon(handle, x):
+                    self._release_reqs(x)
+            if self._abandoned:
+                self._reap_abandoned()
             if self._zombies:
                 self._reap_zombies()
             if self._draining:
@@ -395,7 +405,7 @@ class _Transfers(_Requests):
         request: start_us, post_us, xfer_us, bytes, descriptors (after NIXL's merging)."""
         with self._lock:
             x = self._xfers.get(handle)
-            if x is None:
+            if x is None or x.abandoned:
                 raise TransferError(f"nixl: unknown or released handle {handle}")
             out = []
             for t in x.telemetry:

@@ -157,6 +157,7 @@ class NixlTransport(_LaneChecks, _WireUp):
         self._draining = {}
         self._xfers = {}
         self._zombies = []
+        self._abandoned = []
         self._owner_calls = 0
         self._ids = itertools.count(1)
         self._host = ctx.host_id or socket.gethostname()
@@ -440,6 +441,8 @@ class NixlTransport(_LaneChecks, _WireUp):
             end = time.monotonic() + _CLOSE_DRAIN  # UCX fails those endpoints at next progress
             for agent in list(self._draining):
                 self._await_drained(agent, max(0.0, end - time.monotonic()))
+            if self._abandoned:
+                self._reap_abandoned()
             self._reap_zombies()
             stuck = sum(x.state.status is XferStatus.PENDING for x in self._xfers.values())
             if stuck:
