@@ -485,3 +485,31 @@ def test_the_demo_over_mooncake_logs_none_of_the_engines_info_lines(tmp_path: Pa
     info = [ln for ln in (done.stdout + done.stderr).splitlines()
             if re.match(r"I\d{4} \d\d:\d\d:\d\d", ln)]
     assert not info, f"{len(info)} INFO lines of the engine, the first: {info[:3]}"
+
+
+def test_a_failed_batch_to_a_hung_peer_is_failed_within_timeout_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sub-batch the engine gives back failed (its batch timeout, set below timeout_s by the
+    operator) while the peer hangs: the peer's thread asks the peer (``send_probe``) whether to
+    retry, and the engine waits ~60 s for a stopped peer's answer. The probe is bounded by
+    timeout_s. Old code: the thread waited it out and the transfer, failed by poll at
+    timeout_s, reported FAILED only ~65 s after its post."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")  # the engine's batch wait: before timeout_s
+    p = Peer(f"hung-{uuid.uuid4().hex[:8]}", 16 << 20, seed=9)
+    t = kmc.MooncakeTransport(_ctx(), {"timeout_s": 8.0})
+    buf = np.ones(16 << 20, dtype=np.uint8)
+    try:
+        t.register([Region(buf.ctypes.data, buf.nbytes)])
+        t.connect(p.name, p.descriptor)
+        stop(p.pid)
+        t0 = time.monotonic()
+        h = t.post(Op.WRITE, p.name, make_extents(buf.ctypes.data, buf.nbytes),
+                   make_extents(p.addr, p.nbytes))
+        state = t.wait(h, 90.0)
+        elapsed = time.monotonic() - t0
+        assert state.status is XferStatus.FAILED and p.name in state.reason, state
+        assert elapsed < 12.0, (elapsed, state)
+        t.release(h)
+    finally:
+        p.kill()
+        t.close()

@@ -219,6 +219,33 @@ class _Peer:
                 self.owner._drop_mark(mark)
             self.owner._settle(sub.xfer)
 
+    def _probe(self) -> tuple[int, str]:
+        """``send_probe`` of the peer, waited for until ``timeout_s`` after the start of the
+        engine call that failed (``call_since``, what :meth:`poll` counts from): (0, "") where
+        it answered, else (non-zero, why). Why a thread: the engine waits ~60 s for a stopped
+        peer's answer, and this thread must not — every transfer of the peer waits on it, and
+        one failed by poll at timeout_s (8 s) was reported FAILED 66 s after its post. The
+        probe's thread ends when the engine returns; it touches nothing of ours."""
+        answer: list[int | str] = []
+
+        def probe() -> None:
+            try:
+                answer.append(int(self.owner._engine.send_probe(self.session)))
+            except Exception as exc:  # an error is no answer
+                answer.append(f"probe raised {exc!r}")
+
+        since = self.call_since if self.call_since is not None else time.monotonic()
+        left = since + self.owner.timeout - time.monotonic()
+        if left > 0:
+            thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{self.name}",
+                                      daemon=True)
+            thread.start()
+            thread.join(left)
+        if not answer:
+            return -1, f"no answer to send_probe within timeout_s={self.owner.timeout:g}s"
+        got = answer[0]
+        return (got, "") if isinstance(got, int) else (-1, got)
+
     def _failed(self, sub: _Sub, why: str) -> None:
         """A sub-batch failed (``call_since`` still set): retry it, or fail its transfer."""
         owner, x = self.owner, sub.xfer
@@ -229,10 +256,8 @@ class _Peer:
         alive = not self.closed and sub.attempts < owner.max_retries and x.failure is None
         probe = 0
         if alive:
-            try:
-                probe = int(owner._engine.send_probe(self.session))
-            except Exception as exc:
-                probe, why = -1, f"{why}; probe raised {exc!r}"
+            probe, said = self._probe()
+            why = f"{why}; {said}" if said else why
         with self.cv:
             self.call_since = None
             x.inflight -= 1
