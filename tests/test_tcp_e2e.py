@@ -24,7 +24,8 @@ from kvlink import native, wire
 from kvlink.demo import data
 from kvlink.demo.roles import DemoPlan
 from kvlink.demo.run import Serving, free_port_range, run_demo
-from kvlink.errors import BlockIdOutOfRange, ConfigError, TransportUnavailable
+from kvlink.errors import BlockIdOutOfRange, ConfigError, LayoutError, TransportUnavailable
+from kvlink.layout import KVCacheSpec
 from kvlink.transport import Op, Region, TransportContext, XferState, XferStatus, make_extents
 from kvlink.worker import KVWorker, RemoteEngine, WorkerConfig
 from kvlink_transports.tcp import TcpTransport
@@ -135,6 +136,49 @@ def test_geometry_mismatch_named_at_handshake(observed: Callable[[str], None]) -
     finally:
         w.close()
         serving.close()
+
+
+def test_a_cache_holding_other_heads_than_its_total_gives_is_refused_at_register() -> None:
+    """TP 2 of 4 KV heads: a spec whose total_kv_heads was left 0 (taken as the rank's own 2)
+    is a LayoutError at register() naming both counts; told the total, a TP 2 -> TP 2 READ
+    lands every head of every page. Before: the head map gave each rank 2 // 2 = 1 head,
+    the READ moved the first head of every page, reported done, and the second stayed
+    stale."""
+    geo, ids = SMALL, np.array([3, 1, 7], dtype=np.int64)  # 4 heads: 2 a rank at TP 2
+    caches = {(side, r): data.allocate(geo, 8, 2, r) for side in "pd" for r in range(2)}
+    workers: list[KVWorker] = []
+    try:
+        for r in range(2):
+            w = KVWorker(WorkerConfig(engine_id="bare", tp_rank=r, tp_size=2))
+            workers.append(w)
+            bare = KVCacheSpec.from_arrays(caches["p", r][1], dtype=geo.dtype)  # total left 0
+            with pytest.raises(LayoutError, match=rf"holds 2 kv head\(s\) per page, but "
+                               rf"total_kv_heads=2 over tp_size=2 gives rank {r} 1"):
+                w.register(bare)
+            assert w.spec is None and not w.transports
+        port = free_port_range(2)
+        prods = [KVWorker(WorkerConfig(engine_id="p", tp_rank=r, tp_size=2, side_port=port))
+                 for r in range(2)]
+        workers += prods
+        gen = 1 + int(np.random.default_rng().integers(1 << 40))
+        for r, w in enumerate(prods):
+            data.fill(geo, caches["p", r][1], 2, r)
+            w.register(data.spec_of(geo, caches["p", r][1], 2, r))
+            w.hold("a", ids, generation=gen)
+        cons = [KVWorker(WorkerConfig(engine_id="c", tp_rank=r, tp_size=2, serve=False))
+                for r in range(2)]
+        workers += cons
+        for r, w in enumerate(cons):
+            w.register(data.spec_of(geo, caches["d", r][1], 2, r))
+            w.read("a", RemoteEngine("p", "127.0.0.1", port, 2), ids[::-1].copy(), ids,
+                   generation=gen)
+        for r, w in enumerate(cons):
+            ok, why = _outcome(w, prods[r], "a")
+            assert ok, why
+            assert data.verify(geo, caches["d", r][1], 2, r, ids[::-1].copy(), ids) == 0
+    finally:
+        for w in workers:
+            w.close()
 
 
 @pytest.mark.fault("block ids out of range (local and remote)")

@@ -31,10 +31,11 @@ from kvlink.compat import WIRE_VERSION
 from kvlink.errors import (
     ConfigError,
     KVLinkError,
+    LayoutError,
     TransportUnavailable,
     UnknownTransportError,
 )
-from kvlink.headmap import HeadRead
+from kvlink.headmap import HeadRead, check_tp, rank_heads
 from kvlink.holdboard import BoardView, HoldBoard
 from kvlink.hostid import host_id
 from kvlink.integrity import Checker, Level, Planes, spec_planes
@@ -226,6 +227,7 @@ class KVWorker(_PrefillPush, _DecodePush):
         if spec.tp_size != self.config.tp_size or spec.tp_rank != self.config.tp_rank:
             spec = dataclasses.replace(spec, tp_size=self.config.tp_size,
                                        tp_rank=self.config.tp_rank)
+        _check_heads(spec)
         self.spec = spec
         if self.integrity.on:
             self.integrity.planes = planes if planes is not None else spec_planes(spec)
@@ -671,3 +673,24 @@ class KVWorker(_PrefillPush, _DecodePush):
         self._routes.clear()
         self._last_route = (None, None)
         self._closed = True
+
+
+def _check_heads(spec: KVCacheSpec) -> None:
+    """The heads the cache holds are the ones the head map gives this rank, else LayoutError.
+
+    Every map (which remote ranks a rank reads, which heads of their pages, which replicas it
+    tells) is worked out from ``total_kv_heads`` and the TP size alone, never from the pages'
+    ``num_kv_heads``: a spec whose total is the rank's own count (``total_kv_heads`` left 0
+    under TP > 1) mapped each rank ``total // tp`` heads of pages holding more, and a READ or
+    push moved that slice of every page and reported success, the rest of each page stale.
+    """
+    if spec.mla:
+        return
+    check_tp(spec.total_kv_heads, spec.tp_size, "tp_size")
+    _, count = rank_heads(spec.total_kv_heads, spec.tp_size, spec.tp_rank)
+    if count != spec.num_kv_heads:
+        raise LayoutError(
+            f"the KV cache holds {spec.num_kv_heads} kv head(s) per page, but total_kv_heads="
+            f"{spec.total_kv_heads} over tp_size={spec.tp_size} gives rank {spec.tp_rank} "
+            f"{count}: pass KVCacheSpec.total_kv_heads, the KV heads of all TP ranks")
+
