@@ -464,6 +464,70 @@ def test_detect_legacy_split_layout() -> None:
     assert found.kind == "split" and found.spec.num_kv_heads == 2 and not found.spec.mla
 
 
+@pytest.mark.parametrize("decode_dtype,lands", [("fp8_e5m2", False), ("fp8", True)])
+def test_a_quantised_cache_of_another_format_is_refused_naming_both(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, decode_dtype: str,
+        lands: bool) -> None:
+    """vLLM keeps fp8_e4m3 and fp8_e5m2 caches alike in uint8 tensors: a decode of e5m2 pulling
+    from a prefill of e4m3 fails at the handshake naming both formats, nothing written; "fp8"
+    is vLLM's own name of e4m3, so that pair moves. Before: both specs said uint8, the READ
+    finished and the decode read e4m3 bytes as e5m2 (every value wrong)."""
+    if VLLM_MISSING:
+        pytest.skip(VLLM_MISSING)
+    from types import SimpleNamespace
+
+    import vllm.distributed.parallel_state as ps
+    from vllm.config import KVTransferConfig
+
+    from kvlink.integrations.vllm import KVConnectorRole, KVLinkConnector, KVLinkConnectorMetadata
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)  # no TP group here
+    port = free_port_range(1)
+    src = [(_packed((0, 1, 2, 3)) % 251).to(torch.uint8) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in src]
+
+    def connector(engine: str, role: str, cache_dtype: str, caches: list[Any]) -> Any:
+        ktc = KVTransferConfig(kv_connector="KVLinkConnector", kv_role=role, engine_id=engine,
+                               kv_connector_module_path="kvlink.integrations.vllm",
+                               kv_connector_extra_config={"side_channel_port": port})
+        cfg = SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                                            data_parallel_rank=0),
+            cache_config=SimpleNamespace(block_size=4, cache_dtype=cache_dtype),
+            model_config=SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: 2),
+            kv_transfer_config=ktc)
+        conn = KVLinkConnector(cfg, KVConnectorRole.WORKER)
+        conn.register_kv_caches({f"l{i}": t for i, t in enumerate(caches)})
+        return conn
+
+    def start(conn: Any, plan: StepPlan) -> None:
+        conn.bind_connector_metadata(KVLinkConnectorMetadata(plan))
+        conn.start_load_kv(SimpleNamespace(attn_metadata=None))
+        conn.clear_connector_metadata()
+
+    prod = connector("P", "kv_producer", "fp8_e4m3", src)
+    cons = connector("D", "kv_consumer", decode_dtype, dst)
+    try:
+        start(prod, StepPlan(send=[SendReq("r1", (1, 3))]))
+        start(cons, StepPlan(recv=[RecvReq("d1", _remote_r1(port, [1, 3]), (4, 0), 8)]))
+        res: Any = None
+
+        def reported() -> bool:
+            nonlocal res
+            prod.get_transfer_results(set())
+            res = cons.get_transfer_results(set())
+            return "d1" in res.finished_recving
+
+        assert wait_until(reported, 15), "d1 was never reported"
+        assert ("d1" not in res.failed_recving) is lands
+        assert torch.equal(dst[0][4], src[0][1]) is lands
+        if not lands:
+            assert "dtype: local='fp8_e5m2' remote='fp8_e4m3'" in caplog.text
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
 class _Status:
     def __init__(self, name: str) -> None:
         self.name = name

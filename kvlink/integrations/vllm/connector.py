@@ -224,6 +224,8 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         model = vllm_config.model_config
         self._use_mla = bool(getattr(model, "use_mla", False))
         self._total_kv_heads = int(model.get_total_num_kv_heads())
+        # the cache's storage format: quantised ones are all uint8 tensors (see detect)
+        self._cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
         self._sched: PullScheduler | None = None
         self._worker: PullWorker | None = None
         self._results: Any = None
@@ -369,7 +371,7 @@ class KVLinkConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
 
         tp_rank = int(get_tensor_model_parallel_rank())
         found = detect(kv_caches, total_kv_heads=self._total_kv_heads, tp_size=self._tp_size,
-                       tp_rank=tp_rank, use_mla=self._use_mla)
+                       tp_rank=tp_rank, use_mla=self._use_mla, cache_dtype=self._cache_dtype)
         kernel = found.spec.block_size
         if self._block_size % kernel:
             raise ValueError(f"kvlink: scheduler block size {self._block_size} is not a "

@@ -96,9 +96,31 @@ def _head_planes(t: Any, where: str) -> list[Any]:
             for i in range(h)]
 
 
+#: vLLM's names of one storage format (CacheConfig.cache_dtype: "fp8 (=fp8_e4m3)")
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def cache_dtype_name(cache_dtype: str | None) -> str | None:
+    """The spec's ``dtype`` for vLLM's ``cache_dtype``: None for ``"auto"`` (the tensors' own
+    dtype, the model's), else the format's name (``"fp8_e5m2"``).
+
+    vLLM keeps every quantised cache in a ``torch.uint8`` tensor (``fp8_e4m3``, ``fp8_e5m2``,
+    ``int4_per_token_head``, nvfp4, ...), so the tensors' dtype cannot tell a prefill's
+    e4m3 bytes from a decode's e5m2 ones: both sides said ``uint8``, the handshake matched,
+    and the decode read every byte of the other format as its own. The name goes into the
+    handshake's geometry, where a difference fails naming both.
+    """
+    if not cache_dtype or cache_dtype == "auto":
+        return None
+    return _CACHE_DTYPE_ALIASES.get(cache_dtype, cache_dtype)
+
+
 def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, tp_rank: int,
-           use_mla: bool) -> DetectedLayout:
-    """Describe vLLM's caches; raises :class:`LayoutError` naming what it could not read."""
+           use_mla: bool, cache_dtype: str | None = None) -> DetectedLayout:
+    """Describe vLLM's caches; raises :class:`LayoutError` naming what it could not read.
+
+    ``cache_dtype``: vLLM's ``CacheConfig.cache_dtype`` (see :func:`cache_dtype_name`)."""
+    dtype = cache_dtype_name(cache_dtype)
     layers = _unique_layers(kv_caches)
     if not layers:
         raise LayoutError("vLLM registered no KV cache tensors")
@@ -106,7 +128,7 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
     if isinstance(first, (tuple, list)) or first.dim() in (3, 5):
         spec = KVCacheSpec.from_tensors([t for _, t in layers], mla=use_mla or None,
                                         total_kv_heads=0 if use_mla else total_kv_heads,
-                                        tp_size=tp_size, tp_rank=tp_rank)
+                                        tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
         if isinstance(first, (tuple, list)):
             kind = "pair"
         elif first.dim() == 3:
@@ -133,17 +155,18 @@ def detect(kv_caches: Mapping[str, Any], *, total_kv_heads: int, tp_size: int, t
                 raise LayoutError(f"{layers[0][0]}: an MLA cache has one latent per token, got "
                                   f"{h} heads in {tuple(first.shape)}")
             spec = KVCacheSpec.from_tensors([t[:, 0] for _, t in layers], mla=True,
-                                            tp_size=tp_size, tp_rank=tp_rank)
+                                            tp_size=tp_size, tp_rank=tp_rank, dtype=dtype)
             return DetectedLayout(spec, "packed-mla", f"MLA (B={b}, 1, N={n}, L={c})",
                                   [[t] for _, t in layers])
         spec = KVCacheSpec.from_tensors([t for _, t in layers], kv_packed=True,
                                         total_kv_heads=total_kv_heads, tp_size=tp_size,
-                                        tp_rank=tp_rank)
+                                        tp_rank=tp_rank, dtype=dtype)
         return DetectedLayout(spec, "packed", f"K|V packed (B={b}, H={h}, N={n}, C={c}) "
                               f"{spec.layout.value} pages; any TP pair",
                               [[t] for _, t in layers])
     views = [v for name, t in layers for v in _head_planes(t, name)]
-    spec = KVCacheSpec.from_tensors(views, mla=True, tp_size=tp_size, tp_rank=tp_rank)
+    spec = KVCacheSpec.from_tensors(views, mla=True, tp_size=tp_size, tp_rank=tp_rank,
+                                    dtype=dtype)
     desc = (f"packed-head (B={b}, H={h}, N={n}, C={c}), heads apart inside a block: "
             f"{spec.num_layers} whole-page planes, equal TP only")
     return DetectedLayout(spec, "packed-head", desc)
