@@ -447,9 +447,14 @@ class MooncakeTransport(Transport):
                         and time.monotonic() - since > self.timeout
                         and any(y.failure is None for y in p.xfers)
                     ):
+                        # (said where an operator looks: the engine leaves its sessions
+                        # running, so a peer that hung and resumes can still land bytes of
+                        # what is failed here — bench/results/mooncake_resume/)
                         log.warning(
                             "mooncake: %s: engine call blocked for %.1fs > timeout_s; "
-                            "failing its transfers once the engine returns their sub-batches",
+                            "failing its transfers once the engine returns their sub-batches "
+                            "(if the peer resumes, their bytes may still land: the engine "
+                            "cannot cancel them, docs/mooncake.md)",
                             p.where(),
                             time.monotonic() - since,
                         )
