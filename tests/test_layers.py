@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "kvlink_transports.nixl.lanes": 7, "kvlink_transports.nixl.wireup": 7,
     "kvlink_transports.nixl.transport": 7,
     "kvlink_transports.mooncake": 7, "kvlink_transports.mooncake.wire": 7,
+    "kvlink_transports.mooncake.calls": 7,
     "kvlink_transports.mooncake.peer": 7, "kvlink_transports.mooncake.transport": 7,
     # 8: the control plane's engine (reaches plugins only through the registry)
     "kvlink.worker": 8, "kvlink.worker.config": 8, "kvlink.worker.records": 8,
@@ -98,7 +99,7 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "kvlink_transports.nixl": ("agent", "memory", "wire", "records", "progress", "requests",
                                "transfers", "wireup", "lanes", "transport"),
     "kvlink_transports.tcp": ("wire", "memory", "client", "server", "transport"),
-    "kvlink_transports.mooncake": ("wire", "peer", "transport"),
+    "kvlink_transports.mooncake": ("wire", "calls", "peer", "transport"),
     "kvlink.worker": ("config", "records", "ledger", "peering", "holds", "parts", "requests",
                       "decode_push", "prefill_push", "engine"),
     "kvlink.integrations.vllm": ("config", "metadata", "layout", "layerwise", "worker",

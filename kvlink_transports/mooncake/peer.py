@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from kvlink.errors import TransferError
 from kvlink.transport import PENDING, Extents, Op, Region, RegionTable, XferState
+from kvlink_transports.mooncake.calls import within
 from kvlink_transports.mooncake.wire import _Descriptor
 
 log = logging.getLogger("kvlink.mooncake")
@@ -222,29 +223,17 @@ class _Peer:
     def _probe(self) -> tuple[int, str]:
         """``send_probe`` of the peer, waited for until ``timeout_s`` after the start of the
         engine call that failed (``call_since``, what :meth:`poll` counts from): (0, "") where
-        it answered, else (non-zero, why). Why a thread: the engine waits ~60 s for a stopped
-        peer's answer, and this thread must not — every transfer of the peer waits on it, and
-        one failed by poll at timeout_s (8 s) was reported FAILED 66 s after its post. The
-        probe's thread ends when the engine returns; it touches nothing of ours."""
-        answer: list[int | str] = []
-
-        def probe() -> None:
-            try:
-                answer.append(int(self.owner._engine.send_probe(self.session)))
-            except Exception as exc:  # an error is no answer
-                answer.append(f"probe raised {exc!r}")
-
+        it answered, else (non-zero, why). Bounded (:func:`~kvlink_transports.mooncake.calls.
+        within`): the engine waits ~60 s for a stopped peer's answer, and this thread must
+        not — every transfer of the peer waits on it, and one failed by poll at timeout_s
+        (8 s) was reported FAILED 66 s after its post."""
         since = self.call_since if self.call_since is not None else time.monotonic()
-        left = since + self.owner.timeout - time.monotonic()
-        if left > 0:
-            thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{self.name}",
-                                      daemon=True)
-            thread.start()
-            thread.join(left)
-        if not answer:
+        got = within(lambda: int(self.owner._engine.send_probe(self.session)),
+                     since + self.owner.timeout - time.monotonic(),
+                     f"kvlink-mooncake-probe-{self.name}")
+        if got is None:
             return -1, f"no answer to send_probe within timeout_s={self.owner.timeout:g}s"
-        got = answer[0]
-        return (got, "") if isinstance(got, int) else (-1, got)
+        return (got, "") if isinstance(got, int) else (-1, f"probe raised {got}")
 
     def _failed(self, sub: _Sub, why: str) -> None:
         """A sub-batch failed (``call_since`` still set): retry it, or fail its transfer."""

@@ -85,6 +85,7 @@ from kvlink.transport import (
     XferStatus,
     check_pairs,
 )
+from kvlink_transports.mooncake.calls import within
 from kvlink_transports.mooncake.peer import _Peer, _Xfer
 from kvlink_transports.mooncake.wire import (
     _PROTOCOLS,
@@ -315,37 +316,28 @@ class MooncakeTransport(Transport):
         ``_WIRE_UP_BYTES`` of its first region within ``timeout_s``; None where it did not
         answer in time; else what failed. Why a thread: the engine waits for a hung (stopped)
         peer in its own session setup, ~60 s whatever ``timeout_s`` says (a connect took
-        60.4 s with timeout_s=2), and a handshake must not. The thread ends when the engine
-        returns; it touches nothing of ours but the scratch, which is never freed.
+        60.4 s with timeout_s=2), and a handshake must not (:func:`~kvlink_transports.
+        mooncake.calls.within`); the call touches nothing of ours but the scratch, which is
+        never freed.
 
         Why the READ: ``send_probe`` does not open the engine's data session to the peer, the
         first transfer does — and a peer that hung after connect held that first transfer in
         the same ~60 s setup, past every deadline of ours (FAILED at 60.5 s with timeout_s=2,
         where a transfer on an open session fails at the engine's batch timeout, 5 s). After
         this READ every transfer finds the session open."""
-        answer: list[int | str] = []
         target = next((r for r in sorted(desc.regions, key=lambda r: r[2] != "cpu")
                        if r[1] > 0), None)  # (host memory first: any engine build reads it)
         scratch = self._scratch() if target is not None else 0
 
-        def probe() -> None:
-            try:
-                rc = int(self._engine.send_probe(desc.session))
-                if rc != 0 or target is None:
-                    answer.append(rc if rc == 0 else f"send_probe returned {rc}")
-                    return
-                n = min(_WIRE_UP_BYTES, int(target[1]))
-                rc = int(self._engine.transfer_sync_read(desc.session, scratch, int(target[0]), n))
-                answer.append(rc if rc == 0 else
-                              f"a READ of {n} bytes at {int(target[0]):#x} returned {rc}")
-            except Exception as exc:  # an error is no answer
-                answer.append(f"{type(exc).__name__}: {exc}")
+        def probe() -> int | str:
+            rc = int(self._engine.send_probe(desc.session))
+            if rc != 0 or target is None:
+                return rc if rc == 0 else f"send_probe returned {rc}"
+            n = min(_WIRE_UP_BYTES, int(target[1]))
+            rc = int(self._engine.transfer_sync_read(desc.session, scratch, int(target[0]), n))
+            return rc if rc == 0 else f"a READ of {n} bytes at {int(target[0]):#x} returned {rc}"
 
-        thread = threading.Thread(target=probe, name=f"kvlink-mooncake-probe-{desc.session}",
-                                  daemon=True)
-        thread.start()
-        thread.join(self.timeout)
-        return answer[0] if answer else None
+        return within(probe, self.timeout, f"kvlink-mooncake-probe-{desc.session}")
 
     def _scratch(self) -> int:
         """Our registered scratch for wire-up READs (made once per transport, kept forever)."""
